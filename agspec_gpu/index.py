@@ -1,0 +1,404 @@
+"""Device-resident token corpora with log-structured, depth-bounded suffix-array indexes.
+
+An :class:`IndexArena` keeps many corpora (one per session, tenant workspace, ...) in two
+shared device buffers, so that one batched query serves every request of a decode step:
+
+* ``tokens`` (``int32``): each corpus owns a contiguous segment; documents inside a corpus
+  are separated by negative sentinels, which never equal a query token.
+* ``sa`` (``int32``): each corpus owns a few *levels*, sorted suffix arrays over contiguous
+  position ranges, oldest first. Positions past the last level form the *tail*, which the
+  match kernel scans directly. A position joins a level once its first ``max_depth + 1``
+  tokens are final (present, or cut by a separator); when the tail holds ``tail_tokens``
+  such positions they become a new level, and levels of comparable size merge (a binary
+  counter), so appending a decode step's tokens or a 5,000-token file never rebuilds a large
+  level.
+
+:class:`SuffixIndex` is the single-corpus view with the public contract
+(``build`` / ``append`` / ``match``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
+from agspec_gpu.suffix_array import build_suffix_array
+
+__all__ = ["IndexConfig", "IndexArena", "SuffixIndex", "MatchResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    """Index parameters.
+
+    Attributes:
+        max_depth: longest match length searched (tokens); levels sort ``max_depth + 1``.
+        tail_tokens: final positions the tail may hold before they become a level.
+        merge_ratio: the newest level merges into the one before while that one is at most
+            ``merge_ratio`` times larger.
+    """
+
+    max_depth: int = 64
+    tail_tokens: int = 256
+    merge_ratio: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_depth <= 4096:
+            raise ValueError(f"max_depth must be in [1, 4096], got {self.max_depth}")
+        if self.tail_tokens < 1:
+            raise ValueError(f"tail_tokens must be >= 1, got {self.tail_tokens}")
+        if self.merge_ratio < 1.0:
+            raise ValueError(f"merge_ratio must be >= 1, got {self.merge_ratio}")
+
+
+@dataclass(slots=True)
+class _Level:
+    sa_base: int  # offset of this level's entries in the arena's sa buffer
+    sa_len: int
+    pos_lo: int  # indexed positions are in [pos_lo, pos_hi) of the corpus
+    pos_hi: int
+
+
+@dataclass(slots=True)
+class _Corpus:
+    tok_base: int
+    tok_cap: int
+    n: int = 0
+    last_sep: int = -1  # position of the last separator, -1 if none
+    levels: list[_Level] = field(default_factory=list)
+
+    @property
+    def tail_start(self) -> int:
+        return self.levels[-1].pos_hi if self.levels else 0
+
+
+class IndexArena:
+    """Many growable corpora with suffix indexes in shared device buffers.
+
+    Args:
+        config: index parameters.
+        device: where the buffers live.
+        initial_tokens: initial capacity of each buffer (grows by doubling).
+
+    Corpora are addressed by integer ids from :meth:`new_corpus`. Freed space is reclaimed by
+    compaction, which runs whenever garbage exceeds live data and on :meth:`free`, so closing a
+    corpus returns its memory.
+    """
+
+    def __init__(self, config: IndexConfig | None = None, device: torch.device | str = "cpu",
+                 initial_tokens: int = 1 << 12) -> None:
+        self.config = config or IndexConfig()
+        self.device = torch.device(device)
+        self.tokens = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
+        self.sa = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
+        self._corpora: dict[int, _Corpus] = {}
+        self._next_id = 0
+        self._tok_top = 0
+        self._sa_top = 0
+        self._tok_garbage = 0
+        self._sa_garbage = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def new_corpus(self, capacity: int = 256) -> int:
+        """Allocates an empty corpus and returns its id."""
+        cid = self._next_id
+        self._next_id += 1
+        cap = max(int(capacity), 16)
+        self._corpora[cid] = _Corpus(tok_base=self._alloc_tokens(cap), tok_cap=cap)
+        return cid
+
+    def free(self, cid: int) -> None:
+        """Releases a corpus; its device memory is reclaimed by compaction right away."""
+        c = self._get(cid)
+        self._tok_garbage += c.tok_cap
+        self._sa_garbage += sum(lv.sa_len for lv in c.levels)
+        del self._corpora[cid]
+        self._compact(shrink=True)
+
+    def __contains__(self, cid: int) -> bool:
+        return cid in self._corpora
+
+    def num_tokens(self, cid: int) -> int:
+        return self._get(cid).n
+
+    def corpus_tokens(self, cid: int) -> torch.Tensor:
+        """``int32 [n]`` view of a corpus (valid until the next append/free)."""
+        c = self._get(cid)
+        return self.tokens[c.tok_base:c.tok_base + c.n]
+
+    def nbytes(self, cid: int | None = None) -> int:
+        """Bytes held: of one corpus (tokens + suffix array), or of both arena buffers."""
+        if cid is None:
+            return self.tokens.numel() * 4 + self.sa.numel() * 4
+        c = self._get(cid)
+        return 4 * (c.tok_cap + sum(lv.sa_len for lv in c.levels))
+
+    def num_levels(self, cid: int) -> int:
+        return len(self._get(cid).levels)
+
+    # ---------------------------------------------------------------- appends
+    def append(self, cid: int, tokens: torch.Tensor) -> None:
+        """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``."""
+        c = self._get(cid)
+        tokens = _check_tokens(tokens, "tokens", self.device)
+        m = tokens.numel()
+        if m == 0:
+            return
+        if c.n + m > c.tok_cap:
+            self._relocate(cid, max(2 * c.tok_cap, c.n + m))
+            c = self._corpora[cid]
+        start = c.tok_base + c.n
+        self.tokens[start:start + m] = tokens
+        seps = torch.nonzero(tokens < 0)
+        if seps.numel():
+            c.last_sep = c.n + int(seps[-1, 0])
+        c.n += m
+        self._maybe_index(cid)
+
+    def _final_end(self, c: _Corpus) -> int:
+        """Positions below this have their first ``max_depth + 1`` tokens fixed."""
+        return max(c.n - self.config.max_depth, c.last_sep + 1, 0)
+
+    def _maybe_index(self, cid: int) -> None:
+        c = self._corpora[cid]
+        fin = self._final_end(c)
+        if fin - c.tail_start < self.config.tail_tokens:
+            return
+        self._add_level(cid, c.tail_start, fin)
+        c = self._corpora[cid]
+        while len(c.levels) >= 2:
+            older, newer = c.levels[-2], c.levels[-1]
+            if (older.pos_hi - older.pos_lo) > self.config.merge_ratio * (newer.pos_hi - newer.pos_lo):
+                break
+            lo, hi = older.pos_lo, newer.pos_hi
+            for lv in c.levels[-2:]:
+                self._sa_garbage += lv.sa_len
+            del c.levels[-2:]
+            self._add_level(cid, lo, hi)
+            c = self._corpora[cid]
+
+    def _add_level(self, cid: int, lo: int, hi: int) -> None:
+        c = self._corpora[cid]
+        seg = self.tokens[c.tok_base:c.tok_base + c.n]
+        sa = build_suffix_array(seg, lo, hi, self.config.max_depth + 1)
+        base = self._alloc_sa(sa.numel())
+        c = self._corpora[cid]  # _alloc_sa may compact
+        self.sa[base:base + sa.numel()] = sa
+        c.levels.append(_Level(base, sa.numel(), lo, hi))
+
+    # ---------------------------------------------------------------- memory
+    def _alloc_tokens(self, size: int) -> int:
+        if self._tok_top + size > self.tokens.numel():
+            self._compact()
+            if self._tok_top + size > self.tokens.numel():
+                self.tokens = _grown(self.tokens, self._tok_top, self._tok_top + size)
+        base = self._tok_top
+        self._tok_top += size
+        return base
+
+    def _alloc_sa(self, size: int) -> int:
+        if self._sa_top + size > self.sa.numel():
+            self._compact()
+            if self._sa_top + size > self.sa.numel():
+                self.sa = _grown(self.sa, self._sa_top, self._sa_top + size)
+        base = self._sa_top
+        self._sa_top += size
+        return base
+
+    def _relocate(self, cid: int, new_cap: int) -> None:
+        c = self._corpora[cid]
+        old = self.tokens[c.tok_base:c.tok_base + c.n].clone()
+        self._tok_garbage += c.tok_cap
+        c.tok_cap = 0  # not live while we allocate (compaction may run)
+        base = self._alloc_tokens(new_cap)
+        c = self._corpora[cid]
+        self.tokens[base:base + c.n] = old
+        c.tok_base, c.tok_cap = base, new_cap
+
+    def _compact(self, shrink: bool = False) -> None:
+        """Rewrites live segments contiguously; with ``shrink``, also returns spare capacity."""
+        live_tok = sum(c.tok_cap for c in self._corpora.values())
+        live_sa = sum(lv.sa_len for c in self._corpora.values() for lv in c.levels)
+        if not shrink and self._tok_garbage + self._sa_garbage == 0:
+            return
+        tok_size = max(16, 2 * live_tok if shrink else self.tokens.numel())
+        sa_size = max(16, 2 * live_sa if shrink else self.sa.numel())
+        new_tok = torch.zeros(max(tok_size, live_tok), dtype=torch.int32, device=self.device)
+        new_sa = torch.zeros(max(sa_size, live_sa), dtype=torch.int32, device=self.device)
+        tt = st = 0
+        for c in self._corpora.values():
+            new_tok[tt:tt + c.n] = self.tokens[c.tok_base:c.tok_base + c.n]
+            c.tok_base = tt
+            tt += c.tok_cap
+            for lv in c.levels:
+                new_sa[st:st + lv.sa_len] = self.sa[lv.sa_base:lv.sa_base + lv.sa_len]
+                lv.sa_base = st
+                st += lv.sa_len
+        self.tokens, self.sa = new_tok, new_sa
+        self._tok_top, self._sa_top = tt, st
+        self._tok_garbage = self._sa_garbage = 0
+
+    # ---------------------------------------------------------------- queries
+    def descriptors(self, corpus_ids: list[int]) -> MatchDescriptors:
+        """Per-row corpus descriptors for :func:`suffix_match` (host metadata -> device)."""
+        tok_base, n, tail, lv_ptr = [], [], [], [0]
+        lv_base, lv_len = [], []
+        for cid in corpus_ids:
+            c = self._get(cid)
+            tok_base.append(c.tok_base)
+            n.append(c.n)
+            tail.append(c.tail_start)
+            for lv in c.levels:
+                lv_base.append(lv.sa_base)
+                lv_len.append(lv.sa_len)
+            lv_ptr.append(len(lv_base))
+        dev = self.device
+
+        def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
+
+        return MatchDescriptors(
+            tok_base=t(tok_base, torch.int64), num_tokens=t(n, torch.int32),
+            tail_start=t(tail, torch.int32), level_indptr=t(lv_ptr, torch.int32),
+            level_sa_base=t(lv_base, torch.int64), level_sa_len=t(lv_len, torch.int32),
+            max_levels=max([lv_ptr[i + 1] - lv_ptr[i] for i in range(len(corpus_ids))] + [0]),
+            max_tail=max([a - b for a, b in zip(n, tail)] + [0]),
+        )
+
+    def match(self, queries: torch.Tensor, lengths: torch.Tensor, corpus_ids: list[int],
+              max_positions: int = 8, use_triton: bool | None = None) -> MatchResult:
+        """Longest suffix match of every query row against its corpus (one batched call).
+
+        Args:
+            queries: ``int32 [B, L]``, right-aligned: row ``b``'s query is
+                ``queries[b, L - lengths[b]:]``; tokens must be ``>= 0``.
+            lengths: ``int32 [B]``, ``0 <= lengths[b] <= L``.
+            corpus_ids: ``B`` corpus ids (rows may share a corpus).
+            max_positions: ``P``, continuation positions returned per row.
+
+        Returns:
+            :class:`MatchResult` (see :mod:`agspec_gpu.kernels.suffix_match`).
+        """
+        queries = _check_2d(queries, "queries", self.device)
+        lengths = _check_lengths(lengths, queries, self.device)
+        if len(corpus_ids) != queries.shape[0]:
+            raise ValueError(f"corpus_ids: expected {queries.shape[0]} ids, got {len(corpus_ids)}")
+        if max_positions < 0:
+            raise ValueError(f"max_positions must be >= 0, got {max_positions}")
+        desc = self.descriptors(list(corpus_ids))
+        return suffix_match(self.tokens, self.sa, desc, queries, lengths,
+                            max_depth=self.config.max_depth, max_positions=max_positions,
+                            use_triton=use_triton)
+
+    def _get(self, cid: int) -> _Corpus:
+        try:
+            return self._corpora[cid]
+        except KeyError:
+            raise KeyError(f"corpus id {cid} is unknown or freed") from None
+
+
+class SuffixIndex:
+    """One corpus with its suffix index: the public contract of the data plane.
+
+    Example::
+
+        idx = SuffixIndex.build(tokens, max_depth=64)  # int32 [n], negative = separator
+        idx.append(more)                               # as if built over the concatenation
+        m = idx.match(queries, lengths, max_positions=8)
+    """
+
+    def __init__(self, config: IndexConfig | None = None, device: torch.device | str = "cpu",
+                 capacity: int = 1024) -> None:
+        self.arena = IndexArena(config, device, initial_tokens=capacity)
+        self.cid = self.arena.new_corpus(capacity)
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, max_depth: int = 64, tail_tokens: int = 256
+              ) -> "SuffixIndex":
+        """Indexes ``tokens`` (``int32 [n]``, cpu or cuda; negative values are separators)."""
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError("tokens must be a torch.Tensor")
+        _check_tokens(tokens, "tokens", tokens.device)
+        idx = cls(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens), tokens.device,
+                  capacity=max(tokens.numel(), 16))
+        idx.append(tokens)
+        return idx
+
+    @property
+    def max_depth(self) -> int:
+        return self.arena.config.max_depth
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arena.num_tokens(self.cid)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.arena.corpus_tokens(self.cid)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes(self.cid)
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Continues the corpus (start with a separator to begin a new document)."""
+        self.arena.append(self.cid, tokens)
+
+    def match(self, queries: torch.Tensor, lengths: torch.Tensor, max_positions: int = 8,
+              use_triton: bool | None = None) -> MatchResult:
+        """See :meth:`IndexArena.match`; every row queries this corpus."""
+        if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
+            raise ValueError("queries must be a 2-D int32 tensor [B, L]")
+        return self.arena.match(queries, lengths, [self.cid] * queries.shape[0],
+                                max_positions, use_triton)
+
+
+# -------------------------------------------------------------------- validation helpers
+def _check_tokens(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.device.type != device.type:
+        raise ValueError(f"{name} is on {t.device}, the index is on {device}")
+    return t
+
+
+def _check_2d(q: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(q, torch.Tensor) or q.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [B, L]")
+    if q.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {q.dtype}")
+    if q.device.type != device.type:
+        raise ValueError(f"{name} is on {q.device}, the index is on {device}")
+    return q.contiguous()
+
+
+def _check_lengths(lengths: torch.Tensor, queries: torch.Tensor, device: torch.device
+                   ) -> torch.Tensor:
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise ValueError("lengths must be a 1-D int32 tensor [B]")
+    if lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be int32, got {lengths.dtype}")
+    if lengths.shape[0] != queries.shape[0]:
+        raise ValueError(f"lengths has {lengths.shape[0]} rows, queries has {queries.shape[0]}")
+    if lengths.device.type != device.type:
+        raise ValueError(f"lengths is on {lengths.device}, the index is on {device}")
+    B, L = queries.shape
+    if B and bool(((lengths < 0) | (lengths > L)).any()):
+        raise ValueError(f"lengths must be in [0, L={L}]")
+    if B and L:
+        used = torch.arange(L, device=queries.device)[None, :] >= (L - lengths.long())[:, None]
+        if bool((used & (queries < 0)).any()):
+            raise ValueError("queries must not contain negative tokens in the used suffix")
+    return lengths.contiguous()
+
+
+def _grown(buf: torch.Tensor, used: int, need: int) -> torch.Tensor:
+    new = torch.zeros(max(need, 2 * buf.numel()), dtype=buf.dtype, device=buf.device)
+    new[:used] = buf[:used]
+    return new

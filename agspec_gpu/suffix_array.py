@@ -1,0 +1,71 @@
+"""Depth-bounded suffix arrays built on the device with torch sorts (prefix doubling).
+
+A suffix array over positions ``[lo, hi)`` of a token tensor orders those positions by the
+first ``depth`` tokens of the suffix starting there. Tokens beyond the end of the tensor
+compare as ``END``, below every value; separators (negative values) compare below every
+token, so among suffixes that share a pattern those followed by a separator or the end come
+first, and the ones followed by a real token come out sorted by that token.
+
+Prefix doubling: ranks of single tokens come from one sort; each round doubles the covered
+length (the last round overlaps two ranks to cover exactly ``depth``), so ``depth`` tokens
+take ``ceil(log2(depth))`` rounds. The index sorts by ``max_depth + 1`` tokens so that a
+match's continuation token is ordered too. Rounds stop early once every rank is distinct. Ties (identical first ``depth`` tokens) keep ascending
+position order: every sort is stable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _dense_rank(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stable sort of ``key`` -> (rank per element, 1-based; sort order; number of ranks)."""
+    sorted_key, order = torch.sort(key, stable=True)
+    new = torch.ones_like(sorted_key, dtype=torch.int64)
+    if sorted_key.numel() > 1:
+        new[1:] = (sorted_key[1:] != sorted_key[:-1]).to(torch.int64)
+    rank_sorted = torch.cumsum(new, 0)
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    num = int(rank_sorted[-1]) if rank_sorted.numel() else 0
+    return rank, order, num
+
+
+def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> torch.Tensor:
+    """Sorts the non-separator positions in ``[lo, hi)`` by their first ``depth`` tokens.
+
+    Args:
+        tokens: ``int32 [n]`` corpus (negative values are separators).
+        lo, hi: position range to index, ``0 <= lo <= hi <= n``.
+        depth: number of leading tokens that define the order (>= 1).
+
+    Returns:
+        ``int32 [m]``: the positions ``p`` in ``[lo, hi)`` with ``tokens[p] >= 0``, sorted by
+        ``tokens[p : p + depth]`` (shorter-by-END and separator-terminated suffixes first),
+        ties in ascending position.
+    """
+    n = tokens.numel()
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"build_suffix_array: bad range [{lo}, {hi}) for n={n}")
+    if depth < 1:
+        raise ValueError(f"build_suffix_array: depth must be >= 1, got {depth}")
+    end = min(n, hi + depth)
+    win = tokens[lo:end].to(torch.int64)
+    m = win.numel()
+    if hi == lo:
+        return torch.empty(0, dtype=torch.int32, device=tokens.device)
+    # rank 0 is END (beyond the window); token values get dense ranks >= 1 in value order
+    rank, order, num = _dense_rank(win)
+    covered = 1
+    while covered < depth and num < m:
+        # the last round overlaps two covered-length ranks so that exactly `depth` tokens
+        # define the order (ties then stay in position order, as documented)
+        shift = min(covered, depth - covered)
+        nxt = torch.zeros_like(rank)
+        if shift < m:
+            nxt[: m - shift] = rank[shift:]
+        rank, order, num = _dense_rank(rank * (num + 1) + nxt)
+        covered += shift
+    keep = order[order < (hi - lo)]
+    keep = keep[win[keep] >= 0]
+    return (keep + lo).to(torch.int32)

@@ -1,0 +1,114 @@
+"""Real BPE tokenizers behind one small interface.
+
+`load_tokenizer("cl100k")` gives tiktoken's cl100k_base from the rank file shipped in
+`agspec_gpu/data/` (no network); any other string is a Hugging Face tokenizer path or
+name that `transformers.AutoTokenizer` loads from disk. Every tokenizer carries a
+`fingerprint`: a corpus built with one tokenizer refuses to load under another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Sequence
+
+CL100K_RANK_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+# tiktoken's cl100k_base split pattern and special tokens (tiktoken_ext/openai_public.py).
+_CL100K_PAT = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+_CL100K_SPECIAL = {
+    "<|endoftext|>": 100257,
+    "<|fim_prefix|>": 100258,
+    "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260,
+    "<|endofprompt|>": 100276,
+}
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A tokenizer as the library uses it.
+
+    Attributes:
+        name: short name (``"cl100k"`` or the HF path).
+        vocab_size: ids are in ``[0, vocab_size)``.
+        eos_id: end-of-sequence id, or None.
+        fingerprint: hex digest identifying the exact vocabulary and merges.
+    """
+
+    name: str
+    vocab_size: int
+    eos_id: int | None
+    fingerprint: str
+    _impl: Any
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text."""
+        if isinstance(self._impl, _TiktokenImpl):
+            return self._impl.enc.encode_ordinary(text)
+        return self._impl.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if isinstance(self._impl, _TiktokenImpl):
+            return self._impl.enc.encode_ordinary_batch(list(texts), num_threads=2)
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._impl.decode(list(ids)) if not isinstance(self._impl, _TiktokenImpl) \
+            else self._impl.enc.decode(list(ids))
+
+
+@dataclass(frozen=True)
+class _TiktokenImpl:
+    enc: Any
+
+
+def _load_cl100k() -> Tokenizer:
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    path = resources.files("agspec_gpu").joinpath("data/cl100k_base.tiktoken")
+    with resources.as_file(path) as p:
+        ranks = load_tiktoken_bpe(str(p), expected_hash=CL100K_RANK_SHA256)
+    enc = tiktoken.Encoding(
+        name="cl100k_base", pat_str=_CL100K_PAT, mergeable_ranks=ranks,
+        special_tokens=_CL100K_SPECIAL,
+    )
+    fp = hashlib.sha256(("cl100k_base:" + CL100K_RANK_SHA256).encode()).hexdigest()
+    return Tokenizer("cl100k", enc.n_vocab, _CL100K_SPECIAL["<|endoftext|>"], fp,
+                     _TiktokenImpl(enc))
+
+
+def _hf_fingerprint(tok: Any) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    payload = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
+    """Wraps a loaded Hugging Face tokenizer."""
+    return Tokenizer(name or getattr(tok, "name_or_path", "hf"), len(tok), tok.eos_token_id,
+                     _hf_fingerprint(tok), tok)
+
+
+def load_tokenizer(spec: str | Tokenizer | Any) -> Tokenizer:
+    """Returns a :class:`Tokenizer` for ``"cl100k"``, a HF path, or a HF tokenizer object.
+
+    Raises:
+        ValueError: ``spec`` names no tokenizer that can be loaded offline.
+    """
+    if isinstance(spec, Tokenizer):
+        return spec
+    if not isinstance(spec, str):
+        return from_hf(spec)
+    if spec in ("cl100k", "cl100k_base"):
+        return _load_cl100k()
+    try:
+        from transformers import AutoTokenizer
+
+        return from_hf(AutoTokenizer.from_pretrained(spec, local_files_only=True), spec)
+    except Exception as exc:  # noqa: BLE001 - rewrap with the argument's name
+        raise ValueError(f"tokenizer: cannot load {spec!r} offline ({exc})") from exc
