@@ -25,8 +25,8 @@ def _dense_rank(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     if sorted_key.numel() > 1:
         new[1:] = (sorted_key[1:] != sorted_key[:-1]).to(torch.int64)
     rank_sorted = torch.cumsum(new, 0)
-    rank = torch.empty_like(rank_sorted)
-    rank[order] = rank_sorted
+    # scatter_, not `rank[order] = ...`: advanced-index assignment is ~100x slower on CPU
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     num = int(rank_sorted[-1]) if rank_sorted.numel() else 0
     return rank, order, num
 

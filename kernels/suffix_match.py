@@ -115,7 +115,26 @@ def _window(tokens: torch.Tensor, base: torch.Tensor, n: torch.Tensor, start: to
     off = start[:, None] + torch.arange(width, device=start.device)[None, :]
     inside = off < n[:, None]
     idx = torch.where(inside, base[:, None] + off, 0)
-    return torch.where(inside, tokens[idx].to(torch.int64), END)
+    # torch.take, not tokens[idx]: advanced indexing is several times slower on CPU
+    return torch.where(inside, torch.take(tokens, idx).to(torch.int64), END)
+
+
+def _compare_window(vals: torch.Tensor, pat: torch.Tensor, l: torch.Tensor):
+    """(first mismatch index < l, or W if none; lt_lo; le_hi) for windows ``vals [R, W]``."""
+    W = vals.shape[1]
+    j = torch.arange(W, device=vals.device)[None, :]
+    diff = (vals != pat[:, :W]) & (j < l[:, None])
+    first = torch.where(diff, j, W).min(dim=1).values
+    has = first < l
+    fj = first.clamp(max=W - 1)[:, None]
+    less = vals.gather(1, fj)[:, 0] < pat.gather(1, fj)[:, 0]
+    after = vals.gather(1, l.clamp(max=W - 1)[:, None])[:, 0]
+    lt_lo = torch.where(has, less, after < 0)
+    le_hi = torch.where(has, less, torch.ones_like(has))
+    return first, lt_lo, le_hi
+
+
+_PROBE = 8  # tokens compared first; most suffixes differ from the pattern within them
 
 
 def _compare(tokens, base, n, start, pat, l):
@@ -124,18 +143,23 @@ def _compare(tokens, base, n, start, pat, l):
     Args: start ``[R]`` corpus-relative suffix starts; pat ``int64 [R, W]`` pattern padded
     past ``l``; l ``[R]`` pattern lengths (``W > max l``).
     Returns (lt_lo, le_hi) ``bool [R]``: suffix < (pattern, 0) and suffix[:l] <= pattern.
+    Two phases for speed on CPU: a short window for every row, the full window only for
+    rows still equal after it.
     """
     W = pat.shape[1]
-    vals = _window(tokens, base, n, start, W)
-    j = torch.arange(W, device=start.device)[None, :]
-    diff = (vals != pat) & (j < l[:, None])
-    first = torch.where(diff, j, W).min(dim=1).values
-    has = first < l
-    fj = first.clamp(max=W - 1)[:, None]
-    less = vals.gather(1, fj)[:, 0] < pat.gather(1, fj)[:, 0]
-    after = vals.gather(1, l.clamp(max=W - 1)[:, None])[:, 0]
-    lt_lo = torch.where(has, less, after < 0)
-    le_hi = torch.where(has, less, torch.ones_like(has))
+    w0 = min(_PROBE, W)
+    if w0 == W:
+        return _compare_window(_window(tokens, base, n, start, W), pat, l)[1:]
+    # the probe checks tokens [0, w0 - 1) of the pattern plus the token after it: exact for
+    # rows with l < w0 and for rows that mismatch inside the probe
+    first, lt_lo, le_hi = _compare_window(_window(tokens, base, n, start, w0), pat,
+                                          l.clamp(max=w0 - 1))
+    todo = torch.nonzero((l >= w0) & (first >= w0 - 1), as_tuple=True)[0]
+    if todo.numel():
+        _, lt2, le2 = _compare_window(_window(tokens, base[todo], n[todo], start[todo], W),
+                                      pat[todo], l[todo])
+        lt_lo = lt_lo.scatter(0, todo, lt2)
+        le_hi = le_hi.scatter(0, todo, le2)
     return lt_lo, le_hi
 
 
@@ -146,7 +170,8 @@ def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper: bool, steps: int
     for _ in range(steps):
         active = lo < hi
         mid = (lo + hi) // 2
-        s = sa[(sa_base + mid.clamp(max=torch.clamp(sa_len - 1, min=0))).clamp(max=sa.numel() - 1)]
+        s = torch.take(sa, (sa_base + mid.clamp(max=torch.clamp(sa_len - 1, min=0))).clamp(
+            max=sa.numel() - 1))
         lt_lo, le_hi = _compare(tokens, base, n, s.to(torch.int64), pat, l)
         pred = le_hi if upper else lt_lo
         lo = torch.where(active & pred, mid + 1, lo)
@@ -160,7 +185,7 @@ def _patterns(queries: torch.Tensor, rows: torch.Tensor, l: torch.Tensor, W: int
     j = torch.arange(W, device=queries.device)[None, :]
     src = (L - l)[:, None] + j
     ok = (j < l[:, None]) & (src < L)
-    vals = queries[rows[:, None], src.clamp(0, max(L - 1, 0))] if L else \
+    vals = torch.take(queries, rows[:, None] * L + src.clamp(0, max(L - 1, 0))) if L else \
         torch.zeros(rows.shape[0], W, dtype=queries.dtype, device=queries.device)
     return torch.where(ok, vals.to(torch.int64), -1)
 
@@ -198,8 +223,8 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     if T > 0 and L > 0:
         inside = c_all < n_row[:, None]
         cidx = torch.where(inside, base_row[:, None] + c_all, 0)
-        cont_ok = inside & (tokens[cidx] >= 0)
-        prev = tokens[torch.where(inside, cidx - 1, 0)].to(torch.int64)
+        cont_ok = inside & (torch.take(tokens, cidx) >= 0)
+        prev = torch.take(tokens, torch.where(inside, cidx - 1, 0)).to(torch.int64)
         cand = cont_ok & (prev == queries[:, L - 1:L].to(torch.int64)) & (qlen[:, None] > 0)
         kr, kt = torch.nonzero(cand, as_tuple=True)
         if kr.numel():
@@ -208,8 +233,8 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
             i = torch.arange(max_depth, device=dev)[None, :]
             pos = c[:, None] - 1 - i
             okp = (i < cap[:, None]) & (pos >= 0)
-            tv = tokens[torch.where(okp, base_row[kr][:, None] + pos, 0)].to(torch.int64)
-            qv = queries[kr[:, None], (L - 1 - i).clamp(min=0)].to(torch.int64)
+            tv = torch.take(tokens, torch.where(okp, base_row[kr][:, None] + pos, 0)).to(torch.int64)
+            qv = torch.take(queries, kr[:, None] * L + (L - 1 - i).clamp(min=0)).to(torch.int64)
             run = torch.cumprod((okp & (tv == qv)).to(torch.int64), dim=1).sum(dim=1)
             tail_m[kr, kt] = run
         best = tail_m.max(dim=1).values
@@ -226,7 +251,8 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         lm = mid[prow]
         pat, idx = lower(lm)
         inside = idx < p_len
-        s = sa[(p_base + idx.clamp(max=torch.clamp(p_len - 1, min=0))).clamp(max=sa.numel() - 1)]
+        s = torch.take(sa, (p_base + idx.clamp(max=torch.clamp(p_len - 1, min=0))).clamp(
+            max=sa.numel() - 1))
         lt_lo, le_hi = _compare(tokens, pb, pn, s.to(torch.int64), pat, lm)
         ok_pair = (inside & ~lt_lo & le_hi & (lm > 0)).to(torch.int64)
         ok = torch.zeros(B, dtype=torch.int64, device=dev).scatter_reduce_(
@@ -264,7 +290,7 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
             first = torch.cumsum(size, 0) - size
             off = torch.arange(r.numel(), device=dev) - torch.repeat_interleave(first, size)
             cand_row.append(r)
-            cand_pos.append(sa[start + off].to(torch.int64) + best[r])
+            cand_pos.append(torch.take(sa, start + off).to(torch.int64) + best[r])
         if cand_row:
             rr = torch.cat(cand_row)
             cp = torch.cat(cand_pos)

@@ -1,0 +1,349 @@
+"""Baseline drafters behind one host-side protocol, for the replay evaluator and benchmarks.
+
+Every baseline reproduces an upstream drafter's choice of draft exactly (same match rule,
+same tie-break, same length limits), so figures compare against what users of those systems
+actually get:
+
+- ``none``: no speculation.
+- ``pld-hf``: Hugging Face transformers' prompt lookup decoding
+  (``transformers/generation/candidate_generator.py``, ``PromptLookupCandidateGenerator``).
+- ``pld-vllm``: vLLM's n-gram proposer
+  (``vllm/v1/spec_decode/ngram_proposer.py``, ``_find_longest_matched_ngram_and_propose_tokens``).
+- ``suffix-decoding`` / ``suffix-decoding-nocache``: arctic-inference's ``SuffixDecodingCache``
+  driven the way vLLM's ``vllm/v1/spec_decode/suffix_decoding.py`` drives it, with and without
+  the cross-request cache of earlier responses.
+
+Drafts are host lists: ``(tokens, parents)`` with ``parents[j]`` the index of node ``j``'s
+parent, ``-1`` for children of the root (the last committed token); a chain has parents
+``[-1, 0, 1, ...]`` (the layout of :class:`agspec_gpu.draft_batch.DraftBatch`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+HOST_DRAFTERS = ("none", "pld-hf", "pld-vllm", "suffix-decoding", "suffix-decoding-nocache")
+
+SUFFIX_DECODING_INSTALL_HINT = (
+    "SuffixDecoding needs arctic-inference (only an sdist on PyPI; it builds the suffix tree "
+    "extension without CUDA). Install it into this environment with "
+    "`bash bench/install_arctic_inference.sh` (see bench/INSTALL_SUFFIX_DECODING.md)."
+)
+
+
+@runtime_checkable
+class HostDrafter(Protocol):
+    """A drafter that runs on the host and is driven one request at a time.
+
+    Call order per request: ``begin`` once, then any number of ``propose`` / ``accept``
+    rounds, then ``end``. A request is one assistant message; ``key`` names it and must be
+    unique among active requests.
+    """
+
+    name: str
+
+    def begin(self, key: str, tenant: str, context: np.ndarray) -> None:
+        """Start request ``key``; ``context`` is the int32 token ids of everything before it."""
+
+    def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
+        """Draft after ``context`` (prompt + output so far): ``(tokens, parents)``, maybe empty."""
+
+    def accept(self, key: str, tokens: list[int]) -> None:
+        """``tokens`` (accepted draft + bonus) were just appended to the request's output."""
+
+    def end(self, key: str) -> None:
+        """Request ``key`` is finished; its per-request state is dropped."""
+
+
+def _chain(tokens: np.ndarray) -> tuple[list[int], list[int]]:
+    return tokens.tolist(), list(range(-1, len(tokens) - 1))
+
+
+def _as_tokens(context: np.ndarray) -> np.ndarray:
+    tokens = np.asarray(context)
+    if tokens.ndim != 1:
+        raise ValueError(f"context must be 1-D token ids, got shape {tokens.shape}")
+    return tokens
+
+
+def longest_earliest_suffix_match(tokens: np.ndarray, max_n: int) -> tuple[int, int]:
+    """Longest n-gram (``n <= max_n``) ending the sequence that also occurs earlier in it.
+
+    An occurrence counts only if at least one token follows it, which excludes the suffix
+    itself (both upstream PLDs find the suffix as a match of itself and skip it because its
+    continuation is empty). Tie-break among occurrences of the longest ``n``: the earliest
+    (smallest start index), as both transformers and vLLM pick.
+
+    Returns:
+        ``(n, start)``: the match length (0 if even the last token never occurred before)
+        and the index of the first continuation token (``-1`` when ``n == 0``).
+
+    Cost: one vectorized pass over the sequence for the last token, then passes over the
+    shrinking set of candidate occurrences only, so a 100k-token context costs tens of µs.
+    """
+    if max_n < 1:
+        raise ValueError(f"max_n must be >= 1, got {max_n}")
+    length = len(tokens)
+    if length < 2:
+        return 0, -1
+    # Candidate occurrences are identified by the index of their last token; every one of
+    # them ends at or before length - 2, so its continuation is non-empty.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    if ends.size == 0:
+        return 0, -1
+    best_n, best_ends = 1, ends
+    for j in range(1, max_n):
+        ends = ends[ends >= j]
+        ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+        if ends.size == 0:
+            break
+        best_n, best_ends = j + 1, ends
+    # Ends are ascending and all occurrences have the same length, so the first is earliest.
+    return best_n, int(best_ends[0]) + 1
+
+
+class _ActiveKeys:
+    """Per-request bookkeeping shared by the stateless drafters: catches harness misuse
+    (double begin, propose after end) the same way the stateful SuffixDecoding does."""
+
+    def __init__(self) -> None:
+        self._active: set[str] = set()
+
+    def begin(self, key: str, tenant: str, context: np.ndarray) -> None:
+        if key in self._active:
+            raise ValueError(f"key {key!r} is already active")
+        self._active.add(key)
+
+    def _check(self, key: str) -> None:
+        if key not in self._active:
+            raise ValueError(f"key {key!r} is not active")
+
+    def accept(self, key: str, tokens: list[int]) -> None:
+        self._check(key)
+
+    def end(self, key: str) -> None:
+        self._check(key)
+        self._active.remove(key)
+
+
+class NoDrafter(_ActiveKeys):
+    """``none``: never drafts (plain autoregressive decoding)."""
+
+    name = "none"
+
+    def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
+        self._check(key)
+        return [], []
+
+
+class PLDHF(_ActiveKeys):
+    """``pld-hf``: transformers' ``PromptLookupCandidateGenerator.get_candidates``.
+
+    Upstream rule (transformers 5.x ``generation/candidate_generator.py``): for ngram sizes
+    ``min(max_matching_ngram_size, len - 1)`` down to 1, take the trailing ngram, scan its
+    occurrences left to right and use the first whose continuation is non-empty; the draft is
+    the next ``num_output_tokens`` tokens, clipped at the end of the input. That is: longest
+    n in ``[1, max_matching_ngram_size]``, earliest occurrence, a chain.
+
+    Upstream quirks kept: the trailing ngram's own occurrence is skipped only because its
+    continuation is empty; a match near the end yields a short draft rather than a later,
+    longer one. ``eos_token_ids`` (upstream's ``eos_token_id``) truncates the draft before
+    the first EOS, as ``generate`` does; default none. Not modelled: ``max_length`` (the
+    replay has no length cap, so upstream's clip never binds) and the logits-processor
+    filter (the replay is greedy with no processors).
+    """
+
+    name = "pld-hf"
+
+    def __init__(
+        self,
+        max_matching_ngram_size: int = 2,
+        num_output_tokens: int = 10,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__()
+        if max_matching_ngram_size < 1:
+            raise ValueError(f"max_matching_ngram_size must be >= 1, got {max_matching_ngram_size}")
+        if num_output_tokens < 1:
+            raise ValueError(f"num_output_tokens must be >= 1, got {num_output_tokens}")
+        self.max_matching_ngram_size = max_matching_ngram_size
+        self.num_output_tokens = num_output_tokens
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
+        """Draft per the class rule; empty when even the last token never occurred before."""
+        self._check(key)
+        tokens = _as_tokens(context)
+        n, start = longest_earliest_suffix_match(tokens, self.max_matching_ngram_size)
+        if n == 0:
+            return [], []
+        draft = tokens[start : start + self.num_output_tokens]
+        if self.eos_token_ids:
+            eos = np.flatnonzero(np.isin(draft, self.eos_token_ids))
+            if eos.size:
+                draft = draft[: eos[0]]
+        return _chain(draft)
+
+
+class PLDVLLM(_ActiveKeys):
+    """``pld-vllm``: vLLM v1's ``NgramProposer``.
+
+    Upstream rule (vllm/v1/spec_decode/ngram_proposer.py,
+    ``_find_longest_matched_ngram_and_propose_tokens``: KMP over the reversed tokens, the
+    failure table capped at ``prompt_lookup_max``): the longest n in
+    ``[prompt_lookup_min, prompt_lookup_max]`` whose trailing n-gram occurs earlier; among
+    its occurrences the one at the "latest position in the reversed tokens", i.e. the
+    EARLIEST in the original order (upstream updates on ``>=``); the draft is the next ``k``
+    tokens, clipped at the end of the input. No match of length ``>= prompt_lookup_min``:
+    empty draft. Not modelled: the ``max_model_len`` clip (no length cap in the replay).
+
+    Defaults: ``prompt_lookup_max=5`` and ``k=5`` as configured for the benchmarks;
+    ``prompt_lookup_min=5`` because vLLM's ``SpeculativeConfig`` sets an unset
+    ``prompt_lookup_min`` to ``prompt_lookup_max`` (vllm/config/speculative.py).
+    """
+
+    name = "pld-vllm"
+
+    def __init__(self, prompt_lookup_min: int = 5, prompt_lookup_max: int = 5, k: int = 5) -> None:
+        super().__init__()
+        if prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min}")
+        if prompt_lookup_max < prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max must be >= prompt_lookup_min={prompt_lookup_min}, "
+                f"got {prompt_lookup_max}"
+            )
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+        self.k = k
+
+    def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
+        """Draft per the class rule; empty when no n-gram of ``prompt_lookup_min`` matches."""
+        self._check(key)
+        tokens = _as_tokens(context)
+        n, start = longest_earliest_suffix_match(tokens, self.prompt_lookup_max)
+        if n < self.prompt_lookup_min:
+            return [], []
+        return _chain(tokens[start : start + self.k])
+
+
+def suffix_decoding_available() -> bool:
+    """True when arctic-inference's suffix decoding extension can be imported."""
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401  (the compiled _C must load too)
+    except ImportError:
+        return False
+    return True
+
+
+class SuffixDecoding:
+    """``suffix-decoding`` / ``suffix-decoding-nocache``: arctic-inference's real
+    ``SuffixDecodingCache``, driven as vLLM's ``SuffixDecodingProposer`` drives it.
+
+    Mapping: ``begin`` -> ``start_request(key, context)`` (the per-request prompt tree; a key
+    whose old response is still cached is evicted first, as vLLM does); ``propose`` ->
+    ``speculate`` on the last ``max_tree_depth`` tokens; ``accept`` -> ``add_active_response``
+    (extends the request's own tree and its slot in the global response tree); ``end`` ->
+    ``stop_request`` (the response stays cached until FIFO eviction).
+
+    Defaults are vLLM's: ``max_tree_depth=24``, ``max_spec_tokens`` (its
+    ``num_speculative_tokens``) 24, ``max_spec_factor=1.0``, ``min_token_prob=0.1``,
+    ``max_cached_requests=10000``, chain drafts (vLLM does not enable ``use_tree_spec``).
+    With ``cache_responses=False`` (``suffix-decoding-nocache``) ``max_cached_requests`` is 0:
+    the global tree is disabled and only the request's own prompt + output is searched.
+
+    ``tenant`` is ignored: like upstream, the global tree mixes all requests' responses.
+
+    Raises:
+        ImportError: arctic-inference is not installed (the message says how to install it).
+    """
+
+    def __init__(
+        self,
+        cache_responses: bool = True,
+        max_tree_depth: int = 24,
+        max_spec_tokens: int = 24,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_cached_requests: int = 10000,
+    ) -> None:
+        if not suffix_decoding_available():
+            raise ImportError(SUFFIX_DECODING_INSTALL_HINT)
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        if max_tree_depth < 1:
+            raise ValueError(f"max_tree_depth must be >= 1, got {max_tree_depth}")
+        if max_spec_tokens < 1:
+            raise ValueError(f"max_spec_tokens must be >= 1, got {max_spec_tokens}")
+        if max_cached_requests < -1:
+            raise ValueError(f"max_cached_requests must be >= -1, got {max_cached_requests}")
+        self.name = "suffix-decoding" if cache_responses else "suffix-decoding-nocache"
+        self.max_tree_depth = max_tree_depth
+        self.max_spec_tokens = max_spec_tokens
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self._cache = SuffixDecodingCache(
+            max_tree_depth=max_tree_depth,
+            max_cached_requests=max_cached_requests if cache_responses else 0,
+        )
+
+    @staticmethod
+    def _int32(tokens: np.ndarray | list[int]) -> np.ndarray:
+        # The zero-copy ndarray path of the extension accepts only contiguous 1-D int32.
+        return np.ascontiguousarray(_as_tokens(np.asarray(tokens, dtype=np.int32)))
+
+    def begin(self, key: str, tenant: str, context: np.ndarray) -> None:
+        if key in self._cache.active_requests:
+            raise ValueError(f"key {key!r} is already active")
+        if key in self._cache.cached_requests:
+            self._cache.evict_cached_response(key)
+        self._cache.start_request(key, self._int32(context))
+
+    def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
+        """The cache's best chain for the last ``max_tree_depth`` tokens; maybe empty."""
+        if key not in self._cache.active_requests:
+            raise ValueError(f"key {key!r} is not active")
+        pattern = self._int32(_as_tokens(context)[-self.max_tree_depth :])
+        draft = self._cache.speculate(
+            key,
+            pattern,
+            max_spec_tokens=self.max_spec_tokens,
+            max_spec_factor=self.max_spec_factor,
+            min_token_prob=self.min_token_prob,
+        )
+        return list(draft.token_ids), list(draft.parents)
+
+    def accept(self, key: str, tokens: list[int]) -> None:
+        if key not in self._cache.active_requests:
+            raise ValueError(f"key {key!r} is not active")
+        if len(tokens):
+            self._cache.add_active_response(key, self._int32(tokens))
+
+    def end(self, key: str) -> None:
+        if key not in self._cache.active_requests:
+            raise ValueError(f"key {key!r} is not active")
+        self._cache.stop_request(key)
+
+
+def make_host_drafter(name: str) -> HostDrafter:
+    """The baseline drafter called ``name`` (one of ``HOST_DRAFTERS``), with upstream defaults.
+
+    Raises:
+        ValueError: ``name`` is not in ``HOST_DRAFTERS``.
+        ImportError: a ``suffix-decoding*`` name without arctic-inference installed.
+    """
+    if name == "none":
+        return NoDrafter()
+    if name == "pld-hf":
+        return PLDHF()
+    if name == "pld-vllm":
+        return PLDVLLM()
+    if name == "suffix-decoding":
+        return SuffixDecoding(cache_responses=True)
+    if name == "suffix-decoding-nocache":
+        return SuffixDecoding(cache_responses=False)
+    raise ValueError(f"name must be one of {HOST_DRAFTERS}, got {name!r}")
