@@ -1,0 +1,431 @@
+"""Golden cases for workspace capture, modelled on real agent transcripts in the dev set."""
+
+import json
+
+import pytest
+
+from agspec_gpu.capture import (
+    CapturedFile,
+    capture_agent_writes,
+    capture_tool_output,
+    strip_line_gutters,
+)
+
+
+# ---------------------------------------------------------------- helpers (fixture builders)
+
+
+def mini_cmd(command: str, thought: str = "THOUGHT: Let me look.") -> str:
+    """A mini-swe-agent assistant message: THOUGHT then exactly one ```bash block."""
+    return f"{thought}\n\n```bash\n{command}\n```"
+
+
+def mini_out(body: str, rc: int = 0) -> str:
+    """mini-swe-agent's observation template: the output verbatim between the tags."""
+    return f"<returncode>{rc}</returncode>\n<output>\n{body}</output>"
+
+
+def swe_call(name: str, **arguments) -> str:
+    """A SWE-agent/Claude assistant message as rendered in the dataset's `content`."""
+    call = json.dumps({"name": name, "arguments": arguments})
+    return f"Let me check this.\n\n<tool_call>{call}</tool_call>"
+
+
+def swe_out(body: str) -> str:
+    """SWE-agent observation: `OBSERVATION:` prefix, terminal CRLF line ends."""
+    return "OBSERVATION:\n" + body.replace("\n", "\r\n")
+
+
+def one(captures: list[CapturedFile]) -> CapturedFile:
+    assert len(captures) == 1, captures
+    return captures[0]
+
+
+# ---------------------------------------------------------------- mini-swe-agent shell reads
+
+
+def test_cat_whole_file():
+    c = one(capture_tool_output(mini_cmd("cat src/app.py"),
+                                mini_out("import os\n\ndef f():\n    return 1\n")))
+    assert c == CapturedFile("src/app.py", "import os\n\ndef f():\n    return 1\n", None, False,
+                             "cat")
+
+
+def test_cat_crlf_output_is_normalised():
+    out = "<returncode>0</returncode>\r\n<output>\r\na = 1\r\nb = 2\r\n</output>"
+    assert one(capture_tool_output(mini_cmd("cat a.py"), out)).text == "a = 1\nb = 2\n"
+
+
+def test_cat_output_without_final_newline_gets_one():
+    assert one(capture_tool_output(mini_cmd("cat a.py"), mini_out("x = 1"))).text == "x = 1\n"
+
+
+def test_quoted_untagged_fence_in_thought_is_not_the_command():
+    thought = "THOUGHT: The error was:\n\n```\nValueError: boom\n```\n\nNow read it."
+    c = one(capture_tool_output(mini_cmd("cat a.py", thought), mini_out("x\n")))
+    assert c.path == "a.py"
+    thought = "THOUGHT: Plan:\n```python\nprint(1)\n```\nthen"
+    assert one(capture_tool_output(mini_cmd("cat a.py", thought), mini_out("x\n"))).text == "x\n"
+
+
+def test_cat_keeps_literal_double_dash_lines():
+    assert one(capture_tool_output(mini_cmd("cat a.txt"), mini_out("a\n--\nb\n"))).text \
+        == "a\n--\nb\n"
+
+
+def test_cat_n_strips_six_wide_tab_gutter():
+    out = mini_out("     1\timport os\n     2\t\n     3\t\tx = 1\n")
+    c = one(capture_tool_output(mini_cmd("cat -n a.py"), out))
+    assert (c.text, c.first_line, c.is_fragment, c.kind) == ("import os\n\n\tx = 1\n", None,
+                                                             False, "cat-n")
+
+
+def test_nl_ba_piped_to_sed_is_a_fragment_at_its_numbers():
+    out = mini_out("  1450\t            ):\n  1451\t                diffs = x\n  1452\t\n")
+    c = one(capture_tool_output(mini_cmd("nl -ba astropy/io/fits/diff.py | sed -n '1450,1452p'"),
+                                out))
+    assert c == CapturedFile("astropy/io/fits/diff.py",
+                             "            ):\n                diffs = x\n\n", 1450, True, "nl")
+
+
+def test_nl_ba_head_tail_window():
+    out = mini_out("".join(f"{n:6}\tline {n}\n" for n in range(201, 204)))
+    c = one(capture_tool_output(mini_cmd("nl -ba d.py | head -n 203 | tail -n 3"), out))
+    assert (c.first_line, c.text) == (201, "line 201\nline 202\nline 203\n")
+
+
+def test_nl_ba_piped_to_multi_range_sed():
+    out = mini_out("   385\ta\n   386\tb\n   450\tc\n")
+    caps = capture_tool_output(mini_cmd("nl -ba w.py | sed -n '385,386p;450,450p'"), out)
+    assert [(c.first_line, c.text) for c in caps] == [(385, "a\nb\n"), (450, "c\n")]
+    # Without a gutter the two ranges would run together: not captured.
+    assert capture_tool_output(mini_cmd("cat w.py | sed -n '1,2p;9,9p'"), mini_out("a\nb\nc\n")) \
+        == []
+
+
+def test_sed_range_fragment():
+    out = mini_out("    def _set_col_formats(self):\n        \"\"\"WRITE.\"\"\"\n")
+    c = one(capture_tool_output(mini_cmd("sed -n '934,935p' astropy/io/ascii/core.py"), out))
+    assert (c.first_line, c.is_fragment, c.kind) == (934, True, "sed-n")
+    assert c.text == "    def _set_col_formats(self):\n        \"\"\"WRITE.\"\"\"\n"
+
+
+def test_sed_pattern_range_has_unknown_position():
+    c = one(capture_tool_output(mini_cmd("sed -n '/def f/,/return/p' a.py"),
+                                mini_out("def f():\n    return 1\n")))
+    assert (c.first_line, c.is_fragment) == (None, True)
+
+
+def test_head_short_file_is_whole_long_file_is_fragment():
+    body = mini_out("a\nb\nc\n")
+    assert not one(capture_tool_output(mini_cmd("head -n 50 a.py"), body)).is_fragment
+    c = one(capture_tool_output(mini_cmd("head -n 3 a.py"), body))
+    assert (c.first_line, c.is_fragment, c.kind) == (1, True, "head")
+
+
+def test_tail_fragment_position_unknown_unless_plus_form():
+    c = one(capture_tool_output(mini_cmd("tail -n 2 a.py"), mini_out("y\nz\n")))
+    assert (c.first_line, c.is_fragment, c.kind) == (None, True, "tail")
+    c = one(capture_tool_output(mini_cmd("tail -n +5 a.py"), mini_out("y\nz\n")))
+    assert c.first_line == 5
+
+
+def test_grep_n_hits_become_runs_of_adjacent_lines():
+    out = mini_out("12:    foo = 1\n13:    bar = 2\n40:baz()\n")
+    caps = capture_tool_output(mini_cmd('grep -n "foo\\|bar\\|baz" pkg/m.py'), out)
+    assert caps == [CapturedFile("pkg/m.py", "    foo = 1\n    bar = 2\n", 12, True, "grep-n"),
+                    CapturedFile("pkg/m.py", "baz()\n", 40, True, "grep-n")]
+
+
+def test_grep_n_context_groups():
+    out = mini_out("11-    ctx\n12:    hit\n13-\n--\n39-a = 1\n40:b = 2\n")
+    caps = capture_tool_output(mini_cmd('grep -n -C 1 "hit\\|b =" m.py'), out)
+    assert [(c.first_line, c.text) for c in caps] == [(11, "    ctx\n    hit\n\n"),
+                                                     (39, "a = 1\nb = 2\n")]
+
+
+def test_grep_combined_flags():
+    out = mini_out("14:def CASCADE(c):\n15-    c.collect()\n")
+    c = one(capture_tool_output(mini_cmd('grep -nA1 "def CASCADE" deletion.py'), out))
+    assert (c.first_line, c.text) == (14, "def CASCADE(c):\n    c.collect()\n")
+
+
+def test_plain_grep_hits_are_separate_fragments_of_unknown_position():
+    caps = capture_tool_output(mini_cmd('grep "import" m.py'),
+                               mini_out("import os\nimport sys\n"))
+    assert [(c.text, c.first_line, c.kind) for c in caps] == [("import os\n", None, "grep"),
+                                                             ("import sys\n", None, "grep")]
+
+
+def test_plain_grep_with_context_groups_on_separators():
+    caps = capture_tool_output(mini_cmd('grep -A 1 "def" m.py'),
+                               mini_out("def a():\n    pass\n--\ndef b():\n    return\n"))
+    assert [c.text for c in caps] == ["def a():\n    pass\n", "def b():\n    return\n"]
+
+
+def test_nl_piped_to_grep_context_keeps_numbers():
+    out = mini_out("   864\t        x\n   865\t    def __getattr__(self):\n--\n   900\t    y\n")
+    caps = capture_tool_output(mini_cmd('nl -ba sky.py | grep -C 1 "__getattr__\\|y"'), out)
+    assert [(c.first_line, c.text) for c in caps] == [
+        (864, "        x\n    def __getattr__(self):\n"), (900, "    y\n")]
+
+
+def test_nl_piped_to_grep_n_double_gutter():
+    out = mini_out("262:   262\t    def delete(self):\n263-   263\t        pass\n")
+    c = one(capture_tool_output(mini_cmd('nl -ba deletion.py | grep -n "def delete" -A 1'), out))
+    assert (c.first_line, c.text) == (262, "    def delete(self):\n        pass\n")
+
+
+def test_truncated_mini_output_gives_head_and_tail_of_whole_lines():
+    out = ("<returncode>0</returncode>\n<warning>\nThe output of your last command was too long."
+           "\n</warning><output_head>\nline 1\nline 2\npart\n</output_head>\n<elided_chars>\n"
+           "7668 characters elided\n</elided_chars>\n<output_tail>\nial\nline 99\nline 100\n\n"
+           "</output_tail>")
+    caps = capture_tool_output(mini_cmd("cat big.py"), out)
+    assert [(c.text, c.first_line, c.is_fragment) for c in caps] == [
+        ("line 1\nline 2\n", 1, True), ("line 99\nline 100\n", None, True)]
+
+
+def test_cd_prefix_joins_relative_path():
+    c = one(capture_tool_output(mini_cmd("cd /testbed && cat ./pkg/../pkg/a.py"), mini_out("x\n")))
+    assert c.path == "/testbed/pkg/a.py"
+
+
+# ---------------------------------------------------------------- SWE-agent / OpenHands
+
+
+def test_swe_bash_cat_with_observation_prefix_and_crlf():
+    msg = swe_call("bash", command="cd /testbed && cat setup.cfg")
+    c = one(capture_tool_output(msg, swe_out("[metadata]\nname = astropy")))
+    assert c == CapturedFile("/testbed/setup.cfg", "[metadata]\nname = astropy\n", None, False,
+                             "cat")
+
+
+def test_swe_grep_n():
+    msg = swe_call("bash", command='grep -n "command" /testbed/astropy/io/ascii/qdp.py')
+    caps = capture_tool_output(msg, swe_out('31:        Line type: "comment"\n36:    \'command\''))
+    assert [(c.path, c.first_line) for c in caps] == [("/testbed/astropy/io/ascii/qdp.py", 31),
+                                                     ("/testbed/astropy/io/ascii/qdp.py", 36)]
+
+
+VIEW_WHOLE = ("Here's the result of running `cat -n` on /testbed/a.py:\n"
+              "     1\timport os\n     2\t\n     3\tx = 1\n     4")
+
+
+def test_swe_view_whole_drops_the_trailing_empty_row():
+    msg = swe_call("str_replace_editor", command="view", path="/testbed/a.py")
+    c = one(capture_tool_output(msg, swe_out(VIEW_WHOLE)))
+    assert c == CapturedFile("/testbed/a.py", "import os\n\nx = 1\n", None, False, "swe-view")
+
+
+def test_swe_view_recognised_without_command():
+    assert not one(capture_tool_output(None, swe_out(VIEW_WHOLE))).is_fragment
+
+
+def test_swe_view_range_is_a_fragment():
+    msg = swe_call("str_replace_editor", command="view", path="/testbed/q.py",
+                   view_range=[60, 62])
+    out = swe_out("Here's the result of running `cat -n` on /testbed/q.py:\n"
+                  "    60\t    ValueError: x\n    61\t    \"\"\"\n    62\t    _re = r\"READ\"")
+    c = one(capture_tool_output(msg, out))
+    assert (c.first_line, c.is_fragment, c.text) == (60, True,
+                                                     '    ValueError: x\n    """\n    _re = r"READ"\n')
+
+
+def test_swe_view_clipped_drops_the_cut_line():
+    out = swe_out("Here's the result of running `cat -n` on /testbed/q.py:\n"
+                  "     1\ta\n     2\tb\n     3\tThis file format can conta<response clipped>"
+                  "<NOTE>To save on context only part of this file has been shown to you.</NOTE>")
+    c = one(capture_tool_output(swe_call("str_replace_editor", command="view",
+                                         path="/testbed/q.py"), out))
+    assert (c.text, c.first_line, c.is_fragment) == ("a\nb\n", 1, True)
+
+
+def test_swe_edit_snippet():
+    out = swe_out("The file /testbed/q.py has been edited. Here's the result of running `cat -n` "
+                  "on a snippet of /testbed/q.py:\n    70\t    x = 1\n    71\t\n"
+                  "Review the changes and make sure they are as expected. Edit the file again "
+                  "if necessary.")
+    c = one(capture_tool_output(swe_call("str_replace_editor", command="str_replace",
+                                         path="/testbed/q.py", old_str="a", new_str="b"), out))
+    assert c == CapturedFile("/testbed/q.py", "    x = 1\n\n", 70, True, "swe-edit")
+
+
+def test_swe_abbreviated_view_splits_at_elided_lines():
+    out = swe_out("<NOTE>This file is too large to display entirely. Showing abbreviated version."
+                  "</NOTE>\n     1 \"\"\"Base.\"\"\"\n     2 \n     3     def f(self):\n"
+                  "     4 ... eliding lines 4-9 ...\n    10 \n    11 x = 1\n"
+                  "<IMPORTANT><NOTE>The above file has been abbreviated.</NOTE></IMPORTANT>")
+    caps = capture_tool_output(swe_call("str_replace_editor", command="view",
+                                        path="/testbed/b.py"), out)
+    assert [(c.path, c.first_line, c.text, c.is_fragment) for c in caps] == [
+        ("/testbed/b.py", 1, '"""Base."""\n\n    def f(self):\n', True),
+        ("/testbed/b.py", 10, "\nx = 1\n", True)]
+
+
+def test_swe_agent_open_window():
+    out = ("[File: /repo/src/m.py (120 lines total)]\n(20 more lines above)\n21:    def foo():\n"
+           "22:        pass\n23:\n(97 more lines below)\n")
+    c = one(capture_tool_output("```\nopen src/m.py 22\n```", out))
+    assert c == CapturedFile("/repo/src/m.py", "    def foo():\n        pass\n\n", 21, True,
+                             "swe-open")
+
+
+def test_openhands_open_file_whole():
+    out = ("[File: /workspace/test.py (3 lines total)]\n(this is the beginning of the file)\n"
+           "1|def hello():\n2|    print(\"Hello\")\n3|\n(this is the end of the file)\n")
+    c = one(capture_tool_output(None, out))
+    assert c == CapturedFile("/workspace/test.py", 'def hello():\n    print("Hello")\n\n', None,
+                             False, "openhands-view")
+
+
+# ---------------------------------------------------------------- aider listings in context
+
+
+def test_aider_listing_in_output():
+    out = "src/app.py\n```\nimport os\n\nprint(os.name)\n```\n"
+    c = one(capture_tool_output(None, out))
+    assert c == CapturedFile("src/app.py", "import os\n\nprint(os.name)\n", None, False,
+                             "aider-fence")
+
+
+# ---------------------------------------------------------------- outputs that are not files
+
+
+@pytest.mark.parametrize("command, output", [
+    (mini_cmd("python -m pytest tests/test_a.py -q"),
+     mini_out("..F\n=== FAILURES ===\nE   assert 1 == 2\n1 failed, 2 passed in 0.1s\n", rc=1)),
+    (mini_cmd("ls -la astropy/io/ascii"),
+     mini_out("total 2168\ndrwxrwxrwx 5 root root 4096 Oct 24  2024 .\n")),
+    (mini_cmd("cat missing.py"),
+     mini_out("cat: missing.py: No such file or directory\n", rc=1)),
+    (mini_cmd("cat a.py && cat b.py"), mini_out("a\nb\n")),
+    (mini_cmd("cat a.py b.py"), mini_out("a\nb\n")),
+    (mini_cmd("grep -rn foo ."), mini_out("./a.py:1:foo\n")),
+    (mini_cmd("grep -c foo a.py"), mini_out("3\n")),
+    (mini_cmd("sed -n '1452p' diff.py | od -c"), mini_out("0000000   e   l\n")),
+    (mini_cmd("grep -n nothing a.py"), mini_out("", rc=1)),
+    (None, mini_out("import os\n")),
+    (swe_call("bash", command="cat /testbed/nope.py"),
+     swe_out("cat: /testbed/nope.py: No such file or directory")),
+    (swe_call("bash", command="cd /testbed && cat empty.py"),
+     swe_out("Your last command ran successfully and did not produce any output.")),
+    (swe_call("bash", command="cd /testbed && python reproduce.py"),
+     swe_out("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: x")),
+    (swe_call("str_replace_editor", command="view", path="/testbed"),
+     swe_out("Here's the files and directories up to 2 levels deep in /testbed, excluding "
+             "hidden items:\n/testbed\n/testbed/setup.py")),
+    (swe_call("str_replace_editor", command="create", path="/testbed/r.py", file_text="x\n"),
+     swe_out("File created successfully at: /testbed/r.py")),
+])
+def test_non_file_outputs_capture_nothing(command, output):
+    assert capture_tool_output(command, output) == []
+
+
+def test_capture_tool_output_rejects_non_str():
+    with pytest.raises(ValueError, match="output"):
+        capture_tool_output(None, b"x")
+    with pytest.raises(ValueError, match="command"):
+        capture_tool_output(3, "x")
+
+
+# ---------------------------------------------------------------- strip_line_gutters
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("     1\timport os\n     2\t\n     3\tx = 1\n", "import os\n\nx = 1\n"),
+    ("     1\ta\r\n     2\tb", "a\nb\n"),
+    ("1000000\ta\n1000001\tb\n", "a\nb\n"),            # wider numbers push the TAB right
+    ("    10 x = 1\n    11 y = 2\n", "x = 1\ny = 2\n"),  # SWE-agent abbreviated view
+    ("1|def f():\n2|    pass\n", "def f():\n    pass\n"),
+    ("11-ctx\n12:hit\n--\n40:other\n", "ctx\nhit\nother\n"),
+])
+def test_strip_line_gutters(text, expected):
+    assert strip_line_gutters(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "", "import os\n", "  1\tx\n",         # too narrow for the 6-wide field
+    "     2\ta\n     1\tb\n",              # numbers must increase
+    "     1\ta\nplain\n",                  # every line must carry the gutter
+])
+def test_strip_line_gutters_rejects(text):
+    assert strip_line_gutters(text) is None
+
+
+# ---------------------------------------------------------------- agent writes
+
+
+def test_mini_heredoc_quoted_delimiter():
+    msg = mini_cmd("cat <<'EOF' > reproduce_issue.py\nfrom x import y\n\nprint(f\"{y}\")\nEOF")
+    assert capture_agent_writes(msg) == [CapturedFile(
+        "reproduce_issue.py", 'from x import y\n\nprint(f"{y}")\n', None, False, "heredoc")]
+
+
+@pytest.mark.parametrize("script, path, text, fragment", [
+    ("cat > /testbed/t.py << 'EOF'\na = 1\nEOF\n", "/testbed/t.py", "a = 1\n", False),
+    ('cat <<"END" >test.sh\necho hi\nEND', "test.sh", "echo hi\n", False),
+    ("cd /testbed && cat > t.py <<EOF && python t.py\nx\nEOF", "t.py", "x\n", False),
+    ("cat >> log.txt <<EOF\nmore\nEOF", "log.txt", "more\n", True),
+    ("tee out.cfg <<EOF\n[a]\nEOF", "out.cfg", "[a]\n", False),
+    # <<- strips every leading TAB of every body line, as bash does
+    ("cat <<-EOF > t.py\n\tif x:\n\t\ty\n\tEOF", "t.py", "if x:\ny\n", False),
+])
+def test_heredoc_variants(script, path, text, fragment):
+    c = one(capture_agent_writes(mini_cmd(script)))
+    assert (c.path, c.text, c.is_fragment, c.kind) == (path, text, fragment, "heredoc")
+
+
+def test_nested_heredoc_belongs_to_the_outer_body():
+    script = "cat <<'EOF' > setup.sh\ncat <<'INNER' > a.py\nx = 1\nINNER\nEOF"
+    c = one(capture_agent_writes(mini_cmd(script)))
+    assert (c.path, c.text) == ("setup.sh", "cat <<'INNER' > a.py\nx = 1\nINNER\n")
+
+
+def test_non_file_heredocs_and_non_shell_fences_write_nothing():
+    assert capture_agent_writes(mini_cmd("python - <<'EOF'\nprint(1)\nEOF")) == []
+    assert capture_agent_writes(mini_cmd("ed -s a.py <<EOF\n1d\nw\nEOF")) == []
+    msg = "THOUGHT: e.g.\n```python\ncat > x.py <<EOF\ny\nEOF\n```\n\n```bash\nls\n```"
+    assert capture_agent_writes(msg) == []
+
+
+def test_swe_create_parses_json_arguments():
+    text = 'print("\\u2713 ok")\n\tpath = "C:\\\\tmp"'
+    msg = swe_call("str_replace_editor", command="create", path="/testbed/t.py", file_text=text)
+    assert '\\"' in msg and "\\\\u2713" in msg  # escaped in the rendered call, as in the data
+    c = one(capture_agent_writes(msg))
+    assert c == CapturedFile("/testbed/t.py", text + "\n", None, False, "create")
+
+
+def test_swe_bash_heredoc_tool_call():
+    msg = swe_call("bash", command="cat > /testbed/r.py << 'EOF'\nimport sys\nEOF")
+    assert one(capture_agent_writes(msg)).text == "import sys\n"
+
+
+def test_aider_whole_listing_with_source_fence_and_crlf():
+    msg = ("backend/settings.py\r\n<source>\r\nimport os\r\n\r\nDB = os.getenv(\"DB\")\r\n"
+           "</source>\r\nbackend/__init__.py\r\n<source>\r\n# pkg\r\n</source>\r\n")
+    caps = capture_agent_writes(msg)
+    assert [(c.path, c.text, c.kind) for c in caps] == [
+        ("backend/settings.py", 'import os\n\nDB = os.getenv("DB")\n', "aider-fence"),
+        ("backend/__init__.py", "# pkg\n", "aider-fence")]
+
+
+def test_aider_search_replace_new_file_only():
+    new = ("Here:\n\nschemas/v.ts\n```typescript\n<<<<<<< SEARCH\n=======\nimport { z } from "
+           "\"zod\";\n>>>>>>> REPLACE\n```\n")
+    assert capture_agent_writes(new) == [
+        CapturedFile("schemas/v.ts", 'import { z } from "zod";\n', None, False, "aider-new")]
+    edit = "a.py\n```python\n<<<<<<< SEARCH\nx = 1\n=======\nx = 2\n>>>>>>> REPLACE\n```\n"
+    assert capture_agent_writes(edit) == []
+
+
+def test_aider_indented_fences_are_paired():
+    msg = ("- step:\n  ```\n  npm i\n  ```\n\ndist/index.js\n```javascript\n<<<<<<< SEARCH\n"
+           "=======\nexport * from './a.js';\n>>>>>>> REPLACE\n```\n")
+    assert [c.path for c in capture_agent_writes(msg)] == ["dist/index.js"]
+
+
+def test_capture_agent_writes_rejects_non_str():
+    with pytest.raises(ValueError, match="message"):
+        capture_agent_writes(None)
