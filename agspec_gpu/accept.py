@@ -1,0 +1,344 @@
+"""Acceptance of draft trees from the target model's verification logits.
+
+Verification convention: for request ``b`` the verifier runs the model on
+``[root, node_0, ..., node_{n_b-1}]`` (``root`` = the last committed token, ``n_b =
+num_draft_tokens[b]``), so request ``b`` owns ``1 + n_b`` logit rows: row 0 is the root's
+(the target's next-token distribution after the committed prefix), row ``1 + j`` is node
+``j``'s (the distribution after the path root -> ... -> node ``j``).
+
+Logits come in one of two layouts:
+
+- flat ``[total_q, V]`` with ``qo_indptr int32 [B+1]``: request ``b``'s rows are
+  ``qo_indptr[b] .. qo_indptr[b+1]-1`` (what FlashInfer's ragged prefill produces);
+  :func:`tree_qo_indptr` builds ``qo_indptr`` from a draft;
+- padded ``[B, 1+N, V]`` with ``qo_indptr=None``; rows past ``1 + n_b`` are ignored.
+  :func:`pad_tree_logits` / :func:`flatten_tree_logits` convert between the two.
+
+Both acceptance rules walk the tree one depth at a time for the whole batch at once (no
+loop over requests, no host sync) and return an :class:`AcceptResult`:
+
+- :func:`greedy_accept`: the longest path whose every token is the target's argmax at its
+  parent, plus the bonus token (the argmax at the last accepted node). Lossless: the output
+  is token for token the target's greedy output.
+- :func:`sample_accept`: multi-branch rejection sampling for deterministic drafts; the
+  emitted tokens are distributed exactly as sampling from the target would be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the target distribution is formed from logits.
+
+    Attributes:
+        temperature: ``>= 0``; 0 means greedy (argmax, lower token id on ties).
+        top_k: keep the ``top_k`` largest logits (and every logit tied with the k-th),
+            0 disables.
+        top_p: nucleus mass in ``(0, 1]``; 1.0 disables.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class AcceptResult:
+    """What verification accepted, per request.
+
+    Attributes:
+        num_accepted: ``int32 [B]`` draft tokens accepted (bonus excluded).
+        accepted_nodes: ``int32 [B, D]`` node indices along the accepted path from the root,
+            ``PAD_ID`` padded. ``D`` is the depth bound the walk used.
+        output_ids: ``int32 [B, D+1]`` the accepted tokens then the bonus token,
+            ``PAD_ID`` padded.
+        num_output: ``int32 [B]`` valid entries of ``output_ids`` (``num_accepted + 1``).
+    """
+
+    num_accepted: torch.Tensor
+    accepted_nodes: torch.Tensor
+    output_ids: torch.Tensor
+    num_output: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.accepted_nodes.ndim != 2:
+            raise ValueError(f"accepted_nodes: expected [B, D], "
+                             f"got {list(self.accepted_nodes.shape)}")
+        B, D = self.accepted_nodes.shape
+        for name, t, shape in (("num_accepted", self.num_accepted, (B,)),
+                               ("accepted_nodes", self.accepted_nodes, (B, D)),
+                               ("output_ids", self.output_ids, (B, D + 1)),
+                               ("num_output", self.num_output, (B,))):
+            if t.dtype != torch.int32 or tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected int32 {list(shape)}, "
+                                 f"got {t.dtype} {list(t.shape)}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.accepted_nodes.shape[1]
+
+    def bonus_ids(self) -> torch.Tensor:
+        """``int32 [B]``: each request's bonus token, i.e. the next root."""
+        return self.output_ids.gather(1, self.num_accepted.long()[:, None])[:, 0]
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def tree_qo_indptr(draft: DraftBatch) -> torch.Tensor:
+    """``int32 [B+1]``: row offsets of the flat layout, ``1 + num_draft_tokens[b]`` per request."""
+    n = draft.num_draft_tokens.to(torch.int32)
+    return torch.nn.functional.pad(torch.cumsum(n + 1, 0, dtype=torch.int32), (1, 0))
+
+
+def pad_tree_logits(logits: torch.Tensor, qo_indptr: torch.Tensor, max_nodes: int
+                    ) -> torch.Tensor:
+    """Flat ``[total_q, V]`` -> padded ``[B, 1+max_nodes, V]`` (no host sync).
+
+    Rows past a request's ``1 + n_b`` hold unspecified (other requests') rows.
+    """
+    if logits.ndim != 2 or qo_indptr.ndim != 1:
+        raise ValueError(f"logits must be [total_q, V] and qo_indptr [B+1], got "
+                         f"{list(logits.shape)} and {list(qo_indptr.shape)}")
+    idx = qo_indptr[:-1, None].long() + torch.arange(1 + max_nodes, device=logits.device)
+    return logits[idx.clamp(max=max(logits.shape[0] - 1, 0))]
+
+
+def flatten_tree_logits(logits: torch.Tensor, num_draft_tokens: torch.Tensor) -> torch.Tensor:
+    """Padded ``[B, 1+N, V]`` -> flat ``[total_q, V]``, requests in order.
+
+    The output size depends on ``num_draft_tokens``, so this syncs with the host once.
+    """
+    if logits.ndim != 3 or num_draft_tokens.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [B, 1+N, V] and num_draft_tokens [B], got "
+                         f"{list(logits.shape)} and {list(num_draft_tokens.shape)}")
+    keep = torch.arange(logits.shape[1], device=logits.device) <= num_draft_tokens[:, None]
+    return logits[keep]
+
+
+def _tree_rows(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``rows [R, V]`` and ``row_start int64 [B]`` (row of each request's root)."""
+    B, N = draft.token_ids.shape
+    if logits.ndim == 3:
+        if qo_indptr is not None:
+            raise ValueError("qo_indptr must be None when logits are padded [B, 1+N, V]")
+        if logits.shape[:2] != (B, 1 + N):
+            raise ValueError(f"logits: expected [B={B}, 1+N={1 + N}, V], got {list(logits.shape)}")
+        row_start = torch.arange(B, device=logits.device) * (1 + N)
+        return logits.reshape(B * (1 + N), logits.shape[2]), row_start
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [total_q, V] or [B, 1+N, V], got {list(logits.shape)}")
+    if qo_indptr is None or qo_indptr.shape != (B + 1,):
+        raise ValueError(f"qo_indptr: expected [B+1={B + 1}] with flat logits, got "
+                         f"{None if qo_indptr is None else list(qo_indptr.shape)}")
+    if qo_indptr.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qo_indptr: expected int32 (or int64), got {qo_indptr.dtype}")
+    return logits, qo_indptr[:-1].long()
+
+
+def _depth_bound(draft: DraftBatch, max_depth: int | None) -> int:
+    # The tree depth is data; N (a shape) bounds it without a host sync. A caller that knows a
+    # tighter bound (the drafter's depth cap) saves loop iterations; a bound below the real
+    # depth only truncates acceptance, which stays lossless.
+    if max_depth is None:
+        return draft.max_nodes
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    return min(max_depth, draft.max_nodes)
+
+
+def _first_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask bool [B, N]`` -> (``any [B]``, lowest true column ``int64 [B]``, 0 if none)."""
+    N = mask.shape[1]
+    col = torch.where(mask, torch.arange(N, device=mask.device), N).amin(1)
+    has = col < N
+    return has, torch.where(has, col, 0)
+
+
+def _assemble(draft: DraftBatch, accepted: torch.Tensor, num_acc: torch.Tensor,
+              bonus: torch.Tensor) -> AcceptResult:
+    """Builds the result from the accepted path ``int64 [B, D]`` (-1 padded) and bonus ``[B]``."""
+    B = accepted.shape[0]
+    acc_tok = draft.token_ids.long().gather(1, accepted.clamp(min=0))
+    acc_tok = torch.where(accepted >= 0, acc_tok, PAD_ID)
+    out = torch.cat([acc_tok, torch.full((B, 1), PAD_ID, dtype=torch.long,
+                                         device=accepted.device)], 1)
+    out.scatter_(1, num_acc[:, None], bonus.long()[:, None])
+    num_acc32 = num_acc.to(torch.int32)
+    return AcceptResult(num_acc32, accepted.to(torch.int32), out.to(torch.int32), num_acc32 + 1)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
+                  qo_indptr: torch.Tensor | None = None, *, max_depth: int | None = None
+                  ) -> AcceptResult:
+    """Longest path of target-argmax tokens, plus the bonus token.
+
+    Parameters:
+        draft: ``B`` trees padded to ``N`` nodes.
+        logits: ``[total_q, V]`` with ``qo_indptr``, or ``[B, 1+N, V]`` with ``qo_indptr=None``.
+        qo_indptr: ``int32 [B+1]`` (see :func:`tree_qo_indptr`).
+        max_depth: walk at most this many levels (default ``N``); the result has
+            ``D = min(max_depth, N)`` path columns.
+
+    Returns:
+        :class:`AcceptResult`. Node ``j`` is accepted iff its parent was and
+        ``token_ids[b, j] == argmax(logits at its parent)``; argmax ties go to the lower
+        token id (``torch.argmax``), as in :func:`agspec_gpu.runners.hf.greedy_generate`.
+        Sibling nodes carrying the same token (invalid drafts: a drafter merges them) are
+        resolved to the lower node index.
+
+    Example:
+        >>> d = DraftBatch.from_lists([[(5, -1), (7, 0)]])                # chain 5 -> 7
+        >>> logits = torch.nn.functional.one_hot(torch.tensor([5, 9, 0]), 16).float()
+        >>> greedy_accept(d, logits, tree_qo_indptr(d)).output_ids.tolist()  # 5 ok, 7 != 9
+        [[5, 9, -1]]
+    """
+    rows, row_start = _tree_rows(draft, logits, qo_indptr)
+    B, N = draft.token_ids.shape
+    D = _depth_bound(draft, max_depth)
+    dev = draft.token_ids.device
+    # target[b, 0] = argmax at the root, target[b, 1+j] = argmax at node j: [B, 1+N]
+    row_idx = row_start[:, None] + torch.arange(1 + N, device=dev)
+    row_idx = row_idx.clamp(max=max(rows.shape[0] - 1, 0))  # padding columns: any valid row
+    target = rows.argmax(-1)[row_idx] if rows.shape[0] else torch.zeros_like(row_idx)
+    valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
+    parents = draft.parents.long()
+    # padding has parent PAD_ID == -1 like root children, so every test is and-ed with `valid`
+    at_parent = target.gather(1, (parents + 1).clamp(min=0))
+    match = valid & (draft.token_ids.long() == at_parent)
+
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    num_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    accepted = torch.full((B, D), PAD_ID, dtype=torch.long, device=dev)
+    for d in range(D):
+        has, child = _first_true(match & (parents == cur[:, None]) & alive[:, None])
+        accepted[:, d] = torch.where(has, child, PAD_ID)
+        cur = torch.where(has, child, cur)
+        num_acc += has
+        alive &= has
+    bonus = target.gather(1, (cur + 1)[:, None])[:, 0]
+    return _assemble(draft, accepted, num_acc, bonus)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target distribution ``float32 [..., V]`` from logits ``[..., V]``.
+
+    Order as in Hugging Face ``generate``: temperature, then top-k (ties with the k-th
+    logit are kept), then top-p over what is left (sort ascending, drop the tokens whose
+    cumulative mass is ``<= 1 - top_p``, always keep the most likely). The sort is stable,
+    so among equal logits at the nucleus edge the lower token id is dropped first.
+    Temperature 0 gives the one-hot of the argmax (lower id on ties).
+    """
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    x = logits.float() / params.temperature
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, stable=True)
+        drop_sorted = sorted_x.softmax(-1).cumsum(-1) <= 1.0 - params.top_p
+        drop_sorted[..., -1] = False
+        x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return x.softmax(-1)
+
+
+def _sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of one token per row of ``logits [B, V]`` with uniforms ``u [B]``.
+
+    ``searchsorted(right=True)`` never returns a zero-probability token; scaling ``u`` by the
+    total keeps the last token reachable when the float64 cumsum ends a hair below 1.
+    """
+    cdf = target_probs(logits, params).double().cumsum(-1)
+    x = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    return x.clamp(max=logits.shape[-1] - 1)
+
+
+def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None,
+                  sampling: SamplingParams, generator: torch.Generator | None = None, *,
+                  max_depth: int | None = None) -> AcceptResult:
+    """Multi-branch rejection sampling for deterministic drafts.
+
+    At the current node (starting at the root) draw ``x`` from the target distribution
+    ``p`` there (:func:`target_probs`). If some child carries ``x`` (lowest node index on
+    duplicates), accept that child and descend; otherwise emit ``x`` as the bonus and stop.
+    At a leaf (or at the depth bound) the bonus is drawn from ``p`` the same way.
+
+    Why this is exact: a deterministic draft has ``q = one-hot``, so SpecInfer's rule
+    (accept child ``c_i`` with probability ``p'(c_i)``; on rejection set ``p' = p'`` without
+    ``c_i``, renormalised; after every child sample the bonus from ``p'``) accepts ``c_i``
+    with total probability ``p(c_i)`` and otherwise emits a token from ``p`` restricted to
+    the non-child tokens. One draw ``x ~ p`` matched against the children has exactly that
+    law, so every emitted token is distributed as ``p`` at its context, i.e. as plain
+    sampling from the target.
+
+    Parameters:
+        draft, logits, qo_indptr, max_depth: as in :func:`greedy_accept`.
+        sampling: temperature / top-k / top-p; temperature 0 returns :func:`greedy_accept`.
+        generator: the random stream (on the logits' device). Every call draws exactly
+            ``B`` uniforms per level for ``D + 1`` levels, whatever is accepted, so results
+            are a deterministic function of the generator state.
+
+    Returns:
+        :class:`AcceptResult`.
+    """
+    if sampling.is_greedy:
+        return greedy_accept(draft, logits, qo_indptr, max_depth=max_depth)
+    rows, row_start = _tree_rows(draft, logits, qo_indptr)
+    if generator is not None and generator.device.type != rows.device.type:
+        raise ValueError(f"generator is on {generator.device}, logits on {rows.device}")
+    B, N = draft.token_ids.shape
+    D = _depth_bound(draft, max_depth)
+    dev = draft.token_ids.device
+    valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
+    parents = draft.parents.long()
+    tokens = draft.token_ids.long()
+
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    num_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    bonus = torch.full((B,), PAD_ID, dtype=torch.long, device=dev)
+    accepted = torch.full((B, D), PAD_ID, dtype=torch.long, device=dev)
+    for d in range(D + 1):
+        u = torch.rand(B, generator=generator, device=dev)
+        # finished requests re-read a valid row; their draw is discarded
+        x = _sample_rows(rows[row_start + 1 + cur], sampling, u)
+        if d < D:
+            cand = valid & (parents == cur[:, None]) & (tokens == x[:, None]) & alive[:, None]
+            has, child = _first_true(cand)
+            accepted[:, d] = torch.where(has, child, PAD_ID)
+        else:
+            has, child = torch.zeros_like(alive), cur
+        bonus = torch.where(alive & ~has, x, bonus)
+        cur = torch.where(has, child, cur)
+        num_acc += has
+        alive &= has
+    return _assemble(draft, accepted, num_acc, bonus)

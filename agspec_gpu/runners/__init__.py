@@ -1,0 +1,11 @@
+"""Target-model runners.
+
+- :mod:`agspec_gpu.runners.hf`: a Hugging Face model run as-is (reference, CPU-friendly);
+- :mod:`agspec_gpu.runners.paged`: a compact Llama/Qwen2 forward over the paged KV cache with
+  tree attention (FlashInfer on GPU).
+"""
+
+from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.runners.paged import ModelShape, PagedLlamaRunner
+
+__all__ = ["HFRunner", "ModelShape", "PagedLlamaRunner"]

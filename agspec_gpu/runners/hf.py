@@ -1,0 +1,286 @@
+"""Tree verification through any Hugging Face causal LM's own forward (CPU or GPU reference).
+
+:class:`HFRunner` keeps one batch of requests: ``prefill`` the prompts, then per step
+``verify`` a :class:`~agspec_gpu.draft_batch.DraftBatch` rooted at each request's last
+committed token, accept (:mod:`agspec_gpu.accept`), and ``commit`` the accepted path.
+
+Tree attention goes through the model's forward as an explicit 4-D float mask
+``[B, 1, q, past + q]`` (0 = attend, -inf = masked; float, not bool, because eager
+attention adds the mask to the scores) with ``position_ids = prefix length + depth``, so the
+model's own attention code (eager, sdpa, ...) runs unchanged.
+
+Cache layout: one padded :class:`transformers.DynamicCache` for the batch, request ``b``'s
+committed tokens in slots ``[0, seq_lens[b])`` and junk above. Why one padded cache rather
+than a list of per-request caches: the batch stays one forward (the clean batched path), and
+junk slots get a -inf mask entry, so their softmax weight is exactly 0.0 and they add exact
+zeros to the attention sums: the result equals an unpadded run up to the floating-point
+summation order of the kernels, which also differs between a one-token decode step and a
+tree step and is therefore no extra source of mismatch. Every real query row sees at least
+itself, so no row is fully masked (that would give NaN).
+
+The root (last committed token) is not in the cache until it is verified: ``prefill`` caches
+the whole prompt and returns its last logits, the caller picks the first token, and that
+token is the first root.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from agspec_gpu.accept import AcceptResult, flatten_tree_logits
+from agspec_gpu.draft_batch import DraftBatch
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated);
+    # 4.x only knows `past_key_values`.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
+                    eos_id: int | None = None) -> list[int]:
+    """Plain greedy decoding of one request, one token per forward, with the model's own cache.
+
+    The reference the speculative loop must reproduce. Argmax ties go to the lower token id.
+
+    Returns:
+        The ``max_new_tokens`` generated ids (prompt excluded), cut after ``eos_id`` if emitted.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    cache, kw = _new_cache(), _cache_kwarg(model)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, use_cache=True, **{kw: cache}).logits[0, -1]
+            tok = int(logits.argmax())  # reference loop: one host read per token is the point
+            out.append(tok)
+            if tok == eos_id:
+                break
+            ids = torch.tensor([[tok]], dtype=torch.long, device=device)
+    return out
+
+
+def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``bool [B, q, k]`` -> ``dtype [B, 1, q, k]``: 0 where allowed, -inf elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def tree_attend(draft: DraftBatch) -> torch.Tensor:
+    """``bool [B, 1+N, 1+N]``: query ``i`` may attend key ``k`` within ``[root, nodes]``.
+
+    Index 0 is the root, ``1 + j`` node ``j``. A valid node sees the root, its ancestors and
+    itself; the root and padding slots see only themselves.
+    """
+    B, N = draft.token_ids.shape
+    dev = draft.token_ids.device
+    attend = torch.eye(1 + N, dtype=torch.bool, device=dev).repeat(B, 1, 1)
+    valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
+    parent_col = (draft.parents.long() + 1).clamp(min=0)  # root children -> column 0
+    rows = torch.arange(B, device=dev)
+    # topological order: a parent's row is complete before its children copy it
+    for j in range(N):
+        inherit = attend[rows, parent_col[:, j]] & valid[:, j:j + 1]
+        attend[:, 1 + j] |= inherit
+    return attend
+
+
+class HFRunner:
+    """Runs draft-tree verification for a batch of requests through a HF causal LM.
+
+    Parameters:
+        model: any ``*ForCausalLM`` whose forward takes ``input_ids``, a 4-D
+            ``attention_mask``, ``position_ids`` and a cache, in eval mode, with full
+            attention in every layer (sliding-window layers would need their own mask).
+
+    Example::
+
+        runner = HFRunner(model)
+        root = runner.prefill([[1, 2, 3], [4, 5]]).argmax(-1)   # first new tokens
+        while ...:
+            draft = ...                                          # DraftBatch rooted at `root`
+            logits = runner.verify(draft, root)                  # [total_q, V]
+            res = greedy_accept(draft, logits, tree_qo_indptr(draft))
+            runner.commit(res)
+            root = res.bonus_ids()
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError("model: expected a Hugging Face model with a .config")
+        if model.training:
+            raise ValueError("model: call model.eval() first (dropout makes verification random)")
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layer_types = getattr(text_config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or (
+                not layer_types and getattr(text_config, "sliding_window", None) is not None):
+            raise ValueError("model: sliding-window / non-full attention layers are not supported")
+        self.model = model
+        self._cache_kw = _cache_kwarg(model)
+        self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self._cache = None
+        self._seq_lens: torch.Tensor | None = None   # int64 [B] committed tokens in the cache
+        self._width = 0                              # cache slots (a shape, host-known)
+        self._pending: tuple[int, int] | None = None  # (width before verify, q) until commit
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._seq_lens is None else self._seq_lens.shape[0]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``int64 [B]``: tokens of each request in the KV cache (prefix, excluding the root)."""
+        if self._seq_lens is None:
+            raise ValueError("no batch: call prefill() first")
+        return self._seq_lens.clone()
+
+    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, pos: torch.Tensor,
+                 **extra) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=_float_mask(allowed, self.dtype),
+                         position_ids=pos, use_cache=True, **{self._cache_kw: self._cache},
+                         **extra)
+        return out.logits
+
+    @torch.no_grad()
+    def prefill(self, input_ids: list[list[int]]) -> torch.Tensor:
+        """Starts a new batch: caches every prompt, returns each prompt's last logits.
+
+        Prompts are left-padded into one forward so that every last token is the last
+        column (only ``[B, 1, V]`` logits are materialised), then the cache is shifted into
+        the left-aligned layout. A padding query row attends only to itself.
+
+        Parameters:
+            input_ids: ``B`` non-empty token lists (ragged).
+
+        Returns:
+            ``[B, V]`` logits after each full prompt (the first generated token's distribution).
+        """
+        if not input_ids or any(len(p) == 0 for p in input_ids):
+            raise ValueError("input_ids: expected a non-empty list of non-empty prompts")
+        B, P = len(input_ids), max(len(p) for p in input_ids)
+        ids = torch.zeros(B, P, dtype=torch.long)
+        for b, p in enumerate(input_ids):  # host-side packing of host lists, once per batch
+            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        lens = torch.tensor([len(p) for p in input_ids], dtype=torch.long, device=self.device)
+        pad = P - lens                                                   # [B]
+        t = torch.arange(P, device=self.device)
+        causal = t[None, :, None] >= t[None, None, :]                    # [1, q, k]
+        real_key = t[None, None, :] >= pad[:, None, None]                # [B, 1, k]
+        allowed = (causal & real_key) | torch.eye(P, dtype=torch.bool, device=self.device)
+        pos = (t[None, :] - pad[:, None]).clamp(min=0)
+        self._cache, self._pending = _new_cache(), None
+        extra = {"logits_to_keep": 1} if self._keep_kw else {}
+        logits = self._forward(ids, allowed, pos, **extra)[:, -1]
+        # left-align: slot t of request b <- slot t + pad[b]; slots past the prompt are junk
+        src = torch.where(t[None, :] < lens[:, None], t[None, :] + pad[:, None], 0)
+        self._gather_slots(src)
+        self._seq_lens, self._width = lens, P
+        return logits
+
+    def _gather_slots(self, src: torch.Tensor) -> None:
+        """New cache slot ``t`` of request ``b`` <- old slot ``src[b, t]`` (``int64 [B, W]``)."""
+        B, W = src.shape
+        src = src[:, None, :, None]
+        for layer in self._cache.layers:  # keys/values: [B, H_kv, slots, head_dim]
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue  # a layer that caches nothing (KV sharing)
+            layer.keys = layer.keys.gather(2, src.expand(B, layer.keys.shape[1], W,
+                                                         layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, src.expand(B, layer.values.shape[1], W,
+                                                             layer.values.shape[3]))
+
+    @torch.no_grad()
+    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
+        """Runs ``[root, node_0, ..., node_{N-1}]`` per request in one forward (no host sync).
+
+        Node ``j`` sits at position ``seq_lens[b] + depth(j)`` and attends to the cached
+        prefix, the root, its ancestors and itself. The new keys/values are appended to the
+        cache; :meth:`commit` keeps the accepted ones.
+
+        Parameters:
+            draft: ``B`` trees (``B`` = the prefilled batch).
+            root_ids: ``int [B]`` last committed token per request (not yet in the cache).
+
+        Returns:
+            ``[B, 1+N, V]`` logits: row 0 the root's, row ``1+j`` node ``j``'s; rows of
+            padding nodes are unspecified.
+        """
+        if self._seq_lens is None:
+            raise ValueError("no batch: call prefill() first")
+        if self._pending is not None:
+            raise ValueError("verify() called twice without commit()")
+        B, N = draft.token_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"draft: batch {B} != prefilled batch {self.batch_size}")
+        if root_ids.shape != (B,):
+            raise ValueError(f"root_ids: expected [{B}], got {list(root_ids.shape)}")
+        if draft.token_ids.device != self.device:
+            raise ValueError(f"draft: on {draft.token_ids.device}, model on {self.device}")
+        dev, T, q = self.device, self._width, 1 + N
+        valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
+        # padding nodes get token 0: any valid id, their rows and keys are never used
+        tokens = torch.where(valid, draft.token_ids.long(), 0)
+        ids = torch.cat([root_ids.to(dev).long()[:, None], tokens], 1)            # [B, q]
+        depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev),
+                           draft.depths().long()], 1)                               # [B, q]
+        pos = self._seq_lens[:, None] + depth
+        past = torch.arange(T, device=dev)[None, :] < self._seq_lens[:, None]      # [B, T]
+        allowed = torch.cat([past[:, None, :].expand(B, q, T), tree_attend(draft)], 2)
+        logits = self._forward(ids, allowed, pos)
+        self._pending, self._width = (T, q), T + q
+        return logits
+
+    def verify(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
+        """As :meth:`verify_padded`, flattened to ``[total_q, V]`` in request order.
+
+        ``qo_indptr`` is :func:`agspec_gpu.accept.tree_qo_indptr` of ``draft``. The flat size
+        is data-dependent, so this syncs once; ``verify_padded`` does not.
+        """
+        return flatten_tree_logits(self.verify_padded(draft, root_ids), draft.num_draft_tokens)
+
+    @torch.no_grad()
+    def commit(self, result: AcceptResult) -> None:
+        """Keeps prefix + root + accepted path of the last verify in each request's cache.
+
+        The bonus token is not cached: it is the next root. Compaction is one gather per
+        layer; its width, ``max(new lengths)``, is read from the device (one host sync per
+        step, which keeps the cache no wider than the longest request).
+        """
+        if self._pending is None:
+            raise ValueError("commit() without a preceding verify()")
+        T, q = self._pending
+        B = self.batch_size
+        if result.num_accepted.shape != (B,) or result.max_depth > q - 1:
+            raise ValueError(f"result: expected batch {B} and depth <= {q - 1}, got "
+                             f"{list(result.num_accepted.shape)} and {result.max_depth}")
+        dev = self.device
+        n_acc = result.num_accepted.long().to(dev)
+        new_lens = self._seq_lens + 1 + n_acc
+        W = int(new_lens.max())
+        path = torch.cat([result.accepted_nodes.long().to(dev),
+                          torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)    # [B, D+1]
+        t = torch.arange(W, device=dev)[None, :]
+        off = t - self._seq_lens[:, None]        # 0 = root, 1+k = k-th accepted node
+        node = path.gather(1, (off - 1).clamp(0, path.shape[1] - 1))
+        src = torch.where(off < 0, t, torch.where(off == 0, T, T + 1 + node))
+        src = torch.where(off > n_acc[:, None], 0, src)   # past the new length: junk slot
+        self._gather_slots(src)
+        self._seq_lens, self._width, self._pending = new_lens, W, None

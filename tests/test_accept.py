@@ -1,0 +1,249 @@
+"""Acceptance rules: greedy golden cases, a property test against a per-request walk, and
+for sampling: determinism under a seed, agreement with greedy at temperature 0 / top-k 1,
+and a statistical check that the emitted tokens follow the target distribution."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agspec_gpu.accept import (AcceptResult, SamplingParams, flatten_tree_logits, greedy_accept,
+                               pad_tree_logits, sample_accept, target_probs, tree_qo_indptr)
+from agspec_gpu.draft_batch import DraftBatch
+
+V = 16
+
+
+def one_hot_logits(targets: list[list[int]], vocab: int = V) -> torch.Tensor:
+    """Flat logits whose argmax per row is ``targets[b][row]`` (rows: root, node 0, ...)."""
+    flat = [t for per_req in targets for t in per_req]
+    return torch.nn.functional.one_hot(torch.tensor(flat), vocab).float()
+
+
+def check(res: AcceptResult, nodes: list[list[int]], outputs: list[list[int]]) -> None:
+    B, D = res.accepted_nodes.shape
+    for b in range(B):
+        n = res.num_accepted[b].item()
+        assert res.num_output[b].item() == n + 1
+        assert res.accepted_nodes[b, :n].tolist() == nodes[b], (b, res)
+        assert res.output_ids[b, :n + 1].tolist() == outputs[b], (b, res)
+        assert (res.accepted_nodes[b, n:] == -1).all() and (res.output_ids[b, n + 1:] == -1).all()
+
+
+def ref_walk(tree: list[tuple[int, int]], targets: list[int]) -> tuple[list[int], list[int]]:
+    """Per-request reference: lowest-index child matching the argmax at its parent."""
+    cur, nodes = -1, []
+    while True:
+        kids = [j for j, (tok, p) in enumerate(tree) if p == cur and tok == targets[cur + 1]]
+        if not kids:
+            return nodes, [tree[j][0] for j in nodes] + [targets[cur + 1]]
+        cur = kids[0]
+        nodes.append(cur)
+
+
+# ----------------------------------------------------------------------------- greedy golden
+
+CHAIN = [(5, -1), (7, 0), (9, 1)]
+# root children 0 (tok 5), 1 (tok 6), 2 (tok 7); node 3 (tok 8) under node 2; node 4
+# (tok 8) under node 0: the right token under the wrong parent
+BRANCHY = [(5, -1), (6, -1), (7, -1), (8, 2), (8, 0)]
+
+
+def test_full_chain_accepted():
+    d = DraftBatch.from_lists([CHAIN])
+    res = greedy_accept(d, one_hot_logits([[5, 7, 9, 4]]), tree_qo_indptr(d))
+    check(res, [[0, 1, 2]], [[5, 7, 9, 4]])
+    assert res.bonus_ids().tolist() == [4]
+
+
+def test_rejected_at_first_token():
+    d = DraftBatch.from_lists([CHAIN])
+    check(greedy_accept(d, one_hot_logits([[3, 7, 9, 4]]), tree_qo_indptr(d)), [[]], [[3]])
+
+
+def test_non_first_branch_wins():
+    d = DraftBatch.from_lists([BRANCHY])
+    # argmax: root 7, node0 8, node1 0, node2 8, node3 1, node4 2
+    res = greedy_accept(d, one_hot_logits([[7, 8, 0, 8, 1, 2]]), tree_qo_indptr(d))
+    check(res, [[2, 3]], [[7, 8, 1]])
+
+
+def test_empty_drafts():
+    d = DraftBatch.from_lists([[], []])
+    res = greedy_accept(d, one_hot_logits([[3], [11]]), tree_qo_indptr(d))
+    check(res, [[], []], [[3], [11]])
+
+
+def test_ragged_batch_flat_and_padded_agree():
+    trees = [CHAIN, [], BRANCHY, [(2, -1)]]
+    targets = [[5, 7, 0, 1], [4], [7, 8, 0, 8, 1, 2], [2, 13]]
+    d = DraftBatch.from_lists(trees)
+    flat, indptr = one_hot_logits(targets), tree_qo_indptr(d)
+    assert indptr.dtype == torch.int32 and indptr.tolist() == [0, 4, 5, 11, 13]
+    expected_nodes = [[0, 1], [], [2, 3], [0]]
+    expected_out = [[5, 7, 0], [4], [7, 8, 1], [2, 13]]
+    check(greedy_accept(d, flat, indptr), expected_nodes, expected_out)
+    padded = pad_tree_logits(flat, indptr, d.max_nodes)
+    assert padded.shape == (4, 1 + d.max_nodes, V)
+    check(greedy_accept(d, padded), expected_nodes, expected_out)
+    assert torch.equal(flatten_tree_logits(padded, d.num_draft_tokens), flat)
+
+
+def test_duplicate_sibling_tokens_lower_index_wins():
+    d = DraftBatch.from_lists([[(5, -1), (5, -1), (6, 1)]])
+    # both root children carry 5; only node 1 has the matching grandchild, but node 0 wins
+    check(greedy_accept(d, one_hot_logits([[5, 9, 6, 3]]), tree_qo_indptr(d)), [[0]], [[5, 9]])
+
+
+def test_argmax_tie_goes_to_lower_token_id():
+    d = DraftBatch.from_lists([[(4, -1)]])
+    logits = torch.zeros(2, V)
+    logits[0, [4, 2]] = 1.0  # tie between 2 and 4 at the root: 2 wins, the draft is rejected
+    check(greedy_accept(d, logits, tree_qo_indptr(d)), [[]], [[2]])
+
+
+def test_max_depth_truncates_losslessly():
+    d = DraftBatch.from_lists([CHAIN])
+    res = greedy_accept(d, one_hot_logits([[5, 7, 9, 4]]), tree_qo_indptr(d), max_depth=2)
+    assert res.max_depth == 2
+    check(res, [[0, 1]], [[5, 7, 9]])  # bonus = argmax at node 1 = the token node 2 holds
+
+
+def test_layout_errors_name_the_argument():
+    d = DraftBatch.from_lists([CHAIN])
+    flat = one_hot_logits([[5, 7, 9, 4]])
+    with pytest.raises(ValueError, match="qo_indptr"):
+        greedy_accept(d, flat, None)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        greedy_accept(d, flat[None].expand(1, 4, V), tree_qo_indptr(d))
+    with pytest.raises(ValueError, match="logits"):
+        greedy_accept(d, flat[None, :3])
+    with pytest.raises(ValueError, match="max_depth"):
+        greedy_accept(d, flat, tree_qo_indptr(d), max_depth=-1)
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 4))
+    trees, targets = [], []
+    for _ in range(B):
+        n = draw(st.integers(0, 7))
+        # tiny vocabulary so that matches and duplicate siblings are common
+        trees.append([(draw(st.integers(0, 2)), draw(st.integers(-1, j - 1))) for j in range(n)])
+        targets.append([draw(st.integers(0, 2)) for _ in range(n + 1)])
+    return trees, targets
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_greedy_matches_reference_walk(case):
+    trees, targets = case
+    d = DraftBatch.from_lists(trees)
+    flat, indptr = one_hot_logits(targets, vocab=3), tree_qo_indptr(d)
+    walks = [ref_walk(t, tg) for t, tg in zip(trees, targets)]
+    nodes, outs = [w[0] for w in walks], [w[1] for w in walks]
+    check(greedy_accept(d, flat, indptr), nodes, outs)
+    check(greedy_accept(d, pad_tree_logits(flat, indptr, d.max_nodes)), nodes, outs)
+    # a one-hot target makes sampling deterministic: it must agree with greedy
+    g = torch.Generator().manual_seed(0)
+    check(sample_accept(d, flat, indptr, SamplingParams(top_k=1), g), nodes, outs)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_sampling_params_validation():
+    SamplingParams(0.0, 5, 0.5)
+    for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-1),
+                dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 5, 1.0),
+                                    SamplingParams(1.0, 0, 0.8), SamplingParams(1.3, 7, 0.6)])
+def test_target_probs_matches_hf_warpers(params):
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)) * 3
+    x = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    if params.top_k:
+        x = TopKLogitsWarper(params.top_k)(None, x)
+    if params.top_p < 1.0:
+        x = TopPLogitsWarper(params.top_p)(None, x)
+    torch.testing.assert_close(target_probs(logits, params), x.softmax(-1))
+
+
+def _random_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    trees = [[(1, -1), (2, -1), (3, 0)], [], [(0, -1), (1, 0), (2, 1), (3, 1)]] * 3
+    d = DraftBatch.from_lists(trees)
+    logits = torch.randn(int(tree_qo_indptr(d)[-1]), 4, generator=g)
+    return d, logits
+
+
+def test_sampling_deterministic_under_seed():
+    d, logits = _random_case(0)
+    params = SamplingParams(1.0, 0, 0.95)
+    runs = [sample_accept(d, logits, tree_qo_indptr(d), params, torch.Generator().manual_seed(s))
+            for s in (7, 7, 8)]
+    for field in ("num_accepted", "accepted_nodes", "output_ids", "num_output"):
+        assert torch.equal(getattr(runs[0], field), getattr(runs[1], field))
+    assert not torch.equal(runs[0].output_ids, runs[2].output_ids)
+
+
+def test_temperature_zero_is_greedy():
+    d, logits = _random_case(1)
+    indptr = tree_qo_indptr(d)
+    res = sample_accept(d, logits, indptr, SamplingParams(temperature=0.0),
+                        torch.Generator().manual_seed(0))
+    ref = greedy_accept(d, logits, indptr)
+    assert torch.equal(res.output_ids, ref.output_ids)
+    assert torch.equal(res.accepted_nodes, ref.accepted_nodes)
+
+
+# A toy target: a Markov chain over V=6 tokens, next-token logits depend on the last token.
+MARKOV = torch.tensor([
+    [0.5, 1.2, 0.9, 0.3, -0.4, 0.0],
+    [0.2, -0.5, 1.0, 0.4, 1.1, -1.0],
+    [1.0, 0.1, -0.3, 0.8, 0.0, 0.6],
+    [-0.2, 0.7, 0.5, -1.0, 0.9, 0.3],
+    [0.4, 0.4, 0.0, 1.3, -0.6, 0.8],
+    [0.9, -0.8, 0.6, 0.2, 0.5, 0.1],
+])
+ROOT = 0
+# three root children (tokens 1, 2, 3), a child (token 4) under token 1 and one (token 0)
+# under token 3's node: the walk can accept 0, 1 or 2 tokens
+STAT_TREE = [(1, -1), (2, -1), (3, -1), (4, 0), (0, 2)]
+
+
+def _markov_rows(draft: DraftBatch, roots: torch.Tensor) -> torch.Tensor:
+    """Padded logits ``[B, 1+N, 6]``: row 0 from the root token, row 1+j from node j's token."""
+    ctx = torch.cat([roots[:, None], draft.token_ids.clamp(min=0)], 1).long()
+    return MARKOV[ctx]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, 4, 0.9)])
+def test_sampled_distribution_matches_target(params):
+    B = 40000
+    one = DraftBatch.from_lists([STAT_TREE])
+    d = DraftBatch(one.token_ids.expand(B, -1), one.parents.expand(B, -1),
+                   one.num_draft_tokens.expand(B))
+    g = torch.Generator().manual_seed(1234)
+    res = sample_accept(d, _markov_rows(d, torch.full((B,), ROOT)), None, params, g)
+    # second emitted token: from this step when it went past the bonus, else one more step
+    # with an empty draft rooted at the bonus, exactly as a decoder would do
+    empty = DraftBatch(torch.empty(B, 0, dtype=torch.int32), torch.empty(B, 0, dtype=torch.int32),
+                       torch.zeros(B, dtype=torch.int32))
+    nxt = sample_accept(empty, _markov_rows(empty, res.bonus_ids()), None, params, g)
+    first = res.output_ids[:, 0].long()
+    second = torch.where(res.num_output >= 2, res.output_ids[:, 1], nxt.output_ids[:, 0]).long()
+
+    p = target_probs(MARKOV, params)          # p[a, b] = P(next = b | last = a)
+    tv1 = 0.5 * (torch.bincount(first, minlength=6) / B - p[ROOT]).abs().sum()
+    joint = torch.bincount(first * 6 + second, minlength=36).reshape(6, 6) / B
+    tv2 = 0.5 * (joint - p[ROOT][:, None] * p).abs().sum()
+    assert tv1 < 0.015 and tv2 < 0.02, (tv1, tv2)
+    # every acceptance depth occurs, so all branches of the walk were exercised
+    assert set(res.num_accepted.unique().tolist()) == {0, 1, 2}

@@ -1,0 +1,201 @@
+"""HFRunner on tiny random Llama / Qwen2 models, eager and sdpa attention (fp32, CPU).
+
+Two checks: tree-verification logits equal the model's own forward over prefix + each
+root-to-node path (before and after a commit), and the loop propose -> verify ->
+greedy_accept -> commit reproduces plain greedy decoding token for token."""
+
+import pytest
+import torch
+
+from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.runners.hf import HFRunner, greedy_generate, tree_attend
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 1000
+PROMPTS = [[11, 42, 7, 300, 5, 9, 18], [600, 2], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87],
+           [999, 0, 500, 3]]
+NEW_TOKENS = 40
+MAX_TREE_DEPTH = 3
+
+
+def _tiny(arch: str, attn: str) -> torch.nn.Module:
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.1)  # larger than default so argmax gaps dwarf fp32 noise
+    if arch == "llama":
+        cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
+    else:
+        cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return cls._from_config(cfg, attn_implementation=attn).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # A 64-wide model is all thread-sync overhead: on a loaded 2-core box one forward takes
+    # ~2 ms with 1 thread and ~20 ms with 2. Restored after the module.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+VARIANTS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa")]
+_MODELS: dict = {}
+_REFS: dict = {}
+
+
+def model_for(variant) -> torch.nn.Module:
+    if variant not in _MODELS:
+        _MODELS[variant] = _tiny(*variant)
+    return _MODELS[variant]
+
+
+def reference(variant, b: int) -> list[int]:
+    """Greedy continuation of PROMPTS[b], long enough to build trees from at every step."""
+    if (variant, b) not in _REFS:
+        _REFS[variant, b] = greedy_generate(model_for(variant), PROMPTS[b],
+                                            NEW_TOKENS + MAX_TREE_DEPTH + 1)
+    return _REFS[variant, b]
+
+
+def full_forward_last(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def path_tokens(tree: list[tuple[int, int]], j: int) -> list[int]:
+    out = []
+    while j >= 0:
+        out.append(tree[j][0])
+        j = tree[j][1]
+    return out[::-1]
+
+
+def check_verify_rows(model, padded, prefixes, roots, trees) -> None:
+    for b, tree in enumerate(trees):
+        ctx = prefixes[b] + [roots[b]]
+        torch.testing.assert_close(padded[b, 0], full_forward_last(model, ctx), atol=1e-4, rtol=0)
+        for j in range(len(tree)):
+            torch.testing.assert_close(padded[b, 1 + j],
+                                       full_forward_last(model, ctx + path_tokens(tree, j)),
+                                       atol=1e-4, rtol=0,
+                                       msg=lambda m: f"request {b} node {j}: {m}")
+
+
+def test_tree_attend_layout():
+    d = DraftBatch.from_lists([[(5, -1), (6, -1), (7, 1)], []])
+    a = tree_attend(d).int()
+    assert a[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+    assert torch.equal(a[1], torch.eye(4, dtype=torch.int32))  # padding sees only itself
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+def test_verify_logits_equal_full_forward(variant):
+    model = model_for(variant)
+    runner = HFRunner(model)
+    prompts = PROMPTS[:3]
+    first = runner.prefill(prompts)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(first[b], full_forward_last(model, p), atol=1e-4, rtol=0)
+    roots = first.argmax(-1).tolist()
+    g = [reference(variant, b) for b in range(3)]
+    # request 0: a branchy tree whose second branch is the greedy path (accepts 2);
+    # request 1: empty; request 2: a wrong chain (accepts 0)
+    trees = [[(3, -1), (g[0][1], -1), (4, 0), (g[0][2], 1), (8, 1)], [], [(1, -1), (2, 0)]]
+    d = DraftBatch.from_lists(trees)
+    padded = runner.verify_padded(d, torch.tensor(roots))
+    check_verify_rows(model, padded, prompts, roots, trees)
+
+    res = greedy_accept(d, padded)
+    assert res.num_accepted.tolist() == [2, 0, 0]
+    runner.commit(res)
+    prefixes = [p + [r] + res.output_ids[b, :res.num_accepted[b]].tolist()
+                for b, (p, r) in enumerate(zip(prompts, roots))]
+    assert runner.seq_lens.tolist() == [len(p) for p in prefixes]
+    roots = res.bonus_ids().tolist()
+    trees = [[(9, -1)], [(10, -1), (11, -1), (12, 1), (13, 2)], [(14, -1), (15, 0), (16, 1)]]
+    d = DraftBatch.from_lists(trees)
+    flat = runner.verify(d, torch.tensor(roots))
+    assert flat.shape == (int(tree_qo_indptr(d)[-1]), VOCAB)
+    padded = pad_tree_logits(flat, tree_qo_indptr(d), d.max_nodes)
+    check_verify_rows(model, padded, prefixes, roots, trees)
+
+
+def propose(kind: str, ref: list[int], c: int, step: int) -> tuple[list[tuple[int, int]], int]:
+    """A tree for a request that has generated ``c`` tokens, and how many tokens it accepts."""
+    nxt = ref[c:c + MAX_TREE_DEPTH]
+    wrong = [(t + 1) % VOCAB for t in nxt]
+    if kind == "full":
+        k = 1 + step % MAX_TREE_DEPTH
+        return [(t, j - 1) for j, t in enumerate(nxt[:k])], k
+    if kind == "wrong":
+        return [(wrong[0], -1), (nxt[1], 0)], 0
+    if kind == "branch":
+        # root children: wrong, wrong, right (node 2); under node 2 a wrong then the right
+        # token (node 4); the right second token also under a wrong parent (node 5)
+        return [(wrong[0], -1), ((nxt[0] + 2) % VOCAB, -1), (nxt[0], -1), (wrong[1], 2),
+                (nxt[1], 2), (nxt[1], 0), (nxt[2], 4)], 3
+    return [], 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+@pytest.mark.parametrize("B", [1, 2, 3, 4])
+def test_spec_loop_reproduces_greedy(variant, B):
+    runner = HFRunner(model_for(variant))
+    refs = [reference(variant, b) for b in range(B)]
+    roots = runner.prefill(PROMPTS[:B]).argmax(-1)
+    outs = [[r] for r in roots.tolist()]
+    kinds = ["full", "wrong", "branch", "empty"]
+    step = 0
+    while min(len(o) for o in outs) < NEW_TOKENS:
+        trees, expected = [], []
+        for b in range(B):
+            # requests that are done keep decoding with empty drafts
+            kind = kinds[(step + b) % 4] if len(outs[b]) < NEW_TOKENS else "empty"
+            tree, n = propose(kind, refs[b], len(outs[b]), step)
+            trees.append(tree)
+            expected.append(n)
+        d = DraftBatch.from_lists(trees)
+        res = greedy_accept(d, runner.verify(d, roots), tree_qo_indptr(d))
+        runner.commit(res)
+        assert res.num_accepted.tolist() == expected, f"step {step}"
+        for b in range(B):
+            outs[b] += res.output_ids[b, :res.num_output[b]].tolist()
+        roots = res.bonus_ids()
+        step += 1
+    for b in range(B):
+        assert outs[b][:NEW_TOKENS] == refs[b][:NEW_TOKENS], f"request {b}"
+    assert runner.seq_lens.tolist() == [len(p) + len(o) - 1 for p, o in zip(PROMPTS, outs)]
+
+
+def test_runner_misuse_raises():
+    model = model_for(("llama", "eager"))
+    runner = HFRunner(model)
+    d = DraftBatch.from_lists([[(1, -1)]])
+    with pytest.raises(ValueError, match="prefill"):
+        runner.verify(d, torch.tensor([1]))
+    with pytest.raises(ValueError, match="input_ids"):
+        runner.prefill([[1], []])
+    runner.prefill([[1, 2]])
+    with pytest.raises(ValueError, match="commit"):
+        runner.commit(greedy_accept(d, torch.zeros(1, 2, VOCAB)))
+    with pytest.raises(ValueError, match="root_ids"):
+        runner.verify(d, torch.tensor([1, 2]))
+    runner.verify(d, torch.tensor([3]))
+    with pytest.raises(ValueError, match="twice"):
+        runner.verify(d, torch.tensor([3]))
+    model.train()
+    try:
+        with pytest.raises(ValueError, match="eval"):
+            HFRunner(model)
+    finally:
+        model.eval()
+    sliding = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, use_sliding_window=True,
+                                       sliding_window=16, max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding"):
+        HFRunner(transformers.Qwen2ForCausalLM(sliding).eval())
