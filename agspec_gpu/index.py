@@ -93,6 +93,8 @@ class IndexArena:
         self.device = torch.device(device)
         self.tokens = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
         self.sa = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
+        # int8 tag per token (which tier / emission form it came from), moved with tokens
+        self.src = torch.zeros(max(initial_tokens, 16), dtype=torch.int8, device=self.device)
         self._corpora: dict[int, _Corpus] = {}
         self._next_id = 0
         self._tok_top = 0
@@ -108,6 +110,31 @@ class IndexArena:
         cap = max(int(capacity), 16)
         self._corpora[cid] = _Corpus(tok_base=self._alloc_tokens(cap), tok_cap=cap)
         return cid
+
+    def add_prebuilt(self, tokens: torch.Tensor, sa: torch.Tensor, indexed_end: int,
+                     src: int = 0) -> int:
+        """Adds a corpus with a suffix array built offline (one level over ``[0, indexed_end)``).
+
+        The caller vouches that ``sa`` is ``build_suffix_array(tokens, 0, indexed_end,
+        max_depth + 1)`` for this arena's ``max_depth`` (the global tier checks a checksum).
+        """
+        _check_tokens(tokens, "tokens", self.device)
+        cid = self.new_corpus(max(tokens.numel(), 16))
+        c = self._corpora[cid]
+        self.tokens[c.tok_base:c.tok_base + tokens.numel()] = tokens
+        self.src[c.tok_base:c.tok_base + tokens.numel()] = src
+        c.n = tokens.numel()
+        seps = torch.nonzero(tokens < 0)
+        c.last_sep = int(seps[-1, 0]) if seps.numel() else -1
+        base = self._alloc_sa(sa.numel())
+        c = self._corpora[cid]
+        self.sa[base:base + sa.numel()] = sa.to(self.device, torch.int32)
+        c.levels.append(_Level(base, sa.numel(), 0, indexed_end))
+        return cid
+
+    def final_end(self, cid: int) -> int:
+        """Positions below this have their first ``max_depth + 1`` tokens fixed."""
+        return self._final_end(self._get(cid))
 
     def free(self, cid: int) -> None:
         """Releases a corpus; its device memory is reclaimed by compaction right away."""
@@ -131,16 +158,19 @@ class IndexArena:
     def nbytes(self, cid: int | None = None) -> int:
         """Bytes held: of one corpus (tokens + suffix array), or of both arena buffers."""
         if cid is None:
-            return self.tokens.numel() * 4 + self.sa.numel() * 4
+            return self.tokens.numel() * 5 + self.sa.numel() * 4
         c = self._get(cid)
-        return 4 * (c.tok_cap + sum(lv.sa_len for lv in c.levels))
+        return 5 * c.tok_cap + 4 * sum(lv.sa_len for lv in c.levels)
 
     def num_levels(self, cid: int) -> int:
         return len(self._get(cid).levels)
 
     # ---------------------------------------------------------------- appends
-    def append(self, cid: int, tokens: torch.Tensor) -> None:
-        """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``."""
+    def append(self, cid: int, tokens: torch.Tensor, src: int = 0) -> None:
+        """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``.
+
+        ``src`` tags the tokens (tier / emission form) for per-source statistics.
+        """
         c = self._get(cid)
         tokens = _check_tokens(tokens, "tokens", self.device)
         m = tokens.numel()
@@ -151,6 +181,7 @@ class IndexArena:
             c = self._corpora[cid]
         start = c.tok_base + c.n
         self.tokens[start:start + m] = tokens
+        self.src[start:start + m] = src
         seps = torch.nonzero(tokens < 0)
         if seps.numel():
             c.last_sep = c.n + int(seps[-1, 0])
@@ -194,6 +225,7 @@ class IndexArena:
             self._compact()
             if self._tok_top + size > self.tokens.numel():
                 self.tokens = _grown(self.tokens, self._tok_top, self._tok_top + size)
+                self.src = _grown(self.src, self._tok_top, self._tok_top + size)
         base = self._tok_top
         self._tok_top += size
         return base
@@ -210,11 +242,13 @@ class IndexArena:
     def _relocate(self, cid: int, new_cap: int) -> None:
         c = self._corpora[cid]
         old = self.tokens[c.tok_base:c.tok_base + c.n].clone()
+        old_src = self.src[c.tok_base:c.tok_base + c.n].clone()
         self._tok_garbage += c.tok_cap
         c.tok_cap = 0  # not live while we allocate (compaction may run)
         base = self._alloc_tokens(new_cap)
         c = self._corpora[cid]
         self.tokens[base:base + c.n] = old
+        self.src[base:base + c.n] = old_src
         c.tok_base, c.tok_cap = base, new_cap
 
     def _compact(self, shrink: bool = False) -> None:
@@ -227,16 +261,18 @@ class IndexArena:
         sa_size = max(16, 2 * live_sa if shrink else self.sa.numel())
         new_tok = torch.zeros(max(tok_size, live_tok), dtype=torch.int32, device=self.device)
         new_sa = torch.zeros(max(sa_size, live_sa), dtype=torch.int32, device=self.device)
+        new_src = torch.zeros_like(new_tok, dtype=torch.int8)
         tt = st = 0
         for c in self._corpora.values():
             new_tok[tt:tt + c.n] = self.tokens[c.tok_base:c.tok_base + c.n]
+            new_src[tt:tt + c.n] = self.src[c.tok_base:c.tok_base + c.n]
             c.tok_base = tt
             tt += c.tok_cap
             for lv in c.levels:
                 new_sa[st:st + lv.sa_len] = self.sa[lv.sa_base:lv.sa_base + lv.sa_len]
                 lv.sa_base = st
                 st += lv.sa_len
-        self.tokens, self.sa = new_tok, new_sa
+        self.tokens, self.sa, self.src = new_tok, new_sa, new_src
         self._tok_top, self._sa_top = tt, st
         self._tok_garbage = self._sa_garbage = 0
 

@@ -1,0 +1,144 @@
+"""Adaptive draft length (per request) and the batch-level draft-token budget.
+
+Per request ``r`` (all state in device tensors sized for the maximum batch):
+
+* ``k_t = min(C_role, max(1, floor(S_t * L_match)))``: the draft depth scales with the
+  length of the match that produced it, capped by the role's offline cap ``C_role``.
+* ``S_t`` moves by verification feedback: ``* alpha`` when the whole draft was accepted,
+  ``* beta`` when it was cut short, clamped to ``[s_min, s_max]``; no update when a fully
+  accepted draft was cut by the cap (the cap, not ``S_t``, limited it).
+
+Batch level: every candidate draft node carries an estimated acceptance probability. A
+step verifying ``B`` roots plus ``n`` draft tokens yields ``B + sum(p)`` tokens in
+``cost(B + n)``; nodes are taken in decreasing ``p`` and the count ``n*`` maximising that
+throughput is kept, so speculation shrinks smoothly as the batch (and its cost) grows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agspec_gpu.cost_model import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class RoleProfile:
+    """Offline profile of an agent role: its draft cap and initial scale."""
+
+    name: str
+    draft_cap: int = 32
+    initial_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.draft_cap < 1:
+            raise ValueError(f"draft_cap must be >= 1, got {self.draft_cap}")
+        if self.initial_scale <= 0:
+            raise ValueError("initial_scale must be > 0")
+
+
+BUILTIN_ROLES = {
+    "default": RoleProfile("default", 24),
+    "planner": RoleProfile("planner", 12),
+    "coder": RoleProfile("coder", 32),
+    "reviewer": RoleProfile("reviewer", 16),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    alpha: float = 1.5
+    beta: float = 0.6
+    s_min: float = 0.25
+    s_max: float = 4.0
+    static_k: int | None = None  # fixed depth; disables the adaptive rule
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 1.0 and 0 < self.beta <= 1.0):
+            raise ValueError("need alpha >= 1 and 0 < beta <= 1")
+        if not 0 < self.s_min <= self.s_max:
+            raise ValueError("need 0 < s_min <= s_max")
+        if self.static_k is not None and self.static_k < 1:
+            raise ValueError("static_k must be >= 1")
+
+
+def draft_depth(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Tensor,
+                config: ControllerConfig) -> torch.Tensor:
+    """``int32 [B]``: ``min(cap, max(1, floor(scale * match_len)))`` (static_k if set)."""
+    if config.static_k is not None:
+        return torch.full_like(cap, config.static_k)
+    k = torch.floor(scale * match_len.to(scale.dtype)).to(torch.int32)
+    return torch.minimum(cap, k.clamp(min=1))
+
+
+def update_scale(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: torch.Tensor,
+                 cap: torch.Tensor, config: ControllerConfig) -> torch.Tensor:
+    """New ``S_t`` after verification (requests with no draft keep theirs).
+
+    Args: scale ``float [B]``; drafted_depth ``int [B]`` depth of the verified draft;
+    accepted ``int [B]`` draft tokens accepted; cap ``int [B]`` the role caps.
+    """
+    full = (accepted >= drafted_depth) & (drafted_depth > 0)
+    rejected = (accepted < drafted_depth) & (drafted_depth > 0)
+    cut_by_cap = full & (drafted_depth >= cap)
+    new = torch.where(full & ~cut_by_cap, scale * config.alpha, scale)
+    new = torch.where(rejected, scale * config.beta, new)
+    return new.clamp(config.s_min, config.s_max)
+
+
+def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
+                 max_tokens: int | None = None) -> torch.Tensor:
+    """How many of the (descending) node scores to verify in one step.
+
+    Args:
+        scores: ``float [M]`` estimated acceptance probabilities, sorted descending.
+        num_requests: ``B``, roots verified anyway.
+        cost: step time versus tokens.
+
+    Returns:
+        ``int64 []`` (0-d tensor) ``n*`` maximising ``(B + cumsum(scores)[n-1]) / cost(B + n)``
+        over ``n in [0, M]``; ties go to the smaller ``n``. A higher cost per token never
+        yields a larger ``n*`` for the same scores.
+    """
+    M = scores.numel() if max_tokens is None else min(scores.numel(), max_tokens)
+    gain = torch.cat([scores.new_zeros(1), torch.cumsum(scores[:M].double(), 0)]) + num_requests
+    xs = torch.tensor([p[0] for p in cost.points], dtype=torch.float64, device=scores.device)
+    ys = torch.tensor([p[1] for p in cost.points], dtype=torch.float64, device=scores.device)
+    n = torch.arange(M + 1, device=scores.device, dtype=torch.float64) + num_requests
+    i = torch.searchsorted(xs, n).clamp(1, xs.numel() - 1)
+    t = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return torch.argmax(gain / t.clamp(min=1e-9))
+
+
+# ---------------------------------------------------------------- offline profiling
+def caps_from_curve(p_acc: list[float], theta: float) -> int:
+    """``C = max{k : P_acc(k) >= theta}`` (at least 1); ``p_acc[k-1]`` is ``P_acc(k)``."""
+    ok = [k + 1 for k, p in enumerate(p_acc) if p >= theta]
+    return max(ok) if ok else 1
+
+
+def profile_roles(curves: dict[str, list[float]], cost: CostModel | None = None,
+                  out: str | Path | None = None) -> dict[str, RoleProfile]:
+    """Role caps from measured acceptance curves ``P_acc(k)`` per role.
+
+    ``theta`` = verification overhead of one extra token relative to a decode step:
+    ``(cost(2) - cost(1)) / cost(1)`` scaled to the drafted block, i.e. a token is worth
+    drafting while its acceptance probability exceeds the marginal time it costs.
+    """
+    cost = cost or CostModel.default()
+    theta = max((cost.step_ms(33) - cost.step_ms(1)) / 32 / cost.step_ms(1), 1e-3)
+    profiles = {role: RoleProfile(role, caps_from_curve(c, theta)) for role, c in curves.items()}
+    if out is not None:
+        Path(out).write_text(json.dumps(
+            {"theta": theta, "cost_model": cost.to_json(),
+             "roles": {r: {"draft_cap": p.draft_cap, "p_acc": curves[r]}
+                       for r, p in profiles.items()}}, indent=2))
+    return profiles
+
+
+def load_profiles(path: str | Path) -> dict[str, RoleProfile]:
+    obj = json.loads(Path(path).read_text())
+    return {r: RoleProfile(r, int(v["draft_cap"])) for r, v in obj["roles"].items()}

@@ -1,0 +1,55 @@
+"""Verification cost model: time of one target forward pass versus tokens in the batch.
+
+The batch-level draft budget and the replay's modelled speedup both read it. The default
+points are for an 8B-parameter bf16 model on an H200 (memory-bound and flat up to a few
+hundred tokens, then compute-bound and linear); `bench/bench_e2e.py` measures the real
+curve of a model on a GPU and saves it in this format, so the budget steers by a measured
+map wherever one exists.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+_DEFAULT_POINTS = ((1, 6.5), (16, 6.6), (64, 7.0), (128, 7.8), (256, 9.5), (512, 13.0),
+                   (1024, 21.0), (2048, 38.0))
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Piecewise-linear step time in ms over ``(num_tokens, ms)`` points (extrapolated)."""
+
+    points: tuple[tuple[int, float], ...] = _DEFAULT_POINTS
+    source: str = "default: 8B bf16 on H200 (documented estimate, not a measurement)"
+
+    def __post_init__(self) -> None:
+        if len(self.points) < 2:
+            raise ValueError("points: need at least two (num_tokens, ms) points")
+        xs = [p[0] for p in self.points]
+        if xs != sorted(xs) or len(set(xs)) != len(xs) or xs[0] < 1:
+            raise ValueError("points: num_tokens must be distinct, ascending and >= 1")
+        if any(p[1] <= 0 for p in self.points):
+            raise ValueError("points: times must be positive")
+
+    @classmethod
+    def default(cls) -> "CostModel":
+        return cls()
+
+    def step_ms(self, num_tokens: float) -> float:
+        """Time of one forward pass over ``num_tokens`` tokens (whole batch)."""
+        xs = [p[0] for p in self.points]
+        i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(xs) - 1)
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)
+
+    def to_json(self) -> dict:
+        return {"points": [list(p) for p in self.points], "source": self.source}
+
+    @classmethod
+    def from_json(cls, obj: dict | str | Path) -> "CostModel":
+        if isinstance(obj, (str, Path)):
+            obj = json.loads(Path(obj).read_text())
+        return cls(tuple((int(a), float(b)) for a, b in obj["points"]), obj.get("source", ""))

@@ -1,0 +1,350 @@
+"""The batched retrieval drafter: one match per step for every request, then draft trees.
+
+``propose`` takes each request's last ``max_depth`` tokens (a device ring of recent tokens),
+matches them against every corpus the request may search (its session, its tenant's
+workspace and history, the global tier) in one batched call, and turns the continuations
+of the longest matches into a draft tree:
+
+* candidates: the continuation windows after the ``P`` most recent occurrences of the
+  longest match, per tier, weighted by a per-tier weight learned online from acceptance;
+* the candidates form a trie; a node's estimated acceptance probability is the weighted
+  share of candidates that pass through it (ties: shallower node, then the more recent
+  candidate);
+* nodes deeper than the controller's ``k_t`` are dropped, and the batch-level budget keeps
+  the most probable nodes across the whole batch (or a per-request ``max_nodes``);
+* chains (``tree=False``) follow the heaviest child at every node.
+
+``observe`` commits what verification accepted: the accepted tokens join the session tier
+and the recent-token ring, the controller's scale and the tier weights are updated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import nvtx
+import torch
+
+from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, batch_budget,
+                                   draft_depth, update_scale)
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.tiers import CorpusStore, CorpusTier
+
+_NUM_TIERS = len(CorpusTier)
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterConfig:
+    """Drafting parameters.
+
+    Attributes:
+        max_positions: occurrences sampled per (request, corpus) as candidates.
+        max_draft_depth: hard cap on draft depth (the role cap applies below it).
+        max_nodes: most draft nodes per request.
+        tree: trees (True) or chains (False).
+        batch_budget: spend draft tokens by the cost model across the batch.
+        min_match: shortest match that produces a draft.
+        controller: the adaptive-length rule.
+    """
+
+    max_positions: int = 8
+    max_draft_depth: int = 32
+    max_nodes: int = 64
+    tree: bool = True
+    batch_budget: bool = True
+    min_match: int = 1
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
+
+    def __post_init__(self) -> None:
+        if self.max_positions < 1 or self.max_draft_depth < 1 or self.max_nodes < 1:
+            raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
+        if self.min_match < 1:
+            raise ValueError("min_match must be >= 1")
+
+
+class Drafter:
+    """Batched drafter over a :class:`CorpusStore`.
+
+    Args:
+        store: the corpora (and tenant isolation).
+        config: drafting parameters.
+        max_batch: most concurrently open sessions; device state is sized for it.
+        cost: verification cost model for the batch budget.
+    """
+
+    def __init__(self, store: CorpusStore, config: DrafterConfig | None = None,
+                 max_batch: int = 64, cost: CostModel | None = None) -> None:
+        self.store = store
+        self.config = config or DrafterConfig()
+        self.cost = cost or CostModel.default()
+        self.max_batch = max_batch
+        dev = store.arena.device
+        D = store.config.max_depth
+        self.recent = torch.zeros(max_batch, D, dtype=torch.int32, device=dev)
+        self.recent_len = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.scale = torch.ones(max_batch, dtype=torch.float32, device=dev)
+        self.cap = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.tier_hits = torch.ones(_NUM_TIERS, dtype=torch.float64, device=dev)
+        self.tier_drafts = torch.full((_NUM_TIERS,), 2.0, dtype=torch.float64, device=dev)
+        self._roles = {r.name: r for r in self.config.roles}
+        self._slot: dict[str, int] = {}
+        self._free = list(range(max_batch - 1, -1, -1))
+        self._last: tuple[list[str], DraftBatch, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def open_session(self, sid: str, tenant: str, role: str = "default",
+                     prompt_ids: torch.Tensor | list[int] = ()) -> None:
+        if role not in self._roles:
+            raise ValueError(f"role {role!r} is unknown (known: {sorted(self._roles)})")
+        if not self._free:
+            raise ValueError(f"max_batch={self.max_batch} sessions are already open")
+        self.store.open_session(sid, tenant, prompt_ids)
+        slot = self._free.pop()
+        self._slot[sid] = slot
+        self.recent_len[slot] = 0
+        p = self._roles[role]
+        self.scale[slot] = p.initial_scale
+        self.cap[slot] = min(p.draft_cap, self.config.max_draft_depth)
+        self._push(torch.tensor([slot]), self.store._as_tokens(prompt_ids, "prompt_ids")[None, :],
+                   None)
+
+    def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
+        """Context the model did not generate (user / tool messages)."""
+        t = self.store._as_tokens(tokens, "tokens")
+        self.store.append_session(sid, t)
+        self._push(torch.tensor([self._slot_of(sid)]), t[None, :], None)
+
+    def close_session(self, sid: str) -> None:
+        slot = self._slot_of(sid)
+        self.store.close_session(sid)
+        del self._slot[sid]
+        self._free.append(slot)
+
+    def _slot_of(self, sid: str) -> int:
+        if sid not in self._slot:
+            raise KeyError(f"session {sid!r} is unknown or closed")
+        return self._slot[sid]
+
+    def _push(self, slots: torch.Tensor, toks: torch.Tensor, num: torch.Tensor | None) -> None:
+        """Appends ``toks [b, M]`` (first ``num`` valid, all if None) to the recent ring."""
+        D = self.recent.shape[1]
+        slots = slots.to(self.recent.device)
+        M = toks.shape[1]
+        num = torch.full((slots.numel(),), M, dtype=torch.int64, device=slots.device) \
+            if num is None else num.to(torch.int64)
+        cat = torch.cat([self.recent[slots], toks.to(torch.int32)], 1)
+        idx = torch.arange(D, device=cat.device)[None, :] + num[:, None]
+        self.recent[slots] = cat.gather(1, idx)
+        self.recent_len[slots] = (self.recent_len[slots] + num.to(torch.int32)).clamp(max=D)
+
+    # ------------------------------------------------------------ propose
+    def propose(self, sids: list[str]) -> DraftBatch:
+        """Draft trees for ``sids`` (in that order)."""
+        with nvtx.annotate("agspec.propose", color="green"):
+            return self._propose(sids)
+
+    def _propose(self, sids: list[str]) -> DraftBatch:
+        cfg, store = self.config, self.store
+        dev = self.recent.device
+        B = len(sids)
+        slots = torch.tensor([self._slot_of(s) for s in sids], dtype=torch.int64, device=dev)
+        rows_req, rows_cid, rows_tier = [], [], []
+        for b, sid in enumerate(sids):
+            for tier, cid in store.corpora_of(sid):
+                rows_req.append(b)
+                rows_cid.append(cid)
+                rows_tier.append(int(tier))
+        req = torch.tensor(rows_req, dtype=torch.int64, device=dev)
+        tier = torch.tensor(rows_tier, dtype=torch.int64, device=dev)
+        P = cfg.max_positions
+        m = store.arena.match(self.recent[slots][req], self.recent_len[slots][req], rows_cid, P)
+        arena = store.arena
+        # the longest match of each request decides which rows supply candidates
+        best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
+            0, req, m.length, reduce="amax")
+        use = (m.length == best[req]) & (m.length >= cfg.min_match)
+        K = cfg.max_draft_depth
+        # candidate windows [R, P, K]
+        base = torch.tensor([arena._corpora[c].tok_base for c in rows_cid], dtype=torch.int64,
+                            device=dev)
+        n = torch.tensor([arena._corpora[c].n for c in rows_cid], dtype=torch.int64, device=dev)
+        pos = m.positions
+        j = torch.arange(K, device=dev)
+        at = pos[:, :, None] + j[None, None, :]
+        inside = (pos[:, :, None] >= 0) & (at < n[:, None, None]) & use[:, None, None]
+        flat = torch.where(inside, base[:, None, None] + at, 0)
+        win = torch.where(inside, torch.take(arena.tokens, flat), PAD_ID)
+        src = torch.where(inside, torch.take(arena.src, flat).to(torch.int32), -1)
+        ok = torch.cumprod((win >= 0).to(torch.int32), dim=2).bool()  # stop at separators
+        win = torch.where(ok, win, PAD_ID)
+        # tier weight (learned acceptance share), more recent occurrences first within a row
+        tw = (self.tier_hits / self.tier_drafts).to(torch.float32)[tier]
+        w = torch.where(ok[:, :, 0], tw[:, None].expand(-1, P), 0.0)
+        # regroup rows into requests: [B, C, K] with C = rows per request * P
+        rows_per = torch.bincount(req, minlength=B)
+        R_max = int(rows_per.max()) if B else 0
+        first = torch.cumsum(rows_per, 0) - rows_per
+        rslot = torch.arange(req.numel(), device=dev) - first[req]
+        C = R_max * P
+        W = torch.full((B, R_max, P, K), PAD_ID, dtype=torch.int32, device=dev)
+        S = torch.full((B, R_max, P, K), -1, dtype=torch.int32, device=dev)
+        Wt = torch.zeros(B, R_max, P, device=dev)
+        W[req, rslot] = win.to(torch.int32)
+        S[req, rslot] = src
+        Wt[req, rslot] = w
+        W, S, Wt = W.view(B, C, K), S.view(B, C, K), Wt.view(B, C)
+        return self._tree(sids, slots, W, S, Wt, best)
+
+    def _tree(self, sids, slots, W, S, Wt, best) -> DraftBatch:
+        cfg = self.config
+        B, C, K = W.shape
+        dev = W.device
+        valid = W >= 0
+        # same[b, c, c2, d]: candidates c and c2 agree on tokens 0..d
+        eq = (W[:, :, None, :] == W[:, None, :, :]) & valid[:, :, None, :]
+        same = torch.cumprod(eq.to(torch.int8), dim=3).bool()
+        # representative: lowest-index candidate with the same prefix (the most recent one)
+        cidx = torch.arange(C, device=dev)
+        rep = torch.where(same, cidx[None, None, :, None], C).min(dim=2).values  # [B, C, K]
+        mass = (same.float() * Wt[:, None, :, None]).sum(dim=2)  # [B, C, K]
+        total = Wt.sum(dim=1).clamp(min=1e-9)
+        prob = mass / total[:, None, None]
+        is_node = valid & (rep == cidx[None, :, None])
+        # depth cap from the controller
+        k = draft_depth(self.scale[slots], best, self.cap[slots], cfg.controller)
+        k = torch.minimum(k, torch.full_like(k, K))
+        depth = torch.arange(K, device=dev)
+        is_node &= depth[None, None, :] < k[:, None, None]
+        if not cfg.tree:
+            is_node &= self._chain_mask(rep, mass, is_node)
+        # score for best-first selection; ties: shallower, then lower candidate index
+        score = torch.where(is_node, prob, -1.0)
+        tie = (depth[None, None, :] * (C + 1) + cidx[None, :, None]).float() / (K * (C + 1) + 1)
+        key = torch.where(is_node, score - 1e-6 * tie, -2.0).view(B, C * K)
+        order = torch.argsort(key, dim=1, descending=True, stable=True)
+        ranked = key.gather(1, order)
+        keep_n = torch.clamp((ranked > -1.5).sum(dim=1), max=cfg.max_nodes)
+        if cfg.batch_budget and cfg.controller.static_k is None:
+            flat_scores = torch.where(ranked > -1.5, ranked, -1.0)
+            rank = torch.arange(C * K, device=dev)[None, :]
+            flat_scores = torch.where(rank < keep_n[:, None], flat_scores, -1.0)
+            allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
+            nstar = batch_budget(allv.clamp(min=0), B, self.cost,
+                                 max_tokens=int((allv > -0.5).sum()))
+            thresh = torch.where(nstar > 0, allv[(nstar - 1).clamp(min=0)],
+                                 torch.tensor(2.0, device=dev))
+            keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
+        rank = torch.arange(C * K, device=dev)[None, :]
+        chosen = torch.zeros(B, C * K, dtype=torch.bool, device=dev).scatter(
+            1, order, rank < keep_n[:, None])
+        chosen = chosen.view(B, C, K)
+        # topological order: by depth, then candidate index
+        ordkey = torch.where(chosen, depth[None, None, :] * C + cidx[None, :, None], C * K + 1)
+        ordkey = ordkey.permute(0, 2, 1).reshape(B, K * C)  # depth-major
+        node_order = torch.argsort(ordkey, dim=1, stable=True)
+        num = chosen.view(B, -1).sum(dim=1)
+        N = max(int(num.max()) if B else 0, 1)
+        node_order = node_order[:, :N]
+        nd = node_order // C  # depth
+        nc = node_order % C  # candidate
+        valid_node = torch.arange(N, device=dev)[None, :] < num[:, None]
+        flat_W = W.permute(0, 2, 1).reshape(B, K * C)  # depth-major, like ordkey
+        tok = torch.where(valid_node, flat_W.gather(1, node_order), PAD_ID)
+        srcs = torch.where(valid_node, S.permute(0, 2, 1).reshape(B, K * C).gather(1, node_order),
+                           -1)
+        # parent: node (rep[c, d-1], d-1)
+        # node index of each chosen (depth, candidate); padding scatters to a dummy column
+        idx_of = torch.full((B, K * C + 1), -1, dtype=torch.int64, device=dev)
+        idx_of.scatter_(1, torch.where(valid_node, node_order, K * C),
+                        torch.where(valid_node, torch.arange(N, device=dev)[None, :], -1))
+        prev_rep = rep.permute(0, 2, 1).reshape(B, K * C)  # rep at (d, c)
+        pd = (nd - 1).clamp(min=0)
+        parent_cand = prev_rep.gather(1, pd * C + nc)
+        parent = torch.where(nd > 0, idx_of.gather(1, pd * C + parent_cand), -1)
+        parent = torch.where(valid_node, parent, PAD_ID)
+        draft = DraftBatch(tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
+                           srcs.to(torch.int8))
+        self._last = (list(sids), draft, nd)
+        return draft
+
+    @staticmethod
+    def _chain_mask(rep, mass, is_node) -> torch.Tensor:
+        """Nodes on the heaviest path (ties: lower candidate index)."""
+        B, C, K = rep.shape
+        dev = rep.device
+        on = torch.ones(B, C, dtype=torch.bool, device=dev)  # candidates consistent so far
+        out = torch.zeros(B, C, K, dtype=torch.bool, device=dev)
+        cidx = torch.arange(C, device=dev)
+        for d in range(K):
+            node = is_node[:, :, d] & on
+            m = torch.where(node, mass[:, :, d], -1.0)
+            pick = torch.argmax(m, dim=1)  # first max = lowest index
+            has = m.max(dim=1).values > -0.5
+            out[:, :, d] = (cidx[None, :] == pick[:, None]) & has[:, None]
+            on = on & (rep[:, :, d] == pick[:, None]) & has[:, None]
+        return out
+
+    # ------------------------------------------------------------ observe
+    def observe(self, sids: list[str], output_ids: torch.Tensor, num_output: torch.Tensor,
+                num_accepted: torch.Tensor) -> None:
+        """Commits verification results for the last ``propose(sids)``.
+
+        Args:
+            output_ids: ``int32 [B, M]`` accepted draft tokens then the bonus, -1 padded.
+            num_output: ``int32 [B]`` valid tokens per row (accepted + 1).
+            num_accepted: ``int32 [B]`` draft tokens accepted.
+        """
+        with nvtx.annotate("agspec.commit", color="red"):
+            self._observe(sids, output_ids, num_output, num_accepted)
+
+    def _observe(self, sids, output_ids, num_output, num_accepted) -> None:
+        dev = self.recent.device
+        slots = torch.tensor([self._slot_of(s) for s in sids], dtype=torch.int64, device=dev)
+        out = output_ids.to(dev, torch.int32)
+        nout = num_output.to(dev)
+        nacc = num_accepted.to(dev)
+        if self._last is not None and self._last[0] == list(sids):
+            _, draft, nd = self._last
+            depth_drafted = torch.where(
+                torch.arange(draft.max_nodes, device=dev)[None, :] < draft.num_draft_tokens[:, None],
+                nd + 1, 0).max(dim=1).values
+            self.scale[slots] = update_scale(self.scale[slots], depth_drafted, nacc,
+                                             self.cap[slots], self.config.controller)
+            # tier weights: drafted nodes per tier vs accepted path tokens per tier
+            srcs = draft.maybe_source.to(torch.int64)
+            tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
+            drafted = torch.bincount(tiers.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
+            acc_src = self._accepted_sources(draft, out, nacc)
+            acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
+            hits = torch.bincount(acc_t.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
+            self.tier_hits = 0.99 * self.tier_hits + hits.double()
+            self.tier_drafts = 0.99 * self.tier_drafts + drafted.double()
+            self.last_accepted_sources = acc_src
+        self._push(slots, out.clamp(min=0), nout)
+        counts = nout.tolist()
+        for b, sid in enumerate(sids):  # host loop: corpus appends are per-corpus segments
+            if counts[b]:
+                self.store.append_session(sid, out[b, :counts[b]])
+
+    @staticmethod
+    def _accepted_sources(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor
+                          ) -> torch.Tensor:
+        """``int [B, max_acc]`` source tags of the accepted path's nodes, -1 padded."""
+        B, N = draft.token_ids.shape
+        dev = out.device
+        A = out.shape[1]
+        res = torch.full((B, max(A, 1)), -1, dtype=torch.int64, device=dev)
+        cur = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
+        for d in range(min(A, N)):
+            want = out[:, d]
+            cand = valid & (draft.parents.to(torch.int64) == cur[:, None]) & \
+                (draft.token_ids == want[:, None])
+            has = cand.any(dim=1) & (d < nacc)
+            nxt = torch.argmax(cand.to(torch.int8), dim=1)
+            res[:, d] = torch.where(has, draft.maybe_source.to(torch.int64).gather(
+                1, nxt[:, None])[:, 0], -1)
+            cur = torch.where(has, nxt, -2)
+        return res

@@ -1,0 +1,384 @@
+"""Corpus tiers: session, tenant workspace, tenant history, and the shared global corpus.
+
+All corpora of one :class:`CorpusStore` live in one :class:`~agspec_gpu.index.IndexArena`,
+so one batched match serves every request of a step. A request searches its own session
+corpus, its tenant's workspace and history, and the global corpus: never another tenant's.
+
+Every token carries a source tag ``tier * 8 + form`` (``form`` = index in
+:class:`~agspec_gpu.forms.EmissionForm`), which drafts report per node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+
+from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
+from agspec_gpu.index import IndexArena, IndexConfig
+from agspec_gpu.suffix_array import build_suffix_array
+from agspec_gpu.tokenizer import Tokenizer
+
+SEP = -1  # document separator in every corpus
+_FORM_INDEX = {f: i for i, f in enumerate(EmissionForm)}
+
+
+class CorpusTier(IntEnum):
+    SESSION = 0
+    WORKSPACE = 1
+    HISTORY = 2
+    GLOBAL = 3
+
+
+def source_code(tier: CorpusTier, form: EmissionForm = EmissionForm.RAW) -> int:
+    return int(tier) * 8 + _FORM_INDEX[form]
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Which tiers and forms are searched, and their budgets (tokens)."""
+
+    max_depth: int = 32
+    tail_tokens: int = 1024
+    use_workspace: bool = True
+    use_history: bool = True
+    use_global: bool = True
+    forms: tuple[EmissionForm, ...] = DEFAULT_FORMS
+    workspace_budget_tokens: int = 4_000_000
+    history_budget_tokens: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        if EmissionForm.RAW not in self.forms:
+            raise ValueError("forms must include EmissionForm.RAW")
+        if self.workspace_budget_tokens < 1 or self.history_budget_tokens < 1:
+            raise ValueError("tier budgets must be >= 1 token")
+        IndexConfig(self.max_depth, self.tail_tokens)  # validates both
+
+
+@dataclass
+class _Tenant:
+    workspace: int | None = None
+    history: int | None = None
+    files: "OrderedDict[tuple[str, str], list[tuple[int, int, int]]]" = field(
+        default_factory=OrderedDict)  # (path, digest) -> [(start, end, src)] in workspace
+    history_docs: "OrderedDict[str, tuple[int, int]]" = field(default_factory=OrderedDict)
+    sessions: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Session:
+    tenant: str
+    corpus: int
+    closed: bool = False
+
+
+class CorpusStore:
+    """Owns every corpus of a decoder and keeps tenants apart.
+
+    Args:
+        tokenizer: the real tokenizer; workspace text is tokenized whole, per form.
+        config: tiers, forms and budgets.
+        device: where the arena lives.
+        global_corpus: optional :class:`GlobalCorpus` shared read-only by every tenant.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, config: TierConfig | None = None,
+                 device: torch.device | str = "cpu", global_corpus: "GlobalCorpus | None" = None
+                 ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config or TierConfig()
+        self.arena = IndexArena(IndexConfig(self.config.max_depth, self.config.tail_tokens),
+                                device, initial_tokens=1 << 16)
+        self._tenants: dict[str, _Tenant] = {}
+        self._sessions: dict[str, _Session] = {}
+        self.global_cid: int | None = None
+        if global_corpus is not None and self.config.use_global:
+            global_corpus.check(tokenizer, self.config.max_depth)
+            self.global_cid = self.arena.add_prebuilt(
+                global_corpus.tokens.to(self.arena.device), global_corpus.sa,
+                global_corpus.indexed_end, source_code(CorpusTier.GLOBAL))
+
+    # ------------------------------------------------------------ sessions
+    def open_session(self, sid: str, tenant: str, prompt_ids: torch.Tensor | list[int]) -> None:
+        if not isinstance(sid, str) or not sid:
+            raise ValueError("sid must be a non-empty string")
+        if sid in self._sessions:
+            raise ValueError(f"sid {sid!r}: a session with this id already exists")
+        ids = self._as_tokens(prompt_ids, "prompt_ids")
+        t = self._tenants.setdefault(tenant, _Tenant())
+        cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
+        self.arena.append(cid, ids, source_code(CorpusTier.SESSION))
+        self._sessions[sid] = _Session(tenant, cid)
+        t.sessions.add(sid)
+
+    def append_session(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
+        """Appends context or accepted tokens to a session's corpus."""
+        s = self.session(sid)
+        self.arena.append(s.corpus, self._as_tokens(tokens, "tokens"),
+                          source_code(CorpusTier.SESSION))
+
+    def close_session(self, sid: str) -> None:
+        """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""
+        s = self.session(sid)
+        t = self._tenants[s.tenant]
+        if self.config.use_history:
+            text = self.arena.corpus_tokens(s.corpus).clone()
+            self._add_history(t, sid, text)
+        self.arena.free(s.corpus)
+        s.closed = True
+        t.sessions.discard(sid)
+        del self._sessions[sid]
+
+    def close_tenant(self, tenant: str) -> None:
+        """Closes the tenant's sessions and frees its workspace and history."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            raise KeyError(f"tenant {tenant!r} is unknown")
+        for sid in list(t.sessions):
+            self.arena.free(self._sessions.pop(sid).corpus)
+        for cid in (t.workspace, t.history):
+            if cid is not None:
+                self.arena.free(cid)
+        del self._tenants[tenant]
+
+    def session(self, sid: str) -> _Session:
+        s = self._sessions.get(sid)
+        if s is None:
+            raise KeyError(f"session {sid!r} is unknown or closed")
+        return s
+
+    def tenant_of(self, sid: str) -> str:
+        return self.session(sid).tenant
+
+    # ------------------------------------------------------------ workspace
+    def add_workspace_file(self, tenant: str, path: str | None, text: str,
+                           first_line: int | None = None) -> int:
+        """Indexes a file (or fragment) the tenant's agent opened, in every configured form.
+
+        A re-read with identical text only refreshes its LRU position; changed text is
+        added as a new version and the old one is kept (diffs quote old text). Returns the
+        number of tokens added.
+        """
+        if not self.config.use_workspace or not text:
+            return 0
+        t = self._tenants.setdefault(tenant, _Tenant())
+        key = (path or "", hashlib.sha1(text.encode()).hexdigest())
+        if key in t.files:
+            t.files.move_to_end(key)
+            return 0
+        if t.workspace is None:
+            t.workspace = self.arena.new_corpus(1 << 14)
+        rendered = render_forms(text, self.config.forms)
+        forms = list(rendered)
+        ids = self.tokenizer.encode_batch([rendered[f] for f in forms])
+        docs, added = [], 0
+        for f, toks in zip(forms, ids):
+            start = self.arena.num_tokens(t.workspace)
+            self.arena.append(t.workspace, torch.tensor([SEP] + toks, dtype=torch.int32,
+                                                        device=self.arena.device),
+                              source_code(CorpusTier.WORKSPACE, f))
+            docs.append((start, start + 1 + len(toks), source_code(CorpusTier.WORKSPACE, f)))
+            added += 1 + len(toks)
+        t.files[key] = docs
+        if self.arena.num_tokens(t.workspace) > self.config.workspace_budget_tokens:
+            self._evict_workspace(t)
+        return added
+
+    def _evict_workspace(self, t: _Tenant) -> None:
+        """Drops least-recently-used files until under budget, then rebuilds the corpus."""
+        total = self.arena.num_tokens(t.workspace)
+        while t.files and total > self.config.workspace_budget_tokens // 2:
+            _, docs = t.files.popitem(last=False)
+            total -= sum(e - s for s, e, _ in docs)
+        t.workspace = self._rebuild(t.workspace, t.files)
+
+    def _rebuild(self, cid: int, docs_by_key: "OrderedDict") -> int:
+        old = self.arena.corpus_tokens(cid).clone()
+        self.arena.free(cid)
+        new = self.arena.new_corpus(max(16, 2 * sum(e - s for d in docs_by_key.values()
+                                                    for s, e, _ in d)))
+        for key, docs in docs_by_key.items():
+            moved = []
+            for s, e, src in docs:
+                start = self.arena.num_tokens(new)
+                self.arena.append(new, old[s:e], src)
+                moved.append((start, start + e - s, src))
+            docs_by_key[key] = moved
+        return new
+
+    # ------------------------------------------------------------ history
+    def _add_history(self, t: _Tenant, sid: str, tokens: torch.Tensor) -> None:
+        if t.history is None:
+            t.history = self.arena.new_corpus(max(2 * tokens.numel(), 1024))
+        start = self.arena.num_tokens(t.history)
+        sep = torch.tensor([SEP], dtype=torch.int32, device=self.arena.device)
+        self.arena.append(t.history, torch.cat([sep, tokens]), source_code(CorpusTier.HISTORY))
+        t.history_docs[sid] = (start, start + 1 + tokens.numel())
+        if self.arena.num_tokens(t.history) > self.config.history_budget_tokens:
+            docs = OrderedDict((k, [(s, e, source_code(CorpusTier.HISTORY))])
+                               for k, (s, e) in t.history_docs.items())
+            total = self.arena.num_tokens(t.history)
+            while len(docs) > 1 and total > self.config.history_budget_tokens:
+                _, d = docs.popitem(last=False)
+                total -= d[0][1] - d[0][0]
+            t.history = self._rebuild(t.history, docs)
+            t.history_docs = OrderedDict((k, (d[0][0], d[0][1])) for k, d in docs.items())
+
+    # ------------------------------------------------------------ queries
+    def corpora_of(self, sid: str) -> list[tuple[CorpusTier, int]]:
+        """The corpora a session may search, its own tenant's only."""
+        s = self.session(sid)
+        t = self._tenants[s.tenant]
+        out = [(CorpusTier.SESSION, s.corpus)]
+        if self.config.use_workspace and t.workspace is not None:
+            out.append((CorpusTier.WORKSPACE, t.workspace))
+        if self.config.use_history and t.history is not None:
+            out.append((CorpusTier.HISTORY, t.history))
+        if self.global_cid is not None:
+            out.append((CorpusTier.GLOBAL, self.global_cid))
+        return out
+
+    def oracle_prefix_len(self, sids: list[str], continuation: torch.Tensor) -> torch.Tensor:
+        """``int32 [B]``: longest prefix of ``continuation[b]`` (``int32 [B, k]``, -1 padded)
+        found in any corpus session ``sids[b]`` may search (the oracle drafter's accept)."""
+        from agspec_gpu.oracle import longest_prefix
+
+        rows, cids = [], []
+        for b, sid in enumerate(sids):
+            for _, cid in self.corpora_of(sid):
+                rows.append(b)
+                cids.append(cid)
+        cont = continuation.to(self.arena.device, torch.int32)
+        r = torch.tensor(rows, dtype=torch.int64, device=self.arena.device)
+        per_row = longest_prefix(self.arena, cont[r], cids)
+        out = torch.zeros(len(sids), dtype=torch.int64, device=self.arena.device)
+        out.scatter_reduce_(0, r, per_row, reduce="amax")
+        return out.to(torch.int32)
+
+    def nbytes(self, tier: CorpusTier | None = None, tenant: str | None = None) -> int:
+        """Device bytes held, optionally restricted to a tier and/or tenant."""
+        total = 0
+        for name, t in self._tenants.items():
+            if tenant is not None and name != tenant:
+                continue
+            cids = []
+            if tier in (None, CorpusTier.SESSION):
+                cids += [self._sessions[s].corpus for s in t.sessions]
+            if tier in (None, CorpusTier.WORKSPACE) and t.workspace is not None:
+                cids.append(t.workspace)
+            if tier in (None, CorpusTier.HISTORY) and t.history is not None:
+                cids.append(t.history)
+            total += sum(self.arena.nbytes(c) for c in cids)
+        if tenant is None and tier in (None, CorpusTier.GLOBAL) and self.global_cid is not None:
+            total += self.arena.nbytes(self.global_cid)
+        return total
+
+    def _as_tokens(self, ids: torch.Tensor | list[int], name: str) -> torch.Tensor:
+        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.int32)
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.tokenizer.vocab_size):
+            raise ValueError(f"{name}: token ids must be in [0, {self.tokenizer.vocab_size})")
+        return t.to(self.arena.device, torch.int32)
+
+
+# ---------------------------------------------------------------- global tier
+_FORMAT = "agspec-global-v1"
+
+
+@dataclass
+class GlobalCorpus:
+    """A read-only corpus built offline, with its suffix array and tokenizer fingerprint."""
+
+    tokens: torch.Tensor
+    sa: torch.Tensor
+    indexed_end: int
+    max_depth: int
+    fingerprint: str
+
+    def check(self, tokenizer: Tokenizer, max_depth: int) -> None:
+        if tokenizer.fingerprint != self.fingerprint:
+            raise ValueError("global corpus was built with another tokenizer "
+                             f"(fingerprint {self.fingerprint[:12]}, this tokenizer "
+                             f"{tokenizer.fingerprint[:12]})")
+        if max_depth != self.max_depth:
+            raise ValueError(f"global corpus was indexed with max_depth={self.max_depth}, "
+                             f"the store uses {max_depth}")
+
+
+def _digest(tokens: torch.Tensor, sa: torch.Tensor) -> str:
+    h = hashlib.sha256(tokens.numpy().tobytes())
+    h.update(sa.numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | Path,
+                        max_depth: int = 32, suffixes: tuple[str, ...] = (".py",),
+                        max_tokens: int = 50_000_000) -> GlobalCorpus:
+    """Tokenizes public text files under ``src`` (dirs or files), indexes and saves them."""
+    from safetensors.torch import save_file
+
+    files: list[Path] = []
+    for p in map(Path, src):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix in suffixes and f.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"src: {p} does not exist")
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    parts: list[int] = []
+    for ids in tokenizer.encode_batch(texts):
+        if len(parts) + len(ids) + 1 > max_tokens:
+            break
+        parts.append(SEP)
+        parts.extend(ids)
+    tokens = torch.tensor(parts, dtype=torch.int32)
+    end = tokens.numel()  # the last document ends the corpus: every position is final
+    sa = build_suffix_array(tokens, 0, end, max_depth + 1)
+    meta = {"format": _FORMAT, "fingerprint": tokenizer.fingerprint, "tokenizer": tokenizer.name,
+            "max_depth": str(max_depth), "indexed_end": str(end),
+            "sha256": _digest(tokens, sa), "num_files": str(len(texts))}
+    save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)
+    return GlobalCorpus(tokens, sa, end, max_depth, tokenizer.fingerprint)
+
+
+def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> GlobalCorpus:
+    """Loads and verifies a global corpus file (format, checksum, tokenizer fingerprint)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tokens, sa = f.get_tensor("tokens"), f.get_tensor("sa")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types
+        raise ValueError(f"global corpus {path}: unreadable or truncated ({exc})") from exc
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"global corpus {path}: not an agspec global corpus")
+    if _digest(tokens, sa) != meta.get("sha256"):
+        raise ValueError(f"global corpus {path}: checksum mismatch (corrupted file)")
+    g = GlobalCorpus(tokens, sa, int(meta["indexed_end"]), int(meta["max_depth"]),
+                     meta["fingerprint"])
+    if tokenizer is not None and tokenizer.fingerprint != g.fingerprint:
+        raise ValueError(f"global corpus {path} was built with tokenizer "
+                         f"{meta.get('tokenizer')!r} ({g.fingerprint[:12]}), not "
+                         f"{tokenizer.name!r} ({tokenizer.fingerprint[:12]})")
+    return g
+
+
+def describe(store: CorpusStore) -> str:
+    return json.dumps({"tenants": len(store._tenants), "sessions": len(store._sessions),
+                       "bytes": store.nbytes()})
