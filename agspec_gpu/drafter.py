@@ -116,6 +116,13 @@ class Drafter:
         self.store.append_session(sid, t)
         self._push(torch.tensor([self._slot_of(sid)]), t[None, :], None)
 
+    def append_generated(self, sids: list[str], output_ids: torch.Tensor,
+                         num_output: torch.Tensor) -> None:
+        """Commits generated tokens that no draft proposed (e.g. the first token after a
+        prefill): ``output_ids int32 [B, M]``, ``num_output int32 [B]``."""
+        self._last = None
+        self._observe(sids, output_ids, num_output, torch.zeros_like(num_output))
+
     def close_session(self, sid: str) -> None:
         slot = self._slot_of(sid)
         self.store.close_session(sid)

@@ -1,0 +1,243 @@
+"""SpecDecoder: speculative decoding with the retrieval drafter inside a user's loop.
+
+Example::
+
+    dec = SpecDecoder(model, tokenizer)
+    sid = dec.open_session(tenant="t0", role="coder", prompt_ids=ids)
+    out = dec.generate([sid], max_new_tokens=48)   # list[list[int]], greedy by default
+    dec.append(sid, tool_output_ids)               # the agent's next observation
+    dec.close_session(sid)
+
+Each step: ``propose`` (one batched match + draft trees), ``verify`` (one forward over every
+request's tree), ``accept`` (greedy: longest path of target argmaxes plus the bonus; sampled:
+multi-branch rejection sampling, which preserves the target distribution), ``commit`` (KV of
+the accepted path, session tier, controller). Greedy output equals plain greedy decoding
+token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import nvtx
+import torch
+
+from agspec_gpu.accept import SamplingParams, greedy_accept, sample_accept
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig
+from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """Decoder settings: tiers, drafting, and the largest batch ``generate`` serves."""
+
+    tiers: TierConfig = field(default_factory=TierConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    max_batch: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass
+class _SessionState:
+    tenant: str
+    context: list[int]
+    closed: bool = False
+
+
+class SpecDecoder:
+    """Speculative decoding for any Hugging Face causal LM.
+
+    Args:
+        model: a ``transformers`` causal LM (eval mode).
+        tokenizer: its tokenizer (HF object or path), or ``"cl100k"``.
+        config: :class:`DecoderConfig`.
+        global_corpus: optional read-only public corpus shared by every tenant.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: DecoderConfig | None = None,
+                 global_corpus: GlobalCorpus | None = None) -> None:
+        self.model = model
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        self.config = config or DecoderConfig()
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        if vocab and self.tokenizer.vocab_size > vocab:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocabulary has {vocab}: mismatched vocabularies")
+        self.vocab_size = vocab or self.tokenizer.vocab_size
+        device = next(model.parameters()).device
+        self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus)
+        self.drafter = Drafter(self.store, self.config.drafter, self.config.max_batch)
+        self._sessions: dict[str, _SessionState] = {}
+        self._next = 0
+        # cumulative counters: verification steps, tokens emitted by them, draft tokens
+        self.stats = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
+
+    # ------------------------------------------------------------ lifecycle
+    def open_session(self, tenant: str, role: str = "default",
+                     prompt_ids: Sequence[int] | torch.Tensor = (),
+                     session_id: str | None = None) -> str:
+        """Opens a session and returns its id (``session_id`` if given; must be new)."""
+        ids = self._ids(prompt_ids, "prompt_ids")
+        if not ids:
+            raise ValueError("prompt_ids must not be empty")
+        sid = session_id or f"s{self._next}"
+        self._next += 1
+        if sid in self._sessions:
+            raise ValueError(f"session_id {sid!r} already exists")
+        self.drafter.open_session(sid, tenant, role, ids)
+        self._sessions[sid] = _SessionState(tenant, list(ids))
+        return sid
+
+    def append(self, sid: str, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Appends context the model did not generate (a tool output, a user turn)."""
+        st = self._session(sid)
+        ids = self._ids(token_ids, "token_ids")
+        self.drafter.extend(sid, ids)
+        st.context.extend(ids)
+
+    def add_workspace_file(self, sid: str, path: str, text: str) -> int:
+        """Indexes a file the session's tenant opened (all emission forms)."""
+        return self.store.add_workspace_file(self._session(sid).tenant, path, text)
+
+    def close_session(self, sid: str) -> None:
+        """Frees the session's corpus; its text joins its tenant's history."""
+        st = self._session(sid)
+        self.drafter.close_session(sid)
+        st.closed = True
+        del self._sessions[sid]
+
+    def _session(self, sid: str) -> _SessionState:
+        st = self._sessions.get(sid)
+        if st is None:
+            raise KeyError(f"session {sid!r} is unknown or closed (sessions of another "
+                           "decoder are unknown here)")
+        return st
+
+    def _ids(self, ids, name: str) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        ids = [int(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return ids
+
+    # ------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, session_ids: Sequence[str], max_new_tokens: int = 256,
+                 sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                 speculate: bool | Sequence[bool] = True, eos_id: int | None = -1,
+                 generator: torch.Generator | None = None,
+                 on_tokens: Callable[[str, list[int]], None] | None = None) -> list[list[int]]:
+        """Generates for a batch of sessions; returns the new tokens per session.
+
+        Args:
+            session_ids: open sessions (distinct).
+            max_new_tokens: per session.
+            sampling: None or temperature 0 = greedy (lossless: equals plain greedy).
+            stop: strings that end a request; the output ends with the token completing one.
+            speculate: per-request opt-out of drafting.
+            eos_id: end token (-1: the tokenizer's); the output ends with it.
+            on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
+        """
+        sids = list(session_ids)
+        if len(set(sids)) != len(sids):
+            raise ValueError("session_ids must be distinct")
+        states = [self._session(s) for s in sids]
+        if max_new_tokens < 1:
+            return [[] for _ in sids]
+        spec = [speculate] * len(sids) if isinstance(speculate, bool) else list(speculate)
+        if len(spec) != len(sids):
+            raise ValueError("speculate: one flag per session")
+        eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
+        sampling = sampling or SamplingParams(temperature=0.0)
+        dev = next(self.model.parameters()).device
+        runner = HFRunner(self.model)
+        logits = runner.prefill([st.context for st in states])
+        first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
+        outs: list[list[int]] = [[] for _ in sids]
+        done = [False] * len(sids)
+        root = first.to(torch.int32)
+        self._emit(sids, outs, done, [[int(t)] for t in first.tolist()], max_new_tokens, eos,
+                   stop, on_tokens)
+        self.drafter.append_generated(sids, root[:, None], torch.ones_like(root))
+        spec_mask = torch.tensor(spec, dtype=torch.bool, device=dev)
+        while not all(done):
+            with nvtx.annotate("agspec.propose"):
+                draft = self.drafter.propose(sids)
+            draft = _mask_drafts(draft, spec_mask & torch.tensor(
+                [not d for d in done], dtype=torch.bool, device=dev))
+            self._check_draft(draft)
+            with nvtx.annotate("agspec.verify"):
+                tree_logits = runner.verify_padded(draft, root)
+                if sampling.is_greedy:
+                    res = greedy_accept(draft, tree_logits)
+                else:
+                    res = sample_accept(draft, tree_logits, None, sampling, generator)
+            with nvtx.annotate("agspec.commit"):
+                runner.commit(res)
+                self.drafter.observe(sids, res.output_ids, res.num_output, res.num_accepted)
+                root = res.bonus_ids().to(torch.int32)
+                n_out = res.num_output.tolist()
+                live = [not d for d in done]
+                self.stats["steps"] += 1
+                self.stats["tokens"] += sum(n for n, a in zip(n_out, live) if a)
+                self.stats["drafted"] += int(draft.num_draft_tokens.sum())
+                self.stats["accepted"] += int(res.num_accepted.sum())
+                rows = res.output_ids.tolist()
+                self._emit(sids, outs, done, [r[:n] for r, n in zip(rows, n_out)],
+                           max_new_tokens, eos, stop, on_tokens)
+        for st, o in zip(states, outs):
+            st.context.extend(o)
+        return outs
+
+    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
+        if sampling.is_greedy:
+            return logits.argmax(dim=-1)
+        from agspec_gpu.accept import target_probs
+
+        p = target_probs(logits.float(), sampling)
+        return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(
+            p.shape[:-1])
+
+    def _check_draft(self, draft: DraftBatch) -> None:
+        valid = torch.arange(draft.max_nodes, device=draft.token_ids.device)[None, :] < \
+            draft.num_draft_tokens[:, None]
+        if bool((valid & ((draft.token_ids < 0) | (draft.token_ids >= self.vocab_size))).any()):
+            raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
+
+    def _emit(self, sids, outs, done, new, max_new, eos, stop, on_tokens) -> None:
+        """Appends each request's new tokens, ending at EOS, a stop string or the limit."""
+        for b, toks in enumerate(new):
+            if done[b]:
+                continue
+            take = []
+            for t in toks:
+                take.append(t)
+                if (eos is not None and t == eos) or len(outs[b]) + len(take) >= max_new or \
+                        (stop and any(s in self.tokenizer.decode(outs[b] + take) for s in stop)):
+                    done[b] = True
+                    break
+            outs[b].extend(take)
+            if on_tokens and take:
+                on_tokens(sids[b], take)
+
+
+def _mask_drafts(draft: DraftBatch, keep: torch.Tensor) -> DraftBatch:
+    """Empties the drafts of requests with ``keep[b] == False``."""
+    num = torch.where(keep, draft.num_draft_tokens, 0)
+    valid = torch.arange(draft.max_nodes, device=num.device)[None, :] < num[:, None]
+    src = draft.maybe_source
+    return DraftBatch(torch.where(valid, draft.token_ids, PAD_ID),
+                      torch.where(valid, draft.parents, PAD_ID), num,
+                      None if src is None else torch.where(valid, src, -1).to(src.dtype))
