@@ -1,0 +1,319 @@
+"""Triton implementation of :func:`agspec_gpu.kernels.suffix_match.suffix_match`.
+
+One launch serves the whole batch: one program per query row, grid ``(B,)``. The contract and
+the memory layout are in :mod:`agspec_gpu.kernels.suffix_match`; the results are identical to
+``suffix_match_torch`` (every binary search visits the same midpoints in the same order).
+
+Per program (row ``b``, ``qlen = min(lengths[b], max_depth)``):
+
+1. Tail scan. For continuation positions ``c`` in ``(tail_start, n)`` with ``tokens[c] >= 0``,
+   ``m(c)`` = backward match length of the query ending at ``c - 1``, capped by
+   ``min(qlen, c - tail_start)`` (so the occurrence starts inside the tail). Blocks of
+   ``BLOCK_T`` candidates x ``BLOCK_D`` depths: one vector compare, then the first mismatch
+   index (a ``tl.min`` over masked aranges) is the match length. ``best = max m(c)``.
+2. Longest length. Binary search over ``l`` in ``[best, qlen]`` on "the last ``l`` query tokens
+   occur followed by a token in *some* level" (monotone only for the whole corpus, so the
+   levels are searched together). Per level: a lower-bound binary search on its SA segment,
+   comparing the pattern (``BLOCK_D`` vector) with the suffix window (``BLOCK_D`` vector load,
+   ``END`` past ``n``) by first mismatch; then one check of the element found.
+3. Ranges at ``best``: lower and upper bounds per level -> ``sa_lo/sa_hi``, ``count``. At
+   ``best = 0`` a level's range is empty at its lower bound (``sa_lo = sa_hi = level base``);
+   slots past the row's levels stay ``(0, 0)``, as in the torch path.
+4. Positions: the ``P`` largest continuation positions among the level ranges (``sa[i] +
+   best``, ``BLOCK_C`` entries at a time) and the tail hits (``m(c) >= best``, tail rescanned),
+   kept in a descending ``BLOCK_P`` register vector. A block merges by ranks (every valid
+   position is distinct): an entry's new rank is the number of larger values in both; blocks
+   with nothing above the current ``P``-th value are skipped.
+
+Block sizes: ``BLOCK_D = next_pow2(max_depth + 1)`` (pattern + the continuation token),
+``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]`` tile),
+``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``.
+
+Loops with runtime bounds are ``while`` loops with conditions (no ``break``/``continue``/early
+``return``, which the sm_90 compiler rejects; and the interpreter cannot use a loaded scalar
+as a ``range`` bound).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agspec_gpu.kernels.suffix_match import END, MatchDescriptors, MatchResult
+
+_END = tl.constexpr(END)  # int32 value of positions past the end of a corpus
+_BLOCK_C = 32  # level-range entries merged into the top-P per step
+
+
+@triton.jit
+def _compare(tokens_ptr, tb, n, s, pat, l, jd, BLOCK_D: tl.constexpr):
+    """Suffix at corpus position ``s`` vs the pattern ``pat[:l]``.
+
+    Returns (lt_lo, le_hi): suffix < (pattern, then a token), and suffix[:l] <= pattern.
+    """
+    off = s + jd  # int64 [BLOCK_D]
+    inside = off < n
+    vals = tl.load(tokens_ptr + tb + off, mask=inside & (jd <= l), other=0)
+    vals = tl.where(inside, vals, _END)
+    diff = (vals != pat) & (jd < l)
+    first = tl.min(tl.where(diff, jd, BLOCK_D), axis=0)
+    has = first < l
+    v_first = tl.sum(tl.where(jd == first, vals, 0), axis=0)
+    p_first = tl.sum(tl.where(jd == first, pat, 0), axis=0)
+    less = v_first < p_first
+    after = tl.sum(tl.where(jd == l, vals, 0), axis=0)  # the token after the match
+    lt_lo = tl.where(has, less, after < 0)
+    le_hi = tl.where(has, less, True)
+    return lt_lo, le_hi
+
+
+@triton.jit
+def _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, l, jd, UPPER: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """First index in ``[0, sa_len)`` of the level failing the predicate (same midpoints as
+    the torch path's vectorized search)."""
+    lo = sa_len * 0
+    hi = sa_len
+    while lo < hi:
+        mid = (lo + hi) // 2
+        s = tl.load(sa_ptr + sa_base + mid).to(tl.int64)
+        lt_lo, le_hi = _compare(tokens_ptr, tb, n, s, pat, l, jd, BLOCK_D)
+        if UPPER:
+            pred = le_hi
+        else:
+            pred = lt_lo
+        lo = tl.where(pred, mid + 1, lo)
+        hi = tl.where(pred, hi, mid)
+    return lo
+
+
+@triton.jit
+def _pattern(q_row_ptr, L, l, jd):
+    """``int32 [BLOCK_D]``: the last ``l`` query tokens, left-aligned, -1 past ``l``.
+
+    Indices clamp at 0 and ``L == 0`` reads zeros, as the torch path does.
+    """
+    src = tl.maximum(L - l + jd, 0)
+    p = tl.load(q_row_ptr + src, mask=(jd < l) & (L > 0), other=0)
+    return tl.where(jd < l, p, -1)
+
+
+@triton.jit
+def _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, L, jd, BLOCK_T: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Continuation positions ``c`` (``int64 [BLOCK_T]``) of one tail block and ``m(c)``."""
+    c = tail + 1 + t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    valid = c < n
+    nxt = tl.load(tokens_ptr + tb + c, mask=valid, other=-1)
+    cont = valid & (nxt >= 0) & (L > 0)
+    cap = tl.minimum(qlen, c - tail)
+    okp = (jd[None, :] < cap[:, None]) & cont[:, None]  # [BLOCK_T, BLOCK_D]
+    tv = tl.load(tokens_ptr + tb + (c[:, None] - 1 - jd[None, :]), mask=okp, other=-1)
+    eq = okp & (tv == qvec[None, :])
+    m = tl.min(tl.where(eq, BLOCK_D, jd[None, :]), axis=1)  # first mismatch = match length
+    return c, tl.where(cont, m, 0).to(tl.int64)
+
+
+@triton.jit
+def _merge_top(top, cand, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Top ``P`` of ``top`` (``int64 [BLOCK_P]`` descending, -1 padded) and ``cand`` (-1 = none).
+
+    Valid values are distinct and ``>= 0``, so ranks (number of larger values) are unique.
+    """
+    r = tl.arange(0, BLOCK_P)
+    rank_t = tl.sum((top[None, :] > top[:, None]).to(tl.int32), axis=1) \
+        + tl.sum((cand[None, :] > top[:, None]).to(tl.int32), axis=1)
+    rank_c = tl.sum((top[:, None] > cand[None, :]).to(tl.int32), axis=0) \
+        + tl.sum((cand[:, None] > cand[None, :]).to(tl.int32), axis=0)
+    sel_t = (rank_t[None, :] == r[:, None]) & (top[None, :] >= 0)  # [BLOCK_P rank, BLOCK_P]
+    sel_c = (rank_c[None, :] == r[:, None]) & (cand[None, :] >= 0)  # [BLOCK_P rank, BLOCK_C]
+    new = tl.maximum(tl.max(tl.where(sel_t, top[None, :], -1), axis=1),
+                     tl.max(tl.where(sel_c, cand[None, :], -1), axis=1))
+    return tl.where(r < P, new, -1)
+
+
+@triton.jit
+def _suffix_match_kernel(
+    tokens_ptr,      # *int32 [T]     arena tokens
+    sa_ptr,          # *int32 [S]     arena suffix arrays
+    tok_base_ptr,    # *int64 [B]     corpus start in tokens
+    num_tokens_ptr,  # *int32 [B]     corpus length n
+    tail_start_ptr,  # *int32 [B]     first unindexed position
+    level_indptr_ptr,  # *int32 [B + 1] row b's levels
+    level_base_ptr,  # *int64 [K]     level start in sa
+    level_len_ptr,   # *int32 [K]     level length
+    queries_ptr,     # *int32 [B, L]  right-aligned queries
+    lengths_ptr,     # *int32 [B]
+    length_ptr,      # *int32 [B]     out: best length
+    count_ptr,       # *int64 [B]     out: occurrences
+    positions_ptr,   # *int64 [B, P]  out: continuation positions, descending, -1 padded
+    sa_lo_ptr,       # *int64 [B, max_levels] out
+    sa_hi_ptr,       # *int64 [B, max_levels] out
+    L,               # query width
+    max_levels,      # row stride of sa_lo / sa_hi
+    max_depth,
+    P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    tb = tl.load(tok_base_ptr + b)
+    n = tl.load(num_tokens_ptr + b).to(tl.int64)
+    tail = tl.load(tail_start_ptr + b).to(tl.int64)
+    k0 = tl.load(level_indptr_ptr + b).to(tl.int64)
+    k1 = tl.load(level_indptr_ptr + b + 1).to(tl.int64)
+    qlen = tl.minimum(tl.load(lengths_ptr + b).to(tl.int64), max_depth)
+    q_row_ptr = queries_ptr + b * L
+    jd = tl.arange(0, BLOCK_D)
+    # query read backwards: qvec[i] = query[L - 1 - i]
+    qvec = tl.load(q_row_ptr + tl.maximum(L - 1 - jd, 0), mask=(jd < qlen) & (L > 0), other=-1)
+
+    # (1) tail: exact best length among occurrences that start in the tail
+    # runtime-bounded loops are while-loops: the interpreter cannot index a loaded scalar
+    best = qlen * 0
+    t0 = qlen * 0
+    while t0 < n - tail:
+        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, L, jd, BLOCK_T, BLOCK_D)
+        best = tl.maximum(best, tl.max(m, axis=0))
+        t0 += BLOCK_T
+
+    # (2) longest l in [best, qlen] present in some level
+    lo_l = best
+    hi_l = tl.maximum(qlen, best)
+    while lo_l < hi_l:
+        mid = (lo_l + hi_l + 1) // 2
+        pat = _pattern(q_row_ptr, L, mid, jd)
+        ok = mid < 0
+        k = k0
+        while (k < k1) & (ok == 0):
+            sa_base = tl.load(level_base_ptr + k)
+            sa_len = tl.load(level_len_ptr + k).to(tl.int64)
+            idx = _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, mid, jd, False, BLOCK_D)
+            inside = idx < sa_len
+            s = tl.load(sa_ptr + sa_base + idx, mask=inside, other=0).to(tl.int64)
+            lt_lo, le_hi = _compare(tokens_ptr, tb, n, s, pat, mid, jd, BLOCK_D)
+            ok = inside & (lt_lo == 0) & le_hi & (mid > 0)
+            k += 1
+        lo_l = tl.where(ok, mid, lo_l)
+        hi_l = tl.where(ok, hi_l, mid - 1)
+    best = lo_l
+
+    # (3) ranges at best, (4) the P largest continuation positions
+    pat = _pattern(q_row_ptr, L, best, jd)
+    count = best * 0
+    top = tl.full([BLOCK_P], -1, tl.int64)
+    k = k0
+    while k < k1:
+        sa_base = tl.load(level_base_ptr + k)
+        sa_len = tl.load(level_len_ptr + k).to(tl.int64)
+        lo = _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, best, jd, False, BLOCK_D)
+        hi = _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, best, jd, True, BLOCK_D)
+        hi = tl.where(best > 0, hi, lo)
+        tl.store(sa_lo_ptr + b * max_levels + (k - k0), sa_base + lo)
+        tl.store(sa_hi_ptr + b * max_levels + (k - k0), sa_base + hi)
+        count += hi - lo
+        if P > 0:
+            i0 = lo
+            while i0 < hi:
+                ii = i0 + tl.arange(0, BLOCK_C)
+                inr = ii < hi
+                cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64) + best
+                cand = tl.where(inr, cand, -1)
+                thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
+                if tl.max(cand, axis=0) > thr:
+                    top = _merge_top(top, cand, P, BLOCK_P)
+                i0 += BLOCK_C
+        k += 1
+    t0 = qlen * 0
+    while t0 < n - tail:
+        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, L, jd, BLOCK_T, BLOCK_D)
+        hit = (m >= best) & (best > 0) & (c < n)
+        count += tl.sum(hit.to(tl.int64), axis=0)
+        if P > 0:
+            cand = tl.where(hit, c, -1)
+            thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
+            if tl.max(cand, axis=0) > thr:
+                top = _merge_top(top, cand, P, BLOCK_P)
+        t0 += BLOCK_T
+
+    tl.store(length_ptr + b, best.to(tl.int32))
+    tl.store(count_ptr + b, count)
+    if P > 0:
+        r = tl.arange(0, BLOCK_P)
+        tl.store(positions_ptr + b * P + r, top, mask=r < P)
+
+
+def block_sizes(max_depth: int, max_positions: int) -> dict[str, int]:
+    """The deterministic block-size rule (see the module docstring)."""
+    block_d = triton.next_power_of_2(max_depth + 1)
+    return dict(BLOCK_D=block_d, BLOCK_T=max(1, min(32, 4096 // block_d)),
+                BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C)
+
+
+def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
+                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
+                        max_positions: int) -> MatchResult:
+    """Batched longest-suffix match, one Triton program per row (see the module docstring).
+
+    Args:
+        tokens: ``int32 [T]``. sa: ``int32 [S]``. desc: per-row descriptors.
+        queries: ``int32 [B, L]`` right-aligned. lengths: ``int32 [B]`` in ``[0, L]``.
+        max_depth: longest match searched. max_positions: ``P``.
+
+    Returns:
+        :class:`MatchResult` with ``length int32 [B]``, ``count int64 [B]``,
+        ``positions int64 [B, P]``, ``sa_lo / sa_hi int64 [B, desc.max_levels]``.
+    """
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    if max_positions < 0:
+        raise ValueError(f"max_positions must be >= 0, got {max_positions}")
+    B, L = queries.shape
+    dev = queries.device
+    checks = (("tokens", tokens, torch.int32, None), ("sa", sa, torch.int32, None),
+              ("queries", queries, torch.int32, None), ("lengths", lengths, torch.int32, (B,)),
+              ("desc.tok_base", desc.tok_base, torch.int64, (B,)),
+              ("desc.num_tokens", desc.num_tokens, torch.int32, (B,)),
+              ("desc.tail_start", desc.tail_start, torch.int32, (B,)),
+              ("desc.level_indptr", desc.level_indptr, torch.int32, (B + 1,)),
+              ("desc.level_sa_base", desc.level_sa_base, torch.int64, None),
+              ("desc.level_sa_len", desc.level_sa_len, torch.int32,
+               tuple(desc.level_sa_base.shape)))
+    for name, t, dt, shape in checks:
+        if t.dtype != dt:
+            raise ValueError(f"{name} must be {dt}, got {t.dtype}")
+        if shape is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, queries on {dev}")
+    P, K = max_positions, desc.max_levels
+    # every program writes its length, count and all P positions; unused level slots stay 0
+    length = torch.empty(B, dtype=torch.int32, device=dev)
+    count = torch.empty(B, dtype=torch.int64, device=dev)
+    positions = torch.empty((B, P), dtype=torch.int64, device=dev)
+    sa_lo = torch.zeros(B, K, dtype=torch.int64, device=dev)
+    sa_hi = torch.zeros(B, K, dtype=torch.int64, device=dev)
+    if B == 0:
+        return MatchResult(length, count, positions, sa_lo, sa_hi)
+    # zero-size tensors (no levels, P = 0, L = 0) are never read or written by the kernel,
+    # but get a valid pointer all the same
+    dummy: dict[torch.dtype, torch.Tensor] = {}
+
+    def nz(t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            return t
+        if t.dtype not in dummy:
+            dummy[t.dtype] = torch.zeros(1, dtype=t.dtype, device=dev)
+        return dummy[t.dtype]
+
+    _suffix_match_kernel[(B,)](
+        nz(tokens), nz(sa), desc.tok_base, desc.num_tokens, desc.tail_start, desc.level_indptr,
+        nz(desc.level_sa_base), nz(desc.level_sa_len), nz(queries), lengths, length, count,
+        nz(positions), nz(sa_lo), nz(sa_hi), L, K, max_depth, P=P,
+        **block_sizes(max_depth, P))
+    return MatchResult(length, count, positions, sa_lo, sa_hi)

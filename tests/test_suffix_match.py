@@ -1,0 +1,249 @@
+"""Triton kernel ``_suffix_match_kernel`` vs ``suffix_match_torch``: identical results.
+
+Corpora are built through :class:`IndexArena` (several corpora in one arena, appended in chunks
+so that small ``tail_tokens`` force many levels and merges, 0..5 levels, non-empty tails), and
+every field of :class:`MatchResult` is compared exactly, -1 padding and the ``sa_lo/sa_hi`` of
+unused level slots included. Without a GPU the kernel runs under ``TRITON_INTERPRET=1``
+(``conftest.py``), so the sizes stay small. ``test_compiles_for_sm90`` runs ``triton.compile``
+for sm_90 (``kernel_compile.py``: a child process without the interpreter).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from agspec_gpu.index import IndexArena, IndexConfig
+from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
+from agspec_gpu.kernels.suffix_match_triton import _suffix_match_kernel, block_sizes
+from index_reference import match_reference
+from kernel_compile import compile_all_for_sm90
+
+PAD = -7  # left padding of query rows: negative, so a kernel reading it would be caught
+FIELDS = ("length", "count", "positions", "sa_lo", "sa_hi")
+
+
+# ------------------------------------------------------------------------------ corpora
+def t32(xs) -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int32)
+
+
+@lru_cache(maxsize=None)
+def corpora() -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+    """Name -> (tokens, append chunk sizes, cycled). All under 300 tokens."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(n: int, vocab: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (n,), generator=g, dtype=torch.int32)
+
+    out = {
+        "empty": (t32([]), (1,)),
+        "one": (t32([5]), (1,)),
+        "repeat": (torch.full((90,), 3, dtype=torch.int32), (7, 1, 12)),
+        # chunks shrinking by 3x keep the levels from merging: up to 5 levels
+        "levels5": (torch.arange(232, dtype=torch.int32) * 7 % 5, (160, 50, 16, 5, 1)),
+        "sep_last": (t32([1, 2, 1, 2, 3, -1, 1, 2, -1]), (9,)),  # tail empty once indexed
+    }
+    # a level of separators only (empty suffix array) that does not merge into the one before
+    out["sep_level"] = (torch.cat([rnd(19, 3), t32([-1, -1, -1, -1]), rnd(8, 3)]), (20, 1, 2, 8))
+    for p in (2, 3, 7):
+        out[f"period{p}"] = (torch.arange(120, dtype=torch.int32) % p, (5, 11, 2))
+    docs: list[int] = []
+    for _ in range(25):
+        docs += rnd(int(torch.randint(0, 5, (1,), generator=g)), 3).tolist() + [-1]
+    out["tiny_docs"] = (t32(docs), (3, 8))
+    x = rnd(100, 3)
+    x[torch.randint(0, 100, (30,), generator=g)] = -1
+    x[40:44] = -2  # empty documents: consecutive separators
+    out["empty_docs"] = (x, (4, 9, 1))
+    x = rnd(80, 2)
+    x[1::2] = -1
+    out["alt_sep"] = (x, (6,))
+    x = rnd(250, 4)
+    x[::37] = -1
+    out["random"] = (x, (10, 3, 25))
+    return out
+
+
+@lru_cache(maxsize=None)
+def arena(max_depth: int, tail_tokens: int) -> tuple[IndexArena, dict[str, int]]:
+    """Every corpus of :func:`corpora` in one arena, appended chunk by chunk."""
+    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens),
+                    initial_tokens=64)
+    ids = {}
+    for name, (tokens, chunks) in corpora().items():
+        cid = ids[name] = ar.new_corpus(16)
+        i = j = 0
+        while i < tokens.numel():
+            k = chunks[j % len(chunks)]
+            ar.append(cid, tokens[i:i + k])
+            i, j = i + k, j + 1
+    return ar, ids
+
+
+def make_queries(names: list[str], L: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-aligned queries: most are corpus substrings (long matches), some random tokens;
+    lengths cycle through 0, 1, L and random values (L exceeds max_depth)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(names)
+    q = torch.full((B, L), PAD, dtype=torch.int32)
+    lengths = torch.zeros(B, dtype=torch.int32)
+    for b, name in enumerate(names):
+        tokens = corpora()[name][0]
+        want = (0, 1, L, int(torch.randint(0, L + 1, (1,), generator=g)))[b % 4]
+        if b % 3 != 2 and tokens.numel() > 0:
+            end = int(torch.randint(0, tokens.numel() + 1, (1,), generator=g))
+            seg = tokens[max(0, end - want):end].clamp(min=0)  # separators -> token 0
+        else:
+            seg = torch.randint(0, 4, (want,), generator=g, dtype=torch.int32)
+        if seg.numel():
+            q[b, L - seg.numel():] = seg
+        lengths[b] = seg.numel()
+    return q, lengths
+
+
+# ------------------------------------------------------------------------------ comparison
+def run_both(ar: IndexArena, ids: list[int], q: torch.Tensor, lengths: torch.Tensor,
+             P: int) -> tuple[MatchResult, MatchResult]:
+    desc = ar.descriptors(ids)
+    md = ar.config.max_depth
+    ref = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
+                       use_triton=False)
+    got = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
+                       use_triton=True)
+    return ref, got
+
+
+def assert_same(ref: MatchResult, got: MatchResult, labels: list[str] | None = None) -> None:
+    """Exact equality of every field (dtype and shape included); prints the first bad rows."""
+    bad: set[int] = set()
+    for f in FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        assert a.dtype == b.dtype and a.shape == b.shape, (f, a.dtype, b.dtype, a.shape, b.shape)
+        diff = (a != b) if a.dim() == 1 else (a != b).any(dim=1)
+        bad |= set(torch.nonzero(diff).flatten().tolist())
+    if bad:
+        lines = []
+        for r in sorted(bad)[:5]:
+            lines.append(f"row {r} {labels[r] if labels else ''}:")
+            for f in FIELDS:
+                lines.append(f"  {f:9s} torch {getattr(ref, f)[r].tolist()} "
+                             f"triton {getattr(got, f)[r].tolist()}")
+        pytest.fail(f"{len(bad)} mismatching rows\n" + "\n".join(lines))
+
+
+# (max_depth, tail_tokens, B, P): each case is one batched call over all corpus kinds
+CASES = [(1, 1, 17, 8), (4, 3, 3, 3), (4, 1, 17, 0), (16, 1, 17, 8), (16, 16, 1, 8),
+         (64, 3, 17, 1), (64, 16, 3, 5)]
+
+
+@pytest.mark.parametrize("max_depth,tail_tokens,B,P", CASES)
+def test_matches_torch(max_depth, tail_tokens, B, P):
+    ar, ids = arena(max_depth, tail_tokens)
+    names = list(ids)
+    start = (max_depth + tail_tokens) % len(names)  # B = 1, 3 pick different corpora
+    rows = [names[(start + i) % len(names)] for i in range(B)]
+    L = max_depth + 5
+    q, lengths = make_queries(rows, L, seed=max_depth * 100 + tail_tokens)
+    ref, got = run_both(ar, [ids[r] for r in rows], q, lengths, P)
+    assert_same(ref, got, rows)
+    # the torch path itself against the brute force (cheap here)
+    for b, name in enumerate(rows):
+        query = q[b, L - int(lengths[b]):].tolist()
+        exp = match_reference(ar.corpus_tokens(ids[name]).tolist(), query, max_depth, P)
+        assert (int(ref.length[b]), int(ref.count[b]),
+                [p for p in ref.positions[b].tolist() if p >= 0]) == (exp[0], exp[1], exp[2]), name
+
+
+def test_level_counts_cover_0_to_5():
+    """The corpora above really exercise 0..5 levels, empty levels and empty and long tails."""
+    levels, level_lens, tails = set(), set(), set()
+    for md, tt, _, _ in CASES:
+        ar, ids = arena(md, tt)
+        desc = ar.descriptors(list(ids.values()))
+        levels |= set(torch.diff(desc.level_indptr).tolist())
+        level_lens |= set(desc.level_sa_len.tolist())
+        tails |= set((desc.num_tokens - desc.tail_start).tolist())
+    assert set(range(6)) <= levels
+    assert 0 in level_lens
+    assert 0 in tails and max(tails) > 16
+
+
+def test_golden_tiny():
+    """Hand-written. Row 0 (0 1 2): "1 2" is followed by a token at 0, 3, 6 (not at 10: end of
+    corpus). Row 1 (9 3): "3" is followed by a token at 2 only (a separator at 8)."""
+    corpus = t32([1, 2, 3, 1, 2, 4, 1, 2, 3, -1, 1, 2])
+    q = t32([0, 1, 2, PAD, 9, 3]).view(2, 3)
+    lengths = t32([3, 2])
+    for tail_tokens in (1, 100):  # all in levels / all in the tail
+        ar = IndexArena(IndexConfig(max_depth=4, tail_tokens=tail_tokens))
+        cid = ar.new_corpus()
+        for i in range(0, 12, 2):
+            ar.append(cid, corpus[i:i + 2])
+        for use_triton in (False, True):
+            m = ar.match(q, lengths, [cid, cid], max_positions=4, use_triton=use_triton)
+            assert m.length.tolist() == [2, 1]
+            assert m.count.tolist() == [3, 1]
+            assert m.positions.tolist() == [[8, 5, 2, -1], [3, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("P", [0, 8])
+def test_edge_shapes(P):
+    ar, ids = arena(4, 3)
+    cids = list(ids.values())
+    # B = 0
+    ref, got = run_both(ar, [], torch.zeros(0, 5, dtype=torch.int32),
+                        torch.zeros(0, dtype=torch.int32), P)
+    assert_same(ref, got)
+    assert got.positions.shape == (0, P)
+    # L = 0 (every length 0): length 0, sa_lo == sa_hi == level base
+    ref, got = run_both(ar, cids, torch.zeros(len(cids), 0, dtype=torch.int32),
+                        torch.zeros(len(cids), dtype=torch.int32), P)
+    assert_same(ref, got)
+    assert (got.length == 0).all() and (got.count == 0).all() and (got.positions == -1).all()
+    # max_levels = 0: only tails; max_tail = 0: only corpora with an empty tail
+    big, big_ids = arena(4, 1000)
+    for a, a_ids, names in ((big, big_ids, list(big_ids)), (ar, ids, ["sep_last", "empty"])):
+        chosen = [a_ids[name] for name in names]
+        desc = a.descriptors(chosen)
+        assert desc.max_levels == 0 or desc.max_tail == 0
+        q, lengths = make_queries(names, 6, seed=3)
+        ref, got = run_both(a, chosen, q, lengths, P)
+        assert_same(ref, got, names)
+
+
+def test_launcher_rejects_bad_descriptors():
+    ar, ids = arena(4, 3)
+    desc = ar.descriptors([ids["random"]])
+    bad = MatchDescriptors(desc.tok_base.to(torch.int32), desc.num_tokens, desc.tail_start,
+                           desc.level_indptr, desc.level_sa_base, desc.level_sa_len,
+                           desc.max_levels, desc.max_tail)
+    q, lengths = t32([1, 2]).view(1, 2), t32([2])
+    with pytest.raises(ValueError, match="tok_base"):
+        suffix_match(ar.tokens, ar.sa, bad, q, lengths, max_depth=4, max_positions=2,
+                     use_triton=True)
+    with pytest.raises(ValueError, match="max_positions"):
+        suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=4, max_positions=-1,
+                     use_triton=True)
+
+
+# ------------------------------------------------------------------------------ sm_90 compile
+_SIGNATURE = dict(
+    tokens_ptr="*i32", sa_ptr="*i32", tok_base_ptr="*i64", num_tokens_ptr="*i32",
+    tail_start_ptr="*i32", level_indptr_ptr="*i32", level_base_ptr="*i64", level_len_ptr="*i32",
+    queries_ptr="*i32", lengths_ptr="*i32", length_ptr="*i32", count_ptr="*i64",
+    positions_ptr="*i64", sa_lo_ptr="*i64", sa_hi_ptr="*i64", L="i32", max_levels="i32",
+    max_depth="i32")
+
+
+def test_compiles_for_sm90():
+    """``triton.compile`` to a cubin for sm_90 (in a child process without the interpreter,
+    see ``kernel_compile.py``) for the default depth, depth 1 and ``P = 0``."""
+    specs = []
+    for max_depth, P in ((64, 8), (1, 1), (16, 0)):
+        const = dict(P=P, **block_sizes(max_depth, P))
+        specs.append((_suffix_match_kernel, dict(_SIGNATURE, **{k: "constexpr" for k in const}),
+                      const))
+    compile_all_for_sm90(specs)
