@@ -84,6 +84,11 @@ class Drafter:
         D = store.config.max_depth
         self.recent = torch.zeros(max_batch, D, dtype=torch.int32, device=dev)
         self.recent_len = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        # upper bound on the next match length: the last match plus the tokens appended
+        # since (an occurrence of l tokens now implies one of l - a before a appended
+        # tokens); reset to max_depth when other text joins the request's corpora
+        self.match_cap = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self._version: dict[str, int] = {}
         self.scale = torch.ones(max_batch, dtype=torch.float32, device=dev)
         self.cap = torch.ones(max_batch, dtype=torch.int32, device=dev)
         self.tier_hits = torch.ones(_NUM_TIERS, dtype=torch.float64, device=dev)
@@ -104,6 +109,8 @@ class Drafter:
         slot = self._free.pop()
         self._slot[sid] = slot
         self.recent_len[slot] = 0
+        self.match_cap[slot] = self.store.config.max_depth
+        self._version[sid] = self.store.tenant_version(sid)
         p = self._roles[role]
         self.scale[slot] = p.initial_scale
         self.cap[slot] = min(p.draft_cap, self.config.max_draft_depth)
@@ -127,6 +134,7 @@ class Drafter:
         slot = self._slot_of(sid)
         self.store.close_session(sid)
         del self._slot[sid]
+        del self._version[sid]
         self._free.append(slot)
 
     def _slot_of(self, sid: str) -> int:
@@ -145,6 +153,7 @@ class Drafter:
         idx = torch.arange(D, device=cat.device)[None, :] + num[:, None]
         self.recent[slots] = cat.gather(1, idx)
         self.recent_len[slots] = (self.recent_len[slots] + num.to(torch.int32)).clamp(max=D)
+        self.match_cap[slots] = (self.match_cap[slots] + num.to(torch.int32)).clamp(max=D)
 
     # ------------------------------------------------------------ propose
     def propose(self, sids: list[str]) -> DraftBatch:
@@ -165,12 +174,21 @@ class Drafter:
                 rows_tier.append(int(tier))
         req = torch.tensor(rows_req, dtype=torch.int64, device=dev)
         tier = torch.tensor(rows_tier, dtype=torch.int64, device=dev)
+        stale = [i for i, sid in enumerate(sids)
+                 if self._version[sid] != store.tenant_version(sid)]
+        if stale:
+            st = slots[torch.tensor(stale, device=dev)]
+            self.match_cap[st] = store.config.max_depth
+            for i in stale:
+                self._version[sids[i]] = store.tenant_version(sids[i])
         P = cfg.max_positions
-        m = store.arena.match(self.recent[slots][req], self.recent_len[slots][req], rows_cid, P)
+        qlen = torch.minimum(self.recent_len[slots], self.match_cap[slots])
+        m = store.arena.match(self.recent[slots][req], qlen[req], rows_cid, P)
         arena = store.arena
         # the longest match of each request decides which rows supply candidates
         best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
             0, req, m.length, reduce="amax")
+        self.match_cap[slots] = best
         use = (m.length == best[req]) & (m.length >= cfg.min_match)
         K = cfg.max_draft_depth
         # candidate windows [R, P, K]

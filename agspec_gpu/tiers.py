@@ -62,6 +62,7 @@ class TierConfig:
 
 @dataclass
 class _Tenant:
+    version: int = 0  # bumped whenever workspace or history text changes
     workspace: int | None = None
     history: int | None = None
     files: "OrderedDict[tuple[str, str], list[tuple[int, int, int]]]" = field(
@@ -155,6 +156,10 @@ class CorpusStore:
     def tenant_of(self, sid: str) -> str:
         return self.session(sid).tenant
 
+    def tenant_version(self, sid: str) -> int:
+        """Changes whenever text other than the session's own stream joins its corpora."""
+        return self._tenants[self.session(sid).tenant].version
+
     # ------------------------------------------------------------ workspace
     def add_workspace_file(self, tenant: str, path: str | None, text: str,
                            first_line: int | None = None) -> int:
@@ -185,6 +190,7 @@ class CorpusStore:
             docs.append((start, start + 1 + len(toks), source_code(CorpusTier.WORKSPACE, f)))
             added += 1 + len(toks)
         t.files[key] = docs
+        t.version += 1
         if self.arena.num_tokens(t.workspace) > self.config.workspace_budget_tokens:
             self._evict_workspace(t)
         return added
@@ -219,6 +225,7 @@ class CorpusStore:
         sep = torch.tensor([SEP], dtype=torch.int32, device=self.arena.device)
         self.arena.append(t.history, torch.cat([sep, tokens]), source_code(CorpusTier.HISTORY))
         t.history_docs[sid] = (start, start + 1 + tokens.numel())
+        t.version += 1
         if self.arena.num_tokens(t.history) > self.config.history_budget_tokens:
             docs = OrderedDict((k, [(s, e, source_code(CorpusTier.HISTORY))])
                                for k, (s, e) in t.history_docs.items())

@@ -244,10 +244,12 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     # for a single level, so levels and tail are searched together; the tail is exact first.
     lo_l = best.clone()
     hi_l = torch.maximum(qlen, best)
-    for _ in range(max_depth.bit_length() + 1):
-        if prow.numel() == 0:
+    # the first probe is the upper end: a drafter that caps ``lengths`` by its previous match
+    # plus the appended tokens (a valid bound) then settles copy-mode steps in one probe
+    for it in range(max_depth.bit_length() + 2):
+        if prow.numel() == 0 or not bool((lo_l < hi_l).any()):
             break
-        mid = (lo_l + hi_l + 1) // 2
+        mid = hi_l if it == 0 else (lo_l + hi_l + 1) // 2
         lm = mid[prow]
         pat, idx = lower(lm)
         inside = idx < p_len
