@@ -1,0 +1,173 @@
+"""Tree attention over the paged KV cache: plan once per step, run once per layer.
+
+Two backends share one interface and consume the same :class:`~agspec_gpu.tree.TreeMetadata`
+(``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, ``packed_mask``,
+``mask_indptr``):
+
+- :class:`FlashInferPagedAttention`: ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` with
+  the packed custom mask (GPU);
+- :class:`TorchPagedAttention`: a reference that gathers the pages and unpacks the mask, so the
+  metadata layout is exercised without a GPU.
+
+``run(q, kv_cache)`` takes ``q: [Q, H_qo, D]`` for all ``Q = meta.capacity_q`` rows and the
+layer's cache ``[num_pages, 2, page_size, H_kv, D]`` (NHD) and returns ``[Q, H_qo, D]`` with
+zeros in the padding rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from agspec_gpu.tree import TreeMetadata, unpack_mask
+
+
+class TorchPagedAttention:
+    """Reference paged tree attention: ``softmax(q k^T * scale + mask) v`` per request, fp32.
+
+    ``plan`` builds the gather indices and unpacks the mask into ``bool [B, max_qo_len,
+    max_kv_len]``; ``run`` gathers each request's KV from its pages and attends with grouped
+    query heads (query head ``h`` reads KV head ``h // (H_qo // H_kv)``). Meant for CPU and
+    tests: it allocates dense per-request tensors and uses boolean indexing.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+                 sm_scale: float | None = None) -> None:
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size = head_dim, page_size
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self._meta: TreeMetadata | None = None
+
+    def plan(self, meta: TreeMetadata) -> None:
+        """Prepares gather indices and the dense mask of one step."""
+        if meta.page_size != self.page_size:
+            raise ValueError(f"meta.page_size={meta.page_size}, backend page_size="
+                             f"{self.page_size}")
+        dev = meta.device
+        R, K = meta.max_qo_len, meta.max_kv_len
+        r = torch.arange(R, device=dev)
+        c = torch.arange(K, device=dev)
+        self._rows = meta.qo_indptr[:-1, None].long() + r[None, :]  # [B, R]
+        self._row_valid = r[None, :] < meta.qo_lens()[:, None]
+        page_pos = meta.kv_indptr[:-1, None].long() + (c // self.page_size)[None, :]  # [B, K]
+        page_pos = page_pos.clamp(max=meta.kv_indices.numel() - 1)
+        self._kv_page = meta.kv_indices[page_pos].long()
+        self._kv_offset = (c % self.page_size)[None, :].expand_as(self._kv_page)
+        self._mask = unpack_mask(meta)  # [B, R, K]; False beyond kv_len
+        self._meta = meta
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of every query row; ``q: [Q, H_qo, D]``, cache ``[P, 2, ps, H_kv, D]``."""
+        if self._meta is None:
+            raise ValueError("run() before plan()")
+        Q, H, D = self._meta.capacity_q, self.num_qo_heads, self.head_dim
+        if tuple(q.shape) != (Q, H, D):
+            raise ValueError(f"q: expected shape {(Q, H, D)}, got {tuple(q.shape)}")
+        if kv_cache.dim() != 5 or kv_cache.shape[1:] != (2, self.page_size, self.num_kv_heads,
+                                                        D):
+            raise ValueError(f"kv_cache: expected [P, 2, {self.page_size}, {self.num_kv_heads}, "
+                             f"{D}], got {tuple(kv_cache.shape)}")
+        B, R = self._rows.shape
+        G = H // self.num_kv_heads
+        qb = q[self._rows.clamp(max=Q - 1)].float()  # [B, R, H, D]
+        qb = qb.view(B, R, self.num_kv_heads, G, D)
+        k = kv_cache[self._kv_page, 0, self._kv_offset].float()  # [B, K, H_kv, D]
+        v = kv_cache[self._kv_page, 1, self._kv_offset].float()
+        scores = torch.einsum("brhgd,bkhd->bhgrk", qb, k) * self.sm_scale
+        mask = self._mask[:, None, None]  # [B, 1, 1, R, K]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows see nothing
+        o = torch.einsum("bhgrk,bkhd->brhgd", probs, v).reshape(B, R, H, D)
+        if out is None:
+            out = torch.zeros(Q, H, D, dtype=q.dtype, device=q.device)
+        else:
+            out.zero_()
+        out[self._rows[self._row_valid]] = o[self._row_valid].to(out.dtype)
+        return out
+
+
+class FlashInferPagedAttention:
+    """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (NHD) with a packed custom mask.
+
+    ``plan`` forwards the step's metadata once; ``run`` is called per layer. FlashInfer's
+    ``run`` requires ``q.shape[0] == qo_indptr[-1]``, so ``plan`` reads the valid row count
+    to the host; FlashInfer's own ``plan`` copies the indptrs to the host as well, so this adds
+    no extra stall. Rows past it are padding and come back as zeros.
+
+    The ``fa2`` backend is chosen explicitly: FlashInfer's SM90 (``fa3``) batch-prefill kernels
+    do not implement ``MaskMode.CUSTOM``, and ``backend="auto"`` decides once, at the first
+    ``plan``.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+                 device: torch.device | str, dtype: torch.dtype,
+                 workspace_bytes: int = 128 << 20, sm_scale: float | None = None) -> None:
+        import flashinfer  # imported here: an optional GPU dependency
+
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size, self.dtype = head_dim, page_size, dtype
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2")
+        self._num_q: int | None = None
+        self._capacity_q = 0
+
+    def plan(self, meta: TreeMetadata) -> None:
+        """Plans FlashInfer's batch prefill for one step (host sync inside FlashInfer)."""
+        if meta.page_size != self.page_size:
+            raise ValueError(f"meta.page_size={meta.page_size}, backend page_size="
+                             f"{self.page_size}")
+        self._wrapper.plan(
+            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            packed_custom_mask=meta.packed_mask, sm_scale=self.sm_scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype)
+        # flashinfer 0.7.2 (prefill.py, BatchPrefillWithPagedKVCacheWrapper.plan): given only
+        # `packed_custom_mask`, plan() keeps mask_indptr from _compute_page_mask_indptr, which
+        # counts mask *elements* (cumsum of qo_len * kv_len); the kernel adds it to a uint8
+        # pointer (include/flashinfer/attention/variants.cuh: `maybe_custom_mask +
+        # maybe_mask_indptr[batch_idx]`), i.e. needs *byte* offsets, as segment_packbits
+        # returns on the `custom_mask` path (flashinfer-ai/flashinfer#2201). Our byte offsets
+        # are right for both the buggy and a fixed plan().
+        self._wrapper._mask_indptr_buf.copy_(meta.mask_indptr)
+        self._num_q = int(meta.qo_indptr[-1])
+        self._capacity_q = meta.capacity_q
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of every query row; ``q: [Q, H_qo, D]``, cache ``[P, 2, ps, H_kv, D]``."""
+        if self._num_q is None:
+            raise ValueError("run() before plan()")
+        shape = (self._capacity_q, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != shape:
+            raise ValueError(f"q: expected shape {shape}, got {tuple(q.shape)}")
+        if out is None:
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        n = self._num_q
+        self._wrapper.run(q[:n], kv_cache, out=out[:n])
+        out[n:].zero_()
+        return out
+
+
+def make_attention_backend(device: torch.device | str, num_qo_heads: int, num_kv_heads: int,
+                           head_dim: int, page_size: int, *, dtype: torch.dtype,
+                           sm_scale: float | None = None
+                           ) -> TorchPagedAttention | FlashInferPagedAttention:
+    """FlashInfer where it runs (CUDA, fp16/bf16, installed); the torch reference otherwise."""
+    device = torch.device(device)
+    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and importlib.util.find_spec("flashinfer") is not None):
+        return FlashInferPagedAttention(num_qo_heads, num_kv_heads, head_dim, page_size,
+                                        device=device, dtype=dtype, sm_scale=sm_scale)
+    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, page_size,
+                               sm_scale=sm_scale)

@@ -1,0 +1,151 @@
+"""Paged KV cache in FlashInfer's NHD layout, with a per-sequence page allocator.
+
+Every layer's cache is ``[num_pages + 1, 2, page_size, num_kv_heads, head_dim]`` (``[:, 0]``
+keys, ``[:, 1]`` values): the tensor ``BatchPrefillWithPagedKVCacheWrapper.run(q,
+paged_kv_cache)`` takes for ``kv_layout="NHD"``. All layers live in one tensor ``data`` of shape
+``[num_layers, num_pages + 1, 2, page_size, num_kv_heads, head_dim]`` so that one kernel can move
+KV for every layer (``kernels/kv_compact.py``). The extra last page is a null page: query rows
+that are padding (``kv_slot == -1``) write there, so appends need no masking and no sync; it is
+never given to a sequence.
+
+A sequence's logical slot ``s`` lives at page ``page_table[row, s // page_size]``, offset
+``s % page_size``. Page tables are rows of a device tensor sized for ``max_seqs`` sequences;
+they change only when :meth:`allocate` adds pages (one small host-to-device copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from agspec_gpu.tree import TreeMetadata
+
+
+class PagedKVCache:
+    """KV pages for ``num_layers`` layers and the allocator that hands them to sequences.
+
+    Parameters
+    ----------
+    num_layers, num_pages, page_size, num_kv_heads, head_dim : int
+    dtype : torch.dtype
+    device : torch.device or str
+    max_seqs : int
+        Sequences that can hold pages at once (rows of the page-table buffer).
+    max_pages_per_seq : int, optional
+        Width of the page table (default: ``num_pages``).
+
+    Example
+    -------
+    >>> cache = PagedKVCache(2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=8,
+    ...                      dtype=torch.float32, device="cpu")
+    >>> cache.allocate("a", 6)            # two pages
+    >>> cache.page_table(["a"])[0, :2].tolist()
+    [0, 1]
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
+                 max_seqs: int = 256, max_pages_per_seq: int | None = None) -> None:
+        for name, v in (("num_layers", num_layers), ("num_pages", num_pages),
+                        ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("max_seqs", max_seqs)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.max_pages_per_seq = max_pages_per_seq or num_pages
+        self.null_page = num_pages
+        self.device = torch.device(device)
+        # data: [L, num_pages + 1, 2, page_size, H_kv, D]
+        self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=self.device)
+        # page_table buffer: [max_seqs, max_pages_per_seq]; unused entries point at the null page
+        self._page_table = torch.full((max_seqs, self.max_pages_per_seq), self.null_page,
+                                      dtype=torch.int32, device=self.device)
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._pages: dict[Hashable, list[int]] = {}
+        self._rows: dict[Hashable, int] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s cache, ``[num_pages + 1, 2, page_size, H_kv, D]`` (a view)."""
+        return self.data[i]
+
+    def capacity(self, seq_id: Hashable) -> int:
+        """Slots allocated to ``seq_id`` (0 for an unknown sequence)."""
+        return len(self._pages.get(seq_id, ())) * self.page_size
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Makes ``seq_id`` hold at least ``num_tokens`` slots, adding pages as needed.
+
+        Creates the sequence on first use. Raises ValueError when the pool, the page-table
+        width or the sequence rows run out (nothing is changed then).
+        """
+        need = -(-num_tokens // self.page_size)
+        pages = self._pages.get(seq_id)
+        have = 0 if pages is None else len(pages)
+        if need <= have:
+            return
+        if need > self.max_pages_per_seq:
+            raise ValueError(f"allocate({seq_id!r}, {num_tokens}): {need} pages exceed "
+                             f"max_pages_per_seq={self.max_pages_per_seq}")
+        if need - have > len(self._free_pages):
+            raise ValueError(f"allocate({seq_id!r}, {num_tokens}): {need - have} pages needed, "
+                             f"{len(self._free_pages)} free")
+        if pages is None:
+            if not self._free_rows:
+                raise ValueError(f"allocate({seq_id!r}): all {len(self._rows)} sequence rows "
+                                 f"are in use")
+            pages = self._pages[seq_id] = []
+            self._rows[seq_id] = self._free_rows.pop()
+        new = [self._free_pages.pop() for _ in range(need - have)]
+        pages.extend(new)
+        self._page_table[self._rows[seq_id], have:need] = torch.tensor(new, dtype=torch.int32)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Returns every page of ``seq_id`` to the pool."""
+        if seq_id not in self._pages:
+            raise ValueError(f"free({seq_id!r}): unknown sequence")
+        pages = self._pages.pop(seq_id)
+        row = self._rows.pop(seq_id)
+        self._free_pages.extend(reversed(pages))
+        self._free_rows.append(row)
+        self._page_table[row].fill_(self.null_page)
+
+    def page_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """``int32 [len(seq_ids), max_pages_per_seq]`` the sequences' pages (null-page padded)."""
+        missing = [s for s in seq_ids if s not in self._rows]
+        if missing:
+            raise ValueError(f"page_table: unknown sequences {missing}")
+        rows = torch.tensor([self._rows[s] for s in seq_ids], dtype=torch.long)
+        return self._page_table.index_select(0, rows.to(self.device))
+
+    def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  meta: TreeMetadata) -> None:
+        """Writes the KV of every query row of a planned step into layer ``layer``.
+
+        Parameters
+        ----------
+        k, v : ``[Q, H_kv, D]``
+            One row per query row of ``meta`` (``Q = meta.capacity_q``); row ``i`` goes to
+            physical slot ``meta.kv_slots[i]`` (its logical slot ``prefix_len + r``, node order);
+            padding rows go to the null page.
+        """
+        Q = meta.capacity_q
+        shape = (Q, self.num_kv_heads, self.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+            if x.device != self.device:
+                raise ValueError(f"{name}: on {x.device}, cache on {self.device}")
+        slots = meta.kv_slots.long()
+        slots = torch.where(slots >= 0, slots, self.null_page * self.page_size)
+        page, offset = slots // self.page_size, slots % self.page_size
+        cache = self.data[layer]
+        cache[page, 0, offset] = k.to(cache.dtype)
+        cache[page, 1, offset] = v.to(cache.dtype)

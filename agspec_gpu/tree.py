@@ -1,0 +1,273 @@
+"""Tree-attention metadata: plan once per verification step, run every layer with it.
+
+A verification step feeds, for every request ``b``, its root token (the last committed token,
+whose KV is not in the cache yet) followed by its draft nodes: ``qo_len[b] = 1 +
+num_draft_tokens[b]`` query rows. Tree row ``r`` is the root for ``r = 0`` and draft node
+``r - 1`` otherwise. Two orders matter and differ:
+
+- KV slots follow node order: row ``r`` is written at logical slot ``prefix_len + r``;
+- RoPE positions follow depth: row ``r`` has position ``prefix_len + depth(r)`` (root depth 0).
+
+The attention mask is FlashInfer's custom mask: per request a row-major ``[qo_len, kv_len]``
+boolean matrix, ``kv_len = prefix_len + qo_len`` (the tree's own KV is appended before
+attention), where a row sees every prefix column and its ancestors-or-self in the tree; the
+matrices are bit-packed little-endian, each padded to a whole byte, concatenated at byte offsets
+``mask_indptr`` -- exactly ``flashinfer.quantization.segment_packbits(mask, indptr,
+bitorder="little")``, which ``BatchPrefillWithPagedKVCacheWrapper.plan`` itself uses.
+
+Planning needs no host sync: every buffer has a capacity known from static shapes (or given by
+the caller) and the valid extents live in the indptr tensors on the device. Entries past them
+are padding (see :class:`TreeMetadata`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.kernels.tree_mask import TreeMaskBuffers, tree_mask
+
+
+@dataclass
+class TreeMetadata:
+    """Everything attention and the KV cache need for one tree-verification step.
+
+    ``B`` requests; capacities ``Q`` (query rows), ``P`` (pages), ``M`` (mask bytes) are static.
+    Per-row arrays are valid in ``[0, qo_indptr[B])``; the tail is padding with
+    ``input_ids = 0``, ``position_ids = 0``, ``kv_slots = -1``.
+
+    Attributes:
+        input_ids: ``int32 [Q]`` per request: root token, then its draft tokens.
+        position_ids: ``int32 [Q]`` RoPE position ``prefix_len + depth``.
+        kv_slots: ``int32 [Q]`` physical cache slot ``page * page_size + offset`` where the
+            row's KV is written (logical slot ``prefix_len + r``); -1 for padding rows.
+        qo_indptr: ``int32 [B + 1]`` query rows of request ``b`` are
+            ``qo_indptr[b] : qo_indptr[b + 1]``.
+        kv_indptr: ``int32 [B + 1]`` pages of request ``b`` are
+            ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``.
+        kv_indices: ``int32 [P]`` page ids, concatenated over requests; 0 past ``kv_indptr[B]``.
+        kv_last_page_len: ``int32 [B]`` entries in each request's last page, in
+            ``[1, page_size]``; ``kv_len = (num_pages - 1) * page_size + kv_last_page_len``.
+        packed_mask: ``uint8 [M]`` FlashInfer's packed custom mask; 0 past ``mask_indptr[B]``.
+        mask_indptr: ``int32 [B + 1]`` byte offsets of each request's mask in ``packed_mask``.
+        ancestor_bits: ``int32 [B, max_qo_len, ceil(max_qo_len / 32)]`` bit ``t`` of
+            ``[b, r]`` is set iff tree row ``t`` is an ancestor-or-self of tree row ``r``.
+        page_size: tokens per page.
+        max_qo_len: static bound on ``qo_len`` (``1 + DraftBatch.max_nodes``).
+        max_kv_len: static bound on ``kv_len`` (page-table width times ``page_size``).
+        maybe_tree_mask: ``bool [Q, max_kv_len]`` or None: the unpacked mask, row ``i`` holding
+            its request's columns ``0 .. kv_len - 1`` (debugging and tests only).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    kv_slots: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    packed_mask: torch.Tensor
+    mask_indptr: torch.Tensor
+    ancestor_bits: torch.Tensor
+    page_size: int
+    max_qo_len: int
+    max_kv_len: int
+    maybe_tree_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        B = self.kv_last_page_len.shape[0]
+        Q = self.input_ids.shape[0]
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if not isinstance(x, torch.Tensor) or f.name in ("packed_mask", "maybe_tree_mask"):
+                continue
+            if x.dtype != torch.int32:
+                raise ValueError(f"{f.name}: expected int32, got {x.dtype}")
+            if x.device != self.input_ids.device:
+                raise ValueError(f"{f.name}: on {x.device}, input_ids on {self.input_ids.device}")
+        if self.packed_mask.dtype != torch.uint8:
+            raise ValueError(f"packed_mask: expected uint8, got {self.packed_mask.dtype}")
+        for name in ("position_ids", "kv_slots"):
+            if getattr(self, name).shape != (Q,):
+                raise ValueError(f"{name}: expected shape ({Q},), got "
+                                 f"{tuple(getattr(self, name).shape)}")
+        for name in ("qo_indptr", "kv_indptr", "mask_indptr"):
+            if getattr(self, name).shape != (B + 1,):
+                raise ValueError(f"{name}: expected shape ({B + 1},), got "
+                                 f"{tuple(getattr(self, name).shape)}")
+        if self.page_size < 1 or self.max_qo_len < 1 or self.max_kv_len < self.max_qo_len:
+            raise ValueError(f"bad static sizes: page_size={self.page_size}, max_qo_len="
+                             f"{self.max_qo_len}, max_kv_len={self.max_kv_len}")
+        if self.ancestor_bits.shape[:2] != (B, self.max_qo_len):
+            raise ValueError(f"ancestor_bits: expected shape ({B}, {self.max_qo_len}, W), got "
+                             f"{tuple(self.ancestor_bits.shape)}")
+        if self.maybe_tree_mask is not None and (
+                self.maybe_tree_mask.dtype != torch.bool
+                or self.maybe_tree_mask.shape != (Q, self.max_kv_len)):
+            raise ValueError(f"maybe_tree_mask: expected bool [{Q}, {self.max_kv_len}]")
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+    @property
+    def capacity_q(self) -> int:
+        """Number of query rows the buffers hold (valid ones: ``qo_indptr[-1]``)."""
+        return self.input_ids.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def qo_lens(self) -> torch.Tensor:
+        """``int32 [B]`` query rows per request."""
+        return self.qo_indptr[1:] - self.qo_indptr[:-1]
+
+    def kv_lens(self) -> torch.Tensor:
+        """``int32 [B]`` KV entries per request, the tree's own included."""
+        num_pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return (num_pages - 1) * self.page_size + self.kv_last_page_len
+
+    @staticmethod
+    def empty(max_batch_size: int, max_qo_len: int, max_pages_per_seq: int, page_size: int,
+              device: torch.device | str, *, max_total_q: int | None = None,
+              max_total_pages: int | None = None,
+              max_mask_bytes: int | None = None) -> "TreeMetadata":
+        """Preallocated buffers for :func:`plan_tree` ``out=`` (a CUDA-graph-friendly pool).
+
+        Capacities default to the static worst case: ``max_total_q = max_batch_size *
+        max_qo_len``, ``max_total_pages = max_batch_size * max_pages_per_seq``,
+        ``max_mask_bytes = max_batch_size * ceil(max_qo_len * max_pages_per_seq *
+        page_size / 8)``. Smaller values are a contract: the caller's drafts must fit (a
+        batch-level token budget does this for ``max_total_q``).
+        """
+        B, R = max_batch_size, max_qo_len
+        Q = max_total_q if max_total_q is not None else B * R
+        P = max_total_pages if max_total_pages is not None else B * max_pages_per_seq
+        M = max_mask_bytes if max_mask_bytes is not None else \
+            B * (-(-R * max_pages_per_seq * page_size // 8))
+
+        def i32(*shape):
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        return TreeMetadata(
+            input_ids=i32(Q), position_ids=i32(Q), kv_slots=i32(Q), qo_indptr=i32(B + 1),
+            kv_indptr=i32(B + 1), kv_indices=i32(P), kv_last_page_len=i32(B).fill_(1),
+            packed_mask=torch.zeros(M, dtype=torch.uint8, device=device),
+            mask_indptr=i32(B + 1), ancestor_bits=i32(B, R, -(-R // 32)), page_size=page_size,
+            max_qo_len=R, max_kv_len=max(R, max_pages_per_seq * page_size))
+
+
+def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tensor,
+              page_table: torch.Tensor, page_size: int, *, max_total_q: int | None = None,
+              out: TreeMetadata | None = None, with_dense_mask: bool = False,
+              use_triton: bool | None = None) -> TreeMetadata:
+    """Plans one tree-verification step for a batch, entirely on the device.
+
+    Parameters
+    ----------
+    draft : DraftBatch
+        ``B`` draft trees of at most ``N`` nodes (``num_draft_tokens`` may be 0).
+    root_ids : ``int32 [B]``
+        The last committed token of each request (its KV is not in the cache yet).
+    prefix_lens : ``int32 [B]``
+        Tokens of each request already in the KV cache.
+    page_table : ``int32 [B, max_pages]``
+        Pages of each request in logical order; they must cover ``prefix_len + 1 + N`` slots
+        (``PagedKVCache.allocate`` before planning).
+    page_size : int
+    max_total_q : int, optional
+        Query-row capacity when ``out`` is not given (default ``B * (N + 1)``, always enough).
+    out : TreeMetadata, optional
+        Buffers from :meth:`TreeMetadata.empty` to reuse; the result holds views of them.
+    with_dense_mask : bool
+        Also unpack the mask into ``maybe_tree_mask`` (debugging; allocates).
+    use_triton : bool, optional
+        Forwarded to :func:`agspec_gpu.kernels.tree_mask.tree_mask`.
+
+    Returns
+    -------
+    TreeMetadata
+
+    Example
+    -------
+    >>> d = DraftBatch.from_lists([[(7, -1), (8, 0)]])         # root -> 7 -> 8
+    >>> m = plan_tree(d, torch.tensor([5], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+    ...               torch.tensor([[0, 1]], dtype=torch.int32), page_size=4)
+    >>> m.position_ids[:3].tolist(), m.kv_last_page_len.tolist()
+    ([3, 4, 5], [2])
+    """
+    B, N = draft.token_ids.shape
+    device = draft.token_ids.device
+    R = N + 1
+    max_pages = page_table.shape[1] if page_table.dim() == 2 else 0
+    if root_ids.shape != (B,) or prefix_lens.shape != (B,):
+        raise ValueError(f"root_ids, prefix_lens: expected shape ({B},), got "
+                         f"{tuple(root_ids.shape)}, {tuple(prefix_lens.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table: expected shape ({B}, max_pages), got "
+                         f"{tuple(page_table.shape)}")
+    if out is None:
+        out = TreeMetadata.empty(B, R, max_pages, page_size, device, max_total_q=max_total_q)
+    elif out.batch_size < B or out.max_qo_len < R or out.page_size != page_size:
+        raise ValueError(f"out: buffers for batch {out.batch_size}, max_qo_len "
+                         f"{out.max_qo_len}, page_size {out.page_size} cannot plan batch {B}, "
+                         f"max_qo_len {R}, page_size {page_size}")
+    if max_pages * page_size > out.max_kv_len:
+        raise ValueError(f"page_table: {max_pages} pages of {page_size} exceed out.max_kv_len="
+                         f"{out.max_kv_len}")
+    if max_total_q is not None and out.capacity_q < max_total_q:
+        raise ValueError(f"out holds {out.capacity_q} rows < max_total_q={max_total_q}")
+
+    qo_indptr, kv_indptr, mask_indptr = (x[:B + 1] for x in
+                                         (out.qo_indptr, out.kv_indptr, out.mask_indptr))
+    kv_last_page_len = out.kv_last_page_len[:B]
+    ancestor_bits = out.ancestor_bits.view(-1)[:B * R * (-(-R // 32))].view(B, R, -(-R // 32))
+
+    qo_lens = 1 + draft.num_draft_tokens.clamp(0, N)
+    kv_lens = prefix_lens + qo_lens
+    num_pages = (kv_lens + page_size - 1) // page_size
+    for indptr, counts in ((qo_indptr, qo_lens), (kv_indptr, num_pages),
+                           (mask_indptr, (qo_lens * kv_lens + 7) // 8)):
+        indptr[:1].zero_()
+        torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
+    kv_last_page_len.copy_(kv_lens - (num_pages - 1) * page_size)
+
+    tree_mask(*(x.to(torch.int32).contiguous() for x in (draft.token_ids, draft.parents,
+                                                          root_ids, prefix_lens, page_table)),
+              qo_indptr, kv_indptr, mask_indptr, page_size, use_triton=use_triton,
+              out=TreeMaskBuffers(out.input_ids, out.position_ids, out.kv_slots, out.kv_indices,
+                                  out.packed_mask, ancestor_bits))
+    meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
+                   kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
+                   max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None)
+    if with_dense_mask:
+        dense = unpack_mask(meta)  # [B, R, max_kv_len]
+        rows = meta.qo_indptr[:-1, None].long() + torch.arange(R, device=device)[None, :]
+        valid = torch.arange(R, device=device)[None, :] < meta.qo_lens()[:, None]
+        tree = torch.zeros(meta.capacity_q, meta.max_kv_len, dtype=torch.bool, device=device)
+        tree[rows[valid]] = dense[valid]
+        meta = replace(meta, maybe_tree_mask=tree)
+    return meta
+
+
+def unpack_mask(meta: TreeMetadata) -> torch.Tensor:
+    """Unpacks ``meta.packed_mask`` into ``bool [B, max_qo_len, max_kv_len]``.
+
+    Entry ``[b, r, c]`` is bit ``e % 8`` of byte ``mask_indptr[b] + e // 8`` with
+    ``e = r * kv_len[b] + c``; rows ``>= qo_len[b]`` and columns ``>= kv_len[b]`` are False.
+    """
+    dev = meta.device
+    R, K = meta.max_qo_len, meta.max_kv_len
+    qo_len = meta.qo_lens().long()[:, None, None]
+    kv_len = meta.kv_lens().long()[:, None, None]
+    r = torch.arange(R, device=dev)[None, :, None]
+    c = torch.arange(K, device=dev)[None, None, :]
+    valid = (r < qo_len) & (c < kv_len)
+    e = r * kv_len + c
+    byte_idx = (meta.mask_indptr[:-1].long()[:, None, None] + e // 8)
+    byte_idx = torch.where(valid, byte_idx, 0).clamp(max=meta.packed_mask.numel() - 1)
+    bits = (meta.packed_mask[byte_idx].to(torch.int32) >> (e % 8).to(torch.int32)) & 1
+    return valid & (bits != 0)

@@ -1,0 +1,389 @@
+"""Tree-attention plan: query rows, KV slots, page lists and FlashInfer's packed custom mask.
+
+For every request ``b`` the verify input is its root token (the last committed token, whose KV
+is not in the cache yet) followed by its draft nodes; tree row ``r`` is the root for ``r = 0``
+and draft node ``r - 1`` otherwise. The KV of row ``r`` is written at logical slot
+``prefix_lens[b] + r`` (node order); its RoPE position is ``prefix_lens[b] + depth(r)``.
+
+The custom mask follows FlashInfer's layout (``BatchPrefillWithPagedKVCacheWrapper.plan(...,
+packed_custom_mask=...)``): per request a row-major boolean ``[qo_len, kv_len]`` matrix with
+``kv_len = prefix_len + qo_len`` (a row sees every prefix column and its ancestors-or-self in
+the tree), flattened, bit-packed little-endian (bit ``i`` of byte ``j`` is element ``8j + i``,
+``flashinfer.quantization.segment_packbits(..., bitorder="little")``), each request padded to a
+whole byte and the requests concatenated at byte offsets ``mask_indptr``.
+
+Two launches: ``_tree_rows_kernel`` (one program per request) builds the ancestor bitsets and
+fills the per-row and per-page arrays; ``_tree_mask_kernel`` packs the mask bytes in parallel,
+reading those bitsets. Inputs beyond a buffer's capacity are dropped, never written out of
+bounds: the capacities are a contract with the caller, who sizes them (no host sync here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 128
+BLOCK_PAGES = 128
+BLOCK_BYTES = 128
+
+
+class TreeMaskBuffers(NamedTuple):
+    """Outputs of :func:`tree_mask` (capacities ``Q``, ``P``, ``M``; tails are padding).
+
+    Attributes:
+        input_ids: ``int32 [Q]`` root token, then draft tokens, per request; 0 in padding.
+        position_ids: ``int32 [Q]`` ``prefix_len + depth``; 0 in padding.
+        kv_slots: ``int32 [Q]`` physical cache slot ``page * page_size + offset``; -1 in padding.
+        kv_indices: ``int32 [P]`` the requests' pages, concatenated; 0 in padding.
+        packed_mask: ``uint8 [M]`` FlashInfer's packed custom mask; 0 in padding.
+        ancestor_bits: ``int32 [B, R, W]`` bit ``t`` of ``[b, r]`` is set iff tree row ``t`` is
+            an ancestor-or-self of tree row ``r`` (row 0 is the root); 0 in padding rows.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    kv_slots: torch.Tensor
+    kv_indices: torch.Tensor
+    packed_mask: torch.Tensor
+    ancestor_bits: torch.Tensor
+
+
+@triton.jit
+def _popcount32(x):
+    """Set bits per int32 lane (SWAR), as int32."""
+    x = x.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _tree_rows_kernel(
+    token_ids_ptr,  # *int32 [B, N]  draft tokens
+    parents_ptr,  # *int32 [B, N]  parent node, -1 for root children
+    root_ids_ptr,  # *int32 [B]
+    prefix_lens_ptr,  # *int32 [B]  tokens already in the KV cache
+    page_table_ptr,  # *int32 [B, max_pages]
+    qo_indptr_ptr,  # *int32 [B + 1]
+    kv_indptr_ptr,  # *int32 [B + 1]
+    input_ids_ptr,  # *int32 [Q]  out
+    position_ids_ptr,  # *int32 [Q]  out
+    kv_slots_ptr,  # *int32 [Q]  out
+    kv_indices_ptr,  # *int32 [P]  out
+    ancestors_ptr,  # *int32 [B, R, W]  out, zero-filled by the launcher
+    N,
+    max_pages,
+    R,
+    W,
+    Q,
+    P,
+    page_size,
+    BLOCK_W: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One program per request.
+
+    Ancestor bitsets: rows are in topological order (a parent's row is smaller), so
+    ``anc[r] = anc[parent_row(r)] | {r}`` is filled by one sequential pass over the rows; the
+    depth of row ``r`` is ``popcount(anc[r]) - 1``. Row ``r`` stores the words that row
+    ``parent_row(r)`` stored in an earlier iteration; a barrier per iteration makes those
+    stores visible to every thread of the program.
+    Rows, slots and pages are then written in vectorised blocks. Memory layout: ``anc`` is
+    ``[B, R, W]`` row-major int32 words (bit ``t % 32`` of word ``t // 32``).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    qo_start = tl.load(qo_indptr_ptr + b).to(tl.int64)
+    qo_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - qo_start
+    prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
+    anc_base = ancestors_ptr + b * R * W
+    words = tl.arange(0, BLOCK_W)
+    wmask = words < W
+
+    # root row: itself only, depth 0
+    tl.store(anc_base + words, (words == 0).to(tl.int32), mask=wmask & (qo_len > 0))
+    tl.store(position_ids_ptr + qo_start, prefix.to(tl.int32), mask=(qo_len > 0) & (qo_start < Q))
+    tl.debug_barrier()
+    # while loops, not range(runtime bound): the interpreter cannot index with a loaded value
+    r = tl.zeros((), tl.int64) + 1
+    while r < qo_len:
+        in_rows = r < R  # qo_len <= R is the planner's contract; this keeps bad input in bounds
+        parent_row = tl.load(parents_ptr + b * N + (r - 1), mask=r <= N, other=-1) + 1
+        parent_row = tl.minimum(tl.maximum(parent_row.to(tl.int64), 0), r - 1)
+        row = tl.load(anc_base + parent_row * W + words, mask=wmask & in_rows, other=0)
+        own_bit = (tl.full([BLOCK_W], 1, tl.int64) << (r % 32)).to(tl.int32)
+        row = row | tl.where(words == r // 32, own_bit, 0)
+        tl.store(anc_base + r * W + words, row, mask=wmask & in_rows)
+        depth = tl.sum(_popcount32(row), axis=0) - 1
+        tl.store(position_ids_ptr + qo_start + r, (prefix + depth).to(tl.int32),
+                 mask=in_rows & (qo_start + r < Q))
+        tl.debug_barrier()
+        r += 1
+
+    root_id = tl.load(root_ids_ptr + b)
+    r0 = tl.zeros((), tl.int64)
+    while r0 < qo_len:
+        rows = r0 + tl.arange(0, BLOCK_R)
+        logical = prefix + rows
+        page_col = logical // page_size
+        valid = (rows < qo_len) & (rows < R) & (qo_start + rows < Q) & (page_col < max_pages)
+        tok = tl.load(token_ids_ptr + b * N + rows - 1, mask=valid & (rows > 0), other=0)
+        tok = tl.where(rows == 0, root_id, tok)
+        page = tl.load(page_table_ptr + b * max_pages + page_col, mask=valid, other=0)
+        slot = page.to(tl.int64) * page_size + logical % page_size
+        tl.store(input_ids_ptr + qo_start + rows, tok, mask=valid)
+        tl.store(kv_slots_ptr + qo_start + rows, slot.to(tl.int32), mask=valid)
+        r0 += BLOCK_R
+
+    kv_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
+    num_pages = tl.load(kv_indptr_ptr + b + 1).to(tl.int64) - kv_start
+    p0 = tl.zeros((), tl.int64)
+    while p0 < num_pages:
+        cols = p0 + tl.arange(0, BLOCK_P)
+        valid = (cols < num_pages) & (cols < max_pages) & (kv_start + cols < P)
+        page = tl.load(page_table_ptr + b * max_pages + cols, mask=valid, other=0)
+        tl.store(kv_indices_ptr + kv_start + cols, page, mask=valid)
+        p0 += BLOCK_P
+
+
+@triton.jit
+def _tree_mask_kernel(
+    prefix_lens_ptr,  # *int32 [B]
+    qo_indptr_ptr,  # *int32 [B + 1]
+    mask_indptr_ptr,  # *int32 [B + 1]  byte offsets
+    ancestors_ptr,  # *int32 [B, R, W]  from _tree_rows_kernel
+    packed_mask_ptr,  # *uint8 [M]  out
+    R,
+    W,
+    M,
+    BLOCK_BYTES: tl.constexpr,
+):
+    """Grid ``(byte blocks, B)``: each program packs ``BLOCK_BYTES`` bytes of one request.
+
+    Element ``e = 8 * j + i`` of request ``b`` (byte ``j``, bit ``i``) is row ``e // kv_len``,
+    column ``c = e % kv_len``; it is set iff ``c < prefix_len`` or tree row ``c - prefix_len``
+    is an ancestor-or-self of the row. Bits past ``qo_len * kv_len`` are 0 (byte padding).
+    """
+    blk = tl.program_id(0).to(tl.int64)  # axis 0: the large one (grid y/z are < 2**16)
+    b = tl.program_id(1).to(tl.int64)
+    qo_start = tl.load(qo_indptr_ptr + b).to(tl.int64)
+    qo_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - qo_start
+    prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
+    kv_len = prefix + qo_len
+    m_start = tl.load(mask_indptr_ptr + b).to(tl.int64)
+    num_bytes = tl.load(mask_indptr_ptr + b + 1).to(tl.int64) - m_start
+
+    j = blk * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    bit = tl.arange(0, 8)
+    e = j[:, None] * 8 + bit[None, :]  # [BLOCK_BYTES, 8]
+    inside = e < qo_len * kv_len
+    row = e // tl.maximum(kv_len, 1)
+    t = e % tl.maximum(kv_len, 1) - prefix  # tree column; < 0 inside the prefix
+    in_tree = inside & (t >= 0) & (row < R)
+    word = tl.load(ancestors_ptr + (b * R + row) * W + t // 32, mask=in_tree, other=0)
+    visible = inside & ((t < 0) | (in_tree & (((word >> (t % 32)) & 1) != 0)))
+    byte = tl.sum(visible.to(tl.int32) << bit[None, :], axis=1)
+    tl.store(packed_mask_ptr + m_start + j, byte.to(tl.uint8),
+             mask=(j < num_bytes) & (m_start + j < M))
+
+
+def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Tensor,
+                    prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                    mask_indptr: torch.Tensor, page_size: int,
+                    out: TreeMaskBuffers) -> TreeMaskBuffers:
+    """Pure-torch implementation of :func:`tree_mask` (same inputs, same bits in ``out``).
+
+    ``out`` must already hold the padding values (the launcher fills them).
+    """
+    B, N = token_ids.shape
+    _, R, W = out.ancestor_bits.shape
+    Q, P, M = out.input_ids.numel(), out.kv_indices.numel(), out.packed_mask.numel()
+    max_pages = page_table.shape[1]
+    dev = token_ids.device
+    qo_start = qo_indptr[:-1].long()
+    qo_len = qo_indptr[1:].long() - qo_start
+    prefix = prefix_lens.long()
+
+    # ancestor bitsets, one pass over rows in topological order (vectorised over requests)
+    anc = torch.zeros(B, R, W, dtype=torch.int32, device=dev)
+    anc[:, 0, 0] = torch.where(qo_len > 0, 1, 0).to(torch.int32)
+    words = torch.arange(W, device=dev)
+    for r in range(1, min(R, N + 1)):
+        parent_row = (parents[:, r - 1].long() + 1).clamp(0, r - 1)
+        own = torch.where(words == r // 32, 1 << (r % 32), 0).to(torch.int32)  # wraps at bit 31
+        row = anc[torch.arange(B, device=dev), parent_row] | own
+        anc[:, r] = torch.where((r < qo_len)[:, None], row, 0)
+    out.ancestor_bits.copy_(anc)
+
+    shifts = torch.arange(32, device=dev, dtype=torch.int32)
+    depth = ((anc[..., None] >> shifts) & 1).sum(dim=(-1, -2)) - 1  # [B, R]
+    rows = torch.arange(R, device=dev)
+    logical = prefix[:, None] + rows[None, :]
+    page_col = logical // page_size
+    dst = qo_start[:, None] + rows[None, :]
+    valid = (rows[None, :] < qo_len[:, None]) & (dst < Q) & (page_col < max_pages)
+    tok = torch.zeros(B, R, dtype=torch.int32, device=dev)
+    tok[:, :N + 1] = torch.cat([root_ids[:, None], token_ids], dim=1)  # R >= N + 1
+    page = page_table.gather(1, page_col.clamp(0, max_pages - 1))
+    slot = page.long() * page_size + logical % page_size
+    out.input_ids[dst[valid]] = tok[valid]
+    out.position_ids[dst[valid]] = (prefix[:, None] + depth)[valid].to(torch.int32)
+    out.kv_slots[dst[valid]] = slot[valid].to(torch.int32)
+
+    kv_start = kv_indptr[:-1].long()
+    num_pages = kv_indptr[1:].long() - kv_start
+    cols = torch.arange(max_pages, device=dev)
+    pdst = kv_start[:, None] + cols[None, :]
+    pvalid = (cols[None, :] < num_pages[:, None]) & (pdst < P)
+    out.kv_indices[pdst[pvalid]] = page_table[pvalid]
+
+    # packed mask: element e of request b is (row e // kv_len, column e % kv_len)
+    kv_len = prefix + qo_len
+    m_start = mask_indptr[:-1].long()
+    num_bytes = mask_indptr[1:].long() - m_start
+    max_bytes = -(-R * max_pages * page_size // 8)
+    j = torch.arange(max_bytes, device=dev)
+    e = j[None, :, None] * 8 + torch.arange(8, device=dev)[None, None, :]  # [1, J, 8]
+    kvl = kv_len.clamp(min=1)[:, None, None]
+    inside = e < (qo_len * kv_len)[:, None, None]
+    row = e // kvl
+    t = e % kvl - prefix[:, None, None]
+    in_tree = inside & (t >= 0) & (row < R)
+    row = row.clamp(max=R - 1)
+    tc = t.clamp(min=0)
+    bidx = torch.arange(B, device=dev)[:, None, None]
+    word = anc[bidx, row, (tc // 32).clamp(max=W - 1)]
+    tree_bit = ((word >> (tc % 32).to(torch.int32)) & 1) != 0
+    visible = inside & ((t < 0) | (in_tree & tree_bit))
+    byte = (visible.to(torch.int32) << torch.arange(8, device=dev, dtype=torch.int32)).sum(-1)
+    mdst = m_start[:, None] + j[None, :]
+    mvalid = (j[None, :] < num_bytes[:, None]) & (mdst < M)
+    out.packed_mask[mdst[mvalid]] = byte[mvalid].to(torch.uint8)
+    return out
+
+
+def _check(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int, device: torch.device):
+    if x.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Tensor,
+              prefix_lens: torch.Tensor, page_table: torch.Tensor, qo_indptr: torch.Tensor,
+              kv_indptr: torch.Tensor, mask_indptr: torch.Tensor, page_size: int, *,
+              out: TreeMaskBuffers | None = None,
+              use_triton: bool | None = None) -> TreeMaskBuffers:
+    """Fills the per-row, per-page and packed-mask arrays of a tree-attention step.
+
+    Parameters
+    ----------
+    token_ids, parents : ``int32 [B, N]``
+        The draft trees (topological order, ``-1`` parent for root children).
+    root_ids, prefix_lens : ``int32 [B]``
+        Root token per request and the number of its tokens already in the KV cache.
+    page_table : ``int32 [B, max_pages]``
+        Each request's pages in logical order; must cover ``prefix_len + qo_len`` slots.
+    qo_indptr, kv_indptr, mask_indptr : ``int32 [B + 1]``
+        Cumulative ``qo_len``, page counts ``ceil(kv_len / page_size)`` and mask bytes
+        ``ceil(qo_len * kv_len / 8)``, with ``qo_len = 1 + num_draft_tokens`` and
+        ``kv_len = prefix_len + qo_len``.
+    page_size : int
+    out : TreeMaskBuffers, optional
+        Buffers to fill (capacities ``Q``, ``P``, ``M``; ``ancestor_bits`` of shape
+        ``[B, R, ceil(R / 32)]`` with ``R >= max qo_len``). Allocated with the static bounds
+        ``Q = B * (N + 1)``, ``P = B * max_pages``,
+        ``M = B * ceil((N + 1) * max_pages * page_size / 8)`` and ``R = N + 1`` when omitted.
+    use_triton : bool, optional
+        Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
+        Triton for CUDA tensors.
+
+    Returns
+    -------
+    TreeMaskBuffers
+        ``out``, with every entry past the valid data set to its padding value.
+
+    Example
+    -------
+    One request, prefix 2, a root and one child: ``kv_len = 4``, mask rows ``1110`` and
+    ``1111``, elements ``1,1,1,0,1,1,1,1`` -> one byte ``0b11110111 = 0xF7``.
+    """
+    device = token_ids.device
+    B, N = token_ids.shape if token_ids.dim() == 2 else (0, 0)
+    for name, x, nd in (("token_ids", token_ids, 2), ("parents", parents, 2),
+                        ("root_ids", root_ids, 1), ("prefix_lens", prefix_lens, 1),
+                        ("page_table", page_table, 2), ("qo_indptr", qo_indptr, 1),
+                        ("kv_indptr", kv_indptr, 1), ("mask_indptr", mask_indptr, 1)):
+        _check(name, x, torch.int32, nd, device)
+    if parents.shape != (B, N):
+        raise ValueError(f"parents: expected shape {(B, N)}, got {tuple(parents.shape)}")
+    for name, x, n in (("root_ids", root_ids, B), ("prefix_lens", prefix_lens, B),
+                       ("qo_indptr", qo_indptr, B + 1), ("kv_indptr", kv_indptr, B + 1),
+                       ("mask_indptr", mask_indptr, B + 1)):
+        if x.shape[0] != n:
+            raise ValueError(f"{name}: expected {n} entries, got {x.shape[0]}")
+    if page_table.shape[0] != B or page_table.shape[1] < 1:
+        raise ValueError(f"page_table: expected shape ({B}, >=1), got {tuple(page_table.shape)}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    max_pages = page_table.shape[1]
+    if out is None:
+        R = N + 1
+        W = -(-R // 32)
+        out = TreeMaskBuffers(
+            input_ids=torch.empty(B * R, dtype=torch.int32, device=device),
+            position_ids=torch.empty(B * R, dtype=torch.int32, device=device),
+            kv_slots=torch.empty(B * R, dtype=torch.int32, device=device),
+            kv_indices=torch.empty(B * max_pages, dtype=torch.int32, device=device),
+            packed_mask=torch.empty(B * (-(-R * max_pages * page_size // 8)), dtype=torch.uint8,
+                                    device=device),
+            ancestor_bits=torch.empty(B, R, W, dtype=torch.int32, device=device))
+    for name in ("input_ids", "position_ids", "kv_slots", "kv_indices"):
+        _check(f"out.{name}", getattr(out, name), torch.int32, 1, device)
+    _check("out.packed_mask", out.packed_mask, torch.uint8, 1, device)
+    _check("out.ancestor_bits", out.ancestor_bits, torch.int32, 3, device)
+    _, R, W = out.ancestor_bits.shape
+    if out.ancestor_bits.shape[0] != B or R < 1 or W * 32 < R:
+        raise ValueError(f"out.ancestor_bits: expected shape ({B}, R, ceil(R / 32)), "
+                         f"got {tuple(out.ancestor_bits.shape)}")
+    if R < N + 1:
+        raise ValueError(f"out.ancestor_bits: R = {R} rows cannot hold a root plus {N} nodes")
+    if not (out.input_ids.numel() == out.position_ids.numel() == out.kv_slots.numel()):
+        raise ValueError("out.input_ids, out.position_ids, out.kv_slots: capacities differ")
+
+    out.input_ids.zero_()
+    out.position_ids.zero_()
+    out.kv_slots.fill_(-1)
+    out.kv_indices.zero_()
+    out.packed_mask.zero_()
+    out.ancestor_bits.zero_()
+    if B == 0:
+        return out
+    if use_triton is None:
+        use_triton = device.type == "cuda"
+    if not use_triton:
+        return tree_mask_torch(token_ids, parents, root_ids, prefix_lens, page_table, qo_indptr,
+                               kv_indptr, mask_indptr, page_size, out)
+
+    Q, P, M = out.input_ids.numel(), out.kv_indices.numel(), out.packed_mask.numel()
+    _tree_rows_kernel[(B,)](
+        token_ids, parents, root_ids, prefix_lens, page_table, qo_indptr, kv_indptr,
+        out.input_ids, out.position_ids, out.kv_slots, out.kv_indices, out.ancestor_bits,
+        N, max_pages, R, W, Q, P, page_size,
+        BLOCK_W=triton.next_power_of_2(W), BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(R)),
+        BLOCK_P=min(BLOCK_PAGES, triton.next_power_of_2(max_pages)))
+    max_bytes = -(-R * max_pages * page_size // 8)
+    _tree_mask_kernel[(triton.cdiv(max_bytes, BLOCK_BYTES), B)](
+        prefix_lens, qo_indptr, mask_indptr, out.ancestor_bits, out.packed_mask, R, W, M,
+        BLOCK_BYTES=BLOCK_BYTES)
+    return out

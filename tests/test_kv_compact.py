@@ -1,0 +1,151 @@
+"""Committing the accepted path: kv_compact Triton == torch == a reference gather; the cache."""
+
+import pytest
+import torch
+
+from agspec_gpu import DraftBatch
+from agspec_gpu.kernels.kv_compact import _kv_compact_kernel, kv_compact
+from agspec_gpu.kv_cache import PagedKVCache
+from agspec_gpu.tree import plan_tree
+from kernel_compile import compile_for_sm90
+from tree_reference import DEVICE
+
+
+def make_cache(seed, B, page_size, max_len, num_layers=2, heads=2, head_dim=4,
+               dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max_len // page_size)
+    num_pages = B * width + 1
+    data = torch.randn(num_layers, num_pages, 2, page_size, heads, head_dim, generator=g)
+    pages = torch.randperm(num_pages, generator=g)[:B * width].view(B, width).to(torch.int32)
+    return data.to(dtype), pages
+
+
+def logical_rows(data, page_table, b, slots):
+    """``[L, 2, len(slots), H, D]``: the rows of request ``b`` at logical ``slots``."""
+    ps = data.shape[3]
+    pages = page_table[b, [s // ps for s in slots]].long()
+    return data[:, pages, :, [s % ps for s in slots]].permute(1, 2, 0, 3, 4)
+
+
+# accepted node lists per request (increasing, root excluded); -1 padding is added
+CASES = [
+    ([[]], [0], 1),
+    ([[0, 1, 2]], [3], 4),  # a chain prefix: nothing moves
+    ([[1, 2]], [0], 1),  # move i=1 writes the slot move i=0 reads from
+    ([[2, 5, 6], [], [0, 3]], [5, 0, 7], 3),
+    ([[4], [1, 3, 4, 8], [0], [7, 9, 10, 11]], [15, 16, 1, 31], 16),
+]
+
+
+@pytest.mark.parametrize("accepted,prefix_lens,page_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_matches_torch_and_reference(accepted, prefix_lens, page_size, dtype):
+    B = len(accepted)
+    A = max(len(a) for a in accepted) or 1
+    max_len = max(prefix_lens) + 1 + 13
+    data, page_table = make_cache(B * page_size, B, page_size, max_len, dtype=dtype)
+    acc = torch.tensor([a + [-1] * (A - len(a)) for a in accepted], dtype=torch.int32)
+    prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+
+    expected = data.clone()
+    for b, nodes in enumerate(accepted):
+        if nodes:
+            src = logical_rows(data, page_table, b, [prefix_lens[b] + 1 + n for n in nodes])
+            ps = page_size
+            dst = [prefix_lens[b] + 1 + i for i in range(len(nodes))]
+            pages = page_table[b, [s // ps for s in dst]].long()
+            expected[:, pages, :, [s % ps for s in dst]] = src.permute(2, 0, 1, 3, 4)
+
+    got_torch, got_triton = data.clone(), data.clone().to(DEVICE)
+    kv_compact(got_torch, page_table, prefix, acc, use_triton=False)
+    kv_compact(got_triton, page_table.to(DEVICE), prefix.to(DEVICE), acc.to(DEVICE),
+               use_triton=True)
+    got_triton = got_triton.cpu()
+    assert torch.equal(got_triton, got_torch), (got_triton != got_torch).nonzero()[:5]
+    assert torch.equal(got_torch, expected), (got_torch != expected).nonzero()[:5]
+    for b, nodes in enumerate(accepted):  # the committed sequence, read back logically
+        n = prefix_lens[b] + 1 + len(nodes)
+        want = logical_rows(data, page_table, b, list(range(prefix_lens[b] + 1)) +
+                            [prefix_lens[b] + 1 + x for x in nodes])
+        assert torch.equal(logical_rows(got_triton, page_table, b, list(range(n))), want)
+
+
+def test_rejects_bad_inputs():
+    data, page_table = make_cache(0, 1, 4, 8)
+    acc = torch.tensor([[0]], dtype=torch.int32)
+    prefix = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_data"):
+        kv_compact(data[0], page_table, prefix, acc)
+    with pytest.raises(ValueError, match="accepted_nodes"):
+        kv_compact(data, page_table, prefix, acc.long())
+    with pytest.raises(ValueError, match="page_table"):
+        kv_compact(data, page_table.repeat(2, 1), prefix, acc)
+
+
+def test_kernel_compiles_for_sm90():
+    sig = {"kv_ptr": "*bf16", "page_table_ptr": "*i32", "prefix_lens_ptr": "*i32",
+           "accepted_ptr": "*i32", "stride_layer": "i64", "stride_page": "i64",
+           "max_pages": "i32", "A": "i32", "page_size": "i32", "ROW": "i32",
+           "BLOCK_COLS": "constexpr"}
+    compile_for_sm90(_kv_compact_kernel, sig, {"BLOCK_COLS": 1024})
+
+
+def test_cache_allocator_lifecycle():
+    cache = PagedKVCache(1, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2,
+                         dtype=torch.float32, device="cpu", max_seqs=2, max_pages_per_seq=4)
+    assert cache.layer(0).shape == (7, 2, 4, 1, 2)  # + the null page
+    cache.allocate("a", 5)
+    cache.allocate("b", 1)
+    cache.allocate("a", 8)  # already enough
+    assert cache.capacity("a") == 8 and cache.num_free_pages == 3
+    table = cache.page_table(["b", "a"])
+    assert table.shape == (2, 4) and table.dtype == torch.int32
+    assert table[1, :2].tolist() == [0, 1] and table[0, 0].item() == 2
+    assert table[0, 1:].eq(cache.null_page).all()
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
+        cache.allocate("a", 17)
+    with pytest.raises(ValueError, match="rows"):
+        cache.allocate("c", 1)
+    cache.free("b")
+    cache.allocate("c", 16)  # its row and page are reusable
+    assert cache.num_free_pages == 0
+    with pytest.raises(ValueError, match="0 free"):
+        cache.allocate("a", 12)
+    assert cache.capacity("a") == 8  # a failed allocation changes nothing
+    with pytest.raises(ValueError, match="unknown"):
+        cache.free("b")
+    with pytest.raises(ValueError, match="unknown"):
+        cache.page_table(["b"])
+
+
+def test_append_kv_writes_node_order_slots():
+    cache = PagedKVCache(2, num_pages=8, page_size=3, num_kv_heads=2, head_dim=4,
+                         dtype=torch.float32, device="cpu")
+    cache.allocate("s", 9)
+    draft = DraftBatch.from_lists([[(7, -1), (8, -1), (9, 1)]])  # depths 1, 1, 2
+    meta = plan_tree(draft, torch.tensor([5], dtype=torch.int32),
+                     torch.tensor([4], dtype=torch.int32), cache.page_table(["s"]), 3,
+                     max_total_q=6)
+    k = torch.arange(6 * 8, dtype=torch.float32).view(6, 2, 4)
+    cache.append_kv(1, k, -k, meta)
+    table = cache.page_table(["s"])[0]
+    for r in range(4):  # tree row r at logical slot 4 + r, whatever its depth
+        slot = 4 + r
+        assert torch.equal(cache.layer(1)[table[slot // 3], 0, slot % 3], k[r])
+        assert torch.equal(cache.layer(1)[table[slot // 3], 1, slot % 3], -k[r])
+    assert meta.position_ids[:4].tolist() == [4, 5, 5, 6]
+    # rows 4, 5 are padding: written to the null page only
+    assert torch.equal(cache.layer(1)[cache.null_page, 0, 0], k[5]) or \
+        torch.equal(cache.layer(1)[cache.null_page, 0, 0], k[4])
+    assert cache.layer(0).eq(0).all()
+    with pytest.raises(ValueError, match="k: expected shape"):
+        cache.append_kv(0, k[:4], k[:4], meta)
+
+
+def test_compact_moves_nothing_for_empty_batches():
+    data, page_table = make_cache(0, 1, 4, 8)
+    before = data.clone()
+    kv_compact(data, page_table, torch.tensor([0], dtype=torch.int32),
+               torch.zeros(1, 0, dtype=torch.int32))
+    assert torch.equal(data, before)

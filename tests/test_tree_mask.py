@@ -1,0 +1,158 @@
+"""Tree planning: Triton == torch exactly, both == a per-request reference, golden bytes."""
+
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+
+from agspec_gpu import DraftBatch
+from agspec_gpu.kernels.tree_mask import _tree_mask_kernel, _tree_rows_kernel
+from agspec_gpu.tree import TreeMetadata, plan_tree, unpack_mask
+from kernel_compile import compile_all_for_sm90
+from tree_reference import DEVICE, dense_mask, make_case, on_device, reference_plan
+
+FIELDS = ("input_ids", "position_ids", "kv_slots", "qo_indptr", "kv_indptr", "kv_indices",
+          "kv_last_page_len", "packed_mask", "mask_indptr", "ancestor_bits")
+
+# (sizes = num_draft_tokens per request, tree kind, prefix lengths, page size)
+CASES = [
+    ([0], "random", [0], 1),
+    ([0], "random", [0], 16),
+    ([5], "chain", [0], 1),
+    ([3, 0], "random", [0, 5], 3),
+    ([4, 4, 4], "wide", [2, 3, 4], 3),
+    ([0, 7, 2, 9], "random", [15, 16, 17, 0], 16),
+    ([6, 1, 0, 3, 8], "random", [1, 0, 2, 5, 3], 1),
+    ([40, 33], "chain", [3, 29], 16),  # more than 32 rows: two-word ancestor bitsets
+    ([37, 0, 12], "random", [47, 48, 0], 16),
+]
+
+
+def first_mismatch(name, got, want):
+    diff = (got != want).nonzero()
+    idx = diff[0].tolist() if len(diff) else None
+    return f"{name}: first mismatch at {idx}: got {got[tuple(idx)] if idx else None}, " \
+           f"want {want[tuple(idx)] if idx else None}"
+
+
+@pytest.mark.parametrize("sizes,kind,prefix_lens,page_size", CASES)
+def test_triton_matches_torch_and_reference(sizes, kind, prefix_lens, page_size):
+    trees, roots, draft, root_t, prefix_t, pages, page_table = make_case(
+        len(sizes) * 7 + page_size, sizes, kind, prefix_lens, page_size)
+    got_torch = plan_tree(draft, root_t, prefix_t, page_table, page_size, use_triton=False,
+                          with_dense_mask=True)
+    got_triton = plan_tree(*on_device(draft, root_t, prefix_t, page_table), page_size,
+                           use_triton=True)
+    for name in FIELDS:
+        a, b = getattr(got_triton, name).cpu(), getattr(got_torch, name)
+        assert torch.equal(a, b), first_mismatch(name, a, b)
+
+    ref = reference_plan(trees, roots, prefix_lens, pages, page_size)
+    total_q, nnz, nbytes = ref["qo_indptr"][-1], ref["kv_indptr"][-1], ref["mask_indptr"][-1]
+    m = got_torch
+    for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len"):
+        assert getattr(m, name).tolist() == ref[name], name
+    assert m.input_ids[:total_q].tolist() == ref["input_ids"]
+    assert m.position_ids[:total_q].tolist() == ref["position_ids"]
+    assert m.kv_slots[:total_q].tolist() == ref["kv_slots"]
+    assert m.kv_indices[:nnz].tolist() == ref["kv_indices"]
+    assert m.packed_mask[:nbytes].tolist() == ref["packed_mask"]
+    # padding past the valid extents
+    assert m.input_ids[total_q:].eq(0).all() and m.kv_slots[total_q:].eq(-1).all()
+    assert m.packed_mask[nbytes:].eq(0).all()
+    # the debug dense mask holds each row's columns 0 .. kv_len - 1
+    for b, tree in enumerate(trees):
+        want = dense_mask(tree, prefix_lens[b])
+        rows = m.maybe_tree_mask[ref["qo_indptr"][b]:ref["qo_indptr"][b + 1]]
+        assert np.array_equal(rows[:, :want.shape[1]].numpy(), want)
+        assert not rows[:, want.shape[1]:].any()
+
+
+def test_golden_tiny():
+    # request 0: prefix 2, root 5, nodes 7 (root child), 8 (child of 7), 9 (root child)
+    # request 1: prefix 0, root 6, no draft
+    draft = DraftBatch.from_lists([[(7, -1), (8, 0), (9, -1)], []])
+    page_table = torch.tensor([[3, 1, 4], [2, 0, 0]], dtype=torch.int32)
+    expected_mask_0 = np.array([[1, 1, 1, 0, 0, 0],  # root
+                                [1, 1, 1, 1, 0, 0],  # 7
+                                [1, 1, 1, 1, 1, 0],  # 8 -> 7 -> root
+                                [1, 1, 1, 0, 0, 1]],  # 9
+                               dtype=bool)
+    # bits 111000 111100 111110 111001, little-endian: 0b11000111, 0b11110011, 0b10011101
+    expected_bytes = [199, 243, 157, 1]
+    assert np.packbits(expected_mask_0.reshape(-1), bitorder="little").tolist() == \
+        expected_bytes[:3]
+    for use_triton in (False, True):
+        device = DEVICE if use_triton else "cpu"
+        m = plan_tree(*on_device(draft, torch.tensor([5, 6], dtype=torch.int32),
+                                 torch.tensor([2, 0], dtype=torch.int32), page_table,
+                                 device=device), page_size=2, use_triton=use_triton)
+        m = TreeMetadata(**{f.name: getattr(m, f.name).cpu() if torch.is_tensor(
+            getattr(m, f.name)) else getattr(m, f.name) for f in fields(m)})
+        assert m.qo_indptr.tolist() == [0, 4, 5]
+        assert m.kv_indptr.tolist() == [0, 3, 4]
+        assert m.kv_indices[:4].tolist() == [3, 1, 4, 2]
+        assert m.kv_last_page_len.tolist() == [2, 1]
+        assert m.mask_indptr.tolist() == [0, 3, 4]
+        assert m.input_ids[:5].tolist() == [5, 7, 8, 9, 6]
+        assert m.position_ids[:5].tolist() == [2, 3, 4, 3, 0]
+        # logical slots 2, 3 -> page 1; 4, 5 -> page 4; request 1 slot 0 -> page 2
+        assert m.kv_slots[:5].tolist() == [2, 3, 8, 9, 4]
+        assert m.packed_mask[:4].tolist() == expected_bytes
+        assert m.ancestor_bits[0, :4, 0].tolist() == [0b1, 0b11, 0b111, 0b1001]
+        dense = unpack_mask(m)
+        assert np.array_equal(dense[0, :4, :6].numpy(), expected_mask_0)
+        assert dense[1, 0].tolist() == [True] + [False] * (dense.shape[2] - 1)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_preallocated_buffers_are_reused(use_triton):
+    device = DEVICE if use_triton else torch.device("cpu")
+    out = TreeMetadata.empty(max_batch_size=4, max_qo_len=9, max_pages_per_seq=6, page_size=3,
+                             device=device)
+    _, _, draft, roots, prefix, _, page_table = make_case(3, [5, 2], "random", [4, 8], 3)
+    page_table = torch.cat([page_table, torch.zeros(2, 6 - page_table.shape[1],
+                                                    dtype=torch.int32)], dim=1)
+    fresh = plan_tree(draft, roots, prefix, page_table, 3)
+    inputs = on_device(draft, roots, prefix, page_table, device=device)
+    for _ in range(2):  # the second plan overwrites the first in the same storage
+        reused = plan_tree(*inputs, 3, out=out, use_triton=use_triton)
+    assert reused.packed_mask.data_ptr() == out.packed_mask.data_ptr()
+    assert reused.qo_indptr.data_ptr() == out.qo_indptr.data_ptr()
+    n, nnz, nbytes = (int(fresh.qo_indptr[-1]), int(fresh.kv_indptr[-1]),
+                      int(fresh.mask_indptr[-1]))
+    for name, k in (("input_ids", n), ("position_ids", n), ("kv_slots", n),
+                    ("kv_indices", nnz), ("packed_mask", nbytes)):
+        assert torch.equal(getattr(reused, name)[:k].cpu(), getattr(fresh, name)[:k]), name
+    for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "ancestor_bits"):
+        assert torch.equal(getattr(reused, name).cpu(), getattr(fresh, name)), name
+
+
+def test_rejects_bad_inputs():
+    _, _, draft, roots, prefix, _, page_table = make_case(1, [2], "chain", [0], 4)
+    with pytest.raises(ValueError, match="page_table"):
+        plan_tree(draft, roots, prefix, page_table[0], 4)
+    with pytest.raises(ValueError, match="root_ids"):
+        plan_tree(draft, roots[:0], prefix, page_table, 4)
+    small = TreeMetadata.empty(1, 2, 4, 4, "cpu")
+    with pytest.raises(ValueError, match="out"):
+        plan_tree(draft, roots, prefix, page_table, 4, out=small)
+
+
+def test_kernels_compile_for_sm90():
+    i32 = "*i32"
+    rows_sig = {name: i32 for name in (
+        "token_ids_ptr", "parents_ptr", "root_ids_ptr", "prefix_lens_ptr", "page_table_ptr",
+        "qo_indptr_ptr", "kv_indptr_ptr", "input_ids_ptr", "position_ids_ptr", "kv_slots_ptr",
+        "kv_indices_ptr", "ancestors_ptr")}
+    rows_sig.update({name: "i32" for name in ("N", "max_pages", "R", "W", "Q", "P",
+                                                "page_size")})
+    rows_sig.update(BLOCK_W="constexpr", BLOCK_R="constexpr", BLOCK_P="constexpr")
+    mask_sig = {"prefix_lens_ptr": i32, "qo_indptr_ptr": i32, "mask_indptr_ptr": i32,
+                "ancestors_ptr": i32, "packed_mask_ptr": "*u8", "R": "i32", "W": "i32",
+                "M": "i32", "BLOCK_BYTES": "constexpr"}
+    compile_all_for_sm90([
+        (_tree_rows_kernel, rows_sig, {"BLOCK_W": 4, "BLOCK_R": 128, "BLOCK_P": 128}),
+        (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128}),
+    ])
