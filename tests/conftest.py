@@ -11,3 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tiny tensors dominate these tests: with OpenMP threads on a small shared machine one
+# small op can take milliseconds of spin-waiting, single-threaded it takes microseconds.
+torch.set_num_threads(1)

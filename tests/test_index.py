@@ -1,0 +1,595 @@
+"""Tests for agspec_gpu.index (SuffixIndex, IndexArena) and agspec_gpu.suffix_array.
+
+Everything is compared with the brute-force ``index_reference.match_reference``: hand-written
+golden cases (expected ``(length, count, positions)`` written out), hypothesis property tests
+over small corpora, appends/merges against a fresh build of the concatenation, several corpora
+in one arena, memory accounting and input validation. The torch path runs here; the Triton
+kernel has its own tests (``test_suffix_match.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from agspec_gpu.index import IndexArena, IndexConfig, SuffixIndex
+from agspec_gpu.suffix_array import build_suffix_array
+from index_reference import match_reference
+
+PROPS = settings(max_examples=150, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PAD = -7  # left padding of short query rows: negative, so reading it would be caught
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """The torch path runs many tiny ops; on a busy small CPU, intra-op threads spin at
+    every barrier (a 13x17 ``min`` measured 9 ms with 2 threads, 4 us with 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------ helpers
+def t32(xs) -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int32)
+
+
+def pack(queries: list[list[int]], L: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-aligns query rows into ``int32 [B, L]`` (left padding ``PAD``) + lengths."""
+    L = max([len(q) for q in queries] + [0]) if L is None else L
+    rows = [[PAD] * (L - len(q)) + list(q) for q in queries]
+    q = torch.tensor(rows, dtype=torch.int32).reshape(len(queries), L)
+    return q, t32(len(x) for x in queries)
+
+
+def rows_of(m, P: int) -> list[tuple[int, int, list[int]]]:
+    """(length, count, positions without padding) per row; checks the padding and shapes."""
+    B = m.length.shape[0]
+    assert m.positions.shape == (B, P)
+    out = []
+    for b in range(B):
+        pos = m.positions[b].tolist()
+        k = sum(p >= 0 for p in pos)
+        assert pos[k:] == [-1] * (P - k), f"row {b}: padding not at the end: {pos}"
+        out.append((int(m.length[b]), int(m.count[b]), pos[:k]))
+    return out
+
+
+def check_against_reference(idx, corpus: list[int], queries: list[list[int]], max_depth: int,
+                            P: int, L: int | None = None) -> list:
+    q, lens = pack(queries, L)
+    m = idx.match(q, lens, max_positions=P)
+    got = rows_of(m, P)
+    for b, qr in enumerate(queries):
+        want = match_reference(corpus, qr, max_depth, P)
+        assert got[b] == want, (
+            f"row {b}: query={qr} max_depth={max_depth} P={P}\n  got  {got[b]}\n  want {want}"
+            f"\n  corpus={corpus if len(corpus) < 200 else f'<{len(corpus)} tokens>'}")
+    check_trie_ranges(idx, corpus, queries, m)
+    return got
+
+
+def check_trie_ranges(idx, corpus: list[int], queries: list[list[int]], m) -> None:
+    """Every per-level range holds suffixes starting with the match and a token after it,
+    with continuation tokens in ascending order (the implicit trie), and no more than
+    ``count`` of them."""
+    sa = idx.arena.sa
+    for b, qr in enumerate(queries):
+        l = int(m.length[b])
+        pat = qr[len(qr) - l:] if l else []
+        total = 0
+        for k in range(m.sa_lo.shape[1]):
+            lo, hi = int(m.sa_lo[b, k]), int(m.sa_hi[b, k])
+            assert lo <= hi
+            if l == 0:
+                assert lo == hi
+                continue
+            starts = sa[lo:hi].tolist()
+            conts = []
+            for s in starts:
+                assert corpus[s:s + l] == pat, f"row {b}: suffix at {s} does not start with {pat}"
+                assert s + l < len(corpus) and corpus[s + l] >= 0
+                conts.append(corpus[s + l])
+            assert conts == sorted(conts), f"row {b} level {k}: continuations unsorted {conts}"
+            total += hi - lo
+        assert total <= int(m.count[b])
+
+
+def stdlib_tokens(n: int) -> list[int]:
+    """``n`` real cl100k tokens of Python standard-library sources (files joined by -1)."""
+    from agspec_gpu.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("cl100k")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[int] = []
+    for name in ("textwrap.py", "difflib.py", "argparse.py", "inspect.py", "typing.py",
+                 "pathlib.py", "dataclasses.py", "functools.py", "ast.py", "tarfile.py"):
+        if len(out) >= n:
+            break
+        path = root / name
+        if path.exists():
+            out += tok.encode(path.read_text(encoding="utf-8")) + [-1]
+    assert len(out) >= n, "not enough standard-library sources on this machine"
+    return out[:n]
+
+
+# ------------------------------------------------------------------------------ contract
+def test_contract_dtypes_and_shapes():
+    idx = SuffixIndex.build(t32([3, 1, 4, 1, 5, 9, 2, 6, -1, 3, 1, 4]), max_depth=64)
+    for B, L, P in ((3, 5, 8), (1, 1, 1), (2, 4, 0), (0, 4, 8), (2, 0, 3)):
+        q = torch.randint(0, 10, (B, L), dtype=torch.int32)
+        m = idx.match(q, torch.full((B,), L, dtype=torch.int32), max_positions=P)
+        assert m.length.dtype == torch.int32 and m.length.shape == (B,)
+        assert m.count.dtype == torch.int64 and m.count.shape == (B,)
+        assert m.positions.dtype == torch.int64 and m.positions.shape == (B, P)
+    m = idx.match(*pack([[3, 1, 4]]))  # default max_positions = 8
+    assert m.positions.shape == (1, 8)
+    assert rows_of(m, 8) == [(3, 1, [3])]  # the later "3 1 4" ends the corpus
+    assert idx.num_tokens == 12 and idx.max_depth == 64
+    assert idx.tokens.dtype == torch.int32 and idx.tokens.tolist()[:3] == [3, 1, 4]
+
+
+# ------------------------------------------------------------------------------ golden cases
+# (corpus, max_depth, query, P, expected (length, count, positions)); positions are the
+# index of the token after each match, largest (most recent) first.
+REP = [5] * 10
+PER = [1, 2, 3] * 5                      # token at i is i % 3 + 1
+TINY = [1, -1, 1, 2, -1, 1, -1, 1, 2, -1, 2]
+EMPTY_DOCS = [-1, -1, 4, 5, -1, -1, -1, 4, 5, 6, -1, -1]
+ALT = [1, -1, 2, -1, 1, -1, 2, -1, 1]     # a separator at every other position
+GOLDEN = [
+    # one repeated token: 5^l at s needs s + l < 10
+    (REP, 64, [5, 5, 5], 8, (3, 7, [9, 8, 7, 6, 5, 4, 3])),
+    (REP, 64, [5, 5, 5], 2, (3, 7, [9, 8])),
+    (REP, 64, [5] * 12, 8, (9, 1, [9])),
+    (REP, 4, [5] * 12, 8, (4, 6, [9, 8, 7, 6, 5, 4])),
+    (REP, 64, [3, 5], 8, (1, 9, [9, 8, 7, 6, 5, 4, 3, 2])),
+    (REP, 64, [5, 3], 8, (0, 0, [])),
+    (REP, 64, [5], 0, (1, 9, [])),
+    # periodic text
+    (PER, 64, [1, 2, 3, 1], 8, (4, 4, [13, 10, 7, 4])),
+    (PER, 64, PER[1:], 8, (12, 1, [12])),          # the full suffix has no continuation
+    (PER, 5, PER[1:], 8, (5, 3, [12, 9, 6])),
+    (PER, 64, [9, 3], 8, (1, 4, [12, 9, 6, 3])),
+    # many tiny documents: matches never cross or continue into a separator
+    (TINY, 64, [1], 8, (1, 2, [8, 3])),
+    (TINY, 64, [2, 1], 8, (1, 2, [8, 3])),
+    (TINY, 64, [1, 2], 8, (0, 0, [])),              # "1 2" occurs, but always before -1
+    (TINY, 64, [2], 8, (0, 0, [])),
+    # empty documents (consecutive separators)
+    (EMPTY_DOCS, 64, [4, 5], 8, (2, 1, [9])),
+    (EMPTY_DOCS, 64, [5], 8, (1, 1, [9])),
+    (EMPTY_DOCS, 64, [6], 8, (0, 0, [])),
+    (EMPTY_DOCS, 64, [7, 4], 8, (1, 2, [8, 3])),
+    ([-1, -2, -3], 64, [1], 8, (0, 0, [])),
+    # separators at every other position: no token is ever followed by a token
+    (ALT, 64, [1], 8, (0, 0, [])),
+    (ALT, 64, [2, 1], 8, (0, 0, [])),
+    # length-0 query
+    (PER, 64, [], 8, (0, 0, [])),
+    # single-token corpus: nothing follows it
+    ([4], 64, [4], 8, (0, 0, [])),
+    ([4, 4], 1, [4, 4, 4], 8, (1, 1, [1])),
+]
+
+
+@pytest.mark.parametrize("tail_tokens", [1, 256])
+@pytest.mark.parametrize("case", range(len(GOLDEN)))
+def test_golden(case, tail_tokens):
+    corpus, max_depth, query, P, want = GOLDEN[case]
+    assert match_reference(corpus, query, max_depth, P) == want  # the hand-written value
+    idx = SuffixIndex.build(t32(corpus), max_depth=max_depth, tail_tokens=tail_tokens)
+    q, lens = pack([query], L=len(query) + 3)  # padded: the padding must not be read
+    assert rows_of(idx.match(q, lens, max_positions=P), P) == [want]
+
+
+def test_golden_batch_mixed_lengths():
+    """One batch with length-0, length-1 and over-long rows; rows are independent."""
+    corpus = PER * 30  # 450 tokens, period 3
+    idx = SuffixIndex.build(t32(corpus), max_depth=64, tail_tokens=16)
+    long_q = corpus[:100]  # longer than max_depth: only the last 64 tokens count
+    qs = [[], [2], long_q, [3, 1], [7]]
+    q, lens = pack(qs, L=100)
+    got = rows_of(idx.match(q, lens, max_positions=3), 3)
+    assert got[0] == (0, 0, [])
+    assert got[1] == (1, 150, [449, 446, 443])
+    # long_q ends with corpus[99] = 1; its last 64 tokens end at e % 3 == 0, 63 <= e <= 447
+    assert got[2] == (64, 129, [448, 445, 442])
+    assert got[3] == (2, 149, [448, 445, 442])
+    assert got[4] == (0, 0, [])
+    check_against_reference(idx, corpus, qs, 64, 3, L=100)
+
+
+def test_lengths_zero_with_tokens_present():
+    idx = SuffixIndex.build(t32(REP), max_depth=64)
+    q = torch.full((2, 4), 5, dtype=torch.int32)
+    got = rows_of(idx.match(q, t32([0, 4]), max_positions=8), 8)
+    assert got == [(0, 0, []), (4, 6, [9, 8, 7, 6, 5, 4])]
+
+
+def test_empty_corpus_then_append():
+    idx = SuffixIndex.build(torch.empty(0, dtype=torch.int32), max_depth=64)
+    assert idx.num_tokens == 0
+    assert rows_of(idx.match(*pack([[1, 2], [], [3]]), max_positions=4), 4) == [(0, 0, [])] * 3
+    idx.append(t32([1, 2, 3]))
+    assert rows_of(idx.match(*pack([[1, 2], [2], [3]]), max_positions=4), 4) == [
+        (2, 1, [2]), (1, 1, [2]), (0, 0, [])]
+
+
+def test_query_longer_than_corpus_and_depth():
+    corpus = list(range(1, 21))
+    idx = SuffixIndex.build(t32(corpus), max_depth=8)
+    q = [0] * 50 + corpus[:15]
+    assert rows_of(idx.match(*pack([q]), max_positions=8), 8) == [(8, 1, [15])]
+
+
+# ------------------------------------------------------------------------------ properties
+@st.composite
+def corpora(draw, max_len: int = 80):
+    vocab = draw(st.integers(1, 5))
+    sep_p = draw(st.sampled_from([0.0, 0.05, 0.2, 0.5]))
+    n = draw(st.integers(0, max_len))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = random.Random(seed)
+    return [(-1 - rng.randrange(3)) if rng.random() < sep_p else rng.randrange(vocab)
+            for _ in range(n)], vocab
+
+
+def draw_queries(draw, corpus: list[int], vocab: int, B: int) -> list[list[int]]:
+    """Query rows: corpus slices (sometimes with a token changed) or random tokens."""
+    qs = []
+    for _ in range(B):
+        kind = draw(st.sampled_from(["slice", "slice", "random"]))
+        if kind == "slice" and corpus:
+            a = draw(st.integers(0, len(corpus) - 1))
+            b = draw(st.integers(a, min(len(corpus), a + 40)))
+            q = [t for t in corpus[a:b] if t >= 0][-30:]
+            if q and draw(st.booleans()):
+                q[draw(st.integers(0, len(q) - 1))] = draw(st.integers(0, vocab))
+        else:
+            q = draw(st.lists(st.integers(0, vocab), max_size=12))
+        qs.append(q)
+    return qs
+
+
+@PROPS
+@given(data=st.data(), cv=corpora(),
+       max_depth=st.sampled_from([1, 2, 3, 5, 8, 64]),
+       tail_tokens=st.sampled_from([1, 3, 16, 256]),
+       P=st.sampled_from([0, 1, 3, 8]),
+       B=st.integers(1, 5))
+def test_match_equals_reference(data, cv, max_depth, tail_tokens, P, B):
+    corpus, vocab = cv
+    # build in one go or through a random sequence of appends (levels, merges and tail)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(corpus)), max_size=16)))
+    idx = SuffixIndex.build(t32(corpus[:cuts[0]] if cuts else corpus), max_depth=max_depth,
+                            tail_tokens=tail_tokens)
+    for a, b in zip(cuts, cuts[1:] + [len(corpus)]):
+        idx.append(t32(corpus[a:b]))
+    assert idx.tokens.tolist() == corpus
+    queries = draw_queries(data.draw, corpus, vocab, B)
+    got = check_against_reference(idx, corpus, queries, max_depth, P)
+    event(f"levels={min(idx.arena.num_levels(idx.cid), 3)}")
+    event(f"longest match={min(max(g[0] for g in got), 4)}")
+
+
+# ------------------------------------------------------------------------------ appends
+def fresh_vs_incremental(corpus: list[int], chunks: list[int], tail_tokens: int,
+                         max_depth: int, queries: list[list[int]], every: int = 1):
+    """Appends ``corpus`` in chunks; periodically checks against a fresh build."""
+    idx = SuffixIndex.build(torch.empty(0, dtype=torch.int32), max_depth=max_depth,
+                            tail_tokens=tail_tokens)
+    pos, max_levels, merges, prev = 0, 0, 0, 0
+    for i, k in enumerate(chunks):
+        idx.append(t32(corpus[pos:pos + k]))
+        pos += k
+        nl = idx.arena.num_levels(idx.cid)
+        merges += nl < prev
+        prev, max_levels = nl, max(max_levels, nl)
+        assert nl <= math.log2(max(pos, 2)) + 2, f"{nl} levels for {pos} tokens"
+        if i % every == every - 1 or pos == len(corpus):
+            fresh = SuffixIndex.build(t32(corpus[:pos]), max_depth=max_depth)
+            q, lens = pack(queries)
+            P = 5
+            inc = rows_of(idx.match(q, lens, max_positions=P), P)
+            assert inc == rows_of(fresh.match(q, lens, max_positions=P), P), f"after {pos}"
+    return idx, max_levels, merges
+
+
+@pytest.mark.parametrize("tail_tokens", [1, 3, 16])
+def test_many_small_appends_equal_fresh_build(tail_tokens):
+    corpus = stdlib_tokens(1500)
+    rng = random.Random(tail_tokens)
+    chunks = [rng.randint(1, 8) for _ in range(len(corpus))]
+    # queries: real windows from the text, some perturbed, plus the corpus's own last tokens
+    queries = []
+    for _ in range(12):
+        a = rng.randrange(len(corpus) - 20)
+        q = [t for t in corpus[a:a + rng.randint(1, 20)] if t >= 0]
+        if q and rng.random() < 0.5:
+            q[rng.randrange(len(q))] = rng.randrange(1000)
+        queries.append(q)
+    queries.append([t for t in corpus[-10:] if t >= 0])
+    idx, max_levels, merges = fresh_vs_incremental(corpus, chunks, tail_tokens, 16, queries,
+                                                   every=25)
+    assert merges > 0, "the append sequence never merged levels"
+    assert max_levels >= 2
+    check_against_reference(idx, corpus, queries, 16, 8)
+
+
+def test_append_one_token_at_a_time_decode_steps():
+    """One token per step with a separator now and then (new documents)."""
+    rng = random.Random(7)
+    corpus = [rng.randrange(4) if rng.random() > 0.05 else -1 for _ in range(300)]
+    queries = [[rng.randrange(4) for _ in range(rng.randint(0, 10))] for _ in range(8)]
+    fresh_vs_incremental(corpus, [1] * len(corpus), 3, 6, queries, every=10)
+
+
+def test_append_after_build_then_big_chunk():
+    """A built corpus, then a 'file' sized append, then decode steps."""
+    corpus = stdlib_tokens(3000)
+    idx = SuffixIndex.build(t32(corpus[:2000]), max_depth=64, tail_tokens=16)
+    idx.append(t32(corpus[2000:2900]))
+    for i in range(2900, 3000, 4):
+        idx.append(t32(corpus[i:i + 4]))
+    rng = random.Random(3)
+    queries = [[t for t in corpus[a:a + 64] if t >= 0]
+               for a in (rng.randrange(2900) for _ in range(10))]
+    check_against_reference(idx, corpus, queries, 64, 8)
+
+
+# ------------------------------------------------------------------------------ suffix array
+def sa_reference(tokens: list[int], lo: int, hi: int, depth: int) -> list[int]:
+    END = -(2**40)
+    n = len(tokens)
+
+    def key(p):
+        return tuple(tokens[p + i] if p + i < n else END for i in range(depth)), p
+
+    return sorted((p for p in range(lo, hi) if tokens[p] >= 0), key=key)
+
+
+@PROPS
+@given(cv=corpora(max_len=80), depth=st.sampled_from([1, 2, 3, 4, 7, 16, 100]),
+       data=st.data())
+def test_build_suffix_array_equals_sorted(cv, depth, data):
+    tokens, _ = cv
+    lo = data.draw(st.integers(0, len(tokens)))
+    hi = data.draw(st.integers(lo, len(tokens)))
+    sa = build_suffix_array(t32(tokens), lo, hi, depth)
+    assert sa.dtype == torch.int32
+    assert sa.tolist() == sa_reference(tokens, lo, hi, depth)
+
+
+def test_build_suffix_array_fixed():
+    toks = [2, 1, 2, 1, -1, 2, 1, 0]
+    assert build_suffix_array(t32(toks), 0, 8, 8).tolist() == sa_reference(toks, 0, 8, 8)
+    # 0 | 1 -1 < 1 0 < 1 2 | 2 1 -1 < 2 1 0 < 2 1 2: separators sort below tokens
+    assert build_suffix_array(t32(toks), 0, 8, 8).tolist() == [7, 3, 6, 1, 2, 5, 0]
+    # depth 1: ties stay in position order
+    assert build_suffix_array(t32(toks), 0, 8, 1).tolist() == [7, 1, 3, 6, 0, 2, 5]
+    assert build_suffix_array(t32(toks), 3, 3, 4).tolist() == []
+    assert build_suffix_array(t32([]), 0, 0, 4).tolist() == []
+    with pytest.raises(ValueError):
+        build_suffix_array(t32(toks), 5, 3, 4)
+    with pytest.raises(ValueError):
+        build_suffix_array(t32(toks), 0, 9, 4)
+    with pytest.raises(ValueError):
+        build_suffix_array(t32(toks), 0, 8, 0)
+
+
+def test_build_suffix_array_real_tokens():
+    toks = stdlib_tokens(2000)
+    for lo, hi, depth in ((0, 2000, 65), (500, 1300, 9), (0, 2000, 1)):
+        assert build_suffix_array(t32(toks), lo, hi, depth).tolist() == \
+            sa_reference(toks, lo, hi, depth)
+
+
+# ------------------------------------------------------------------------------ validation
+def test_invalid_inputs_raise_value_error_naming_the_argument():
+    good = t32([1, 2, 3, -1, 1, 2])
+    with pytest.raises(ValueError, match="tokens"):
+        SuffixIndex.build(good.to(torch.int64))
+    with pytest.raises(ValueError, match="tokens"):
+        SuffixIndex.build(good.reshape(2, 3))
+    with pytest.raises(ValueError, match="tokens"):
+        SuffixIndex.build([1, 2, 3])  # type: ignore[arg-type]
+    idx = SuffixIndex.build(good, max_depth=64)
+    with pytest.raises(ValueError, match="tokens"):
+        idx.append(t32([1, 2]).to(torch.int64))
+    with pytest.raises(ValueError, match="tokens"):
+        idx.append(t32([1, 2, 3, 4]).reshape(2, 2))
+    q, lens = pack([[1, 2], [2]])
+    with pytest.raises(ValueError, match="queries"):
+        idx.match(q.to(torch.int64), lens)
+    with pytest.raises(ValueError, match="queries"):
+        idx.match(q[0], lens)
+    with pytest.raises(ValueError, match="queries"):
+        idx.match(torch.tensor([[1, -1]], dtype=torch.int32), t32([2]))
+    with pytest.raises(ValueError, match="lengths"):
+        idx.match(q, t32([3, 1]))                  # longer than L = 2
+    with pytest.raises(ValueError, match="lengths"):
+        idx.match(q, t32([-1, 1]))
+    with pytest.raises(ValueError, match="lengths"):
+        idx.match(q, lens.to(torch.int64))
+    with pytest.raises(ValueError, match="lengths"):
+        idx.match(q, t32([2]))                     # wrong number of rows
+    with pytest.raises(ValueError, match="max_positions"):
+        idx.match(q, lens, max_positions=-1)
+    # negative tokens in the unused (left-padding) part are fine
+    m = idx.match(torch.tensor([[-5, 1]], dtype=torch.int32), t32([1]), max_positions=2)
+    assert rows_of(m, 2) == [(1, 2, [5, 1])]
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixIndex.build(good, max_depth=0)
+    with pytest.raises(ValueError):
+        IndexConfig(tail_tokens=0)
+
+
+# ------------------------------------------------------------------------------ arena
+def test_arena_corpora_are_isolated_and_batched():
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=3), initial_tokens=16)
+    rng = random.Random(11)
+    docs = {}
+    for _ in range(3):
+        cid = arena.new_corpus(capacity=16)
+        docs[cid] = []
+    # interleaved appends force relocation of corpora and growth of the shared buffers
+    bases = set()
+    for step in range(120):
+        cid = rng.choice(list(docs))
+        chunk = [rng.randrange(3) + 10 * cid if rng.random() > 0.1 else -1
+                 for _ in range(rng.randint(1, 6))]
+        arena.append(cid, t32(chunk))
+        docs[cid] += chunk
+        bases.add(arena.tokens.data_ptr())
+    assert len(bases) > 1, "the arena never relocated its token buffer"
+    for cid, toks in docs.items():
+        assert arena.corpus_tokens(cid).tolist() == toks
+    # the same query against every corpus: matches only its own tokens (disjoint alphabets)
+    queries, cids = [], []
+    for cid, toks in docs.items():
+        own = [t for t in toks[-12:] if t >= 0][-5:]
+        for other in docs:
+            queries.append(own)
+            cids.append(other)
+    q, lens = pack(queries)
+    got = rows_of(arena.match(q, lens, cids, max_positions=4), 4)
+    for (qr, cid), g in zip(zip(queries, cids), got):
+        assert g == match_reference(docs[cid], qr, 8, 4)
+        if qr and qr[-1] // 10 != cid:
+            assert g == (0, 0, [])
+
+
+def test_arena_free_releases_memory_and_keeps_others():
+    arena = IndexArena(IndexConfig(max_depth=16, tail_tokens=16))
+    toks = stdlib_tokens(6000)
+    a, b, c = arena.new_corpus(), arena.new_corpus(), arena.new_corpus()
+    arena.append(a, t32(toks[:3000]))
+    arena.append(b, t32(toks[3000:]))
+    arena.append(c, t32(toks[1000:2000]))
+    q, lens = pack([toks[2500:2510], toks[4000:4010], toks[1500:1520]])
+    before = rows_of(arena.match(q, lens, [a, b, c], max_positions=8), 8)
+    total = arena.nbytes()
+    per_b = arena.nbytes(b)
+    arena.free(b)
+    assert b not in arena and a in arena
+    assert arena.nbytes() < total
+    assert arena.nbytes() <= 2 * (arena.nbytes(a) + arena.nbytes(c)) + 256
+    assert per_b >= 4 * 3000
+    with pytest.raises(KeyError):
+        arena.match(q, lens, [a, b, c])
+    with pytest.raises(KeyError):
+        arena.append(b, t32([1]))
+    with pytest.raises(KeyError):
+        arena.num_tokens(b)
+    with pytest.raises(KeyError):
+        arena.free(b)
+    after = rows_of(arena.match(q[[0, 2]], lens[[0, 2]], [a, c], max_positions=8), 8)
+    assert after == [before[0], before[2]]
+    # a new corpus after a free works and sees only its own tokens
+    d = arena.new_corpus()
+    arena.append(d, t32([1, 2, 3]))
+    assert rows_of(arena.match(*pack([toks[2500:2510]]), [d], max_positions=8), 8) == \
+        [(0, 0, [])]
+
+
+def test_relocation_on_growth_keeps_results():
+    toks = stdlib_tokens(4000)
+    idx = SuffixIndex(IndexConfig(max_depth=32, tail_tokens=64), capacity=16)
+    rng = random.Random(5)
+    queries = [toks[a:a + 32] for a in (rng.randrange(3900) for _ in range(8))]
+    queries = [[t for t in qr if t >= 0] for qr in queries]
+    ptrs = set()
+    pos = 0
+    while pos < len(toks):
+        k = rng.choice([1, 7, 300])
+        idx.append(t32(toks[pos:pos + k]))
+        pos += k
+        ptrs.add(idx.arena.tokens.data_ptr())
+    assert len(ptrs) > 2
+    check_against_reference(idx, toks, queries, 32, 8)
+    fresh = SuffixIndex.build(t32(toks), max_depth=32)
+    q, lens = pack(queries)
+    assert rows_of(idx.match(q, lens), 8) == rows_of(fresh.match(q, lens), 8)
+
+
+def test_nbytes_per_token_100k():
+    toks = stdlib_tokens(100_000)
+    idx = SuffixIndex.build(t32(toks), max_depth=64)
+    assert idx.num_tokens == 100_000
+    assert idx.nbytes / 100_000 <= 16
+    assert idx.arena.nbytes() / 100_000 <= 16
+    # grown by appends (capacity doubling): the corpus's own footprint stays bounded too
+    inc = SuffixIndex.build(t32(toks[:1000]), max_depth=64)
+    for i in range(1000, 100_000, 9_900):
+        inc.append(t32(toks[i:i + 9_900]))
+    assert inc.num_tokens == 100_000
+    assert inc.nbytes / 100_000 <= 16
+
+
+# ------------------------------------------------------------------------------ baseline
+def test_unfold_baseline_equals_reference():
+    """bench/match_baselines.py is exact too (the benchmarks compare against it)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "match_baselines.py"
+    spec = importlib.util.spec_from_file_location("match_baselines", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = random.Random(2)
+    for corpus, max_depth, query, P, want in GOLDEN:
+        q, lens = pack([query], L=len(query) + 2)
+        m = mod.unfold_match(t32(corpus), q, lens, max_depth=max_depth, max_positions=P)
+        assert rows_of(m, P) == [want]
+    corpus = stdlib_tokens(3000)
+    queries = []
+    for _ in range(16):
+        a = rng.randrange(2900)
+        qr = [t for t in corpus[a:a + 40] if t >= 0]
+        if qr:
+            qr[rng.randrange(len(qr))] = rng.randrange(5000)
+        queries.append(qr)
+    q, lens = pack(queries)
+    m = mod.unfold_match(t32(corpus), q, lens, max_depth=16, max_positions=8, chunk_elems=4096)
+    assert rows_of(m, 8) == [match_reference(corpus, qr, 16, 8) for qr in queries]
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_index_equals_cpu_and_reference():
+    """Built, appended and matched on the GPU (Triton path): same results as on the CPU."""
+    toks = stdlib_tokens(20_000)
+    rng = random.Random(9)
+    queries = []
+    for _ in range(33):
+        a = rng.randrange(19_900)
+        qr = [t for t in toks[a:a + 80] if t >= 0]
+        if qr and rng.random() < 0.7:
+            qr[rng.randrange(len(qr))] = rng.randrange(5000)
+        queries.append(qr)
+    queries += [[], [toks[0]]]
+    q, lens = pack(queries)
+    cpu = SuffixIndex.build(t32(toks), max_depth=64)
+    gpu = SuffixIndex.build(t32(toks[:15_000]).cuda(), max_depth=64, tail_tokens=64)
+    for i in range(15_000, 20_000, 250):
+        gpu.append(t32(toks[i:i + 250]).cuda())
+    assert gpu.tokens.is_cuda and gpu.tokens.tolist() == toks
+    want = rows_of(cpu.match(q, lens), 8)
+    assert rows_of(gpu.match(q.cuda(), lens.cuda()), 8) == want
+    assert want == [match_reference(toks, qr, 64, 8) for qr in queries]
+    for corpus, max_depth, query, P, expected in GOLDEN:
+        idx = SuffixIndex.build(t32(corpus).cuda(), max_depth=max_depth)
+        qq, ll = pack([query], L=len(query) + 1)
+        assert rows_of(idx.match(qq.cuda(), ll.cuda(), max_positions=P), P) == [expected]
+    with pytest.raises(ValueError, match="queries"):
+        gpu.match(q, lens.cuda())  # queries on the CPU, index on the GPU
+    with pytest.raises(ValueError, match="tokens"):
+        gpu.append(t32([1, 2]))
