@@ -17,6 +17,7 @@ token for token.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -29,6 +30,7 @@ from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +74,14 @@ class SpecDecoder:
                              f"vocabulary has {vocab}: mismatched vocabularies")
         self.vocab_size = vocab or self.tokenizer.vocab_size
         device = next(model.parameters()).device
-        self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus)
+        self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
+                                 vocab_size=self.vocab_size)
         self.drafter = Drafter(self.store, self.config.drafter, self.config.max_batch)
         self._sessions: dict[str, _SessionState] = {}
         self._next = 0
+        # a per-instance prefix: one decoder never takes another decoder's session id for
+        # one of its own (possibly another tenant's session)
+        self._sid_prefix = f"d{uuid.uuid4().hex[:8]}-s"
         # cumulative counters: verification steps, tokens emitted by them, draft tokens
         self.stats = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
 
@@ -87,7 +93,7 @@ class SpecDecoder:
         ids = self._ids(prompt_ids, "prompt_ids")
         if not ids:
             raise ValueError("prompt_ids must not be empty")
-        sid = session_id or f"s{self._next}"
+        sid = session_id or f"{self._sid_prefix}{self._next}"
         self._next += 1
         if sid in self._sessions:
             raise ValueError(f"session_id {sid!r} already exists")
@@ -168,9 +174,10 @@ class SpecDecoder:
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)
         root = first.to(torch.int32)
-        self._emit(sids, outs, done, [[int(t)] for t in first.tolist()], max_new_tokens, eos,
-                   stop, on_tokens)
-        self.drafter.append_generated(sids, root[:, None], torch.ones_like(root))
+        taken = self._emit(sids, outs, done, [[int(t)] for t in first.tolist()],
+                           max_new_tokens, eos, stop, on_tokens)
+        self.drafter.append_generated(sids, root[:, None],
+                                      torch.tensor(taken, dtype=torch.int32, device=dev))
         spec_mask = torch.tensor(spec, dtype=torch.bool, device=dev)
         while not all(done):
             with nvtx.annotate("agspec.propose"):
@@ -186,7 +193,6 @@ class SpecDecoder:
                     res = sample_accept(draft, tree_logits, None, sampling, generator)
             with nvtx.annotate("agspec.commit"):
                 runner.commit(res)
-                self.drafter.observe(sids, res.output_ids, res.num_output, res.num_accepted)
                 root = res.bonus_ids().to(torch.int32)
                 n_out = res.num_output.tolist()
                 live = [not d for d in done]
@@ -195,8 +201,13 @@ class SpecDecoder:
                 self.stats["drafted"] += int(draft.num_draft_tokens.sum())
                 self.stats["accepted"] += int(res.num_accepted.sum())
                 rows = res.output_ids.tolist()
-                self._emit(sids, outs, done, [r[:n] for r, n in zip(rows, n_out)],
-                           max_new_tokens, eos, stop, on_tokens)
+                taken = self._emit(sids, outs, done, [r[:n] for r, n in zip(rows, n_out)],
+                                   max_new_tokens, eos, stop, on_tokens)
+                # the session tier gets what the session emitted: nothing past EOS, a stop
+                # string or the limit, nothing for requests that had already finished
+                self.drafter.observe(sids, res.output_ids,
+                                     torch.tensor(taken, dtype=torch.int32, device=dev),
+                                     res.num_accepted)
         for st, o in zip(states, outs):
             st.context.extend(o)
         return outs
@@ -216,8 +227,11 @@ class SpecDecoder:
         if bool((valid & ((draft.token_ids < 0) | (draft.token_ids >= self.vocab_size))).any()):
             raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
 
-    def _emit(self, sids, outs, done, new, max_new, eos, stop, on_tokens) -> None:
-        """Appends each request's new tokens, ending at EOS, a stop string or the limit."""
+    def _emit(self, sids, outs, done, new, max_new, eos, stop, on_tokens) -> list[int]:
+        """Appends each request's new tokens, ending at EOS, a stop string or the limit.
+
+        Returns how many of ``new[b]`` request ``b`` took (0 once it is done)."""
+        taken = [0] * len(new)
         for b, toks in enumerate(new):
             if done[b]:
                 continue
@@ -229,8 +243,10 @@ class SpecDecoder:
                     done[b] = True
                     break
             outs[b].extend(take)
+            taken[b] = len(take)
             if on_tokens and take:
                 on_tokens(sids[b], take)
+        return taken
 
 
 def _mask_drafts(draft: DraftBatch, keep: torch.Tensor) -> DraftBatch:

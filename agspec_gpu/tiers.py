@@ -86,12 +86,17 @@ class CorpusStore:
         config: tiers, forms and budgets.
         device: where the arena lives.
         global_corpus: optional :class:`GlobalCorpus` shared read-only by every tenant.
+        vocab_size: the model's vocabulary when it is padded past the tokenizer's; corpus
+            tokens must be in ``[0, max(vocab_size, tokenizer.vocab_size))``.
     """
 
     def __init__(self, tokenizer: Tokenizer, config: TierConfig | None = None,
-                 device: torch.device | str = "cpu", global_corpus: "GlobalCorpus | None" = None
-                 ) -> None:
+                 device: torch.device | str = "cpu", global_corpus: "GlobalCorpus | None" = None,
+                 vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
+        # the model's vocabulary may be padded past the tokenizer's (Qwen2: 151936 vs
+        # 151665), and the model may emit a padding id: the corpora accept every model id
+        self.vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
         self.config = config or TierConfig()
         self.arena = IndexArena(IndexConfig(self.config.max_depth, self.config.tail_tokens),
                                 device, initial_tokens=1 << 16)
@@ -291,8 +296,8 @@ class CorpusStore:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.tokenizer.vocab_size):
-            raise ValueError(f"{name}: token ids must be in [0, {self.tokenizer.vocab_size})")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
         return t.to(self.arena.device, torch.int32)
 
 

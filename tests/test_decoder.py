@@ -1,0 +1,477 @@
+"""SpecDecoder end to end: the public contract on tiny random Llama / Qwen2 models (fp32, CPU)
+with the real cl100k tokenizer (vocab 100277, so the models' vocabulary matches it).
+
+The reference is plain greedy decoding, one request at a time
+(:func:`agspec_gpu.runners.hf.greedy_generate`); speculative ``generate`` must equal it token
+for token whatever the drafts were. Drafts are steered through the tenant's history tier: a
+closed session whose prompt holds ``P + continuation`` makes the drafter propose exactly that
+continuation (token ids, no re-tokenization) to a later session of the same tenant that
+opens with ``P``. That gives drafts that are fully accepted, rejected at the first token, and
+trees where a non-first branch wins, without changing the reference context.
+
+Per-step outputs are observed through ``on_tokens`` (one call per step: the first call is
+the prefill's token, then ``accepted + 1`` tokens per verification step, cut at the end).
+"""
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import agspec_gpu
+from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder
+from agspec_gpu.runners.hf import greedy_generate
+from agspec_gpu.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 100277  # cl100k_base: 100256 ranks + special tokens up to 100276
+NEW = 40
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny forwards are thread-sync overhead on a shared 2-core box; restored after the module
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.cache
+def tok():
+    return load_tokenizer("cl100k")
+
+
+def _tiny(arch: str, attn: str, vocab: int = VOCAB) -> torch.nn.Module:
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              initializer_range=0.1)  # wide logit gaps: argmax is not decided by fp32 noise
+    if arch == "llama":
+        cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
+    else:
+        cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return cls._from_config(cfg, attn_implementation=attn).eval()
+
+
+VARIANTS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa")]
+IDS = ["-".join(v) for v in VARIANTS]
+
+
+@functools.cache
+def model(variant=("llama", "sdpa")) -> torch.nn.Module:
+    return _tiny(*variant)
+
+
+@functools.cache
+def _greedy(variant, prompt: tuple, n: int, eos) -> tuple:
+    return tuple(greedy_generate(model(variant), list(prompt), n, eos_id=eos))
+
+
+def greedy(variant, prompt, n=NEW, eos=-1) -> list[int]:
+    """The reference; ``eos=-1`` is the tokenizer's EOS, as ``generate``'s default."""
+    return list(_greedy(variant, tuple(prompt), n, tok().eos_id if eos == -1 else eos))
+
+
+# ---------------------------------------------------------------- real text prompts
+@functools.cache
+def text_ids(name: str) -> list[int]:
+    """A source file of this package, encoded whole with cl100k."""
+    return tok().encode((Path(agspec_gpu.__file__).parent / name).read_text())
+
+
+@functools.cache
+def prompts() -> tuple[tuple[int, ...], ...]:
+    """Eight ragged prompts (1 to 140 tokens) of real text, three of them repetitive."""
+    dec, drf, trs = text_ids("decoder.py"), text_ids("drafter.py"), text_ids("tiers.py")
+    rep_line = tok().encode("        self.stats[\"steps\"] += 1\n" * 4 + "        self.stats[")
+    chunk = dec[700:730]
+    out = [dec[100:105],                     # 5 tokens
+           drf[200:223],                     # 23
+           chunk + chunk,                    # 60, repeated
+           trs[50:147],                      # 97
+           drf[900:901],                     # 1 token
+           rep_line,                         # one code line four times
+           drf[1200:1340],                   # 140
+           trs[400:431] + trs[400:410]]      # 41, ends repeating its start
+    return tuple(tuple(p) for p in out)
+
+
+def other_text(n: int, at: int = 2000) -> list[int]:
+    return text_ids("tiers.py")[at:at + n]
+
+
+# ---------------------------------------------------------------- helpers
+def record_drafts(dec: SpecDecoder, monkeypatch) -> list:
+    """Keeps every DraftBatch the drafter proposes (before per-request masking)."""
+    drafts, propose = [], dec.drafter.propose
+
+    def wrapped(sids):
+        drafts.append(propose(sids))
+        return drafts[-1]
+
+    monkeypatch.setattr(dec.drafter, "propose", wrapped)
+    return drafts
+
+
+def record_steps(dec: SpecDecoder, monkeypatch) -> list:
+    """Keeps ``(output_ids rows, num_accepted)`` of every verification step."""
+    steps, observe = [], dec.drafter.observe
+
+    def wrapped(sids, output_ids, num_output, num_accepted):
+        steps.append((output_ids.tolist(), num_accepted.tolist()))
+        return observe(sids, output_ids, num_output, num_accepted)
+
+    monkeypatch.setattr(dec.drafter, "observe", wrapped)
+    return steps
+
+
+def accepted_with_more_after(steps, b: int, p: int) -> bool:
+    """Whether output position ``p`` (>= 1; 0 is the prefill's token) of request ``b`` was an
+    accepted draft token, so that its step produced further tokens after it."""
+    pos = 1
+    for rows, acc in steps:
+        if pos <= p < pos + acc[b] + 1:
+            return p - pos < acc[b] and rows[b][p - pos] >= 0
+        pos += acc[b] + 1
+    raise AssertionError(f"position {p} of request {b} was never emitted")
+
+
+def chunk_recorder():
+    chunks: dict[str, list[list[int]]] = {}
+    return chunks, lambda sid, toks: chunks.setdefault(sid, []).append(list(toks))
+
+
+def steer(dec: SpecDecoder, tenant: str, text: list[int]) -> None:
+    """Puts ``text`` into the tenant's history (a closed session that held it)."""
+    dec.close_session(dec.open_session(tenant, "coder", text))
+
+
+def root_children(draft, b: int) -> list[int]:
+    n = int(draft.num_draft_tokens[b])
+    return [int(t) for t, p in zip(draft.token_ids[b, :n], draft.parents[b, :n]) if p == -1]
+
+
+def assert_greedy(dec, variant, sids, contexts, n=16) -> None:
+    """``generate`` on ``sids`` equals the greedy reference of each context."""
+    out = dec.generate(sids, max_new_tokens=n)
+    for sid, ctx, o in zip(sids, contexts, out):
+        assert o == greedy(variant, ctx, n), sid
+
+
+# ---------------------------------------------------------------- lossless greedy
+# batch partitions per variant: together they cover batch sizes 1..8, ragged within a batch
+PARTITIONS = {IDS[0]: [[0, 1, 2, 3, 4, 5, 6, 7], [3, 0, 5, 1], [2, 6, 7, 4]],
+              IDS[1]: [[4], [0, 1, 2, 3, 5, 6, 7]],
+              IDS[2]: [[7, 2], [0, 1, 3, 4, 5, 6]],
+              IDS[3]: [[1, 5, 6], [0, 2, 3, 4, 7]]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_greedy_lossless_ragged_batches(variant):
+    P = prompts()
+    m = model(variant)
+    for part in PARTITIONS["-".join(variant)]:
+        dec = SpecDecoder(m, tok())
+        # odd-indexed prompts go in as 1-D tensors, the rest as lists
+        sids = [dec.open_session(f"t{i}", "coder",
+                                 torch.tensor(P[i]) if i % 2 else list(P[i])) for i in part]
+        out = dec.generate(sids, max_new_tokens=NEW)
+        for i, o in zip(part, out):
+            assert o == greedy(variant, P[i]), (part, i)
+        assert dec.stats["drafted"] > 0  # repetitive prompts: speculation really ran
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[2]], ids=[IDS[1], IDS[2]])
+def test_fully_accepted_draft(variant):
+    P = list(prompts()[3])
+    g = greedy(variant, P, 45)
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P + g)
+    sid = dec.open_session("t0", "coder", P)
+    out = dec.generate([sid], max_new_tokens=45)  # 45: the cut falls inside a draft
+    assert out == [g]
+    s = dec.stats
+    assert s["drafted"] > 0 and s["accepted"] == s["drafted"], s
+    assert s["tokens"] / s["steps"] > 4, s  # measured: 2 steps, 43 of 43 drafted accepted
+
+
+def test_workspace_file_drafts_are_lossless():
+    variant = VARIANTS[1]
+    P = list(prompts()[6])
+    g = greedy(variant, P)
+    dec = SpecDecoder(model(variant), tok())
+    sid = dec.open_session("t0", "coder", P)
+    # decoded text re-encodes to other ids where the random model's tokens do not round-trip
+    # through BPE, so this draft is partly accepted only; the output must not care
+    assert dec.add_workspace_file(sid, "src/mod.py", tok().decode(P + g)) > 0
+    assert dec.generate([sid], max_new_tokens=NEW) == [g]
+    assert dec.stats["drafted"] > 0
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
+def test_mixed_trees_in_one_batch(variant, monkeypatch):
+    """One batch: a fully accepted chain, a draft rejected at its first token, a tree whose
+    second root branch is the right one, and a request with no steered draft."""
+    P = [list(prompts()[i]) for i in (3, 6, 1, 0)]
+    g = [greedy(variant, p) for p in P]
+    W = other_text(40)
+    assert W[0] != g[1][1] and W[0] != g[2][1]
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "full", P[0] + g[0])
+    steer(dec, "reject", P[1] + g[1][:1] + W)            # after the first token: wrong text
+    steer(dec, "branch", P[2] + g[2])                    # older: the right continuation
+    steer(dec, "branch", P[2] + g[2][:1] + W)            # newer: wrong, drafted first
+    sids = [dec.open_session(t, "coder", p) for t, p in zip(("full", "reject", "branch", "d"), P)]
+    drafts = record_drafts(dec, monkeypatch)
+    chunks, on_tokens = chunk_recorder()
+    out = dec.generate(sids, max_new_tokens=NEW, on_tokens=on_tokens)
+    assert out == g
+    first = drafts[0]
+    # fully accepted: long accepted steps
+    assert len(chunks[sids[0]][1]) > 8, chunks[sids[0]]
+    # rejected at the first token: a draft was proposed, one token (the bonus) came out
+    assert root_children(first, 1) == [W[0]]
+    assert len(chunks[sids[1]][1]) == 1
+    # non-first branch: the first root child is wrong, a later one is right and wins
+    kids = root_children(first, 2)
+    assert kids[0] != g[2][1] and g[2][1] in kids[1:], (kids, g[2][:2])
+    assert len(chunks[sids[2]][1]) > 1
+    assert dec.stats["accepted"] > 0
+
+
+def test_speculate_false_per_request():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 6, 1, 7)]
+    g = [greedy(variant, p) for p in P]
+    dec = SpecDecoder(model(variant), tok())
+    for i, p in enumerate(P):
+        steer(dec, f"t{i}", p + g[i])  # every request could draft its whole output
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    chunks, on_tokens = chunk_recorder()
+    spec = [False, True, False, True]
+    out = dec.generate(sids, max_new_tokens=NEW, speculate=spec, on_tokens=on_tokens)
+    assert out == g
+    for sid, s in zip(sids, spec):
+        sizes = [len(c) for c in chunks[sid]]
+        assert (max(sizes) > 1) == s, (sid, sizes)
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[2]], ids=[IDS[1], IDS[2]])
+def test_generate_continues_and_appended_tool_output(variant):
+    P = [list(prompts()[i]) for i in (2, 5, 0)]
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    out1 = dec.generate(sids, max_new_tokens=12)
+    out2 = dec.generate(sids, max_new_tokens=20)
+    for p, a, b in zip(P, out1, out2):
+        assert a + b == greedy(variant, p, 32)
+    tool = tok().encode("$ pytest -q tests/test_decoder.py\n3 passed in 0.12s\n")
+    dec.append(sids[0], tool)
+    dec.append(sids[2], torch.tensor(tool))
+    ctx = [p + a + b for p, a, b in zip(P, out1, out2)]
+    ctx[0] += tool
+    ctx[2] += tool
+    assert_greedy(dec, variant, sids, ctx)
+
+
+# ---------------------------------------------------------------- EOS and stop strings
+def _first_new(g: list[int], at: int) -> int:
+    """The first position >= ``at`` whose token does not occur earlier in ``g``."""
+    return next(j for j in range(at, len(g)) if g[j] not in g[:j])
+
+
+@pytest.mark.parametrize("at", [0, 17])
+def test_eos_inside_accepted_draft(at, monkeypatch):
+    variant = VARIANTS[1]
+    P, Q = list(prompts()[3]), list(prompts()[1])
+    g = greedy(variant, P, 48, eos=None)
+    j = _first_new(g, at)
+    eos = g[j]
+    assert greedy(variant, P, 48, eos=eos) == g[:j + 1]
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P + g)
+    sids = [dec.open_session("t0", "coder", P), dec.open_session("t1", "coder", Q)]
+    steps = record_steps(dec, monkeypatch)
+    out = dec.generate(sids, max_new_tokens=48, eos_id=eos)
+    assert out == [g[:j + 1], greedy(variant, Q, 48, eos=eos)]
+    if j > 0:  # EOS was an accepted draft token with more verified tokens after it
+        assert accepted_with_more_after(steps, 0, j)
+
+
+def test_stop_string_inside_accepted_draft(monkeypatch):
+    variant = VARIANTS[1]
+    P = list(prompts()[3])
+    g = greedy(variant, P, 48, eos=None)
+    decode = tok().decode
+    # a stop string ending inside token j and spanning into token j-1 (multi-token)
+    for j in range(15, 40):
+        piece = decode(g[j:j + 1])
+        stop = decode(g[:j + 1])[-(len(piece) + 2):]
+        if piece.strip() and "\ufffd" not in stop and \
+                next(k for k in range(1, 49) if stop in decode(g[:k])) == j + 1:
+            break
+    else:
+        pytest.fail("no usable stop string in the continuation")
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P + g)
+    sid = dec.open_session("t0", "coder", P)
+    steps = record_steps(dec, monkeypatch)
+    out = dec.generate([sid], max_new_tokens=48, eos_id=None, stop=["never in this text", stop])
+    assert out == [g[:j + 1]], (j, stop)
+    assert accepted_with_more_after(steps, 0, j)
+
+
+# ---------------------------------------------------------------- sampling
+def _sampled(variant, P, g, params, seed):
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + g)  # drafts that sampling may accept
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    return dec.generate(sids, max_new_tokens=24, sampling=params,
+                        generator=torch.Generator().manual_seed(seed))
+
+
+def test_sampling_deterministic_under_seed_and_greedy_limits():
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 0, 7)]
+    g = greedy(variant, P[0], 24)
+    hot = SamplingParams(temperature=0.8)
+    a = _sampled(variant, P, g, hot, 1234)
+    assert a == _sampled(variant, P, g, hot, 1234)
+    assert a != _sampled(variant, P, g, hot, 99)  # the generator is really used
+    refs = [greedy(variant, p, 24) for p in P]
+    assert _sampled(variant, P, g, SamplingParams(temperature=0.0), 7) == refs
+    # top-k 1 goes through the sampling path (multinomial + rejection sampling) yet is greedy
+    assert _sampled(variant, P, g, SamplingParams(temperature=1.0, top_k=1), 7) == refs
+
+
+# ---------------------------------------------------------------- bad input
+def test_mismatched_vocabularies():
+    small = _tiny("llama", "sdpa", vocab=50000)
+    with pytest.raises(ValueError, match="vocab"):
+        SpecDecoder(small, tok())
+
+
+def test_bad_token_ids_and_survivors():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (1, 3)]
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    for bad in ([5, VOCAB], [-1, 5], torch.tensor([[1, 2]])):
+        with pytest.raises(ValueError, match="prompt_ids"):
+            dec.open_session("t0", "coder", bad)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        dec.open_session("t0", "coder", [])
+    with pytest.raises(ValueError, match="token_ids"):
+        dec.append(sids[0], [7, VOCAB + 3])  # rejected whole: the context stays as it was
+    with pytest.raises(ValueError, match="distinct"):
+        dec.generate([sids[0], sids[1], sids[0]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="speculate"):
+        dec.generate(sids, max_new_tokens=4, speculate=[True])
+    assert_greedy(dec, variant, sids, P)
+
+
+def test_closed_and_foreign_sessions_raise_keyerror():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (1, 3, 0)]
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    dec.close_session(sids[2])
+    for call in (lambda: dec.generate([sids[0], sids[2]], max_new_tokens=4),
+                 lambda: dec.append(sids[2], [1, 2]),
+                 lambda: dec.add_workspace_file(sids[2], "a.py", "x = 1\n"),
+                 lambda: dec.close_session(sids[2])):
+        with pytest.raises(KeyError):
+            call()
+    fresh = SpecDecoder(model(variant), tok())  # a decoder that has opened nothing yet
+    with pytest.raises(KeyError):
+        fresh.generate([sids[0]], max_new_tokens=4)
+    foreign = fresh.open_session("x", "coder", P[0], session_id="opened-elsewhere")
+    with pytest.raises(KeyError):
+        dec.generate([sids[0], foreign], max_new_tokens=4)
+    assert_greedy(dec, variant, sids[:2], P[:2])
+
+
+def test_session_id_of_another_decoder_with_open_sessions():
+    variant = VARIANTS[1]
+    a, b = SpecDecoder(model(variant), tok()), SpecDecoder(model(variant), tok())
+    sa = a.open_session("tenant-a", "coder", list(prompts()[1]))
+    sb = b.open_session("tenant-b", "coder", list(prompts()[3]))
+    with pytest.raises(KeyError):
+        b.generate([sa], max_new_tokens=4)
+    assert_greedy(b, variant, [sb], [list(prompts()[3])])
+
+
+def test_padded_model_vocabulary_generates():
+    variant = ("llama", "sdpa")
+    m = _tiny(*variant, vocab=VOCAB + 75)
+    P = list(prompts()[3])
+    with torch.no_grad():  # make padding id VOCAB + 23 win wherever the most common token did
+        g = greedy_generate(m, P, 20)
+        m.lm_head.weight[VOCAB + 23] = 1.5 * m.lm_head.weight[max(set(g), key=g.count)]
+    ref = greedy_generate(m, P, 20, eos_id=tok().eos_id)
+    assert VOCAB + 23 in ref
+    dec = SpecDecoder(m, tok())
+    sid = dec.open_session("t0", "coder", P)
+    assert dec.generate([sid], max_new_tokens=20) == [ref]
+
+
+# ---------------------------------------------------------------- streaming
+def test_on_tokens_streams_exactly_the_output():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 2, 4)]
+    g = greedy(variant, P[0], 30, eos=None)
+    eos = g[_first_new(g, 20)]  # request 0 ends at EOS inside an accepted draft
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + g)
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    calls = []
+    out = dec.generate(sids, max_new_tokens=30, eos_id=eos,
+                       on_tokens=lambda sid, toks: calls.append((sid, list(toks))))
+    assert out == [greedy(variant, p, 30, eos=eos) for p in P]
+    for sid, o in zip(sids, out):
+        mine = [t for s, t in calls if s == sid]
+        assert all(mine) and sum(mine, []) == o
+    assert {s for s, _ in calls} == set(sids)
+
+
+# ---------------------------------------------------------------- close
+def test_close_session_frees_memory():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (6, 3, 1)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(max_batch=3))
+    sids = [dec.open_session(t, "coder", p) for t, p in zip(("t0", "t1", "t1"), P)]
+    dec.generate(sids, max_new_tokens=16)
+    store = dec.store
+    before = {t: store.nbytes(tenant=t) for t in ("t0", "t1")}
+    assert store.nbytes(tier=CorpusTier.SESSION, tenant="t0") > 0
+    assert store.nbytes(tier=CorpusTier.HISTORY, tenant="t0") == 0
+    with pytest.raises(ValueError, match="max_batch"):
+        dec.open_session("t2", "coder", [1, 2, 3])
+    dec.close_session(sids[0])
+    # only the tenant's history is left, which holds the closed session's text by design
+    hist = store.nbytes(tier=CorpusTier.HISTORY, tenant="t0")
+    assert store.nbytes(tier=CorpusTier.SESSION, tenant="t0") == 0
+    assert 0 < hist == store.nbytes(tenant="t0")
+    assert store.nbytes(tenant="t1") == before["t1"]
+    with pytest.raises(KeyError):
+        dec.generate([sids[0]], max_new_tokens=2)
+    # the drafter slot is free again
+    s3 = dec.open_session("t2", "coder", P[0])
+    assert_greedy(dec, variant, [sids[1], s3], [P[1] + greedy(variant, P[1], 16), P[0]])
+
+
+def test_session_tier_holds_exactly_the_context():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    g = greedy(variant, P[0], 45)
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + g)
+    sids = [dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[1])]
+    eos = greedy(variant, P[1], 1)[0]  # request 1 ends at its first token
+    out = dec.generate(sids, max_new_tokens=45, eos_id=eos)
+    for sid, p, o in zip(sids, P, out):
+        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+        assert held == p + o, (sid, len(held), len(p + o))
