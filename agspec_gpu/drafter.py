@@ -244,11 +244,14 @@ class Drafter:
         is_node &= depth[None, None, :] < k[:, None, None]
         if not cfg.tree:
             is_node &= self._chain_mask(rep, mass, is_node)
-        # score for best-first selection; ties: shallower, then lower candidate index
-        score = torch.where(is_node, prob, -1.0)
-        tie = (depth[None, None, :] * (C + 1) + cidx[None, :, None]).float() / (K * (C + 1) + 1)
-        key = torch.where(is_node, score - 1e-6 * tie, -2.0).view(B, C * K)
-        order = torch.argsort(key, dim=1, descending=True, stable=True)
+        # best-first order, exact: probability descending, then the shallower node, then the
+        # lower candidate index. Two stable sorts, not a float epsilon on the score: at p >= 1/4
+        # a float32 ulp is as large as the depth term and the tie-break was lost.
+        key = torch.where(is_node, prob, -2.0).view(B, C * K)  # flat (c, d) -> c * K + d
+        tie_rank = (depth[None, :] * C + cidx[:, None]).reshape(1, C * K)
+        by_tie = torch.argsort(tie_rank, dim=1).expand(B, -1)  # depth-major, then candidate
+        order = by_tie.gather(1, torch.argsort(key.gather(1, by_tie), dim=1, descending=True,
+                                               stable=True))
         ranked = key.gather(1, order)
         keep_n = torch.clamp((ranked > -1.5).sum(dim=1), max=cfg.max_nodes)
         if cfg.batch_budget and cfg.controller.static_k is None:
@@ -261,17 +264,11 @@ class Drafter:
             thresh = torch.where(nstar > 0, allv[(nstar - 1).clamp(min=0)],
                                  torch.tensor(2.0, device=dev))
             keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
-        rank = torch.arange(C * K, device=dev)[None, :]
-        chosen = torch.zeros(B, C * K, dtype=torch.bool, device=dev).scatter(
-            1, order, rank < keep_n[:, None])
-        chosen = chosen.view(B, C, K)
-        # topological order: by depth, then candidate index
-        ordkey = torch.where(chosen, depth[None, None, :] * C + cidx[None, :, None], C * K + 1)
-        ordkey = ordkey.permute(0, 2, 1).reshape(B, K * C)  # depth-major
-        node_order = torch.argsort(ordkey, dim=1, stable=True)
-        num = chosen.view(B, -1).sum(dim=1)
+        # nodes in best-first order (topological: a parent never ranks below its child)
+        num = keep_n
         N = max(int(num.max()) if B else 0, 1)
-        node_order = node_order[:, :N]
+        first = order[:, :N]  # flat c * K + d
+        node_order = (first % K) * C + first // K  # depth-major flat index d * C + c
         nd = node_order // C  # depth
         nc = node_order % C  # candidate
         valid_node = torch.arange(N, device=dev)[None, :] < num[:, None]
@@ -330,6 +327,12 @@ class Drafter:
         out = output_ids.to(dev, torch.int32)
         nout = num_output.to(dev)
         nacc = num_accepted.to(dev)
+        # validate before any state changes: a bad row must not half-commit the batch
+        V = self.store.vocab_size
+        used = torch.arange(out.shape[1], device=dev)[None, :] < nout.to(torch.int64)[:, None]
+        if bool(((out < 0) | (out >= V))[used].any()) or bool((nout > out.shape[1]).any()):
+            raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
+                             "num_output[b] columns of each row")
         if self._last is not None and self._last[0] == list(sids):
             _, draft, nd = self._last
             depth_drafted = torch.where(

@@ -203,7 +203,7 @@ class CorpusStore:
     def _evict_workspace(self, t: _Tenant) -> None:
         """Drops least-recently-used files until under budget, then rebuilds the corpus."""
         total = self.arena.num_tokens(t.workspace)
-        while t.files and total > self.config.workspace_budget_tokens // 2:
+        while len(t.files) > 1 and total > self.config.workspace_budget_tokens // 2:
             _, docs = t.files.popitem(last=False)
             total -= sum(e - s for s, e, _ in docs)
         t.workspace = self._rebuild(t.workspace, t.files)

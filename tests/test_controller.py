@@ -1,0 +1,315 @@
+"""The adaptive draft-length controller, the batch budget, role profiling and the cost model.
+
+Every rule of `agspec_gpu.controller` against a hand-computed or brute-force reference:
+
+* ``k_t = min(C_role, max(1, floor(S_t * L_match)))``, or ``static_k``;
+* ``S_t * alpha`` on full acceptance, ``S_t * beta`` on rejection, clamped to ``[s_min, s_max]``,
+  no update when a fully accepted draft was cut by the cap, none for requests without a draft;
+* ``n* = argmax_n (B + cumsum(p)[n-1]) / cost(B + n)``, ties to the smaller ``n``, and a
+  steeper cost never yields a larger ``n*``.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agspec_gpu.controller import (
+    BUILTIN_ROLES,
+    ControllerConfig,
+    RoleProfile,
+    batch_budget,
+    caps_from_curve,
+    draft_depth,
+    load_profiles,
+    profile_roles,
+    update_scale,
+)
+from agspec_gpu.cost_model import CostModel
+
+CFG = ControllerConfig(alpha=1.5, beta=0.5, s_min=0.25, s_max=4.0)
+
+
+def f32(xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def i32(xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- draft depth
+# scales are dyadic so that S * L is exact in float32 and floor() has one right answer
+@pytest.mark.parametrize("scale, match_len, cap, expected", [
+    (1.0, 5, 32, 5),       # k = L when S = 1
+    (0.5, 5, 32, 2),       # floor(2.5)
+    (0.25, 3, 32, 1),      # floor(0.75) = 0 -> at least 1
+    (2.0, 0, 32, 1),       # no match still gives k = 1 (max(1, 0))
+    (4.0, 10, 24, 24),     # capped by the role
+    (1.5, 7, 12, 10),      # floor(10.5)
+    (1.75, 8, 14, 14),     # 14 = cap exactly
+    (3.0, 1, 1, 1),        # cap 1
+])
+def test_draft_depth_golden(scale, match_len, cap, expected):
+    k = draft_depth(f32([scale]), i32([match_len]), i32([cap]), CFG)
+    assert k.dtype == torch.int32
+    assert k.tolist() == [expected]
+
+
+def test_draft_depth_matches_formula_on_a_batch():
+    g = torch.Generator().manual_seed(0)
+    B = 257
+    scale = torch.randint(1, 17, (B,), generator=g).float() / 4  # 0.25 .. 4.0, dyadic
+    match_len = torch.randint(0, 65, (B,), generator=g, dtype=torch.int32)
+    cap = torch.randint(1, 33, (B,), generator=g, dtype=torch.int32)
+    k = draft_depth(scale, match_len, cap, CFG)
+    expected = [min(c, max(1, math.floor(s * m)))
+                for s, m, c in zip(scale.tolist(), match_len.tolist(), cap.tolist())]
+    assert k.tolist() == expected
+    assert k.shape == (B,)
+
+
+def test_static_k_ignores_scale_and_match():
+    cfg = ControllerConfig(static_k=8)
+    k = draft_depth(f32([0.25, 1.0, 4.0]), i32([0, 3, 50]), i32([32, 32, 32]), cfg)
+    assert k.tolist() == [8, 8, 8]
+    assert k.dtype == torch.int32
+
+
+def test_draft_depth_empty_batch():
+    assert draft_depth(f32([]), i32([]), i32([]), CFG).shape == (0,)
+
+
+# ---------------------------------------------------------------- scale update
+def test_full_acceptance_expands_by_alpha():
+    new = update_scale(f32([1.0, 0.5]), i32([4, 6]), i32([4, 6]), i32([32, 32]), CFG)
+    assert new.tolist() == [1.5, 0.75]
+
+
+def test_accepting_more_than_drafted_counts_as_full():
+    # `accepted >= drafted` (a bonus token miscounted as accepted must not read as rejection)
+    assert update_scale(f32([1.0]), i32([3]), i32([4]), i32([32]), CFG).tolist() == [1.5]
+
+
+def test_rejection_contracts_by_beta():
+    new = update_scale(f32([1.0, 2.0, 4.0]), i32([4, 8, 5]), i32([0, 7, 2]),
+                       i32([32, 32, 32]), CFG)
+    assert new.tolist() == [0.5, 1.0, 2.0]
+
+
+def test_scale_is_clamped():
+    up = update_scale(f32([3.0]), i32([4]), i32([4]), i32([32]), CFG)  # 4.5 -> 4.0
+    down = update_scale(f32([0.3]), i32([4]), i32([1]), i32([32]), CFG)  # 0.15 -> 0.25
+    assert up.tolist() == [CFG.s_max]
+    assert down.tolist() == [CFG.s_min]
+
+
+def test_full_acceptance_cut_by_the_cap_leaves_scale_unchanged():
+    # the draft reached the cap: the cap, not S, limited it, so S must not grow
+    new = update_scale(f32([1.0, 1.0]), i32([12, 11]), i32([12, 11]), i32([12, 12]), CFG)
+    assert new.tolist() == [1.0, 1.5]  # depth 12 == cap: skip; depth 11 < cap: expand
+
+
+def test_rejection_at_the_cap_still_contracts():
+    new = update_scale(f32([1.0]), i32([12]), i32([3]), i32([12]), CFG)
+    assert new.tolist() == [0.5]
+
+
+def test_requests_without_a_draft_keep_their_scale():
+    scale = f32([0.25, 1.0, 1.75, 4.0])
+    new = update_scale(scale, i32([0, 0, 0, 0]), i32([0, 0, 0, 0]), i32([32] * 4), CFG)
+    assert torch.equal(new, scale)
+
+
+def test_update_scale_mixed_batch():
+    scale = f32([1.0, 1.0, 1.0, 1.0, 2.0])
+    depth = i32([5, 5, 0, 8, 8])
+    acc = i32([5, 2, 0, 8, 0])
+    cap = i32([32, 32, 32, 8, 8])
+    assert update_scale(scale, depth, acc, cap, CFG).tolist() == [1.5, 0.5, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs", [dict(alpha=0.9), dict(beta=0.0), dict(beta=1.5),
+                                    dict(s_min=0.0), dict(s_min=2.0, s_max=1.0),
+                                    dict(static_k=0)])
+def test_controller_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        ControllerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(draft_cap=0), dict(initial_scale=0.0)])
+def test_role_profile_validation(kwargs):
+    with pytest.raises(ValueError):
+        RoleProfile("r", **kwargs)
+
+
+# ---------------------------------------------------------------- batch budget
+def brute_force_nstar(scores: list[float], B: int, cost: CostModel) -> tuple[int, list[float]]:
+    """Reference: the smallest n maximising (B + sum(scores[:n])) / cost(B + n)."""
+    vals = [(B + sum(scores[:n])) / cost.step_ms(B + n) for n in range(len(scores) + 1)]
+    best = max(vals)
+    return next(n for n, v in enumerate(vals) if v >= best * (1 - 1e-12)), vals
+
+
+LINEAR = CostModel(((1, 1.0), (2, 1.5), (1000, 500.0)))  # cost(m) = 0.5 + 0.5 m
+
+
+def test_batch_budget_golden():
+    # B = 1: n=0 -> 1/1; n=1 -> 1.9/1.5 = 1.27; n=2 -> 2.7/2 = 1.35; n=3 -> 2.9/2.5 = 1.16
+    n = batch_budget(torch.tensor([0.9, 0.8, 0.2, 0.1]), 1, LINEAR)
+    assert n.dim() == 0 and n.dtype == torch.int64
+    assert int(n) == 2
+
+
+def test_batch_budget_all_zero_scores_gives_zero():
+    for B in (0, 1, 7, 300):
+        for cost in (CostModel.default(), LINEAR):
+            assert int(batch_budget(torch.zeros(50), B, cost)) == 0
+
+
+def test_batch_budget_empty_scores_and_max_tokens():
+    assert int(batch_budget(torch.zeros(0), 4, CostModel.default())) == 0
+    flat = CostModel(((1, 1.0), (4096, 1.0)))  # free tokens: take every positive score
+    assert int(batch_budget(torch.full((10,), 0.5), 2, flat)) == 10
+    assert int(batch_budget(torch.full((10,), 0.5), 2, flat, max_tokens=3)) == 3
+
+
+def test_batch_budget_ties_go_to_the_smaller_n():
+    # with a flat cost every extra zero-probability node ties: keep the smaller n
+    flat = CostModel(((1, 2.0), (4096, 2.0)))
+    assert int(batch_budget(torch.tensor([1.0, 1.0, 0.0, 0.0]), 3, flat)) == 2
+
+
+def test_batch_budget_matches_brute_force_on_random_inputs():
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        M = int(torch.randint(0, 40, (1,), generator=g))
+        B = int(torch.randint(1, 300, (1,), generator=g))
+        scores = torch.sort(torch.rand(M, generator=g, dtype=torch.float64),
+                            descending=True).values
+        cost = CostModel.default() if trial % 2 else LINEAR
+        got = int(batch_budget(scores, B, cost))
+        ref, vals = brute_force_nstar(scores.tolist(), B, cost)
+        # equal objective (within rounding) and never a larger n than the first maximiser
+        assert vals[got] >= max(vals) * (1 - 1e-12), (trial, got, ref)
+        assert got == ref, (trial, got, ref, vals)
+
+
+def linear_cost(intercept: float, slope: float) -> CostModel:
+    return CostModel(((1, intercept), (4096, intercept + slope * 4095)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(scores=st.lists(st.floats(0.0, 1.0, allow_nan=False), min_size=0, max_size=48),
+       B=st.integers(1, 256),
+       intercept=st.floats(0.5, 50.0),
+       slope1=st.floats(0.0, 2.0),
+       extra=st.floats(1e-3, 5.0))
+def test_batch_budget_steeper_cost_never_takes_more(scores, B, intercept, slope1, extra):
+    s = torch.tensor(sorted(scores, reverse=True), dtype=torch.float64)
+    c1, c2 = linear_cost(intercept, slope1), linear_cost(intercept, slope1 + extra)
+    n1, n2 = int(batch_budget(s, B, c1)), int(batch_budget(s, B, c2))
+    if n2 > n1:  # allowed only as a floating-point tie of the objective under c2
+        _, vals = brute_force_nstar(s.tolist(), B, c2)
+        assert vals[n1] >= vals[n2] * (1 - 1e-12), (n1, n2)
+
+
+def test_batch_budget_shrinks_as_the_batch_grows():
+    # the documented purpose: large batches verify fewer draft tokens per request
+    scores = torch.full((4096,), 0.3)
+    n_small = int(batch_budget(scores[:64], 1, CostModel.default()))
+    n_large = int(batch_budget(scores[:64 * 64], 512, CostModel.default()))
+    assert n_small == 64  # memory-bound: every 0.3 token is worth verifying
+    assert n_large < 64 * 64 / 4
+
+
+# ---------------------------------------------------------------- role profiling
+@pytest.mark.parametrize("curve, theta, cap", [
+    ([0.9, 0.8, 0.6, 0.4, 0.2], 0.5, 3),
+    ([0.9, 0.8, 0.6, 0.4, 0.2], 0.1, 5),
+    ([0.3, 0.2], 0.5, 1),          # nothing reaches theta: at least 1
+    ([], 0.5, 1),
+    ([0.9, 0.1, 0.8, 0.05], 0.5, 3),  # max k with P_acc(k) >= theta, not the first drop
+    ([0.5, 0.5], 0.5, 2),          # >= theta counts
+])
+def test_caps_from_curve(curve, theta, cap):
+    assert caps_from_curve(curve, theta) == cap
+
+
+def test_profile_roles_writes_and_loads_json(tmp_path):
+    cost = CostModel(((1, 10.0), (33, 13.2), (1000, 100.0)))
+    theta = (13.2 - 10.0) / 32 / 10.0  # 0.01 per extra token
+    curves = {"coder": [0.9 ** k for k in range(1, 65)],  # 0.9^k >= 0.01 -> k <= 43
+              "planner": [0.5 ** k for k in range(1, 33)]}  # 0.5^k >= 0.01 -> k <= 6
+    out = tmp_path / "roles.json"
+    profiles = profile_roles(curves, cost, out)
+    assert profiles == {"coder": RoleProfile("coder", 43), "planner": RoleProfile("planner", 6)}
+    obj = json.loads(out.read_text())
+    assert obj["theta"] == pytest.approx(theta)
+    assert obj["cost_model"] == cost.to_json()
+    assert obj["roles"]["coder"]["draft_cap"] == 43
+    assert obj["roles"]["planner"]["p_acc"] == curves["planner"]
+    assert load_profiles(out) == profiles
+
+
+def test_profile_roles_default_cost_and_no_file(tmp_path):
+    profiles = profile_roles({"reviewer": [1.0] * 16 + [0.0] * 16})
+    assert profiles["reviewer"].draft_cap == 16
+    assert not list(tmp_path.iterdir())
+
+
+def test_builtin_roles_are_valid_profiles():
+    for name, p in BUILTIN_ROLES.items():
+        assert p.name == name and p.draft_cap >= 1
+
+
+# ---------------------------------------------------------------- cost model
+@pytest.mark.parametrize("points", [
+    ((1, 1.0),),                      # fewer than two points
+    ((4, 1.0), (2, 2.0)),             # not ascending
+    ((2, 1.0), (2, 2.0)),             # duplicate
+    ((0, 1.0), (2, 2.0)),             # below 1 token
+    ((1, 1.0), (2, 0.0)),             # non-positive time
+    ((1, -1.0), (2, 2.0)),
+])
+def test_cost_model_validation(points):
+    with pytest.raises(ValueError, match="points"):
+        CostModel(points)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    c = CostModel(((1, 2.0), (11, 4.0), (21, 24.0)))
+    assert c.step_ms(1) == 2.0 and c.step_ms(11) == 4.0 and c.step_ms(21) == 24.0
+    assert c.step_ms(6) == pytest.approx(3.0)
+    assert c.step_ms(16) == pytest.approx(14.0)
+    assert c.step_ms(31) == pytest.approx(44.0)     # past the last point: last segment
+    assert c.step_ms(0.5) == pytest.approx(1.9)     # before the first: first segment
+    assert c.step_ms(-1000) == pytest.approx(1e-6)  # never <= 0
+
+
+def test_cost_model_default_is_monotone():
+    c = CostModel.default()
+    ts = [c.step_ms(n) for n in range(1, 4097, 7)]
+    assert all(a <= b for a, b in zip(ts, ts[1:]))
+
+
+def test_cost_model_json_round_trip(tmp_path):
+    c = CostModel(((1, 2.0), (64, 2.5), (512, 9.0)), source="measured")
+    assert CostModel.from_json(c.to_json()) == c
+    p = tmp_path / "cost.json"
+    p.write_text(json.dumps(c.to_json()))
+    assert CostModel.from_json(p) == c
+    assert CostModel.from_json(str(p)) == c
+
+
+def test_batch_budget_and_step_ms_agree():
+    # batch_budget interpolates on the device; the objective must use the same curve
+    c = CostModel(((1, 2.0), (11, 4.0), (21, 24.0)))
+    for B in (1, 5, 15, 30):
+        for M in (0, 3, 10, 25):
+            s = torch.linspace(0.9, 0.1, M, dtype=torch.float64)
+            ref, _ = brute_force_nstar(s.tolist(), B, c)
+            assert int(batch_budget(s, B, c)) == ref, (B, M)

@@ -1,0 +1,528 @@
+"""Draft trees on hand-made corpora with known frequencies, and the drafter's lifecycle.
+
+Token ids are written by hand (small ids of the real cl100k vocabulary, appended with
+`Drafter.extend` / ``prompt_ids``), so every expected tree can be worked out on paper:
+
+    F0 A B C X  F1 A B C Y  F2 A B C X  F3 A B C      (query: ... F3 A B C)
+
+has the longest match ``A B C`` three times; the candidates, most recent first, continue with
+``X F3 ...``, ``Y F2 ...``, ``X F1 ...``, so the root children are X (2/3) and Y (1/3).
+
+Documented tie-break of the best-first expansion: higher probability first, then the
+shallower node, then the lower candidate index (= the more recent occurrence).
+"""
+
+import json
+import random
+
+import pytest
+import torch
+
+import agspec_gpu.drafter as drafter_mod
+from agspec_gpu.controller import ControllerConfig, RoleProfile
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.forms import EmissionForm
+from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig, build_global_corpus
+from agspec_gpu.tokenizer import load_tokenizer
+
+A, B, C, X, Y = 10, 11, 12, 13, 14
+F0, F1, F2, F3, F4 = 20, 21, 22, 23, 24
+# X most recent, X twice, Y once
+CASE_A = [F0, A, B, C, X, F1, A, B, C, Y, F2, A, B, C, X, F3, A, B, C]
+# Y most recent, X twice (older): the heavier root child is not the most recent one
+CASE_B = [F0, A, B, C, X, F1, A, B, C, X, F2, A, B, C, Y, F3, A, B, C]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("cl100k")
+
+
+def make(tok, *, tier=None, **cfg):
+    store = CorpusStore(tok, tier or TierConfig(use_global=False))
+    return store, Drafter(store, DrafterConfig(**cfg), max_batch=16)
+
+
+def nodes(draft: DraftBatch, b: int = 0) -> list[tuple[int, int]]:
+    n = int(draft.num_draft_tokens[b])
+    return list(zip(draft.token_ids[b, :n].tolist(), draft.parents[b, :n].tolist()))
+
+
+def paths(draft: DraftBatch, b: int = 0) -> list[tuple[int, ...]]:
+    """Root-to-node token path of every node, in node order."""
+    out: list[tuple[int, ...]] = []
+    for t, p in nodes(draft, b):
+        out.append((() if p == -1 else out[p]) + (t,))
+    return out
+
+
+def check_invariants(draft: DraftBatch, max_depth: int | None = None) -> None:
+    Bsz, N = draft.token_ids.shape
+    assert draft.token_ids.dtype == torch.int32 and draft.parents.dtype == torch.int32
+    assert draft.num_draft_tokens.dtype == torch.int32
+    assert draft.parents.shape == (Bsz, N) and draft.num_draft_tokens.shape == (Bsz,)
+    assert draft.maybe_source is not None and draft.maybe_source.shape == (Bsz, N)
+    for b in range(Bsz):
+        n = int(draft.num_draft_tokens[b])
+        assert 0 <= n <= N
+        tok, par = draft.token_ids[b].tolist(), draft.parents[b].tolist()
+        src = draft.maybe_source[b].tolist()
+        assert tok[n:] == [PAD_ID] * (N - n) and par[n:] == [PAD_ID] * (N - n)
+        assert src[n:] == [-1] * (N - n)
+        assert all(t >= 0 for t in tok[:n])
+        assert all(-1 <= par[j] < j for j in range(n)), par[:n]
+        assert all(s >= 0 for s in src[:n])
+        # a trie: siblings carry distinct tokens
+        sib = [(par[j], tok[j]) for j in range(n)]
+        assert len(set(sib)) == n, sib
+        if max_depth is not None and n:
+            assert int(draft.depths()[b, :n].max()) <= max_depth
+
+
+# ---------------------------------------------------------------- golden trees
+@pytest.mark.parametrize("max_nodes, expected", [
+    (1, [(X, -1)]),
+    (2, [(X, -1), (Y, -1)]),
+    # depth-1 nodes all have p = 1/3 (= Y's): Y first (shallower), then by candidate index
+    (3, [(X, -1), (Y, -1), (F3, 0)]),
+    (4, [(X, -1), (Y, -1), (F3, 0), (F2, 1)]),
+    (5, [(X, -1), (Y, -1), (F3, 0), (F2, 1), (F1, 0)]),
+    (6, [(X, -1), (Y, -1), (F3, 0), (F2, 1), (F1, 0), (A, 2)]),
+    (8, [(X, -1), (Y, -1), (F3, 0), (F2, 1), (F1, 0), (A, 2), (A, 3), (A, 4)]),
+])
+def test_golden_tree_best_first(tok, max_nodes, expected):
+    _, d = make(tok, max_nodes=max_nodes, batch_budget=False,
+                controller=ControllerConfig(static_k=8))
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    draft = d.propose(["s"])
+    assert nodes(draft) == expected
+    check_invariants(draft, 8)
+
+
+def test_golden_tree_full_depth(tok):
+    # the whole trie up to depth 3 (adaptive k = S * L_match = 1.0 * 3)
+    _, d = make(tok, batch_budget=False)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
+    got = set(paths(d.propose(["s"])))
+    assert got == {(X,), (Y,), (X, F3), (X, F1), (Y, F2), (X, F3, A), (X, F1, A), (Y, F2, A)}
+
+
+def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
+    """The scores handed to the batch budget are the nodes' estimated acceptance
+    probabilities: X = 2/3, Y and every deeper node 1/3 (one candidate of three)."""
+    seen = []
+    real = drafter_mod.batch_budget
+
+    def spy(scores, num_requests, cost, max_tokens=None):
+        seen.append((scores.clone(), num_requests, max_tokens))
+        return real(scores, num_requests, cost, max_tokens)
+
+    monkeypatch.setattr(drafter_mod, "batch_budget", spy)
+    free = CostModel(((1, 1.0), (4096, 1.0)))
+    store = CorpusStore(tok, TierConfig(use_global=False))
+    d = Drafter(store, DrafterConfig(), cost=free)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
+    draft = d.propose(["s"])
+    assert len(seen) == 1
+    scores, nreq, max_tokens = seen[0]
+    assert nreq == 1 and max_tokens == 8
+    expected = torch.tensor([2 / 3] + [1 / 3] * 7)
+    torch.testing.assert_close(scores[:8].float(), expected, atol=1e-5, rtol=0)
+    assert bool((scores[8:] == 0).all())
+    assert int(draft.num_draft_tokens[0]) == 8  # free verification keeps every node
+
+
+def test_heavier_but_older_branch_structure(tok):
+    # Y is the most recent occurrence, X has twice its mass: max_nodes=1 keeps X
+    _, d = make(tok, max_nodes=1, batch_budget=False, controller=ControllerConfig(static_k=8))
+    d.open_session("s", "t", prompt_ids=CASE_B)
+    assert nodes(d.propose(["s"])) == [(X, -1)]
+    _, d = make(tok, max_nodes=3, batch_budget=False, controller=ControllerConfig(static_k=8))
+    d.open_session("s", "t", prompt_ids=CASE_B)
+    # X, Y, then the 1/3 depth-1 node of the lowest candidate (the most recent: Y -> F3)
+    assert set(paths(d.propose(["s"]))) == {(X,), (Y,), (Y, F3)}
+
+
+def test_heavier_but_older_branch_comes_first(tok):
+    _, d = make(tok, max_nodes=4, batch_budget=False, controller=ControllerConfig(static_k=8))
+    d.open_session("s", "t", prompt_ids=CASE_B)
+    # best-first: X (2/3), Y (1/3), Y->F3 (1/3, candidate 0), X->F2 (1/3, candidate 1)
+    assert nodes(d.propose(["s"])) == [(X, -1), (Y, -1), (F3, 1), (F2, 0)]
+
+
+LONG_X = list(range(100, 116))
+LONG_Y = list(range(200, 216))
+TWO_BRANCHES = [1, 50] + LONG_X + [2, 50] + LONG_Y + [3, 50]
+
+
+@pytest.mark.parametrize("max_nodes", [20, 22])
+def test_equal_probability_branches_expand_shallower_first(tok, max_nodes):
+    # two candidates after `50`, p = 1/2 each, 16-token continuations
+    _, d = make(tok, max_nodes=max_nodes, batch_budget=False,
+                controller=ControllerConfig(static_k=16))
+    d.open_session("s", "t", prompt_ids=TWO_BRANCHES)
+    toks = d.propose(["s"]).token_ids[0].tolist()
+    depth_x = sum(t in LONG_X for t in toks)
+    depth_y = sum(t in LONG_Y for t in toks)
+    assert (depth_y, depth_x) == (max_nodes // 2, max_nodes // 2)
+
+
+def test_equal_probability_branches_shallow_cut_is_exact(tok):
+    # the same case at small depths, where the float tie-break still holds
+    for max_nodes in range(1, 9):
+        _, d = make(tok, max_nodes=max_nodes, batch_budget=False,
+                    controller=ControllerConfig(static_k=16))
+        d.open_session("s", "t", prompt_ids=TWO_BRANCHES)
+        toks = d.propose(["s"]).token_ids[0].tolist()
+        # the Y occurrence is more recent (candidate 0): it gets the odd node
+        assert sum(t in LONG_Y for t in toks) == (max_nodes + 1) // 2
+        assert sum(t in LONG_X for t in toks) == max_nodes // 2
+
+
+def test_chains_follow_the_heaviest_child(tok):
+    _, d = make(tok, tree=False, batch_budget=False, controller=ControllerConfig(static_k=8))
+    d.open_session("a", "t", prompt_ids=CASE_A)
+    d.open_session("b", "t", prompt_ids=CASE_B)
+    draft = d.propose(["a", "b"])
+    # A: X (2/3), then F3 vs F1 tie -> the more recent F3; then A B C and the corpus ends
+    assert nodes(draft, 0) == [(X, -1), (F3, 0), (A, 1), (B, 2), (C, 3)]
+    # B: X (2/3), then F2 (more recent of X's two) and on through the Y occurrence
+    assert [t for t, _ in nodes(draft, 1)] == [X, F2, A, B, C, Y, F3, A]
+    for b in range(2):
+        assert [p for _, p in nodes(draft, b)] == list(range(-1, int(draft.num_draft_tokens[b]) - 1))
+    check_invariants(draft, 8)
+
+
+# ---------------------------------------------------------------- limits
+def test_static_k_limits_depth(tok):
+    for k in (1, 2, 5):
+        _, d = make(tok, batch_budget=False, controller=ControllerConfig(static_k=k))
+        d.open_session("s", "t", prompt_ids=CASE_A)
+        draft = d.propose(["s"])
+        assert int(draft.depths()[0].max()) == k
+        check_invariants(draft, k)
+
+
+def test_adaptive_k_is_scale_times_match_capped_by_role(tok):
+    text = list(range(300, 340))
+    prompt = text + [7] + text[:12]  # the query's longest match is 12 tokens long
+    roles = (RoleProfile("default"), RoleProfile("tiny", draft_cap=4),
+             RoleProfile("wide", draft_cap=32, initial_scale=2.0),
+             RoleProfile("half", draft_cap=32, initial_scale=0.5))
+    _, d = make(tok, batch_budget=False, tree=False, roles=roles)
+    for role in ("default", "tiny", "wide", "half"):
+        d.open_session(role, "t", role=role, prompt_ids=prompt)
+    draft = d.propose(["default", "tiny", "wide", "half"])
+    got = draft.num_draft_tokens.tolist()
+    # default: cap 24, S=1 -> 12; tiny: cap 4; wide: S=2 -> 24; half: S=0.5 -> 6
+    assert got == [12, 4, 24, 6]
+    assert draft.token_ids[0, :12].tolist() == text[12:24]
+    check_invariants(draft)
+
+
+def test_max_draft_depth_caps_static_k(tok):
+    _, d = make(tok, batch_budget=False, max_draft_depth=3, controller=ControllerConfig(static_k=8))
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    assert int(d.propose(["s"]).depths()[0].max()) == 3
+
+
+def test_min_match(tok):
+    # the longest match is 3 tokens (A B C): min_match=4 suppresses the draft
+    _, d = make(tok, batch_budget=False, min_match=4)
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    assert int(d.propose(["s"]).num_draft_tokens[0]) == 0
+
+
+# ---------------------------------------------------------------- random inputs
+def reference_paths(corpora, query, D, P, K, k, max_nodes, tree):
+    """Best-first draft of equal-weight corpora, from the definitions (pure Python)."""
+    q = query[-D:]
+    rows = []
+    for c in corpora:
+        found = (0, [])
+        for l in range(len(q), 0, -1):
+            pat = q[-l:]
+            occ = [p + l for p in range(len(c) - l) if c[p:p + l] == pat and c[p + l] >= 0]
+            if occ:
+                found = (l, sorted(occ, reverse=True)[:P])
+                break
+        rows.append(found)
+    best = max([l for l, _ in rows] + [0])
+    if best < 1:
+        return set()
+    trie: dict[tuple[int, ...], list[int]] = {}  # path -> [count, representative candidate]
+    for r, (l, occ) in enumerate(rows):
+        if l != best:
+            continue
+        for j, pos in enumerate(occ):
+            win = []
+            for t in corpora[r][pos:pos + K]:
+                if t < 0:
+                    break
+                win.append(t)
+            for dd in range(min(len(win), k)):
+                e = trie.setdefault(tuple(win[:dd + 1]), [0, r * P + j])
+                e[0] += 1
+                e[1] = min(e[1], r * P + j)
+    if not tree:
+        chain, cur = set(), ()
+        while True:
+            kids = [p for p in trie if len(p) == len(cur) + 1 and p[:-1] == cur]
+            if not kids:
+                break
+            cur = min(kids, key=lambda p: (-trie[p][0], trie[p][1]))
+            chain.add(cur)
+        trie = {p: v for p, v in trie.items() if p in chain}
+    order = sorted(trie, key=lambda p: (-trie[p][0], len(p), trie[p][1]))
+    return set(order[:max_nodes])
+
+
+def test_random_drafts_match_reference_and_invariants(tok):
+    rng = random.Random(1234)
+    nonempty = 0
+    for trial in range(40):
+        D = rng.choice([4, 8])
+        P, K = rng.choice([1, 2, 4, 8]), rng.choice([4, 8, 16])
+        k, max_nodes, tree = rng.randint(1, K), rng.randint(1, 30), rng.random() < 0.7
+        store = CorpusStore(tok, TierConfig(max_depth=D, tail_tokens=rng.choice([4, 16, 64]),
+                                            use_global=False))
+        d = Drafter(store, DrafterConfig(max_positions=P, max_draft_depth=K, max_nodes=max_nodes,
+                                         tree=tree, batch_budget=False,
+                                         controller=ControllerConfig(static_k=k)), max_batch=4)
+        letters = "abcd"[:rng.randint(2, 4)]
+        alphabet = [tok.encode(" " + ch)[0] for ch in letters]
+        if rng.random() < 0.5:  # a workspace file over the same tokens, in every form
+            store.add_workspace_file("t", "w.txt", "".join(
+                " " + rng.choice(letters) + ("\n" if rng.random() < 0.2 else "")
+                for _ in range(rng.randint(1, 40))))
+        for h in range(rng.randint(0, 2)):  # closed sessions: a history corpus
+            d.open_session(f"h{h}", "t", prompt_ids=[rng.choice(alphabet)
+                                                    for _ in range(rng.randint(1, 40))])
+            d.close_session(f"h{h}")
+        s = [rng.choice(alphabet) for _ in range(rng.randint(0, 60))]
+        d.open_session("s", "t", prompt_ids=s)
+        corpora = [store.arena.corpus_tokens(cid).tolist() for _, cid in store.corpora_of("s")]
+        draft = d.propose(["s"])
+        check_invariants(draft, k)
+        got = paths(draft)
+        assert len(got) == len(set(got))
+        assert set(got) == reference_paths(corpora, s, D, P, K, k, max_nodes, tree), trial
+        nonempty += bool(got)
+    assert nonempty >= 30
+
+
+# ---------------------------------------------------------------- observe
+def test_observe_updates_ring_session_scale_and_tier_weights(tok):
+    store, d = make(tok, batch_budget=False)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
+    slot = d._slot["s"]
+    draft = d.propose(["s"])  # k = 3: X F3 A / X F1 A / Y F2 A
+    assert int(draft.depths()[0].max()) == 3
+    n = int(draft.num_draft_tokens[0])
+    # accept X F3, reject the third token, bonus B (the target's own choice)
+    out = torch.tensor([[X, F3, B, PAD_ID]], dtype=torch.int32)
+    d.observe(["s"], out, torch.tensor([3]), torch.tensor([2]))
+    # recent ring and session tier end with the committed tokens
+    assert d.recent[slot, -3:].tolist() == [X, F3, B]
+    assert int(d.recent_len[slot]) == len(CASE_A) + 3
+    assert store.arena.corpus_tokens(store.session("s").corpus).tolist() == CASE_A + [X, F3, B]
+    # rejection: S * beta
+    assert float(d.scale[slot]) == pytest.approx(ControllerConfig().beta)
+    # tier weights: 2 accepted session nodes of n drafted, decayed by 0.99
+    s = int(CorpusTier.SESSION)
+    assert float(d.tier_hits[s]) == pytest.approx(0.99 + 2)
+    assert float(d.tier_drafts[s]) == pytest.approx(0.99 * 2 + n)
+    other = [i for i in range(len(CorpusTier)) if i != s]
+    assert d.tier_hits[other].tolist() == pytest.approx([0.99] * 3)
+    assert d.last_accepted_sources[0, :2].tolist() == [0, 0]
+    # the next propose matches the new context (... C X F3 B): only `B` recurs, always
+    # followed by C, and k = max(1, floor(0.6 * 1)) = 1
+    assert paths(d.propose(["s"])) == [(C,)]
+
+
+def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(tok):
+    store, d = make(tok, batch_budget=False, tree=False)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
+    slot = d._slot["s"]
+    draft = d.propose(["s"])
+    assert nodes(draft) == [(X, -1), (F3, 0), (A, 1)]  # chain, depth k = 3
+    d.observe(["s"], torch.tensor([[X, F3, A, B]]), torch.tensor([4]), torch.tensor([3]))
+    assert float(d.scale[slot]) == pytest.approx(ControllerConfig().alpha)
+    # context now ends `A B C X F3 A B`: that 7-token match starts at the third `A B C`
+    # and continues with the committed tokens (k = floor(1.5 * 7) = 10, the corpus ends first)
+    nxt = d.propose(["s"])
+    assert [t for t, _ in nodes(nxt)] == [C, X, F3, A, B]
+
+
+def test_observe_for_another_batch_skips_the_controller(tok):
+    _, d = make(tok, batch_budget=False)
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    d.open_session("u", "t", prompt_ids=CASE_B)
+    d.propose(["s", "u"])
+    hits = d.tier_hits.clone()
+    d.observe(["s"], torch.tensor([[X]]), torch.tensor([1]), torch.tensor([0]))
+    assert float(d.scale[d._slot["s"]]) == 1.0  # not the batch that was proposed
+    assert torch.equal(d.tier_hits, hits)
+    assert d.recent[d._slot["s"], -1].item() == X
+
+
+def test_append_generated_commits_without_controller_update(tok):
+    store, d = make(tok, batch_budget=False)
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    d.propose(["s"])
+    d.append_generated(["s"], torch.tensor([[X, F3, PAD_ID]]), torch.tensor([2]))
+    assert float(d.scale[d._slot["s"]]) == 1.0
+    assert store.arena.corpus_tokens(store.session("s").corpus).tolist()[-2:] == [X, F3]
+
+
+# ---------------------------------------------------------------- source tags
+def upto(tok, text: str, marker: str) -> list[int]:
+    """Tokens of ``text`` (encoded whole) up to the first token that completes ``marker``."""
+    ids = tok.encode(text)
+    for n in range(1, len(ids) + 1):
+        if marker in tok.decode(ids[:n]):
+            return ids[:n]
+    raise AssertionError(marker)
+
+
+def test_maybe_source_tags_tier_and_form(tok, tmp_path):
+    (tmp_path / "lib.py").write_text("def global_helper_function(alpha, beta):\n"
+                                     "    return alpha * beta + 12345\n")
+    g = build_global_corpus([tmp_path], tok, tmp_path / "g.agspec", max_depth=32)
+    store = CorpusStore(tok, TierConfig(), global_corpus=g)
+    d = Drafter(store, DrafterConfig(tree=False, batch_budget=False,
+                                     controller=ControllerConfig(static_k=6)))
+    ws = ("class WorkspaceOnlyThing:\n    def method_one(self, gamma):\n"
+          "        return gamma + 98765\n")
+    store.add_workspace_file("t", "w.py", ws)
+    hist = tok.encode("history only words zebra quartz fjord marmalade trombone")
+    d.open_session("old", "t", prompt_ids=hist)
+    d.close_session("old")
+
+    def lines(prefix):
+        return "\n".join(prefix + ln for ln in ws.split("\n")[:-1]) + "\n"
+
+    ws_tag = int(CorpusTier.WORKSPACE) * 8
+    form = {f: i for i, f in enumerate(EmissionForm)}
+    # each query crosses the first line break, where the forms differ
+    cases = {
+        "sess": (list(range(500, 520)) + list(range(500, 505)), 0),
+        "raw": (upto(tok, ws, "    def"), ws_tag + form[EmissionForm.RAW]),
+        "diff+": (upto(tok, lines("+"), "+    def"), ws_tag + form[EmissionForm.DIFF_ADD]),
+        "diff-": (upto(tok, lines("-"), "-    def"), ws_tag + form[EmissionForm.DIFF_DEL]),
+        "json": (upto(tok, '{"new_str": ' + json.dumps(ws), "    def"),
+                 ws_tag + form[EmissionForm.JSON]),
+        "indent": (upto(tok, lines("    "), "        def"), ws_tag + form[EmissionForm.INDENT_IN]),
+        "hist": (hist[:4], int(CorpusTier.HISTORY) * 8),
+        "glob": (upto(tok, "def global_helper_function(alpha", "_function"),
+                 int(CorpusTier.GLOBAL) * 8),
+    }
+    for name, (prompt, _) in cases.items():
+        d.open_session(name, "t", prompt_ids=prompt)
+    draft = d.propose(list(cases))
+    check_invariants(draft)
+    for b, (name, (_, tag)) in enumerate(cases.items()):
+        n = int(draft.num_draft_tokens[b])
+        assert n >= 2, name
+        assert draft.maybe_source[b, :n].tolist() == [tag] * n, name
+    assert [tag for _, tag in cases.values()] == [0, 8, 9, 11, 12, 13, 16, 24]
+
+
+# ---------------------------------------------------------------- batch budget
+def test_batch_budget_on_off(tok):
+    huge = CostModel(((1, 1.0), (2, 1e6)))  # every extra token costs a million
+    for budget, expect_empty in ((True, True), (False, False)):
+        store = CorpusStore(tok, TierConfig(use_global=False))
+        d = Drafter(store, DrafterConfig(batch_budget=budget), cost=huge)
+        for i in range(3):
+            d.open_session(f"s{i}", "t", prompt_ids=CASE_A[i:])
+        draft = d.propose(["s0", "s1", "s2"])
+        total = int(draft.num_draft_tokens.sum())
+        assert (total == 0) == expect_empty, (budget, total)
+        check_invariants(draft)
+    # the default (cheap, memory-bound) cost keeps the draft
+    store = CorpusStore(tok, TierConfig(use_global=False))
+    d = Drafter(store, DrafterConfig(batch_budget=True))
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    assert int(d.propose(["s"]).num_draft_tokens[0]) > 0
+
+
+def test_batch_budget_is_off_under_static_k(tok):
+    huge = CostModel(((1, 1.0), (2, 1e6)))
+    store = CorpusStore(tok, TierConfig(use_global=False))
+    d = Drafter(store, DrafterConfig(controller=ControllerConfig(static_k=4)), cost=huge)
+    d.open_session("s", "t", prompt_ids=CASE_A)
+    assert int(d.propose(["s"]).num_draft_tokens[0]) > 0
+
+
+# ---------------------------------------------------------------- batches
+def test_batch_of_five_ragged_equals_one_at_a_time(tok):
+    rng = random.Random(7)
+    prompts = {
+        "e": [],  # empty context
+        "a": CASE_A,
+        "b": CASE_B[5:],
+        "r": [10 + rng.randrange(3) for _ in range(90)],
+        "x": [1, 2, 3],  # no repeat: no match
+    }
+    tenants = {"e": "t1", "a": "t1", "b": "t2", "r": "t2", "x": "t3"}
+    store, d = make(tok, batch_budget=False)
+    d.open_session("h", "t2", prompt_ids=CASE_A)  # t2 gets a history corpus: ragged rows
+    d.close_session("h")
+    for sid, p in prompts.items():
+        d.open_session(sid, tenants[sid], prompt_ids=p)
+    singles = {sid: paths(d.propose([sid])) for sid in prompts}
+    order = ["r", "e", "b", "x", "a"]
+    draft = d.propose(order)
+    check_invariants(draft)
+    assert draft.batch_size == 5
+    for b, sid in enumerate(order):
+        assert paths(draft, b) == singles[sid], sid
+    assert singles["e"] == [] and singles["x"] == []
+    assert singles["a"] and singles["r"]
+    # B = 1 of a non-empty request
+    one = d.propose(["a"])
+    assert one.batch_size == 1 and paths(one) == singles["a"]
+
+
+def test_empty_context_gives_empty_draft(tok):
+    _, d = make(tok)
+    d.open_session("e", "t")
+    draft = d.propose(["e"])
+    assert draft.num_draft_tokens.tolist() == [0]
+    assert draft.token_ids.shape == (1, 1) and draft.token_ids.tolist() == [[PAD_ID]]
+    assert draft.parents.tolist() == [[PAD_ID]]
+    # and observe on it commits tokens without a controller update
+    d.observe(["e"], torch.tensor([[A]]), torch.tensor([1]), torch.tensor([0]))
+    assert float(d.scale[d._slot["e"]]) == 1.0
+
+
+def test_lifecycle_errors(tok):
+    _, d = make(tok)
+    with pytest.raises(ValueError, match="role"):
+        d.open_session("s", "t", role="nobody")
+    d.open_session("s", "t")
+    with pytest.raises(ValueError, match="already exists"):
+        d.open_session("s", "t")
+    d.close_session("s")
+    with pytest.raises(KeyError, match="unknown or closed"):
+        d.propose(["s"])
+    with pytest.raises(KeyError):
+        d.close_session("s")
+    small = Drafter(CorpusStore(tok, TierConfig(use_global=False)), max_batch=2)
+    small.open_session("1", "t")
+    small.open_session("2", "t")
+    with pytest.raises(ValueError, match="max_batch"):
+        small.open_session("3", "t")
+    small.close_session("1")
+    small.open_session("3", "t")  # the slot is reused
+    assert small.propose(["2", "3"]).batch_size == 2
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_positions=0), dict(max_draft_depth=0),
+                                    dict(max_nodes=0), dict(min_match=0)])
+def test_drafter_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        DrafterConfig(**kwargs)
