@@ -1,0 +1,269 @@
+"""``agspec-gpu`` command line (also ``python -m agspec_gpu``).
+
+Subcommands:
+
+- ``replay PATH...``: teacher-forced acceptance replay of trajectory files through drafters;
+  prints a table, writes JSON (DESIGN.md "Replay output"), CSV and plots on request.
+- ``demo [REPO]``: the same on sessions built from a git repository's history (the current
+  one by default), with no outside data; runs in well under a minute.
+- ``profile TRAJ... -o profiles.json``: per-role draft caps from replayed acceptance curves.
+- ``build-global --src DIR... -o FILE``: builds the read-only global corpus offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from agspec_gpu.replay_lanes import AGSPEC_DRAFTERS, DRAFTER_NAMES, agspec_unavailable_reason
+
+_HOST_DEFAULT = ("none", "pld-hf", "pld-vllm", "suffix-decoding")
+
+
+class _RichProgress:
+    """:class:`agspec_gpu.replay.ReplayProgress` as a rich progress bar over target tokens."""
+
+    def __init__(self, console) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self._progress = Progress(TextColumn("{task.description:<26}"), BarColumn(),
+                                  MofNCompleteColumn(), TextColumn("tokens"),
+                                  TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                                  transient=False)
+        self._task = None
+
+    def start(self, name: str, total_tokens: int) -> None:
+        if self._task is None:
+            self._progress.start()
+        else:
+            self._progress.stop_task(self._task)
+        self._task = self._progress.add_task(name, total=total_tokens)
+
+    def advance(self, tokens: int) -> None:
+        self._progress.advance(self._task, tokens)
+
+    def stop(self) -> None:
+        pass  # the bar stays until close(), so every pass is listed
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._progress.stop()
+
+
+def _default_drafters(include_pld_vllm: bool = True) -> list[str]:
+    from agspec_gpu.baselines import suffix_decoding_available
+
+    out = [d for d in _HOST_DEFAULT if include_pld_vllm or d != "pld-vllm"]
+    if not suffix_decoding_available():
+        out.remove("suffix-decoding")
+    if agspec_unavailable_reason() is None:
+        out.append("agspec")
+    return out
+
+
+def _add_replay_options(p: argparse.ArgumentParser, *, drafters: bool = True) -> None:
+    if drafters:
+        p.add_argument("--drafter", nargs="+", metavar="NAME", choices=DRAFTER_NAMES,
+                       help=f"drafters to replay (default: none, pld-hf, pld-vllm, "
+                            f"suffix-decoding if installed, agspec); one of "
+                            f"{', '.join(DRAFTER_NAMES)}")
+    p.add_argument("--tokenizer", default="cl100k",
+                   help="'cl100k' (offline tiktoken cl100k_base) or a local HF tokenizer path")
+    p.add_argument("--batch-size", type=int, default=64, help="continuous batch size (64)")
+    p.add_argument("--tenant-by", choices=("session", "agent"), default="session",
+                   help="tenant of a session: itself (default) or its agent format")
+    p.add_argument("--global", dest="global_corpus", metavar="FILE",
+                   help="global corpus from `agspec-gpu build-global` (never built from the "
+                        "replayed sessions)")
+    p.add_argument("--device", default="cpu", help="device of the agspec corpora (cpu, cuda)")
+    p.add_argument("--oracle-k", type=int, default=32, help="oracle depth cap (32)")
+    p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="verification cost model JSON (default: 8B bf16 on H200 estimate)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: the replay's many small ops run fastest "
+                        "single-threaded)")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    p.add_argument("--plot", metavar="PNG", help="plot P_acc(k) and tau per agent format")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="agspec-gpu", description="GPU-resident retrieval drafting for coding agents: "
+        "acceptance replay, demo, role profiling and the global corpus.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("replay", help="acceptance replay of agent trajectories")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="trajectory files or directories")
+    p.add_argument("--max-sessions", type=int, metavar="N",
+                   help="replay at most the first N sessions of each PATH")
+    _add_replay_options(p)
+
+    p = sub.add_parser("demo", help="replay sessions built from a git repository's history")
+    p.add_argument("repo", nargs="?", default=".", help="repository (default: the current one)")
+    p.add_argument("--max-commits", type=int, default=20, help="newest commits to use (20)")
+    _add_replay_options(p)
+
+    p = sub.add_parser("profile", help="per-role draft caps from replayed P_acc(k) curves")
+    p.add_argument("paths", nargs="+", metavar="TRAJ")
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="profiles JSON")
+    p.add_argument("--max-sessions", type=int, metavar="N")
+    p.add_argument("--profile-drafter", default="agspec-static-k32", choices=AGSPEC_DRAFTERS,
+                   help="drafter whose curves are measured (a static k shows the whole curve)")
+    _add_replay_options(p, drafters=False)
+
+    p = sub.add_parser("build-global", help="build the read-only global corpus")
+    p.add_argument("--src", nargs="+", required=True, metavar="DIR",
+                   help="public source trees / files (never the replayed sessions)")
+    p.add_argument("--tokenizer", default="cl100k")
+    p.add_argument("--max-depth", type=int, default=32, help="index depth; must match the "
+                   "store's TierConfig.max_depth (32)")
+    p.add_argument("--suffix", nargs="+", default=[".py"], help="file suffixes (.py)")
+    p.add_argument("-o", "--out", required=True, metavar="FILE")
+    return ap
+
+
+def _need(module: str, attr: str, what: str):
+    """``module.attr``, imported lazily, or a clear SystemExit naming what is missing."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"agspec-gpu {what}: needs {module}.{attr}, which is not available "
+                         f"({exc})") from None
+
+
+def _load_sessions(paths: Sequence[str], max_sessions: int | None) -> list:
+    from agspec_gpu.trajectories import load_sessions
+
+    if max_sessions is not None and max_sessions < 0:
+        raise SystemExit("--max-sessions must be >= 0")
+    out = []
+    for p in paths:
+        out += load_sessions(p, limit=max_sessions)
+    return out
+
+
+def _run(args, sessions: list, drafters: list[str], console, title: str):
+    import torch
+
+    from agspec_gpu.cost_model import CostModel
+    from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
+    from agspec_gpu.replay_report import print_table, write_csv, write_json, write_plot
+    from agspec_gpu.tokenizer import load_tokenizer
+
+    if args.threads < 1:
+        raise SystemExit("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    for d in drafters:
+        if d in AGSPEC_DRAFTERS and agspec_unavailable_reason() is not None:
+            raise SystemExit(f"{d}: {agspec_unavailable_reason()}")
+    tokenizer = load_tokenizer(args.tokenizer)
+    config = ReplayConfig(
+        batch_size=args.batch_size, tenant_by=args.tenant_by, oracle=not args.no_oracle,
+        oracle_k=args.oracle_k, device=args.device, global_corpus=args.global_corpus,
+        cost_model=CostModel.from_json(args.cost_model) if args.cost_model
+        else CostModel.default())
+    t0 = time.perf_counter()
+    # Workspace captures cost a pass over every message; only agspec and the oracle use them.
+    needs_files = any(d in AGSPEC_DRAFTERS for d in drafters) or (
+        config.oracle and agspec_unavailable_reason() is None)
+    corpus = tokenize_sessions(sessions, tokenizer, capture_files=needs_files)
+    console.print(f"{len(corpus.sessions)} sessions, {len(corpus.stream):,} tokens "
+                  f"({tokenizer.name}) in {time.perf_counter() - t0:.1f}s; drafters: "
+                  f"{', '.join(drafters)}")
+    progress = None if args.no_progress else _RichProgress(console)
+    try:
+        report = run_replay(corpus, drafters, tokenizer, config, progress=progress,
+                            inputs=getattr(args, "paths", None) or [getattr(args, "repo", "")])
+    finally:
+        if progress is not None:
+            progress.close()
+    print_table(report, console, title=title)
+    if args.json:
+        write_json(report, args.json)
+    if args.csv:
+        write_csv(report, args.csv)
+    if args.plot:
+        write_plot(report, args.plot)
+    return report
+
+
+def _cmd_replay(args, console) -> int:
+    sessions = _load_sessions(args.paths, args.max_sessions)
+    _run(args, sessions, args.drafter or _default_drafters(), console, "replay")
+    return 0
+
+
+def _cmd_demo(args, console) -> int:
+    from agspec_gpu.gitlog import GitError, sessions_from_git
+
+    try:
+        sessions = sessions_from_git(args.repo, max_commits=args.max_commits)
+    except GitError as exc:
+        raise SystemExit(f"agspec-gpu demo: {exc}") from None
+    if not sessions:
+        raise SystemExit(f"agspec-gpu demo: {args.repo}: no commit that modifies a text file")
+    drafters = args.drafter or _default_drafters(include_pld_vllm=False)
+    if "agspec" not in drafters and args.drafter is None:
+        console.print(f"[yellow]agspec skipped: {agspec_unavailable_reason()}[/yellow]")
+    _run(args, sessions, drafters, console, f"demo: {len(sessions)} sessions from "
+         f"{Path(args.repo).resolve().name} git history")
+    return 0
+
+
+def _cmd_profile(args, console) -> int:
+    profile_roles = _need("agspec_gpu.controller", "profile_roles", "profile")
+    from agspec_gpu.cost_model import CostModel
+
+    sessions = _load_sessions(args.paths, args.max_sessions)
+    report = _run(args, sessions, [args.profile_drafter], console, "profile")
+    # One curve per agent format (the replay passes the format as the role); sessions of an
+    # unprofiled format use "default", profiled on all sessions.
+    curves = {r["agent"]: r["p_acc"] for r in report.rows if r["steps"]}
+    curves["default"] = curves.pop("all")
+    profiles = profile_roles(curves, cost=CostModel.from_json(report.config["cost_model"]),
+                             out=args.out)
+    for role, prof in sorted(profiles.items()):
+        console.print(f"{role}: draft_cap={prof.draft_cap}")
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_build_global(args, console) -> int:
+    build = _need("agspec_gpu.tiers", "build_global_corpus", "build-global")
+    from agspec_gpu.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
+              max_depth=args.max_depth, suffixes=tuple(args.suffix))
+    console.print(f"wrote {args.out}: {g.tokens.numel():,} tokens in "
+                  f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``agspec-gpu``; returns the exit status."""
+    from rich.console import Console
+
+    args = _parser().parse_args(argv)
+    # Off a terminal rich would wrap the table at 80 columns; logs and pipes get it whole.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    commands = {"replay": _cmd_replay, "demo": _cmd_demo, "profile": _cmd_profile,
+                "build-global": _cmd_build_global}
+    try:
+        return commands[args.command](args, console)
+    except (ValueError, OSError) as exc:  # bad input files, paths, configs: no traceback
+        console.print(f"[red]agspec-gpu {args.command}: {exc}[/red]")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

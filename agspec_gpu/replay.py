@@ -1,0 +1,407 @@
+"""Teacher-forced replay of agent sessions through drafters: the acceptance evaluator.
+
+Protocol (DESIGN.md "Evaluation"). Every message is tokenized as whole text with the real
+tokenizer; a session's token stream is its messages' tokens in order. Before each assistant
+message the drafter has seen everything before it; the message's tokens are the target's
+greedy output. Each step the drafter proposes a tree; the accepted count is the longest
+root-to-node path spelling the true next tokens, plus one bonus token (the true next token),
+capped by the tokens left in the message; then the drafter observes what was emitted.
+
+Sessions run as ONE continuous batch of at most ``batch_size`` sessions, new ones joining as
+others finish, exactly as a server would run them: the batched agspec drafter gets one
+``propose`` per step for the whole batch; host baselines are called per request inside the
+same loop. Files the agent reads (tool outputs) and writes (its own messages) are captured
+with :mod:`agspec_gpu.capture` and added to the tenant's workspace tier.
+
+Example::
+
+    sessions = load_paths("dev/swe_agent__claude-sonnet-4.jsonl.gz", limit=10)
+    corpus = tokenize_sessions(sessions, load_tokenizer("cl100k"))
+    report = run_replay(corpus, ["none", "pld-hf", "agspec"])
+    print(report.rows[-1]["tau"])
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Callable, Hashable, Protocol, Sequence
+
+import numpy as np
+
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.replay_lanes import (
+    Lane,
+    LaneContext,
+    check_drafter_names,
+    make_lane,
+    make_oracle_lane,
+)
+from agspec_gpu.replay_stats import P_ACC_MAX_K, ReplayStats
+from agspec_gpu.tokenizer import Tokenizer
+from agspec_gpu.trajectories import Session
+
+__all__ = ["ReplayConfig", "TokenizedSession", "ReplayCorpus", "ReplayReport", "ReplayProgress",
+           "tokenize_sessions", "run_replay", "replay_lane"]
+
+TENANT_MODES = ("session", "agent")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """How a replay runs.
+
+    Attributes:
+        batch_size: most sessions in the continuous batch (the drafter's ``max_batch``).
+        tenant_by: ``"session"`` (each session is its own tenant, so the history tier holds
+            nothing) or ``"agent"`` (all sessions of one agent format share a tenant: its
+            workspace and its history of earlier sessions).
+        oracle: compute the oracle bound (needs ``agspec_gpu.tiers``; else reported null).
+        oracle_k: the oracle accepts at most this many draft tokens per step.
+        device: where agspec corpora and drafts live (``"cpu"`` or ``"cuda"``).
+        global_corpus: a global corpus file from ``agspec-gpu build-global``; never built
+            from the replayed sessions themselves.
+        cost_model: verification cost model for the modelled speedup.
+    """
+
+    batch_size: int = 64
+    tenant_by: str = "session"
+    oracle: bool = True
+    oracle_k: int = 32
+    device: str = "cpu"
+    global_corpus: str | None = None
+    cost_model: CostModel = field(default_factory=CostModel.default)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.tenant_by not in TENANT_MODES:
+            raise ValueError(f"tenant_by must be one of {TENANT_MODES}, got {self.tenant_by!r}")
+        if not 1 <= self.oracle_k <= 4096:
+            raise ValueError(f"oracle_k must be in [1, 4096], got {self.oracle_k}")
+
+
+@dataclass(frozen=True)
+class TokenizedSession:
+    """One session as token ids.
+
+    Attributes:
+        sid: unique id within the corpus (the session id, ``#n``-suffixed if repeated).
+        agent: agent format.
+        roles: role of each message.
+        bounds: ``int64 [M + 1]``: message ``i`` is ``tokens[bounds[i]:bounds[i + 1]]``.
+        tokens: ``int32 [T]`` the session's token stream (a view into the corpus stream).
+        offset: where ``tokens`` starts in :attr:`ReplayCorpus.stream`.
+        maybe_files: per message, the files captured from it as ``(path, text, first_line)``;
+            None when captures were not computed.
+    """
+
+    sid: str
+    agent: str
+    roles: tuple[str, ...]
+    bounds: np.ndarray
+    tokens: np.ndarray
+    offset: int
+    maybe_files: tuple[tuple[tuple[str, str, int | None], ...], ...] | None = None
+
+    @property
+    def target_messages(self) -> list[int]:
+        """Indices of the assistant messages with at least one token."""
+        return [i for i, r in enumerate(self.roles)
+                if r == "assistant" and self.bounds[i + 1] > self.bounds[i]]
+
+
+@dataclass(frozen=True)
+class ReplayCorpus:
+    """Tokenized sessions sharing one token stream (so per-step gathers are one index op)."""
+
+    sessions: tuple[TokenizedSession, ...]
+    stream: np.ndarray
+    tokenizer_name: str
+    tokenizer_fingerprint: str
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        return tuple(sorted({s.agent for s in self.sessions}))
+
+
+def _captures(session: Session) -> tuple[tuple[tuple[str, str, int | None], ...], ...]:
+    """Per message, the files to add to the workspace after it: what a tool output showed
+    (parsed with the command of the latest assistant message) or what the agent wrote."""
+    from agspec_gpu.capture import capture_agent_writes, capture_tool_output
+
+    out, last_assistant = [], None
+    for i, m in enumerate(session.messages):
+        if m.role == "tool":
+            files = capture_tool_output(last_assistant, m.content)
+        elif m.role == "assistant":
+            files, last_assistant = capture_agent_writes(m.content), m.content
+        else:
+            files = []
+        # A file of unknown path still helps as text; it gets a name that no later file
+        # version can collide with.
+        out.append(tuple((f.path or f"<unnamed:{session.id}:{i}:{j}>", f.text, f.first_line)
+                         for j, f in enumerate(files)))
+    return tuple(out)
+
+
+def tokenize_sessions(sessions: Sequence[Session], tokenizer: Tokenizer, *,
+                      capture_files: bool = True) -> ReplayCorpus:
+    """Tokenizes every message of every session as whole text (one batched call).
+
+    Parameters
+    ----------
+    sessions : the sessions, in replay order.
+    tokenizer : the real tokenizer; its fingerprint goes into the report.
+    capture_files : also compute the workspace captures of every message (needed by the
+        agspec drafters; the host baselines ignore them).
+    """
+    texts = [m.content for s in sessions for m in s.messages]
+    ids = tokenizer.encode_batch(texts) if texts else []
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    stream = np.concatenate([np.asarray(x, dtype=np.int32) for x in ids] or
+                            [np.zeros(0, dtype=np.int32)])
+    msg_start = np.concatenate([[0], np.cumsum(lengths)])
+    out, seen, k = [], {}, 0
+    for s in sessions:
+        M = len(s.messages)
+        bounds = msg_start[k:k + M + 1] - msg_start[k]
+        base = int(msg_start[k])
+        n = seen.get(s.id, 0)
+        seen[s.id] = n + 1
+        out.append(TokenizedSession(
+            sid=s.id if n == 0 else f"{s.id}#{n}", agent=s.agent,
+            roles=tuple(m.role for m in s.messages), bounds=bounds,
+            tokens=stream[base:base + int(bounds[-1])], offset=base,
+            maybe_files=_captures(s) if capture_files else None))
+        k += M
+    return ReplayCorpus(tuple(out), stream, tokenizer.name, tokenizer.fingerprint)
+
+
+class ReplayProgress(Protocol):
+    """Progress hook: ``start`` once per pass, ``advance`` per finished assistant message."""
+
+    def start(self, name: str, total_tokens: int) -> None: ...
+
+    def advance(self, tokens: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class _Slot:
+    s: TokenizedSession
+    agent: int
+    tenant: str
+    msg: int = -1  # current assistant message, -1 before the first
+    pos: int = 0  # next token to produce (session relative)
+    end: int = 0  # end of the current message
+
+
+def _advance(slot: _Slot, lane: Lane, prompt_end: int) -> bool:
+    """Feeds the messages after ``slot.msg`` up to the next assistant message with tokens
+    and starts it; False when the session has no more (the caller closes it)."""
+    s, files = slot.s, slot.s.maybe_files
+    for i in range(slot.msg + 1, len(s.roles)):
+        lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
+        if s.roles[i] == "assistant" and hi > lo:
+            slot.msg, slot.pos, slot.end = i, lo, hi
+            lane.start_message(s.sid, slot.tenant, s.tokens[:lo])
+            return True
+        if hi > lo and lo >= prompt_end:  # the prompt went in with open_session
+            lane.extend(s.sid, s.tokens[lo:hi])
+        if files is not None and lane.wants_files:
+            for path, text, first_line in files[i]:
+                lane.add_file(slot.tenant, path, text, first_line)
+    return False
+
+
+def replay_lane(corpus: ReplayCorpus, lane: Lane, config: ReplayConfig,
+                progress: ReplayProgress | None = None) -> ReplayStats:
+    """Replays every session of ``corpus`` through ``lane`` as one continuous batch.
+
+    Returns the per-agent counters; the caller turns them into rows.
+    """
+    agents = corpus.agents
+    agent_index = {a: i for i, a in enumerate(agents)}
+    stats = ReplayStats(agents)
+    todo = [s for s in corpus.sessions if s.target_messages]
+    tenant_of = (lambda s: s.sid) if config.tenant_by == "session" else (lambda s: s.agent)
+    sessions_left = Counter(tenant_of(s) for s in todo)  # tenant teardown after its last one
+    if progress is not None:
+        progress.start(lane.name, sum(int(s.bounds[i + 1] - s.bounds[i])
+                                      for s in todo for i in s.target_messages))
+    queue = iter(todo)
+    active: list[_Slot] = []
+    stream = corpus.stream
+    while True:
+        while len(active) < config.batch_size:
+            s = next(queue, None)
+            if s is None:
+                break
+            slot = _Slot(s, agent_index[s.agent], tenant_of(s))
+            prompt_end = int(s.bounds[s.target_messages[0]])
+            lane.open_session(s.sid, slot.tenant, s.agent, s.tokens[:prompt_end])
+            stats.sessions[slot.agent] += 1
+            _advance(slot, lane, prompt_end)  # True: the session has a target message
+            stats.messages[slot.agent] += 1
+            active.append(slot)
+        if not active:
+            break
+        sids = [sl.s.sid for sl in active]
+        start = np.array([sl.s.offset + sl.pos for sl in active], dtype=np.int64)
+        remaining = np.array([sl.end - sl.pos for sl in active], dtype=np.int64)
+
+        def truth(width: int, pad: int) -> np.ndarray:
+            # int32 [B, width]: the next `width` true tokens of each row, `pad` past its
+            # message end.
+            cols = np.arange(width, dtype=np.int64)
+            idx = start[:, None] + np.minimum(cols[None, :], np.maximum(remaining[:, None] - 1, 0))
+            return np.where(cols[None, :] < remaining[:, None], stream[idx], pad).astype(np.int32)
+
+        res = lane.step(sids, [sl.s.tokens[:sl.pos] for sl in active], truth, remaining)
+        accepted = np.minimum(res.num_accepted, remaining)
+        produced = np.minimum(accepted + 1, remaining)
+        agent = np.array([sl.agent for sl in active], dtype=np.int64)
+        stats.add_step(agent, res.num_drafted, accepted, produced, res.draft_seconds,
+                       res.maybe_sources)
+        output_ids = truth(int(produced.max()), -1)
+        output_ids[np.arange(output_ids.shape[1])[None, :] >= produced[:, None]] = -1
+        lane.observe(sids, output_ids, produced, accepted)
+
+        still = []
+        for slot, n in zip(active, produced.tolist()):
+            slot.pos += n
+            if slot.pos < slot.end:
+                still.append(slot)
+                continue
+            s = slot.s
+            lane.finish_message(s.sid)
+            if progress is not None:
+                progress.advance(int(s.bounds[slot.msg + 1] - s.bounds[slot.msg]))
+            if s.maybe_files is not None and lane.wants_files:
+                for path, text, first_line in s.maybe_files[slot.msg]:
+                    lane.add_file(slot.tenant, path, text, first_line)
+            if _advance(slot, lane, int(s.bounds[s.target_messages[0]])):
+                stats.messages[slot.agent] += 1
+                still.append(slot)
+            else:
+                lane.close_session(s.sid)
+                sessions_left[slot.tenant] -= 1
+                if sessions_left[slot.tenant] == 0:
+                    lane.close_tenant(slot.tenant)
+        active = still
+    if progress is not None:
+        progress.stop()
+    return stats
+
+
+@dataclass
+class ReplayReport:
+    """Rows (one per drafter and agent format, then ``"all"``) and the run's configuration,
+    in the layout of DESIGN.md "Replay output"."""
+
+    rows: list[dict]
+    config: dict
+
+    def to_json(self) -> dict:
+        return {"results": self.rows, "config": self.config}
+
+
+def _jsonable(obj: Any) -> Any:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {k: _jsonable(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return getattr(obj, "value", None) if hasattr(obj, "value") else str(obj)
+
+
+def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callable[[], Lane]]],
+               tokenizer: Tokenizer, config: ReplayConfig | None = None, *,
+               progress: ReplayProgress | None = None, inputs: Sequence[str] = ()
+               ) -> ReplayReport:
+    """Replays ``corpus`` through each drafter and computes the report.
+
+    Parameters
+    ----------
+    corpus : from :func:`tokenize_sessions` (with captures when an agspec drafter runs).
+    drafters : names from :data:`agspec_gpu.replay_lanes.DRAFTER_NAMES`, or ``(name,
+        factory)`` pairs building a custom :class:`~agspec_gpu.replay_lanes.Lane` (tests).
+    tokenizer : the corpus's tokenizer (agspec stores tokenize workspace files with it).
+    config : see :class:`ReplayConfig`.
+    inputs : recorded in ``config["inputs"]`` (the paths the sessions came from).
+
+    Returns
+    -------
+    :class:`ReplayReport`. Each oracle pass (one per distinct corpora configuration) runs
+    once and its per-agent ``tau`` fills the ``oracle_tau`` of every row it bounds.
+    """
+    config = config or ReplayConfig()
+    if tokenizer.fingerprint != corpus.tokenizer_fingerprint:
+        raise ValueError(f"tokenizer {tokenizer.name!r} is not the one the corpus was "
+                         f"tokenized with ({corpus.tokenizer_name!r})")
+    check_drafter_names([d for d in drafters if isinstance(d, str)])
+    maybe_global = None
+    if config.global_corpus is not None:
+        from agspec_gpu.tiers import load_global_corpus
+
+        maybe_global = load_global_corpus(config.global_corpus, tokenizer)
+    ctx = LaneContext(tokenizer, config.device, config.batch_size, maybe_global,
+                      config.oracle_k, config.cost_model)
+    lanes_stats: list[tuple[str, Hashable | None, ReplayStats]] = []
+    has_files = all(s.maybe_files is not None for s in corpus.sessions)
+    timing: dict[str, float] = {}
+    for spec in drafters:
+        name, factory = (spec, lambda n=spec: make_lane(n, ctx)) if isinstance(spec, str) \
+            else spec
+        lane = factory()
+        if lane.wants_files and not has_files:
+            raise ValueError(f"{name}: the corpus was tokenized with capture_files=False, "
+                             f"but this drafter searches the workspace tier")
+        t0 = time.perf_counter()
+        stats = replay_lane(corpus, lane, config, progress)
+        timing[name] = time.perf_counter() - t0
+        lanes_stats.append((name, lane.oracle_key if config.oracle else None, stats))
+
+    oracle: dict[Hashable, dict[str, float | None]] = {}
+    for _, key, _ in lanes_stats:
+        if key is None or key in oracle:
+            continue
+        if not has_files:
+            raise ValueError("the oracle searches the workspace tier, but the corpus was "
+                             "tokenized with capture_files=False (or pass oracle=False)")
+        t0 = time.perf_counter()
+        name = f"oracle{len(oracle) + 1}"
+        ostats = replay_lane(corpus, make_oracle_lane(name, key, ctx), config, progress)
+        timing[name] = time.perf_counter() - t0
+        oracle[key] = {r["agent"]: r["tau"] for r in ostats.rows("oracle", config.cost_model)}
+
+    rows = []
+    for name, key, stats in lanes_stats:
+        rows.extend(stats.rows(name, config.cost_model, oracle.get(key)))
+    cfg = {
+        "inputs": list(inputs),
+        "drafters": [d if isinstance(d, str) else d[0] for d in drafters],
+        "tokenizer": corpus.tokenizer_name,
+        "tokenizer_fingerprint": corpus.tokenizer_fingerprint,
+        "sessions": len(corpus.sessions),
+        "batch_size": config.batch_size,
+        "tenant_by": config.tenant_by,
+        "device": config.device,
+        "global_corpus": config.global_corpus,
+        "oracle": config.oracle,
+        "oracle_k": config.oracle_k,
+        "oracle_corpora": [_jsonable(k) for k in oracle],
+        "p_acc_k": list(range(1, P_ACC_MAX_K + 1)),
+        "cost_model": config.cost_model.to_json(),
+        "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + draft_ms_per_step)",
+        "draft_time": "wall time of propose per request step (a batched propose is shared "
+                      "by its rows; host drafters: sum of their per-request calls)",
+        "wall_seconds": timing,
+    }
+    return ReplayReport(rows, cfg)

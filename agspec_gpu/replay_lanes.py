@@ -1,0 +1,403 @@
+"""Drafters as the replay loop drives them: one small adapter ("lane") per kind.
+
+The replay loop (``agspec_gpu.replay``) runs sessions as one continuous batch and talks to a
+:class:`Lane`; a lane hides whether the drafter is
+
+- batched on the device (:class:`BatchedLane`: ``agspec_gpu.drafter.Drafter`` and its
+  :class:`~agspec_gpu.tiers.CorpusStore`, one ``propose`` per step for the whole batch),
+- a host baseline driven one request at a time (:class:`HostLane`: the
+  :class:`~agspec_gpu.baselines.HostDrafter` protocol, a request being one assistant message),
+- or the oracle (:class:`OracleLane`: accepts the longest prefix of the true continuation
+  found in the store's corpora, via ``CorpusStore.oracle_prefix_len``).
+
+:func:`make_lane` builds a lane from a drafter name (``none``, ``pld-hf``, ..., ``agspec``,
+``agspec-no-emission``, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from agspec_gpu.baselines import HOST_DRAFTERS, HostDrafter, make_host_drafter
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.replay_stats import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.tokenizer import Tokenizer
+
+AGSPEC_DRAFTERS = ("agspec", "agspec-no-emission", "agspec-no-workspace",
+                   "agspec-static-k8", "agspec-static-k16", "agspec-static-k32")
+DRAFTER_NAMES = HOST_DRAFTERS + AGSPEC_DRAFTERS
+
+# truth(width, pad) -> int32 [B, width]: the true next tokens of every row, `pad` past the
+# end of its message.
+TruthFn = Callable[[int, int], np.ndarray]
+
+
+@dataclass
+class StepResult:
+    """One batched step, on the host.
+
+    Attributes:
+        num_drafted: ``int64 [B]`` draft tokens proposed.
+        num_accepted: ``int64 [B]`` draft tokens accepted (never past the message end).
+        maybe_sources: ``int64 [B, D]`` source code (``tier*8 + form``) of each accepted
+            token, ``-1`` elsewhere; None when the drafter does not say.
+        draft_seconds: wall time of the proposal for the whole batch.
+    """
+
+    num_drafted: np.ndarray
+    num_accepted: np.ndarray
+    maybe_sources: np.ndarray | None
+    draft_seconds: float
+
+
+class Lane(Protocol):
+    """A drafter as the replay loop drives it.
+
+    Per session: ``open_session``; then, in message order, ``extend`` for context messages
+    and ``start_message`` / steps / ``finish_message`` for each assistant message; finally
+    ``close_session``; after a tenant's last session, ``close_tenant`` (teardown frees its
+    workspace and history). A step is ``step`` then ``observe`` for every active session at once.
+    ``oracle_key`` names the corpora whose oracle bounds this drafter (None: no oracle).
+    """
+
+    name: str
+    oracle_key: Hashable | None
+    wants_files: bool
+
+    def open_session(self, sid: str, tenant: str, role: str, prompt: np.ndarray) -> None: ...
+
+    def extend(self, sid: str, tokens: np.ndarray) -> None: ...
+
+    def add_file(self, tenant: str, path: str, text: str, first_line: int | None) -> None: ...
+
+    def start_message(self, sid: str, tenant: str, context: np.ndarray) -> None: ...
+
+    def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
+             remaining: np.ndarray) -> StepResult: ...
+
+    def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
+                num_accepted: np.ndarray) -> None: ...
+
+    def finish_message(self, sid: str) -> None: ...
+
+    def close_session(self, sid: str) -> None: ...
+
+    def close_tenant(self, tenant: str) -> None: ...
+
+
+def _sync(device: torch.device) -> None:
+    # propose() may only enqueue work on a GPU; its time counts when the draft is ready.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _accept_on_host(draft: DraftBatch, truth: TruthFn) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(num_accepted, maybe_sources)`` of a draft against the true continuation."""
+    width = draft.max_nodes
+    t = torch.from_numpy(truth(width, NO_TOKEN)).to(draft.token_ids.device)
+    paths = teacher_forced_accept(draft, t)
+    num_acc = paths.num_accepted.cpu().numpy()
+    if draft.maybe_source is None or width == 0:
+        return num_acc, None
+    src = draft.maybe_source.long().gather(1, paths.path_nodes.clamp(min=0))
+    src = torch.where(paths.path_nodes >= 0, src, -1)
+    return num_acc, src.cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- host drafters
+
+
+class HostLane:
+    """A :class:`~agspec_gpu.baselines.HostDrafter`, one request per assistant message.
+
+    The request key of a session's ``n``-th assistant message is ``f"{sid}#{n}"``.
+
+    Its drafts are padded into a :class:`DraftBatch` so that acceptance is computed by the
+    same code as the batched drafter's. ``draft_seconds`` sums the ``propose`` calls of the
+    batch's rows, which is what a server calling a host drafter per request pays.
+    """
+
+    wants_files = False
+
+    def __init__(self, drafter: HostDrafter, name: str | None = None,
+                 oracle_key: Hashable | None = None) -> None:
+        self.drafter = drafter
+        self.name = name or drafter.name
+        self.oracle_key = oracle_key
+        self._keys: dict[str, str] = {}  # sid -> key of its current request
+        self._num_requests: dict[str, int] = {}
+
+    def open_session(self, sid: str, tenant: str, role: str, prompt: np.ndarray) -> None:
+        self._num_requests[sid] = 0
+
+    def extend(self, sid: str, tokens: np.ndarray) -> None:
+        pass  # a host drafter gets the whole context at start_message
+
+    def add_file(self, tenant: str, path: str, text: str, first_line: int | None) -> None:
+        pass
+
+    def start_message(self, sid: str, tenant: str, context: np.ndarray) -> None:
+        n = self._num_requests[sid]
+        self._num_requests[sid] = n + 1
+        key = self._keys[sid] = f"{sid}#{n}"
+        self.drafter.begin(key, tenant, context)
+
+    def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
+             remaining: np.ndarray) -> StepResult:
+        seconds = 0.0
+        drafts = []
+        for sid, ctx in zip(sids, contexts):
+            t0 = time.perf_counter()
+            drafts.append(self.drafter.propose(self._keys[sid], ctx))
+            seconds += time.perf_counter() - t0
+        B = len(sids)
+        N = max((len(tok) for tok, _ in drafts), default=0)
+        tok = np.full((B, N), PAD_ID, dtype=np.int32)
+        par = np.full((B, N), PAD_ID, dtype=np.int32)
+        num = np.zeros(B, dtype=np.int32)
+        for b, (t, p) in enumerate(drafts):
+            num[b] = len(t)
+            tok[b, :len(t)] = t
+            par[b, :len(p)] = p
+        draft = DraftBatch(torch.from_numpy(tok), torch.from_numpy(par), torch.from_numpy(num))
+        num_acc, _ = _accept_on_host(draft, truth)
+        return StepResult(num.astype(np.int64), num_acc, None, seconds)
+
+    def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
+                num_accepted: np.ndarray) -> None:
+        for b, sid in enumerate(sids):
+            self.drafter.accept(self._keys[sid], output_ids[b, :num_output[b]].tolist())
+
+    def finish_message(self, sid: str) -> None:
+        self.drafter.end(self._keys.pop(sid))
+
+    def close_session(self, sid: str) -> None:
+        del self._num_requests[sid]
+
+    def close_tenant(self, tenant: str) -> None:
+        pass  # host baselines keep no per-tenant state (SuffixDecoding's cache is global)
+
+
+# ----------------------------------------------------------------------------- agspec
+
+
+class BatchedLane:
+    """The batched ``agspec_gpu.drafter.Drafter`` with its ``CorpusStore``.
+
+    One ``propose`` per step for every active session; ``draft_seconds`` is its wall time
+    (synchronized on a GPU). Accepted tokens are attributed to tiers and forms from the
+    draft's ``maybe_source``.
+    """
+
+    wants_files = True
+
+    def __init__(self, name: str, drafter: Any, store: Any, device: torch.device | str = "cpu",
+                 oracle_key: Hashable | None = None) -> None:
+        self.name = name
+        self.drafter = drafter
+        self.store = store
+        self.device = torch.device(device)
+        self.oracle_key = oracle_key
+        self._roles = {r.name for r in getattr(getattr(drafter, "config", None), "roles", ())}
+
+    def open_session(self, sid: str, tenant: str, role: str, prompt: np.ndarray) -> None:
+        # The agent format is the role when the drafter has a profile for it (profiles are
+        # built per agent format from replay curves); otherwise the default profile.
+        self.drafter.open_session(sid, tenant, role if role in self._roles else "default",
+                                  prompt.tolist())
+
+    def extend(self, sid: str, tokens: np.ndarray) -> None:
+        self.drafter.extend(sid, tokens.tolist())
+
+    def add_file(self, tenant: str, path: str, text: str, first_line: int | None) -> None:
+        if self.store is not None:
+            self.store.add_workspace_file(tenant, path, text, first_line=first_line)
+
+    def start_message(self, sid: str, tenant: str, context: np.ndarray) -> None:
+        pass  # the drafter already holds the context (open_session + extend + observe)
+
+    def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
+             remaining: np.ndarray) -> StepResult:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(sids)
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        num_acc, sources = _accept_on_host(draft, truth)
+        return StepResult(draft.num_draft_tokens.cpu().numpy().astype(np.int64), num_acc,
+                          sources, seconds)
+
+    def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
+                num_accepted: np.ndarray) -> None:
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(  # noqa: E731
+            self.device)
+        self.drafter.observe(sids, to(output_ids), to(num_output), to(num_accepted))
+
+    def finish_message(self, sid: str) -> None:
+        pass
+
+    def close_session(self, sid: str) -> None:
+        self.drafter.close_session(sid)
+
+    def close_tenant(self, tenant: str) -> None:
+        if self.store is not None and hasattr(self.store, "close_tenant"):
+            self.store.close_tenant(tenant)
+
+
+class OracleLane(BatchedLane):
+    """The oracle: each step accepts the longest prefix (at most ``k`` tokens) of the true
+    continuation that occurs in the session's searchable corpora, then the bonus token.
+
+    It keeps the same corpora as the drafter it bounds (a ``Drafter`` over the same
+    ``CorpusStore`` config) but never proposes: generated tokens reach the session corpus
+    through ``extend``. Per-step prefix lengths are monotone in the position (a suffix of an
+    occurrence is an occurrence, and corpora only grow), so this greedy choice is the
+    fewest-steps schedule: its ``tau`` bounds every drafter whose drafts come from the same
+    corpora and are at most ``k`` deep.
+    """
+
+    wants_files = True
+
+    def __init__(self, name: str, drafter: Any, store: Any, k: int,
+                 device: torch.device | str = "cpu") -> None:
+        if k < 1:
+            raise ValueError(f"oracle k must be >= 1, got {k}")
+        super().__init__(name, drafter, store, device, oracle_key=None)
+        self.k = k
+
+    def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
+             remaining: np.ndarray) -> StepResult:
+        cont = torch.from_numpy(truth(self.k, PAD_ID)).to(self.device)
+        found = self.store.oracle_prefix_len(sids, cont).cpu().numpy().astype(np.int64)
+        num_acc = np.minimum(np.minimum(found, self.k), remaining)
+        return StepResult(np.zeros(len(sids), dtype=np.int64), num_acc, None, 0.0)
+
+    def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
+                num_accepted: np.ndarray) -> None:
+        for b, sid in enumerate(sids):
+            self.drafter.extend(sid, output_ids[b, :num_output[b]].tolist())
+
+
+# ----------------------------------------------------------------------------- factories
+
+
+def agspec_unavailable_reason() -> str | None:
+    """Why the agspec drafters cannot run here, or None when they can."""
+    try:
+        import agspec_gpu.drafter  # noqa: F401
+        import agspec_gpu.tiers  # noqa: F401
+    except ImportError as exc:
+        return f"agspec_gpu.drafter / agspec_gpu.tiers cannot be imported ({exc})"
+    return None
+
+
+def agspec_overrides(name: str) -> tuple[dict, dict]:
+    """``(TierConfig overrides, DrafterConfig overrides)`` of an agspec variant."""
+    if name not in AGSPEC_DRAFTERS:
+        raise ValueError(f"not an agspec drafter: {name!r} (one of {AGSPEC_DRAFTERS})")
+    if name == "agspec-no-emission":
+        from agspec_gpu.forms import EmissionForm
+
+        return {"forms": (EmissionForm.RAW,)}, {}
+    if name == "agspec-no-workspace":
+        return {"use_workspace": False}, {}
+    if name.startswith("agspec-static-k"):
+        from agspec_gpu.controller import ControllerConfig
+
+        k = int(name.removeprefix("agspec-static-k"))
+        return {}, {"controller": ControllerConfig(static_k=k)}
+    return {}, {}
+
+
+@dataclass(frozen=True)
+class LaneContext:
+    """What every lane of one replay shares.
+
+    Attributes:
+        tokenizer: the replay's tokenizer (the store tokenizes workspace files with it).
+        device: where agspec corpora and drafts live.
+        batch_size: the agspec drafter's ``max_batch``.
+        maybe_global: a loaded ``agspec_gpu.tiers.GlobalCorpus`` shared by every store, or
+            None (no global tier).
+        oracle_k: depth cap of the oracle.
+        cost_model: the agspec drafter's batch budget reads it.
+    """
+
+    tokenizer: Tokenizer
+    device: str = "cpu"
+    batch_size: int = 64
+    maybe_global: Any = None
+    oracle_k: int = 32
+    cost_model: CostModel = field(default_factory=CostModel.default)
+
+
+def _configs(name: str) -> tuple[Any, Any]:
+    from agspec_gpu.drafter import DrafterConfig
+    from agspec_gpu.tiers import TierConfig
+
+    tier_over, drafter_over = agspec_overrides(name)
+    try:
+        return TierConfig(**tier_over), DrafterConfig(**drafter_over)
+    except TypeError as exc:
+        raise ValueError(f"{name}: the agspec configs do not take {tier_over} / "
+                         f"{drafter_over} ({exc})") from exc
+
+
+def _agspec_parts(name: str, ctx: LaneContext, tier_config: Any = None) -> tuple[Any, Any, Any]:
+    reason = agspec_unavailable_reason()
+    if reason is not None:
+        raise ImportError(f"{name}: {reason}")
+    from agspec_gpu.drafter import Drafter
+    from agspec_gpu.tiers import CorpusStore
+
+    tiers, dconf = _configs(name)
+    tiers = tier_config if tier_config is not None else tiers
+    store = CorpusStore(ctx.tokenizer, tiers, device=ctx.device, global_corpus=ctx.maybe_global)
+    return tiers, store, Drafter(store, dconf, max_batch=ctx.batch_size, cost=ctx.cost_model)
+
+
+def oracle_key(name: str, ctx: LaneContext) -> Hashable | None:
+    """The corpora configuration whose oracle bounds drafter ``name`` (None: no oracle here).
+
+    Host baselines get the default agspec corpora's oracle (one value per agent format), so
+    every row of a table is compared with the same bound.
+    """
+    if agspec_unavailable_reason() is not None:
+        return None
+    tiers, _ = _configs(name if name in AGSPEC_DRAFTERS else "agspec")
+    return tiers  # a frozen dataclass: hashable, and equal iff the corpora are built alike
+
+
+def make_lane(name: str, ctx: LaneContext) -> Lane:
+    """The lane of drafter ``name`` (one of :data:`DRAFTER_NAMES`).
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: the drafter's implementation is missing (arctic-inference for
+            ``suffix-decoding*``; ``agspec_gpu.drafter`` for ``agspec*``).
+    """
+    if name in HOST_DRAFTERS:
+        return HostLane(make_host_drafter(name), oracle_key=oracle_key(name, ctx))
+    if name in AGSPEC_DRAFTERS:
+        tiers, store, drafter = _agspec_parts(name, ctx)
+        return BatchedLane(name, drafter, store, ctx.device, oracle_key=tiers)
+    raise ValueError(f"unknown drafter {name!r}; known: {', '.join(DRAFTER_NAMES)}")
+
+
+def make_oracle_lane(name: str, key: Hashable, ctx: LaneContext) -> OracleLane:
+    """The oracle over the corpora configuration ``key`` (a ``TierConfig``)."""
+    _, store, drafter = _agspec_parts("agspec", ctx, tier_config=key)
+    return OracleLane(name, drafter, store, ctx.oracle_k, ctx.device)
+
+
+def check_drafter_names(names: Sequence[str]) -> None:
+    """Raises ValueError naming the first unknown drafter."""
+    for n in names:
+        if n not in DRAFTER_NAMES:
+            raise ValueError(f"unknown drafter {n!r}; known: {', '.join(DRAFTER_NAMES)}")

@@ -1,0 +1,256 @@
+"""Teacher-forced acceptance of draft trees and the replay's per-agent figures.
+
+Teacher forcing: the target's greedy output is known (the trajectory's assistant message),
+so verification needs no model: a draft node is accepted iff its token equals the true
+token at its depth and its parent was accepted. :func:`teacher_forced_accept` does that for
+a whole batch of trees at once; :class:`ReplayStats` turns per-step counts into the figures
+of DESIGN.md "Replay output".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.draft_batch import DraftBatch
+
+P_ACC_MAX_K = 32  # P_acc(k) is reported for k = 1 .. P_ACC_MAX_K
+NO_TOKEN = -2  # truth padding past the end of a message: no draft token equals it
+_SOURCE_CODES = 256  # maybe_source is int8 tier*8 + form; non-negative codes fit in 0..127
+_FALLBACK_TIERS = ("session", "workspace", "history", "global")
+
+
+@dataclass
+class AcceptedPaths:
+    """What teacher forcing accepted in a batch of draft trees.
+
+    Attributes:
+        num_accepted: ``int64 [B]`` draft tokens accepted (the bonus token excluded).
+        path_nodes: ``int64 [B, N]``: column ``d`` is the node accepted at depth ``d + 1``,
+            ``-1`` past ``num_accepted``.
+    """
+
+    num_accepted: torch.Tensor
+    path_nodes: torch.Tensor
+
+
+def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPaths:
+    """Longest root-to-node path of ``draft`` that spells the true continuation.
+
+    Parameters
+    ----------
+    draft : ``B`` trees padded to ``N`` nodes (topological order, ``parents[b, j] < j``).
+    truth : ``int32 [B, W]``: ``truth[b, d]`` is the true token at depth ``d + 1``; pad with
+        :data:`NO_TOKEN` past the end of the message, so acceptance never runs past it.
+        Depths beyond ``W`` are never accepted.
+
+    Returns
+    -------
+    :class:`AcceptedPaths`. Depths and "every ancestor matched" are computed by pointer
+    jumping (``ceil(log2 N)`` rounds of gathers for the whole batch, no loop over requests or
+    depths). Sibling nodes with the same token (a drafter should merge them) are resolved to
+    the lowest node index at each depth, as :func:`agspec_gpu.accept.greedy_accept` does.
+
+    Example
+    -------
+    >>> d = DraftBatch.from_lists([[(5, -1), (7, 0), (8, 0)]])   # 5 -> {7, 8}
+    >>> teacher_forced_accept(d, torch.tensor([[5, 8, 1]])).num_accepted.tolist()
+    [2]
+    """
+    B, N = draft.token_ids.shape
+    dev = draft.token_ids.device
+    if truth.ndim != 2 or truth.shape[0] != B:
+        raise ValueError(f"truth: expected [B={B}, W], got {list(truth.shape)}")
+    if N == 0 or truth.shape[1] == 0:
+        return AcceptedPaths(torch.zeros(B, dtype=torch.long, device=dev),
+                             torch.full((B, N), -1, dtype=torch.long, device=dev))
+    W = truth.shape[1]
+    cols = torch.arange(N, device=dev)
+    valid = cols[None, :] < draft.num_draft_tokens.to(dev)[:, None]
+    parents = torch.where(valid, draft.parents.long(), -1)
+    rounds = max(N - 1, 1).bit_length()
+
+    # Pointer jumping. Invariant: depth[j] counts the nodes from j up to, not including,
+    # anc[j]; once anc[j] is -1 (above the root's children) it is j's depth.
+    depth, anc = valid.long(), parents
+    for _ in range(rounds):
+        has = anc >= 0
+        a = anc.clamp(min=0)
+        depth = depth + torch.where(has, depth.gather(1, a), 0)
+        anc = torch.where(has, anc.gather(1, a), -1)
+
+    in_range = valid & (depth <= W)
+    true_tok = truth.to(dev).long().gather(1, (depth - 1).clamp(0, W - 1))
+    ok = in_range & (draft.token_ids.long() == true_tok)
+    # Same jumping for "every node from j to the root matched".
+    anc = parents
+    for _ in range(rounds):
+        has = anc >= 0
+        a = anc.clamp(min=0)
+        ok = ok & torch.where(has, ok.gather(1, a), True)
+        anc = torch.where(has, anc.gather(1, a), -1)
+
+    num_accepted = torch.where(ok, depth, 0).amax(1)
+    # Lowest accepted node index per depth: table[b, d] for depth d (column 0 collects the
+    # rejected nodes and is dropped).
+    table = torch.full((B, N + 1), N, dtype=torch.long, device=dev)
+    table.scatter_reduce_(1, torch.where(ok, depth, 0), cols.expand(B, N).contiguous(),
+                          reduce="amin")
+    path = table[:, 1:]
+    path = torch.where(path < N, path, -1)
+    return AcceptedPaths(num_accepted, path)
+
+
+def source_names() -> tuple[dict[int, str], dict[int, str]]:
+    """``(tier names, form names)`` by index, for decoding ``maybe_source = tier*8 + form``."""
+    try:
+        from agspec_gpu.tiers import CorpusTier
+
+        tiers = {int(t): t.name.lower() for t in CorpusTier}
+    except ImportError:  # the tier module is optional until the drafter exists
+        tiers = dict(enumerate(_FALLBACK_TIERS))
+    from agspec_gpu.forms import EmissionForm
+
+    forms = {i: f.name.lower() for i, f in enumerate(EmissionForm)}
+    return tiers, forms
+
+
+@dataclass
+class ReplayStats:
+    """Counters of one drafter's replay, per agent format (index into ``agents``).
+
+    Every counter is an ``int64``/``float64`` array with the agent as its first axis, so a
+    step updates them with a few ``bincount`` calls whatever the batch size.
+    """
+
+    agents: tuple[str, ...]
+    sessions: np.ndarray = field(init=False)
+    messages: np.ndarray = field(init=False)
+    target_tokens: np.ndarray = field(init=False)
+    steps: np.ndarray = field(init=False)
+    accepted: np.ndarray = field(init=False)
+    drafted: np.ndarray = field(init=False)
+    empty_steps: np.ndarray = field(init=False)
+    draft_seconds: np.ndarray = field(init=False)
+    accepted_hist: np.ndarray = field(init=False)  # [A, P_ACC_MAX_K + 1], last bin is >= K
+    source_hist: np.ndarray = field(init=False)  # [A, 256] accepted tokens per source code
+    batch_steps: int = 0
+    batch_rows: int = 0
+    has_sources: bool = False  # the drafter reported maybe_source at least once
+
+    def __post_init__(self) -> None:
+        A = len(self.agents)
+        for name in ("sessions", "messages", "target_tokens", "steps", "accepted", "drafted",
+                     "empty_steps"):
+            setattr(self, name, np.zeros(A, dtype=np.int64))
+        self.draft_seconds = np.zeros(A, dtype=np.float64)
+        self.accepted_hist = np.zeros((A, P_ACC_MAX_K + 1), dtype=np.int64)
+        self.source_hist = np.zeros((A, _SOURCE_CODES), dtype=np.int64)
+
+    def add_step(self, agent: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
+                 produced: np.ndarray, draft_seconds: float,
+                 maybe_sources: np.ndarray | None = None) -> None:
+        """Records one batched step.
+
+        Parameters
+        ----------
+        agent, drafted, accepted, produced : ``int [B]`` per row: agent index, draft tokens
+            proposed, draft tokens accepted, tokens emitted (accepted + bonus, capped).
+        draft_seconds : wall time of the whole batch's proposal; split evenly over its rows.
+        maybe_sources : ``int [B, D]`` source code of each accepted token, ``-1`` elsewhere.
+        """
+        A = len(self.agents)
+        B = len(agent)
+        count = np.bincount(agent, minlength=A)
+        self.steps += count
+        self.drafted += np.bincount(agent, drafted, minlength=A).astype(np.int64)
+        self.accepted += np.bincount(agent, accepted, minlength=A).astype(np.int64)
+        self.target_tokens += np.bincount(agent, produced, minlength=A).astype(np.int64)
+        self.empty_steps += np.bincount(agent, drafted == 0, minlength=A).astype(np.int64)
+        self.draft_seconds += draft_seconds * count / max(B, 1)
+        K1 = P_ACC_MAX_K + 1
+        hist_idx = agent * K1 + np.minimum(accepted, P_ACC_MAX_K)
+        self.accepted_hist += np.bincount(hist_idx, minlength=A * K1).reshape(A, K1)
+        if maybe_sources is not None:
+            self.has_sources = True
+        if maybe_sources is not None and maybe_sources.size:
+            rows, cols = np.nonzero(maybe_sources >= 0)
+            codes = agent[rows] * _SOURCE_CODES + maybe_sources[rows, cols]
+            self.source_hist += np.bincount(
+                codes, minlength=A * _SOURCE_CODES).reshape(A, _SOURCE_CODES)
+        self.batch_steps += 1
+        self.batch_rows += B
+
+    def rows(self, drafter: str, cost_model: CostModel,
+             oracle_tau: dict[str, float | None] | None = None) -> list[dict]:
+        """One row per agent format with any steps, then the ``"all"`` row."""
+        out = []
+        for a, agent in enumerate(self.agents):
+            if self.sessions[a]:
+                out.append(self._row(drafter, agent, [a], cost_model, oracle_tau))
+        out.append(self._row(drafter, "all", list(range(len(self.agents))), cost_model,
+                             oracle_tau))
+        return out
+
+    def _row(self, drafter: str, agent: str, idx: list[int], cost_model: CostModel,
+             oracle_tau: dict[str, float | None] | None) -> dict:
+        s = lambda arr: arr[idx].sum(0)  # noqa: E731 - sum over the selected agents
+        steps, drafted, accepted = int(s(self.steps)), int(s(self.drafted)), int(s(self.accepted))
+        target = int(s(self.target_tokens))
+        per_step = lambda x: x / steps if steps else None  # noqa: E731
+        tau = per_step(target)
+        draft_us = per_step(float(s(self.draft_seconds)) * 1e6)
+        hist = s(self.accepted_hist)
+        at_least = np.cumsum(hist[::-1])[::-1]  # at_least[k] = steps with >= k accepted
+        tiers, forms = source_names()
+        src = s(self.source_hist)
+        tier_tok = np.bincount(np.arange(_SOURCE_CODES) // 8, src, minlength=32)
+        form_tok = np.bincount(np.arange(_SOURCE_CODES) % 8, src, minlength=8)
+        attributed = int(src.sum())
+        share = lambda counts, names: {  # noqa: E731
+            names.get(i, f"#{i}"): float(c) / attributed for i, c in enumerate(counts) if c
+        } if attributed else {}
+        drafted_ps = per_step(drafted)
+        return {
+            "drafter": drafter,
+            "agent": agent,
+            "sessions": int(s(self.sessions)),
+            "messages": int(s(self.messages)),
+            "target_tokens": target,
+            "steps": steps,
+            "tau": tau,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "drafted_per_step": drafted_ps,
+            "empty_draft_share": per_step(int(s(self.empty_steps))),
+            "oracle_tau": (oracle_tau or {}).get(agent),
+            "draft_us_per_step": draft_us,
+            "accepted_per_step": per_step(accepted),
+            "wasted_per_step": per_step(drafted - accepted),
+            "p_acc": [float(at_least[k]) / steps if steps else 0.0
+                      for k in range(1, P_ACC_MAX_K + 1)],
+            "tier_share": share(tier_tok, tiers),
+            "form_share": share(form_tok, forms),
+            # share of accepted tokens whose source the draft named (None: it names none)
+            "attributed_accepted_share": attributed / accepted
+            if accepted and self.has_sources else None,
+            "modelled_speedup": modelled_speedup(tau, drafted_ps, draft_us, cost_model),
+        }
+
+
+def modelled_speedup(tau: float | None, drafted_per_step: float | None,
+                     draft_us_per_step: float | None, cost_model: CostModel) -> float | None:
+    """Decode speedup over no speculation under ``cost_model`` (one request per forward).
+
+    ``speedup = tau * cost(1) / (cost(1 + drafted_per_step) + draft_time)``: without
+    speculation a token costs one single-token forward; with it a step verifies the root plus
+    the drafted tokens in one forward, pays the measured drafting time, and yields ``tau``
+    tokens. Drafting time is per request step (a batched drafter's time is shared by its
+    rows), so the batched drafter is not charged its whole batch's launch per request.
+    """
+    if tau is None or drafted_per_step is None:
+        return None
+    draft_ms = (draft_us_per_step or 0.0) / 1e3
+    return tau * cost_model.step_ms(1) / (cost_model.step_ms(1 + drafted_per_step) + draft_ms)

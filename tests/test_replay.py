@@ -1,0 +1,422 @@
+"""Replay evaluator: acceptance arithmetic with known answers, the oracle bound, the report
+layout, and the command line (``replay`` on a fixture, ``demo`` on a git repo made here)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.gitlog import cat_n
+from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
+from agspec_gpu.replay_lanes import BatchedLane, HostLane, agspec_unavailable_reason
+from agspec_gpu.replay_stats import NO_TOKEN, P_ACC_MAX_K, teacher_forced_accept
+from agspec_gpu.tokenizer import load_tokenizer
+from agspec_gpu.trajectories import Message, Session
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED_KEYS = {"drafter", "agent", "sessions", "messages", "target_tokens", "steps", "tau",
+                 "acceptance_rate", "drafted_per_step", "empty_draft_share", "oracle_tau",
+                 "draft_us_per_step"}
+needs_agspec = pytest.mark.skipif(agspec_unavailable_reason() is not None,
+                                  reason=f"agspec drafter missing: {agspec_unavailable_reason()}")
+
+FILE_TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("cl100k")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # The replay runs many tiny torch ops; on a shared CPU, intra-op threads only add
+    # contention (an order of magnitude here). Restored after each test.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _copy_session(sid: str, agent: str = "mini-swe-agent", text: str = FILE_TEXT) -> Session:
+    """The agent reads a file with ``cat -n``, then writes it back verbatim."""
+    return Session(sid, agent, "", "test", (
+        Message("system", "You are a software engineer."),
+        Message("user", f"Task {sid}: rewrite calc.py."),
+        Message("assistant", "THOUGHT: read it.\n\n```bash\ncat -n calc.py\n```"),
+        Message("tool", cat_n(text)),
+        Message("assistant", text),
+    ))
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+@pytest.mark.parametrize(("tree", "truth", "expected", "path"), [
+    ([(5, -1), (7, 0), (9, 1)], [5, 7, 9, 1], 3, [0, 1, 2]),  # whole chain
+    ([(5, -1), (7, 0), (9, 1)], [5, 7, 8, 1], 2, [0, 1, -1]),  # cut at depth 3
+    ([(4, -1), (5, -1), (8, 0), (6, 1)], [5, 6, 0], 2, [1, 3, -1, -1]),  # second branch
+    ([(5, -1), (7, 0), (9, 1)], [5, 7, NO_TOKEN], 2, [0, 1, -1]),  # message ends
+    ([(5, -1), (7, 0), (9, 1)], [5, 7], 2, [0, 1, -1]),  # truth narrower than the tree
+    ([(5, -1), (5, -1), (6, 1)], [5, 6], 2, [0, 2, -1]),  # duplicate siblings: deepest wins
+    ([(3, -1)], [5], 0, [-1]),
+])
+def test_teacher_forced_accept_golden(tree, truth, expected, path):
+    d = DraftBatch.from_lists([tree])
+    got = teacher_forced_accept(d, torch.tensor([truth], dtype=torch.int32))
+    assert got.num_accepted.tolist() == [expected]
+    # duplicate siblings: the count is the longest path; the reported node per depth is the
+    # lowest accepted index at that depth
+    assert got.path_nodes[0, :len(path)].tolist()[:expected] == path[:expected]
+
+
+def test_teacher_forced_accept_batch_matches_rows():
+    rng = np.random.default_rng(0)
+    trees = []
+    for _ in range(17):
+        n = int(rng.integers(0, 12))
+        trees.append([(int(rng.integers(0, 3)), int(rng.integers(-1, j)) if j else -1)
+                      for j in range(n)])
+    truth = torch.from_numpy(rng.integers(0, 3, size=(17, 12)).astype(np.int32))
+    batch = teacher_forced_accept(DraftBatch.from_lists(trees), truth).num_accepted.tolist()
+    for b, t in enumerate(trees):
+        one = teacher_forced_accept(DraftBatch.from_lists([t]), truth[b:b + 1])
+        assert one.num_accepted.tolist() == [batch[b]]
+        # reference: walk every node's ancestors
+        best = 0
+        for j in range(len(t)):
+            chain, k = [], j
+            while k >= 0:
+                chain.append(t[k][0])
+                k = t[k][1]
+            chain.reverse()
+            if chain == truth[b, :len(chain)].tolist():
+                best = max(best, len(chain))
+        assert batch[b] == best, (b, t)
+
+
+def test_teacher_forced_accept_empty_batch():
+    d = DraftBatch.from_lists([[], []])
+    assert teacher_forced_accept(d, torch.zeros(2, 4, dtype=torch.int32)).num_accepted.tolist() \
+        == [0, 0]
+
+
+# ----------------------------------------------------------------------------- known answers
+
+
+class FutureHost:
+    """A host drafter that knows the true streams: drafts the next ``k`` stream tokens.
+
+    Keys are ``sid#n`` (:class:`HostLane`'s naming), so it finds the session's stream."""
+
+    def __init__(self, streams: dict[str, np.ndarray], k: int) -> None:
+        self.name, self.streams, self.k = f"future-k{k}", streams, k
+
+    def begin(self, key, tenant, context):
+        pass
+
+    def propose(self, key, context):
+        stream = self.streams[key.rsplit("#", 1)[0]]
+        toks = stream[len(context):len(context) + self.k].tolist()
+        return toks, list(range(-1, len(toks) - 1))
+
+    def accept(self, key, tokens):
+        pass
+
+    def end(self, key):
+        pass
+
+
+class FutureBatched:
+    """A stub of ``agspec_gpu.drafter.Drafter``: batched, knows the streams, tags every
+    node with source ``workspace/diff-context`` (tier 1, form 2 -> code 10)."""
+
+    def __init__(self, streams, k, source=10):
+        self.streams, self.k, self.source, self.pos = streams, k, source, {}
+
+    def open_session(self, sid, tenant, role, prompt_ids):
+        self.pos[sid] = len(prompt_ids)
+
+    def extend(self, sid, tokens):
+        self.pos[sid] += len(tokens)
+
+    def propose(self, sids):
+        trees = []
+        for sid in sids:
+            p = self.pos[sid]
+            toks = self.streams[sid][p:p + self.k].tolist()
+            trees.append([(t, j - 1) for j, t in enumerate(toks)])
+        d = DraftBatch.from_lists(trees)
+        d.maybe_source = torch.where(d.token_ids >= 0, self.source, -1).to(torch.int8)
+        return d
+
+    def observe(self, sids, output_ids, num_output, num_accepted):
+        assert output_ids.dtype == torch.int32 and num_output.dtype == torch.int32
+        for sid, n in zip(sids, num_output.tolist()):
+            self.pos[sid] += n
+
+    def close_session(self, sid):
+        del self.pos[sid]
+
+
+class RecordingStore:
+    def __init__(self):
+        self.files = []
+
+    def add_workspace_file(self, tenant, path, text, first_line=None):
+        self.files.append((tenant, path, text, first_line))
+
+
+def _assistant_lengths(corpus):
+    return [int(s.bounds[i + 1] - s.bounds[i]) for s in corpus.sessions
+            for i in s.target_messages]
+
+
+@pytest.mark.parametrize("k", [1, 4, 32])
+@pytest.mark.parametrize("batched", [False, True])
+def test_future_drafter_tau_is_k_plus_one(tok, k, batched):
+    sessions = [_copy_session(f"s{i}", text=FILE_TEXT * (i + 1)) for i in range(5)]
+    corpus = tokenize_sessions(sessions, tok)
+    streams = {s.sid: s.tokens for s in corpus.sessions}
+    store = RecordingStore()
+    lane = (BatchedLane("future", FutureBatched(streams, k), store) if batched
+            else HostLane(FutureHost(streams, k)))
+    # batch of 2: sessions join as others finish
+    report = run_replay(corpus, [("future", lambda: lane)], tok,
+                        ReplayConfig(batch_size=2, oracle=False))
+    lengths = _assistant_lengths(corpus)
+    steps = sum(math.ceil(n / (k + 1)) for n in lengths)
+    row = report.rows[-1]
+    assert row["agent"] == "all" and row["sessions"] == 5 and row["messages"] == 10
+    assert row["target_tokens"] == sum(lengths)
+    assert row["steps"] == steps
+    assert row["tau"] == pytest.approx(sum(lengths) / steps)
+    # every step accepts min(k, tokens left), so at least one, and k when k or more were left
+    lefts = [n - j * (k + 1) for n in lengths for j in range(math.ceil(n / (k + 1)))]
+    assert row["accepted_per_step"] == pytest.approx(sum(min(k, x) for x in lefts) / steps)
+    assert row["p_acc"][0] == 1.0
+    assert row["p_acc"][k - 1] == pytest.approx(sum(x >= k for x in lefts) / steps)
+    # k drafted per step, fewer only at the very end of a session's stream
+    assert sum(min(k, x) for x in lefts) / steps <= row["drafted_per_step"] <= k
+    if batched:
+        assert row["tier_share"] == {"workspace": 1.0}
+        assert row["form_share"] == {"diff_ctx": 1.0}
+        # the cat -n output of every session was captured into its own tenant's workspace
+        assert sorted((t, p, x) for t, p, x, _ in store.files) == sorted(
+            (s.id, "calc.py", FILE_TEXT * (i + 1)) for i, s in enumerate(sessions))
+    else:
+        assert row["tier_share"] == {} and row["attributed_accepted_share"] is None
+
+
+def test_none_gives_tau_one(tok):
+    corpus = tokenize_sessions([_copy_session("a"), _copy_session("b", agent="swe-agent")], tok)
+    report = run_replay(corpus, ["none"], tok, ReplayConfig(oracle=False))
+    by_agent = {r["agent"]: r for r in report.rows}
+    assert set(by_agent) == {"mini-swe-agent", "swe-agent", "all"}
+    for r in report.rows:
+        assert r["tau"] == 1.0 and r["steps"] == r["target_tokens"]
+        assert r["acceptance_rate"] is None and r["empty_draft_share"] == 1.0
+        assert r["drafted_per_step"] == 0.0 and r["p_acc"] == [0.0] * P_ACC_MAX_K
+        assert r["modelled_speedup"] == pytest.approx(1.0, abs=1e-3)
+    assert by_agent["all"]["target_tokens"] == sum(_assistant_lengths(corpus))
+
+
+def test_batch_size_does_not_change_per_request_drafters(tok):
+    sessions = [_copy_session(f"s{i}", text=FILE_TEXT[: 200 * (i + 1)]) for i in range(4)]
+    corpus = tokenize_sessions(sessions, tok, capture_files=False)
+    rows = [run_replay(corpus, ["pld-hf", "pld-vllm"], tok,
+                       ReplayConfig(batch_size=b, oracle=False)).rows for b in (1, 3, 64)]
+    strip = lambda rs: [{k: v for k, v in r.items()  # noqa: E731 - timing differs
+                         if k not in ("draft_us_per_step", "modelled_speedup")} for r in rs]
+    assert strip(rows[0]) == strip(rows[1]) == strip(rows[2])
+    pld = next(r for r in rows[0] if r["drafter"] == "pld-hf" and r["agent"] == "all")
+    assert pld["tau"] > 1.5  # the copied file is found in the context
+
+
+def test_report_json_layout(tok):
+    corpus = tokenize_sessions([_copy_session("a")], tok, capture_files=False)
+    report = run_replay(corpus, ["none", "pld-hf"], tok, ReplayConfig(oracle=False),
+                        inputs=["x.jsonl"])
+    obj = json.loads(json.dumps(report.to_json()))  # plain JSON types only
+    assert set(obj) == {"results", "config"}
+    assert [(r["drafter"], r["agent"]) for r in obj["results"]] == [
+        ("none", "mini-swe-agent"), ("none", "all"), ("pld-hf", "mini-swe-agent"),
+        ("pld-hf", "all")]
+    for r in obj["results"]:
+        assert REQUIRED_KEYS <= set(r)
+        assert len(r["p_acc"]) == P_ACC_MAX_K and r["oracle_tau"] is None
+    assert obj["config"]["tokenizer"] == "cl100k" and obj["config"]["inputs"] == ["x.jsonl"]
+    with pytest.raises(ValueError, match="capture_files=False"):
+        run_replay(corpus, [("x", lambda: BatchedLane("x", None, None))], tok,
+                   ReplayConfig(oracle=False))
+    with pytest.raises(ValueError, match="unknown drafter"):
+        run_replay(corpus, ["pld"], tok)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="batch_size"):
+        ReplayConfig(batch_size=0)
+    with pytest.raises(ValueError, match="tenant_by"):
+        ReplayConfig(tenant_by="user")
+
+
+# ----------------------------------------------------------------------------- oracle bound
+
+_WORDS = ("def", "return", "self", "x", "y", "+", "=", "(", ")", ":", "\n", "    ", "foo",
+          "bar", "import", "os", "if", "else", "None", "[", "]", ",", "1", "2")
+
+
+def _random_session(rng: np.random.Generator, i: int) -> Session:
+    words = lambda n: " ".join(rng.choice(_WORDS, size=n))  # noqa: E731
+    file_text = "".join(words(int(rng.integers(3, 9))) + "\n" for _ in range(8))
+    msgs = [Message("system", "agent"), Message("user", words(10)),
+            Message("assistant", "```bash\ncat -n a.py\n```"), Message("tool", cat_n(file_text))]
+    history = file_text
+    for _ in range(int(rng.integers(1, 4))):
+        # copy spans of what came before, mixed with fresh words
+        parts = []
+        for _ in range(int(rng.integers(1, 4))):
+            a = int(rng.integers(0, len(history)))
+            parts.append(history[a:a + int(rng.integers(5, 80))])
+            parts.append(words(int(rng.integers(0, 6))))
+        text = "".join(parts)
+        msgs += [Message("assistant", text), Message("tool", words(int(rng.integers(2, 20))))]
+        history += text
+    return Session(f"r{i}", "random", "", "test", tuple(msgs))
+
+
+@needs_agspec
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_oracle_bounds_every_drafter(seed):
+    # suffix-decoding (with its cache) is left out: its cache holds other sessions'
+    # responses, which are outside this session's corpora when every session is its own
+    # tenant, so the bound does not apply to it.
+    torch.set_num_threads(1)
+    tok = load_tokenizer("cl100k")
+    rng = np.random.default_rng(seed)
+    corpus = tokenize_sessions([_random_session(rng, i) for i in range(3)], tok)
+    names = ["none", "pld-hf", "pld-vllm", "suffix-decoding-nocache", "agspec",
+             "agspec-static-k8"]
+    names = [n for n in names if n != "suffix-decoding-nocache" or _has_arctic()]
+    # and the other side: a drafter that knows the future (k = oracle_k) is never below it
+    streams = {s.sid: s.tokens for s in corpus.sessions}
+    future = ("future", lambda: HostLane(FutureHost(streams, 32)))
+    report = run_replay(corpus, [*names, future], tok, ReplayConfig(batch_size=2))
+    oracle = {r["agent"]: r["oracle_tau"] for r in report.rows if r["drafter"] == "none"}
+    for r in report.rows:
+        if r["drafter"] == "future":
+            assert r["tau"] >= oracle[r["agent"]] - 1e-9
+            continue
+        assert r["oracle_tau"] is not None
+        assert r["tau"] <= r["oracle_tau"] + 1e-9, r
+
+
+def _has_arctic() -> bool:
+    from agspec_gpu.baselines import suffix_decoding_available
+
+    return suffix_decoding_available()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _write_fixture(path: Path) -> None:
+    recs = [{"id": s.id, "source": "test", "agent": s.agent, "model": "",
+             "messages": [{"role": m.role, "content": m.content} for m in s.messages]}
+            for s in (_copy_session("a"), _copy_session("b", agent="aider"))]
+    with gzip.open(path, "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in recs)
+
+
+def test_cli_replay_on_a_fixture(tmp_path):
+    fixture = tmp_path / "fixture.jsonl.gz"
+    _write_fixture(fixture)
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "agspec_gpu", "replay", str(fixture), "--drafter", "none",
+         "pld-hf", "--json", str(out), "--no-progress", "--max-sessions", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "pld-hf" in proc.stdout and "tau" in proc.stdout
+    obj = json.loads(out.read_text())
+    assert obj["config"]["sessions"] == 1  # --max-sessions applies per path
+    assert {(r["drafter"], r["agent"]) for r in obj["results"]} == {
+        ("none", "mini-swe-agent"), ("none", "all"), ("pld-hf", "mini-swe-agent"),
+        ("pld-hf", "all")}
+    for r in obj["results"]:
+        assert REQUIRED_KEYS <= set(r)
+
+
+def test_cli_outputs_and_errors(tmp_path, capsys):
+    from agspec_gpu.cli import main
+
+    fixture = tmp_path / "fixture.jsonl.gz"
+    _write_fixture(fixture)
+    csv_path, png = tmp_path / "out.csv", tmp_path / "out.png"
+    assert main(["replay", str(fixture), "--drafter", "none", "pld-vllm", "--no-oracle",
+                 "--csv", str(csv_path), "--plot", str(png), "--no-progress",
+                 "--tenant-by", "agent"]) == 0
+    header = csv_path.read_text().splitlines()[0].split(",")
+    assert {"drafter", "agent", "tau", "p_acc_1", "p_acc_32"} <= set(header)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["replay", str(tmp_path / "missing.jsonl"), "--drafter", "none",
+                 "--no-progress"]) == 2
+    assert "no such file" in capsys.readouterr().out
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo), *args],
+                   check=True, capture_output=True)
+
+
+def test_cli_demo_on_a_tiny_repo(tmp_path):
+    from agspec_gpu.cli import main
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    text = FILE_TEXT
+    for i in range(3):
+        (repo / "calc.py").write_text(text)
+        _git(repo, "add", "calc.py")
+        _git(repo, "commit", "-q", "-m", f"change {i}")
+        text = text.replace(f"* {i} ", f"* {i + 1} ")
+    out = tmp_path / "demo.json"
+    assert main(["demo", str(repo), "--max-commits", "5", "--json", str(out),
+                 "--no-progress"]) == 0
+    obj = json.loads(out.read_text())
+    drafters = {r["drafter"] for r in obj["results"]}
+    assert {"none", "pld-hf"} <= drafters
+    assert all(r["agent"] in ("git-history", "all") for r in obj["results"])
+    assert all(r["sessions"] == 2 for r in obj["results"])  # the root commit gives none
+
+
+@needs_agspec
+def test_every_drafter_name_runs(tok):
+    from agspec_gpu.replay_lanes import DRAFTER_NAMES
+
+    names = [n for n in DRAFTER_NAMES if not n.startswith("suffix") or _has_arctic()]
+    corpus = tokenize_sessions([_copy_session("a"), _copy_session("b", agent="swe-agent")], tok)
+    report = run_replay(corpus, names, tok, ReplayConfig(batch_size=2, tenant_by="agent"))
+    rows = {(r["drafter"], r["agent"]): r for r in report.rows}
+    assert {d for d, _ in rows} == set(names)
+    # three corpora configurations: default (host rows, agspec, static-k), no forms, no workspace
+    assert len(report.config["oracle_corpora"]) == 3
+    full = rows[("agspec", "all")]
+    assert full["tau"] > 2 and full["tier_share"].get("workspace", 0) > 0.5
+    assert "workspace" not in rows[("agspec-no-workspace", "all")]["tier_share"]
+    assert set(rows[("agspec-no-emission", "all")]["form_share"]) <= {"raw"}
+    assert rows[("agspec-no-workspace", "all")]["oracle_tau"] <= full["oracle_tau"]
