@@ -1,0 +1,827 @@
+"""Replay target: a real model's forward passes, a trajectory's tokens (end-to-end timing).
+
+The end-to-end protocol of DESIGN.md "Evaluation". A transformer at realistic size runs every
+forward pass for real -- the prefill of each request's context, one verification pass per
+decode step over every request's root and draft nodes (tree attention over the real KV
+lengths), the KV compaction of the accepted path -- while the token the target "predicts" at
+each position is the trajectory's next token (teacher forcing). Time per step is the real
+model's; acceptance is the trajectory's, so the weights may be random.
+
+A request is one assistant message. Its context (the session's tokens before the message,
+truncated to the last ``context_tokens``) is prefilled except its last token, which is the
+first step's root; the message's tokens are the target output. Per step, for every active
+request of the continuous batch:
+
+1. propose: the drafter under test drafts a tree after the request's root;
+2. verify: plan + forward of ``root + draft nodes``; the logits' argmax is computed (an
+   engine pays for it) and replaced by the trajectory: a node is accepted iff its parent is
+   and its token is the true token at its depth, plus the bonus token -- exactly greedy
+   acceptance against a target whose argmax is the trajectory
+   (:func:`agspec_gpu.replay_stats.teacher_forced_accept`);
+3. commit: the accepted nodes' KV moves behind the root (``kv_compact``), the drafter observes
+   the emitted tokens, the last emitted token is the next root.
+
+Steps whose drafts are all empty are plain decode steps; with a :class:`DecodeGraphs` they run
+as a captured CUDA graph of the one-token step (FlashInfer's decode kernel), as a serving
+engine runs them. The baseline ``none`` always takes that path; a speculative method takes it
+whenever it has nothing to propose. The counting (steps, tokens, ``tau``) is the replay
+evaluator's (:mod:`agspec_gpu.replay`), so both report the same acceptance.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+import nvtx
+import torch
+
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.kernels.kv_compact import kv_compact
+from agspec_gpu.replay import ReplayCorpus, TokenizedSession
+from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
+from agspec_gpu.replay_stats import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.tree import TreeMetadata, plan_tree
+
+
+def protocol(context_tokens: int, dtype: str, prefill: str = "real") -> str:
+    """The protocol statement every replay-target report carries."""
+    ctx = (f"prefill of each request's context (truncated to the last {context_tokens} tokens)"
+           if prefill == "real" else
+           f"each request's context (the last {context_tokens} tokens) holds KV slots that "
+           f"are allocated, not prefilled (decode time does not depend on cached values)")
+    return (
+        "replay target (teacher forcing): every forward pass is real -- " + ctx + ", one "
+        "verification pass per decode step over the roots and every draft node with tree "
+        "attention over the real KV lengths, KV compaction of the accepted path -- while the "
+        "token the target predicts at each position is the trajectory's next token; a step "
+        "emits the longest draft path matching the true continuation plus the bonus token. "
+        f"Weights are random ({dtype}); acceptance is the trajectory's, time per step is the "
+        "model's. Plain-decode steps (no draft in the batch) run as CUDA graphs where captured. "
+        "tokens_per_s = emitted tokens / wall time of the decode steps (prefill excluded, the "
+        "same for every method); oracle: drafting time excluded (a bound).")
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+class MetadataPool:
+    """Planner buffers for the largest step, handed out trimmed to each step's row count.
+
+    ``PagedLlamaRunner.forward`` runs every linear layer over ``meta.capacity_q`` rows, so a
+    step's capacity should be its real row count ``B + num_draft_tokens`` (rounded up to 8),
+    not the static worst case ``B * (1 + max_nodes)``; the buffers are allocated once.
+    """
+
+    def __init__(self, max_batch: int, max_nodes: int, max_pages_per_seq: int, page_size: int,
+                 device: torch.device | str) -> None:
+        self.max_nodes = max_nodes
+        self._buf = TreeMetadata.empty(max_batch, max_nodes + 1, max_pages_per_seq, page_size,
+                                       device)
+
+    def rows(self, num_rows: int) -> TreeMetadata:
+        """Buffers whose query-row capacity is ``num_rows`` rounded up to a multiple of 8."""
+        cap = self._buf.capacity_q
+        if num_rows > cap:
+            raise ValueError(f"a step of {num_rows} rows exceeds the pool's {cap}")
+        q = min(cap, -(-num_rows // 8) * 8)
+        b = self._buf
+        return replace(b, input_ids=b.input_ids[:q], position_ids=b.position_ids[:q],
+                       kv_slots=b.kv_slots[:q])
+
+
+class _GraphDecodeAttention:
+    """FlashInfer's tensor-core decode wrapper in CUDA-graph mode, for one batch size.
+
+    ``plan`` is a no-op: :class:`DecodeGraphs` plans the wrapper before every replay, outside
+    the graph, into the fixed buffers the graph reads.
+    """
+
+    def __init__(self, wrapper, out: torch.Tensor) -> None:
+        self.wrapper, self.out = wrapper, out
+
+    def plan(self, meta: TreeMetadata) -> None:
+        pass
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.wrapper.run(q, kv_cache, out=self.out)
+
+
+class DecodeGraphs:
+    """One-token decode steps at fixed batch sizes: CUDA graphs on a GPU, eager elsewhere.
+
+    For each size ``S`` it holds the planner buffers of a step of ``S`` requests with no draft
+    (:meth:`TreeMetadata.empty` with ``max_qo_len = 1``). A step of ``b <= S`` requests is
+    padded to the smallest size that fits with requests of one token on the KV cache's null
+    page. With ``use_graphs`` (CUDA and FlashInfer) every size's forward is captured once: the
+    runner's forward with FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores,
+    ``use_cuda_graph=True``) over the same buffers, which are re-planned before each replay.
+
+    Parameters
+    ----------
+    runner : PagedLlamaRunner
+    batch_sizes : sizes to prepare (a step larger than the largest is an error).
+    use_graphs : capture CUDA graphs (default: on CUDA when FlashInfer is the backend). When
+        capture fails, the error is kept in :attr:`graph_error` and steps run eagerly.
+
+    Example
+    -------
+    >>> graphs = DecodeGraphs(runner, [1, 2, 4])
+    >>> logits = graphs.decode(["s0"], torch.tensor([42]), [17])     # [1, vocab]
+    """
+
+    def __init__(self, runner, batch_sizes: Sequence[int], *, use_graphs: bool | None = None,
+                 warmup: int = 2) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"batch_sizes must be >= 1, got {list(batch_sizes)}")
+        self.runner = runner
+        self.sizes = sorted(set(int(b) for b in batch_sizes))
+        cache = runner.kv_cache
+        dev = runner.device
+        P, ps = cache.max_pages_per_seq, cache.page_size
+        self._meta = {S: TreeMetadata.empty(S, 1, P, ps, dev, max_total_q=S,
+                                             max_mask_bytes=S * -(-P * ps // 8))
+                      for S in self.sizes}
+        self._empty = {S: DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
+                                     torch.zeros(S, 0, dtype=torch.int32, device=dev),
+                                     torch.zeros(S, dtype=torch.int32, device=dev))
+                       for S in self.sizes}
+        if use_graphs is None:
+            from agspec_gpu.attention import FlashInferPagedAttention
+
+            use_graphs = dev.type == "cuda" and isinstance(runner.attention,
+                                                           FlashInferPagedAttention)
+        self.graph_error: str | None = None
+        self._graphs: dict[int, tuple] = {}
+        if use_graphs:
+            try:
+                self._capture(warmup)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+                self._graphs.clear()
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def uses_graphs(self) -> bool:
+        return bool(self._graphs)
+
+    def size_for(self, num_requests: int) -> int:
+        for S in self.sizes:
+            if S >= num_requests:
+                return S
+        raise ValueError(f"{num_requests} requests exceed the largest prepared batch "
+                         f"{self.sizes[-1]}")
+
+    def plan(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int]
+             ) -> tuple[int, TreeMetadata]:
+        """Allocates a slot per request and plans the padded step; ``(size, metadata)``."""
+        b = len(seq_ids)
+        S = self.size_for(b)
+        cache = self.runner.kv_cache
+        for sid, n in zip(seq_ids, prefix_lens_host):
+            cache.allocate(sid, n + 1)
+        width = -(-(max(prefix_lens_host) + 1) // cache.page_size)
+        dev = self.runner.device
+        page_table = cache.page_table(seq_ids)[:, :width]
+        prefix = torch.zeros(S, dtype=torch.int32)
+        prefix[:b] = torch.tensor(list(prefix_lens_host), dtype=torch.int32)
+        root = torch.zeros(S, dtype=torch.int32, device=dev)
+        root[:b] = roots.to(dev, torch.int32)
+        if S > b:  # padding requests: one token on the null page
+            pad = torch.full((S - b, width), cache.null_page, dtype=torch.int32, device=dev)
+            page_table = torch.cat([page_table, pad])
+        meta = plan_tree(self._empty[S], root, prefix.to(dev), page_table.contiguous(),
+                         cache.page_size, out=self._meta[S])
+        return S, meta
+
+    @torch.inference_mode()
+    def decode(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int]
+               ) -> torch.Tensor:
+        """Writes each root's KV at its slot ``prefix_len``; ``[len(seq_ids), vocab]`` logits.
+
+        With graphs the result is a view of the graph's output buffer: read it before the
+        next call.
+        """
+        S, meta = self.plan(seq_ids, roots, prefix_lens_host)
+        if S in self._graphs:
+            graph, wrapper, logits = self._graphs[S]
+            self._plan_wrapper(wrapper, meta)
+            graph.replay()
+            return logits[:len(seq_ids)]
+        return self.runner.forward(meta)[:len(seq_ids)]
+
+    @torch.inference_mode()
+    def time_step(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int],
+                  iters: int = 50, warmup: int = 5) -> float:
+        """Mean ms of one decode step's device work (planned once, then repeated).
+
+        With graphs this is ``graph.replay()`` back to back: the step's kernels alone, the
+        figure to hold against the memory-bandwidth roofline.
+        """
+        S, meta = self.plan(seq_ids, roots, prefix_lens_host)
+        if S in self._graphs:
+            graph, wrapper, _ = self._graphs[S]
+            self._plan_wrapper(wrapper, meta)
+            step = graph.replay
+        else:
+            step = lambda: self.runner.forward(meta)  # noqa: E731
+        dev = self.runner.device
+        for _ in range(warmup):
+            step()
+        _sync(dev)
+        if dev.type == "cuda":
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            for _ in range(iters):
+                step()
+            ev[1].record()
+            _sync(dev)
+            return ev[0].elapsed_time(ev[1]) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return 1e3 * (time.perf_counter() - t0) / iters
+
+    # ------------------------------------------------------------------ capture
+    def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
+        s = self.runner.shape
+        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, s.num_qo_heads,
+                     s.num_kv_heads, s.head_dim, self.runner.page_size, pos_encoding_mode="NONE",
+                     q_data_type=self.runner.dtype, kv_data_type=self.runner.dtype,
+                     sm_scale=s.head_dim ** -0.5)
+
+    def _capture(self, warmup: int) -> None:
+        import flashinfer
+
+        runner, s = self.runner, self.runner.shape
+        dev = runner.device
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        for S in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            meta = self._meta[S]
+            kwargs = dict(use_cuda_graph=True, use_tensor_cores=True,
+                          paged_kv_indptr_buffer=meta.kv_indptr,
+                          paged_kv_indices_buffer=meta.kv_indices,
+                          paged_kv_last_page_len_buffer=meta.kv_last_page_len)
+            try:  # fa2 explicitly: its module is the one tree verification compiled already
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", backend="fa2", **kwargs)
+            except TypeError:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                       **kwargs)
+            out = torch.empty(S, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
+            # a decode view of the runner: same weights and KV cache, the graph's attention
+            view = copy.copy(runner)
+            view.attention = _GraphDecodeAttention(wrapper, out)
+            meta = self._plan_padding(S)
+            self._plan_wrapper(wrapper, meta)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    view.forward(meta)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = view.forward(meta)
+            self._graphs[S] = (graph, wrapper, logits)
+        torch.cuda.synchronize(dev)
+
+    def _plan_padding(self, S: int) -> TreeMetadata:
+        """A step of ``S`` padding requests (capture input: one token on the null page)."""
+        cache, dev = self.runner.kv_cache, self.runner.device
+        page_table = torch.full((S, 1), cache.null_page, dtype=torch.int32, device=dev)
+        zeros = torch.zeros(S, dtype=torch.int32, device=dev)
+        return plan_tree(self._empty[S], zeros, zeros, page_table, cache.page_size,
+                         out=self._meta[S])
+
+
+# ----------------------------------------------------------------------------- drafters
+
+# truth(width, pad) -> int32 [B, width]: the true next tokens of every active request,
+# ``pad`` past the end of its target.
+TruthFn = Callable[[int, int], np.ndarray]
+
+
+def host_drafts_to_batch(drafts: Sequence[tuple[list[int], list[int]]],
+                         device: torch.device | str) -> DraftBatch:
+    """``(tokens, parents)`` host lists, one per request, as a padded :class:`DraftBatch`."""
+    B = len(drafts)
+    N = max((len(t) for t, _ in drafts), default=0)
+    tok = np.full((B, N), PAD_ID, dtype=np.int32)
+    par = np.full((B, N), PAD_ID, dtype=np.int32)
+    num = np.zeros(B, dtype=np.int32)
+    for b, (t, p) in enumerate(drafts):
+        num[b] = len(t)
+        tok[b, :len(t)] = t
+        par[b, :len(p)] = p
+    return DraftBatch(*(torch.from_numpy(x).to(device) for x in (tok, par, num)))
+
+
+class HostProposer(HostLane):
+    """A host baseline (``none``, ``pld-hf``, ``suffix-decoding``, ...): its per-request
+    drafts padded into one host :class:`DraftBatch` each step (the verifier moves it to the
+    device only when it has a token: a plain decode step never copies it)."""
+
+    counts_draft_time = True
+
+    def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
+                ) -> DraftBatch:
+        return host_drafts_to_batch([self.drafter.propose(self._keys[s], c)
+                                     for s, c in zip(sids, contexts)], "cpu")
+
+
+class AgspecProposer(BatchedLane):
+    """The batched agspec drafter: one ``propose`` for the whole batch."""
+
+    counts_draft_time = True
+
+    def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
+                ) -> DraftBatch:
+        return self.drafter.propose(sids)
+
+
+class OracleProposer(OracleLane):
+    """The ceiling: drafts the longest prefix (at most ``k``) of the true continuation that
+    occurs in the request's corpora (``CorpusStore.oracle_prefix_len``), as a chain. Its
+    lookup reads the future, so its time is not charged to the steps."""
+
+    counts_draft_time = False
+
+    def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
+                ) -> DraftBatch:
+        cont = torch.from_numpy(truth(self.k, PAD_ID)).to(self.device)
+        found = self.store.oracle_prefix_len(sids, cont).clamp(max=self.k)
+        cols = torch.arange(self.k, device=self.device, dtype=torch.int32)
+        keep = cols[None, :] < found[:, None]
+        return DraftBatch(torch.where(keep, cont, PAD_ID).to(torch.int32),
+                          torch.where(keep, cols[None, :] - 1, PAD_ID).to(torch.int32),
+                          found.to(torch.int32))
+
+
+def make_proposer(name: str, tokenizer, device: torch.device | str, max_batch: int, *,
+                  cost: CostModel | None = None, global_corpus=None, oracle_k: int = 32):
+    """The drafter ``name`` as the replay-target loop drives it.
+
+    Names: the host baselines of :data:`agspec_gpu.baselines.HOST_DRAFTERS`, the agspec
+    variants of :data:`agspec_gpu.replay_lanes.AGSPEC_DRAFTERS`, ``agspec-nobudget`` (agspec
+    without the batch-level budget) and ``oracle``. ``cost`` feeds agspec's batch budget.
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: ``suffix-decoding*`` without arctic-inference.
+    """
+    from agspec_gpu.baselines import HOST_DRAFTERS, make_host_drafter
+    from agspec_gpu.drafter import Drafter, DrafterConfig
+    from agspec_gpu.replay_lanes import AGSPEC_DRAFTERS, agspec_overrides
+    from agspec_gpu.tiers import CorpusStore, TierConfig
+
+    if name in HOST_DRAFTERS:
+        return HostProposer(make_host_drafter(name))
+    base = "agspec" if name in ("oracle", "agspec-nobudget") else name
+    if base not in AGSPEC_DRAFTERS:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHOD_NAMES)}")
+    tier_over, drafter_over = agspec_overrides(base)
+    if name == "agspec-nobudget":
+        drafter_over = {**drafter_over, "batch_budget": False}
+    store = CorpusStore(tokenizer, TierConfig(**tier_over), device=device,
+                        global_corpus=global_corpus)
+    drafter = Drafter(store, DrafterConfig(**drafter_over), max_batch=max_batch, cost=cost)
+    if name == "oracle":
+        return OracleProposer(name, drafter, store, oracle_k, device)
+    return AgspecProposer(name, drafter, store, device)
+
+
+def _method_names() -> tuple[str, ...]:
+    from agspec_gpu.baselines import HOST_DRAFTERS
+    from agspec_gpu.replay_lanes import AGSPEC_DRAFTERS
+
+    return HOST_DRAFTERS + AGSPEC_DRAFTERS + ("agspec-nobudget", "oracle")
+
+
+METHOD_NAMES = _method_names()
+
+
+# ----------------------------------------------------------------------------- the loop
+
+# step_hook(step, [(kv sequence id, int32 tokens held in its KV cache), ...])
+StepHook = Callable[[int, list[tuple[str, np.ndarray]]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayTargetConfig:
+    """How a replay-target run is shaped.
+
+    Attributes:
+        batch_size: most requests in the continuous batch.
+        context_tokens: each request's context is truncated to its last this many tokens.
+        max_message_tokens: a target message is cut after this many tokens (None: whole);
+            the rest of the message stays context for the session's later messages.
+        messages_per_session: assistant messages replayed per session (None: all).
+        prefill: ``"real"`` (run the context through the model) or ``"skip"`` (allocate its
+            KV slots only: decode time does not depend on the cached values, since the target
+            output is replayed).
+        prefill_chunk: tokens per sequence per prefill forward.
+        tenant_by: ``"session"`` (each session its own tenant) or ``"agent"``.
+        max_steps: stop after this many decode steps (smoke runs).
+    """
+
+    batch_size: int
+    context_tokens: int = 4096
+    max_message_tokens: int | None = 1024
+    messages_per_session: int | None = None
+    prefill: str = "real"
+    prefill_chunk: int = 512
+    tenant_by: str = "session"
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.context_tokens < 1 or self.prefill_chunk < 1:
+            raise ValueError("batch_size, context_tokens and prefill_chunk must be >= 1")
+        for name in ("max_message_tokens", "messages_per_session", "max_steps"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {v}")
+        if self.prefill not in ("real", "skip"):
+            raise ValueError(f"prefill must be 'real' or 'skip', got {self.prefill!r}")
+        if self.tenant_by not in ("session", "agent"):
+            raise ValueError(f"tenant_by must be 'session' or 'agent', got {self.tenant_by!r}")
+
+
+@dataclass
+class ReplayTargetResult:
+    """Counters and times of one (method, batch size) run; times in seconds."""
+
+    method: str
+    batch_size: int
+    sessions: int = 0
+    messages: int = 0
+    steps: int = 0  # batched decode steps
+    plain_steps: int = 0  # of which had no draft in the batch (the plain decode step)
+    request_steps: int = 0  # sum over steps of the requests in the batch
+    tokens: int = 0  # emitted target tokens
+    drafted: int = 0
+    accepted: int = 0
+    decode_s: float = 0.0  # wall time of the decode steps (oracle: less its lookup)
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # plan + forward + argmax + acceptance (CUDA events on a GPU)
+    commit_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    counts_draft_time: bool = True
+
+    @property
+    def tau(self) -> float:
+        """Tokens per request per step (accepted + bonus): the replay evaluator's ``tau``."""
+        return self.tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+    def per_step_ms(self, seconds: float) -> float:
+        return 1e3 * seconds / self.steps if self.steps else 0.0
+
+
+@dataclass
+class _Request:
+    """A session in the batch and its current request (assistant message)."""
+
+    s: TokenizedSession
+    tenant: str
+    msg: int = -1  # current assistant message
+    pos: int = 0  # next target token (session relative)
+    end: int = 0  # end of the (possibly cut) target
+    msg_end: int = 0  # end of the whole message
+    done_messages: int = 0
+    kv_id: str = ""
+    kv_start: int = 0  # the KV cache holds tokens[kv_start : kv_start + prefix_len]
+    prefix_len: int = 0  # tokens in the KV cache
+    root: int = 0  # last committed token, not in the KV cache yet
+
+
+class _Timer:
+    """Elapsed seconds of a span: CUDA events on a GPU (read after a sync), else wall."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def start(self) -> None:
+        if self.cuda:
+            self._ev[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._ev[1].record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """After a device sync."""
+        return self._ev[0].elapsed_time(self._ev[1]) / 1e3 if self.cuda else self._t1 - self._t0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _start_next(req: _Request, proposer, config: ReplayTargetConfig, prompt_end: int
+                ) -> list[int] | None:
+    """Feeds the messages after ``req.msg`` up to the next assistant message with tokens and
+    starts it as a request; returns its context (None: the session has no more requests)."""
+    s, files = req.s, req.s.maybe_files
+    if config.messages_per_session is not None and \
+            req.done_messages >= config.messages_per_session:
+        return None
+    for i in range(req.msg + 1, len(s.roles)):
+        lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
+        if s.roles[i] == "assistant" and hi > lo and lo > 0:
+            cap = config.max_message_tokens
+            cut = hi if cap is None else min(hi, lo + cap)
+            req.msg, req.pos, req.end, req.msg_end = i, lo, cut, hi
+            req.kv_id = f"{s.sid}#{i}"
+            proposer.start_message(s.sid, req.tenant, s.tokens[:lo])
+            req.kv_start = max(0, lo - config.context_tokens)
+            ctx = s.tokens[req.kv_start:lo].tolist()
+            req.root, req.prefix_len = ctx[-1], len(ctx) - 1
+            return ctx[:-1]
+        if hi > lo and lo >= prompt_end:  # the prompt went in with open_session
+            proposer.extend(s.sid, s.tokens[lo:hi])
+        if files is not None and proposer.wants_files:
+            for path, text, first_line in files[i]:
+                proposer.add_file(req.tenant, path, text, first_line)
+    return None
+
+
+def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTargetConfig, *,
+                      pool: MetadataPool, graphs: DecodeGraphs | None = None,
+                      step_hook: StepHook | None = None) -> ReplayTargetResult:
+    """Replays ``corpus`` through ``proposer`` on ``runner`` as one continuous batch.
+
+    Parameters
+    ----------
+    runner : PagedLlamaRunner (its KV cache must hold ``batch_size`` requests).
+    corpus : from :func:`agspec_gpu.replay.tokenize_sessions` (with captures for agspec).
+    proposer : from :func:`make_proposer`.
+    config : :class:`ReplayTargetConfig`.
+    pool : planner buffers for the largest step (its ``max_nodes`` bounds every draft).
+    graphs : plain-decode steps (no draft in the batch) run through it when given.
+    step_hook : called before each step with the step index and, per active request, its
+        KV sequence id and the tokens its KV cache holds (profiling, tests).
+
+    Returns
+    -------
+    :class:`ReplayTargetResult`. Every request's KV is freed again before it returns.
+    """
+    dev = runner.device
+    B = config.batch_size
+    res = ReplayTargetResult(proposer.name, B, counts_draft_time=proposer.counts_draft_time)
+    todo = [s for s in corpus.sessions if s.target_messages]
+    tenant_of = (lambda s: s.sid) if config.tenant_by == "session" else (lambda s: s.agent)
+    sessions_left: dict[str, int] = {}
+    for s in todo:
+        sessions_left[tenant_of(s)] = sessions_left.get(tenant_of(s), 0) + 1
+    queue = iter(todo)
+    active: list[_Request] = []
+    stream = corpus.stream
+    verify_timer = _Timer(dev)
+    cache = runner.kv_cache
+
+    def close(req: _Request) -> None:
+        proposer.close_session(req.s.sid)
+        sessions_left[req.tenant] -= 1
+        if sessions_left[req.tenant] == 0:
+            proposer.close_tenant(req.tenant)
+
+    def prefill(new: list[tuple[_Request, list[int]]]) -> None:
+        real = [(r, ctx) for r, ctx in new if ctx]
+        if not real:
+            return
+        with nvtx.annotate("e2e.prefill", color="blue"):
+            _sync(dev)
+            t0 = time.perf_counter()
+            if config.prefill == "real":
+                runner.prefill([r.kv_id for r, _ in real], [c for _, c in real],
+                               chunk_size=config.prefill_chunk)
+            else:
+                for r, ctx in real:
+                    cache.allocate(r.kv_id, len(ctx))
+            _sync(dev)
+            res.prefill_s += time.perf_counter() - t0
+            res.prefill_tokens += sum(len(c) for _, c in real)
+
+    with torch.inference_mode():
+        while config.max_steps is None or res.steps < config.max_steps:
+            new: list[tuple[_Request, list[int]]] = []
+            while len(active) < B:
+                s = next(queue, None)
+                if s is None:
+                    break
+                req = _Request(s, tenant_of(s))
+                prompt_end = int(s.bounds[s.target_messages[0]])
+                proposer.open_session(s.sid, req.tenant, s.agent, s.tokens[:prompt_end])
+                res.sessions += 1
+                ctx = _start_next(req, proposer, config, prompt_end)
+                if ctx is None:  # no target message with context before it
+                    close(req)
+                    continue
+                res.messages += 1
+                new.append((req, ctx))
+                active.append(req)
+            prefill(new)
+            if not active:
+                break
+            if step_hook is not None:
+                step_hook(res.steps, [(r.kv_id, r.s.tokens[r.kv_start:r.kv_start + r.prefix_len])
+                                      for r in active])
+            n_active = len(active)
+            sids = [r.s.sid for r in active]
+            kv_ids = [r.kv_id for r in active]
+            start = np.array([r.s.offset + r.pos for r in active], dtype=np.int64)
+            remaining = np.array([r.end - r.pos for r in active], dtype=np.int64)
+
+            def truth(width: int, pad: int) -> np.ndarray:
+                cols = np.arange(width, dtype=np.int64)
+                idx = start[:, None] + np.minimum(cols[None, :],
+                                                  np.maximum(remaining[:, None] - 1, 0))
+                return np.where(cols[None, :] < remaining[:, None], stream[idx],
+                                pad).astype(np.int32)
+
+            t0 = time.perf_counter()
+            with nvtx.annotate("e2e.propose", color="green"):
+                draft = proposer.propose(sids, [r.s.tokens[:r.pos] for r in active], truth)
+                num_draft = draft.num_draft_tokens.cpu().numpy().astype(np.int64)
+            t1 = time.perf_counter()
+            n_total = int(num_draft.sum())
+            if n_total and draft.max_nodes > pool.max_nodes:
+                raise ValueError(f"{proposer.name}: a draft of {draft.max_nodes} nodes exceeds "
+                                 f"the planner's max_nodes={pool.max_nodes}")
+            prefix_host = [r.prefix_len for r in active]
+            with nvtx.annotate("e2e.verify", color="yellow"):
+                verify_timer.start()
+                roots = torch.tensor([r.root for r in active], dtype=torch.int32).to(dev)
+                if n_total == 0 and graphs is not None:
+                    logits = graphs.decode(kv_ids, roots, prefix_host)
+                else:
+                    draft = DraftBatch(draft.token_ids.to(dev), draft.parents.to(dev),
+                                       draft.num_draft_tokens.to(dev))
+                    prefix_t = torch.tensor(prefix_host, dtype=torch.int32)
+                    meta = runner.plan(kv_ids, draft, roots, prefix_t,
+                                       prefix_lens_host=prefix_host,
+                                       out=pool.rows(n_active + n_total))
+                    logits = runner.forward(meta)
+                # the target's own greedy choice, paid for as an engine would, then replaced
+                # by the trajectory's tokens (the replay target)
+                logits.argmax(dim=-1)
+                paths = None
+                if n_total:
+                    true_t = torch.from_numpy(truth(draft.max_nodes, NO_TOKEN)).to(dev)
+                    paths = teacher_forced_accept(draft, true_t)
+                verify_timer.stop()
+            with nvtx.annotate("e2e.commit", color="red"):
+                num_acc = np.zeros(n_active, dtype=np.int64)
+                if paths is not None:
+                    num_acc = paths.num_accepted.cpu().numpy().astype(np.int64)
+                    A = int(num_acc.max())
+                    if A:
+                        kv_compact(cache.data, cache.page_table(kv_ids),
+                                   prefix_t.to(dev),
+                                   paths.path_nodes[:, :A].to(torch.int32).contiguous())
+                accepted = np.minimum(num_acc, remaining)
+                produced = np.minimum(accepted + 1, remaining)
+                out_ids = truth(int(produced.max()), -1)
+                out_ids[np.arange(out_ids.shape[1])[None, :] >= produced[:, None]] = -1
+                proposer.observe(sids, out_ids, produced, accepted)
+                for b, r in enumerate(active):
+                    p = int(produced[b])
+                    r.pos += p
+                    r.prefix_len += p
+                    r.root = int(out_ids[b, p - 1])
+                _sync(dev)
+            t2 = time.perf_counter()
+            res.steps += 1
+            res.plain_steps += n_total == 0
+            res.request_steps += n_active
+            res.tokens += int(produced.sum())
+            res.drafted += n_total
+            res.accepted += int(accepted.sum())
+            res.draft_s += t1 - t0
+            res.verify_s += verify_timer.seconds()
+            res.decode_s += (t2 - t0) if proposer.counts_draft_time else (t2 - t1)
+            res.commit_s += t2 - t1 - verify_timer.seconds()
+
+            still: list[_Request] = []
+            new = []
+            for r in active:
+                if r.pos < r.end:
+                    still.append(r)
+                    continue
+                s = r.s
+                proposer.finish_message(s.sid)
+                cache.free(r.kv_id)
+                r.done_messages += 1
+                if r.end < r.msg_end:  # the cut-off rest of the message is context
+                    proposer.extend(s.sid, s.tokens[r.end:r.msg_end])
+                if s.maybe_files is not None and proposer.wants_files:
+                    for path, text, first_line in s.maybe_files[r.msg]:
+                        proposer.add_file(r.tenant, path, text, first_line)
+                ctx = _start_next(r, proposer, config, int(s.bounds[s.target_messages[0]]))
+                if ctx is None:
+                    close(r)
+                else:
+                    res.messages += 1
+                    new.append((r, ctx))
+                    still.append(r)
+            active = still
+            prefill(new)
+        for r in active:  # stopped by max_steps
+            proposer.finish_message(r.s.sid)
+            if cache.capacity(r.kv_id):  # a request that has not run a step may hold no KV
+                cache.free(r.kv_id)
+            close(r)
+    return res
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
+                         max_draft_tokens: int = 2048, repeats: int = 5, warmup: int = 2,
+                         graphs: DecodeGraphs | None = None, seed: int = 0,
+                         source: str = "") -> CostModel:
+    """Measures verification time versus tokens per step on ``runner``.
+
+    ``batch_size`` requests with ``context_tokens`` tokens of KV each verify their roots plus
+    ``n`` draft tokens in total (``n = 0, 1, 2, 4, ..., max_draft_tokens``, spread evenly over
+    the requests as chains); a point is ``(batch_size + n, median ms)`` of plan + forward +
+    argmax, raised to the previous point's time where noise made it lower. ``n = 0`` is a
+    plain decode step, through ``graphs`` when given, as the loop runs it. The KV contents
+    are whatever the pages hold: timing does not depend on them.
+
+    Returns
+    -------
+    :class:`CostModel` over those points (the form ``Drafter``'s batch budget consumes).
+    """
+    cache, dev = runner.kv_cache, runner.device
+    B = batch_size
+    room = cache.max_pages_per_seq * cache.page_size - context_tokens
+    ids = [f"__calibrate{b}" for b in range(B)]
+    for sid in ids:
+        cache.allocate(sid, context_tokens)
+    prefix = [context_tokens - 1] * B  # the root sits at the last context slot
+    prefix_t = torch.tensor(prefix, dtype=torch.int32)
+    roots = torch.zeros(B, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(seed)
+    timer = _Timer(dev)
+    ns = [0] + [1 << i for i in range(max(max_draft_tokens, 1).bit_length())
+                if (1 << i) <= max_draft_tokens and -(-(1 << i) // B) < room]
+    points = []
+    try:
+        with torch.inference_mode():
+            for n in ns:
+                per = [n // B + (1 if b < n % B else 0) for b in range(B)]
+                N = max(per)
+                tok = torch.full((B, N), PAD_ID, dtype=torch.int32)
+                par = torch.full((B, N), PAD_ID, dtype=torch.int32)
+                for b, k in enumerate(per):
+                    tok[b, :k] = torch.randint(0, min(runner.shape.vocab_size, 100_000), (k,),
+                                               generator=g, dtype=torch.int32)
+                    par[b, :k] = torch.arange(-1, k - 1, dtype=torch.int32)
+                draft = DraftBatch(tok.to(dev), par.to(dev),
+                                   torch.tensor(per, dtype=torch.int32, device=dev))
+                # capacity = the step's real rows, as the loop's MetadataPool hands out
+                out = TreeMetadata.empty(B, N + 1, cache.max_pages_per_seq, cache.page_size,
+                                         dev, max_total_q=-(-(B + n) // 8) * 8)
+                times = []
+                for i in range(warmup + repeats):
+                    _sync(dev)
+                    timer.start()
+                    if n == 0 and graphs is not None:
+                        logits = graphs.decode(ids, roots, prefix)
+                    else:
+                        meta = runner.plan(ids, draft, roots, prefix_t, prefix_lens_host=prefix,
+                                           out=out)
+                        logits = runner.forward(meta)
+                    logits.argmax(dim=-1)
+                    timer.stop()
+                    _sync(dev)
+                    if i >= warmup:
+                        times.append(timer.seconds())
+                ms = 1e3 * float(np.median(times))
+                # verifying more tokens is never cheaper: timing noise must not give the
+                # curve a falling stretch, which the budget would extrapolate to free tokens
+                points.append((B + n, max(ms, points[-1][1]) if points else ms))
+    finally:
+        for sid in ids:
+            cache.free(sid)
+    return CostModel(tuple(points), source or f"measured: {B} requests x {context_tokens} "
+                     f"tokens of KV, plan + forward + argmax, median of {repeats}")

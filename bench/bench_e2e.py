@@ -1,0 +1,601 @@
+"""End-to-end throughput on replayed agent sessions: agspec_gpu against plain decoding and peers.
+
+The fast runner (``PagedLlamaRunner``: paged KV, FlashInfer tree attention on a GPU) at a
+realistic size -- the Llama-3-8B or Qwen2.5-Coder-7B architecture from the HF configs below,
+random bf16 weights drawn on the device -- runs in REPLAY TARGET mode
+(``agspec_gpu.replay_target``): every forward pass is real, the token the target predicts is
+the trajectory's next token (teacher forcing). Sessions (``../shared/data/trajectories/dev``
+or the paths given) run as one continuous batch at every ``--batch-sizes`` B, for every
+``--methods`` method:
+
+* ``none`` (plain decoding; one-token steps as CUDA graphs on a GPU), ``pld-hf``,
+  ``suffix-decoding`` (arctic-inference, when installed: its CPU speculate loop per request),
+  ``agspec``, ``agspec-nobudget`` (no batch-level budget), and ``oracle`` (drafts the longest
+  prefix of the true continuation found in agspec's corpora, capped at 32: the ceiling).
+
+Before the methods, ``--calibrate`` (on by default) measures verification time against tokens
+per step on this runner, per batch size, and saves it as a ``CostModel`` JSON
+(``bench/results/cost-<model>-<gpu>.json``); agspec's batch budget in the same run uses it.
+
+Reported per (method, B): output tokens/s, speedup over ``none`` at the same B, tau (tokens
+per request per step, bonus included), drafter / verification / commit ms per step, peak GPU
+memory, and the cost model's predicted speedup; plus the memory bandwidth plain decoding
+reaches at B=1. JSON (``{"gpu", "model", "protocol", "rows", ...}``) and CSV go to ``--out``
+(default ``bench/results/e2e-YYYYMMDD-<gpu>.json`` / ``.csv``).
+
+Usage::
+
+    python bench/bench_e2e.py --model llama3-8b                        # H200: the full run
+    python bench/bench_e2e.py --model llama3-8b --calibrate            # cost model only
+    python bench/bench_e2e.py --device cpu --tiny                      # CPU smoke test
+    python bench/bench_e2e.py ... --profile                            # + one Chrome trace
+
+Profiling: ``--profile`` writes one ``torch.profiler`` Chrome trace (open it in Perfetto or
+chrome://tracing) of ``--profile-steps`` steps of ``--profile-method`` at the largest batch,
+after ``--profile-warmup`` steps. The loop marks NVTX ranges ``e2e.propose`` /
+``e2e.verify`` / ``e2e.commit`` / ``e2e.prefill`` (and the drafter ``agspec.propose`` /
+``agspec.commit``), so under Nsight Systems the phases are visible:
+``nsys profile -t cuda,nvtx -o e2e python bench/bench_e2e.py --batch-sizes 16 --methods agspec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.replay import tokenize_sessions
+from agspec_gpu.replay_target import (
+    METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, calibrate_cost_model,
+    make_proposer, protocol, run_replay_target,
+)
+from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.tokenizer import load_tokenizer
+from agspec_gpu.trajectories import load_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "trajectories" / "dev"
+H200_BANDWIDTH_GBPS = 4800.0  # HBM3e, vendor datasheet
+
+# config.json of meta-llama/Llama-3.1-8B (the Llama-3-8B architecture with llama3 RoPE
+# scaling) and Qwen/Qwen2.5-Coder-7B, as transformers reads them
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama3-8b": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        attention_bias=False, mlp_bias=False, hidden_act="silu", tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001)),
+    "qwen2.5-coder-7b": ("qwen2", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, rope_theta=1000000.0, use_sliding_window=False,
+        sliding_window=131072, max_window_layers=28, hidden_act="silu",
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)),
+    # CPU smoke test: cl100k's vocabulary, two small layers
+    "tiny": ("llama", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100277, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072, tie_word_embeddings=False)),
+}
+DEFAULT_METHODS = ("none", "pld-hf", "suffix-decoding", "agspec", "agspec-nobudget", "oracle")
+
+
+def make_config(name: str):
+    import transformers
+
+    kind, kwargs = ARCHITECTURES[name]
+    cls = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
+    return cls(**kwargs)
+
+
+class RandomWeights(Mapping):
+    """A ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` state dict drawn on demand.
+
+    Matrices and biases are ``N(0, std)``, norms are ones, each tensor drawn directly on
+    ``device`` in ``dtype`` from a generator seeded per name when it is read, so an 8B model
+    is never held twice (``PagedLlamaRunner`` fuses QKV and gate/up as it reads them).
+    """
+
+    def __init__(self, config, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 std: float = 0.02) -> None:
+        self.device, self.dtype, self.seed, self.std = device, dtype, seed, std
+        h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+        H, Hkv = config.num_attention_heads, config.num_key_value_heads
+        d = getattr(config, "head_dim", None) or h // H
+        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                  "lm_head.weight": (v, h)}
+        for n in range(config.num_hidden_layers):
+            p = f"model.layers.{n}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (H * d, h),
+                p + "self_attn.k_proj.weight": (Hkv * d, h),
+                p + "self_attn.v_proj.weight": (Hkv * d, h),
+                p + "self_attn.o_proj.weight": (h, H * d),
+                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i)})
+            if bias:
+                shapes.update({p + "self_attn.q_proj.bias": (H * d,),
+                               p + "self_attn.k_proj.bias": (Hkv * d,),
+                               p + "self_attn.v_proj.bias": (Hkv * d,)})
+        self._shapes = shapes
+        self._index = {k: n for n, k in enumerate(shapes)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=self.device, dtype=self.dtype)
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 100_003 + self._index[name])
+        return torch.randn(shape, generator=g, device=self.device, dtype=self.dtype).mul_(self.std)
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def decode_bytes(runner: PagedLlamaRunner, kv_len: int, batch: int = 1) -> int:
+    """Bytes one decode step must read: every weight but the embedding table (one row), and
+    each request's KV of ``kv_len`` tokens."""
+    t = [runner.lm_head, runner.final_norm]
+    for layer in runner.layers:
+        t += [x for x in dataclasses.astuple(layer) if x is not None]
+    weights = sum(x.numel() * x.element_size() for x in t)
+    s = runner.shape
+    kv = 2 * s.num_layers * s.num_kv_heads * s.head_dim * runner.kv_cache.data.element_size()
+    return weights + batch * kv * kv_len
+
+
+def round_robin_by_agent(sessions: list) -> list:
+    """Interleaves agent formats (first session of each agent, then the second, ...), so that
+    any prefix of the list mixes agents."""
+    by_agent: dict[str, list] = {}
+    for s in sessions:
+        by_agent.setdefault(s.agent, []).append(s)
+    out, queues = [], list(by_agent.values())
+    for k in range(max((len(q) for q in queues), default=0)):
+        out += [q[k] for q in queues if k < len(q)]
+    return out
+
+
+def slug(text: str) -> str:
+    t = text.lower().replace("nvidia", "").strip()
+    return "".join(c if c.isalnum() else "-" for c in t).strip("-") or "gpu"
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    env = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "device": str(device),
+           "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import flashinfer
+
+            env["flashinfer"] = getattr(flashinfer, "__version__", "?")
+        except ImportError:
+            env["flashinfer"] = None
+    return env
+
+
+# ---------------------------------------------------------------------------- CLI
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("paths", nargs="*", help=f"trajectory files/dirs (default {DEFAULT_DATA})")
+    ap.add_argument("--git", default=None, help="also build sessions from this git repo's history")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(ARCHITECTURES))
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny config, a few sessions and steps (CPU smoke test)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma list of {', '.join(METHOD_NAMES)}")
+    ap.add_argument("--sessions", type=int, default=None,
+                    help="sessions loaded (default: what the largest batch runs)")
+    ap.add_argument("--sessions-per-slot", type=float, default=2.0,
+                    help="at batch size B, the first max(min-sessions, this * B) sessions run")
+    ap.add_argument("--min-sessions", type=int, default=4)
+    ap.add_argument("--context", type=int, default=4096, help="context tokens per request")
+    ap.add_argument("--max-message-tokens", type=int, default=1024,
+                    help="target tokens per assistant message (0: whole messages)")
+    ap.add_argument("--messages-per-session", type=int, default=0, help="0: all")
+    ap.add_argument("--max-steps", type=int, default=0, help="decode steps per run (0: all)")
+    ap.add_argument("--prefill", default="real", choices=("real", "skip"))
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-draft-nodes", type=int, default=64,
+                    help="most draft nodes per request the planner holds")
+    ap.add_argument("--no-graphs", action="store_true", help="plain decode steps run eagerly")
+    ap.add_argument("--calibrate", action="store_true", help="calibrate the cost model and exit")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip calibration (agspec uses --cost-model or the default model)")
+    ap.add_argument("--cost-model", default=None, help="a cost JSON to use instead of calibrating")
+    ap.add_argument("--calibrate-max-tokens", type=int, default=2048)
+    ap.add_argument("--calibrate-repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="write one Chrome trace")
+    ap.add_argument("--profile-method", default="agspec")
+    ap.add_argument("--profile-warmup", type=int, default=8)
+    ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--bandwidth-iters", type=int, default=50)
+    ap.add_argument("--global-corpus", default=None, help="an agspec global corpus file")
+    ap.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=None, help="e2e JSON path (CSV next to it)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.model = "tiny"
+        defaults = dict(sessions=3, context=256, max_message_tokens=24, messages_per_session=2,
+                        max_steps=12, calibrate_max_tokens=8, calibrate_repeats=1,
+                        bandwidth_iters=3, profile_warmup=2, profile_steps=2)
+        for k, v in defaults.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+        if args.batch_sizes == ap.get_default("batch_sizes"):
+            args.batch_sizes = "1,2"
+    return args
+
+
+def load_corpus(args, tokenizer):
+    if args.git:
+        from agspec_gpu.gitlog import sessions_from_git
+
+        sessions = sessions_from_git(args.git)
+    else:
+        sessions = []
+    paths = args.paths or ([] if args.git else [DEFAULT_DATA])
+    if paths:
+        sessions += load_paths(paths)
+    if args.sessions is None:  # only what the largest batch runs (tokenizing costs)
+        max_b = max(int(b) for b in args.batch_sizes.split(",") if b)
+        args.sessions = max(args.min_sessions, math.ceil(args.sessions_per_slot * max_b))
+    sessions = round_robin_by_agent(sessions)[:args.sessions]
+    if not sessions:
+        raise SystemExit("no sessions found")
+    return tokenize_sessions(sessions, tokenizer, capture_files=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                          if args.device == "auto" else args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else \
+        (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.manual_seed(args.seed)
+    batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHOD_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHOD_NAMES)}")
+    skipped = {}
+    if any(m.startswith("suffix-decoding") for m in methods):
+        from agspec_gpu.baselines import SUFFIX_DECODING_INSTALL_HINT, suffix_decoding_available
+
+        if not suffix_decoding_available():
+            for m in [m for m in methods if m.startswith("suffix-decoding")]:
+                methods.remove(m)
+                skipped[m] = SUFFIX_DECODING_INSTALL_HINT
+    if "none" not in methods:
+        methods.insert(0, "none")  # every speedup is over it
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu_slug = slug(gpu) if device.type == "cuda" else "cpu"
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    max_msg = args.max_message_tokens or None
+    per_msg = args.messages_per_session or None
+    max_steps = args.max_steps or None
+    t_start = time.perf_counter()
+
+    # ---------------------------------------------------------------- workload
+    tokenizer = load_tokenizer("cl100k")
+    corpus = load_corpus(args, tokenizer)
+    maybe_global = None
+    if args.global_corpus:
+        from agspec_gpu.tiers import load_global_corpus
+
+        maybe_global = load_global_corpus(args.global_corpus, tokenizer)
+    longest = max(int(s.bounds[i + 1] - s.bounds[i]) for s in corpus.sessions
+                  for i in s.target_messages) if corpus.sessions else 1
+    msg_room = min(longest, max_msg) if max_msg else longest
+
+    # ---------------------------------------------------------------- runner
+    config = make_config(args.model)
+    max_b = max(batch_sizes)
+    ps = args.page_size
+    per_request = args.context + msg_room + args.max_draft_nodes + 2
+    calib_need = args.context + args.calibrate_max_tokens + 2
+    max_pages_per_seq = -(-max(per_request, calib_need) // ps)
+    num_pages = max(max_b * -(-per_request // ps), max_pages_per_seq,
+                    max_b * -(-(args.context + -(-args.calibrate_max_tokens // max_b) + 2) // ps))
+    t0 = time.perf_counter()
+    runner = PagedLlamaRunner(config, RandomWeights(config, device, dtype, args.seed),
+                              num_pages=num_pages, page_size=ps, max_seqs=max_b + 2,
+                              max_pages_per_seq=max_pages_per_seq, device=device, dtype=dtype)
+    graph_sizes = sorted({1 << k for k in range(max_b.bit_length()) if (1 << k) <= max_b} |
+                         set(batch_sizes))
+    graphs = DecodeGraphs(runner, graph_sizes, use_graphs=False if args.no_graphs else None)
+    pool = MetadataPool(max_b, args.max_draft_nodes, max_pages_per_seq, ps, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    setup_s = time.perf_counter() - t0
+    model_gb = decode_bytes(runner, 0) / 1e9
+    pool_gb = runner.kv_cache.data.numel() * runner.kv_cache.data.element_size() / 1e9
+    print(f"[e2e] {args.model} on {gpu} ({dtype}): {model_gb:.2f} GB of weights read per "
+          f"step, KV pool {pool_gb:.1f} GB, "
+          f"decode graphs: {graphs.uses_graphs}"
+          f"{' (capture failed: ' + graphs.graph_error + ')' if graphs.graph_error else ''}; "
+          f"setup {setup_s:.1f} s", flush=True)
+
+    # ---------------------------------------------------------------- cost model
+    cost_path = results / f"cost-{args.model}-{gpu_slug}.json"
+    cost_for: dict[int, CostModel] = {}
+    if args.cost_model:
+        obj = json.loads(Path(args.cost_model).read_text())
+        for b in batch_sizes:
+            pts = obj.get("by_batch_size", {}).get(str(b))
+            cost_for[b] = CostModel.from_json({"points": pts, "source": obj.get("source", "")}) \
+                if pts else CostModel.from_json(obj)
+        cost_path = Path(args.cost_model)
+    elif not args.no_calibrate or args.calibrate:
+        t0 = time.perf_counter()
+        for b in batch_sizes:
+            cost_for[b] = calibrate_cost_model(
+                runner, b, args.context, max_draft_tokens=args.calibrate_max_tokens,
+                repeats=args.calibrate_repeats, graphs=graphs,
+                source=f"measured: {args.model} on {gpu}, {b} requests x {args.context} tokens "
+                       f"of KV; plan + forward + argmax, median of {args.calibrate_repeats}")
+            print(f"[e2e] cost B={b}: " + ", ".join(f"{x}:{y:.2f}ms" for x, y in
+                                                    cost_for[b].points), flush=True)
+        first = cost_for[batch_sizes[0]]
+        cost_obj = {"points": [list(p) for p in cost_for.get(1, first).points],
+                    "source": cost_for.get(1, first).source, "model": args.model, "gpu": gpu,
+                    "dtype": str(dtype).removeprefix("torch."), "context_tokens": args.context,
+                    "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
+                    "by_batch_size": {str(b): [list(p) for p in c.points]
+                                      for b, c in cost_for.items()}}
+        cost_path.write_text(json.dumps(cost_obj, indent=2) + "\n")
+        print(f"[e2e] wrote {cost_path} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if args.calibrate:
+            return 0
+    else:
+        cost_path = None
+    for b in batch_sizes:
+        cost_for.setdefault(b, CostModel.default())
+
+    # ---------------------------------------------------------------- decode bandwidth (B=1)
+    bw_id = "__bandwidth"
+    runner.kv_cache.allocate(bw_id, args.context)
+    step_ms = graphs.time_step([bw_id], torch.zeros(1, dtype=torch.int32), [args.context - 1],
+                               iters=args.bandwidth_iters)
+    runner.kv_cache.free(bw_id)
+    bw_gbps = decode_bytes(runner, args.context) / (step_ms / 1e3) / 1e9
+    print(f"[e2e] plain decode B=1 at {args.context} tokens: {step_ms:.3f} ms/step, "
+          f"{bw_gbps:.0f} GB/s", flush=True)
+
+    # ---------------------------------------------------------------- methods
+    def run(method: str, b: int, sessions, steps=max_steps, hook=None):
+        proposer = make_proposer(method, tokenizer, device, b,
+                                 cost=cost_for.get(b, CostModel.default()),
+                                 global_corpus=maybe_global)
+        cfg = ReplayTargetConfig(batch_size=b, context_tokens=args.context,
+                                 max_message_tokens=max_msg, messages_per_session=per_msg,
+                                 prefill=args.prefill, max_steps=steps)
+        sub = dataclasses.replace(corpus, sessions=tuple(sessions))
+        return run_replay_target(runner, sub, proposer, cfg, pool=pool,
+                                 graphs=None if args.no_graphs else graphs, step_hook=hook)
+
+    # warm-up: Triton kernels compile, allocator pools fill (results discarded)
+    t0 = time.perf_counter()
+    for m in dict.fromkeys(["none", "agspec"] + methods):
+        run(m, min(2, max_b), corpus.sessions[:2], steps=4)
+    print(f"[e2e] warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+
+    results_by = {}
+    trace_path = None
+    for b in batch_sizes:
+        n_sessions = min(len(corpus.sessions),
+                         max(args.min_sessions, math.ceil(args.sessions_per_slot * b)))
+        sessions = corpus.sessions[:n_sessions]
+        for m in methods:
+            hook, prof = None, None
+            if args.profile and m == args.profile_method and b == max_b:
+                trace_path = results / f"trace-e2e-{args.model}-{m}-B{b}-{gpu_slug}.json"
+                prof = _StepProfiler(device, args.profile_warmup, args.profile_steps, trace_path)
+                hook = prof.hook
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            r = run(m, b, sessions, hook=hook)
+            if prof is not None:
+                prof.close()
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            results_by[(m, b)] = (r, peak)
+            print(f"[e2e] {m:>16} B={b:<3} {r.tokens_per_s:9.1f} tok/s  tau {r.tau:5.2f}  "
+                  f"{r.steps} steps, {r.tokens} tokens, {r.messages} messages "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+
+    # ---------------------------------------------------------------- report
+    rows = []
+    for (m, b), (r, peak) in results_by.items():
+        base = results_by[("none", b)][0]
+        steps = max(r.steps, 1)
+        mean_batch = r.request_steps / steps
+        step_ms_run = 1e3 * r.decode_s / steps
+        draft_ms = r.per_step_ms(r.draft_s) if r.counts_draft_time else 0.0
+        c = cost_for[b]
+        modelled = r.tau * c.step_ms(mean_batch) / (
+            c.step_ms(mean_batch + r.drafted / steps) + draft_ms) if r.steps else None
+        rows.append({
+            "method": m, "batch_size": b,
+            "tokens_per_s": r.tokens_per_s,
+            "speedup": r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
+            "tau": r.tau,
+            "draft_ms_per_step": draft_ms,
+            "verify_ms_per_step": r.per_step_ms(r.verify_s),
+            "peak_mem_gb": peak / 1e9,
+            "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),
+            "step_ms": step_ms_run,
+            "draft_share_of_step": draft_ms / step_ms_run if step_ms_run else None,
+            "modelled_speedup": modelled,
+            "acceptance_rate": r.accepted / r.drafted if r.drafted else None,
+            "drafted_per_request_step": r.drafted / r.request_steps if r.request_steps else 0.0,
+            "mean_batch": mean_batch,
+            "plain_step_share": r.plain_steps / steps,
+            "steps": r.steps, "tokens": r.tokens, "messages": r.messages,
+            "sessions": r.sessions, "prefill_s": r.prefill_s,
+            "prefill_tokens": r.prefill_tokens,
+        })
+    none_b1 = results_by.get(("none", 1))
+    loop_bw = None
+    if none_b1 is not None and none_b1[0].steps:
+        loop_step_s = none_b1[0].decode_s / none_b1[0].steps
+        loop_bw = decode_bytes(runner, args.context) / loop_step_s / 1e9
+    how = "a CUDA graph replayed back to back" if graphs.uses_graphs else \
+        "run eagerly (no CUDA graphs)"
+    out = Path(args.out) if args.out else \
+        results / f"e2e-{_dt.date.today().strftime('%Y%m%d')}-{gpu_slug}.json"
+    report = {
+        "gpu": gpu,
+        "model": args.model,
+        "protocol": protocol(args.context, str(dtype).removeprefix("torch."), args.prefill),
+        "rows": rows,
+        "decode_bandwidth_gbps": bw_gbps,
+        "decode_bandwidth_fraction": bw_gbps / H200_BANDWIDTH_GBPS
+        if device.type == "cuda" else None,
+        "decode_step_ms": step_ms,
+        "decode_bandwidth_note": (
+            f"plain decode, B=1, {args.context} tokens of KV: (weights except the embedding "
+            f"table + KV bytes) / step time; the step is "
+            f"{how}"
+            f"; fraction of {H200_BANDWIDTH_GBPS / 1e3:.1f} TB/s (H200 HBM3e). "
+            "loop_decode_bandwidth_gbps: the same bytes over the none B=1 loop's mean step "
+            "(host work of the replay loop included)"),
+        "loop_decode_bandwidth_gbps": loop_bw,
+        "decode_cuda_graphs": graphs.uses_graphs,
+        "decode_graph_error": graphs.graph_error,
+        "goals": goals(rows, batch_sizes),
+        "cost_model": {"path": str(cost_path) if cost_path else None,
+                       "by_batch_size": {str(b): [list(p) for p in c.points]
+                                         for b, c in cost_for.items()},
+                       "source": {str(b): c.source for b, c in cost_for.items()}},
+        "skipped_methods": skipped,
+        "trace": str(trace_path) if trace_path else None,
+        "config": {k: v for k, v in vars(args).items()} | {
+            "methods": methods, "batch_sizes": batch_sizes, "dtype": str(dtype),
+            "sessions_loaded": len(corpus.sessions), "num_pages": num_pages,
+            "max_pages_per_seq": max_pages_per_seq, "graph_sizes": graph_sizes,
+            "wall_s": time.perf_counter() - t_start, **environment(device)},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    csv_path = out.with_suffix(".csv")
+    with csv_path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print_table(report)
+    print(f"[e2e] wrote {out} and {csv_path}" + (f"; trace {trace_path}" if trace_path else ""))
+    return 0
+
+
+def goals(rows: list[dict], batch_sizes: list[int]) -> dict:
+    """The issue's targets, read off the rows (None where a method did not run)."""
+    by = {(r["method"], r["batch_size"]): r for r in rows}
+
+    def ratio(a: str, b: str, bs: int, key: str = "speedup"):
+        x, y = by.get((a, bs)), by.get((b, bs))
+        return x[key] / y[key] if x and y and x[key] and y[key] else None
+
+    return {
+        "agspec_speedup_over_suffix_speedup": {b: ratio("agspec", "suffix-decoding", b)
+                                               for b in batch_sizes},
+        "agspec_fraction_of_oracle_speedup": {b: ratio("agspec", "oracle", b)
+                                              for b in batch_sizes},
+        "agspec_measured_over_modelled": {
+            b: (by[("agspec", b)]["speedup"] / by[("agspec", b)]["modelled_speedup"])
+            if ("agspec", b) in by and by[("agspec", b)]["modelled_speedup"] else None
+            for b in batch_sizes},
+        "agspec_draft_share_of_step": {b: by[("agspec", b)]["draft_share_of_step"]
+                                       if ("agspec", b) in by else None for b in batch_sizes},
+        "targets": "agspec/suffix >= 1.3 at B=1,16; agspec speedup > 1 at B=64; >= 0.7 of the "
+                   "oracle; measured/modelled within 10%; draft share < 2%; plain decode >= 70% "
+                   "of memory bandwidth at B=1",
+    }
+
+
+class _StepProfiler:
+    """torch.profiler over steps ``[warmup, warmup + steps)`` of one run, one Chrome trace."""
+
+    def __init__(self, device: torch.device, warmup: int, steps: int, path: Path) -> None:
+        self.first, self.last, self.path = warmup, warmup + steps, path
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=acts, record_shapes=False)
+        self._on = False
+
+    def hook(self, step: int, kv=None) -> None:
+        if step == self.first and not self._on:
+            self._prof.__enter__()
+            self._on = True
+        elif step == self.last and self._on:
+            self.close()
+
+    def close(self) -> None:
+        if self._on:
+            self._prof.__exit__(None, None, None)
+            self._on = False
+            self._prof.export_chrome_trace(str(self.path))
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"agspec_gpu end to end - {report['model']} on {report['gpu']} "
+                    f"(replay target)", title_justify="left")
+    cols = [("method", "method", ""), ("B", "batch_size", "d"), ("tok/s", "tokens_per_s", ".1f"),
+            ("speedup", "speedup", ".2f"), ("model", "modelled_speedup", ".2f"),
+            ("tau", "tau", ".2f"), ("acc", "acceptance_rate", ".2f"),
+            ("draft ms", "draft_ms_per_step", ".3f"), ("verify ms", "verify_ms_per_step", ".2f"),
+            ("commit ms", "commit_ms_per_step", ".2f"), ("step ms", "step_ms", ".2f"),
+            ("plain", "plain_step_share", ".2f"), ("peak GB", "peak_mem_gb", ".1f")]
+    for h, _, _ in cols:
+        t.add_column(h, justify="left" if h == "method" else "right")
+    for r in sorted(report["rows"], key=lambda r: (r["batch_size"], r["method"] != "none")):
+        t.add_row(*["-" if r.get(k) is None else format(r[k], f) if f else str(r[k])
+                    for _, k, f in cols])
+    con = Console(width=160)
+    con.print(f"protocol: {report['protocol']}", soft_wrap=True)
+    con.print(t)
+    frac = report["decode_bandwidth_fraction"]
+    con.print(f"plain decode B=1: {report['decode_step_ms']:.3f} ms/step, "
+              f"{report['decode_bandwidth_gbps']:.0f} GB/s"
+              + (f" = {100 * frac:.0f}% of 4.8 TB/s" if frac is not None else "")
+              + f" (CUDA graphs: {report['decode_cuda_graphs']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

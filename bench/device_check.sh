@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# The H200 device check of issue 7: GPU tests, the kernel benchmarks at GPU sizes and a reduced
+# end-to-end run (Llama-3-8B architecture, B = 1, 16, 64), everything under $OUT, < 8 minutes.
+#
+# How to call it (device tool, from the repository root; it needs the carried wheels):
+#
+#     run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=540)
+#
+# .whl/ (git-ignored) must hold, for Python 3.12 manylinux x86_64:
+#   flashinfer_python-0.7.2.post1-*.whl and apache_tvm_ffi-*.whl   (tree attention, decode graphs)
+#   nvtx-0.2.*-cp312-*.whl           (agspec_gpu imports nvtx; the device image has no nvtx)
+# and optionally:
+#   arctic_inference-0.3.0.tar.gz + nanobind-2.9.2-py3-none-any.whl  (SuffixDecoding, built
+#                                    there in the background while FlashInfer compiles)
+#   *.jsonl.gz trajectories           (../shared does not travel: copy some of
+#                                    ../shared/data/trajectories/dev/*.jsonl.gz into .whl/)
+# Fetching them here, once:
+#   echo /.whl/ >> .git/info/exclude; mkdir -p .whl
+#   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+#   pip download --no-deps --only-binary=:all: $P -d .whl flashinfer-python==0.7.2.post1 apache-tvm-ffi nvtx==0.2.17 nanobind==2.9.2
+#   pip download --no-deps --no-binary :all: --no-build-isolation -d .whl arctic-inference==0.3.0
+#   cp ../shared/data/trajectories/dev/*.jsonl.gz .whl/
+#
+# What comes back (at most 8 files): check.log (everything printed, step by step with its exit
+# status and time), e2e-<date>-h200.json/.csv, cost-llama3-8b-h200.json, trace-e2e.json.gz (one
+# torch.profiler trace of agspec at B=64), match.json, index_build.json.
+# Each step has its own timeout and the whole script a deadline (BUDGET_S, default 470 s): a
+# step that would start too late is skipped and says so, so one hang cannot eat the budget.
+set -u
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG=$OUT/check.log
+: >"$LOG"
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-470}
+DATE=$(date +%Y%m%d)
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+# step NAME TIMEOUT_S CMD...: runs CMD with a timeout clipped to the time left, logs it all.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - ($(date +%s) - START)))
+  if [ "$left" -lt 25 ]; then
+    log "=== $name: SKIPPED (${left}s left of ${BUDGET_S}s)"
+    return 124
+  fi
+  [ "$limit" -gt $((left - 10)) ] && limit=$((left - 10))
+  log "=== $name (timeout ${limit}s, t=$(($(date +%s) - START))s)"
+  local t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "=== $name: rc=$rc in $(($(date +%s) - t0))s"
+  return "$rc"
+}
+
+# ---------------------------------------------------------------- environment
+# agspec_gpu.kernels is the folder kernels/ (setuptools package-dir): assemble the package.
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r agspec_gpu /tmp/pkg/ \
+  && rm -rf /tmp/pkg/agspec_gpu/kernels && cp -r kernels /tmp/pkg/agspec_gpu/kernels
+step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:/tmp/pkg
+step nvidia-smi 20 nvidia-smi
+step imports 60 python3 -c "
+import torch, triton, transformers, nvtx, flashinfer, agspec_gpu
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
+      'transformers', transformers.__version__, 'flashinfer', flashinfer.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30, 'GiB')
+" || log "!!! imports failed: the GPU steps below will fail too (missing wheel in .whl/?)"
+
+# SuffixDecoding baseline: build arctic-inference in the background (one small C++ extension)
+ARCTIC_PID=
+SDIST=$(ls .whl/arctic_inference-*.tar.gz 2>/dev/null | head -n1)
+if [ -n "$SDIST" ]; then
+  (CMAKE_ARGS="-DPython_EXECUTABLE=$(command -v python3)" timeout 240 python3 -m pip install \
+    -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site "$SDIST" \
+    >/tmp/arctic.log 2>&1; echo "arctic-inference build rc=$?" >>/tmp/arctic.log) &
+  ARCTIC_PID=$!
+else
+  log "=== arctic-inference: no sdist in .whl/, suffix-decoding will be skipped"
+fi
+
+# ---------------------------------------------------------------- FlashInfer JIT (nvcc, minutes)
+step flashinfer-jit 300 python3 - <<'EOF'
+import time
+import torch
+from agspec_gpu.attention import FlashInferPagedAttention
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.tree import plan_tree
+
+dev = torch.device("cuda")
+t = time.time()
+fi = FlashInferPagedAttention(32, 8, 128, 16, device=dev, dtype=torch.bfloat16)
+d = DraftBatch.from_lists([[(1, -1), (2, 0), (3, -1)]], device=dev)
+i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=dev)
+meta = plan_tree(d, i32(5), i32(40), torch.arange(4, dtype=torch.int32, device=dev)[None], 16)
+cache = torch.randn(8, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+fi.plan(meta)
+fi.run(torch.randn(meta.capacity_q, 32, 128, device=dev, dtype=torch.bfloat16), cache)
+torch.cuda.synchronize()
+print(f"batch prefill (custom mask, fa2, bf16, hd128): {time.time() - t:.1f} s", flush=True)
+t = time.time()
+import flashinfer
+ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+try:
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True, backend="fa2")
+except TypeError:
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+w.plan(i32(0, 3), i32(0, 1, 2), i32(9), 32, 8, 128, 16, pos_encoding_mode="NONE",
+       q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+w.run(torch.randn(1, 32, 128, device=dev, dtype=torch.bfloat16), cache)
+torch.cuda.synchronize()
+print(f"decode (tensor cores): {time.time() - t:.1f} s", flush=True)
+EOF
+
+if [ -n "$ARCTIC_PID" ]; then
+  wait "$ARCTIC_PID"
+  cat /tmp/arctic.log | tee -a "$LOG"
+  python3 -c "import arctic_inference.suffix_decoding" 2>&1 | tee -a "$LOG" \
+    && log "=== arctic-inference: importable"
+fi
+
+# ---------------------------------------------------------------- reduced end-to-end run
+TRAJ=$(ls .whl/*.jsonl.gz 2>/dev/null)
+[ -z "$TRAJ" ] && [ -d ../shared/data/trajectories/dev ] && TRAJ=../shared/data/trajectories/dev
+[ -z "$TRAJ" ] && TRAJ=.whl/trajectories
+# --prefill skip: each request's context KV is allocated, not computed (decode time does not
+# depend on the cached values); the full run (prefill real) is for a longer session.
+step e2e 270 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
+  --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
+  --context 4096 --prefill skip --calibrate-repeats 3 \
+  --profile --profile-steps 3 --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200.json"
+cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
+for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
+
+# ---------------------------------------------------------------- GPU tests
+# fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
+step pytest 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
+  tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
+  "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
+  --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[1-dtype0]" \
+  --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[16-dtype0]"
+
+# ---------------------------------------------------------------- kernel benchmarks
+step bench_match 75 python3 bench/bench_match.py --device cuda --sizes 32K,1M,16M --repeats 10 \
+  --sd-max-size 1M --out /tmp/bench/match
+cp /tmp/bench/match.json "$OUT/match.json" 2>/dev/null
+step bench_index_build 60 python3 bench/bench_index_build.py --device cuda --sizes 1M,16M \
+  --repeats 3 --out /tmp/bench/index_build
+cp /tmp/bench/index_build.json "$OUT/index_build.json" 2>/dev/null
+
+log "=== done in $(($(date +%s) - START))s; files: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,202 @@
+"""The end-to-end benchmark and its replay-target loop, on CPU with a tiny model.
+
+* the benchmark's ``--device cpu --tiny`` smoke run completes and its JSON has every field
+  for every method row (the figures themselves mean nothing on a CPU);
+* the replay-target loop counts like the replay evaluator: same sessions, same drafters, the
+  same ``tau`` (and the oracle's), whatever the model does;
+* after every step each request's paged KV equals a plain prefill of exactly the tokens the
+  trajectory says it holds (prefill, tree verification writes, compaction of the accepted
+  path and the padded plain-decode step all put the right KV in the right slots).
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.replay_target import (
+    DecodeGraphs, MetadataPool, OracleProposer, ReplayTargetConfig, make_proposer,
+    run_replay_target,
+)
+from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.tokenizer import load_tokenizer
+from agspec_gpu.trajectories import load_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_e2e  # noqa: E402  (bench/ is not a package)
+
+DEV = Path("/work/shared/data/trajectories/dev")
+ROW_FIELDS = ("method", "batch_size", "tokens_per_s", "speedup", "tau", "draft_ms_per_step",
+              "verify_ms_per_step", "peak_mem_gb")
+
+
+def data_args() -> list[str]:
+    """Real sessions: the dev trajectories, else this repository's own git history."""
+    if DEV.is_dir():
+        return [str(DEV)]
+    if (ROOT / ".git").exists():
+        return ["--git", str(ROOT)]
+    pytest.skip("no trajectories and no git history to build sessions from")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("cl100k")
+
+
+@pytest.fixture(scope="module")
+def short_corpus(tok):
+    """Real sessions cut after their first short assistant message (whole sessions would
+    replay thousands of steps on a CPU)."""
+    if not DEV.is_dir():
+        pytest.skip("needs the dev trajectories")
+    picked = []
+    for s in bench_e2e.round_robin_by_agent(load_paths(DEV, limit=None)):
+        msgs = s.messages
+        first = next((i for i, m in enumerate(msgs) if m.role == "assistant"), None)
+        if first is None or first == 0:
+            continue
+        if 4 <= len(tok.encode(msgs[first].content)) <= 48:
+            picked.append(dataclasses.replace(s, messages=msgs[:first + 1]))
+        if len(picked) == 4:
+            break
+    if len(picked) < 4:
+        pytest.skip("not enough short sessions")
+    return tokenize_sessions(picked, tok, capture_files=True)
+
+
+def tiny_runner(max_batch: int, context: int, room: int = 96, std: float = 0.1):
+    config = bench_e2e.make_config("tiny")
+    ps = 4
+    per_seq = -(-(context + room) // ps)
+    runner = PagedLlamaRunner(config, bench_e2e.RandomWeights(config, torch.device("cpu"),
+                                                              torch.float32, std=std),
+                              num_pages=(max_batch + 2) * per_seq, page_size=ps,
+                              max_seqs=max_batch + 2, max_pages_per_seq=per_seq)
+    return runner, MetadataPool(max_batch, 64, per_seq, ps, "cpu")
+
+
+def test_cpu_smoke_run_writes_every_field(tmp_path):
+    out = tmp_path / "e2e.json"
+    rc = bench_e2e.main([*data_args(), "--device", "cpu", "--tiny", "--results-dir",
+                         str(tmp_path), "--out", str(out), "--profile"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for key in ("gpu", "model", "protocol", "rows", "decode_bandwidth_gbps",
+                "decode_bandwidth_fraction", "decode_cuda_graphs", "cost_model", "goals"):
+        assert key in report, key
+    assert report["gpu"] == "cpu" and report["model"] == "tiny"
+    assert "teacher forcing" in report["protocol"]
+    methods = {r["method"] for r in report["rows"]}
+    assert {"none", "pld-hf", "agspec", "agspec-nobudget", "oracle"} <= methods
+    assert {r["batch_size"] for r in report["rows"]} == {1, 2}
+    for row in report["rows"]:
+        for f in ROW_FIELDS:
+            assert f in row and row[f] is not None, (row["method"], f)
+        assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
+        if row["method"] == "none":
+            assert row["speedup"] == pytest.approx(1.0) and row["tau"] == pytest.approx(1.0)
+    assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("method,batch_size")
+    cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
+    assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2
+    assert report["trace"] and Path(report["trace"]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("batch_size", [3])
+def test_tau_equals_the_replay_evaluators(short_corpus, tok, batch_size):
+    """Acceptance is the trajectory's, so the loop's tau is the replay evaluator's."""
+    runner, pool = tiny_runner(batch_size, context=48)
+    graphs = DecodeGraphs(runner, [1, 2, 4])
+    names = ["none", "pld-hf", "agspec"]
+    replay = run_replay(short_corpus, names, tok, ReplayConfig(batch_size=batch_size))
+    want = {r["drafter"]: r for r in replay.rows if r["agent"] == "all"}
+    for name in names + ["oracle"]:
+        proposer = make_proposer(name, tok, "cpu", batch_size)
+        cfg = ReplayTargetConfig(batch_size=batch_size, context_tokens=48,
+                                 max_message_tokens=None)
+        got = run_replay_target(runner, short_corpus, proposer, cfg, pool=pool, graphs=graphs)
+        tau = want["agspec"]["oracle_tau"] if name == "oracle" else want[name]["tau"]
+        assert got.tau == pytest.approx(tau), name
+        assert got.messages == want["none"]["messages"]
+        assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages  # all freed
+
+
+class DecoyOracle(OracleProposer):
+    """The oracle's chain behind a decoy: node 0 is a wrong first token, the true chain is
+    nodes 1, 2, ..., so every accepted path sits one slot off and must be compacted."""
+
+    def propose(self, sids, contexts, truth):
+        d = super().propose(sids, contexts, truth)
+        decoy = torch.from_numpy((truth(1, 0)[:, 0] + 1) % 100_000)[:, None]
+        shifted = torch.where(d.parents >= 0, d.parents + 1, d.parents)
+        return DraftBatch(torch.cat([decoy.int(), d.token_ids], 1),
+                          torch.cat([torch.full_like(decoy.int(), -1), shifted], 1),
+                          d.num_draft_tokens + 1)
+
+
+def make_test_proposer(name, tok, batch_size):
+    if name != "decoy":
+        return make_proposer(name, tok, "cpu", batch_size)
+    base = make_proposer("oracle", tok, "cpu", batch_size)
+    return DecoyOracle("decoy", base.drafter, base.store, base.k, "cpu")
+
+
+@pytest.mark.parametrize("method", ["agspec", "pld-hf", "decoy"])
+def test_kv_cache_holds_exactly_the_replayed_prefix(short_corpus, tok, method):
+    runner, pool = tiny_runner(3, context=40)
+    graphs = DecodeGraphs(runner, [1, 2, 4])  # 3 requests: a padded plain-decode step
+    cache = runner.kv_cache
+    checked = []
+
+    def kv_of(seq_id: str, n: int) -> torch.Tensor:
+        slots = torch.arange(n)
+        pages = cache.page_table([seq_id])[0, slots // cache.page_size].long()
+        return cache.data[:, pages, :, slots % cache.page_size]  # [L, n, 2, H_kv, D]
+
+    def check(step: int, kv: list[tuple[str, np.ndarray]]) -> None:
+        for seq_id, tokens in kv:
+            if len(tokens) < 2:
+                continue
+            runner.prefill(["__ref"], [tokens.tolist()])
+            torch.testing.assert_close(kv_of(seq_id, len(tokens)), kv_of("__ref", len(tokens)),
+                                       atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"step {step}, {seq_id}: {m}")
+            cache.free("__ref")
+            checked.append(len(tokens))
+
+    proposer = make_test_proposer(method, tok, 3)
+    cfg = ReplayTargetConfig(batch_size=3, context_tokens=40, max_message_tokens=None,
+                             max_steps=10)
+    res = run_replay_target(runner, short_corpus, proposer, cfg, pool=pool, graphs=graphs,
+                            step_hook=check)
+    assert res.steps == 10 and len(checked) >= 10
+    if method != "pld-hf":  # drafts were accepted and compacted, not only plain steps
+        assert res.accepted > 0
+
+
+def test_metadata_pool_trims_rows_and_rejects_oversized_steps():
+    pool = MetadataPool(4, 8, 5, 16, "cpu")
+    assert pool.rows(5).capacity_q == 8 and pool.rows(16).capacity_q == 16
+    assert pool.rows(36).capacity_q == 36  # the whole pool: 4 * (8 + 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.rows(37)
+
+
+def test_random_weights_are_deterministic_and_lazy():
+    config = bench_e2e.make_config("tiny")
+    w = bench_e2e.RandomWeights(config, torch.device("cpu"), torch.float32, seed=3)
+    a, b = w["model.layers.1.mlp.up_proj.weight"], w["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(a, b) and a.shape == (128, 64)
+    assert torch.equal(w["model.norm.weight"], torch.ones(64))
+    assert not torch.equal(a, w["model.layers.0.mlp.up_proj.weight"])
+    assert "model.layers.0.self_attn.q_proj.bias" not in w  # Llama: no attention bias
+    qwen = bench_e2e.make_config("qwen2.5-coder-7b")
+    names = set(bench_e2e.RandomWeights(qwen, torch.device("cpu"), torch.bfloat16))
+    assert "model.layers.27.self_attn.v_proj.bias" in names and len(names) == 3 + 28 * 12
