@@ -163,19 +163,41 @@ def _compare(tokens, base, n, start, pat, l):
     return lt_lo, le_hi
 
 
-def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper: bool, steps: int):
-    """Vectorized binary search: first index in ``[0, sa_len)`` failing the predicate."""
+_FANOUT = 15  # pivots per search round: fewer, wider torch ops (CPU cost is per op)
+
+
+def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper, steps: int = 0):
+    """Vectorized search: first index in ``[0, sa_len)`` failing the predicate.
+
+    A ``_FANOUT + 1``-ary search (``_FANOUT`` pivots per round, only unsettled rows) so a
+    level of ``m`` entries takes ``log_16(m)`` rounds of a few ops each instead of
+    ``log_2(m)``; the result is the same as a binary search's. ``upper``: a bool, or a bool
+    tensor ``[R]`` choosing per row (lower and upper bounds in one pass). ``steps`` is
+    unused (kept for callers that bounded the rounds).
+    """
+    R = sa_len.shape[0]
+    dev = sa_len.device
     lo = torch.zeros_like(sa_len)
     hi = sa_len.clone()
-    for _ in range(steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        s = torch.take(sa, (sa_base + mid.clamp(max=torch.clamp(sa_len - 1, min=0))).clamp(
-            max=sa.numel() - 1))
-        lt_lo, le_hi = _compare(tokens, base, n, s.to(torch.int64), pat, l)
-        pred = le_hi if upper else lt_lo
-        lo = torch.where(active & pred, mid + 1, lo)
-        hi = torch.where(active & ~pred, mid, hi)
+    k = torch.arange(1, _FANOUT + 1, device=dev)[None, :]
+    live = torch.nonzero(lo < hi, as_tuple=True)[0]
+    while live.numel():
+        llo, lhi = lo[live], hi[live]
+        piv = llo[:, None] + ((lhi - llo)[:, None] * k) // (_FANOUT + 1)  # [r, F] in [lo, hi)
+        s = torch.take(sa, (sa_base[live][:, None] + piv).clamp(max=sa.numel() - 1))
+        rows = live[:, None].expand(-1, _FANOUT).reshape(-1)
+        lt_lo, le_hi = _compare(tokens, base[rows], n[rows], s.reshape(-1).to(torch.int64),
+                                pat[rows], l[rows])
+        if isinstance(upper, torch.Tensor):
+            pred = torch.where(upper[rows], le_hi, lt_lo).view(-1, _FANOUT)
+        else:
+            pred = (le_hi if upper else lt_lo).view(-1, _FANOUT)
+        ntrue = pred.sum(dim=1)  # predicates are monotone along the sorted pivots
+        last_true = piv.gather(1, (ntrue - 1).clamp(min=0)[:, None])[:, 0]
+        first_false = piv.gather(1, ntrue.clamp(max=_FANOUT - 1)[:, None])[:, 0]
+        lo[live] = torch.where(ntrue > 0, last_true + 1, llo)
+        hi[live] = torch.where(ntrue < _FANOUT, first_false, lhi)
+        live = live[lo[live] < hi[live]]
     return lo
 
 
@@ -271,8 +293,11 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     if prow.numel():
         lb = best[prow]
         pat = _patterns(queries, prow, lb, W)
-        lo = _bound(tokens, sa, pb, pn, p_base, p_len, pat, lb, False, steps)
-        hi = _bound(tokens, sa, pb, pn, p_base, p_len, pat, lb, True, steps)
+        R = prow.numel()
+        two = lambda x: torch.cat([x, x])  # noqa: E731 - lower and upper bounds in one search
+        both = _bound(tokens, sa, two(pb), two(pn), two(p_base), two(p_len), two(pat), two(lb),
+                      torch.arange(2 * R, device=dev) >= R)
+        lo, hi = both[:R], both[R:]
         hi = torch.where(lb > 0, hi, lo)
         sa_lo[prow, pslot] = p_base + lo
         sa_hi[prow, pslot] = p_base + hi
