@@ -79,6 +79,8 @@ def _add_replay_options(p: argparse.ArgumentParser, *, drafters: bool = True) ->
     p.add_argument("--global", dest="global_corpus", metavar="FILE",
                    help="global corpus from `agspec-gpu build-global` (never built from the "
                         "replayed sessions)")
+    p.add_argument("--half", type=int, choices=(0, 1),
+                   help="replay only sessions of this half (see build-global --half)")
     p.add_argument("--device", default="cpu", help="device of the agspec corpora (cpu, cuda)")
     p.add_argument("--oracle-k", type=int, default=32, help="oracle depth cap (32)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
@@ -119,8 +121,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_replay_options(p, drafters=False)
 
     p = sub.add_parser("build-global", help="build the read-only global corpus")
-    p.add_argument("--src", nargs="+", required=True, metavar="DIR",
+    p.add_argument("--src", nargs="*", default=[], metavar="DIR",
                    help="public source trees / files (never the replayed sessions)")
+    p.add_argument("--trajectories", nargs="*", default=[], metavar="PATH",
+                   help="public agent trajectories; each session becomes one document")
+    p.add_argument("--half", type=int, choices=(0, 1),
+                   help="only trajectory sessions of this half (replay the other half)")
     p.add_argument("--tokenizer", default="cl100k")
     p.add_argument("--max-depth", type=int, default=32, help="index depth; must match the "
                    "store's TierConfig.max_depth (32)")
@@ -198,6 +204,10 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
 
 def _cmd_replay(args, console) -> int:
     sessions = _load_sessions(args.paths, args.max_sessions)
+    if args.half is not None:
+        from agspec_gpu.tiers import session_half
+
+        sessions = [s for s in sessions if session_half(s.id) == args.half]
     _run(args, sessions, args.drafter or _default_drafters(), console, "replay")
     return 0
 
@@ -242,8 +252,11 @@ def _cmd_build_global(args, console) -> int:
     from agspec_gpu.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
+    if not args.src and not args.trajectories:
+        raise SystemExit("build-global: give --src and/or --trajectories")
     g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
-              max_depth=args.max_depth, suffixes=tuple(args.suffix))
+              max_depth=args.max_depth, suffixes=tuple(args.suffix),
+              trajectories=list(args.trajectories), half=args.half)
     console.print(f"wrote {args.out}: {g.tokens.numel():,} tokens in "
                   f"{time.perf_counter() - t0:.1f}s")
     return 0

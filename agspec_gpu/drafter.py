@@ -45,6 +45,10 @@ class DrafterConfig:
         tree: trees (True) or chains (False).
         batch_budget: spend draft tokens by the cost model across the batch.
         min_match: shortest match that produces a draft.
+        min_prob: nodes whose estimated acceptance probability is below this are not
+            drafted (verification is not spent on long shots).
+        calibrate: scale candidate shares by the acceptance learned online per (match
+            length, depth); off, a node's probability is its candidate share alone.
         controller: the adaptive-length rule.
     """
 
@@ -54,6 +58,8 @@ class DrafterConfig:
     tree: bool = True
     batch_budget: bool = True
     min_match: int = 1
+    min_prob: float = 0.1
+    calibrate: bool = True
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
 
@@ -62,6 +68,8 @@ class DrafterConfig:
             raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
         if self.min_match < 1:
             raise ValueError("min_match must be >= 1")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError("min_prob must be in [0, 1)")
 
 
 class Drafter:
@@ -96,7 +104,15 @@ class Drafter:
         self._roles = {r.name: r for r in self.config.roles}
         self._slot: dict[str, int] = {}
         self._free = list(range(max_batch - 1, -1, -1))
-        self._last: tuple[list[str], DraftBatch, torch.Tensor] | None = None
+        # online calibration: P(node accepted | its parent accepted) by the match length that
+        # produced the draft and the node's depth, from what verification accepted
+        # (exponentially decayed counts over a prior of (L+1)/(L+3), weight 2: a longer
+        # match is more likely to continue)
+        K = self.config.max_draft_depth
+        L = torch.arange(D + 1, dtype=torch.float64, device=dev)[:, None]
+        self.calib_seen = torch.full((D + 1, K), 2.0, dtype=torch.float64, device=dev)
+        self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).contiguous()
+        self._last: tuple | None = None
 
     # ------------------------------------------------------------ lifecycle
     def open_session(self, sid: str, tenant: str, role: str = "default",
@@ -235,13 +251,22 @@ class Drafter:
         rep = torch.where(same, cidx[None, None, :, None], C).min(dim=2).values  # [B, C, K]
         mass = (same.float() * Wt[:, None, :, None]).sum(dim=2)  # [B, C, K]
         total = Wt.sum(dim=1).clamp(min=1e-9)
-        prob = mass / total[:, None, None]
+        share = mass / total[:, None, None]
+        # estimated acceptance: path share among candidates x calibrated chance that the
+        # path survives to this depth after a match of this length
+        if cfg.calibrate:
+            q = (self.calib_hits / self.calib_seen).to(torch.float32)
+            reach = torch.cumprod(q[best.long().clamp(max=q.shape[0] - 1), :K], dim=1)
+            prob = share * reach[:, None, :]  # reach: [B, K]
+        else:
+            prob = share
         is_node = valid & (rep == cidx[None, :, None])
         # depth cap from the controller
         k = draft_depth(self.scale[slots], best, self.cap[slots], cfg.controller)
         k = torch.minimum(k, torch.full_like(k, K))
         depth = torch.arange(K, device=dev)
         is_node &= depth[None, None, :] < k[:, None, None]
+        is_node &= prob >= cfg.min_prob
         if not cfg.tree:
             is_node &= self._chain_mask(rep, mass, is_node)
         # best-first order, exact: probability descending, then the shallower node, then the
@@ -288,7 +313,7 @@ class Drafter:
         parent = torch.where(valid_node, parent, PAD_ID)
         draft = DraftBatch(tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
                            srcs.to(torch.int8))
-        self._last = (list(sids), draft, nd)
+        self._last = (list(sids), draft, nd, best)
         return draft
 
     @staticmethod
@@ -334,7 +359,7 @@ class Drafter:
             raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
                              "num_output[b] columns of each row")
         if self._last is not None and self._last[0] == list(sids):
-            _, draft, nd = self._last
+            _, draft, nd, best = self._last
             depth_drafted = torch.where(
                 torch.arange(draft.max_nodes, device=dev)[None, :] < draft.num_draft_tokens[:, None],
                 nd + 1, 0).max(dim=1).values
@@ -344,7 +369,8 @@ class Drafter:
             srcs = draft.maybe_source.to(torch.int64)
             tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
             drafted = torch.bincount(tiers.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
-            acc_src = self._accepted_sources(draft, out, nacc)
+            acc_src, on_path = self._accepted_path(draft, out, nacc)
+            self._calibrate(draft, nd, best, on_path)
             acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
             hits = torch.bincount(acc_t.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
             self.tier_hits = 0.99 * self.tier_hits + hits.double()
@@ -356,13 +382,38 @@ class Drafter:
             if counts[b]:
                 self.store.append_session(sid, out[b, :counts[b]])
 
+    def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, best: torch.Tensor,
+                   on_path: torch.Tensor) -> None:
+        """Counts, per (match length, depth), nodes reached (parent accepted) and accepted."""
+        B, N = draft.token_ids.shape
+        dev = on_path.device
+        valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
+        par = draft.parents.to(torch.int64)
+        parent_ok = torch.where(par >= 0, on_path.gather(1, par.clamp(min=0)), True)
+        reached = valid & parent_ok
+        L = best.long().clamp(max=self.calib_seen.shape[0] - 1)[:, None].expand(B, N)
+        K = self.calib_seen.shape[1]
+        cell = (L * K + nd.clamp(max=K - 1)).reshape(-1)
+        seen = torch.zeros(self.calib_seen.numel(), dtype=torch.float64, device=dev)
+        hits = torch.zeros_like(seen)
+        seen.scatter_add_(0, cell, reached.reshape(-1).double())
+        hits.scatter_add_(0, cell, (reached & on_path).reshape(-1).double())
+        decay = 0.999
+        self.calib_seen = decay * self.calib_seen + seen.view_as(self.calib_seen)
+        self.calib_hits = decay * self.calib_hits + hits.view_as(self.calib_hits)
+        # keep the prior's weight from vanishing in cells that are rarely drafted
+        self.calib_seen.clamp_(min=2.0)
+        self.calib_hits.clamp_(min=1e-3)
+
     @staticmethod
-    def _accepted_sources(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor
-                          ) -> torch.Tensor:
-        """``int [B, max_acc]`` source tags of the accepted path's nodes, -1 padded."""
+    def _accepted_path(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source tags of the accepted path's nodes ``int [B, max_acc]`` (-1 padded) and
+        ``bool [B, N]``: node is on the accepted path."""
         B, N = draft.token_ids.shape
         dev = out.device
         A = out.shape[1]
+        on_path = torch.zeros(B, N, dtype=torch.bool, device=dev)
         res = torch.full((B, max(A, 1)), -1, dtype=torch.int64, device=dev)
         cur = torch.full((B,), -1, dtype=torch.int64, device=dev)
         valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
@@ -374,5 +425,6 @@ class Drafter:
             nxt = torch.argmax(cand.to(torch.int8), dim=1)
             res[:, d] = torch.where(has, draft.maybe_source.to(torch.int64).gather(
                 1, nxt[:, None])[:, 0], -1)
+            on_path.scatter_(1, nxt[:, None], has[:, None] | on_path.gather(1, nxt[:, None]))
             cur = torch.where(has, nxt, -2)
-        return res
+        return res, on_path

@@ -331,12 +331,26 @@ def _digest(tokens: torch.Tensor, sa: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def session_half(session_id: str) -> int:
+    """0 or 1: a stable split of sessions (first bit of sha1(id)), so a replayed half never
+    feeds the global tier it is replayed against."""
+    return hashlib.sha1(session_id.encode()).digest()[0] & 1
+
+
 def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | Path,
                         max_depth: int = 32, suffixes: tuple[str, ...] = (".py",),
-                        max_tokens: int = 50_000_000) -> GlobalCorpus:
-    """Tokenizes public text files under ``src`` (dirs or files), indexes and saves them."""
-    from safetensors.torch import save_file
+                        max_tokens: int = 50_000_000, trajectories: list[str | Path] = (),
+                        half: int | None = None) -> GlobalCorpus:
+    """Builds and saves the global tier from public text.
 
+    Args:
+        src: directories (files with ``suffixes`` inside) or files of public text, e.g. the
+            Python standard library sources.
+        trajectories: public agent trajectory files; each session is one document (its
+            messages tokenized one by one, as the replay does).
+        half: only sessions with ``session_half(id) == half`` (None: all).
+    """
+    docs: list[list[int]] = []
     files: list[Path] = []
     for p in map(Path, src):
         if p.is_dir():
@@ -351,8 +365,24 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
             texts.append(f.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
             continue
+    docs += tokenizer.encode_batch(texts)
+    if trajectories:
+        from agspec_gpu.trajectories import load_paths
+
+        for sess in load_paths(list(trajectories)):
+            if half is not None and session_half(sess.id) != half:
+                continue
+            ids = tokenizer.encode_batch([m.content for m in sess.messages])
+            docs.append([t for m in ids for t in m])
+    return _save_global(docs, tokenizer, out, max_depth, max_tokens)
+
+
+def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, max_depth: int,
+                 max_tokens: int) -> GlobalCorpus:
+    from safetensors.torch import save_file
+
     parts: list[int] = []
-    for ids in tokenizer.encode_batch(texts):
+    for ids in docs:
         if len(parts) + len(ids) + 1 > max_tokens:
             break
         parts.append(SEP)
@@ -362,7 +392,7 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
     sa = build_suffix_array(tokens, 0, end, max_depth + 1)
     meta = {"format": _FORMAT, "fingerprint": tokenizer.fingerprint, "tokenizer": tokenizer.name,
             "max_depth": str(max_depth), "indexed_end": str(end),
-            "sha256": _digest(tokens, sa), "num_files": str(len(texts))}
+            "sha256": _digest(tokens, sa), "num_docs": str(len(docs))}
     save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)
     return GlobalCorpus(tokens, sa, end, max_depth, tokenizer.fingerprint)
 

@@ -34,6 +34,9 @@ CASE_A = [F0, A, B, C, X, F1, A, B, C, Y, F2, A, B, C, X, F3, A, B, C]
 # Y most recent, X twice (older): the heavier root child is not the most recent one
 CASE_B = [F0, A, B, C, X, F1, A, B, C, X, F2, A, B, C, Y, F3, A, B, C]
 
+# trees are checked on candidate shares alone: no online calibration, no probability floor
+_SHARES = {"calibrate": False, "min_prob": 0.0}
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -42,7 +45,7 @@ def tok():
 
 def make(tok, *, tier=None, **cfg):
     store = CorpusStore(tok, tier or TierConfig(use_global=False))
-    return store, Drafter(store, DrafterConfig(**cfg), max_batch=16)
+    return store, Drafter(store, DrafterConfig(**{**_SHARES, **cfg}), max_batch=16)
 
 
 def nodes(draft: DraftBatch, b: int = 0) -> list[tuple[int, int]]:
@@ -122,7 +125,7 @@ def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
     monkeypatch.setattr(drafter_mod, "batch_budget", spy)
     free = CostModel(((1, 1.0), (4096, 1.0)))
     store = CorpusStore(tok, TierConfig(use_global=False))
-    d = Drafter(store, DrafterConfig(), cost=free)
+    d = Drafter(store, DrafterConfig(**_SHARES), cost=free)
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
     draft = d.propose(["s"])
     assert len(seen) == 1
@@ -288,7 +291,7 @@ def test_random_drafts_match_reference_and_invariants(tok):
         k, max_nodes, tree = rng.randint(1, K), rng.randint(1, 30), rng.random() < 0.7
         store = CorpusStore(tok, TierConfig(max_depth=D, tail_tokens=rng.choice([4, 16, 64]),
                                             use_global=False))
-        d = Drafter(store, DrafterConfig(max_positions=P, max_draft_depth=K, max_nodes=max_nodes,
+        d = Drafter(store, DrafterConfig(**_SHARES, max_positions=P, max_draft_depth=K, max_nodes=max_nodes,
                                          tree=tree, batch_budget=False,
                                          controller=ControllerConfig(static_k=k)), max_batch=4)
         letters = "abcd"[:rng.randint(2, 4)]
@@ -392,7 +395,7 @@ def test_maybe_source_tags_tier_and_form(tok, tmp_path):
                                      "    return alpha * beta + 12345\n")
     g = build_global_corpus([tmp_path], tok, tmp_path / "g.agspec", max_depth=32)
     store = CorpusStore(tok, TierConfig(), global_corpus=g)
-    d = Drafter(store, DrafterConfig(tree=False, batch_budget=False,
+    d = Drafter(store, DrafterConfig(**_SHARES, tree=False, batch_budget=False,
                                      controller=ControllerConfig(static_k=6)))
     ws = ("class WorkspaceOnlyThing:\n    def method_one(self, gamma):\n"
           "        return gamma + 98765\n")
