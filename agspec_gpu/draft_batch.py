@@ -52,6 +52,21 @@ class DraftBatch:
         return depth
 
     @staticmethod
+    def from_host(drafts: "list[tuple[list[int], list[int]]]", device: torch.device | str = "cpu"
+                  ) -> "DraftBatch":
+        """Pads host drafts, one ``(token_ids, parents)`` pair of lists per request."""
+        B = len(drafts)
+        N = max((len(t) for t, _ in drafts), default=0)
+        tok = torch.full((B, N), PAD_ID, dtype=torch.int32)
+        par = torch.full((B, N), PAD_ID, dtype=torch.int32)
+        num = torch.zeros(B, dtype=torch.int32)
+        for b, (t, p) in enumerate(drafts):
+            num[b] = len(t)
+            tok[b, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
+            par[b, :len(p)] = torch.as_tensor(p, dtype=torch.int32)
+        return DraftBatch(tok.to(device), par.to(device), num.to(device))
+
+    @staticmethod
     def from_lists(trees: list[list[tuple[int, int]]], device: torch.device | str = "cpu"
                    ) -> "DraftBatch":
         """Builds a batch from host lists of ``(token_id, parent)`` per request (tests, demos)."""

@@ -156,18 +156,10 @@ class HostLane:
             t0 = time.perf_counter()
             drafts.append(self.drafter.propose(self._keys[sid], ctx))
             seconds += time.perf_counter() - t0
-        B = len(sids)
-        N = max((len(tok) for tok, _ in drafts), default=0)
-        tok = np.full((B, N), PAD_ID, dtype=np.int32)
-        par = np.full((B, N), PAD_ID, dtype=np.int32)
-        num = np.zeros(B, dtype=np.int32)
-        for b, (t, p) in enumerate(drafts):
-            num[b] = len(t)
-            tok[b, :len(t)] = t
-            par[b, :len(p)] = p
-        draft = DraftBatch(torch.from_numpy(tok), torch.from_numpy(par), torch.from_numpy(num))
+        draft = DraftBatch.from_host(drafts)
         num_acc, _ = _accept_on_host(draft, truth)
-        return StepResult(num.astype(np.int64), num_acc, None, seconds)
+        return StepResult(draft.num_draft_tokens.numpy().astype(np.int64), num_acc, None,
+                          seconds)
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
                 num_accepted: np.ndarray) -> None:

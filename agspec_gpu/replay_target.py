@@ -310,16 +310,7 @@ TruthFn = Callable[[int, int], np.ndarray]
 def host_drafts_to_batch(drafts: Sequence[tuple[list[int], list[int]]],
                          device: torch.device | str) -> DraftBatch:
     """``(tokens, parents)`` host lists, one per request, as a padded :class:`DraftBatch`."""
-    B = len(drafts)
-    N = max((len(t) for t, _ in drafts), default=0)
-    tok = np.full((B, N), PAD_ID, dtype=np.int32)
-    par = np.full((B, N), PAD_ID, dtype=np.int32)
-    num = np.zeros(B, dtype=np.int32)
-    for b, (t, p) in enumerate(drafts):
-        num[b] = len(t)
-        tok[b, :len(t)] = t
-        par[b, :len(p)] = p
-    return DraftBatch(*(torch.from_numpy(x).to(device) for x in (tok, par, num)))
+    return DraftBatch.from_host(list(drafts), device)
 
 
 class HostProposer(HostLane):

@@ -175,7 +175,6 @@ def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper, steps: int = 0):
     tensor ``[R]`` choosing per row (lower and upper bounds in one pass). ``steps`` is
     unused (kept for callers that bounded the rounds).
     """
-    R = sa_len.shape[0]
     dev = sa_len.device
     lo = torch.zeros_like(sa_len)
     hi = sa_len.clone()
