@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
 import torch
 
+from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.suffix_array import build_suffix_array
@@ -63,12 +63,17 @@ class TierConfig:
 @dataclass
 class _Tenant:
     version: int = 0  # bumped whenever workspace or history text changes
-    workspace: int | None = None
-    history: int | None = None
-    files: "OrderedDict[tuple[str, str], list[tuple[int, int, int]]]" = field(
-        default_factory=OrderedDict)  # (path, digest) -> [(start, end, src)] in workspace
-    history_docs: "OrderedDict[str, tuple[int, int]]" = field(default_factory=OrderedDict)
+    ws: DocumentCorpus | None = None  # documents: (path, digest) -> emission forms
+    hist: DocumentCorpus | None = None  # documents: session id -> its token stream
     sessions: set[str] = field(default_factory=set)
+
+    @property
+    def workspace(self) -> int | None:
+        return None if self.ws is None else self.ws.cid
+
+    @property
+    def history(self) -> int | None:
+        return None if self.hist is None else self.hist.cid
 
 
 @dataclass
@@ -147,9 +152,9 @@ class CorpusStore:
             raise KeyError(f"tenant {tenant!r} is unknown")
         for sid in list(t.sessions):
             self.arena.free(self._sessions.pop(sid).corpus)
-        for cid in (t.workspace, t.history):
-            if cid is not None:
-                self.arena.free(cid)
+        for docs in (t.ws, t.hist):
+            if docs is not None:
+                docs.free()
         del self._tenants[tenant]
 
     def session(self, sid: str) -> _Session:
@@ -178,68 +183,25 @@ class CorpusStore:
             return 0
         t = self._tenants.setdefault(tenant, _Tenant())
         key = (path or "", hashlib.sha1(text.encode()).hexdigest())
-        if key in t.files:
-            t.files.move_to_end(key)
+        if t.ws is not None and t.ws.touch(key):
             return 0
-        if t.workspace is None:
-            t.workspace = self.arena.new_corpus(1 << 14)
+        if t.ws is None:
+            # evict down to half the budget so rebuilds stay rare
+            t.ws = DocumentCorpus(self.arena, self.config.workspace_budget_tokens, "lru", 0.5)
         rendered = render_forms(text, self.config.forms)
         forms = list(rendered)
         ids = self.tokenizer.encode_batch([rendered[f] for f in forms])
-        docs, added = [], 0
-        for f, toks in zip(forms, ids):
-            start = self.arena.num_tokens(t.workspace)
-            self.arena.append(t.workspace, torch.tensor([SEP] + toks, dtype=torch.int32,
-                                                        device=self.arena.device),
-                              source_code(CorpusTier.WORKSPACE, f))
-            docs.append((start, start + 1 + len(toks), source_code(CorpusTier.WORKSPACE, f)))
-            added += 1 + len(toks)
-        t.files[key] = docs
+        added = t.ws.add(key, [(toks, source_code(CorpusTier.WORKSPACE, f))
+                               for f, toks in zip(forms, ids)])
         t.version += 1
-        if self.arena.num_tokens(t.workspace) > self.config.workspace_budget_tokens:
-            self._evict_workspace(t)
         return added
-
-    def _evict_workspace(self, t: _Tenant) -> None:
-        """Drops least-recently-used files until under budget, then rebuilds the corpus."""
-        total = self.arena.num_tokens(t.workspace)
-        while len(t.files) > 1 and total > self.config.workspace_budget_tokens // 2:
-            _, docs = t.files.popitem(last=False)
-            total -= sum(e - s for s, e, _ in docs)
-        t.workspace = self._rebuild(t.workspace, t.files)
-
-    def _rebuild(self, cid: int, docs_by_key: "OrderedDict") -> int:
-        old = self.arena.corpus_tokens(cid).clone()
-        self.arena.free(cid)
-        new = self.arena.new_corpus(max(16, 2 * sum(e - s for d in docs_by_key.values()
-                                                    for s, e, _ in d)))
-        for key, docs in docs_by_key.items():
-            moved = []
-            for s, e, src in docs:
-                start = self.arena.num_tokens(new)
-                self.arena.append(new, old[s:e], src)
-                moved.append((start, start + e - s, src))
-            docs_by_key[key] = moved
-        return new
 
     # ------------------------------------------------------------ history
     def _add_history(self, t: _Tenant, sid: str, tokens: torch.Tensor) -> None:
-        if t.history is None:
-            t.history = self.arena.new_corpus(max(2 * tokens.numel(), 1024))
-        start = self.arena.num_tokens(t.history)
-        sep = torch.tensor([SEP], dtype=torch.int32, device=self.arena.device)
-        self.arena.append(t.history, torch.cat([sep, tokens]), source_code(CorpusTier.HISTORY))
-        t.history_docs[sid] = (start, start + 1 + tokens.numel())
+        if t.hist is None:
+            t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru", 1.0)
+        t.hist.add(sid, [(tokens, source_code(CorpusTier.HISTORY))])
         t.version += 1
-        if self.arena.num_tokens(t.history) > self.config.history_budget_tokens:
-            docs = OrderedDict((k, [(s, e, source_code(CorpusTier.HISTORY))])
-                               for k, (s, e) in t.history_docs.items())
-            total = self.arena.num_tokens(t.history)
-            while len(docs) > 1 and total > self.config.history_budget_tokens:
-                _, d = docs.popitem(last=False)
-                total -= d[0][1] - d[0][0]
-            t.history = self._rebuild(t.history, docs)
-            t.history_docs = OrderedDict((k, (d[0][0], d[0][1])) for k, d in docs.items())
 
     # ------------------------------------------------------------ queries
     def corpora_of(self, sid: str) -> list[tuple[CorpusTier, int]]:

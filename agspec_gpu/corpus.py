@@ -1,0 +1,145 @@
+"""A corpus of documents with ids, on one corpus of an :class:`~agspec_gpu.index.IndexArena`.
+
+Documents are int32 token sequences (one or more *parts*, each with its own source tag,
+e.g. the emission forms of one file), each part preceded by a negative separator so no match
+crosses documents. Documents can be removed by id; the store holds a token budget that
+either refuses an addition with a clear error or evicts least-recently-used documents, as
+the caller chooses. Removal rebuilds the corpus from the remaining documents (the index of
+an appended corpus cannot forget text in place); eviction frees down to a low-water mark so
+rebuilds stay rare.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from agspec_gpu.index import IndexArena
+
+SEP = -1
+
+
+class BudgetExceeded(ValueError):
+    """Adding a document would exceed the corpus's token budget."""
+
+
+@dataclass(slots=True)
+class _Part:
+    start: int
+    end: int
+    src: int
+
+
+class DocumentCorpus:
+    """Documents by id in one arena corpus, with a token budget.
+
+    Args:
+        arena: the arena that holds the tokens and the index.
+        budget_tokens: most tokens held (separators included); None for no limit.
+        evict: ``"error"`` (raise :class:`BudgetExceeded`, nothing changes) or ``"lru"``
+            (evict least-recently-used documents, never the one just added).
+        low_water: after an eviction the corpus holds at most ``low_water * budget_tokens``
+            (plus the newest document when it alone is larger).
+    """
+
+    def __init__(self, arena: IndexArena, budget_tokens: int | None = None,
+                 evict: str = "error", low_water: float = 1.0) -> None:
+        if evict not in ("error", "lru"):
+            raise ValueError(f"evict must be 'error' or 'lru', got {evict!r}")
+        if budget_tokens is not None and budget_tokens < 1:
+            raise ValueError(f"budget_tokens must be >= 1, got {budget_tokens}")
+        if not 0.0 < low_water <= 1.0:
+            raise ValueError(f"low_water must be in (0, 1], got {low_water}")
+        self.arena = arena
+        self.budget_tokens = budget_tokens
+        self.evict = evict
+        self.low_water = low_water
+        self.cid = arena.new_corpus(1 << 10)
+        self._docs: OrderedDict[Hashable, list[_Part]] = OrderedDict()
+
+    def __contains__(self, doc_id: Hashable) -> bool:
+        return doc_id in self._docs
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arena.num_tokens(self.cid)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes(self.cid)
+
+    def doc_ids(self) -> list[Hashable]:
+        """Document ids, least recently used first."""
+        return list(self._docs)
+
+    def touch(self, doc_id: Hashable) -> bool:
+        """Marks a document as used; False if it is not here."""
+        if doc_id not in self._docs:
+            return False
+        self._docs.move_to_end(doc_id)
+        return True
+
+    def add(self, doc_id: Hashable, parts: Sequence[tuple[Sequence[int] | torch.Tensor, int]]
+            ) -> int:
+        """Adds a document made of ``(tokens, src)`` parts; returns the tokens added.
+
+        Raises:
+            ValueError: ``doc_id`` is already present.
+            BudgetExceeded: over budget with ``evict="error"`` (the corpus is unchanged).
+        """
+        if doc_id in self._docs:
+            raise ValueError(f"doc_id {doc_id!r} is already in the corpus")
+        tensors = [(torch.as_tensor(t, dtype=torch.int32).to(self.arena.device), src)
+                   for t, src in parts]
+        size = sum(1 + t.numel() for t, _ in tensors)
+        if self.budget_tokens is not None and self.evict == "error" and \
+                self.num_tokens + size > self.budget_tokens:
+            raise BudgetExceeded(f"doc_id {doc_id!r}: {size} tokens would exceed the budget of "
+                                 f"{self.budget_tokens} ({self.num_tokens} held)")
+        sep = torch.tensor([SEP], dtype=torch.int32, device=self.arena.device)
+        placed = []
+        for t, src in tensors:
+            start = self.num_tokens
+            self.arena.append(self.cid, torch.cat([sep, t]), src)
+            placed.append(_Part(start, start + 1 + t.numel(), src))
+        self._docs[doc_id] = placed
+        if self.budget_tokens is not None and self.num_tokens > self.budget_tokens:
+            self._evict_lru()
+        return size
+
+    def remove(self, doc_id: Hashable) -> None:
+        """Removes a document by id (rebuilds the corpus without it)."""
+        if doc_id not in self._docs:
+            raise KeyError(f"doc_id {doc_id!r} is not in the corpus")
+        del self._docs[doc_id]
+        self._rebuild()
+
+    def free(self) -> None:
+        """Releases the corpus and its device memory."""
+        self.arena.free(self.cid)
+        self._docs.clear()
+
+    def _evict_lru(self) -> None:
+        target = int(self.low_water * self.budget_tokens)
+        total = self.num_tokens
+        while len(self._docs) > 1 and total > target:
+            _, parts = self._docs.popitem(last=False)
+            total -= sum(p.end - p.start for p in parts)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        old = self.arena.corpus_tokens(self.cid).clone()
+        self.arena.free(self.cid)
+        keep = sum(p.end - p.start for parts in self._docs.values() for p in parts)
+        self.cid = self.arena.new_corpus(max(1 << 10, 2 * keep))
+        for parts in self._docs.values():
+            for p in parts:
+                start = self.num_tokens
+                self.arena.append(self.cid, old[p.start:p.end], p.src)
+                p.start, p.end = start, start + (p.end - p.start)
