@@ -40,20 +40,22 @@ class RoleProfile:
             raise ValueError("initial_scale must be > 0")
 
 
+# Caps and initial scales chosen on replayed dev sessions (see the drafter's min_prob): deep
+# drafts pay while the batch budget, not the cap, trims them at large batch sizes.
 BUILTIN_ROLES = {
-    "default": RoleProfile("default", 24),
-    "planner": RoleProfile("planner", 12),
-    "coder": RoleProfile("coder", 32),
-    "reviewer": RoleProfile("reviewer", 16),
+    "default": RoleProfile("default", 32, 4.0),
+    "planner": RoleProfile("planner", 16, 4.0),
+    "coder": RoleProfile("coder", 32, 4.0),
+    "reviewer": RoleProfile("reviewer", 24, 4.0),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     alpha: float = 1.5
-    beta: float = 0.6
-    s_min: float = 0.25
-    s_max: float = 4.0
+    beta: float = 0.75
+    s_min: float = 4.0
+    s_max: float = 16.0
     static_k: int | None = None  # fixed depth; disables the adaptive rule
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ class DrafterConfig:
     tree: bool = True
     batch_budget: bool = True
     min_match: int = 1
-    min_prob: float = 0.1
+    min_prob: float = 0.0
     calibrate: bool = True
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
@@ -110,8 +110,11 @@ class Drafter:
         # match is more likely to continue)
         K = self.config.max_draft_depth
         L = torch.arange(D + 1, dtype=torch.float64, device=dev)[:, None]
-        self.calib_seen = torch.full((D + 1, K), 2.0, dtype=torch.float64, device=dev)
-        self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).contiguous()
+        # rows: (mode, L) with mode 1 when the request's previous draft was fully accepted
+        # (copy mode persists: the strongest predictor of the next draft's fate)
+        self.calib_seen = torch.full((2 * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
+        self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(2, 1).contiguous()
+        self.prev_full = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._last: tuple | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -125,6 +128,7 @@ class Drafter:
         slot = self._free.pop()
         self._slot[sid] = slot
         self.recent_len[slot] = 0
+        self.prev_full[slot] = 0
         self.match_cap[slot] = self.store.config.max_depth
         self._version[sid] = self.store.tenant_version(sid)
         p = self._roles[role]
@@ -252,11 +256,13 @@ class Drafter:
         mass = (same.float() * Wt[:, None, :, None]).sum(dim=2)  # [B, C, K]
         total = Wt.sum(dim=1).clamp(min=1e-9)
         share = mass / total[:, None, None]
+        D1 = self.store.config.max_depth + 1
+        calib_row = self.prev_full[slots] * D1 + best.long().clamp(max=D1 - 1)
         # estimated acceptance: path share among candidates x calibrated chance that the
         # path survives to this depth after a match of this length
         if cfg.calibrate:
             q = (self.calib_hits / self.calib_seen).to(torch.float32)
-            reach = torch.cumprod(q[best.long().clamp(max=q.shape[0] - 1), :K], dim=1)
+            reach = torch.cumprod(q[calib_row, :K], dim=1)
             prob = share * reach[:, None, :]  # reach: [B, K]
         else:
             prob = share
@@ -313,7 +319,7 @@ class Drafter:
         parent = torch.where(valid_node, parent, PAD_ID)
         draft = DraftBatch(tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
                            srcs.to(torch.int8))
-        self._last = (list(sids), draft, nd, best)
+        self._last = (list(sids), draft, nd, calib_row)
         return draft
 
     @staticmethod
@@ -359,10 +365,11 @@ class Drafter:
             raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
                              "num_output[b] columns of each row")
         if self._last is not None and self._last[0] == list(sids):
-            _, draft, nd, best = self._last
+            _, draft, nd, calib_row = self._last
             depth_drafted = torch.where(
                 torch.arange(draft.max_nodes, device=dev)[None, :] < draft.num_draft_tokens[:, None],
                 nd + 1, 0).max(dim=1).values
+            self.prev_full[slots] = ((nacc >= depth_drafted) & (depth_drafted > 0)).long()
             self.scale[slots] = update_scale(self.scale[slots], depth_drafted, nacc,
                                              self.cap[slots], self.config.controller)
             # tier weights: drafted nodes per tier vs accepted path tokens per tier
@@ -370,7 +377,7 @@ class Drafter:
             tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
             drafted = torch.bincount(tiers.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
             acc_src, on_path = self._accepted_path(draft, out, nacc)
-            self._calibrate(draft, nd, best, on_path)
+            self._calibrate(draft, nd, calib_row, on_path)
             acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
             hits = torch.bincount(acc_t.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
             self.tier_hits = 0.99 * self.tier_hits + hits.double()
@@ -382,16 +389,17 @@ class Drafter:
             if counts[b]:
                 self.store.append_session(sid, out[b, :counts[b]])
 
-    def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, best: torch.Tensor,
+    def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, calib_row: torch.Tensor,
                    on_path: torch.Tensor) -> None:
-        """Counts, per (match length, depth), nodes reached (parent accepted) and accepted."""
+        """Counts, per (mode, match length) row and depth, nodes reached (parent accepted)
+        and accepted."""
         B, N = draft.token_ids.shape
         dev = on_path.device
         valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
         par = draft.parents.to(torch.int64)
         parent_ok = torch.where(par >= 0, on_path.gather(1, par.clamp(min=0)), True)
         reached = valid & parent_ok
-        L = best.long().clamp(max=self.calib_seen.shape[0] - 1)[:, None].expand(B, N)
+        L = calib_row[:, None].expand(B, N)
         K = self.calib_seen.shape[1]
         cell = (L * K + nd.clamp(max=K - 1)).reshape(-1)
         seen = torch.zeros(self.calib_seen.numel(), dtype=torch.float64, device=dev)

@@ -19,7 +19,8 @@
 #   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 #   pip download --no-deps --only-binary=:all: $P -d .whl flashinfer-python==0.7.2.post1 apache-tvm-ffi nvtx==0.2.17 nanobind==2.9.2
 #   pip download --no-deps --no-binary :all: --no-build-isolation -d .whl arctic-inference==0.3.0
-#   cp ../shared/data/trajectories/dev/*.jsonl.gz .whl/
+#   cp ../shared/data/trajectories/dev/swe_agent__claude-sonnet-4.jsonl.gz .whl/   # 1.2 MB: the
+#                                    flashinfer wheel (62 MB) leaves little of the 64 MiB carry
 #
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv, cost-llama3-8b-h200.json, trace-e2e.json.gz (one

@@ -35,7 +35,11 @@ CASE_A = [F0, A, B, C, X, F1, A, B, C, Y, F2, A, B, C, X, F3, A, B, C]
 CASE_B = [F0, A, B, C, X, F1, A, B, C, X, F2, A, B, C, Y, F3, A, B, C]
 
 # trees are checked on candidate shares alone: no online calibration, no probability floor
-_SHARES = {"calibrate": False, "min_prob": 0.0}
+# and the pre-tuning controller, whose depths the golden trees were written for
+_SHARES = {"calibrate": False, "min_prob": 0.0,
+           "controller": ControllerConfig(alpha=1.5, beta=0.6, s_min=0.25, s_max=4.0),
+           "roles": (RoleProfile("default", 24), RoleProfile("planner", 12),
+                     RoleProfile("coder", 32), RoleProfile("reviewer", 16))}
 
 
 @pytest.fixture(scope="module")
@@ -291,9 +295,10 @@ def test_random_drafts_match_reference_and_invariants(tok):
         k, max_nodes, tree = rng.randint(1, K), rng.randint(1, 30), rng.random() < 0.7
         store = CorpusStore(tok, TierConfig(max_depth=D, tail_tokens=rng.choice([4, 16, 64]),
                                             use_global=False))
-        d = Drafter(store, DrafterConfig(**_SHARES, max_positions=P, max_draft_depth=K, max_nodes=max_nodes,
-                                         tree=tree, batch_budget=False,
-                                         controller=ControllerConfig(static_k=k)), max_batch=4)
+        cfg = {**_SHARES, "controller": ControllerConfig(static_k=k)}
+        d = Drafter(store, DrafterConfig(**cfg, max_positions=P, max_draft_depth=K,
+                                         max_nodes=max_nodes, tree=tree, batch_budget=False),
+                    max_batch=4)
         letters = "abcd"[:rng.randint(2, 4)]
         alphabet = [tok.encode(" " + ch)[0] for ch in letters]
         if rng.random() < 0.5:  # a workspace file over the same tokens, in every form
@@ -332,7 +337,7 @@ def test_observe_updates_ring_session_scale_and_tier_weights(tok):
     assert int(d.recent_len[slot]) == len(CASE_A) + 3
     assert store.arena.corpus_tokens(store.session("s").corpus).tolist() == CASE_A + [X, F3, B]
     # rejection: S * beta
-    assert float(d.scale[slot]) == pytest.approx(ControllerConfig().beta)
+    assert float(d.scale[slot]) == pytest.approx(_SHARES["controller"].beta)
     # tier weights: 2 accepted session nodes of n drafted, decayed by 0.99
     s = int(CorpusTier.SESSION)
     assert float(d.tier_hits[s]) == pytest.approx(0.99 + 2)
@@ -395,8 +400,8 @@ def test_maybe_source_tags_tier_and_form(tok, tmp_path):
                                      "    return alpha * beta + 12345\n")
     g = build_global_corpus([tmp_path], tok, tmp_path / "g.agspec", max_depth=32)
     store = CorpusStore(tok, TierConfig(), global_corpus=g)
-    d = Drafter(store, DrafterConfig(**_SHARES, tree=False, batch_budget=False,
-                                     controller=ControllerConfig(static_k=6)))
+    d = Drafter(store, DrafterConfig(**{**_SHARES, "controller": ControllerConfig(static_k=6)},
+                                     tree=False, batch_budget=False))
     ws = ("class WorkspaceOnlyThing:\n    def method_one(self, gamma):\n"
           "        return gamma + 98765\n")
     store.add_workspace_file("t", "w.py", ws)
