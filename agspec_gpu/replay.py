@@ -199,22 +199,35 @@ class _Slot:
     end: int = 0  # end of the current message
 
 
-def _advance(slot: _Slot, lane: Lane, prompt_end: int) -> bool:
-    """Feeds the messages after ``slot.msg`` up to the next assistant message with tokens
-    and starts it; False when the session has no more (the caller closes it)."""
-    s, files = slot.s, slot.s.maybe_files
-    for i in range(slot.msg + 1, len(s.roles)):
+def feed_until_message(s: TokenizedSession, after: int, lane: Lane, tenant: str,
+                       prompt_end: int, min_start: int = 0) -> int | None:
+    """Feeds a session's messages after index ``after`` to ``lane`` (context the model did
+    not generate, files captured from them) up to the next assistant message with tokens
+    that starts at or after ``min_start``; returns its index, None when there is none."""
+    files = s.maybe_files
+    for i in range(after + 1, len(s.roles)):
         lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
-        if s.roles[i] == "assistant" and hi > lo:
-            slot.msg, slot.pos, slot.end = i, lo, hi
-            lane.start_message(s.sid, slot.tenant, s.tokens[:lo])
-            return True
+        if s.roles[i] == "assistant" and hi > lo and lo >= min_start:
+            return i
         if hi > lo and lo >= prompt_end:  # the prompt went in with open_session
             lane.extend(s.sid, s.tokens[lo:hi])
         if files is not None and lane.wants_files:
             for path, text, first_line in files[i]:
-                lane.add_file(slot.tenant, path, text, first_line)
-    return False
+                lane.add_file(tenant, path, text, first_line)
+    return None
+
+
+def _advance(slot: _Slot, lane: Lane, prompt_end: int) -> bool:
+    """Feeds the messages after ``slot.msg`` up to the next assistant message with tokens
+    and starts it; False when the session has no more (the caller closes it)."""
+    s = slot.s
+    i = feed_until_message(s, slot.msg, lane, slot.tenant, prompt_end)
+    if i is None:
+        return False
+    lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
+    slot.msg, slot.pos, slot.end = i, lo, hi
+    lane.start_message(s.sid, slot.tenant, s.tokens[:lo])
+    return True
 
 
 def replay_lane(corpus: ReplayCorpus, lane: Lane, config: ReplayConfig,

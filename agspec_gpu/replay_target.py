@@ -42,7 +42,7 @@ import torch
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
-from agspec_gpu.replay import ReplayCorpus, TokenizedSession
+from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
 from agspec_gpu.replay_stats import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.tree import TreeMetadata, plan_tree
@@ -529,28 +529,24 @@ def _start_next(req: _Request, proposer, config: ReplayTargetConfig, prompt_end:
                 ) -> list[int] | None:
     """Feeds the messages after ``req.msg`` up to the next assistant message with tokens and
     starts it as a request; returns its context (None: the session has no more requests)."""
-    s, files = req.s, req.s.maybe_files
+    s = req.s
     if config.messages_per_session is not None and \
             req.done_messages >= config.messages_per_session:
         return None
-    for i in range(req.msg + 1, len(s.roles)):
-        lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
-        if s.roles[i] == "assistant" and hi > lo and lo > 0:
-            cap = config.max_message_tokens
-            cut = hi if cap is None else min(hi, lo + cap)
-            req.msg, req.pos, req.end, req.msg_end = i, lo, cut, hi
-            req.kv_id = f"{s.sid}#{i}"
-            proposer.start_message(s.sid, req.tenant, s.tokens[:lo])
-            req.kv_start = max(0, lo - config.context_tokens)
-            ctx = s.tokens[req.kv_start:lo].tolist()
-            req.root, req.prefix_len = ctx[-1], len(ctx) - 1
-            return ctx[:-1]
-        if hi > lo and lo >= prompt_end:  # the prompt went in with open_session
-            proposer.extend(s.sid, s.tokens[lo:hi])
-        if files is not None and proposer.wants_files:
-            for path, text, first_line in files[i]:
-                proposer.add_file(req.tenant, path, text, first_line)
-    return None
+    # lo > 0: a request needs at least one context token to be its first root
+    i = feed_until_message(s, req.msg, proposer, req.tenant, prompt_end, min_start=1)
+    if i is None:
+        return None
+    lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
+    cap = config.max_message_tokens
+    cut = hi if cap is None else min(hi, lo + cap)
+    req.msg, req.pos, req.end, req.msg_end = i, lo, cut, hi
+    req.kv_id = f"{s.sid}#{i}"
+    proposer.start_message(s.sid, req.tenant, s.tokens[:lo])
+    req.kv_start = max(0, lo - config.context_tokens)
+    ctx = s.tokens[req.kv_start:lo].tolist()
+    req.root, req.prefix_len = ctx[-1], len(ctx) - 1
+    return ctx[:-1]
 
 
 def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTargetConfig, *,
