@@ -30,13 +30,6 @@ VOCAB = 100277  # cl100k_base: 100256 ranks + special tokens up to 100276
 NEW = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny forwards are thread-sync overhead on a shared 2-core box; restored after the module
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @functools.cache

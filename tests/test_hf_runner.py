@@ -32,14 +32,6 @@ def _tiny(arch: str, attn: str) -> torch.nn.Module:
     return cls._from_config(cfg, attn_implementation=attn).eval()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # A 64-wide model is all thread-sync overhead: on a loaded 2-core box one forward takes
-    # ~2 ms with 1 thread and ~20 ms with 2. Restored after the module.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 VARIANTS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa")]

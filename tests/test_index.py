@@ -29,14 +29,6 @@ PROPS = settings(max_examples=150, deadline=None, derandomize=True,
 PAD = -7  # left padding of short query rows: negative, so reading it would be caught
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """The torch path runs many tiny ops; on a busy small CPU, intra-op threads spin at
-    every barrier (a 13x17 ``min`` measured 9 ms with 2 threads, 4 us with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -39,14 +39,6 @@ def tok():
     return load_tokenizer("cl100k")
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # The replay runs many tiny torch ops; on a shared CPU, intra-op threads only add
-    # contention (an order of magnitude here). Restored after each test.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _copy_session(sid: str, agent: str = "mini-swe-agent", text: str = FILE_TEXT) -> Session:
@@ -304,7 +296,6 @@ def test_oracle_bounds_every_drafter(seed):
     # suffix-decoding (with its cache) is left out: its cache holds other sessions'
     # responses, which are outside this session's corpora when every session is its own
     # tenant, so the bound does not apply to it.
-    torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
     rng = np.random.default_rng(seed)
     corpus = tokenize_sessions([_random_session(rng, i) for i in range(3)], tok)
