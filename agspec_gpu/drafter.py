@@ -47,6 +47,8 @@ class DrafterConfig:
         min_match: shortest match that produces a draft.
         min_prob: nodes whose estimated acceptance probability is below this are not
             drafted (verification is not spent on long shots).
+        candidate_slack: rows (tiers) whose match is at most this much shorter than the
+            request's longest also supply candidates.
         calibrate: scale candidate shares by the acceptance learned online per (match
             length, depth); off, a node's probability is its candidate share alone.
         controller: the adaptive-length rule.
@@ -59,6 +61,7 @@ class DrafterConfig:
     batch_budget: bool = True
     min_match: int = 1
     min_prob: float = 0.0
+    candidate_slack: int = 0
     calibrate: bool = True
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
@@ -68,6 +71,8 @@ class DrafterConfig:
             raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
         if self.min_match < 1:
             raise ValueError("min_match must be >= 1")
+        if self.candidate_slack < 0:
+            raise ValueError("candidate_slack must be >= 0")
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError("min_prob must be in [0, 1)")
 
@@ -209,7 +214,7 @@ class Drafter:
         best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
             0, req, m.length, reduce="amax")
         self.match_cap[slots] = best
-        use = (m.length == best[req]) & (m.length >= cfg.min_match)
+        use = (m.length >= best[req] - cfg.candidate_slack) & (m.length >= cfg.min_match)
         K = cfg.max_draft_depth
         # candidate windows [R, P, K]
         base = torch.tensor([arena._corpora[c].tok_base for c in rows_cid], dtype=torch.int64,

@@ -530,7 +530,28 @@ def test_lifecycle_errors(tok):
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_positions=0), dict(max_draft_depth=0),
-                                    dict(max_nodes=0), dict(min_match=0)])
+                                    dict(max_nodes=0), dict(min_match=0),
+                                    dict(candidate_slack=-1), dict(min_prob=1.0)])
 def test_drafter_config_validation(kwargs):
     with pytest.raises(ValueError):
         DrafterConfig(**kwargs)
+
+
+def test_candidate_slack_adds_rows_with_shorter_matches(tok):
+    # the session matches "zeta beta gamma" (4 tokens: "z", "eta", " beta", " gamma",
+    # continued by " epsilon"); the workspace only " beta gamma" (2 tokens, continued by
+    # " delta"): slack 2 adds the latter
+    enc = tok.encode
+    prompt = enc("zeta") + enc(" beta gamma epsilon") + enc(" omega") + enc("zeta") + \
+        enc(" beta gamma")
+    eps, delta = enc(" epsilon")[0], enc(" delta")[0]
+    store = CorpusStore(tok, TierConfig(use_global=False, forms=(EmissionForm.RAW,)))
+    store.add_workspace_file("t", "w.py", "alpha beta gamma delta")
+    trees = []
+    for slack in (0, 2):
+        d = Drafter(store, DrafterConfig(**_SHARES, candidate_slack=slack, batch_budget=False))
+        d.open_session(f"s{slack}", "t", prompt_ids=prompt)
+        trees.append(d.propose([f"s{slack}"]).token_ids[0].tolist())
+        d.close_session(f"s{slack}")
+    assert eps in trees[0] and delta not in trees[0]
+    assert eps in trees[1] and delta in trees[1]
