@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/tune_drafter.py N 'VARIANTS'
+    python bench/tune_drafter.py N 'VARIANTS' [BATCH_SIZE]
 
 ``N`` sessions of each of the SWE-agent and mini-swe-agent dev files; ``VARIANTS`` a Python
 list of ``(name, overrides)`` where overrides is a dict of DrafterConfig fields, or None for
@@ -12,7 +12,8 @@ a named replay drafter (``suffix-decoding``, ``pld-hf``, ...). Example::
                                      ("suffix-decoding", None)]'
 
 Prints tau, acceptance rate, drafted tokens and drafter µs per step per agent format
-(one continuous batch, teacher forcing, as ``agspec-gpu replay``).
+(one continuous batch of at most ``BATCH_SIZE`` sessions, default 64; teacher forcing, as
+``agspec-gpu replay``).
 """
 
 import sys
@@ -35,6 +36,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
     n = int(sys.argv[1])
+    batch_size = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     sessions = (load_paths([DEV + "swe_agent__claude-sonnet-4.jsonl.gz"], limit=n)
                 + load_paths([DEV + "mini_swe_agent__gemini-3-pro-preview.jsonl.gz"], limit=n))
     corpus = tokenize_sessions(sessions, tok)
@@ -42,19 +44,20 @@ def main() -> None:
     def lane(name: str, overrides: dict):
         def make():
             store = CorpusStore(tok, TierConfig())
-            return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=64),
+            return BatchedLane(name, Drafter(store, DrafterConfig(**overrides),
+                                             max_batch=batch_size),
                                store, "cpu", oracle_key=None)
         return name, make
 
     variants = eval(sys.argv[2])  # noqa: S307 - a developer's own command line
     t0 = time.time()
     report = run_replay(corpus, [lane(nm, kw) if kw is not None else nm for nm, kw in variants],
-                        tok, ReplayConfig(oracle=False))
+                        tok, ReplayConfig(batch_size=batch_size, oracle=False))
     for r in report.rows:
         print(f'{r["drafter"]:22s} {r["agent"]:16s} tau={r["tau"]:.3f} '
               f'acc={r["acceptance_rate"] or 0:.3f} drafted={r["drafted_per_step"]:.2f} '
               f'us={r["draft_us_per_step"]:.0f}')
-    print(f"time {time.time() - t0:.0f}s")
+    print(f"time {time.time() - t0:.0f}s (batch size {batch_size})")
 
 
 if __name__ == "__main__":
