@@ -267,10 +267,11 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     hi_l = torch.maximum(qlen, best)
     # the first probe is the upper end: a drafter that caps ``lengths`` by its previous match
     # plus the appended tokens (a valid bound) then settles copy-mode steps in one probe
-    for it in range(max_depth.bit_length() + 2):
-        if prow.numel() == 0 or not bool((lo_l < hi_l).any()):
-            break
+    # (a while loop, like the kernel's: no break anywhere under kernels/)
+    it = 0
+    while prow.numel() and bool((lo_l < hi_l).any()):
         mid = hi_l if it == 0 else (lo_l + hi_l + 1) // 2
+        it += 1
         lm = mid[prow]
         pat, idx = lower(lm)
         inside = idx < p_len
