@@ -23,6 +23,7 @@ import agspec_gpu
 from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder
 from agspec_gpu.runners.hf import greedy_generate
 from agspec_gpu.tokenizer import load_tokenizer
+from tiny_models import VARIANTS, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,18 +39,9 @@ def tok():
 
 
 def _tiny(arch: str, attn: str, vocab: int = VOCAB) -> torch.nn.Module:
-    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-              initializer_range=0.1)  # wide logit gaps: argmax is not decided by fp32 noise
-    if arch == "llama":
-        cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
-    else:
-        cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
-    torch.manual_seed(0)
-    return cls._from_config(cfg, attn_implementation=attn).eval()
+    return tiny_model(arch, attn, vocab)
 
 
-VARIANTS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa")]
 IDS = ["-".join(v) for v in VARIANTS]
 
 

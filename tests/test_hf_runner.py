@@ -10,6 +10,7 @@ import torch
 from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.runners.hf import HFRunner, greedy_generate, tree_attend
+from tiny_models import VARIANTS, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,20 +22,9 @@ MAX_TREE_DEPTH = 3
 
 
 def _tiny(arch: str, attn: str) -> torch.nn.Module:
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.1)  # larger than default so argmax gaps dwarf fp32 noise
-    if arch == "llama":
-        cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
-    else:
-        cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
-    torch.manual_seed(0)
-    return cls._from_config(cfg, attn_implementation=attn).eval()
+    return tiny_model(arch, attn, VOCAB, max_positions=256)
 
 
-
-
-VARIANTS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa")]
 _MODELS: dict = {}
 _REFS: dict = {}
 
