@@ -29,6 +29,7 @@ from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile,
                                    draft_depth, update_scale)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
@@ -191,9 +192,11 @@ class Drafter:
         dev = self.recent.device
         B = len(sids)
         slots = torch.tensor([self._slot_of(s) for s in sids], dtype=torch.int64, device=dev)
-        rows_req, rows_cid, rows_tier = [], [], []
+        rows_req, rows_cid, rows_tier, R_max = [], [], [], 0
         for b, sid in enumerate(sids):
-            for tier, cid in store.corpora_of(sid):
+            corpora = store.corpora_of(sid)
+            R_max = max(R_max, len(corpora))  # rows of the widest request (host: no sync)
+            for tier, cid in corpora:
                 rows_req.append(b)
                 rows_cid.append(cid)
                 rows_tier.append(int(tier))
@@ -208,8 +211,13 @@ class Drafter:
                 self._version[sids[i]] = store.tenant_version(sids[i])
         P = cfg.max_positions
         qlen = torch.minimum(self.recent_len[slots], self.match_cap[slots])
-        m = store.arena.match(self.recent[slots][req], qlen[req], rows_cid, P)
         arena = store.arena
+        # the kernel directly: queries come from the validated ring, so the per-call checks
+        # of IndexArena.match (host syncs) are not needed on this per-step path
+        desc = arena.descriptors(rows_cid)
+        m = suffix_match(arena.tokens, arena.sa, desc, self.recent[slots][req].contiguous(),
+                         qlen[req].contiguous(), max_depth=store.config.max_depth,
+                         max_positions=P)
         # the longest match of each request decides which rows supply candidates
         best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
             0, req, m.length, reduce="amax")
@@ -217,9 +225,7 @@ class Drafter:
         use = (m.length >= best[req] - cfg.candidate_slack) & (m.length >= cfg.min_match)
         K = cfg.max_draft_depth
         # candidate windows [R, P, K]
-        base = torch.tensor([arena._corpora[c].tok_base for c in rows_cid], dtype=torch.int64,
-                            device=dev)
-        n = torch.tensor([arena._corpora[c].n for c in rows_cid], dtype=torch.int64, device=dev)
+        base, n = desc.tok_base, desc.num_tokens.to(torch.int64)
         pos = m.positions
         j = torch.arange(K, device=dev)
         at = pos[:, :, None] + j[None, None, :]
@@ -234,7 +240,6 @@ class Drafter:
         w = torch.where(ok[:, :, 0], tw[:, None].expand(-1, P), 0.0)
         # regroup rows into requests: [B, C, K] with C = rows per request * P
         rows_per = torch.bincount(req, minlength=B)
-        R_max = int(rows_per.max()) if B else 0
         first = torch.cumsum(rows_per, 0) - rows_per
         rslot = torch.arange(req.numel(), device=dev) - first[req]
         C = R_max * P
