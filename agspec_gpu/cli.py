@@ -89,6 +89,9 @@ def _add_replay_options(p: argparse.ArgumentParser, *, drafters: bool = True) ->
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: the replay's many small ops run fastest "
                         "single-threaded)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes, one torch thread each: the sessions are split into this "
+                        "many shards of equal target tokens (1)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
     p.add_argument("--plot", metavar="PNG", help="plot P_acc(k) and tau per agent format")
@@ -175,7 +178,7 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     config = ReplayConfig(
         batch_size=args.batch_size, tenant_by=args.tenant_by, oracle=not args.no_oracle,
         oracle_k=args.oracle_k, device=args.device, global_corpus=args.global_corpus,
-        cost_model=CostModel.from_json(args.cost_model) if args.cost_model
+        workers=args.workers, cost_model=CostModel.from_json(args.cost_model) if args.cost_model
         else CostModel.default())
     t0 = time.perf_counter()
     # Workspace captures cost a pass over every message; only agspec and the oracle use them.

@@ -52,6 +52,9 @@ class DrafterConfig:
             request's longest also supply candidates.
         calibrate: scale candidate shares by the acceptance learned online per (match
             length, depth); off, a node's probability is its candidate share alone.
+        tier_bonus: tokens added to a tier's match length (session, workspace, history,
+            global) when choosing which rows supply candidates: the tenant's own text
+            predicts its next tokens better than an equally long match in other text.
         controller: the adaptive-length rule.
     """
 
@@ -64,6 +67,7 @@ class DrafterConfig:
     min_prob: float = 0.0
     candidate_slack: int = 0
     calibrate: bool = True
+    tier_bonus: tuple[int, ...] = (0, 0, 0, 0)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
 
@@ -76,6 +80,8 @@ class DrafterConfig:
             raise ValueError("candidate_slack must be >= 0")
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError("min_prob must be in [0, 1)")
+        if len(self.tier_bonus) != _NUM_TIERS or min(self.tier_bonus) < 0:
+            raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints")
 
 
 class Drafter:
@@ -121,6 +127,7 @@ class Drafter:
         self.calib_seen = torch.full((2 * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
         self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(2, 1).contiguous()
         self.prev_full = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         self._last: tuple | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -218,11 +225,18 @@ class Drafter:
         m = suffix_match(arena.tokens, arena.sa, desc, self.recent[slots][req].contiguous(),
                          qlen[req].contiguous(), max_depth=store.config.max_depth,
                          max_positions=P)
-        # the longest match of each request decides which rows supply candidates
-        best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
+        # the longest match of each request (tier bonus included) decides which rows supply
+        # candidates; the cap on the next match is the longest raw match
+        raw_best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
             0, req, m.length, reduce="amax")
-        self.match_cap[slots] = best
-        use = (m.length >= best[req] - cfg.candidate_slack) & (m.length >= cfg.min_match)
+        self.match_cap[slots] = raw_best
+        score = torch.where(m.length > 0, m.length + self._tier_bonus[tier], 0)
+        best_score = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
+            0, req, score, reduce="amax")
+        use = (score >= best_score[req] - cfg.candidate_slack) & (m.length >= cfg.min_match)
+        # the match length of the chosen rows drives depth and calibration
+        best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
+            0, req, torch.where(use, m.length, 0), reduce="amax")
         K = cfg.max_draft_depth
         # candidate windows [R, P, K]
         base, n = desc.tok_base, desc.num_tokens.to(torch.int64)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import numpy as np
@@ -63,6 +63,10 @@ class ReplayConfig:
         global_corpus: a global corpus file from ``agspec-gpu build-global``; never built
             from the replayed sessions themselves.
         cost_model: verification cost model for the modelled speedup.
+        workers: processes (one torch thread each). Above 1 the sessions are split into
+            ``workers`` shards of about equal target tokens, each replayed as its own
+            continuous batch of ``batch_size`` (as ``workers`` servers would run them), and
+            the counters are summed. Only named drafters can run in workers.
     """
 
     batch_size: int = 64
@@ -72,8 +76,11 @@ class ReplayConfig:
     device: str = "cpu"
     global_corpus: str | None = None
     cost_model: CostModel = field(default_factory=CostModel.default)
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.tenant_by not in TENANT_MODES:
@@ -114,16 +121,21 @@ class TokenizedSession:
 
 @dataclass(frozen=True)
 class ReplayCorpus:
-    """Tokenized sessions sharing one token stream (so per-step gathers are one index op)."""
+    """Tokenized sessions sharing one token stream (so per-step gathers are one index op).
+
+    ``agent_formats``: the agent formats reported, sorted; empty means those of ``sessions``
+    (a shard keeps its whole corpus's, so shard counters line up).
+    """
 
     sessions: tuple[TokenizedSession, ...]
     stream: np.ndarray
     tokenizer_name: str
     tokenizer_fingerprint: str
+    agent_formats: tuple[str, ...] = ()
 
     @property
     def agents(self) -> tuple[str, ...]:
-        return tuple(sorted({s.agent for s in self.sessions}))
+        return self.agent_formats or tuple(sorted({s.agent for s in self.sessions}))
 
 
 def _captures(session: Session) -> tuple[tuple[tuple[str, str, int | None], ...], ...]:
@@ -359,40 +371,19 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         raise ValueError(f"tokenizer {tokenizer.name!r} is not the one the corpus was "
                          f"tokenized with ({corpus.tokenizer_name!r})")
     check_drafter_names([d for d in drafters if isinstance(d, str)])
-    maybe_global = None
-    if config.global_corpus is not None:
-        from agspec_gpu.tiers import load_global_corpus
-
-        maybe_global = load_global_corpus(config.global_corpus, tokenizer)
-    ctx = LaneContext(tokenizer, config.device, config.batch_size, maybe_global,
-                      config.oracle_k, config.cost_model)
-    lanes_stats: list[tuple[str, Hashable | None, ReplayStats]] = []
-    has_files = all(s.maybe_files is not None for s in corpus.sessions)
-    timing: dict[str, float] = {}
-    for spec in drafters:
-        name, factory = (spec, lambda n=spec: make_lane(n, ctx)) if isinstance(spec, str) \
-            else spec
-        lane = factory()
-        if lane.wants_files and not has_files:
-            raise ValueError(f"{name}: the corpus was tokenized with capture_files=False, "
-                             f"but this drafter searches the workspace tier")
-        t0 = time.perf_counter()
-        stats = replay_lane(corpus, lane, config, progress)
-        timing[name] = time.perf_counter() - t0
-        lanes_stats.append((name, lane.oracle_key if config.oracle else None, stats))
-
-    oracle: dict[Hashable, dict[str, float | None]] = {}
-    for _, key, _ in lanes_stats:
-        if key is None or key in oracle:
-            continue
-        if not has_files:
-            raise ValueError("the oracle searches the workspace tier, but the corpus was "
-                             "tokenized with capture_files=False (or pass oracle=False)")
-        t0 = time.perf_counter()
-        name = f"oracle{len(oracle) + 1}"
-        ostats = replay_lane(corpus, make_oracle_lane(name, key, ctx), config, progress)
-        timing[name] = time.perf_counter() - t0
-        oracle[key] = {r["agent"]: r["tau"] for r in ostats.rows("oracle", config.cost_model)}
+    t_wall = time.perf_counter()
+    if config.workers > 1:
+        if not all(isinstance(d, str) for d in drafters):
+            raise ValueError("workers > 1 runs named drafters only (custom lane factories "
+                             "cannot be sent to another process)")
+        lanes_stats, oracle_stats, timing = _replay_sharded(corpus, list(drafters), tokenizer,
+                                                            config, progress)
+    else:
+        lanes_stats, oracle_stats, timing = _replay_all(corpus, drafters, tokenizer, config,
+                                                        progress)
+    wall = time.perf_counter() - t_wall
+    oracle = {key: {r["agent"]: r["tau"] for r in st.rows("oracle", config.cost_model)}
+              for key, st in oracle_stats.items()}
 
     rows = []
     for name, key, stats in lanes_stats:
@@ -415,6 +406,110 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + draft_ms_per_step)",
         "draft_time": "wall time of propose per request step (a batched propose is shared "
                       "by its rows; host drafters: sum of their per-request calls)",
-        "wall_seconds": timing,
+        "workers": config.workers,
+        "lane_seconds": timing,
+        "wall_seconds": wall,
     }
     return ReplayReport(rows, cfg)
+
+
+LaneStats = list[tuple[str, Hashable | None, ReplayStats]]
+
+
+def _replay_all(corpus: ReplayCorpus, drafters: Sequence, tokenizer: Tokenizer,
+                config: ReplayConfig, progress: ReplayProgress | None
+                ) -> tuple[LaneStats, dict[Hashable, ReplayStats], dict[str, float]]:
+    """Every drafter's pass, then one oracle pass per distinct corpora configuration."""
+    maybe_global = None
+    if config.global_corpus is not None:
+        from agspec_gpu.tiers import load_global_corpus
+
+        maybe_global = load_global_corpus(config.global_corpus, tokenizer)
+    ctx = LaneContext(tokenizer, config.device, config.batch_size, maybe_global,
+                      config.oracle_k, config.cost_model)
+    has_files = all(s.maybe_files is not None for s in corpus.sessions)
+    lanes_stats: LaneStats = []
+    timing: dict[str, float] = {}
+    for spec in drafters:
+        name, factory = (spec, lambda n=spec: make_lane(n, ctx)) if isinstance(spec, str) \
+            else spec
+        lane = factory()
+        if lane.wants_files and not has_files:
+            raise ValueError(f"{name}: the corpus was tokenized with capture_files=False, "
+                             f"but this drafter searches the workspace tier")
+        t0 = time.perf_counter()
+        stats = replay_lane(corpus, lane, config, progress)
+        timing[name] = time.perf_counter() - t0
+        lanes_stats.append((name, lane.oracle_key if config.oracle else None, stats))
+    oracle: dict[Hashable, ReplayStats] = {}
+    for _, key, _ in lanes_stats:
+        if key is None or key in oracle:
+            continue
+        if not has_files:
+            raise ValueError("the oracle searches the workspace tier, but the corpus was "
+                             "tokenized with capture_files=False (or pass oracle=False)")
+        t0 = time.perf_counter()
+        name = f"oracle{len(oracle) + 1}"
+        oracle[key] = replay_lane(corpus, make_oracle_lane(name, key, ctx), config, progress)
+        timing[name] = time.perf_counter() - t0
+    return lanes_stats, oracle, timing
+
+
+def shard_sessions(corpus: ReplayCorpus, num_shards: int) -> list[ReplayCorpus]:
+    """Splits the sessions into ``num_shards`` corpora of about equal target tokens
+    (longest first, each to the lightest shard; order within a shard is kept)."""
+    load = [0] * num_shards
+    member: list[list[int]] = [[] for _ in range(num_shards)]
+    sizes = [sum(int(s.bounds[i + 1] - s.bounds[i]) for i in s.target_messages)
+             for s in corpus.sessions]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        k = min(range(num_shards), key=lambda k: load[k])
+        member[k].append(i)
+        load[k] += sizes[i]
+    return [replace(corpus, sessions=tuple(corpus.sessions[i] for i in sorted(m)),
+                    agent_formats=corpus.agents) for m in member if m]
+
+
+def _shard_worker(args: tuple) -> tuple:
+    corpus, drafters, tokenizer, config = args
+    import torch
+
+    torch.set_num_threads(1)
+    return _replay_all(corpus, drafters, tokenizer, config, None)
+
+
+def _replay_sharded(corpus: ReplayCorpus, drafters: list[str], tokenizer: Tokenizer,
+                    config: ReplayConfig, progress: ReplayProgress | None
+                    ) -> tuple[LaneStats, dict[Hashable, ReplayStats], dict[str, float]]:
+    """:func:`_replay_all` on shards in ``config.workers`` processes; counters summed,
+    lane seconds summed over the shards (CPU time, not wall)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    shards = shard_sessions(corpus, config.workers)
+    one = replace(config, workers=1)
+    tokens = [sum(int(s.bounds[i + 1] - s.bounds[i]) for s in c.sessions
+                  for i in s.target_messages) for c in shards]
+    if progress is not None:
+        progress.start(f"{len(shards)} shards", sum(tokens))
+    results = []
+    with ProcessPoolExecutor(len(shards), mp_context=mp.get_context("spawn")) as pool:
+        for res, n in zip(pool.map(_shard_worker, [(c, drafters, tokenizer, one)
+                                                   for c in shards]), tokens):
+            results.append(res)
+            if progress is not None:
+                progress.advance(n)
+    if progress is not None:
+        progress.stop()
+    lanes_stats, oracle, timing = results[0]
+    for ls, orc, tm in results[1:]:
+        for (_, _, acc), (_, _, st) in zip(lanes_stats, ls):
+            acc.merge(st)
+        for key, st in orc.items():
+            if key in oracle:
+                oracle[key].merge(st)
+            else:
+                oracle[key] = st
+        for k, v in tm.items():
+            timing[k] = timing.get(k, 0.0) + v
+    return lanes_stats, oracle, timing

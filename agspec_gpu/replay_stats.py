@@ -184,6 +184,17 @@ class ReplayStats:
         self.batch_steps += 1
         self.batch_rows += B
 
+    def merge(self, other: "ReplayStats") -> None:
+        """Adds ``other``'s counters (the same drafter on other sessions) to these."""
+        if other.agents != self.agents:
+            raise ValueError(f"other: agents {other.agents} differ from {self.agents}")
+        for name in ("sessions", "messages", "target_tokens", "steps", "accepted", "drafted",
+                     "empty_steps", "draft_seconds", "accepted_hist", "source_hist"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.batch_steps += other.batch_steps
+        self.batch_rows += other.batch_rows
+        self.has_sources |= other.has_sources
+
     def rows(self, drafter: str, cost_model: CostModel,
              oracle_tau: dict[str, float | None] | None = None) -> list[dict]:
         """One row per agent format with any steps, then the ``"all"`` row."""

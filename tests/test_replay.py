@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.gitlog import cat_n
-from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
+from agspec_gpu.replay import ReplayConfig, run_replay, shard_sessions, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, agspec_unavailable_reason
 from agspec_gpu.replay_stats import NO_TOKEN, P_ACC_MAX_K, teacher_forced_accept
 from agspec_gpu.tokenizer import load_tokenizer
@@ -234,6 +234,33 @@ def test_batch_size_does_not_change_per_request_drafters(tok):
     assert strip(rows[0]) == strip(rows[1]) == strip(rows[2])
     pld = next(r for r in rows[0] if r["drafter"] == "pld-hf" and r["agent"] == "all")
     assert pld["tau"] > 1.5  # the copied file is found in the context
+
+
+def test_workers_sum_the_shards(tok):
+    """Two processes, each a shard of the sessions: per-request drafters count exactly the
+    same steps as one process (the shards keep every agent format's row)."""
+    sessions = [_copy_session(f"s{i}", text=FILE_TEXT[: 150 * (i + 1)],
+                              agent="swe-agent" if i == 4 else "mini-swe-agent")
+                for i in range(5)]
+    corpus = tokenize_sessions(sessions, tok, capture_files=False)
+    shards = shard_sessions(corpus, 2)
+    assert sorted(s.sid for c in shards for s in c.sessions) == sorted(
+        s.sid for s in corpus.sessions)
+    assert all(c.agents == corpus.agents for c in shards)
+    sizes = [sum(_assistant_lengths(c)) for c in shards]
+    assert max(sizes) - min(sizes) <= max(_assistant_lengths(corpus))
+    one, two = (run_replay(corpus, ["none", "pld-hf"], tok,
+                           ReplayConfig(batch_size=2, oracle=False, workers=w))
+                for w in (1, 2))
+    keys = ("drafter", "agent", "sessions", "messages", "target_tokens", "steps", "tau",
+            "acceptance_rate", "drafted_per_step", "p_acc")
+    assert [{k: r[k] for k in keys} for r in one.rows] == \
+        [{k: r[k] for k in keys} for r in two.rows]
+    assert two.config["workers"] == 2 and two.config["wall_seconds"] > 0
+    with pytest.raises(ValueError, match="named drafters"):
+        run_replay(corpus, [("x", lambda: None)], tok, ReplayConfig(oracle=False, workers=2))
+    with pytest.raises(ValueError, match="workers"):
+        ReplayConfig(workers=0)
 
 
 def test_report_json_layout(tok):
