@@ -67,7 +67,7 @@ class DrafterConfig:
     min_prob: float = 0.0
     candidate_slack: int = 0
     calibrate: bool = True
-    tier_bonus: tuple[int, ...] = (0, 0, 0, 0)
+    tier_bonus: tuple[int, ...] = (2, 2, 1, 0)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
 
@@ -116,16 +116,16 @@ class Drafter:
         self._roles = {r.name: r for r in self.config.roles}
         self._slot: dict[str, int] = {}
         self._free = list(range(max_batch - 1, -1, -1))
-        # online calibration: P(node accepted | its parent accepted) by the match length that
-        # produced the draft and the node's depth, from what verification accepted
-        # (exponentially decayed counts over a prior of (L+1)/(L+3), weight 2: a longer
-        # match is more likely to continue)
+        # online calibration: P(node accepted | its parent accepted) by the state the draft
+        # came from and the node's depth, from what verification accepted (exponentially
+        # decayed counts over a prior of (L+1)/(L+3), weight 2: a longer match is more likely
+        # to continue). The state: mode (1 when the request's previous draft was fully
+        # accepted: copy mode persists), the tier of the node's candidate, the match length.
         K = self.config.max_draft_depth
         L = torch.arange(D + 1, dtype=torch.float64, device=dev)[:, None]
-        # rows: (mode, L) with mode 1 when the request's previous draft was fully accepted
-        # (copy mode persists: the strongest predictor of the next draft's fate)
-        self.calib_seen = torch.full((2 * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
-        self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(2, 1).contiguous()
+        rows = 2 * _NUM_TIERS
+        self.calib_seen = torch.full((rows * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
+        self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).contiguous()
         self.prev_full = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         self._last: tuple | None = None
@@ -281,13 +281,16 @@ class Drafter:
         total = Wt.sum(dim=1).clamp(min=1e-9)
         share = mass / total[:, None, None]
         D1 = self.store.config.max_depth + 1
-        calib_row = self.prev_full[slots] * D1 + best.long().clamp(max=D1 - 1)
+        # calibration row of every candidate: (mode, its tier, the request's match length)
+        cand_tier = torch.where(S[:, :, 0] >= 0, S[:, :, 0] // 8, 0).long()
+        calib_row = (self.prev_full[slots][:, None] * _NUM_TIERS + cand_tier) * D1 + \
+            best.long().clamp(max=D1 - 1)[:, None]  # [B, C]
         # estimated acceptance: path share among candidates x calibrated chance that the
-        # path survives to this depth after a match of this length
+        # path survives to this depth (a node uses its representative candidate's row)
         if cfg.calibrate:
             q = (self.calib_hits / self.calib_seen).to(torch.float32)
-            reach = torch.cumprod(q[calib_row, :K], dim=1)
-            prob = share * reach[:, None, :]  # reach: [B, K]
+            reach = torch.cumprod(q[calib_row, :K], dim=2)  # [B, C, K]
+            prob = share * reach.gather(1, rep.clamp(max=C - 1))  # rep = C: no node
         else:
             prob = share
         is_node = valid & (rep == cidx[None, :, None])
@@ -313,15 +316,17 @@ class Drafter:
             flat_scores = torch.where(ranked > -1.5, ranked, -1.0)
             rank = torch.arange(C * K, device=dev)[None, :]
             flat_scores = torch.where(rank < keep_n[:, None], flat_scores, -1.0)
+            # every request keeps at most max_nodes: the batch's best B * max_nodes scores
+            # hold all it may keep (padding scores 0: it never adds gain, only cost)
             allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
-            nstar = batch_budget(allv.clamp(min=0), B, self.cost,
-                                 max_tokens=int((allv > -0.5).sum()))
-            thresh = torch.where(nstar > 0, allv[(nstar - 1).clamp(min=0)],
+            allv = allv[:B * min(cfg.max_nodes, C * K)]
+            nstar = batch_budget(allv.clamp(min=0), B, self.cost)
+            thresh = torch.where(nstar > 0, allv[(nstar - 1).clamp(min=0)].clamp(min=1e-12),
                                  torch.tensor(2.0, device=dev))
             keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
         # nodes in best-first order (topological: a parent never ranks below its child)
         num = keep_n
-        N = max(int(num.max()) if B else 0, 1)
+        N = min(cfg.max_nodes, C * K)  # static: no host sync on the number of nodes
         first = order[:, :N]  # flat c * K + d
         node_order = (first % K) * C + first // K  # depth-major flat index d * C + c
         nd = node_order // C  # depth
@@ -343,7 +348,8 @@ class Drafter:
         parent = torch.where(valid_node, parent, PAD_ID)
         draft = DraftBatch(tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
                            srcs.to(torch.int8))
-        self._last = (list(sids), draft, nd, calib_row)
+        node_row = calib_row.gather(1, nc)  # [B, N]: a node is its own representative
+        self._last = (list(sids), draft, nd, node_row)
         return draft
 
     @staticmethod
@@ -415,17 +421,16 @@ class Drafter:
 
     def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, calib_row: torch.Tensor,
                    on_path: torch.Tensor) -> None:
-        """Counts, per (mode, match length) row and depth, nodes reached (parent accepted)
-        and accepted."""
+        """Counts, per calibration row (``calib_row int64 [B, N]``, one per node) and depth,
+        nodes reached (parent accepted) and accepted."""
         B, N = draft.token_ids.shape
         dev = on_path.device
         valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
         par = draft.parents.to(torch.int64)
         parent_ok = torch.where(par >= 0, on_path.gather(1, par.clamp(min=0)), True)
         reached = valid & parent_ok
-        L = calib_row[:, None].expand(B, N)
         K = self.calib_seen.shape[1]
-        cell = (L * K + nd.clamp(max=K - 1)).reshape(-1)
+        cell = (calib_row * K + nd.clamp(max=K - 1)).reshape(-1)
         seen = torch.zeros(self.calib_seen.numel(), dtype=torch.float64, device=dev)
         hits = torch.zeros_like(seen)
         seen.scatter_add_(0, cell, reached.reshape(-1).double())

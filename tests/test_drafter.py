@@ -134,7 +134,8 @@ def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
     draft = d.propose(["s"])
     assert len(seen) == 1
     scores, nreq, max_tokens = seen[0]
-    assert nreq == 1 and max_tokens == 8
+    # the budget sees the batch's best B * max_nodes scores, nodes first, zero padded
+    assert nreq == 1 and max_tokens is None and scores.numel() == d.config.max_nodes
     expected = torch.tensor([2 / 3] + [1 / 3] * 7)
     torch.testing.assert_close(scores[:8].float(), expected, atol=1e-5, rtol=0)
     assert bool((scores[8:] == 0).all())
@@ -243,8 +244,11 @@ def test_min_match(tok):
 
 
 # ---------------------------------------------------------------- random inputs
-def reference_paths(corpora, query, D, P, K, k, max_nodes, tree):
-    """Best-first draft of equal-weight corpora, from the definitions (pure Python)."""
+def reference_paths(corpora, query, D, P, K, k, max_nodes, tree, bonus=None):
+    """Best-first draft of equal-weight corpora, from the definitions (pure Python).
+    ``bonus[r]``: tokens added to corpus ``r``'s match length when choosing the rows that
+    supply candidates (the drafter's ``tier_bonus``)."""
+    bonus = bonus or [0] * len(corpora)
     q = query[-D:]
     rows = []
     for c in corpora:
@@ -256,12 +260,13 @@ def reference_paths(corpora, query, D, P, K, k, max_nodes, tree):
                 found = (l, sorted(occ, reverse=True)[:P])
                 break
         rows.append(found)
-    best = max([l for l, _ in rows] + [0])
+    score = [l + bonus[r] if l > 0 else 0 for r, (l, _) in enumerate(rows)]
+    best = max(score + [0])
     if best < 1:
         return set()
     trie: dict[tuple[int, ...], list[int]] = {}  # path -> [count, representative candidate]
     for r, (l, occ) in enumerate(rows):
-        if l != best:
+        if l < 1 or score[r] != best:
             continue
         for j, pos in enumerate(occ):
             win = []
@@ -312,11 +317,13 @@ def test_random_drafts_match_reference_and_invariants(tok):
         s = [rng.choice(alphabet) for _ in range(rng.randint(0, 60))]
         d.open_session("s", "t", prompt_ids=s)
         corpora = [store.arena.corpus_tokens(cid).tolist() for _, cid in store.corpora_of("s")]
+        bonus = [d.config.tier_bonus[t] for t, _ in store.corpora_of("s")]
         draft = d.propose(["s"])
         check_invariants(draft, k)
         got = paths(draft)
         assert len(got) == len(set(got))
-        assert set(got) == reference_paths(corpora, s, D, P, K, k, max_nodes, tree), trial
+        assert set(got) == reference_paths(corpora, s, D, P, K, k, max_nodes, tree,
+                                           bonus), trial
         nonempty += bool(got)
     assert nonempty >= 30
 
@@ -500,8 +507,9 @@ def test_empty_context_gives_empty_draft(tok):
     d.open_session("e", "t")
     draft = d.propose(["e"])
     assert draft.num_draft_tokens.tolist() == [0]
-    assert draft.token_ids.shape == (1, 1) and draft.token_ids.tolist() == [[PAD_ID]]
-    assert draft.parents.tolist() == [[PAD_ID]]
+    # the node axis is static (max_nodes: no host sync on the node count), all padding
+    assert draft.token_ids.shape == (1, d.config.max_nodes)
+    assert (draft.token_ids == PAD_ID).all() and (draft.parents == PAD_ID).all()
     # and observe on it commits tokens without a controller update
     d.observe(["e"], torch.tensor([[A]]), torch.tensor([1]), torch.tensor([0]))
     assert float(d.scale[d._slot["e"]]) == 1.0
@@ -531,7 +539,8 @@ def test_lifecycle_errors(tok):
 
 @pytest.mark.parametrize("kwargs", [dict(max_positions=0), dict(max_draft_depth=0),
                                     dict(max_nodes=0), dict(min_match=0),
-                                    dict(candidate_slack=-1), dict(min_prob=1.0)])
+                                    dict(candidate_slack=-1), dict(min_prob=1.0),
+                                    dict(tier_bonus=(1, 1, 1)), dict(tier_bonus=(0, 0, 0, -1))])
 def test_drafter_config_validation(kwargs):
     with pytest.raises(ValueError):
         DrafterConfig(**kwargs)
@@ -555,3 +564,23 @@ def test_candidate_slack_adds_rows_with_shorter_matches(tok):
         d.close_session(f"s{slack}")
     assert eps in trees[0] and delta not in trees[0]
     assert eps in trees[1] and delta in trees[1]
+
+
+def test_tier_bonus_prefers_the_session_over_a_longer_workspace_match(tok):
+    # the session matches " beta gamma" (2 tokens, continued by " epsilon"), the workspace
+    # "zeta beta gamma" (4 tokens, continued by " delta"): with a session bonus of 2 over
+    # the workspace the two rows tie and both supply candidates; of 3 the session wins alone
+    enc = tok.encode
+    prompt = enc(" beta gamma epsilon") + enc(" omega") + enc("zeta") + enc(" beta gamma")
+    eps, delta = enc(" epsilon")[0], enc(" delta")[0]
+    store = CorpusStore(tok, TierConfig(use_global=False, forms=(EmissionForm.RAW,)))
+    store.add_workspace_file("t", "w.py", "zeta beta gamma delta")
+    got = []
+    for bonus in ((0, 0, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0)):
+        cfg = {**_SHARES, "tier_bonus": bonus, "batch_budget": False}
+        d = Drafter(store, DrafterConfig(**cfg))
+        d.open_session(f"s{bonus[0]}", "t", prompt_ids=prompt)
+        toks = d.propose([f"s{bonus[0]}"]).token_ids[0].tolist()
+        got.append((eps in toks, delta in toks))
+        d.close_session(f"s{bonus[0]}")
+    assert got == [(False, True), (True, True), (True, False)]
