@@ -184,6 +184,9 @@ class SpecDecoder:
                 draft = self.drafter.propose(sids)
             draft = _mask_drafts(draft, spec_mask & torch.tensor(
                 [not d for d in done], dtype=torch.bool, device=dev))
+            # the HF forward's cost grows with the padded width: verify the widest tree's
+            # nodes, not the drafter's static max_nodes (this loop syncs each step anyway)
+            draft = draft.narrowed(max(int(draft.num_draft_tokens.max()), 1))
             self._check_draft(draft)
             with nvtx.annotate("agspec.verify"):
                 tree_logits = runner.verify_padded(draft, root)

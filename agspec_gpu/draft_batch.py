@@ -39,6 +39,14 @@ class DraftBatch:
     def max_nodes(self) -> int:
         return self.token_ids.shape[1]
 
+    def narrowed(self, num_nodes: int) -> "DraftBatch":
+        """The first ``num_nodes`` node columns (at least every valid node: callers pass
+        ``max(num_draft_tokens)`` or more). A verifier whose cost grows with the padded
+        width narrows a drafter's static ``max_nodes`` axis to the batch's widest tree."""
+        src = self.maybe_source
+        return DraftBatch(self.token_ids[:, :num_nodes], self.parents[:, :num_nodes],
+                          self.num_draft_tokens, None if src is None else src[:, :num_nodes])
+
     def depths(self) -> torch.Tensor:
         """``int32 [B, N]``: 1 for root children, parent depth + 1 below; 0 for padding."""
         B, N = self.token_ids.shape
