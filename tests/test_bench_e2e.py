@@ -72,7 +72,8 @@ def short_corpus(tok):
     return tokenize_sessions(picked, tok, capture_files=True)
 
 
-def tiny_runner(max_batch: int, context: int, room: int = 96, std: float = 0.1):
+def tiny_runner(max_batch: int, context: int, room: int = 128, std: float = 0.1):
+    # room: the message so far plus a draft of the drafter's static max_nodes (64) + root
     config = bench_e2e.make_config("tiny")
     ps = 4
     per_seq = -(-(context + room) // ps)
