@@ -28,6 +28,8 @@ from agspec_gpu.accept import SamplingParams, greedy_accept, sample_accept
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
@@ -35,15 +37,30 @@ from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
-    """Decoder settings: tiers, drafting, and the largest batch ``generate`` serves."""
+    """Decoder settings: tiers, drafting, the largest batch ``generate`` serves, the runner.
+
+    Attributes:
+        runner: ``"hf"`` runs the model's own forward (any HF causal LM, a DynamicCache);
+            ``"paged"`` converts a Llama/Qwen2-family model once into a
+            :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
+            attention on a GPU) with a KV pool of ``kv_cache_tokens`` slots in pages of
+            ``page_size``.
+    """
 
     tiers: TierConfig = field(default_factory=TierConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     max_batch: int = 64
+    runner: str = "hf"
+    page_size: int = 16
+    kv_cache_tokens: int = 1 << 15
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.runner not in ("hf", "paged"):
+            raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
+        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
+            raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
 
 
 @dataclass
@@ -77,6 +94,7 @@ class SpecDecoder:
         self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
                                  vocab_size=self.vocab_size)
         self.drafter = Drafter(self.store, self.config.drafter, self.config.max_batch)
+        self._paged: PagedLlamaRunner | None = None  # built on first use (runner="paged")
         self._sessions: dict[str, _SessionState] = {}
         self._next = 0
         # a per-instance prefix: one decoder never takes another decoder's session id for
@@ -167,8 +185,28 @@ class SpecDecoder:
             raise ValueError("speculate: one flag per session")
         eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
         sampling = sampling or SamplingParams(temperature=0.0)
+        runner = self._batch_runner()
+        try:
+            return self._generate(sids, states, runner, max_new_tokens, sampling, stop, spec,
+                                  eos, generator, on_tokens)
+        finally:
+            if isinstance(runner, PagedBatch):
+                runner.close()
+
+    def _batch_runner(self) -> HFRunner | PagedBatch:
+        if self.config.runner == "hf":
+            return HFRunner(self.model)
+        if self._paged is None:
+            cfg = self.config
+            pages = -(-cfg.kv_cache_tokens // cfg.page_size)
+            self._paged = PagedLlamaRunner.from_hf_model(
+                self.model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.max_batch,
+                max_pages_per_seq=pages)
+        return PagedBatch(self._paged)
+
+    def _generate(self, sids, states, runner, max_new_tokens, sampling, stop, spec, eos,
+                  generator, on_tokens) -> list[list[int]]:
         dev = next(self.model.parameters()).device
-        runner = HFRunner(self.model)
         logits = runner.prefill([st.context for st in states])
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
         outs: list[list[int]] = [[] for _ in sids]

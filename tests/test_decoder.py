@@ -183,6 +183,36 @@ def test_fully_accepted_draft(variant):
     assert s["tokens"] / s["steps"] > 4, s  # measured: 2 steps, 43 of 43 drafted accepted
 
 
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[2]], ids=[IDS[0], IDS[2]])
+def test_paged_runner_is_lossless_and_frees_its_pages(variant):
+    """runner="paged": the same loop on PagedLlamaRunner (torch tree-attention backend on
+    CPU, FlashInfer on a GPU), ragged batches, full and partial acceptance, and two calls in
+    a row; every KV page returns to the pool after each ``generate``."""
+    P = prompts()
+    full = list(P[3])
+    g = greedy(variant, full, 45)
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
+                                                           kv_cache_tokens=4096))
+    steer(dec, "t0", full + g)  # a draft that is accepted to its end
+    part = [0, 2, 5, 7]
+    sids = [dec.open_session("t0", "coder", full)] + [
+        dec.open_session(f"t{i + 1}", "coder", list(P[i])) for i in part]
+    out = dec.generate(sids, max_new_tokens=45)
+    assert out[0] == g
+    for i, o in zip(part, out[1:]):
+        assert o == greedy(variant, P[i], 45), i
+    s = dec.stats
+    assert s["drafted"] > 0 and s["tokens"] / s["steps"] > 1.5, s
+    cache = dec._paged.kv_cache
+    assert cache.num_free_pages == cache.num_pages
+    # a second call continues from the generated tokens
+    more = dec.generate(sids[:2], max_new_tokens=8)
+    assert more[0] == greedy(variant, full + g, 8)
+    assert cache.num_free_pages == cache.num_pages
+    with pytest.raises(ValueError, match="runner"):
+        DecoderConfig(runner="vllm")
+
+
 def test_workspace_file_drafts_are_lossless():
     variant = VARIANTS[1]
     P = list(prompts()[6])

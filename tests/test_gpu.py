@@ -23,7 +23,8 @@ from agspec_gpu import DraftBatch
 from agspec_gpu.accept import greedy_accept
 from agspec_gpu.attention import FlashInferPagedAttention, TorchPagedAttention
 from agspec_gpu.kernels.kv_compact import kv_compact
-from agspec_gpu.replay_target import DecodeGraphs, MetadataPool
+from agspec_gpu.replay_target import MetadataPool
+from agspec_gpu.runners.graphs import DecodeGraphs
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.tree import plan_tree
 from tree_reference import make_case, on_device

@@ -11,8 +11,9 @@ Weights come from a Hugging Face checkpoint folder (``config.json`` + safetensor
 instantiated ``transformers`` model; names follow ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
 
 CUDA graphs: the step's inputs are the planner's fixed-capacity buffers
-(:meth:`TreeMetadata.empty`), so a decode step is capturable; :meth:`capture_decode_graphs`
-is where capture goes (a no-op off CUDA).
+(:meth:`TreeMetadata.empty`), so a decode step is capturable:
+:class:`agspec_gpu.runners.graphs.DecodeGraphs` captures the one-token decode step per batch
+size (FlashInfer's decode kernel) and replays it.
 """
 
 from __future__ import annotations
@@ -318,14 +319,3 @@ class PagedLlamaRunner:
             for b, c in zip(active, chunks):
                 done[b] += len(c)
         return last
-
-    def capture_decode_graphs(self, batch_sizes: Sequence[int] = ()) -> None:
-        """Captures CUDA graphs of the one-token decode step; a no-op off CUDA.
-
-        The inputs a graph would read are the fixed-capacity buffers of
-        :meth:`TreeMetadata.empty` (``max_qo_len = 1``), planned outside the graph before each
-        replay; FlashInfer needs a ``use_cuda_graph=True`` wrapper per batch size for it.
-        """
-        if self.device.type != "cuda" or not batch_sizes:
-            return
-        raise NotImplementedError("CUDA-graph capture of the decode step is not implemented yet")

@@ -1,0 +1,230 @@
+"""Plain one-token decode steps of a :class:`~agspec_gpu.runners.paged.PagedLlamaRunner`
+as CUDA graphs: how a serving engine runs the steps that carry no draft.
+
+:class:`DecodeGraphs` holds, per batch size, the planner's fixed-capacity buffers of a
+draft-free step and, on a GPU with FlashInfer, a captured graph of the runner's forward with
+FlashInfer's tensor-core decode kernel over those buffers (re-planned outside the graph before
+each replay). Elsewhere the same steps run eagerly, so the code path is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Sequence
+
+import torch
+
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.tree import TreeMetadata, plan_tree
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _GraphDecodeAttention:
+    """FlashInfer's tensor-core decode wrapper in CUDA-graph mode, for one batch size.
+
+    ``plan`` is a no-op: :class:`DecodeGraphs` plans the wrapper before every replay, outside
+    the graph, into the fixed buffers the graph reads.
+    """
+
+    def __init__(self, wrapper, out: torch.Tensor) -> None:
+        self.wrapper, self.out = wrapper, out
+
+    def plan(self, meta: TreeMetadata) -> None:
+        pass
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.wrapper.run(q, kv_cache, out=self.out)
+
+
+class DecodeGraphs:
+    """One-token decode steps at fixed batch sizes: CUDA graphs on a GPU, eager elsewhere.
+
+    For each size ``S`` it holds the planner buffers of a step of ``S`` requests with no draft
+    (:meth:`TreeMetadata.empty` with ``max_qo_len = 1``). A step of ``b <= S`` requests is
+    padded to the smallest size that fits with requests of one token on the KV cache's null
+    page. With ``use_graphs`` (CUDA and FlashInfer) every size's forward is captured once: the
+    runner's forward with FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores,
+    ``use_cuda_graph=True``) over the same buffers, which are re-planned before each replay.
+
+    Parameters
+    ----------
+    runner : PagedLlamaRunner
+    batch_sizes : sizes to prepare (a step larger than the largest is an error).
+    use_graphs : capture CUDA graphs (default: on CUDA when FlashInfer is the backend). When
+        capture fails, the error is kept in :attr:`graph_error` and steps run eagerly.
+
+    Example
+    -------
+    >>> graphs = DecodeGraphs(runner, [1, 2, 4])
+    >>> logits = graphs.decode(["s0"], torch.tensor([42]), [17])     # [1, vocab]
+    """
+
+    def __init__(self, runner, batch_sizes: Sequence[int], *, use_graphs: bool | None = None,
+                 warmup: int = 2) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"batch_sizes must be >= 1, got {list(batch_sizes)}")
+        self.runner = runner
+        self.sizes = sorted(set(int(b) for b in batch_sizes))
+        cache = runner.kv_cache
+        dev = runner.device
+        P, ps = cache.max_pages_per_seq, cache.page_size
+        self._meta = {S: TreeMetadata.empty(S, 1, P, ps, dev, max_total_q=S,
+                                             max_mask_bytes=S * -(-P * ps // 8))
+                      for S in self.sizes}
+        self._empty = {S: DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
+                                     torch.zeros(S, 0, dtype=torch.int32, device=dev),
+                                     torch.zeros(S, dtype=torch.int32, device=dev))
+                       for S in self.sizes}
+        if use_graphs is None:
+            from agspec_gpu.attention import FlashInferPagedAttention
+
+            use_graphs = dev.type == "cuda" and isinstance(runner.attention,
+                                                           FlashInferPagedAttention)
+        self.graph_error: str | None = None
+        self._graphs: dict[int, tuple] = {}
+        if use_graphs:
+            try:
+                self._capture(warmup)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+                self._graphs.clear()
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def uses_graphs(self) -> bool:
+        return bool(self._graphs)
+
+    def size_for(self, num_requests: int) -> int:
+        for S in self.sizes:
+            if S >= num_requests:
+                return S
+        raise ValueError(f"{num_requests} requests exceed the largest prepared batch "
+                         f"{self.sizes[-1]}")
+
+    def plan(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int]
+             ) -> tuple[int, TreeMetadata]:
+        """Allocates a slot per request and plans the padded step; ``(size, metadata)``."""
+        b = len(seq_ids)
+        S = self.size_for(b)
+        cache = self.runner.kv_cache
+        for sid, n in zip(seq_ids, prefix_lens_host):
+            cache.allocate(sid, n + 1)
+        width = -(-(max(prefix_lens_host) + 1) // cache.page_size)
+        dev = self.runner.device
+        page_table = cache.page_table(seq_ids)[:, :width]
+        prefix = torch.zeros(S, dtype=torch.int32)
+        prefix[:b] = torch.tensor(list(prefix_lens_host), dtype=torch.int32)
+        root = torch.zeros(S, dtype=torch.int32, device=dev)
+        root[:b] = roots.to(dev, torch.int32)
+        if S > b:  # padding requests: one token on the null page
+            pad = torch.full((S - b, width), cache.null_page, dtype=torch.int32, device=dev)
+            page_table = torch.cat([page_table, pad])
+        meta = plan_tree(self._empty[S], root, prefix.to(dev), page_table.contiguous(),
+                         cache.page_size, out=self._meta[S])
+        return S, meta
+
+    @torch.inference_mode()
+    def decode(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int]
+               ) -> torch.Tensor:
+        """Writes each root's KV at its slot ``prefix_len``; ``[len(seq_ids), vocab]`` logits.
+
+        With graphs the result is a view of the graph's output buffer: read it before the
+        next call.
+        """
+        S, meta = self.plan(seq_ids, roots, prefix_lens_host)
+        if S in self._graphs:
+            graph, wrapper, logits = self._graphs[S]
+            self._plan_wrapper(wrapper, meta)
+            graph.replay()
+            return logits[:len(seq_ids)]
+        return self.runner.forward(meta)[:len(seq_ids)]
+
+    @torch.inference_mode()
+    def time_step(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int],
+                  iters: int = 50, warmup: int = 5) -> float:
+        """Mean ms of one decode step's device work (planned once, then repeated).
+
+        With graphs this is ``graph.replay()`` back to back: the step's kernels alone, the
+        figure to hold against the memory-bandwidth roofline.
+        """
+        S, meta = self.plan(seq_ids, roots, prefix_lens_host)
+        if S in self._graphs:
+            graph, wrapper, _ = self._graphs[S]
+            self._plan_wrapper(wrapper, meta)
+            step = graph.replay
+        else:
+            step = lambda: self.runner.forward(meta)  # noqa: E731
+        dev = self.runner.device
+        for _ in range(warmup):
+            step()
+        _sync(dev)
+        if dev.type == "cuda":
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            for _ in range(iters):
+                step()
+            ev[1].record()
+            _sync(dev)
+            return ev[0].elapsed_time(ev[1]) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return 1e3 * (time.perf_counter() - t0) / iters
+
+    # ------------------------------------------------------------------ capture
+    def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
+        s = self.runner.shape
+        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, s.num_qo_heads,
+                     s.num_kv_heads, s.head_dim, self.runner.page_size, pos_encoding_mode="NONE",
+                     q_data_type=self.runner.dtype, kv_data_type=self.runner.dtype,
+                     sm_scale=s.head_dim ** -0.5)
+
+    def _capture(self, warmup: int) -> None:
+        import flashinfer
+
+        runner, s = self.runner, self.runner.shape
+        dev = runner.device
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        for S in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            meta = self._meta[S]
+            kwargs = dict(use_cuda_graph=True, use_tensor_cores=True,
+                          paged_kv_indptr_buffer=meta.kv_indptr,
+                          paged_kv_indices_buffer=meta.kv_indices,
+                          paged_kv_last_page_len_buffer=meta.kv_last_page_len)
+            try:  # fa2 explicitly: its module is the one tree verification compiled already
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", backend="fa2", **kwargs)
+            except TypeError:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                       **kwargs)
+            out = torch.empty(S, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
+            # a decode view of the runner: same weights and KV cache, the graph's attention
+            view = copy.copy(runner)
+            view.attention = _GraphDecodeAttention(wrapper, out)
+            meta = self._plan_padding(S)
+            self._plan_wrapper(wrapper, meta)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    view.forward(meta)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = view.forward(meta)
+            self._graphs[S] = (graph, wrapper, logits)
+        torch.cuda.synchronize(dev)
+
+    def _plan_padding(self, S: int) -> TreeMetadata:
+        """A step of ``S`` padding requests (capture input: one token on the null page)."""
+        cache, dev = self.runner.kv_cache, self.runner.device
+        page_table = torch.full((S, 1), cache.null_page, dtype=torch.int32, device=dev)
+        zeros = torch.zeros(S, dtype=torch.int32, device=dev)
+        return plan_tree(self._empty[S], zeros, zeros, page_table, cache.page_size,
+                         out=self._meta[S])

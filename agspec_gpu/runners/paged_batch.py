@@ -1,0 +1,105 @@
+"""A batch of requests on the paged runner, behind the interface :class:`HFRunner` offers.
+
+:class:`agspec_gpu.decoder.SpecDecoder` drives a verifier through three calls: ``prefill``
+(cache the prompts, return the first logits), ``verify_padded`` (one forward over every
+request's root and draft tree, logits as ``[B, 1 + N, V]``) and ``commit`` (keep the accepted
+path's KV). :class:`PagedBatch` implements them on a :class:`PagedLlamaRunner` (paged KV,
+tree attention through FlashInfer on a GPU, the torch backend elsewhere) so the same loop
+runs on the fast runner.
+
+KV layout per request: the committed tokens in slots ``[0, prefix_len)``; a step writes the
+root at ``prefix_len`` and draft node ``j`` at ``prefix_len + 1 + j``; ``commit`` moves the
+accepted nodes to consecutive slots with :func:`agspec_gpu.kernels.kv_compact.kv_compact`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from agspec_gpu.accept import AcceptResult
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.kernels.kv_compact import kv_compact
+from agspec_gpu.runners.paged import PagedLlamaRunner
+
+_batch_ids = itertools.count()
+
+
+class PagedBatch:
+    """One batch of requests on ``runner``'s KV pool; :meth:`close` frees its pages.
+
+    Example::
+
+        batch = PagedBatch(runner)
+        root = batch.prefill([[1, 2, 3], [4, 5]]).argmax(-1)
+        logits = batch.verify_padded(draft, root)               # [B, 1 + N, V]
+        batch.commit(greedy_accept(draft, logits))
+        batch.close()
+    """
+
+    def __init__(self, runner: PagedLlamaRunner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self._tag = next(_batch_ids)
+        self._seq_ids: list[tuple[int, int]] = []
+        self._prefix: torch.Tensor | None = None     # int32 [B] committed slots, on device
+        self._prefix_host: list[int] = []
+        self._pending: torch.Tensor | None = None    # int32 [B] prefix lens of the last verify
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._seq_ids)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: list[list[int]]) -> torch.Tensor:
+        """Caches every prompt (a new batch); ``[B, V]`` logits after each prompt."""
+        if not input_ids or any(len(p) == 0 for p in input_ids):
+            raise ValueError("input_ids: expected a non-empty list of non-empty prompts")
+        self.close()
+        self._seq_ids = [(self._tag, b) for b in range(len(input_ids))]
+        logits = self.runner.prefill(self._seq_ids, input_ids)
+        self._prefix_host = [len(p) for p in input_ids]
+        self._prefix = torch.tensor(self._prefix_host, dtype=torch.int32, device=self.device)
+        return logits
+
+    @torch.no_grad()
+    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, 1 + N, V]`` logits of each request's root (row 0) and draft nodes; rows of
+        padding nodes repeat the request's last row."""
+        if self._prefix is None:
+            raise ValueError("no batch: call prefill() first")
+        if self._pending is not None:
+            raise ValueError("verify() called twice without commit()")
+        B, N = draft.token_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"draft: batch {B} != prefilled batch {self.batch_size}")
+        if root_ids.shape != (B,):
+            raise ValueError(f"root_ids: expected [{B}], got {list(root_ids.shape)}")
+        meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
+                                prefix_lens_host=self._prefix_host)
+        flat = self.runner.forward(meta)                               # [capacity_q, V]
+        start, end = meta.qo_indptr[:-1].long(), meta.qo_indptr[1:].long()
+        rows = torch.minimum(start[:, None] + torch.arange(1 + N, device=self.device)[None, :],
+                             end[:, None] - 1)                          # [B, 1 + N]
+        self._pending = self._prefix
+        return flat[rows.reshape(-1)].view(B, 1 + N, -1)
+
+    @torch.no_grad()
+    def commit(self, result: AcceptResult) -> None:
+        """Keeps the root and the accepted path of the last verify in each request's KV."""
+        if self._pending is None:
+            raise ValueError("commit() without a preceding verify()")
+        cache = self.runner.kv_cache
+        if result.max_depth:
+            kv_compact(cache.data, cache.page_table(self._seq_ids), self._pending,
+                       result.accepted_nodes.to(self.device, torch.int32).contiguous())
+        self._prefix = self._pending + 1 + result.num_accepted.to(self.device, torch.int32)
+        self._prefix_host = self._prefix.tolist()  # the planner sizes pages on the host
+        self._pending = None
+
+    def close(self) -> None:
+        """Frees the batch's KV pages (idempotent)."""
+        for sid in self._seq_ids:
+            self.runner.kv_cache.free(sid)
+        self._seq_ids, self._prefix, self._prefix_host, self._pending = [], None, [], None
