@@ -29,7 +29,9 @@ from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.replay_stats import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.tokenizer import Tokenizer
 
-AGSPEC_DRAFTERS = ("agspec", "agspec-no-emission", "agspec-no-workspace",
+# agspec-p10: nodes whose calibrated acceptance estimate is below 0.1 are not drafted, the
+# pruning rule of SuffixDecoding's min_token_prob=0.1 (the acceptance-rate operating point)
+AGSPEC_DRAFTERS = ("agspec", "agspec-p10", "agspec-no-emission", "agspec-no-workspace",
                    "agspec-static-k8", "agspec-static-k16", "agspec-static-k32")
 DRAFTER_NAMES = HOST_DRAFTERS + AGSPEC_DRAFTERS
 
@@ -299,6 +301,8 @@ def agspec_overrides(name: str) -> tuple[dict, dict]:
         return {"forms": (EmissionForm.RAW,)}, {}
     if name == "agspec-no-workspace":
         return {"use_workspace": False}, {}
+    if name == "agspec-p10":
+        return {}, {"min_prob": 0.1}
     if name.startswith("agspec-static-k"):
         from agspec_gpu.controller import ControllerConfig
 

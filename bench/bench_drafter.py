@@ -57,7 +57,15 @@ MATRIX = [
 ]
 KEYS = ("drafter", "agent", "batch_size", "sessions", "target_tokens", "steps", "tau",
         "acceptance_rate", "drafted_per_step", "empty_draft_share", "draft_us_per_step",
-        "modelled_speedup")
+        "modelled_speedup", "verify_speedup")
+
+
+def verify_speedup(row: dict, cost) -> float | None:
+    """``tau * cost(1) / cost(1 + drafted_per_step)``: the modelled speedup with drafting
+    time left out (on CPU the torch path's drafting time says nothing of a GPU's)."""
+    if row["tau"] is None or row["drafted_per_step"] is None:
+        return None
+    return row["tau"] * cost.step_ms(1) / cost.step_ms(1 + row["drafted_per_step"])
 
 
 def cut(session, max_tokens: int, tok):
@@ -96,6 +104,7 @@ def main() -> None:
     variants = eval(args.variants) if args.variants else MATRIX  # noqa: S307 - own command line
     variants = [v for v in variants if v[0] != "suffix-decoding" or suffix_decoding_available()]
     rows, t_all = [], time.time()
+    cost = ReplayConfig().cost_model
     for B in args.batch_sizes:
         subset = sessions if B > 1 else sessions[::max(1, len(sessions) // args.single_sessions)]
         corpus = tokenize_sessions(subset, tok)
@@ -112,12 +121,13 @@ def main() -> None:
                             tok, ReplayConfig(batch_size=B, oracle=False,
                                               global_corpus=args.global_corpus))
         for r in report.rows:
-            r = dict(r, batch_size=B)
+            r = dict(r, batch_size=B, verify_speedup=verify_speedup(r, cost))
             rows.append(r)
             if r["agent"] == "all":
                 print(f'B={B:<3d} {r["drafter"]:24s} tau={r["tau"]:.3f} '
                       f'acc={r["acceptance_rate"] or 0:.3f} drafted={r["drafted_per_step"]:.2f} '
-                      f'speedup*={r["modelled_speedup"]:.2f} us={r["draft_us_per_step"]:.0f}',
+                      f'speedup*={r["modelled_speedup"]:.2f} '
+                      f'verify-only={r["verify_speedup"]:.2f} us={r["draft_us_per_step"]:.0f}',
                       flush=True)
         print(f"B={B}: {len(subset)} sessions, {time.time() - t0:.0f}s", flush=True)
     meta = {"batch_sizes": args.batch_sizes, "sessions_per_file": args.sessions,

@@ -438,3 +438,6 @@ def test_every_drafter_name_runs(tok):
     assert "workspace" not in rows[("agspec-no-workspace", "all")]["tier_share"]
     assert set(rows[("agspec-no-emission", "all")]["form_share"]) <= {"raw"}
     assert rows[("agspec-no-workspace", "all")]["oracle_tau"] <= full["oracle_tau"]
+    # the pruned operating point never drafts more than the default on the same tokens
+    p10 = rows[("agspec-p10", "all")]
+    assert p10["drafted_per_step"] <= full["drafted_per_step"] and p10["tau"] > 1.5
