@@ -43,9 +43,8 @@ def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[i
     prow = torch.repeat_interleave(torch.arange(R, device=dev), lv_ptr[1:] - lv_ptr[:-1])
     if prow.numel():
         p_base, p_len = desc.level_sa_base, desc.level_sa_len.to(torch.int64)
-        steps = int(p_len.max()).bit_length() + 1
         pb, pn, pp, pl = base_row[prow], n_row[prow], pat[prow], plen[prow]
-        idx = _bound(arena.tokens, arena.sa, pb, pn, p_base, p_len, pp, pl, False, steps)
+        idx = _bound(arena.tokens, arena.sa, pb, pn, p_base, p_len, pp, pl, False)
         for nb in (idx - 1, idx):
             ok = (nb >= 0) & (nb < p_len)
             s = torch.take(arena.sa, (p_base + nb.clamp(min=0)).clamp(max=arena.sa.numel() - 1))

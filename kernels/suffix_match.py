@@ -166,14 +166,13 @@ def _compare(tokens, base, n, start, pat, l):
 _FANOUT = 15  # pivots per search round: fewer, wider torch ops (CPU cost is per op)
 
 
-def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper, steps: int = 0):
+def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper):
     """Vectorized search: first index in ``[0, sa_len)`` failing the predicate.
 
     A ``_FANOUT + 1``-ary search (``_FANOUT`` pivots per round, only unsettled rows) so a
     level of ``m`` entries takes ``log_16(m)`` rounds of a few ops each instead of
     ``log_2(m)``; the result is the same as a binary search's. ``upper``: a bool, or a bool
-    tensor ``[R]`` choosing per row (lower and upper bounds in one pass). ``steps`` is
-    unused (kept for callers that bounded the rounds).
+    tensor ``[R]`` choosing per row (lower and upper bounds in one pass).
     """
     dev = sa_len.device
     lo = torch.zeros_like(sa_len)
@@ -229,12 +228,8 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     prow = torch.repeat_interleave(torch.arange(B, device=dev), per_row)
     pslot = torch.arange(prow.numel(), device=dev) - lv_ptr[:-1][prow]
     p_base, p_len = desc.level_sa_base, desc.level_sa_len.to(torch.int64)
-    steps = int(p_len.max()).bit_length() + 1 if p_len.numel() else 0
     pb, pn = base_row[prow], n_row[prow]
 
-    def lower(l):  # lower bound per pair for pattern length l [R]
-        pat = _patterns(queries, prow, l, W)
-        return pat, _bound(tokens, sa, pb, pn, p_base, p_len, pat, l, False, steps)
 
     best = torch.zeros(B, dtype=torch.int64, device=dev)
     # tail: continuation c in (tail_start, n) with m(c) = backward match length
@@ -268,19 +263,24 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     # the first probe is the upper end: a drafter that caps ``lengths`` by its previous match
     # plus the appended tokens (a valid bound) then settles copy-mode steps in one probe
     # (a while loop, like the kernel's: no break anywhere under kernels/)
+    # only the pairs of rows still searching take part in a probe (copy-mode rows settle
+    # in the first)
     it = 0
     while prow.numel() and bool((lo_l < hi_l).any()):
         mid = hi_l if it == 0 else (lo_l + hi_l + 1) // 2
         it += 1
-        lm = mid[prow]
-        pat, idx = lower(lm)
-        inside = idx < p_len
-        s = torch.take(sa, (p_base + idx.clamp(max=torch.clamp(p_len - 1, min=0))).clamp(
+        act = torch.nonzero(lo_l[prow] < hi_l[prow], as_tuple=True)[0]
+        arow, ab, an, abase, alen = prow[act], pb[act], pn[act], p_base[act], p_len[act]
+        lm = mid[arow]
+        pat = _patterns(queries, arow, lm, W)
+        idx = _bound(tokens, sa, ab, an, abase, alen, pat, lm, False)
+        inside = idx < alen
+        s = torch.take(sa, (abase + idx.clamp(max=torch.clamp(alen - 1, min=0))).clamp(
             max=sa.numel() - 1))
-        lt_lo, le_hi = _compare(tokens, pb, pn, s.to(torch.int64), pat, lm)
+        lt_lo, le_hi = _compare(tokens, ab, an, s.to(torch.int64), pat, lm)
         ok_pair = (inside & ~lt_lo & le_hi & (lm > 0)).to(torch.int64)
         ok = torch.zeros(B, dtype=torch.int64, device=dev).scatter_reduce_(
-            0, prow, ok_pair, reduce="amax").bool()
+            0, arow, ok_pair, reduce="amax").bool()
         active = lo_l < hi_l
         lo_l = torch.where(active & ok, mid, lo_l)
         hi_l = torch.where(active & ~ok, mid - 1, hi_l)
