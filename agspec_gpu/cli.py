@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -108,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help="trajectory files or directories")
     p.add_argument("--max-sessions", type=int, metavar="N",
                    help="replay at most the first N sessions of each PATH")
+    p.add_argument("--cross-halves", action="store_true",
+                   help="replay every session with a global tier built from the other half "
+                        "of the given trajectory files (both halves, counters summed)")
     _add_replay_options(p)
 
     p = sub.add_parser("demo", help="replay sessions built from a git repository's history")
@@ -189,12 +193,16 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
                   f"({tokenizer.name}) in {time.perf_counter() - t0:.1f}s; drafters: "
                   f"{', '.join(drafters)}")
     progress = None if args.no_progress else _RichProgress(console)
-    try:
-        report = run_replay(corpus, drafters, tokenizer, config, progress=progress,
-                            inputs=getattr(args, "paths", None) or [getattr(args, "repo", "")])
-    finally:
-        if progress is not None:
-            progress.close()
+    with tempfile.TemporaryDirectory(prefix="agspec-halves-") as tmp:
+        halves = _cross_half_globals(args, tokenizer, tmp, console) \
+            if getattr(args, "cross_halves", False) else None
+        try:
+            report = run_replay(corpus, drafters, tokenizer, config, progress=progress,
+                                inputs=getattr(args, "paths", None) or
+                                [getattr(args, "repo", "")], cross_halves=halves)
+        finally:
+            if progress is not None:
+                progress.close()
     print_table(report, console, title=title)
     if args.json:
         write_json(report, args.json)
@@ -203,6 +211,24 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     if args.plot:
         write_plot(report, args.plot)
     return report
+
+
+def _cross_half_globals(args, tokenizer, tmp: str, console) -> tuple[str, str]:
+    """Global corpora of half 0 and half 1 of the replayed trajectory files, in ``tmp``."""
+    from agspec_gpu.tiers import TierConfig, build_global_corpus
+
+    if args.global_corpus or args.half is not None:
+        raise SystemExit("--cross-halves builds its own global tiers: drop --global / --half")
+    out = []
+    for h in (0, 1):
+        t0 = time.perf_counter()
+        path = str(Path(tmp) / f"half{h}.agspec")
+        g = build_global_corpus([], tokenizer, path, max_depth=TierConfig().max_depth,
+                                trajectories=list(args.paths), half=h)
+        console.print(f"global tier of half {h}: {g.tokens.numel():,} tokens "
+                      f"({time.perf_counter() - t0:.1f}s)")
+        out.append(path)
+    return out[0], out[1]
 
 
 def _cmd_replay(args, console) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import numpy as np
@@ -348,8 +349,8 @@ def _jsonable(obj: Any) -> Any:
 
 def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callable[[], Lane]]],
                tokenizer: Tokenizer, config: ReplayConfig | None = None, *,
-               progress: ReplayProgress | None = None, inputs: Sequence[str] = ()
-               ) -> ReplayReport:
+               progress: ReplayProgress | None = None, inputs: Sequence[str] = (),
+               cross_halves: Sequence[str | Path] | None = None) -> ReplayReport:
     """Replays ``corpus`` through each drafter and computes the report.
 
     Parameters
@@ -360,6 +361,11 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
     tokenizer : the corpus's tokenizer (agspec stores tokenize workspace files with it).
     config : see :class:`ReplayConfig`.
     inputs : recorded in ``config["inputs"]`` (the paths the sessions came from).
+    cross_halves : ``(global corpus of half 0, global corpus of half 1)``: the sessions of
+        each half (:func:`agspec_gpu.tiers.session_half`) replay against the global tier
+        built from the *other* half, and the counters of both are summed, so a whole set is
+        measured with a global tier without any session feeding its own
+        (``config.global_corpus`` is ignored).
 
     Returns
     -------
@@ -371,16 +377,32 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         raise ValueError(f"tokenizer {tokenizer.name!r} is not the one the corpus was "
                          f"tokenized with ({corpus.tokenizer_name!r})")
     check_drafter_names([d for d in drafters if isinstance(d, str)])
+    if config.workers > 1 and not all(isinstance(d, str) for d in drafters):
+        raise ValueError("workers > 1 runs named drafters only (custom lane factories "
+                         "cannot be sent to another process)")
     t_wall = time.perf_counter()
-    if config.workers > 1:
-        if not all(isinstance(d, str) for d in drafters):
-            raise ValueError("workers > 1 runs named drafters only (custom lane factories "
-                             "cannot be sent to another process)")
-        lanes_stats, oracle_stats, timing = _replay_sharded(corpus, list(drafters), tokenizer,
-                                                            config, progress)
+    if cross_halves is None:
+        parts = [(corpus, config)]
     else:
-        lanes_stats, oracle_stats, timing = _replay_all(corpus, drafters, tokenizer, config,
-                                                        progress)
+        from agspec_gpu.tiers import session_half
+
+        if len(cross_halves) != 2:
+            raise ValueError("cross_halves: expected (global of half 0, global of half 1)")
+        # half h replays against the global tier built from the other half
+        parts = [(replace(corpus, sessions=tuple(s for s in corpus.sessions
+                                                 if session_half(s.sid.split("#")[0]) == h),
+                          agent_formats=corpus.agents),
+                  replace(config, global_corpus=str(cross_halves[1 - h])))
+                 for h in (0, 1)]
+    results = []
+    for part, cfg_part in parts:
+        if not part.sessions:
+            continue
+        run = _replay_sharded if cfg_part.workers > 1 else _replay_all
+        results.append(run(part, list(drafters), tokenizer, cfg_part, progress))
+    if not results:  # nothing to replay: the counters of an empty run
+        results.append(_replay_all(corpus, drafters, tokenizer, config, progress))
+    lanes_stats, oracle_stats, timing = _merge_results(results)
     wall = time.perf_counter() - t_wall
     oracle = {key: {r["agent"]: r["tau"] for r in st.rows("oracle", config.cost_model)}
               for key, st in oracle_stats.items()}
@@ -397,7 +419,9 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         "batch_size": config.batch_size,
         "tenant_by": config.tenant_by,
         "device": config.device,
-        "global_corpus": config.global_corpus,
+        "global_corpus": config.global_corpus if cross_halves is None else {
+            "half 0 replayed against": str(cross_halves[1]),
+            "half 1 replayed against": str(cross_halves[0])},
         "oracle": config.oracle,
         "oracle_k": config.oracle_k,
         "oracle_corpora": [_jsonable(k) for k in oracle],
@@ -501,6 +525,12 @@ def _replay_sharded(corpus: ReplayCorpus, drafters: list[str], tokenizer: Tokeni
                 progress.advance(n)
     if progress is not None:
         progress.stop()
+    return _merge_results(results)
+
+
+def _merge_results(results: list[tuple]) -> tuple[LaneStats, dict[Hashable, ReplayStats],
+                                                    dict[str, float]]:
+    """Sums the counters (and lane seconds) of runs of the same drafters on other sessions."""
     lanes_stats, oracle, timing = results[0]
     for ls, orc, tm in results[1:]:
         for (_, _, acc), (_, _, st) in zip(lanes_stats, ls):

@@ -441,3 +441,60 @@ def test_every_drafter_name_runs(tok):
     # the pruned operating point never drafts more than the default on the same tokens
     p10 = rows[("agspec-p10", "all")]
     assert p10["drafted_per_step"] <= full["drafted_per_step"] and p10["tau"] > 1.5
+
+
+def _id_in_half(prefix: str, half: int) -> str:
+    from agspec_gpu.tiers import session_half
+
+    return next(f"{prefix}{i}" for i in range(100) if session_half(f"{prefix}{i}") == half)
+
+
+@needs_agspec
+def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
+    """Each half replays against the global tier of the other half: A (half 0) copies text
+    only B (half 1) holds, B copies text only C (half 0) holds, and C's text is nowhere but
+    in C itself and so in the global tier of its own half, which C must never see."""
+    from agspec_gpu.tiers import build_global_corpus
+
+    rng = np.random.default_rng(7)
+    words = lambda: " ".join(f"w{int(x)}" for x in rng.integers(0, 10**6, 120))  # noqa: E731
+    t_a, t_b, r_c = words(), words(), words()
+    ia, ib, ic = _id_in_half("a", 0), _id_in_half("b", 1), _id_in_half("c", 0)
+
+    def sess(sid, agent, user, answer):
+        return Session(sid, agent, "", "test", (Message("user", user),
+                                                Message("assistant", answer)))
+
+    sessions = [sess(ia, "a-agent", "go", t_a), sess(ib, "b-agent", "see " + t_a, t_b),
+                sess(ic, "c-agent", "see " + t_b, r_c)]
+    path = tmp_path / "three.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.writelines(json.dumps({"id": s.id, "source": "t", "agent": s.agent, "model": "",
+                                  "messages": [{"role": m.role, "content": m.content}
+                                               for m in s.messages]}) + "\n"
+                      for s in sessions)
+    halves = [tmp_path / f"h{h}.agspec" for h in (0, 1)]
+    for h in (0, 1):
+        build_global_corpus([], tok, halves[h], trajectories=[path], half=h)
+    corpus = tokenize_sessions(sessions, tok)
+    report = run_replay(corpus, ["agspec"], tok, ReplayConfig(batch_size=2),
+                        cross_halves=halves)
+    tau = {r["agent"]: r["tau"] for r in report.rows}
+    orc = {r["agent"]: r["oracle_tau"] for r in report.rows}
+    assert tau["a-agent"] > 5 and tau["b-agent"] > 5  # found in the other half's tier
+    # its own half is never searched (the oracle still finds a few tokens of the random
+    # words' digits in other text)
+    assert tau["c-agent"] < 1.5 and orc["c-agent"] < 2.5 < 5 < orc["a-agent"]
+    assert {r["sessions"] for r in report.rows if r["agent"] == "all"} == {3}
+    assert set(report.config["global_corpus"]) == {"half 0 replayed against",
+                                                   "half 1 replayed against"}
+    # the CLI builds both global tiers itself
+    from agspec_gpu.cli import main
+
+    out = tmp_path / "x.json"
+    assert main(["replay", str(path), "--cross-halves", "--drafter", "agspec", "--no-progress",
+                 "--no-oracle", "--json", str(out)]) == 0
+    rows = {r["agent"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["c-agent"]["tau"] < 1.5 < 5 < rows["a-agent"]["tau"]
+    with pytest.raises(SystemExit, match="drop --global"):
+        main(["replay", str(path), "--cross-halves", "--half", "0", "--no-progress"])
