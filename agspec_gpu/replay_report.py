@@ -118,3 +118,66 @@ def write_plot(report: ReplayReport, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
+    """Rows of several replays of the same drafters on disjoint sessions, summed.
+
+    Every figure is a ratio of counts the rows carry (``steps``, ``target_tokens``, the
+    per-step means), so the merge is exact: ``tau = sum(target_tokens) / sum(steps)``,
+    acceptance = accepted / drafted, ``P_acc`` and the shares weighted by steps and by
+    attributed accepted tokens, the oracle's steps recovered as ``target_tokens /
+    oracle_tau`` (its tokens are the same messages). Row order: drafters as they first
+    appear, agent formats sorted, then ``"all"`` (as a replay orders them).
+    """
+    from agspec_gpu.replay_stats import modelled_speedup
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for rows in row_sets:
+        for r in rows:
+            groups.setdefault((r["drafter"], r["agent"]), []).append(r)
+    drafters = list(dict.fromkeys(d for d, _ in groups))
+    agents = sorted({a for _, a in groups if a != "all"}) + ["all"]
+    out = []
+    for drafter, agent in ((d, a) for d in drafters for a in agents if (d, a) in groups):
+        rs = groups[(drafter, agent)]
+        steps = sum(r["steps"] for r in rs)
+        tt = sum(r["target_tokens"] for r in rs)
+        wsum = lambda key: sum((r.get(key) or 0.0) * r["steps"] for r in rs)  # noqa: E731
+        acc, drafted = wsum("accepted_per_step"), wsum("drafted_per_step")
+        per = lambda x: x / steps if steps else None  # noqa: E731
+        attributed = [(r.get("attributed_accepted_share") or 0.0) * r["accepted_per_step"]
+                      * r["steps"] for r in rs]
+
+        def shares(key: str) -> dict:
+            tot = sum(attributed)
+            names = dict.fromkeys(n for r in rs for n in r.get(key, {}))
+            return {n: sum(r.get(key, {}).get(n, 0.0) * a for r, a in zip(rs, attributed))
+                    / tot for n in names} if tot else {}
+
+        o_known = all(r.get("oracle_tau") for r in rs)
+        o_steps = sum(r["target_tokens"] / r["oracle_tau"] for r in rs) if o_known else None
+        tau = per(tt)
+        row = {
+            "drafter": drafter, "agent": agent,
+            "sessions": sum(r["sessions"] for r in rs),
+            "messages": sum(r["messages"] for r in rs),
+            "target_tokens": tt, "steps": steps, "tau": tau,
+            "acceptance_rate": acc / drafted if drafted else None,
+            "drafted_per_step": per(drafted),
+            "empty_draft_share": per(wsum("empty_draft_share")),
+            "oracle_tau": tt / o_steps if o_steps else None,
+            "draft_us_per_step": per(wsum("draft_us_per_step")),
+            "accepted_per_step": per(acc),
+            "wasted_per_step": per(drafted - acc),
+            "p_acc": [sum(r["p_acc"][k] * r["steps"] for r in rs) / steps if steps else 0.0
+                      for k in range(len(rs[0]["p_acc"]))],
+            "tier_share": shares("tier_share"),
+            "form_share": shares("form_share"),
+            "attributed_accepted_share": sum(attributed) / acc if acc and any(attributed)
+            else None,
+        }
+        row["modelled_speedup"] = modelled_speedup(tau, row["drafted_per_step"],
+                                                   row["draft_us_per_step"], cost_model)
+        out.append(row)
+    return out

@@ -498,3 +498,26 @@ def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
     assert rows["c-agent"]["tau"] < 1.5 < 5 < rows["a-agent"]["tau"]
     with pytest.raises(SystemExit, match="drop --global"):
         main(["replay", str(path), "--cross-halves", "--half", "0", "--no-progress"])
+
+
+def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
+    from agspec_gpu.replay_report import merge_rows
+
+    sessions = [_copy_session(f"m{i}", text=FILE_TEXT[: 120 * (i + 2)],
+                              agent="aider" if i % 3 == 0 else "mini-swe-agent")
+                for i in range(6)]
+    corpus = tokenize_sessions(sessions, tok, capture_files=False)
+    cfg = ReplayConfig(batch_size=2, oracle=False)
+    names = ["none", "pld-hf", "pld-vllm"]
+    whole = run_replay(corpus, names, tok, cfg).rows
+    parts = [run_replay(c, names, tok, cfg).rows for c in shard_sessions(corpus, 2)]
+    merged = merge_rows(parts, cfg.cost_model)
+    assert [(r["drafter"], r["agent"]) for r in merged] == \
+        [(r["drafter"], r["agent"]) for r in whole]
+    for m, w in zip(merged, whole):
+        for key in ("sessions", "messages", "target_tokens", "steps"):
+            assert m[key] == w[key], key
+        for key in ("tau", "acceptance_rate", "drafted_per_step", "empty_draft_share",
+                    "accepted_per_step"):
+            assert m[key] == pytest.approx(w[key]), key
+        assert m["p_acc"] == pytest.approx(w["p_acc"])
