@@ -428,6 +428,8 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         "p_acc_k": list(range(1, P_ACC_MAX_K + 1)),
         "cost_model": config.cost_model.to_json(),
         "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + draft_ms_per_step)",
+        "batch_speedup_model": "tau * cost(B) / cost(B * (1 + drafted_per_step)), B = "
+                               "mean_batch (drafting time excluded)",
         "draft_time": "wall time of propose per request step (a batched propose is shared "
                       "by its rows; host drafters: sum of their per-request calls)",
         "workers": config.workers,

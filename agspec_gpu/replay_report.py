@@ -26,6 +26,7 @@ _TABLE_COLUMNS = (
     ("oracle_tau", "oracle tau", "{:.2f}"),
     ("draft_us_per_step", "draft µs/step", "{:.0f}"),
     ("modelled_speedup", "speedup*", "{:.2f}x"),
+    ("modelled_batch_speedup", "batch×**", "{:.2f}x"),
 )
 
 
@@ -48,7 +49,8 @@ def print_table(report: ReplayReport, console=None, title: str | None = None) ->
                       end_section=row["agent"] == "all")
     console.print(table)
     cost = report.config.get("cost_model", {})
-    console.print(f"* modelled speedup = {report.config.get('speedup_model')}; cost model: "
+    console.print(f"* modelled speedup = {report.config.get('speedup_model')}; ** with B the "
+                  f"mean batch: {report.config.get('batch_speedup_model')}; cost model: "
                   f"{cost.get('source', '?')}. tau counts accepted + bonus tokens per step.",
                   highlight=False)
 
@@ -130,7 +132,7 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
     oracle_tau`` (its tokens are the same messages). Row order: drafters as they first
     appear, agent formats sorted, then ``"all"`` (as a replay orders them).
     """
-    from agspec_gpu.replay_stats import modelled_speedup
+    from agspec_gpu.replay_stats import modelled_batch_speedup, modelled_speedup
 
     groups: dict[tuple[str, str], list[dict]] = {}
     for rows in row_sets:
@@ -179,5 +181,11 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
         }
         row["modelled_speedup"] = modelled_speedup(tau, row["drafted_per_step"],
                                                    row["draft_us_per_step"], cost_model)
+        if all(r.get("mean_batch") for r in rs):
+            bsteps = sum(r["batch_steps"] for r in rs)
+            row["batch_steps"] = bsteps
+            row["mean_batch"] = sum(r["mean_batch"] * r["batch_steps"] for r in rs) / bsteps
+            row["modelled_batch_speedup"] = modelled_batch_speedup(
+                tau, row["drafted_per_step"], row["mean_batch"], cost_model)
         out.append(row)
     return out

@@ -248,7 +248,26 @@ class ReplayStats:
             "attributed_accepted_share": attributed / accepted
             if accepted and self.has_sources else None,
             "modelled_speedup": modelled_speedup(tau, drafted_ps, draft_us, cost_model),
+            # the whole lane's mean rows per batched step (agents share the batch)
+            "batch_steps": self.batch_steps,
+            "mean_batch": self.batch_rows / self.batch_steps if self.batch_steps else None,
+            "modelled_batch_speedup": modelled_batch_speedup(
+                tau, drafted_ps, self.batch_rows / self.batch_steps if self.batch_steps
+                else None, cost_model),
         }
+
+
+def modelled_batch_speedup(tau: float | None, drafted_per_step: float | None,
+                           mean_batch: float | None, cost_model: CostModel) -> float | None:
+    """Decode speedup of a batch of ``mean_batch`` requests under ``cost_model``, drafting
+    time excluded: ``tau * cost(B) / cost(B * (1 + drafted_per_step))``. Each step verifies
+    every request's root and drafts in one forward; without speculation it decodes ``B``
+    tokens. This is the figure the batch budget maximises (on CPU the torch path's drafting
+    time says nothing of a GPU's, so it is left out here)."""
+    if tau is None or drafted_per_step is None or not mean_batch:
+        return None
+    return tau * cost_model.step_ms(mean_batch) / cost_model.step_ms(
+        mean_batch * (1 + drafted_per_step))
 
 
 def modelled_speedup(tau: float | None, drafted_per_step: float | None,

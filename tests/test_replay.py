@@ -201,6 +201,12 @@ def test_future_drafter_tau_is_k_plus_one(tok, k, batched):
     assert row["p_acc"][k - 1] == pytest.approx(sum(x >= k for x in lefts) / steps)
     # k drafted per step, fewer only at the very end of a session's stream
     assert sum(min(k, x) for x in lefts) / steps <= row["drafted_per_step"] <= k
+    # batches of 2 (1 at the tail): the batch speedup prices 2 * (1 + drafted) tokens
+    assert 1 < row["mean_batch"] <= 2
+    cost = ReplayConfig().cost_model
+    B = row["mean_batch"]
+    assert row["modelled_batch_speedup"] == pytest.approx(
+        row["tau"] * cost.step_ms(B) / cost.step_ms(B * (1 + row["drafted_per_step"])))
     if batched:
         assert row["tier_share"] == {"workspace": 1.0}
         assert row["form_share"] == {"diff_ctx": 1.0}
@@ -221,6 +227,8 @@ def test_none_gives_tau_one(tok):
         assert r["acceptance_rate"] is None and r["empty_draft_share"] == 1.0
         assert r["drafted_per_step"] == 0.0 and r["p_acc"] == [0.0] * P_ACC_MAX_K
         assert r["modelled_speedup"] == pytest.approx(1.0, abs=1e-3)
+        assert r["modelled_batch_speedup"] == pytest.approx(1.0)
+        assert 1 <= r["mean_batch"] <= 64
     assert by_agent["all"]["target_tokens"] == sum(_assistant_lengths(corpus))
 
 
@@ -521,3 +529,4 @@ def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
                     "accepted_per_step"):
             assert m[key] == pytest.approx(w[key]), key
         assert m["p_acc"] == pytest.approx(w["p_acc"])
+        assert m["mean_batch"] > 0 and m["modelled_batch_speedup"] > 0
