@@ -246,9 +246,10 @@ class SpecDecoder:
                                    max_new_tokens, eos, stop, on_tokens)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit, nothing for requests that had already finished
+                # the ids are the model's own and the counts are on the host: no read back
                 self.drafter.observe(sids, res.output_ids,
                                      torch.tensor(taken, dtype=torch.int32, device=dev),
-                                     res.num_accepted)
+                                     res.num_accepted, num_output_host=taken, validate=False)
         for st, o in zip(states, outs):
             st.context.extend(o)
         return outs

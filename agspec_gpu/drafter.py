@@ -20,6 +20,7 @@ and the recent-token ring, the controller's scale and the tier weights are updat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import nvtx
@@ -82,6 +83,13 @@ class DrafterConfig:
             raise ValueError("min_prob must be in [0, 1)")
         if len(self.tier_bonus) != _NUM_TIERS or min(self.tier_bonus) < 0:
             raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints")
+
+
+def _counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``int64 [n]`` occurrences of each value of ``idx`` (in ``[0, n)``). ``bincount`` on a
+    GPU reads ``max(idx)`` back to size its output; a fixed-size scatter does not."""
+    return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(
+        0, idx.long(), torch.ones_like(idx, dtype=torch.int64))
 
 
 class Drafter:
@@ -253,7 +261,7 @@ class Drafter:
         tw = (self.tier_hits / self.tier_drafts).to(torch.float32)[tier]
         w = torch.where(ok[:, :, 0], tw[:, None].expand(-1, P), 0.0)
         # regroup rows into requests: [B, C, K] with C = rows per request * P
-        rows_per = torch.bincount(req, minlength=B)
+        rows_per = _counts(req, B)
         first = torch.cumsum(rows_per, 0) - rows_per
         rslot = torch.arange(req.numel(), device=dev) - first[req]
         C = R_max * P
@@ -371,29 +379,46 @@ class Drafter:
 
     # ------------------------------------------------------------ observe
     def observe(self, sids: list[str], output_ids: torch.Tensor, num_output: torch.Tensor,
-                num_accepted: torch.Tensor) -> None:
+                num_accepted: torch.Tensor, *, num_output_host: Sequence[int] | None = None,
+                validate: bool = True) -> None:
         """Commits verification results for the last ``propose(sids)``.
 
         Args:
             output_ids: ``int32 [B, M]`` accepted draft tokens then the bonus, -1 padded.
             num_output: ``int32 [B]`` valid tokens per row (accepted + 1).
             num_accepted: ``int32 [B]`` draft tokens accepted.
+            num_output_host: ``num_output`` as host ints, when the caller has them (a
+                serving loop does: it emits the tokens); otherwise they are read back.
+            validate: check that the committed ids are in the vocabulary (a read back of
+                ``output_ids``); a caller whose ids come from the model may skip it.
+
+        With ``num_output_host`` and ``validate=False`` nothing is read back to the host:
+        the step's only device-to-host reads are the periodic index merges of a corpus
+        (every ``tail_tokens`` appended tokens).
         """
         with nvtx.annotate("agspec.commit", color="red"):
-            self._observe(sids, output_ids, num_output, num_accepted)
+            self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
+                          validate)
 
-    def _observe(self, sids, output_ids, num_output, num_accepted) -> None:
+    def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
+                 validate=True) -> None:
         dev = self.recent.device
         slots = torch.tensor([self._slot_of(s) for s in sids], dtype=torch.int64, device=dev)
         out = output_ids.to(dev, torch.int32)
         nout = num_output.to(dev)
         nacc = num_accepted.to(dev)
+        if num_output_host is not None and len(num_output_host) != len(sids):
+            raise ValueError(f"num_output_host: {len(num_output_host)} counts for "
+                             f"{len(sids)} sessions")
         # validate before any state changes: a bad row must not half-commit the batch
-        V = self.store.vocab_size
-        used = torch.arange(out.shape[1], device=dev)[None, :] < nout.to(torch.int64)[:, None]
-        if bool(((out < 0) | (out >= V))[used].any()) or bool((nout > out.shape[1]).any()):
-            raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
-                             "num_output[b] columns of each row")
+        if validate:
+            V = self.store.vocab_size
+            used = torch.arange(out.shape[1], device=dev)[None, :] < \
+                nout.to(torch.int64)[:, None]
+            if bool(((out < 0) | (out >= V))[used].any()) or \
+                    bool((nout > out.shape[1]).any()):
+                raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
+                                 "num_output[b] columns of each row")
         if self._last is not None and self._last[0] == list(sids):
             _, draft, nd, calib_row = self._last
             depth_drafted = torch.where(
@@ -405,19 +430,19 @@ class Drafter:
             # tier weights: drafted nodes per tier vs accepted path tokens per tier
             srcs = draft.maybe_source.to(torch.int64)
             tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
-            drafted = torch.bincount(tiers.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
+            drafted = _counts(tiers.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
             acc_src, on_path = self._accepted_path(draft, out, nacc)
             self._calibrate(draft, nd, calib_row, on_path)
             acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
-            hits = torch.bincount(acc_t.view(-1), minlength=_NUM_TIERS + 1)[:_NUM_TIERS]
+            hits = _counts(acc_t.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
             self.tier_hits = 0.99 * self.tier_hits + hits.double()
             self.tier_drafts = 0.99 * self.tier_drafts + drafted.double()
             self.last_accepted_sources = acc_src
         self._push(slots, out.clamp(min=0), nout)
-        counts = nout.tolist()
+        counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
         for b, sid in enumerate(sids):  # host loop: corpus appends are per-corpus segments
-            if counts[b]:
-                self.store.append_session(sid, out[b, :counts[b]])
+            if counts[b]:  # validated above, or the caller vouches for the ids
+                self.store.append_session(sid, out[b, :counts[b]], checked=True)
 
     def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, calib_row: torch.Tensor,
                    on_path: torch.Tensor) -> None:

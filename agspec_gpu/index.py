@@ -166,10 +166,13 @@ class IndexArena:
         return len(self._get(cid).levels)
 
     # ---------------------------------------------------------------- appends
-    def append(self, cid: int, tokens: torch.Tensor, src: int = 0) -> None:
+    def append(self, cid: int, tokens: torch.Tensor, src: int = 0, *,
+               no_separators: bool = False) -> None:
         """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``.
 
         ``src`` tags the tokens (tier / emission form) for per-source statistics.
+        ``no_separators``: the caller guarantees every token is ``>= 0`` (e.g. tokens a model
+        generated), so the separator scan, a device-to-host read, is skipped.
         """
         c = self._get(cid)
         tokens = _check_tokens(tokens, "tokens", self.device)
@@ -182,9 +185,10 @@ class IndexArena:
         start = c.tok_base + c.n
         self.tokens[start:start + m] = tokens
         self.src[start:start + m] = src
-        seps = torch.nonzero(tokens < 0)
-        if seps.numel():
-            c.last_sep = c.n + int(seps[-1, 0])
+        if not no_separators:
+            seps = torch.nonzero(tokens < 0)
+            if seps.numel():
+                c.last_sep = c.n + int(seps[-1, 0])
         c.n += m
         self._maybe_index(cid)
 

@@ -231,7 +231,9 @@ class BatchedLane:
                 num_accepted: np.ndarray) -> None:
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(  # noqa: E731
             self.device)
-        self.drafter.observe(sids, to(output_ids), to(num_output), to(num_accepted))
+        # trajectory tokens, counts on the host: the serving loop's sync-free commit
+        self.drafter.observe(sids, to(output_ids), to(num_output), to(num_accepted),
+                             num_output_host=num_output.tolist(), validate=False)
 
     def finish_message(self, sid: str) -> None:
         pass

@@ -127,11 +127,16 @@ class CorpusStore:
         self._sessions[sid] = _Session(tenant, cid)
         t.sessions.add(sid)
 
-    def append_session(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
-        """Appends context or accepted tokens to a session's corpus."""
+    def append_session(self, sid: str, tokens: torch.Tensor | list[int], *,
+                       checked: bool = False) -> None:
+        """Appends context or accepted tokens to a session's corpus.
+
+        ``checked``: the caller has validated ``tokens`` (``int32``, on the arena's device,
+        ids in ``[0, vocab_size)``), so no check reads them back to the host (the drafter's
+        per-step commit)."""
         s = self.session(sid)
-        self.arena.append(s.corpus, self._as_tokens(tokens, "tokens"),
-                          source_code(CorpusTier.SESSION))
+        t = tokens if checked else self._as_tokens(tokens, "tokens")
+        self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION), no_separators=checked)
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""

@@ -105,9 +105,9 @@ def record_steps(dec: SpecDecoder, monkeypatch) -> list:
     """Keeps ``(output_ids rows, num_accepted)`` of every verification step."""
     steps, observe = [], dec.drafter.observe
 
-    def wrapped(sids, output_ids, num_output, num_accepted):
+    def wrapped(sids, output_ids, num_output, num_accepted, **kw):
         steps.append((output_ids.tolist(), num_accepted.tolist()))
-        return observe(sids, output_ids, num_output, num_accepted)
+        return observe(sids, output_ids, num_output, num_accepted, **kw)
 
     monkeypatch.setattr(dec.drafter, "observe", wrapped)
     return steps

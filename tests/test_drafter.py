@@ -584,3 +584,66 @@ def test_tier_bonus_prefers_the_session_over_a_longer_workspace_match(tok):
         got.append((eps in toks, delta in toks))
         d.close_session(f"s{bonus[0]}")
     assert got == [(False, True), (True, True), (True, False)]
+
+
+def test_per_step_path_reads_nothing_back_to_the_host(tok, monkeypatch):
+    """propose + observe(num_output_host=..., validate=False), the serving loop's step, never
+    reads a tensor back to the host (``item``/``tolist``/``bool``/``int``/``float``/
+    ``numpy``/``nonzero``), so on a GPU it runs ahead of the device. The match itself is left
+    out: on a GPU it is one Triton launch; here it runs the CPU torch path, which may read.
+    Index merges (every ``tail_tokens`` appended tokens) may read too: none happens here."""
+    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
+    d = Drafter(store, DrafterConfig(), max_batch=4)
+    text = tok.encode("def f(x):\n    return x + 1\n\n" * 6)
+    for i in range(3):
+        d.open_session(f"s{i}", "t", prompt_ids=text[: 20 + 7 * i])
+    sids = ["s0", "s1", "s2"]
+    d.propose(sids)
+    d.observe(sids, torch.tensor([[text[20], -1], [text[27], text[28]], [text[34], -1]],
+                                 dtype=torch.int32),
+              torch.tensor([1, 2, 1], dtype=torch.int32), torch.tensor([0, 1, 0]))
+    reads = []
+
+    def forbid(name):
+        def f(*a, **k):
+            reads.append(name)
+            raise AssertionError(f"host read: Tensor.{name}")
+        return f
+
+    real_match = drafter_mod.suffix_match
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    inside_match = []
+
+    def match_unguarded(*a, **k):  # the CPU stand-in for the device kernel
+        for n, f in saved.items():
+            monkeypatch.setattr(torch.Tensor, n, f)
+        inside_match.append(True)
+        try:
+            return real_match(*a, **k)
+        finally:
+            inside_match.pop()
+            for n in names:
+                monkeypatch.setattr(torch.Tensor, n, forbid(n))
+
+    def nonzero(*a, **k):  # a data-dependent shape: a device-to-host read on a GPU
+        if not inside_match:
+            reads.append("nonzero")
+        return real_nonzero(*a, **k)
+
+    monkeypatch.setattr(drafter_mod, "suffix_match", match_unguarded)
+    real_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", nonzero)
+    for n in names:
+        monkeypatch.setattr(torch.Tensor, n, forbid(n))
+    try:
+        draft = d.propose(sids)
+        out = torch.stack([draft.token_ids[:, 0].clamp(min=0), draft.token_ids[:, 0]], 1)
+        d.observe(sids, out.to(torch.int32), torch.full((3,), 2, dtype=torch.int32),
+                  torch.ones(3, dtype=torch.int32), num_output_host=[2, 2, 2], validate=False)
+    finally:
+        for n, f in saved.items():
+            monkeypatch.setattr(torch.Tensor, n, f)
+    assert reads == [], reads
+    assert store.arena.corpus_tokens(store.session("s0").corpus).numel() == 20 + 1 + 2
