@@ -31,6 +31,7 @@ import torch
 
 from agspec_gpu.accept import AcceptResult, flatten_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.runners.common import check_verify_call
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -223,15 +224,9 @@ class HFRunner:
             ``[B, 1+N, V]`` logits: row 0 the root's, row ``1+j`` node ``j``'s; rows of
             padding nodes are unspecified.
         """
-        if self._seq_lens is None:
-            raise ValueError("no batch: call prefill() first")
-        if self._pending is not None:
-            raise ValueError("verify() called twice without commit()")
-        B, N = draft.token_ids.shape
-        if B != self.batch_size:
-            raise ValueError(f"draft: batch {B} != prefilled batch {self.batch_size}")
-        if root_ids.shape != (B,):
-            raise ValueError(f"root_ids: expected [{B}], got {list(root_ids.shape)}")
+        B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
+                                 has_batch=self._seq_lens is not None,
+                                 pending=self._pending is not None)
         if draft.token_ids.device != self.device:
             raise ValueError(f"draft: on {draft.token_ids.device}, model on {self.device}")
         dev, T, q = self.device, self._width, 1 + N

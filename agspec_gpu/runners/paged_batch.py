@@ -21,6 +21,7 @@ import torch
 from agspec_gpu.accept import AcceptResult
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
+from agspec_gpu.runners.common import check_verify_call
 from agspec_gpu.runners.paged import PagedLlamaRunner
 
 _batch_ids = itertools.count()
@@ -67,15 +68,9 @@ class PagedBatch:
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
         """``[B, 1 + N, V]`` logits of each request's root (row 0) and draft nodes; rows of
         padding nodes repeat the request's last row."""
-        if self._prefix is None:
-            raise ValueError("no batch: call prefill() first")
-        if self._pending is not None:
-            raise ValueError("verify() called twice without commit()")
-        B, N = draft.token_ids.shape
-        if B != self.batch_size:
-            raise ValueError(f"draft: batch {B} != prefilled batch {self.batch_size}")
-        if root_ids.shape != (B,):
-            raise ValueError(f"root_ids: expected [{B}], got {list(root_ids.shape)}")
+        B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
+                                 has_batch=self._prefix is not None,
+                                 pending=self._pending is not None)
         meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
                                 prefix_lens_host=self._prefix_host)
         flat = self.runner.forward(meta)                               # [capacity_q, V]
