@@ -2,7 +2,10 @@
 
 - :mod:`agspec_gpu.runners.hf`: a Hugging Face model run as-is (reference, CPU-friendly);
 - :mod:`agspec_gpu.runners.paged`: a compact Llama/Qwen2 forward over the paged KV cache with
-  tree attention (FlashInfer on GPU).
+  tree attention (FlashInfer on GPU);
+- :mod:`agspec_gpu.runners.paged_batch`: a batch on the paged runner behind the HF runner's
+  prefill / verify / commit interface (what ``SpecDecoder(runner="paged")`` drives);
+- :mod:`agspec_gpu.runners.graphs`: CUDA-graph plain decode steps of the paged runner.
 """
 
 from agspec_gpu.runners.hf import HFRunner
