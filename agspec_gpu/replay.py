@@ -103,6 +103,7 @@ class TokenizedSession:
         offset: where ``tokens`` starts in :attr:`ReplayCorpus.stream`.
         maybe_files: per message, the files captured from it as ``(path, text, first_line)``;
             None when captures were not computed.
+        session_id: the session's own id (``sid`` without the repeat suffix).
     """
 
     sid: str
@@ -112,6 +113,7 @@ class TokenizedSession:
     tokens: np.ndarray
     offset: int
     maybe_files: tuple[tuple[tuple[str, str, int | None], ...], ...] | None = None
+    session_id: str = ""
 
     @property
     def target_messages(self) -> list[int]:
@@ -187,7 +189,7 @@ def tokenize_sessions(sessions: Sequence[Session], tokenizer: Tokenizer, *,
             sid=s.id if n == 0 else f"{s.id}#{n}", agent=s.agent,
             roles=tuple(m.role for m in s.messages), bounds=bounds,
             tokens=stream[base:base + int(bounds[-1])], offset=base,
-            maybe_files=_captures(s) if capture_files else None))
+            maybe_files=_captures(s) if capture_files else None, session_id=s.id))
         k += M
     return ReplayCorpus(tuple(out), stream, tokenizer.name, tokenizer.fingerprint)
 
@@ -390,7 +392,7 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
             raise ValueError("cross_halves: expected (global of half 0, global of half 1)")
         # half h replays against the global tier built from the other half
         parts = [(replace(corpus, sessions=tuple(s for s in corpus.sessions
-                                                 if session_half(s.sid.split("#")[0]) == h),
+                                                 if session_half(s.session_id or s.sid) == h),
                           agent_formats=corpus.agents),
                   replace(config, global_corpus=str(cross_halves[1 - h])))
                  for h in (0, 1)]
