@@ -94,7 +94,17 @@ class SpecDecoder:
         self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
                                  vocab_size=self.vocab_size)
         self.drafter = Drafter(self.store, self.config.drafter, self.config.max_batch)
-        self._paged: PagedLlamaRunner | None = None  # built on first use (runner="paged")
+        self._paged: PagedLlamaRunner | None = None
+        if self.config.runner == "paged":  # converted once, here, so a bad model fails early
+            cfg = self.config
+            pages = -(-cfg.kv_cache_tokens // cfg.page_size)
+            try:
+                self._paged = PagedLlamaRunner.from_hf_model(
+                    model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.max_batch,
+                    max_pages_per_seq=pages)
+            except ValueError as exc:
+                raise ValueError(f"model: runner='paged' takes Llama/Qwen2-family models "
+                                 f"({exc})") from exc
         self._sessions: dict[str, _SessionState] = {}
         self._next = 0
         # a per-instance prefix: one decoder never takes another decoder's session id for
@@ -194,14 +204,8 @@ class SpecDecoder:
                 runner.close()
 
     def _batch_runner(self) -> HFRunner | PagedBatch:
-        if self.config.runner == "hf":
-            return HFRunner(self.model)
         if self._paged is None:
-            cfg = self.config
-            pages = -(-cfg.kv_cache_tokens // cfg.page_size)
-            self._paged = PagedLlamaRunner.from_hf_model(
-                self.model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.max_batch,
-                max_pages_per_seq=pages)
+            return HFRunner(self.model)
         return PagedBatch(self._paged)
 
     def _generate(self, sids, states, runner, max_new_tokens, sampling, stop, spec, eos,

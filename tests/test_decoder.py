@@ -211,6 +211,10 @@ def test_paged_runner_is_lossless_and_frees_its_pages(variant):
     assert cache.num_free_pages == cache.num_pages
     with pytest.raises(ValueError, match="runner"):
         DecoderConfig(runner="vllm")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    with pytest.raises(ValueError, match="model: runner='paged'"):
+        SpecDecoder(gpt2, tok(), DecoderConfig(runner="paged"))
 
 
 def test_workspace_file_drafts_are_lossless():

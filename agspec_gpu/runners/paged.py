@@ -56,6 +56,13 @@ class ModelShape:
 
     @staticmethod
     def from_hf_config(config) -> "ModelShape":
+        """Raises ValueError for a config that is not a Llama-family decoder's."""
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
+                   if getattr(config, k, None) is None]
+        if missing:
+            raise ValueError(f"config ({getattr(config, 'model_type', type(config).__name__)}) "
+                             f"is not a Llama/Qwen2-family decoder's: no {', '.join(missing)}")
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
         return ModelShape(
