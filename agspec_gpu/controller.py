@@ -141,6 +141,23 @@ def profile_roles(curves: dict[str, list[float]], cost: CostModel | None = None,
     return profiles
 
 
-def load_profiles(path: str | Path) -> dict[str, RoleProfile]:
+def load_profiles(path: str | Path,
+                  base: dict[str, RoleProfile] | None = None) -> dict[str, RoleProfile]:
+    """Role profiles from an ``agspec-gpu profile`` file.
+
+    A profiled role keeps the ``initial_scale`` of the same-named role of ``base`` (or of
+    its ``"default"``); the roles of ``base`` the file does not name are kept as they are.
+    Without ``base`` only the file's roles are returned (initial scale 1.0).
+    """
     obj = json.loads(Path(path).read_text())
-    return {r: RoleProfile(r, int(v["draft_cap"])) for r, v in obj["roles"].items()}
+    try:
+        caps = {r: int(v["draft_cap"]) for r, v in obj["roles"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"profiles {path}: not an agspec-gpu profile file ({exc})") from exc
+    if base is None:
+        return {r: RoleProfile(r, c) for r, c in caps.items()}
+    fallback = base.get("default", RoleProfile("default"))
+    out = dict(base)
+    out.update({r: RoleProfile(r, c, base.get(r, fallback).initial_scale)
+                for r, c in caps.items()})
+    return out

@@ -18,7 +18,7 @@ token for token.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import nvtx
@@ -26,6 +26,7 @@ import torch
 
 from agspec_gpu.accept import SamplingParams, greedy_accept, sample_accept
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.controller import load_profiles
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
@@ -45,6 +46,8 @@ class DecoderConfig:
             :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
             attention on a GPU) with a KV pool of ``kv_cache_tokens`` slots in pages of
             ``page_size``.
+        profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
+            those of the drafter's roles of the same name (other roles are kept).
     """
 
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -53,6 +56,7 @@ class DecoderConfig:
     runner: str = "hf"
     page_size: int = 16
     kv_cache_tokens: int = 1 << 15
+    profiles: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -93,7 +97,11 @@ class SpecDecoder:
         device = next(model.parameters()).device
         self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
                                  vocab_size=self.vocab_size)
-        self.drafter = Drafter(self.store, self.config.drafter, self.config.max_batch)
+        drafter_cfg = self.config.drafter
+        if self.config.profiles is not None:
+            roles = load_profiles(self.config.profiles, {r.name: r for r in drafter_cfg.roles})
+            drafter_cfg = replace(drafter_cfg, roles=tuple(roles.values()))
+        self.drafter = Drafter(self.store, drafter_cfg, self.config.max_batch)
         self._paged: PagedLlamaRunner | None = None
         if self.config.runner == "paged":  # converted once, here, so a bad model fails early
             cfg = self.config

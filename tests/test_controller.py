@@ -252,6 +252,16 @@ def test_profile_roles_writes_and_loads_json(tmp_path):
     assert obj["cost_model"] == cost.to_json()
     assert obj["roles"]["coder"]["draft_cap"] == 43
     assert obj["roles"]["planner"]["p_acc"] == curves["planner"]
+    # merged over built-in roles: caps from the file, initial scales from the base
+    base = {"default": RoleProfile("default", 32, 4.0), "coder": RoleProfile("coder", 32, 2.0)}
+    merged = load_profiles(out, base)
+    assert merged == {"default": RoleProfile("default", 32, 4.0),
+                      "coder": RoleProfile("coder", 43, 2.0),
+                      "planner": RoleProfile("planner", 6, 4.0)}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"roles": {"coder": {}}}')
+    with pytest.raises(ValueError, match="not an agspec-gpu profile"):
+        load_profiles(bad)
     assert load_profiles(out) == profiles
 
 

@@ -217,6 +217,19 @@ def test_paged_runner_is_lossless_and_frees_its_pages(variant):
         SpecDecoder(gpt2, tok(), DecoderConfig(runner="paged"))
 
 
+def test_decoder_loads_role_profiles(tmp_path):
+    from agspec_gpu.controller import profile_roles
+
+    out = tmp_path / "roles.json"
+    profile_roles({"coder": [0.5 ** k for k in range(1, 33)]}, out=out)
+    dec = SpecDecoder(model(), tok(), DecoderConfig(profiles=str(out)))
+    roles = dec.drafter._roles
+    assert roles["coder"].draft_cap < 32 and roles["coder"].initial_scale == 4.0
+    assert roles["planner"].draft_cap == 16  # a role the file does not name is kept
+    sid = dec.open_session("t", "coder", list(prompts()[2]))
+    assert dec.generate([sid], max_new_tokens=8) == [greedy(("llama", "sdpa"), prompts()[2], 8)]
+
+
 def test_workspace_file_drafts_are_lossless():
     variant = VARIANTS[1]
     P = list(prompts()[6])
