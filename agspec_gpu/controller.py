@@ -91,14 +91,24 @@ def update_scale(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: tor
     return new.clamp(config.s_min, config.s_max)
 
 
+def cost_table(cost: CostModel, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_tokens, ms)`` points of ``cost`` as ``float64`` device tensors (build once)."""
+    xs = torch.tensor([p[0] for p in cost.points], dtype=torch.float64, device=device)
+    ys = torch.tensor([p[1] for p in cost.points], dtype=torch.float64, device=device)
+    return xs, ys
+
+
 def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
-                 max_tokens: int | None = None) -> torch.Tensor:
+                 max_tokens: int | None = None,
+                 table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """How many of the (descending) node scores to verify in one step.
 
     Args:
         scores: ``float [M]`` estimated acceptance probabilities, sorted descending.
         num_requests: ``B``, roots verified anyway.
         cost: step time versus tokens.
+        table: ``cost_table(cost, device)``, when the caller built it once (a per-step
+            caller: no host-to-device copy of the points each call).
 
     Returns:
         ``int64 []`` (0-d tensor) ``n*`` maximising ``(B + cumsum(scores)[n-1]) / cost(B + n)``
@@ -107,8 +117,7 @@ def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
     """
     M = scores.numel() if max_tokens is None else min(scores.numel(), max_tokens)
     gain = torch.cat([scores.new_zeros(1), torch.cumsum(scores[:M].double(), 0)]) + num_requests
-    xs = torch.tensor([p[0] for p in cost.points], dtype=torch.float64, device=scores.device)
-    ys = torch.tensor([p[1] for p in cost.points], dtype=torch.float64, device=scores.device)
+    xs, ys = table if table is not None else cost_table(cost, scores.device)
     n = torch.arange(M + 1, device=scores.device, dtype=torch.float64) + num_requests
     i = torch.searchsorted(xs, n).clamp(1, xs.numel() - 1)
     t = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])

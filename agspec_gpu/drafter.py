@@ -27,7 +27,7 @@ import nvtx
 import torch
 
 from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, batch_budget,
-                                   draft_depth, update_scale)
+                                   cost_table, draft_depth, update_scale)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.kernels.suffix_match import suffix_match
@@ -136,6 +136,7 @@ class Drafter:
         self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).contiguous()
         self.prev_full = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
+        self._cost_table = cost_table(self.cost, dev)
         self._last: tuple | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -328,9 +329,9 @@ class Drafter:
             # hold all it may keep (padding scores 0: it never adds gain, only cost)
             allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
             allv = allv[:B * min(cfg.max_nodes, C * K)]
-            nstar = batch_budget(allv.clamp(min=0), B, self.cost)
+            nstar = batch_budget(allv.clamp(min=0), B, self.cost, table=self._cost_table)
             thresh = torch.where(nstar > 0, allv[(nstar - 1).clamp(min=0)].clamp(min=1e-12),
-                                 torch.tensor(2.0, device=dev))
+                                 2.0)
             keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
         # nodes in best-first order (topological: a parent never ranks below its child)
         num = keep_n
@@ -435,8 +436,8 @@ class Drafter:
             self._calibrate(draft, nd, calib_row, on_path)
             acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
             hits = _counts(acc_t.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
-            self.tier_hits = 0.99 * self.tier_hits + hits.double()
-            self.tier_drafts = 0.99 * self.tier_drafts + drafted.double()
+            self.tier_hits.mul_(0.99).add_(hits)
+            self.tier_drafts.mul_(0.99).add_(drafted)
             self.last_accepted_sources = acc_src
         self._push(slots, out.clamp(min=0), nout)
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
@@ -460,9 +461,9 @@ class Drafter:
         hits = torch.zeros_like(seen)
         seen.scatter_add_(0, cell, reached.reshape(-1).double())
         hits.scatter_add_(0, cell, (reached & on_path).reshape(-1).double())
-        decay = 0.999
-        self.calib_seen = decay * self.calib_seen + seen.view_as(self.calib_seen)
-        self.calib_hits = decay * self.calib_hits + hits.view_as(self.calib_hits)
+        decay = 0.999  # in place: the tables are the drafter's preallocated state
+        self.calib_seen.mul_(decay).add_(seen.view_as(self.calib_seen))
+        self.calib_hits.mul_(decay).add_(hits.view_as(self.calib_hits))
         # keep the prior's weight from vanishing in cells that are rarely drafted
         self.calib_seen.clamp_(min=2.0)
         self.calib_hits.clamp_(min=1e-3)

@@ -230,7 +230,6 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     p_base, p_len = desc.level_sa_base, desc.level_sa_len.to(torch.int64)
     pb, pn = base_row[prow], n_row[prow]
 
-
     best = torch.zeros(B, dtype=torch.int64, device=dev)
     # tail: continuation c in (tail_start, n) with m(c) = backward match length
     T = desc.max_tail

@@ -122,9 +122,10 @@ def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
     seen = []
     real = drafter_mod.batch_budget
 
-    def spy(scores, num_requests, cost, max_tokens=None):
+    def spy(scores, num_requests, cost, max_tokens=None, table=None):
         seen.append((scores.clone(), num_requests, max_tokens))
-        return real(scores, num_requests, cost, max_tokens)
+        assert table is not None  # the drafter's cost table, built once
+        return real(scores, num_requests, cost, max_tokens, table)
 
     monkeypatch.setattr(drafter_mod, "batch_budget", spy)
     free = CostModel(((1, 1.0), (4096, 1.0)))
