@@ -25,8 +25,8 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import SamplingParams, greedy_accept, sample_accept
-from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.controller import load_profiles
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
