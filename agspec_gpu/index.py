@@ -1,17 +1,17 @@
-"""Device-resident token corpora with log-structured, depth-bounded suffix-array indexes.
+"""Device-resident token corpora with log-structured, depth-bounded indexes of the reversed text.
 
 An :class:`IndexArena` keeps many corpora (one per session, tenant workspace, ...) in two
 shared device buffers, so that one batched query serves every request of a decode step:
 
 * ``tokens`` (``int32``): each corpus owns a contiguous segment; documents inside a corpus
   are separated by negative sentinels, which never equal a query token.
-* ``sa`` (``int32``): each corpus owns a few *levels*, sorted suffix arrays over contiguous
-  position ranges, oldest first. Positions past the last level form the *tail*, which the
-  match kernel scans directly. A position joins a level once its first ``max_depth + 1``
-  tokens are final (present, or cut by a separator); when the tail holds ``tail_tokens``
-  such positions they become a new level, and levels of comparable size merge (a binary
-  counter), so appending a decode step's tokens or a 5,000-token file never rebuilds a large
-  level.
+* ``sa`` (``int32``): each corpus owns a few *levels*, oldest first: suffix arrays of the
+  reversed text over contiguous ranges of continuation positions (each position sorted by the
+  ``max_depth`` tokens before it; :func:`~agspec_gpu.suffix_array.build_context_array`).
+  Positions past the last level form the *tail*, which the match kernel scans directly. A
+  position's key is final as soon as it is appended, so when the tail holds ``tail_tokens``
+  positions they become a new level, and levels of comparable size merge (a binary counter):
+  appending a decode step's tokens or a 5,000-token file never rebuilds a large level.
 
 :class:`SuffixIndex` is the single-corpus view with the public contract
 (``build`` / ``append`` / ``match``).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
-from agspec_gpu.suffix_array import build_suffix_array
+from agspec_gpu.suffix_array import build_context_array
 
 __all__ = ["IndexConfig", "IndexArena", "SuffixIndex", "MatchResult"]
 
@@ -34,8 +34,9 @@ class IndexConfig:
     """Index parameters.
 
     Attributes:
-        max_depth: longest match length searched (tokens); levels sort ``max_depth + 1``.
-        tail_tokens: final positions the tail may hold before they become a level.
+        max_depth: longest match length searched (tokens); levels sort by ``max_depth``
+            context tokens.
+        tail_tokens: positions the tail may hold before they become a level.
         merge_ratio: the newest level merges into the one before while that one is at most
             ``merge_ratio`` times larger.
     """
@@ -66,7 +67,6 @@ class _Corpus:
     tok_base: int
     tok_cap: int
     n: int = 0
-    last_sep: int = -1  # position of the last separator, -1 if none
     levels: list[_Level] = field(default_factory=list)
 
     @property
@@ -101,6 +101,7 @@ class IndexArena:
         self._sa_top = 0
         self._tok_garbage = 0
         self._sa_garbage = 0
+        self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
 
     # ---------------------------------------------------------------- lifecycle
     def new_corpus(self, capacity: int = 256) -> int:
@@ -113,10 +114,10 @@ class IndexArena:
 
     def add_prebuilt(self, tokens: torch.Tensor, sa: torch.Tensor, indexed_end: int,
                      src: int = 0) -> int:
-        """Adds a corpus with a suffix array built offline (one level over ``[0, indexed_end)``).
+        """Adds a corpus with its index built offline (one level over ``[0, indexed_end)``).
 
-        The caller vouches that ``sa`` is ``build_suffix_array(tokens, 0, indexed_end,
-        max_depth + 1)`` for this arena's ``max_depth`` (the global tier checks a checksum).
+        The caller vouches that ``sa`` is ``build_context_array(tokens, 0, indexed_end,
+        max_depth)`` for this arena's ``max_depth`` (the global tier checks a checksum).
         """
         _check_tokens(tokens, "tokens", self.device)
         cid = self.new_corpus(max(tokens.numel(), 16))
@@ -124,17 +125,11 @@ class IndexArena:
         self.tokens[c.tok_base:c.tok_base + tokens.numel()] = tokens
         self.src[c.tok_base:c.tok_base + tokens.numel()] = src
         c.n = tokens.numel()
-        seps = torch.nonzero(tokens < 0)
-        c.last_sep = int(seps[-1, 0]) if seps.numel() else -1
         base = self._alloc_sa(sa.numel())
         c = self._corpora[cid]
         self.sa[base:base + sa.numel()] = sa.to(self.device, torch.int32)
         c.levels.append(_Level(base, sa.numel(), 0, indexed_end))
         return cid
-
-    def final_end(self, cid: int) -> int:
-        """Positions below this have their first ``max_depth + 1`` tokens fixed."""
-        return self._final_end(self._get(cid))
 
     def free(self, cid: int) -> None:
         """Releases a corpus; its device memory is reclaimed by compaction right away."""
@@ -142,6 +137,7 @@ class IndexArena:
         self._tok_garbage += c.tok_cap
         self._sa_garbage += sum(lv.sa_len for lv in c.levels)
         del self._corpora[cid]
+        self._doc_ends.pop(cid, None)
         self._compact(shrink=True)
 
     def __contains__(self, cid: int) -> bool:
@@ -156,23 +152,40 @@ class IndexArena:
         return self.tokens[c.tok_base:c.tok_base + c.n]
 
     def nbytes(self, cid: int | None = None) -> int:
-        """Bytes held: of one corpus (tokens + suffix array), or of both arena buffers."""
+        """Bytes held: of one corpus (tokens + index), or of both arena buffers."""
         if cid is None:
             return self.tokens.numel() * 5 + self.sa.numel() * 4
         c = self._get(cid)
         return 5 * c.tok_cap + 4 * sum(lv.sa_len for lv in c.levels)
 
+    def tok_base(self, cid: int) -> int:
+        """Where corpus ``cid`` starts in :attr:`tokens` (until the next append or free)."""
+        return self._get(cid).tok_base
+
+    def doc_ends(self, cid: int) -> torch.Tensor:
+        """``int64 [m]``: the positions ``c`` that end a document, a token at ``c - 1`` and a
+        separator or the corpus end at ``c`` (the continuations the index leaves out; for the
+        oracle, evaluation only: it reads the corpus, one scan per corpus length)."""
+        c = self._get(cid)
+        hit = self._doc_ends.get(cid)
+        if hit is None or hit[0] != c.n:
+            seg = self.tokens[c.tok_base:c.tok_base + c.n]
+            ends = torch.nonzero((seg[1:] < 0) & (seg[:-1] >= 0), as_tuple=True)[0] + 1
+            if c.n and int(seg[-1]) >= 0:
+                ends = torch.cat([ends, ends.new_full((1,), c.n)])
+            hit = self._doc_ends[cid] = (c.n, ends)
+        return hit[1]
+
     def num_levels(self, cid: int) -> int:
         return len(self._get(cid).levels)
 
     # ---------------------------------------------------------------- appends
-    def append(self, cid: int, tokens: torch.Tensor, src: int = 0, *,
-               no_separators: bool = False) -> None:
+    def append(self, cid: int, tokens: torch.Tensor, src: int = 0) -> None:
         """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``.
 
-        ``src`` tags the tokens (tier / emission form) for per-source statistics.
-        ``no_separators``: the caller guarantees every token is ``>= 0`` (e.g. tokens a model
-        generated), so the separator scan, a device-to-host read, is skipped.
+        ``src`` tags the tokens (tier / emission form) for per-source statistics. Nothing is
+        read back from the device: a level is built once the tail holds ``tail_tokens``
+        positions, a count the host knows.
         """
         c = self._get(cid)
         tokens = _check_tokens(tokens, "tokens", self.device)
@@ -185,23 +198,14 @@ class IndexArena:
         start = c.tok_base + c.n
         self.tokens[start:start + m] = tokens
         self.src[start:start + m] = src
-        if not no_separators:
-            seps = torch.nonzero(tokens < 0)
-            if seps.numel():
-                c.last_sep = c.n + int(seps[-1, 0])
         c.n += m
         self._maybe_index(cid)
 
-    def _final_end(self, c: _Corpus) -> int:
-        """Positions below this have their first ``max_depth + 1`` tokens fixed."""
-        return max(c.n - self.config.max_depth, c.last_sep + 1, 0)
-
     def _maybe_index(self, cid: int) -> None:
         c = self._corpora[cid]
-        fin = self._final_end(c)
-        if fin - c.tail_start < self.config.tail_tokens:
+        if c.n - c.tail_start < self.config.tail_tokens:
             return
-        self._add_level(cid, c.tail_start, fin)
+        self._add_level(cid, c.tail_start, c.n)
         c = self._corpora[cid]
         while len(c.levels) >= 2:
             older, newer = c.levels[-2], c.levels[-1]
@@ -217,7 +221,7 @@ class IndexArena:
     def _add_level(self, cid: int, lo: int, hi: int) -> None:
         c = self._corpora[cid]
         seg = self.tokens[c.tok_base:c.tok_base + c.n]
-        sa = build_suffix_array(seg, lo, hi, self.config.max_depth + 1)
+        sa = build_context_array(seg, lo, hi, self.config.max_depth)
         base = self._alloc_sa(sa.numel())
         c = self._corpora[cid]  # _alloc_sa may compact
         self.sa[base:base + sa.numel()] = sa

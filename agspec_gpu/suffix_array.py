@@ -69,3 +69,36 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> to
     keep = order[order < (hi - lo)]
     keep = keep[win[keep] >= 0]
     return (keep + lo).to(torch.int32)
+
+
+def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> torch.Tensor:
+    """The suffix array of the reversed text over continuation positions ``[lo, hi)``.
+
+    Args:
+        tokens: ``int32 [n]`` corpus (negative values are separators).
+        lo, hi: position range to index, ``0 <= lo <= hi <= n``.
+        depth: number of context tokens that define the order (>= 1).
+
+    Returns:
+        ``int32 [m]``: the positions ``c`` in ``[lo, hi)`` with ``c >= 1`` and ``tokens[c - 1]``,
+        ``tokens[c]`` both ``>= 0``, sorted by their context read backwards,
+        ``tokens[c - 1], tokens[c - 2], ..., tokens[c - depth]`` (``END`` before position 0,
+        so shorter contexts first; separators below tokens), equal contexts in descending
+        position. Every key is final once ``c < n``: appends never change it.
+    """
+    n = tokens.numel()
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"build_context_array: bad range [{lo}, {hi}) for n={n}")
+    if depth < 1:
+        raise ValueError(f"build_context_array: depth must be >= 1, got {depth}")
+    lo = max(lo, 1)  # position 0 has an empty context
+    if hi <= lo:
+        return torch.empty(0, dtype=torch.int32, device=tokens.device)
+    # rev[j] = tokens[hi - 1 - j] over the tokens any key reads; key(c) is the suffix of rev
+    # at j = hi - c, and the end of rev is position 0's start only when a = 0 (else it lies
+    # beyond depth tokens of every key)
+    a = max(0, lo - depth)
+    rev = tokens[a:hi].flip(0)
+    j = build_suffix_array(rev, 1, hi - lo + 1, depth).to(torch.int64)  # needs tokens[c-1] >= 0
+    c = hi - j
+    return c[tokens[c] >= 0].to(torch.int32)

@@ -21,7 +21,7 @@ import torch
 from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.index import IndexArena, IndexConfig
-from agspec_gpu.suffix_array import build_suffix_array
+from agspec_gpu.suffix_array import build_context_array
 from agspec_gpu.tokenizer import Tokenizer
 
 SEP = -1  # document separator in every corpus
@@ -136,7 +136,7 @@ class CorpusStore:
         per-step commit)."""
         s = self.session(sid)
         t = tokens if checked else self._as_tokens(tokens, "tokens")
-        self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION), no_separators=checked)
+        self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION))
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""
@@ -269,7 +269,7 @@ class CorpusStore:
 
 
 # ---------------------------------------------------------------- global tier
-_FORMAT = "agspec-global-v1"
+_FORMAT = "agspec-global-v2"  # v2: the index is over the reversed text
 
 
 @dataclass
@@ -356,7 +356,7 @@ def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, m
         parts.extend(ids)
     tokens = torch.tensor(parts, dtype=torch.int32)
     end = tokens.numel()  # the last document ends the corpus: every position is final
-    sa = build_suffix_array(tokens, 0, end, max_depth + 1)
+    sa = build_context_array(tokens, 0, end, max_depth)
     meta = {"format": _FORMAT, "fingerprint": tokenizer.fingerprint, "tokenizer": tokenizer.name,
             "max_depth": str(max_depth), "indexed_end": str(end),
             "sha256": _digest(tokens, sa), "num_docs": str(len(docs))}
@@ -376,6 +376,9 @@ def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> 
     except Exception as exc:  # noqa: BLE001 - safetensors raises several types
         raise ValueError(f"global corpus {path}: unreadable or truncated ({exc})") from exc
     if meta.get("format") != _FORMAT:
+        if str(meta.get("format", "")).startswith("agspec-global-"):
+            raise ValueError(f"global corpus {path}: format {meta['format']!r}, this version "
+                             f"reads {_FORMAT!r}; rebuild it with `agspec-gpu build-global`")
         raise ValueError(f"global corpus {path}: not an agspec global corpus")
     if _digest(tokens, sa) != meta.get("sha256"):
         raise ValueError(f"global corpus {path}: checksum mismatch (corrupted file)")

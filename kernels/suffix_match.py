@@ -1,8 +1,8 @@
-"""Batched longest-suffix match against log-structured suffix-array indexes.
+"""Batched longest-suffix match against log-structured indexes of the reversed text.
 
 For every query row ``b`` (a request's recent tokens, right-aligned in ``queries[b]``) and
-its corpus (a token segment of the arena plus a few suffix-array *levels* and an unindexed
-*tail*), find
+its corpus (a token segment of the arena plus a few sorted *levels* and an unindexed *tail*),
+find
 
 * ``length[b]``: the longest ``l <= min(lengths[b], max_depth)`` such that the last ``l``
   query tokens occur in the corpus followed by a non-separator token (0 if none; then
@@ -11,26 +11,40 @@ its corpus (a token segment of the arena plus a few suffix-array *levels* and an
 * ``positions[b]``: the continuation positions (index of the token after the match, corpus
   relative) of ``min(P, count)`` occurrences, the most recent first (largest position
   first), ``-1`` padded;
-* ``sa_lo[b, k], sa_hi[b, k]``: the range of level ``k`` (oldest first) of suffixes that
-  start with the match and continue with a token, as absolute indices into ``sa``. Their
-  continuation tokens come out sorted: the range is the implicit trie of continuations.
+* ``sa_lo[b, k], sa_hi[b, k]``: the range of level ``k`` (oldest first) holding those
+  occurrences, as absolute indices into ``sa`` (``sa_lo == sa_hi ==`` the level's base when
+  ``length`` is 0; ``(0, 0)`` for slots past the row's levels).
+
+The index is a suffix array of the *reversed* text, keyed by continuation position: a level
+holds the positions ``c`` of a position range whose token ``tokens[c]`` and predecessor
+``tokens[c - 1]`` are tokens (not separators), sorted by the context read backwards,
+``key(c) = (tokens[c - 1], tokens[c - 2], ..., tokens[c - max_depth])`` (``END`` before the
+corpus start, separators as their negative values). The occurrences of the last ``l`` query
+tokens are the entries whose key starts with the reversed query: one contiguous range per
+level. And the longest match takes a single search: at the insertion point of the whole
+reversed query, the entry sharing the longest prefix with it is one of the two neighbours.
+So per level: one lower-bound search at ``qlen``, two common-prefix lengths, and the bounds
+of the range at the best length. A key is final when its position is appended, so every
+position is indexable at once (no look-ahead), and the tail is simply the positions past the
+newest level.
 
 Memory layout (all on one device):
 
 * ``tokens``  ``int32 [T]``: corpus ``b`` is ``tokens[tok_base[b] : tok_base[b] + n[b]]``.
-* ``sa``      ``int32 [S]``: level ``k`` of a row is ``sa[level_sa_base[k] : + level_sa_len[k]]``
-  holding corpus-relative start positions sorted by their first ``max_depth + 1`` tokens
-  (``END`` below separators below tokens).
+* ``sa``      ``int32 [S]``: level ``k`` of a row is ``sa[level_sa_base[k] : + level_sa_len[k]]``,
+  corpus-relative continuation positions sorted by ``key`` (``END`` below separators below
+  tokens; equal keys in descending position).
 * Row ``b``'s levels are ``level_indptr[b] .. level_indptr[b + 1]``; its tail holds the
-  suffix starts ``>= tail_start[b]``, scanned directly.
+  positions ``>= tail_start[b]``, scanned directly.
 
 The Triton kernel runs one program per row; the torch implementation vectorizes the same
-binary searches over (row, level) pairs. Both return identical results.
+searches over (row, level) pairs. Both return identical results.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -109,65 +123,55 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
 
 
 # ------------------------------------------------------------------------ torch path
-def _window(tokens: torch.Tensor, base: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
-            width: int) -> torch.Tensor:
-    """``int64 [R, width]``: corpus tokens from ``start`` on, ``END`` past the end."""
-    off = start[:, None] + torch.arange(width, device=start.device)[None, :]
-    inside = off < n[:, None]
+def _context(tokens: torch.Tensor, base: torch.Tensor, c: torch.Tensor, width: int
+             ) -> torch.Tensor:
+    """``int64 [R, width]``: ``key(c)`` = tokens ``c - 1, c - 2, ...``; ``END`` before 0."""
+    off = c[:, None] - 1 - torch.arange(width, device=c.device)[None, :]
+    inside = off >= 0
     idx = torch.where(inside, base[:, None] + off, 0)
     # torch.take, not tokens[idx]: advanced indexing is several times slower on CPU
     return torch.where(inside, torch.take(tokens, idx).to(torch.int64), END)
 
 
-def _compare_window(vals: torch.Tensor, pat: torch.Tensor, l: torch.Tensor):
-    """(first mismatch index < l, or W if none; lt_lo; le_hi) for windows ``vals [R, W]``."""
+def _mismatch(vals: torch.Tensor, pat: torch.Tensor, l: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first index ``< l`` where ``vals [R, W]`` and ``pat`` differ, else ``W``; key < pat there)."""
     W = vals.shape[1]
     j = torch.arange(W, device=vals.device)[None, :]
     diff = (vals != pat[:, :W]) & (j < l[:, None])
     first = torch.where(diff, j, W).min(dim=1).values
-    has = first < l
     fj = first.clamp(max=W - 1)[:, None]
     less = vals.gather(1, fj)[:, 0] < pat.gather(1, fj)[:, 0]
-    after = vals.gather(1, l.clamp(max=W - 1)[:, None])[:, 0]
-    lt_lo = torch.where(has, less, after < 0)
-    le_hi = torch.where(has, less, torch.ones_like(has))
-    return first, lt_lo, le_hi
+    return first, less
 
 
-_PROBE = 8  # tokens compared first; most suffixes differ from the pattern within them
+_PROBE = 8  # key tokens compared first; most keys differ from the pattern within them
 
 
-def _compare(tokens, base, n, start, pat, l):
-    """Compares suffixes with patterns.
+def _compare(tokens, base, c, pat, l):
+    """Compares ``key(c)`` with patterns ``pat [R, W]`` (reversed queries) over ``l`` tokens.
 
-    Args: start ``[R]`` corpus-relative suffix starts; pat ``int64 [R, W]`` pattern padded
-    past ``l``; l ``[R]`` pattern lengths (``W > max l``).
-    Returns (lt_lo, le_hi) ``bool [R]``: suffix < (pattern, 0) and suffix[:l] <= pattern.
-    Two phases for speed on CPU: a short window for every row, the full window only for
-    rows still equal after it.
+    Returns (lcp, less) ``[R]``: the common prefix length, capped at ``l``, and whether the
+    key is below the pattern at the first mismatch (meaningless when ``lcp == l``). Two phases
+    for speed on CPU: a short window for every row, the full one only for rows still equal.
     """
     W = pat.shape[1]
     w0 = min(_PROBE, W)
-    if w0 == W:
-        return _compare_window(_window(tokens, base, n, start, W), pat, l)[1:]
-    # the probe checks tokens [0, w0 - 1) of the pattern plus the token after it: exact for
-    # rows with l < w0 and for rows that mismatch inside the probe
-    first, lt_lo, le_hi = _compare_window(_window(tokens, base, n, start, w0), pat,
-                                          l.clamp(max=w0 - 1))
-    todo = torch.nonzero((l >= w0) & (first >= w0 - 1), as_tuple=True)[0]
+    first, less = _mismatch(_context(tokens, base, c, w0), pat, l.clamp(max=w0))
+    todo = torch.nonzero((l > w0) & (first >= w0), as_tuple=True)[0]
     if todo.numel():
-        _, lt2, le2 = _compare_window(_window(tokens, base[todo], n[todo], start[todo], W),
-                                      pat[todo], l[todo])
-        lt_lo = lt_lo.scatter(0, todo, lt2)
-        le_hi = le_hi.scatter(0, todo, le2)
-    return lt_lo, le_hi
+        f2, less2 = _mismatch(_context(tokens, base[todo], c[todo], W), pat[todo], l[todo])
+        first = first.scatter(0, todo, f2)
+        less = less.scatter(0, todo, less2)
+    return torch.minimum(first, l), less
 
 
 _FANOUT = 15  # pivots per search round: fewer, wider torch ops (CPU cost is per op)
 
 
-def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper):
-    """Vectorized search: first index in ``[0, sa_len)`` failing the predicate.
+def _bound(tokens, sa, base, sa_base, sa_len, pat, l, upper):
+    """Vectorized search over levels: first index in ``[0, sa_len)`` whose key fails
+    ``key[:l] < pat[:l]`` (lower bound) or ``key[:l] <= pat[:l]`` (upper bound).
 
     A ``_FANOUT + 1``-ary search (``_FANOUT`` pivots per round, only unsettled rows) so a
     level of ``m`` entries takes ``log_16(m)`` rounds of a few ops each instead of
@@ -182,14 +186,15 @@ def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper):
     while live.numel():
         llo, lhi = lo[live], hi[live]
         piv = llo[:, None] + ((lhi - llo)[:, None] * k) // (_FANOUT + 1)  # [r, F] in [lo, hi)
-        s = torch.take(sa, (sa_base[live][:, None] + piv).clamp(max=sa.numel() - 1))
+        c = torch.take(sa, (sa_base[live][:, None] + piv).clamp(max=sa.numel() - 1))
         rows = live[:, None].expand(-1, _FANOUT).reshape(-1)
-        lt_lo, le_hi = _compare(tokens, base[rows], n[rows], s.reshape(-1).to(torch.int64),
-                                pat[rows], l[rows])
+        lr = l[rows]
+        lcp, less = _compare(tokens, base[rows], c.reshape(-1).to(torch.int64), pat[rows], lr)
+        lt = (lcp < lr) & less
         if isinstance(upper, torch.Tensor):
-            pred = torch.where(upper[rows], le_hi, lt_lo).view(-1, _FANOUT)
+            pred = torch.where(upper[rows], lt | (lcp >= lr), lt).view(-1, _FANOUT)
         else:
-            pred = (le_hi if upper else lt_lo).view(-1, _FANOUT)
+            pred = (lt | (lcp >= lr) if upper else lt).view(-1, _FANOUT)
         ntrue = pred.sum(dim=1)  # predicates are monotone along the sorted pivots
         last_true = piv.gather(1, (ntrue - 1).clamp(min=0)[:, None])[:, 0]
         first_false = piv.gather(1, ntrue.clamp(max=_FANOUT - 1)[:, None])[:, 0]
@@ -199,15 +204,82 @@ def _bound(tokens, sa, base, n, sa_base, sa_len, pat, l, upper):
     return lo
 
 
-def _patterns(queries: torch.Tensor, rows: torch.Tensor, l: torch.Tensor, W: int) -> torch.Tensor:
-    """``int64 [R, W]``: the last ``l[r]`` tokens of ``queries[rows[r]]``, left-aligned."""
-    L = queries.shape[1]
+def _reversed_queries(queries: torch.Tensor, qlen: torch.Tensor, W: int) -> torch.Tensor:
+    """``int64 [B, W]``: ``queries[b, L - 1 - i]`` for ``i < qlen[b]``, -1 after."""
+    B, L = queries.shape
     j = torch.arange(W, device=queries.device)[None, :]
-    src = (L - l)[:, None] + j
-    ok = (j < l[:, None]) & (src < L)
-    vals = torch.take(queries, rows[:, None] * L + src.clamp(0, max(L - 1, 0))) if L else \
-        torch.zeros(rows.shape[0], W, dtype=queries.dtype, device=queries.device)
-    return torch.where(ok, vals.to(torch.int64), -1)
+    ok = j < qlen[:, None]
+    if L == 0:
+        return torch.full((B, W), -1, dtype=torch.int64, device=queries.device)
+    vals = queries.to(torch.int64).gather(1, (L - 1 - j).clamp(min=0).expand(B, -1))
+    return torch.where(ok, vals, -1)
+
+
+class _Longest(NamedTuple):
+    best: torch.Tensor    # int64 [B] longest match length
+    pat: torch.Tensor     # int64 [B, W] reversed queries
+    tail_m: torch.Tensor  # int64 [B, T] match length at each tail position (0: none)
+    tail_c: torch.Tensor  # int64 [B, T] the tail positions
+    prow: torch.Tensor    # int64 [R] row of each (row, level) pair, levels oldest first
+    pslot: torch.Tensor   # int64 [R] level slot within the row
+
+
+def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
+    """Longest match per row: the tail scanned, one search plus two neighbours per level."""
+    dev = queries.device
+    B = queries.shape[0]
+    W = max(min(max_depth, queries.shape[1]), 1)  # no match is longer than the query width
+    qlen = torch.clamp(lengths.to(torch.int64), max=max_depth)
+    pat = _reversed_queries(queries, qlen, W)
+    n_row = desc.num_tokens.to(torch.int64)
+    base_row = desc.tok_base
+    tail_row = desc.tail_start.to(torch.int64)
+
+    # tail: positions c in [tail_start, n) with tokens[c - 1], tokens[c] tokens
+    T = desc.max_tail
+    tail_c = tail_row[:, None] + torch.arange(max(T, 0), device=dev)[None, :]
+    tail_m = torch.zeros(B, max(T, 0), dtype=torch.int64, device=dev)
+    best = torch.zeros(B, dtype=torch.int64, device=dev)
+    if T > 0:
+        inside = (tail_c < n_row[:, None]) & (tail_c >= 1)
+        cidx = torch.where(inside, base_row[:, None] + tail_c, 0)
+        cont_ok = inside & (torch.take(tokens, cidx) >= 0)
+        prev = torch.take(tokens, torch.where(inside, cidx - 1, 0)).to(torch.int64)
+        cand = cont_ok & (prev == pat[:, :1]) & (qlen[:, None] > 0)
+        kr, kt = torch.nonzero(cand, as_tuple=True)
+        if kr.numel():
+            lcp, _ = _compare(tokens, base_row[kr], tail_c[kr, kt], pat[kr], qlen[kr])
+            tail_m[kr, kt] = lcp
+        best = tail_m.max(dim=1).values
+
+    # (row, level) pairs, levels oldest first
+    lv_ptr = desc.level_indptr.to(torch.int64)
+    per_row = lv_ptr[1:] - lv_ptr[:-1]
+    prow = torch.repeat_interleave(torch.arange(B, device=dev), per_row)
+    pslot = torch.arange(prow.numel(), device=dev) - lv_ptr[:-1][prow]
+    act = torch.nonzero(qlen[prow] > 0, as_tuple=True)[0]
+    if act.numel():
+        arow = prow[act]
+        ab, abase = base_row[arow], desc.level_sa_base[act]
+        alen = desc.level_sa_len[act].to(torch.int64)
+        apat, al = pat[arow], qlen[arow]
+        idx = _bound(tokens, sa, ab, abase, alen, apat, al, False)
+        # the longest common prefix with the whole reversed query is at a neighbour of its
+        # insertion point; both neighbours in one compare
+        nb = torch.cat([idx - 1, idx])
+        two = lambda x: torch.cat([x, x])  # noqa: E731
+        ok = (nb >= 0) & (nb < two(alen))
+        c = torch.take(sa, (two(abase) + nb.clamp(min=0)).clamp(max=max(sa.numel() - 1, 0)))
+        lcp, _ = _compare(tokens, two(ab), c.to(torch.int64), two(apat), two(al))
+        best.scatter_reduce_(0, two(arow), torch.where(ok, lcp, 0), reduce="amax")
+    return _Longest(best, pat, tail_m, tail_c, prow, pslot)
+
+
+def match_lengths_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
+                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int
+                        ) -> torch.Tensor:
+    """``int64 [B]``: only the ``length`` of :func:`suffix_match` (no ranges, no positions)."""
+    return _longest(tokens, sa, desc, queries, lengths, max_depth).best
 
 
 def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
@@ -215,116 +287,54 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
                        max_positions: int) -> MatchResult:
     """Pure-torch implementation of :func:`suffix_match` (same results as the kernel)."""
     dev = queries.device
-    B, L = queries.shape
-    P, K, W = max_positions, desc.max_levels, max_depth + 1
-    qlen = torch.minimum(lengths.to(torch.int64), torch.tensor(max_depth, device=dev))
-    n_row = desc.num_tokens.to(torch.int64)
-    base_row = desc.tok_base
-    tail_row = desc.tail_start.to(torch.int64)
+    B = queries.shape[0]
+    P, K = max_positions, desc.max_levels
+    best, pat, tail_m, tail_c, prow, pslot = _longest(tokens, sa, desc, queries, lengths,
+                                                      max_depth)
 
-    # (row, level) pairs, levels oldest first
-    lv_ptr = desc.level_indptr.to(torch.int64)
-    per_row = lv_ptr[1:] - lv_ptr[:-1]
-    prow = torch.repeat_interleave(torch.arange(B, device=dev), per_row)
-    pslot = torch.arange(prow.numel(), device=dev) - lv_ptr[:-1][prow]
-    p_base, p_len = desc.level_sa_base, desc.level_sa_len.to(torch.int64)
-    pb, pn = base_row[prow], n_row[prow]
-
-    best = torch.zeros(B, dtype=torch.int64, device=dev)
-    # tail: continuation c in (tail_start, n) with m(c) = backward match length
-    T = desc.max_tail
-    tail_m = torch.zeros(B, max(T, 0), dtype=torch.int64, device=dev)
-    c_all = tail_row[:, None] + 1 + torch.arange(max(T, 0), device=dev)[None, :]
-    if T > 0 and L > 0:
-        inside = c_all < n_row[:, None]
-        cidx = torch.where(inside, base_row[:, None] + c_all, 0)
-        cont_ok = inside & (torch.take(tokens, cidx) >= 0)
-        prev = torch.take(tokens, torch.where(inside, cidx - 1, 0)).to(torch.int64)
-        cand = cont_ok & (prev == queries[:, L - 1:L].to(torch.int64)) & (qlen[:, None] > 0)
-        kr, kt = torch.nonzero(cand, as_tuple=True)
-        if kr.numel():
-            c = c_all[kr, kt]
-            cap = torch.minimum(qlen[kr], c - tail_row[kr])
-            i = torch.arange(max_depth, device=dev)[None, :]
-            pos = c[:, None] - 1 - i
-            okp = (i < cap[:, None]) & (pos >= 0)
-            tv = torch.take(tokens, torch.where(okp, base_row[kr][:, None] + pos, 0)).to(torch.int64)
-            qv = torch.take(queries, kr[:, None] * L + (L - 1 - i).clamp(min=0)).to(torch.int64)
-            run = torch.cumprod((okp & (tv == qv)).to(torch.int64), dim=1).sum(dim=1)
-            tail_m[kr, kt] = run
-        best = tail_m.max(dim=1).values
-
-    # longest l: binary search over l on existence, per row. Existence is monotone in l
-    # for the whole corpus (an occurrence of l tokens at s gives one of l - 1 at s + 1), not
-    # for a single level, so levels and tail are searched together; the tail is exact first.
-    lo_l = best.clone()
-    hi_l = torch.maximum(qlen, best)
-    # the first probe is the upper end: a drafter that caps ``lengths`` by its previous match
-    # plus the appended tokens (a valid bound) then settles copy-mode steps in one probe
-    # (a while loop, like the kernel's: no break anywhere under kernels/)
-    # only the pairs of rows still searching take part in a probe (copy-mode rows settle
-    # in the first)
-    it = 0
-    while prow.numel() and bool((lo_l < hi_l).any()):
-        mid = hi_l if it == 0 else (lo_l + hi_l + 1) // 2
-        it += 1
-        act = torch.nonzero(lo_l[prow] < hi_l[prow], as_tuple=True)[0]
-        arow, ab, an, abase, alen = prow[act], pb[act], pn[act], p_base[act], p_len[act]
-        lm = mid[arow]
-        pat = _patterns(queries, arow, lm, W)
-        idx = _bound(tokens, sa, ab, an, abase, alen, pat, lm, False)
-        inside = idx < alen
-        s = torch.take(sa, (abase + idx.clamp(max=torch.clamp(alen - 1, min=0))).clamp(
-            max=sa.numel() - 1))
-        lt_lo, le_hi = _compare(tokens, ab, an, s.to(torch.int64), pat, lm)
-        ok_pair = (inside & ~lt_lo & le_hi & (lm > 0)).to(torch.int64)
-        ok = torch.zeros(B, dtype=torch.int64, device=dev).scatter_reduce_(
-            0, arow, ok_pair, reduce="amax").bool()
-        active = lo_l < hi_l
-        lo_l = torch.where(active & ok, mid, lo_l)
-        hi_l = torch.where(active & ~ok, mid - 1, hi_l)
-    best = lo_l
-
-    # ranges at the best length
+    # ranges at the best length: lower and upper bounds in one search (empty at best 0)
     sa_lo = torch.zeros(B, K, dtype=torch.int64, device=dev)
     sa_hi = torch.zeros(B, K, dtype=torch.int64, device=dev)
     count = torch.zeros(B, dtype=torch.int64, device=dev)
     if prow.numel():
-        lb = best[prow]
-        pat = _patterns(queries, prow, lb, W)
-        R = prow.numel()
-        two = lambda x: torch.cat([x, x])  # noqa: E731 - lower and upper bounds in one search
-        both = _bound(tokens, sa, two(pb), two(pn), two(p_base), two(p_len), two(pat), two(lb),
-                      torch.arange(2 * R, device=dev) >= R)
-        lo, hi = both[:R], both[R:]
-        hi = torch.where(lb > 0, hi, lo)
+        p_base = desc.level_sa_base
+        lo = torch.zeros(prow.numel(), dtype=torch.int64, device=dev)
+        hi = torch.zeros_like(lo)
+        act = torch.nonzero(best[prow] > 0, as_tuple=True)[0]
+        if act.numel():
+            R = act.numel()
+            arow = prow[act]
+            two = lambda x: torch.cat([x, x])  # noqa: E731
+            both = _bound(tokens, sa, two(desc.tok_base[arow]), two(p_base[act]),
+                          two(desc.level_sa_len[act].to(torch.int64)), two(pat[arow]),
+                          two(best[arow]), torch.arange(2 * R, device=dev) >= R)
+            lo[act], hi[act] = both[:R], both[R:]
         sa_lo[prow, pslot] = p_base + lo
         sa_hi[prow, pslot] = p_base + hi
         count.scatter_add_(0, prow, hi - lo)
-    tail_hit = (tail_m >= best[:, None]) & (best[:, None] > 0) if T > 0 else tail_m.bool()
+    tail_hit = (tail_m >= best[:, None]) & (best[:, None] > 0)
     count += tail_hit.sum(dim=1)
 
     # positions: the P largest continuation positions among tail hits and level ranges
     positions = torch.full((B, P), -1, dtype=torch.int64, device=dev)
     if P > 0:
-        cand_row = [torch.nonzero(tail_hit, as_tuple=True)[0]] if T > 0 else []
-        cand_pos = [c_all[tail_hit]] if T > 0 else []
+        cand_row = [torch.nonzero(tail_hit, as_tuple=True)[0]]
+        cand_pos = [tail_c[tail_hit]]
         if prow.numel():
-            size = (sa_hi[prow, pslot] - sa_lo[prow, pslot])
+            size = sa_hi[prow, pslot] - sa_lo[prow, pslot]
             r = torch.repeat_interleave(prow, size)
             start = torch.repeat_interleave(sa_lo[prow, pslot], size)
             first = torch.cumsum(size, 0) - size
             off = torch.arange(r.numel(), device=dev) - torch.repeat_interleave(first, size)
             cand_row.append(r)
-            cand_pos.append(torch.take(sa, start + off).to(torch.int64) + best[r])
-        if cand_row:
-            rr = torch.cat(cand_row)
-            cp = torch.cat(cand_pos)
+            cand_pos.append(torch.take(sa, start + off).to(torch.int64))
+        rr = torch.cat(cand_row)
+        cp = torch.cat(cand_pos)
+        if rr.numel():
             order = torch.argsort(rr * (1 << 40) - cp, stable=True)
             rr, cp = rr[order], cp[order]
             grp_first = torch.searchsorted(rr, torch.arange(B, device=dev))
             rank = torch.arange(rr.numel(), device=dev) - grp_first[rr]
             keep = rank < P
             positions[rr[keep], rank[keep]] = cp[keep]
-    length = best.to(torch.int32)
-    return MatchResult(length, count, positions, sa_lo, sa_hi)
+    return MatchResult(best.to(torch.int32), count, positions, sa_lo, sa_hi)

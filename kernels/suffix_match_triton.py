@@ -1,33 +1,43 @@
 """Triton implementation of :func:`agspec_gpu.kernels.suffix_match.suffix_match`.
 
 One launch serves the whole batch: one program per query row, grid ``(B,)``. The contract and
-the memory layout are in :mod:`agspec_gpu.kernels.suffix_match`; the results are identical to
-``suffix_match_torch`` (every binary search visits the same midpoints in the same order).
+the memory layout are in :mod:`agspec_gpu.kernels.suffix_match`: a level is a suffix array of
+the reversed text, its entries continuation positions ``c`` sorted by ``key(c) = (tokens[c -
+1], tokens[c - 2], ...)`` (``END`` before position 0). The results are identical to
+``suffix_match_torch``: every search below is a lower or upper bound of a monotone predicate
+over a sorted level, so the index it returns does not depend on the midpoints visited.
 
-Per program (row ``b``, ``qlen = min(lengths[b], max_depth)``):
+Per program (row ``b``, ``qlen = min(lengths[b], max_depth)``, ``qvec`` = the query read
+backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
 
-1. Tail scan. For continuation positions ``c`` in ``(tail_start, n)`` with ``tokens[c] >= 0``,
-   ``m(c)`` = backward match length of the query ending at ``c - 1``, capped by
-   ``min(qlen, c - tail_start)`` (so the occurrence starts inside the tail). Blocks of
-   ``BLOCK_T`` candidates x ``BLOCK_D`` depths: one vector compare, then the first mismatch
-   index (a ``tl.min`` over masked aranges) is the match length. ``best = max m(c)``.
-2. Longest length. Binary search over ``l`` in ``[best, qlen]`` on "the last ``l`` query tokens
-   occur followed by a token in *some* level" (monotone only for the whole corpus, so the
-   levels are searched together). Per level: a lower-bound binary search on its SA segment,
-   comparing the pattern (``BLOCK_D`` vector) with the suffix window (``BLOCK_D`` vector load,
-   ``END`` past ``n``) by first mismatch; then one check of the element found.
-3. Ranges at ``best``: lower and upper bounds per level -> ``sa_lo/sa_hi``, ``count``. At
-   ``best = 0`` a level's range is empty at its lower bound (``sa_lo = sa_hi = level base``);
-   slots past the row's levels stay ``(0, 0)``, as in the torch path.
-4. Positions: the ``P`` largest continuation positions among the level ranges (``sa[i] +
-   best``, ``BLOCK_C`` entries at a time) and the tail hits (``m(c) >= best``, tail rescanned),
-   kept in a descending ``BLOCK_P`` register vector. A block merges by ranks (every valid
-   position is distinct): an entry's new rank is the number of larger values in both; blocks
-   with nothing above the current ``P``-th value are skipped.
+1. Tail scan. For continuation positions ``c`` in ``[tail_start, n)`` with ``c >= 1`` and
+   ``tokens[c]``, ``tokens[c - 1]`` tokens (``>= 0``), ``m(c)`` = common prefix length of
+   ``key(c)`` and ``qvec``, capped at ``qlen``; the key reads back freely into the indexed
+   positions. Blocks of ``BLOCK_T`` candidates x ``BLOCK_D`` depths: one vector compare, then
+   the first mismatch index (a ``tl.min`` over masked aranges) is ``m(c)``.
+   ``best = max m(c)``.
+2. Longest length (skipped when ``qlen == 0``). Per level: a lower-bound binary search of the
+   whole reversed query (first entry whose ``key[:qlen]`` is not below ``qvec[:qlen]``), then
+   the common prefix lengths of its two neighbours (entries ``idx - 1`` and ``idx``, when
+   inside the level) with ``qvec``: the longest prefix shared with the query is at one of
+   them. ``best`` = the maximum over the levels and the tail. A compare of ``key(c)`` with the
+   pattern over ``l`` tokens loads ``BLOCK_D`` tokens backwards from ``c - 1`` (``END`` below
+   position 0) and takes the first mismatch index ``j < l``: ``key < pattern`` iff there is
+   one and the key's token is below the pattern's there.
+3. Ranges at ``best``: per level the lower bound (first entry with ``key[:best]`` not below
+   ``qvec[:best]``) and the upper bound (first entry with ``key[:best]`` above it, searched
+   from the lower bound) -> ``sa_lo/sa_hi``, ``count`` (+ the tail hits ``m(c) >= best``). At
+   ``best = 0`` a level's range is empty at its base (``sa_lo = sa_hi = level base``); slots
+   past the row's levels stay ``(0, 0)``, as in the torch path.
+4. Positions: the ``P`` largest continuation positions among the level ranges (the ``sa``
+   entries themselves, ``BLOCK_C`` at a time) and the tail hits (tail rescanned), kept in a
+   descending ``BLOCK_P`` register vector. A block merges by ranks (every valid position is
+   distinct): an entry's new rank is the number of larger values in both; blocks with nothing
+   above the current ``P``-th value are skipped.
 
-Block sizes: ``BLOCK_D = next_pow2(max_depth + 1)`` (pattern + the continuation token),
-``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]`` tile),
-``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``.
+Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
+in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
+tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``.
 
 Loops with runtime bounds are ``while`` loops with conditions (no ``break``/``continue``/early
 ``return``, which the sm_90 compiler rejects; and the interpreter cannot use a loaded scalar
@@ -42,77 +52,64 @@ import triton.language as tl
 
 from agspec_gpu.kernels.suffix_match import END, MatchDescriptors, MatchResult
 
-_END = tl.constexpr(END)  # int32 value of positions past the end of a corpus
+_END = tl.constexpr(END)  # int32 value of positions before the start of a corpus
 _BLOCK_C = 32  # level-range entries merged into the top-P per step
 
 
 @triton.jit
-def _compare(tokens_ptr, tb, n, s, pat, l, jd, BLOCK_D: tl.constexpr):
-    """Suffix at corpus position ``s`` vs the pattern ``pat[:l]``.
+def _compare(tokens_ptr, tb, c, qvec, l, jd, BLOCK_D: tl.constexpr):
+    """``key(c)`` (tokens ``c - 1, c - 2, ...``, ``END`` below 0) vs the pattern ``qvec[:l]``.
 
-    Returns (lt_lo, le_hi): suffix < (pattern, then a token), and suffix[:l] <= pattern.
+    Returns (lcp, lt): the common prefix length, capped at ``l``, and whether the key is below
+    the pattern at the first mismatch (False when ``lcp == l``).
     """
-    off = s + jd  # int64 [BLOCK_D]
-    inside = off < n
-    vals = tl.load(tokens_ptr + tb + off, mask=inside & (jd <= l), other=0)
+    off = c - 1 - jd  # int64 [BLOCK_D]
+    inside = off >= 0
+    vals = tl.load(tokens_ptr + tb + off, mask=inside & (jd < l), other=0)
     vals = tl.where(inside, vals, _END)
-    diff = (vals != pat) & (jd < l)
+    diff = (vals != qvec) & (jd < l)
     first = tl.min(tl.where(diff, jd, BLOCK_D), axis=0)
     has = first < l
     v_first = tl.sum(tl.where(jd == first, vals, 0), axis=0)
-    p_first = tl.sum(tl.where(jd == first, pat, 0), axis=0)
-    less = v_first < p_first
-    after = tl.sum(tl.where(jd == l, vals, 0), axis=0)  # the token after the match
-    lt_lo = tl.where(has, less, after < 0)
-    le_hi = tl.where(has, less, True)
-    return lt_lo, le_hi
+    p_first = tl.sum(tl.where(jd == first, qvec, 0), axis=0)
+    lcp = tl.minimum(first, l)
+    return lcp, has & (v_first < p_first)
 
 
 @triton.jit
-def _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, l, jd, UPPER: tl.constexpr,
+def _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, hi, qvec, l, jd, UPPER: tl.constexpr,
            BLOCK_D: tl.constexpr):
-    """First index in ``[0, sa_len)`` of the level failing the predicate (same midpoints as
-    the torch path's vectorized search)."""
-    lo = sa_len * 0
-    hi = sa_len
+    """First index in ``[lo, hi)`` of the level whose key fails ``key[:l] < qvec[:l]``
+    (lower bound) or ``key[:l] <= qvec[:l]`` (``UPPER``); ``hi`` if none does."""
     while lo < hi:
         mid = (lo + hi) // 2
-        s = tl.load(sa_ptr + sa_base + mid).to(tl.int64)
-        lt_lo, le_hi = _compare(tokens_ptr, tb, n, s, pat, l, jd, BLOCK_D)
+        c = tl.load(sa_ptr + sa_base + mid).to(tl.int64)
+        lcp, lt = _compare(tokens_ptr, tb, c, qvec, l, jd, BLOCK_D)
         if UPPER:
-            pred = le_hi
+            pred = lt | (lcp >= l)
         else:
-            pred = lt_lo
+            pred = lt
         lo = tl.where(pred, mid + 1, lo)
         hi = tl.where(pred, hi, mid)
     return lo
 
 
 @triton.jit
-def _pattern(q_row_ptr, L, l, jd):
-    """``int32 [BLOCK_D]``: the last ``l`` query tokens, left-aligned, -1 past ``l``.
-
-    Indices clamp at 0 and ``L == 0`` reads zeros, as the torch path does.
-    """
-    src = tl.maximum(L - l + jd, 0)
-    p = tl.load(q_row_ptr + src, mask=(jd < l) & (L > 0), other=0)
-    return tl.where(jd < l, p, -1)
-
-
-@triton.jit
-def _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, L, jd, BLOCK_T: tl.constexpr,
+def _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T: tl.constexpr,
                 BLOCK_D: tl.constexpr):
-    """Continuation positions ``c`` (``int64 [BLOCK_T]``) of one tail block and ``m(c)``."""
-    c = tail + 1 + t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-    valid = c < n
-    nxt = tl.load(tokens_ptr + tb + c, mask=valid, other=-1)
-    cont = valid & (nxt >= 0) & (L > 0)
-    cap = tl.minimum(qlen, c - tail)
-    okp = (jd[None, :] < cap[:, None]) & cont[:, None]  # [BLOCK_T, BLOCK_D]
-    tv = tl.load(tokens_ptr + tb + (c[:, None] - 1 - jd[None, :]), mask=okp, other=-1)
-    eq = okp & (tv == qvec[None, :])
+    """Continuation positions ``c`` (``int64 [BLOCK_T]``) of one tail block and ``m(c)``
+    (0 where ``c`` is not a candidate)."""
+    c = tail + t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    valid = (c < n) & (c >= 1)
+    cur = tl.load(tokens_ptr + tb + c, mask=valid, other=-1)
+    prv = tl.load(tokens_ptr + tb + c - 1, mask=valid, other=-1)
+    cand = valid & (cur >= 0) & (prv >= 0) & (qlen > 0)
+    off = c[:, None] - 1 - jd[None, :]  # [BLOCK_T, BLOCK_D]
+    okp = (jd[None, :] < qlen) & cand[:, None] & (off >= 0)
+    tv = tl.load(tokens_ptr + tb + off, mask=okp, other=0)
+    eq = okp & (tv == qvec[None, :])  # END (off < 0) never equals a query token
     m = tl.min(tl.where(eq, BLOCK_D, jd[None, :]), axis=1)  # first mismatch = match length
-    return c, tl.where(cont, m, 0).to(tl.int64)
+    return c, tl.where(cand, tl.minimum(m, qlen), 0).to(tl.int64)
 
 
 @triton.jit
@@ -136,7 +133,7 @@ def _merge_top(top, cand, P: tl.constexpr, BLOCK_P: tl.constexpr):
 @triton.jit
 def _suffix_match_kernel(
     tokens_ptr,      # *int32 [T]     arena tokens
-    sa_ptr,          # *int32 [S]     arena suffix arrays
+    sa_ptr,          # *int32 [S]     arena levels: continuation positions sorted by key
     tok_base_ptr,    # *int64 [B]     corpus start in tokens
     num_tokens_ptr,  # *int32 [B]     corpus length n
     tail_start_ptr,  # *int32 [B]     first unindexed position
@@ -171,47 +168,45 @@ def _suffix_match_kernel(
     # query read backwards: qvec[i] = query[L - 1 - i]
     qvec = tl.load(q_row_ptr + tl.maximum(L - 1 - jd, 0), mask=(jd < qlen) & (L > 0), other=-1)
 
-    # (1) tail: exact best length among occurrences that start in the tail
+    # (1) tail: the longest match at an unindexed continuation position
     # runtime-bounded loops are while-loops: the interpreter cannot index a loaded scalar
     best = qlen * 0
     t0 = qlen * 0
     while t0 < n - tail:
-        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, L, jd, BLOCK_T, BLOCK_D)
+        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T, BLOCK_D)
         best = tl.maximum(best, tl.max(m, axis=0))
         t0 += BLOCK_T
 
-    # (2) longest l in [best, qlen] present in some level
-    lo_l = best
-    hi_l = tl.maximum(qlen, best)
-    while lo_l < hi_l:
-        mid = (lo_l + hi_l + 1) // 2
-        pat = _pattern(q_row_ptr, L, mid, jd)
-        ok = mid < 0
-        k = k0
-        while (k < k1) & (ok == 0):
-            sa_base = tl.load(level_base_ptr + k)
-            sa_len = tl.load(level_len_ptr + k).to(tl.int64)
-            idx = _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, mid, jd, False, BLOCK_D)
-            inside = idx < sa_len
-            s = tl.load(sa_ptr + sa_base + idx, mask=inside, other=0).to(tl.int64)
-            lt_lo, le_hi = _compare(tokens_ptr, tb, n, s, pat, mid, jd, BLOCK_D)
-            ok = inside & (lt_lo == 0) & le_hi & (mid > 0)
-            k += 1
-        lo_l = tl.where(ok, mid, lo_l)
-        hi_l = tl.where(ok, hi_l, mid - 1)
-    best = lo_l
+    # (2) per level: insertion point of the whole reversed query, then its two neighbours
+    k = k0
+    k_end = tl.where(qlen > 0, k1, k0)
+    while k < k_end:
+        sa_base = tl.load(level_base_ptr + k)
+        sa_len = tl.load(level_len_ptr + k).to(tl.int64)
+        idx = _bound(tokens_ptr, sa_ptr, tb, sa_base, sa_len * 0, sa_len, qvec, qlen, jd, False,
+                     BLOCK_D)
+        has_prev = idx > 0
+        c = tl.load(sa_ptr + sa_base + idx - 1, mask=has_prev, other=0).to(tl.int64)
+        lcp, _ = _compare(tokens_ptr, tb, c, qvec, qlen, jd, BLOCK_D)
+        best = tl.maximum(best, tl.where(has_prev, lcp, 0))
+        has_next = idx < sa_len
+        c = tl.load(sa_ptr + sa_base + idx, mask=has_next, other=0).to(tl.int64)
+        lcp, _ = _compare(tokens_ptr, tb, c, qvec, qlen, jd, BLOCK_D)
+        best = tl.maximum(best, tl.where(has_next, lcp, 0))
+        k += 1
 
     # (3) ranges at best, (4) the P largest continuation positions
-    pat = _pattern(q_row_ptr, L, best, jd)
     count = best * 0
     top = tl.full([BLOCK_P], -1, tl.int64)
     k = k0
     while k < k1:
         sa_base = tl.load(level_base_ptr + k)
         sa_len = tl.load(level_len_ptr + k).to(tl.int64)
-        lo = _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, best, jd, False, BLOCK_D)
-        hi = _bound(tokens_ptr, sa_ptr, tb, n, sa_base, sa_len, pat, best, jd, True, BLOCK_D)
-        hi = tl.where(best > 0, hi, lo)
+        n_search = tl.where(best > 0, sa_len, 0)  # best 0: empty range at the level base
+        lo = _bound(tokens_ptr, sa_ptr, tb, sa_base, n_search * 0, n_search, qvec, best, jd,
+                    False, BLOCK_D)
+        hi = _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, n_search, qvec, best, jd, True,
+                    BLOCK_D)
         tl.store(sa_lo_ptr + b * max_levels + (k - k0), sa_base + lo)
         tl.store(sa_hi_ptr + b * max_levels + (k - k0), sa_base + hi)
         count += hi - lo
@@ -220,7 +215,7 @@ def _suffix_match_kernel(
             while i0 < hi:
                 ii = i0 + tl.arange(0, BLOCK_C)
                 inr = ii < hi
-                cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64) + best
+                cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64)
                 cand = tl.where(inr, cand, -1)
                 thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
                 if tl.max(cand, axis=0) > thr:
@@ -228,9 +223,9 @@ def _suffix_match_kernel(
                 i0 += BLOCK_C
         k += 1
     t0 = qlen * 0
-    while t0 < n - tail:
-        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, L, jd, BLOCK_T, BLOCK_D)
-        hit = (m >= best) & (best > 0) & (c < n)
+    while (t0 < n - tail) & (best > 0):
+        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T, BLOCK_D)
+        hit = m >= best  # m is 0 off the candidates, and best > 0 here
         count += tl.sum(hit.to(tl.int64), axis=0)
         if P > 0:
             cand = tl.where(hit, c, -1)
@@ -248,11 +243,9 @@ def _suffix_match_kernel(
 
 def block_sizes(max_depth: int, max_positions: int) -> dict[str, int]:
     """The deterministic block-size rule (see the module docstring)."""
-    block_d = triton.next_power_of_2(max_depth + 1)
+    block_d = triton.next_power_of_2(max(max_depth, 1))
     return dict(BLOCK_D=block_d, BLOCK_T=max(1, min(32, 4096 // block_d)),
                 BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C)
-
-
 def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                         queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
                         max_positions: int) -> MatchResult:

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agspec_gpu.index import IndexArena, IndexConfig, SuffixIndex
-from agspec_gpu.suffix_array import build_suffix_array
+from agspec_gpu.suffix_array import build_context_array, build_suffix_array
 from index_reference import match_reference
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True,
@@ -67,14 +67,14 @@ def check_against_reference(idx, corpus: list[int], queries: list[list[int]], ma
         assert got[b] == want, (
             f"row {b}: query={qr} max_depth={max_depth} P={P}\n  got  {got[b]}\n  want {want}"
             f"\n  corpus={corpus if len(corpus) < 200 else f'<{len(corpus)} tokens>'}")
-    check_trie_ranges(idx, corpus, queries, m)
+    check_level_ranges(idx, corpus, queries, m)
     return got
 
 
-def check_trie_ranges(idx, corpus: list[int], queries: list[list[int]], m) -> None:
-    """Every per-level range holds suffixes starting with the match and a token after it,
-    with continuation tokens in ascending order (the implicit trie), and no more than
-    ``count`` of them."""
+def check_level_ranges(idx, corpus: list[int], queries: list[list[int]], m) -> None:
+    """Every per-level range holds continuation positions preceded by the match and followed
+    by a token, the levels' ranges hold ``count`` minus the tail's hits, and the contexts
+    (read backwards) come out sorted."""
     sa = idx.arena.sa
     for b, qr in enumerate(queries):
         l = int(m.length[b])
@@ -86,13 +86,12 @@ def check_trie_ranges(idx, corpus: list[int], queries: list[list[int]], m) -> No
             if l == 0:
                 assert lo == hi
                 continue
-            starts = sa[lo:hi].tolist()
-            conts = []
-            for s in starts:
-                assert corpus[s:s + l] == pat, f"row {b}: suffix at {s} does not start with {pat}"
-                assert s + l < len(corpus) and corpus[s + l] >= 0
-                conts.append(corpus[s + l])
-            assert conts == sorted(conts), f"row {b} level {k}: continuations unsorted {conts}"
+            keys = []
+            for c in sa[lo:hi].tolist():
+                assert corpus[c - l:c] == pat, f"row {b}: context of {c} does not end with {pat}"
+                assert c < len(corpus) and corpus[c] >= 0
+                keys.append(corpus[max(0, c - idx.arena.config.max_depth):c][::-1])
+            assert keys == sorted(keys), f"row {b} level {k}: contexts unsorted"
             total += hi - lo
         assert total <= int(m.count[b])
 
@@ -385,6 +384,51 @@ def test_build_suffix_array_real_tokens():
     for lo, hi, depth in ((0, 2000, 65), (500, 1300, 9), (0, 2000, 1)):
         assert build_suffix_array(t32(toks), lo, hi, depth).tolist() == \
             sa_reference(toks, lo, hi, depth)
+
+
+def context_reference(tokens: list[int], lo: int, hi: int, depth: int) -> list[int]:
+    """Continuation positions with a token before and at them, by context read backwards."""
+    END = -(2**40)
+
+    def key(c):
+        return tuple(tokens[c - 1 - i] if c - 1 - i >= 0 else END for i in range(depth)), -c
+
+    keep = [c for c in range(max(lo, 1), hi) if tokens[c] >= 0 and tokens[c - 1] >= 0]
+    return sorted(keep, key=key)
+
+
+@PROPS
+@given(cv=corpora(max_len=80), depth=st.sampled_from([1, 2, 3, 4, 7, 16, 100]),
+       data=st.data())
+def test_build_context_array_equals_sorted(cv, depth, data):
+    tokens, _ = cv
+    lo = data.draw(st.integers(0, len(tokens)))
+    hi = data.draw(st.integers(lo, len(tokens)))
+    ca = build_context_array(t32(tokens), lo, hi, depth)
+    assert ca.dtype == torch.int32
+    assert ca.tolist() == context_reference(tokens, lo, hi, depth)
+
+
+def test_build_context_array_fixed():
+    toks = [2, 1, 2, 1, -1, 2, 1, 0]
+    # contexts backwards: 2 (1 2 END) < 7 (1 2 -1 ...) < 1 (2 END) < 6 (2 -1 ...) < 3 (2 1 2);
+    # END sorts below separators below tokens; 5 follows a separator, 4 is one
+    assert build_context_array(t32(toks), 0, 8, 8).tolist() == [2, 7, 1, 6, 3]
+    # depth 1: 1 1 | 2 2 2, ties in descending position
+    assert build_context_array(t32(toks), 0, 8, 1).tolist() == [7, 2, 6, 3, 1]
+    assert build_context_array(t32(toks), 3, 7, 2).tolist() == [6, 3]
+    assert build_context_array(t32(toks), 0, 1, 4).tolist() == []
+    assert build_context_array(t32([]), 0, 0, 4).tolist() == []
+    for lo, hi, depth in ((5, 3, 4), (0, 9, 4), (0, 8, 0)):
+        with pytest.raises(ValueError):
+            build_context_array(t32(toks), lo, hi, depth)
+
+
+def test_build_context_array_real_tokens():
+    toks = stdlib_tokens(2000)
+    for lo, hi, depth in ((0, 2000, 64), (500, 1300, 9), (0, 2000, 1)):
+        assert build_context_array(t32(toks), lo, hi, depth).tolist() == \
+            context_reference(toks, lo, hi, depth)
 
 
 # ------------------------------------------------------------------------------ validation

@@ -136,7 +136,7 @@ def assert_same(ref: MatchResult, got: MatchResult, labels: list[str] | None = N
 
 # (max_depth, tail_tokens, B, P): each case is one batched call over all corpus kinds
 CASES = [(1, 1, 17, 8), (4, 3, 3, 3), (4, 1, 17, 0), (16, 1, 17, 8), (16, 16, 1, 8),
-         (64, 3, 17, 1), (64, 16, 3, 5)]
+         (64, 3, 17, 1), (64, 16, 3, 5), (8, 100, 17, 8)]
 
 
 @pytest.mark.parametrize("max_depth,tail_tokens,B,P", CASES)
@@ -168,7 +168,8 @@ def test_level_counts_cover_0_to_5():
         tails |= set((desc.num_tokens - desc.tail_start).tolist())
     assert set(range(6)) <= levels
     assert 0 in level_lens
-    assert 0 in tails and max(tails) > 16
+    # tails of several BLOCK_T = 32 blocks (the tail holds fewer than tail_tokens positions)
+    assert 0 in tails and max(tails) > 32
 
 
 def test_golden_tiny():
@@ -187,6 +188,71 @@ def test_golden_tiny():
             assert m.length.tolist() == [2, 1]
             assert m.count.tolist() == [3, 1]
             assert m.positions.tolist() == [[8, 5, 2, -1], [3, -1, -1, -1]]
+
+
+def _adversarial_corpora() -> dict[str, list[int]]:
+    return {
+        # every key ties up to the corpus start (END)
+        "one_token": [3] * 70,
+        # separators (several values) right before each occurrence of "1 2 3"
+        "sep_before": [-1, 1, 2, 3, -2, 1, 2, 3, 4, -1, 1, 2, 3, -5, 1, 2, 3, 0, 1, 2, 3],
+        # the match starts at position 0: the key continues with END
+        "at_start": [1, 2, 3, 0, 0, 1, 2, 3, 1, 2, 3, 7],
+        # a separator right after every occurrence but one (no continuation token)
+        "sep_after": [5, 1, 2, -1, 5, 1, 2, -3, 5, 1, 2, 9, 5, 1, 2, -1],
+        # long periodic runs: many equal keys across the levels and the tail
+        "period2": [0, 1] * 40,
+    }
+
+
+def _adversarial_queries() -> list[tuple[str, list[int]]]:
+    return [
+        ("one_token", [3] * 30),  # longer than the corpus's longest match at small depth
+        ("one_token", [3]),
+        ("one_token", [4, 3, 3]),  # a token absent from the corpus before the match
+        ("one_token", [9]),  # no match at all
+        ("sep_before", [9, 1, 2, 3]),
+        ("sep_before", [0, 1, 2, 3]),  # exactly one full match, preceded by token 0
+        ("sep_before", [1, 2, 3]),
+        ("sep_before", [3]),
+        ("at_start", [8, 8, 1, 2, 3]),
+        ("at_start", [0, 1, 2, 3]),
+        ("sep_after", [5, 1, 2]),  # only one occurrence is followed by a token
+        ("sep_after", [2]),
+        ("period2", [1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]),
+        ("period2", [1, 1]),  # matches "1" only
+        ("period2", []),
+    ]
+
+
+@pytest.mark.parametrize("max_depth,tail_tokens,P", [(1, 1, 3), (5, 3, 4), (8, 1000, 8),
+                                                     (16, 7, 1), (16, 1, 40)])
+def test_adversarial(max_depth, tail_tokens, P):
+    """Hand-built corner cases, kernel vs torch vs the brute force: queries longer than any
+    match (and than ``max_depth``), one repeated token (every key ties), separators right
+    before and right after the matches, matches at position 0, keys read across the
+    level / tail boundary, more occurrences than ``P`` and ``P`` above the count."""
+    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens))
+    ids = {}
+    for name, toks in _adversarial_corpora().items():
+        cid = ids[name] = ar.new_corpus()
+        for i in range(0, len(toks), 5):  # small appends: several levels and merges
+            ar.append(cid, t32(toks[i:i + 5]))
+    rows = _adversarial_queries()
+    L = max(len(q) for _, q in rows) + 2
+    q = torch.full((len(rows), L), PAD, dtype=torch.int32)
+    lengths = torch.zeros(len(rows), dtype=torch.int32)
+    for b, (_, query) in enumerate(rows):
+        if query:
+            q[b, L - len(query):] = t32(query)
+        lengths[b] = len(query)
+    names = [name for name, _ in rows]
+    ref, got = run_both(ar, [ids[name] for name in names], q, lengths, P)
+    assert_same(ref, got, names)
+    for b, (name, query) in enumerate(rows):
+        exp = match_reference(_adversarial_corpora()[name], query, max_depth, P)
+        assert (int(got.length[b]), int(got.count[b]),
+                [p for p in got.positions[b].tolist() if p >= 0]) == exp, (name, query)
 
 
 @pytest.mark.parametrize("P", [0, 8])

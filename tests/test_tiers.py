@@ -575,6 +575,12 @@ def test_global_corpus_corrupted(live, global_file, tmp_path):
                "sa": torch.zeros(4, dtype=torch.int32)}, str(not_agspec))
     with pytest.raises(ValueError, match="not an agspec global corpus"):
         load_global_corpus(not_agspec)
+    old = tmp_path / "v1.agspec"  # the forward suffix array of earlier versions
+    save_file({"tokens": torch.zeros(4, dtype=torch.int32),
+               "sa": torch.zeros(4, dtype=torch.int32)}, str(old),
+              metadata={"format": "agspec-global-v1"})
+    with pytest.raises(ValueError, match="agspec-global-v1.*rebuild it with"):
+        load_global_corpus(old)
     with pytest.raises(ValueError, match="truncated|unreadable"):
         load_global_corpus(tmp_path / "missing.agspec")
     still_works(d, before)
