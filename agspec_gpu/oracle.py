@@ -92,10 +92,16 @@ def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[i
     # t[:best + 1] may still occur right before a separator or the corpus end
     todo = torch.nonzero(best < plen, as_tuple=True)[0]
     if todo.numel():
-        todo_list = todo.tolist()  # evaluation only: host reads are fine here
-        ends = {cid: arena.doc_ends(cid) for cid in {corpus_ids[r] for r in todo_list}}
-        rr = torch.cat([torch.full_like(ends[corpus_ids[r]], r) for r in todo_list])
-        cc = torch.cat([ends[corpus_ids[r]] for r in todo_list])
+        by_cid: dict[int, list[int]] = {}  # evaluation only: host reads are fine here
+        for r in todo.tolist():
+            by_cid.setdefault(corpus_ids[r], []).append(r)
+        parts = [(torch.tensor(rs, device=dev), arena.doc_ends(cid)) for cid, rs in by_cid.items()]
+        rr = torch.cat([rs.repeat_interleave(c.numel()) for rs, c in parts])
+        cc = torch.cat([c.repeat(rs.numel()) for rs, c in parts])
+        # a document's last token must be t[best] (one gather), then the whole window
+        last = torch.take(arena.tokens, base_desc.tok_base[rr] + cc - 1).to(torch.int64)
+        keep = torch.nonzero(last == patterns[rr, best[rr]], as_tuple=True)[0]
+        rr, cc = rr[keep], cc[keep]
         if rr.numel():
             base = base_desc.tok_base[rr]
             l = best[rr] + 1  # compare tokens c - l .. c - 1 with t[:l]

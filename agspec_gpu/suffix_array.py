@@ -31,6 +31,16 @@ def _dense_rank(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return rank, order, num
 
 
+def _check_range(fn: str, tokens: torch.Tensor, lo: int, hi: int, depth: int) -> int:
+    """``n`` of ``tokens``; ValueError naming ``fn`` unless ``0 <= lo <= hi <= n``, depth >= 1."""
+    n = tokens.numel()
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"{fn}: bad range [{lo}, {hi}) for n={n}")
+    if depth < 1:
+        raise ValueError(f"{fn}: depth must be >= 1, got {depth}")
+    return n
+
+
 def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> torch.Tensor:
     """Sorts the non-separator positions in ``[lo, hi)`` by their first ``depth`` tokens.
 
@@ -44,11 +54,7 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> to
         ``tokens[p : p + depth]`` (shorter-by-END and separator-terminated suffixes first),
         ties in ascending position.
     """
-    n = tokens.numel()
-    if not 0 <= lo <= hi <= n:
-        raise ValueError(f"build_suffix_array: bad range [{lo}, {hi}) for n={n}")
-    if depth < 1:
-        raise ValueError(f"build_suffix_array: depth must be >= 1, got {depth}")
+    n = _check_range("build_suffix_array", tokens, lo, hi, depth)
     end = min(n, hi + depth)
     win = tokens[lo:end].to(torch.int64)
     m = win.numel()
@@ -86,11 +92,7 @@ def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> t
         so shorter contexts first; separators below tokens), equal contexts in descending
         position. Every key is final once ``c < n``: appends never change it.
     """
-    n = tokens.numel()
-    if not 0 <= lo <= hi <= n:
-        raise ValueError(f"build_context_array: bad range [{lo}, {hi}) for n={n}")
-    if depth < 1:
-        raise ValueError(f"build_context_array: depth must be >= 1, got {depth}")
+    _check_range("build_context_array", tokens, lo, hi, depth)
     lo = max(lo, 1)  # position 0 has an empty context
     if hi <= lo:
         return torch.empty(0, dtype=torch.int32, device=tokens.device)

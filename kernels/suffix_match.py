@@ -222,6 +222,8 @@ class _Longest(NamedTuple):
     tail_c: torch.Tensor  # int64 [B, T] the tail positions
     prow: torch.Tensor    # int64 [R] row of each (row, level) pair, levels oldest first
     pslot: torch.Tensor   # int64 [R] level slot within the row
+    act: torch.Tensor     # int64 [A] the pairs searched (their row's qlen > 0)
+    idx: torch.Tensor     # int64 [A] insertion point of the whole reversed query in the level
 
 
 def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
@@ -258,6 +260,7 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
     prow = torch.repeat_interleave(torch.arange(B, device=dev), per_row)
     pslot = torch.arange(prow.numel(), device=dev) - lv_ptr[:-1][prow]
     act = torch.nonzero(qlen[prow] > 0, as_tuple=True)[0]
+    idx = act
     if act.numel():
         arow = prow[act]
         ab, abase = base_row[arow], desc.level_sa_base[act]
@@ -272,7 +275,40 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
         c = torch.take(sa, (two(abase) + nb.clamp(min=0)).clamp(max=max(sa.numel() - 1, 0)))
         lcp, _ = _compare(tokens, two(ab), c.to(torch.int64), two(apat), two(al))
         best.scatter_reduce_(0, two(arow), torch.where(ok, lcp, 0), reduce="amax")
-    return _Longest(best, pat, tail_m, tail_c, prow, pslot)
+    return _Longest(best, pat, tail_m, tail_c, prow, pslot, act, idx)
+
+
+_WINDOW = 16  # entries read on each side of the insertion point before searching
+
+
+def _range_at(tokens, sa, base, sa_base, sa_len, pat, l, i0):
+    """``(lo, hi)`` per pair: the entries whose key starts with ``pat[:l]``.
+
+    That range holds ``i0``, the insertion point of a longer pattern with this prefix, so the
+    ``_WINDOW`` entries on each side of it are compared first (long matches have a few
+    occurrences); a side whose run reaches the window's edge is searched instead.
+    """
+    dev = i0.device
+    R, H = i0.numel(), _WINDOW
+    j = i0[:, None] + torch.arange(-H, H, device=dev)[None, :]  # [R, 2H]
+    inside = (j >= 0) & (j < sa_len[:, None])
+    c = torch.take(sa, (sa_base[:, None] + j.clamp(min=0)).clamp(max=max(sa.numel() - 1, 0)))
+    rep = lambda x: x[:, None].expand(-1, 2 * H).reshape(-1)  # noqa: E731
+    lcp, _ = _compare(tokens, rep(base), c.reshape(-1).to(torch.int64),
+                      pat[:, None, :].expand(-1, 2 * H, -1).reshape(2 * H * R, -1), rep(l))
+    hit = (inside & (lcp.view(R, 2 * H) >= l[:, None])).to(torch.int64)
+    left = torch.cumprod(hit[:, :H].flip(1), 1).sum(1)
+    right = torch.cumprod(hit[:, H:], 1).sum(1)
+    lo, hi = i0 - left, i0 + right
+    wide_lo = torch.nonzero(left == H, as_tuple=True)[0]
+    wide_hi = torch.nonzero(right == H, as_tuple=True)[0]
+    if wide_lo.numel() or wide_hi.numel():
+        w = torch.cat([wide_lo, wide_hi])
+        found = _bound(tokens, sa, base[w], sa_base[w], sa_len[w], pat[w], l[w],
+                       torch.arange(w.numel(), device=dev) >= wide_lo.numel())
+        lo[wide_lo] = found[:wide_lo.numel()]
+        hi[wide_hi] = found[wide_lo.numel():]
+    return lo, hi
 
 
 def match_lengths_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
@@ -289,10 +325,10 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     dev = queries.device
     B = queries.shape[0]
     P, K = max_positions, desc.max_levels
-    best, pat, tail_m, tail_c, prow, pslot = _longest(tokens, sa, desc, queries, lengths,
-                                                      max_depth)
+    best, pat, tail_m, tail_c, prow, pslot, act, idx = _longest(tokens, sa, desc, queries,
+                                                                lengths, max_depth)
 
-    # ranges at the best length: lower and upper bounds in one search (empty at best 0)
+    # ranges at the best length (empty at best 0)
     sa_lo = torch.zeros(B, K, dtype=torch.int64, device=dev)
     sa_hi = torch.zeros(B, K, dtype=torch.int64, device=dev)
     count = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -300,15 +336,12 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         p_base = desc.level_sa_base
         lo = torch.zeros(prow.numel(), dtype=torch.int64, device=dev)
         hi = torch.zeros_like(lo)
-        act = torch.nonzero(best[prow] > 0, as_tuple=True)[0]
-        if act.numel():
-            R = act.numel()
-            arow = prow[act]
-            two = lambda x: torch.cat([x, x])  # noqa: E731
-            both = _bound(tokens, sa, two(desc.tok_base[arow]), two(p_base[act]),
-                          two(desc.level_sa_len[act].to(torch.int64)), two(pat[arow]),
-                          two(best[arow]), torch.arange(2 * R, device=dev) >= R)
-            lo[act], hi[act] = both[:R], both[R:]
+        keep = best[prow[act]] > 0
+        sel, i0 = act[keep], idx[keep]
+        if sel.numel():
+            lo[sel], hi[sel] = _range_at(tokens, sa, desc.tok_base[prow[sel]], p_base[sel],
+                                         desc.level_sa_len[sel].to(torch.int64),
+                                         pat[prow[sel]], best[prow[sel]], i0)
         sa_lo[prow, pslot] = p_base + lo
         sa_hi[prow, pslot] = p_base + hi
         count.scatter_add_(0, prow, hi - lo)

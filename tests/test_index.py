@@ -350,16 +350,38 @@ def sa_reference(tokens: list[int], lo: int, hi: int, depth: int) -> list[int]:
     return sorted((p for p in range(lo, hi) if tokens[p] >= 0), key=key)
 
 
+def context_reference(tokens: list[int], lo: int, hi: int, depth: int) -> list[int]:
+    """Continuation positions with a token before and at them, by context read backwards."""
+    END = -(2**40)
+
+    def key(c):
+        return tuple(tokens[c - 1 - i] if c - 1 - i >= 0 else END for i in range(depth)), -c
+
+    keep = [c for c in range(max(lo, 1), hi) if tokens[c] >= 0 and tokens[c - 1] >= 0]
+    return sorted(keep, key=key)
+
+
+BUILDERS = [(build_suffix_array, sa_reference), (build_context_array, context_reference)]
+
+
+@pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
 @PROPS
 @given(cv=corpora(max_len=80), depth=st.sampled_from([1, 2, 3, 4, 7, 16, 100]),
        data=st.data())
-def test_build_suffix_array_equals_sorted(cv, depth, data):
+def test_build_equals_sorted(build, reference, cv, depth, data):
     tokens, _ = cv
     lo = data.draw(st.integers(0, len(tokens)))
     hi = data.draw(st.integers(lo, len(tokens)))
-    sa = build_suffix_array(t32(tokens), lo, hi, depth)
-    assert sa.dtype == torch.int32
-    assert sa.tolist() == sa_reference(tokens, lo, hi, depth)
+    out = build(t32(tokens), lo, hi, depth)
+    assert out.dtype == torch.int32
+    assert out.tolist() == reference(tokens, lo, hi, depth)
+
+
+@pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
+def test_build_real_tokens(build, reference):
+    toks = stdlib_tokens(2000)
+    for lo, hi, depth in ((0, 2000, 65), (500, 1300, 9), (0, 2000, 1)):
+        assert build(t32(toks), lo, hi, depth).tolist() == reference(toks, lo, hi, depth)
 
 
 def test_build_suffix_array_fixed():
@@ -379,36 +401,6 @@ def test_build_suffix_array_fixed():
         build_suffix_array(t32(toks), 0, 8, 0)
 
 
-def test_build_suffix_array_real_tokens():
-    toks = stdlib_tokens(2000)
-    for lo, hi, depth in ((0, 2000, 65), (500, 1300, 9), (0, 2000, 1)):
-        assert build_suffix_array(t32(toks), lo, hi, depth).tolist() == \
-            sa_reference(toks, lo, hi, depth)
-
-
-def context_reference(tokens: list[int], lo: int, hi: int, depth: int) -> list[int]:
-    """Continuation positions with a token before and at them, by context read backwards."""
-    END = -(2**40)
-
-    def key(c):
-        return tuple(tokens[c - 1 - i] if c - 1 - i >= 0 else END for i in range(depth)), -c
-
-    keep = [c for c in range(max(lo, 1), hi) if tokens[c] >= 0 and tokens[c - 1] >= 0]
-    return sorted(keep, key=key)
-
-
-@PROPS
-@given(cv=corpora(max_len=80), depth=st.sampled_from([1, 2, 3, 4, 7, 16, 100]),
-       data=st.data())
-def test_build_context_array_equals_sorted(cv, depth, data):
-    tokens, _ = cv
-    lo = data.draw(st.integers(0, len(tokens)))
-    hi = data.draw(st.integers(lo, len(tokens)))
-    ca = build_context_array(t32(tokens), lo, hi, depth)
-    assert ca.dtype == torch.int32
-    assert ca.tolist() == context_reference(tokens, lo, hi, depth)
-
-
 def test_build_context_array_fixed():
     toks = [2, 1, 2, 1, -1, 2, 1, 0]
     # contexts backwards: 2 (1 2 END) < 7 (1 2 -1 ...) < 1 (2 END) < 6 (2 -1 ...) < 3 (2 1 2);
@@ -422,13 +414,6 @@ def test_build_context_array_fixed():
     for lo, hi, depth in ((5, 3, 4), (0, 9, 4), (0, 8, 0)):
         with pytest.raises(ValueError):
             build_context_array(t32(toks), lo, hi, depth)
-
-
-def test_build_context_array_real_tokens():
-    toks = stdlib_tokens(2000)
-    for lo, hi, depth in ((0, 2000, 64), (500, 1300, 9), (0, 2000, 1)):
-        assert build_context_array(t32(toks), lo, hi, depth).tolist() == \
-            context_reference(toks, lo, hi, depth)
 
 
 # ------------------------------------------------------------------------------ validation
