@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="replay sessions built from a git repository's history")
     p.add_argument("repo", nargs="?", default=".", help="repository (default: the current one)")
     p.add_argument("--max-commits", type=int, default=20, help="newest commits to use (20)")
+    p.add_argument("--max-session-chars", type=int, default=120_000,
+                   help="leave out commits whose session text is longer (120,000 characters: "
+                        "a session replays step by step, so the longest sets the run time)")
     _add_replay_options(p)
 
     p = sub.add_parser("profile", help="per-role draft caps from replayed P_acc(k) curves")
@@ -250,11 +253,23 @@ def _cmd_demo(args, console) -> int:
         raise SystemExit(f"agspec-gpu demo: {exc}") from None
     if not sessions:
         raise SystemExit(f"agspec-gpu demo: {args.repo}: no commit that modifies a text file")
+    if args.max_session_chars < 1:
+        raise SystemExit("agspec-gpu demo: --max-session-chars must be >= 1, got "
+                         f"{args.max_session_chars}")
+    kept = [s for s in sessions if sum(len(m.content) for m in s.messages)
+            <= args.max_session_chars]
+    if not kept:
+        raise SystemExit(f"agspec-gpu demo: every session is longer than --max-session-chars "
+                         f"{args.max_session_chars}")
+    left_out = len(sessions) - len(kept)
+    sessions = kept
     drafters = args.drafter or _default_drafters(include_pld_vllm=False)
     if "agspec" not in drafters and args.drafter is None:
         console.print(f"[yellow]agspec skipped: {agspec_unavailable_reason()}[/yellow]")
     _run(args, sessions, drafters, console, f"demo: {len(sessions)} sessions from "
-         f"{Path(args.repo).resolve().name} git history")
+         f"{Path(args.repo).resolve().name} git history"
+         + (f" ({left_out} longer than {args.max_session_chars:,} characters left out)"
+            if left_out else ""))
     return 0
 
 

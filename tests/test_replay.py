@@ -412,6 +412,7 @@ def _git(repo: Path, *args: str) -> None:
 
 def test_cli_demo_on_a_tiny_repo(tmp_path):
     from agspec_gpu.cli import main
+    from agspec_gpu.gitlog import sessions_from_git
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -430,6 +431,14 @@ def test_cli_demo_on_a_tiny_repo(tmp_path):
     assert {"none", "pld-hf"} <= drafters
     assert all(r["agent"] in ("git-history", "all") for r in obj["results"])
     assert all(r["sessions"] == 2 for r in obj["results"])  # the root commit gives none
+    # sessions longer than the cap are left out (a clear error when none is left)
+    sizes = sorted(sum(len(m.content) for m in s.messages) for s in sessions_from_git(repo))
+    assert main(["demo", str(repo), "--max-session-chars", str(sizes[0]), "--json", str(out),
+                 "--no-progress", "--drafter", "none", "--no-oracle"]) == 0
+    assert all(r["sessions"] == 1 for r in json.loads(out.read_text())["results"])
+    for cap in ("0", str(sizes[0] - 1)):
+        with pytest.raises(SystemExit, match="max-session-chars"):
+            main(["demo", str(repo), "--max-session-chars", cap, "--no-progress"])
 
 
 @needs_agspec
