@@ -355,6 +355,12 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         cand_pos = [tail_c[tail_hit]]
         if prow.numel():
             size = sa_hi[prow, pslot] - sa_lo[prow, pslot]
+            # a newer source's positions are all larger (tail, then levels newest first): a
+            # level whose row already has P hits in newer sources adds nothing
+            csum = torch.cumsum(size, 0)
+            last = desc.level_indptr[1:].to(torch.int64)[prow] - 1  # the row's newest pair
+            newer = csum[last] - csum + tail_hit.sum(dim=1)[prow]
+            size = torch.where(newer < P, size, 0)
             r = torch.repeat_interleave(prow, size)
             start = torch.repeat_interleave(sa_lo[prow, pslot], size)
             first = torch.cumsum(size, 0) - size

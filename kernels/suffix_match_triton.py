@@ -29,11 +29,13 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    from the lower bound) -> ``sa_lo/sa_hi``, ``count`` (+ the tail hits ``m(c) >= best``). At
    ``best = 0`` a level's range is empty at its base (``sa_lo = sa_hi = level base``); slots
    past the row's levels stay ``(0, 0)``, as in the torch path.
-4. Positions: the ``P`` largest continuation positions among the level ranges (the ``sa``
-   entries themselves, ``BLOCK_C`` at a time) and the tail hits (tail rescanned), kept in a
-   descending ``BLOCK_P`` register vector. A block merges by ranks (every valid position is
-   distinct): an entry's new rank is the number of larger values in both; blocks with nothing
-   above the current ``P``-th value are skipped.
+4. Positions: the ``P`` largest continuation positions among the tail hits (tail rescanned)
+   and the level ranges (the ``sa`` entries themselves, ``BLOCK_C`` at a time), kept in a
+   descending ``BLOCK_P`` register vector. Sources are read newest first (tail, then levels
+   newest to oldest): a newer source's positions are all larger, so a level met with ``P``
+   positions already held is not read (steps 3 and 4 run together, level by level). A block
+   merges by ranks (every valid position is distinct): an entry's new rank is the number of
+   larger values in both; blocks with nothing above the current ``P``-th value are skipped.
 
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
@@ -198,30 +200,9 @@ def _suffix_match_kernel(
     # (3) ranges at best, (4) the P largest continuation positions
     count = best * 0
     top = tl.full([BLOCK_P], -1, tl.int64)
-    k = k0
-    while k < k1:
-        sa_base = tl.load(level_base_ptr + k)
-        sa_len = tl.load(level_len_ptr + k).to(tl.int64)
-        n_search = tl.where(best > 0, sa_len, 0)  # best 0: empty range at the level base
-        lo = _bound(tokens_ptr, sa_ptr, tb, sa_base, n_search * 0, n_search, qvec, best, jd,
-                    False, BLOCK_D)
-        hi = _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, n_search, qvec, best, jd, True,
-                    BLOCK_D)
-        tl.store(sa_lo_ptr + b * max_levels + (k - k0), sa_base + lo)
-        tl.store(sa_hi_ptr + b * max_levels + (k - k0), sa_base + hi)
-        count += hi - lo
-        if P > 0:
-            i0 = lo
-            while i0 < hi:
-                ii = i0 + tl.arange(0, BLOCK_C)
-                inr = ii < hi
-                cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64)
-                cand = tl.where(inr, cand, -1)
-                thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
-                if tl.max(cand, axis=0) > thr:
-                    top = _merge_top(top, cand, P, BLOCK_P)
-                i0 += BLOCK_C
-        k += 1
+    # the tail first, then the levels newest first: every position of a newer source is
+    # larger than every position of an older one, so a level met with P positions already
+    # held only adds to count (its range is not read)
     t0 = qlen * 0
     while (t0 < n - tail) & (best > 0):
         c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T, BLOCK_D)
@@ -233,6 +214,32 @@ def _suffix_match_kernel(
             if tl.max(cand, axis=0) > thr:
                 top = _merge_top(top, cand, P, BLOCK_P)
         t0 += BLOCK_T
+    k = k1 - 1
+    while k >= k0:
+        sa_base = tl.load(level_base_ptr + k)
+        sa_len = tl.load(level_len_ptr + k).to(tl.int64)
+        n_search = tl.where(best > 0, sa_len, 0)  # best 0: empty range at the level base
+        lo = _bound(tokens_ptr, sa_ptr, tb, sa_base, n_search * 0, n_search, qvec, best, jd,
+                    False, BLOCK_D)
+        hi = _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, n_search, qvec, best, jd, True,
+                    BLOCK_D)
+        tl.store(sa_lo_ptr + b * max_levels + (k - k0), sa_base + lo)
+        tl.store(sa_hi_ptr + b * max_levels + (k - k0), sa_base + hi)
+        count += hi - lo
+        if P > 0:
+            # the P-th largest held position; -1 while fewer than P are held
+            thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
+            i0 = tl.where(thr < 0, lo, hi)
+            while i0 < hi:
+                ii = i0 + tl.arange(0, BLOCK_C)
+                inr = ii < hi
+                cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64)
+                cand = tl.where(inr, cand, -1)
+                thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
+                if tl.max(cand, axis=0) > thr:
+                    top = _merge_top(top, cand, P, BLOCK_P)
+                i0 += BLOCK_C
+        k -= 1
 
     tl.store(length_ptr + b, best.to(tl.int32))
     tl.store(count_ptr + b, count)
@@ -246,6 +253,8 @@ def block_sizes(max_depth: int, max_positions: int) -> dict[str, int]:
     block_d = triton.next_power_of_2(max(max_depth, 1))
     return dict(BLOCK_D=block_d, BLOCK_T=max(1, min(32, 4096 // block_d)),
                 BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C)
+
+
 def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                         queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
                         max_positions: int) -> MatchResult:
