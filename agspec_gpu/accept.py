@@ -22,6 +22,9 @@ loop over requests, no host sync) and return an :class:`AcceptResult`:
   is token for token the target's greedy output.
 - :func:`sample_accept`: multi-branch rejection sampling for deterministic drafts; the
   emitted tokens are distributed exactly as sampling from the target would be.
+
+:func:`teacher_forced_accept` finds the path a *known* token sequence spells in each tree
+(the replay's verification, and the drafter's commit of what the model accepted).
 """
 
 from __future__ import annotations
@@ -342,3 +345,87 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
         num_acc += has
         alive &= has
     return _assemble(draft, accepted, num_acc, bonus)
+
+
+NO_TOKEN = -2  # truth padding past the end of a message: no draft token equals it
+
+
+@dataclass
+class AcceptedPaths:
+    """What teacher forcing accepted in a batch of draft trees.
+
+    Attributes:
+        num_accepted: ``int64 [B]`` draft tokens accepted (the bonus token excluded).
+        path_nodes: ``int64 [B, N]``: column ``d`` is the node accepted at depth ``d + 1``,
+            ``-1`` past ``num_accepted``.
+    """
+
+    num_accepted: torch.Tensor
+    path_nodes: torch.Tensor
+
+
+def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPaths:
+    """Longest root-to-node path of ``draft`` that spells the true continuation.
+
+    Parameters
+    ----------
+    draft : ``B`` trees padded to ``N`` nodes (topological order, ``parents[b, j] < j``).
+    truth : ``int32 [B, W]``: ``truth[b, d]`` is the true token at depth ``d + 1``; pad with
+        :data:`NO_TOKEN` past the end of the message, so acceptance never runs past it.
+        Depths beyond ``W`` are never accepted.
+
+    Returns
+    -------
+    :class:`AcceptedPaths`. Depths and "every ancestor matched" are computed by pointer
+    jumping (``ceil(log2 N)`` rounds of gathers for the whole batch, no loop over requests or
+    depths). Sibling nodes with the same token (a drafter should merge them) are resolved to
+    the lowest node index at each depth, as :func:`agspec_gpu.accept.greedy_accept` does.
+
+    Example
+    -------
+    >>> d = DraftBatch.from_lists([[(5, -1), (7, 0), (8, 0)]])   # 5 -> {7, 8}
+    >>> teacher_forced_accept(d, torch.tensor([[5, 8, 1]])).num_accepted.tolist()
+    [2]
+    """
+    B, N = draft.token_ids.shape
+    dev = draft.token_ids.device
+    if truth.ndim != 2 or truth.shape[0] != B:
+        raise ValueError(f"truth: expected [B={B}, W], got {list(truth.shape)}")
+    if N == 0 or truth.shape[1] == 0:
+        return AcceptedPaths(torch.zeros(B, dtype=torch.long, device=dev),
+                             torch.full((B, N), -1, dtype=torch.long, device=dev))
+    W = truth.shape[1]
+    cols = torch.arange(N, device=dev)
+    valid = cols[None, :] < draft.num_draft_tokens.to(dev)[:, None]
+    parents = torch.where(valid, draft.parents.long(), -1)
+    rounds = max(N - 1, 1).bit_length()
+
+    # Pointer jumping. Invariant: depth[j] counts the nodes from j up to, not including,
+    # anc[j]; once anc[j] is -1 (above the root's children) it is j's depth.
+    depth, anc = valid.long(), parents
+    for _ in range(rounds):
+        has = anc >= 0
+        a = anc.clamp(min=0)
+        depth = depth + torch.where(has, depth.gather(1, a), 0)
+        anc = torch.where(has, anc.gather(1, a), -1)
+
+    in_range = valid & (depth <= W)
+    true_tok = truth.to(dev).long().gather(1, (depth - 1).clamp(0, W - 1))
+    ok = in_range & (draft.token_ids.long() == true_tok)
+    # Same jumping for "every node from j to the root matched".
+    anc = parents
+    for _ in range(rounds):
+        has = anc >= 0
+        a = anc.clamp(min=0)
+        ok = ok & torch.where(has, ok.gather(1, a), True)
+        anc = torch.where(has, anc.gather(1, a), -1)
+
+    num_accepted = torch.where(ok, depth, 0).amax(1)
+    # Lowest accepted node index per depth: table[b, d] for depth d (column 0 collects the
+    # rejected nodes and is dropped).
+    table = torch.full((B, N + 1), N, dtype=torch.long, device=dev)
+    table.scatter_reduce_(1, torch.where(ok, depth, 0), cols.expand(B, N).contiguous(),
+                          reduce="amin")
+    path = table[:, 1:]
+    path = torch.where(path < N, path, -1)
+    return AcceptedPaths(num_accepted, path)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import nvtx
 import torch
 
+from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, batch_budget,
                                    cost_table, draft_depth, update_scale)
 from agspec_gpu.cost_model import CostModel
@@ -472,22 +473,17 @@ class Drafter:
     def _accepted_path(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Source tags of the accepted path's nodes ``int [B, max_acc]`` (-1 padded) and
-        ``bool [B, N]``: node is on the accepted path."""
+        ``bool [B, N]``: node is on the accepted path (the path ``out[:nacc]`` spells)."""
         B, N = draft.token_ids.shape
-        dev = out.device
         A = out.shape[1]
-        on_path = torch.zeros(B, N, dtype=torch.bool, device=dev)
-        res = torch.full((B, max(A, 1)), -1, dtype=torch.int64, device=dev)
-        cur = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
-        for d in range(min(A, N)):
-            want = out[:, d]
-            cand = valid & (draft.parents.to(torch.int64) == cur[:, None]) & \
-                (draft.token_ids == want[:, None])
-            has = cand.any(dim=1) & (d < nacc)
-            nxt = torch.argmax(cand.to(torch.int8), dim=1)
-            res[:, d] = torch.where(has, draft.maybe_source.to(torch.int64).gather(
-                1, nxt[:, None])[:, 0], -1)
-            on_path.scatter_(1, nxt[:, None], has[:, None] | on_path.gather(1, nxt[:, None]))
-            cur = torch.where(has, nxt, -2)
-        return res, on_path
+        cols = torch.arange(A, device=out.device)[None, :]
+        spelled = torch.where(cols < nacc.to(torch.int64)[:, None], out, NO_TOKEN)
+        path = teacher_forced_accept(draft, spelled).path_nodes  # [B, N], -1 padded
+        on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=out.device)
+        on_path.scatter_(1, torch.where(path >= 0, path, N), True)
+        src = torch.where(path >= 0, draft.maybe_source.to(torch.int64).gather(
+            1, path.clamp(min=0)), -1)
+        res = torch.full((B, max(A, 1)), -1, dtype=torch.int64, device=out.device)
+        w = min(A, N)
+        res[:, :w] = src[:, :w]
+        return res, on_path[:, :N]

@@ -26,7 +26,7 @@ import torch
 from agspec_gpu.baselines import HOST_DRAFTERS, HostDrafter, make_host_drafter
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.replay_stats import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.tokenizer import Tokenizer
 
 # agspec-p10: nodes whose calibrated acceptance estimate is below 0.1 are not drafted, the

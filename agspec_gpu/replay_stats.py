@@ -1,10 +1,8 @@
-"""Teacher-forced acceptance of draft trees and the replay's per-agent figures.
+"""The replay's per-agent figures.
 
 Teacher forcing: the target's greedy output is known (the trajectory's assistant message),
-so verification needs no model: a draft node is accepted iff its token equals the true
-token at its depth and its parent was accepted. :func:`teacher_forced_accept` does that for
-a whole batch of trees at once; :class:`ReplayStats` turns per-step counts into the figures
-of DESIGN.md "Replay output".
+so verification needs no model (:func:`agspec_gpu.accept.teacher_forced_accept`);
+:class:`ReplayStats` turns the per-step counts into the figures of DESIGN.md "Replay output".
 """
 
 from __future__ import annotations
@@ -12,96 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from agspec_gpu.cost_model import CostModel
-from agspec_gpu.draft_batch import DraftBatch
 
 P_ACC_MAX_K = 32  # P_acc(k) is reported for k = 1 .. P_ACC_MAX_K
-NO_TOKEN = -2  # truth padding past the end of a message: no draft token equals it
 _SOURCE_CODES = 256  # maybe_source is int8 tier*8 + form; non-negative codes fit in 0..127
 _FALLBACK_TIERS = ("session", "workspace", "history", "global")
-
-
-@dataclass
-class AcceptedPaths:
-    """What teacher forcing accepted in a batch of draft trees.
-
-    Attributes:
-        num_accepted: ``int64 [B]`` draft tokens accepted (the bonus token excluded).
-        path_nodes: ``int64 [B, N]``: column ``d`` is the node accepted at depth ``d + 1``,
-            ``-1`` past ``num_accepted``.
-    """
-
-    num_accepted: torch.Tensor
-    path_nodes: torch.Tensor
-
-
-def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPaths:
-    """Longest root-to-node path of ``draft`` that spells the true continuation.
-
-    Parameters
-    ----------
-    draft : ``B`` trees padded to ``N`` nodes (topological order, ``parents[b, j] < j``).
-    truth : ``int32 [B, W]``: ``truth[b, d]`` is the true token at depth ``d + 1``; pad with
-        :data:`NO_TOKEN` past the end of the message, so acceptance never runs past it.
-        Depths beyond ``W`` are never accepted.
-
-    Returns
-    -------
-    :class:`AcceptedPaths`. Depths and "every ancestor matched" are computed by pointer
-    jumping (``ceil(log2 N)`` rounds of gathers for the whole batch, no loop over requests or
-    depths). Sibling nodes with the same token (a drafter should merge them) are resolved to
-    the lowest node index at each depth, as :func:`agspec_gpu.accept.greedy_accept` does.
-
-    Example
-    -------
-    >>> d = DraftBatch.from_lists([[(5, -1), (7, 0), (8, 0)]])   # 5 -> {7, 8}
-    >>> teacher_forced_accept(d, torch.tensor([[5, 8, 1]])).num_accepted.tolist()
-    [2]
-    """
-    B, N = draft.token_ids.shape
-    dev = draft.token_ids.device
-    if truth.ndim != 2 or truth.shape[0] != B:
-        raise ValueError(f"truth: expected [B={B}, W], got {list(truth.shape)}")
-    if N == 0 or truth.shape[1] == 0:
-        return AcceptedPaths(torch.zeros(B, dtype=torch.long, device=dev),
-                             torch.full((B, N), -1, dtype=torch.long, device=dev))
-    W = truth.shape[1]
-    cols = torch.arange(N, device=dev)
-    valid = cols[None, :] < draft.num_draft_tokens.to(dev)[:, None]
-    parents = torch.where(valid, draft.parents.long(), -1)
-    rounds = max(N - 1, 1).bit_length()
-
-    # Pointer jumping. Invariant: depth[j] counts the nodes from j up to, not including,
-    # anc[j]; once anc[j] is -1 (above the root's children) it is j's depth.
-    depth, anc = valid.long(), parents
-    for _ in range(rounds):
-        has = anc >= 0
-        a = anc.clamp(min=0)
-        depth = depth + torch.where(has, depth.gather(1, a), 0)
-        anc = torch.where(has, anc.gather(1, a), -1)
-
-    in_range = valid & (depth <= W)
-    true_tok = truth.to(dev).long().gather(1, (depth - 1).clamp(0, W - 1))
-    ok = in_range & (draft.token_ids.long() == true_tok)
-    # Same jumping for "every node from j to the root matched".
-    anc = parents
-    for _ in range(rounds):
-        has = anc >= 0
-        a = anc.clamp(min=0)
-        ok = ok & torch.where(has, ok.gather(1, a), True)
-        anc = torch.where(has, anc.gather(1, a), -1)
-
-    num_accepted = torch.where(ok, depth, 0).amax(1)
-    # Lowest accepted node index per depth: table[b, d] for depth d (column 0 collects the
-    # rejected nodes and is dropped).
-    table = torch.full((B, N + 1), N, dtype=torch.long, device=dev)
-    table.scatter_reduce_(1, torch.where(ok, depth, 0), cols.expand(B, N).contiguous(),
-                          reduce="amin")
-    path = table[:, 1:]
-    path = torch.where(path < N, path, -1)
-    return AcceptedPaths(num_accepted, path)
 
 
 def source_names() -> tuple[dict[int, str], dict[int, str]]:

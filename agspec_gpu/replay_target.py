@@ -17,7 +17,7 @@ request of the continuous batch:
    engine pays for it) and replaced by the trajectory: a node is accepted iff its parent is
    and its token is the true token at its depth, plus the bonus token -- exactly greedy
    acceptance against a target whose argmax is the trajectory
-   (:func:`agspec_gpu.replay_stats.teacher_forced_accept`);
+   (:func:`agspec_gpu.accept.teacher_forced_accept`);
 3. commit: the accepted nodes' KV moves behind the root (``kv_compact``), the drafter observes
    the emitted tokens, the last emitted token is the next root.
 
@@ -43,7 +43,7 @@ from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
-from agspec_gpu.replay_stats import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.runners.graphs import DecodeGraphs
 from agspec_gpu.tree import TreeMetadata
 

@@ -20,7 +20,8 @@ from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.gitlog import cat_n
 from agspec_gpu.replay import ReplayConfig, run_replay, shard_sessions, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, agspec_unavailable_reason
-from agspec_gpu.replay_stats import NO_TOKEN, P_ACC_MAX_K, teacher_forced_accept
+from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.replay_stats import P_ACC_MAX_K
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import Message, Session
 
