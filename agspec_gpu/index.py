@@ -158,10 +158,6 @@ class IndexArena:
         c = self._get(cid)
         return 5 * c.tok_cap + 4 * sum(lv.sa_len for lv in c.levels)
 
-    def tok_base(self, cid: int) -> int:
-        """Where corpus ``cid`` starts in :attr:`tokens` (until the next append or free)."""
-        return self._get(cid).tok_base
-
     def doc_ends(self, cid: int) -> torch.Tensor:
         """``int64 [m]``: the positions ``c`` that end a document, a token at ``c - 1`` and a
         separator or the corpus end at ``c`` (the continuations the index leaves out; for the
