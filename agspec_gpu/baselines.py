@@ -44,8 +44,14 @@ class HostDrafter(Protocol):
 
     name: str
 
-    def begin(self, key: str, tenant: str, context: np.ndarray) -> None:
-        """Start request ``key``; ``context`` is the int32 token ids of everything before it."""
+    def begin(self, key: str, tenant: str, context: np.ndarray,
+              session: str | None = None) -> None:
+        """Start request ``key``; ``context`` is the int32 token ids of everything before it.
+
+        ``session``: the request continues that session (an agent's next turn): ``context``
+        extends the context and output of the session's previous request. A drafter may keep
+        per-session state for it until :meth:`end_session`.
+        """
 
     def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
         """Draft after ``context`` (prompt + output so far): ``(tokens, parents)``, maybe empty."""
@@ -55,6 +61,9 @@ class HostDrafter(Protocol):
 
     def end(self, key: str) -> None:
         """Request ``key`` is finished; its per-request state is dropped."""
+
+    def end_session(self, session: str) -> None:
+        """Session ``session`` has no more requests; its state is dropped."""
 
 
 def _chain(tokens: np.ndarray) -> tuple[list[int], list[int]]:
@@ -111,7 +120,8 @@ class _ActiveKeys:
     def __init__(self) -> None:
         self._active: set[str] = set()
 
-    def begin(self, key: str, tenant: str, context: np.ndarray) -> None:
+    def begin(self, key: str, tenant: str, context: np.ndarray,
+              session: str | None = None) -> None:
         if key in self._active:
             raise ValueError(f"key {key!r} is already active")
         self._active.add(key)
@@ -126,6 +136,9 @@ class _ActiveKeys:
     def end(self, key: str) -> None:
         self._check(key)
         self._active.remove(key)
+
+    def end_session(self, session: str) -> None:
+        pass
 
 
 class NoDrafter(_ActiveKeys):
@@ -241,20 +254,30 @@ def suffix_decoding_available() -> bool:
 
 
 class SuffixDecoding:
-    """``suffix-decoding`` / ``suffix-decoding-nocache``: arctic-inference's real
-    ``SuffixDecodingCache``, driven as vLLM's ``SuffixDecodingProposer`` drives it.
+    """``suffix-decoding`` / ``suffix-decoding-nocache``: arctic-inference's suffix trees with
+    the policy of its ``SuffixDecodingCache``, driven as vLLM's ``SuffixDecodingProposer``
+    drives that cache.
 
-    Mapping: ``begin`` -> ``start_request(key, context)`` (the per-request prompt tree; a key
-    whose old response is still cached is evicted first, as vLLM does); ``propose`` ->
-    ``speculate`` on the last ``max_tree_depth`` tokens; ``accept`` -> ``add_active_response``
-    (extends the request's own tree and its slot in the global response tree); ``end`` ->
-    ``stop_request`` (the response stays cached until FIFO eviction).
+    The cache's state is two kinds of arctic-inference ``SuffixTree`` (its native core): a
+    per-request prompt tree of the request's prompt and output, and one global tree of the
+    responses of up to ``max_cached_requests`` requests (FIFO eviction; a key whose old
+    response is still cached is evicted first, as vLLM does). ``propose`` speculates on the
+    last ``max_tree_depth`` tokens in both and keeps the prompt tree's draft when its score is
+    at least the global one's: ``SuffixDecodingCache.speculate`` exactly.
+
+    The one change from driving ``SuffixDecodingCache`` itself: a request that continues a
+    ``session`` (its context extends the previous request's context and output, as each turn
+    of an agent does) extends the previous request's prompt tree with the new tokens instead
+    of building a tree of the whole prompt again. A suffix tree grows by appending, so the
+    tree, and every draft, is the same (``tests/test_baselines.py`` compares every draft with
+    ``SuffixDecodingCache`` on real sessions); rebuilding made the replay quadratic in session
+    length, where vLLM's cost is its own, not the evaluator's.
 
     Defaults are vLLM's: ``max_tree_depth=24``, ``max_spec_tokens`` (its
     ``num_speculative_tokens``) 24, ``max_spec_factor=1.0``, ``min_token_prob=0.1``,
     ``max_cached_requests=10000``, chain drafts (vLLM does not enable ``use_tree_spec``).
-    With ``cache_responses=False`` (``suffix-decoding-nocache``) ``max_cached_requests`` is 0:
-    the global tree is disabled and only the request's own prompt + output is searched.
+    With ``cache_responses=False`` (``suffix-decoding-nocache``) the global tree is disabled
+    and only the request's own prompt + output is searched.
 
     ``tenant`` is ignored: like upstream, the global tree mixes all requests' responses.
 
@@ -273,7 +296,7 @@ class SuffixDecoding:
     ) -> None:
         if not suffix_decoding_available():
             raise ImportError(SUFFIX_DECODING_INSTALL_HINT)
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
+        from arctic_inference.suffix_decoding._C import SuffixTree
 
         if max_tree_depth < 1:
             raise ValueError(f"max_tree_depth must be >= 1, got {max_tree_depth}")
@@ -286,47 +309,97 @@ class SuffixDecoding:
         self.max_spec_tokens = max_spec_tokens
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self._cache = SuffixDecodingCache(
-            max_tree_depth=max_tree_depth,
-            max_cached_requests=max_cached_requests if cache_responses else 0,
-        )
+        self.max_cached_requests = max_cached_requests if cache_responses else 0
+        self._new_tree = lambda: SuffixTree(max_tree_depth)  # noqa: E731
+        self._global = self._new_tree() if self.max_cached_requests != 0 else None
+        self._seq_of: dict[str, int] = {}  # cached responses, oldest first (FIFO eviction)
+        self._next_seq = 0
+        self._active: dict[str, _PromptTree] = {}
+        self._session_of: dict[str, str | None] = {}
+        self._idle: dict[str, _PromptTree] = {}  # a session's tree between its requests
 
     @staticmethod
     def _int32(tokens: np.ndarray | list[int]) -> np.ndarray:
         # The zero-copy ndarray path of the extension accepts only contiguous 1-D int32.
         return np.ascontiguousarray(_as_tokens(np.asarray(tokens, dtype=np.int32)))
 
-    def begin(self, key: str, tenant: str, context: np.ndarray) -> None:
-        if key in self._cache.active_requests:
+    def _check(self, key: str) -> None:
+        if key not in self._active:
+            raise ValueError(f"key {key!r} is not active")
+
+    def begin(self, key: str, tenant: str, context: np.ndarray,
+              session: str | None = None) -> None:
+        if key in self._active:
             raise ValueError(f"key {key!r} is already active")
-        if key in self._cache.cached_requests:
-            self._cache.evict_cached_response(key)
-        self._cache.start_request(key, self._int32(context))
+        context = self._int32(context)
+        tree = self._idle.pop(session, None) if session is not None else None
+        if tree is None or not tree.continued_by(context):
+            tree = _PromptTree(self._new_tree())
+        tree.extend(context[tree.num_tokens:])
+        self._active[key] = tree
+        self._session_of[key] = session
+        if self._global is not None:
+            if key in self._seq_of:
+                self._global.remove(self._seq_of.pop(key))
+            self._seq_of[key] = self._next_seq
+            self._next_seq += 1
+            while len(self._seq_of) > self.max_cached_requests > 0:
+                self._global.remove(self._seq_of.pop(next(iter(self._seq_of))))
 
     def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
-        """The cache's best chain for the last ``max_tree_depth`` tokens; maybe empty."""
-        if key not in self._cache.active_requests:
-            raise ValueError(f"key {key!r} is not active")
+        """The better-scored chain of the two trees for the last ``max_tree_depth`` tokens;
+        maybe empty."""
+        self._check(key)
         pattern = self._int32(_as_tokens(context)[-self.max_tree_depth :])
-        draft = self._cache.speculate(
-            key,
-            pattern,
-            max_spec_tokens=self.max_spec_tokens,
-            max_spec_factor=self.max_spec_factor,
-            min_token_prob=self.min_token_prob,
-        )
+        args = (pattern, self.max_spec_tokens, self.max_spec_factor, 0.0, self.min_token_prob,
+                False)
+        draft = self._active[key].tree.speculate_ndarray(*args)
+        if self._global is not None:
+            other = self._global.speculate_ndarray(*args)
+            if other.score > draft.score:
+                draft = other
         return list(draft.token_ids), list(draft.parents)
 
     def accept(self, key: str, tokens: list[int]) -> None:
-        if key not in self._cache.active_requests:
-            raise ValueError(f"key {key!r} is not active")
+        self._check(key)
         if len(tokens):
-            self._cache.add_active_response(key, self._int32(tokens))
+            tokens = self._int32(tokens)
+            self._active[key].extend(tokens)
+            if key in self._seq_of:
+                self._global.extend_ndarray(self._seq_of[key], tokens)
 
     def end(self, key: str) -> None:
-        if key not in self._cache.active_requests:
-            raise ValueError(f"key {key!r} is not active")
-        self._cache.stop_request(key)
+        self._check(key)
+        tree = self._active.pop(key)
+        session = self._session_of.pop(key)
+        if session is not None:
+            self._idle[session] = tree
+
+    def end_session(self, session: str) -> None:
+        self._idle.pop(session, None)
+
+
+class _PromptTree:
+    """A request's prompt tree and the tokens in it (to check that a next request continues
+    them)."""
+
+    def __init__(self, tree) -> None:
+        self.tree = tree
+        self._chunks: list[np.ndarray] = []
+        self.num_tokens = 0
+
+    def extend(self, tokens: np.ndarray) -> None:
+        if tokens.size:
+            self.tree.extend_ndarray(0, tokens)
+            self._chunks.append(tokens)
+            self.num_tokens += tokens.size
+
+    def continued_by(self, context: np.ndarray) -> bool:
+        if context.size < self.num_tokens:
+            return False
+        if len(self._chunks) > 1:
+            self._chunks = [np.concatenate(self._chunks)]
+        return not self._chunks or np.array_equal(context[:self.num_tokens], self._chunks[0])
 
 
 def make_host_drafter(name: str) -> HostDrafter:

@@ -148,7 +148,7 @@ class HostLane:
         n = self._num_requests[sid]
         self._num_requests[sid] = n + 1
         key = self._keys[sid] = f"{sid}#{n}"
-        self.drafter.begin(key, tenant, context)
+        self.drafter.begin(key, tenant, context, session=sid)
 
     def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
              remaining: np.ndarray) -> StepResult:
@@ -173,6 +173,7 @@ class HostLane:
 
     def close_session(self, sid: str) -> None:
         del self._num_requests[sid]
+        self.drafter.end_session(sid)
 
     def close_tenant(self, tenant: str) -> None:
         pass  # host baselines keep no per-tenant state (SuffixDecoding's cache is global)

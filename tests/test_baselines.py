@@ -283,3 +283,93 @@ def test_suffix_decoding_missing_raises_import_error(monkeypatch):
     monkeypatch.setattr(baselines, "suffix_decoding_available", lambda: False)
     with pytest.raises(ImportError, match="install_arctic_inference.sh"):
         baselines.make_host_drafter("suffix-decoding-nocache")
+
+
+def _cache_drafts(cache_kwargs: dict, sessions, steps_per_message: int):
+    """Drives arctic-inference's ``SuffixDecodingCache`` itself, as vLLM does (a prompt tree
+    of the whole context built at every request), over ``sessions`` round-robin, one message
+    of each per turn; teacher forcing, accepted prefix + bonus per step. Returns the drafts."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=24, **cache_kwargs)
+
+    def speculate(key, ctx):
+        d = cache.speculate(key, ctx[-24:], max_spec_tokens=24, max_spec_factor=1.0,
+                            min_token_prob=0.1)
+        return list(d.token_ids)
+
+    return _drive(sessions, steps_per_message, begin=cache.start_request, propose=speculate,
+                  accept=cache.add_active_response, end=cache.stop_request)
+
+
+def _drive(sessions, steps_per_message, *, begin, propose, accept, end, end_session=None):
+    drafts = []
+    cursor = {s.sid: 0 for s in sessions}
+    while any(cursor[s.sid] < len(s.target_messages) for s in sessions):
+        for s in sessions:
+            n = cursor[s.sid]
+            if n >= len(s.target_messages):
+                continue
+            cursor[s.sid] += 1
+            i = s.target_messages[n]
+            lo, hi = int(s.bounds[i]), min(int(s.bounds[i + 1]), int(s.bounds[i]) + 400)
+            key = f"{s.sid}#{n}"
+            begin(key, np.ascontiguousarray(s.tokens[:lo]))
+            pos = lo
+            for _ in range(steps_per_message):
+                if pos >= hi:
+                    break
+                toks = propose(key, np.ascontiguousarray(s.tokens[:pos]))
+                drafts.append(toks)
+                acc = 0
+                while acc < len(toks) and pos + acc < hi and toks[acc] == s.tokens[pos + acc]:
+                    acc += 1
+                step = np.ascontiguousarray(s.tokens[pos:min(pos + acc + 1, hi)])
+                accept(key, step)
+                pos += len(step)
+            # the rest of the message goes in unverified, as the output the session continues
+            if pos < int(s.bounds[i + 1]):
+                accept(key, np.ascontiguousarray(s.tokens[pos:int(s.bounds[i + 1])]))
+            end(key)
+            if end_session is not None and cursor[s.sid] == len(s.target_messages):
+                end_session(s.sid)
+    return drafts
+
+
+@needs_suffix_decoding
+@pytest.mark.parametrize("cache_kwargs", [{"max_cached_requests": 10000},
+                                          {"max_cached_requests": 3},
+                                          {"max_cached_requests": 0}])
+def test_suffix_decoding_matches_suffix_decoding_cache_on_real_sessions(cache_kwargs):
+    """Extending a session's prompt tree instead of rebuilding it per request changes no
+    draft: every draft equals the one ``SuffixDecodingCache`` itself gives, with the response
+    cache on, evicting (3 requests) and off."""
+    from pathlib import Path
+
+    from agspec_gpu.replay import tokenize_sessions
+    from agspec_gpu.tokenizer import load_tokenizer
+    from agspec_gpu.trajectories import load_sessions
+
+    path = Path("/work/shared/data/trajectories/dev/swe_agent__claude-sonnet-4.jsonl.gz")
+    if not path.exists():
+        pytest.skip("the dev trajectories are not on this machine")
+    corpus = tokenize_sessions(load_sessions(path, limit=2), load_tokenizer("cl100k"),
+                               capture_files=False)
+    sessions = [s for s in corpus.sessions if s.target_messages][:2]
+    want = _cache_drafts(cache_kwargs, sessions, steps_per_message=40)
+
+    ours = SuffixDecoding(cache_responses=cache_kwargs["max_cached_requests"] != 0,
+                          max_cached_requests=max(cache_kwargs["max_cached_requests"], -1))
+
+    def begin(key, ctx):
+        ours.begin(key, "t", ctx, session=key.rsplit("#", 1)[0])
+        tree = ours._active[key]  # holds exactly the context: the tree a rebuild would make
+        assert tree.num_tokens == len(ctx) and tree.continued_by(ctx)
+
+    got = _drive(sessions, 40, begin=begin,
+                 propose=lambda key, ctx: ours.propose(key, ctx)[0],
+                 accept=lambda key, toks: ours.accept(key, toks.tolist()), end=ours.end,
+                 end_session=ours.end_session)
+    assert len(want) > 100 and sum(map(len, want)) > 100  # real drafts, not empty ones
+    assert got == want
+    assert not ours._idle and not ours._active  # every session's trees are gone

@@ -116,7 +116,7 @@ class FutureHost:
     def __init__(self, streams: dict[str, np.ndarray], k: int) -> None:
         self.name, self.streams, self.k = f"future-k{k}", streams, k
 
-    def begin(self, key, tenant, context):
+    def begin(self, key, tenant, context, session=None):
         pass
 
     def propose(self, key, context):
@@ -128,6 +128,9 @@ class FutureHost:
         pass
 
     def end(self, key):
+        pass
+
+    def end_session(self, session):
         pass
 
 
