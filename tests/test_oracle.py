@@ -40,9 +40,10 @@ def corpora(rng: random.Random) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("max_depth,tail_tokens", [(4, 1), (8, 5), (64, 16), (64, 1000)])
-def test_longest_prefix_equals_brute_force(max_depth, tail_tokens):
-    rng = random.Random(max_depth * 7 + tail_tokens)
+@pytest.mark.parametrize("max_depth,tail_tokens,k", [(4, 1, 12), (8, 5, 12), (64, 16, 12),
+                                                     (64, 1000, 12), (64, 16, 32), (32, 3, 32)])
+def test_longest_prefix_equals_brute_force(max_depth, tail_tokens, k):
+    rng = random.Random(max_depth * 7 + tail_tokens + k)
     arena = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens),
                        initial_tokens=32)
     docs = corpora(rng)
@@ -52,7 +53,6 @@ def test_longest_prefix_equals_brute_force(max_depth, tail_tokens):
         for i in range(0, len(d), 7):  # chunked appends: levels, merges and a tail
             arena.append(cid, torch.tensor(d[i:i + 7], dtype=torch.int32))
         cids.append(cid)
-    k = 12
     rows, pats = [], []
     for ci, d in enumerate(docs):
         for _ in range(8):
@@ -68,6 +68,10 @@ def test_longest_prefix_equals_brute_force(max_depth, tail_tokens):
                 pat = pat[:cut] + [-1] * (k - cut)
             rows.append(ci)
             pats.append(pat)
+    pats.append([3] * k)  # the whole pattern occurs
+    rows.append(2)
+    pats.append(([t % 3 for t in range(20)] + [9] * k)[:k])  # found up to 20 tokens
+    rows.append(3)
     pats.append([1, 2, 3, 9] + [-1] * (k - 4))  # occurs only right before a separator
     rows.append(4)
     pats.append([7, 1, 2, 5] + [-1] * (k - 4))  # occurs only at the corpus end
@@ -76,6 +80,8 @@ def test_longest_prefix_equals_brute_force(max_depth, tail_tokens):
     want = [min(brute(docs[r], p), max_depth) for r, p in zip(rows, pats)]
     assert got.tolist() == want
     assert got[-2:].tolist() == [min(3, max_depth)] * 2
+    if k == 32 and max_depth >= 32:  # every round of the search is exercised
+        assert {0, 1, 20, 32} <= set(want)
 
 
 def test_longest_prefix_empty_inputs():
