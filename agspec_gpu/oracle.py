@@ -1,13 +1,11 @@
 """The oracle bound of retrieval drafting: the longest prefix of the true continuation that
 occurs anywhere in the corpora a request may search (evaluation only).
 
-With the index of the reversed text (:mod:`agspec_gpu.kernels.suffix_match`) the question
-"does ``t[:l]`` occur" is one query, by matching statistics: the prefix ``t[:l]`` occurs
-followed by a token iff the longest match of the query ``t[:l]`` has length ``l``. That is
-monotone in ``l``, so the answer ``a`` is searched per row, a few lengths per round as the
-queries of one batched match: ``1 .. 4`` first (most answers are short), then 8 lengths
-spread up to the pattern's length (a fully found pattern ends there), then the bracket left:
-at most 15 queries and 3 rounds for a 32-token pattern (trying every length took 32). A prefix that occurs only at the end of a document (or
+With the index of the reversed text (:mod:`agspec_gpu.kernels.suffix_match`) one batched
+search answers it for every prefix at once, by matching statistics: the prefix
+``t[:l]`` occurs followed by a token iff the longest match of the query ``t[:l]`` has length
+``l``. So each row becomes ``k`` queries (``t[:1] .. t[:k]``) and the answer ``a`` is the
+longest run of full-length matches. A prefix that occurs only at the end of a document (or
 of the corpus) is not followed by a token; then ``t[:a + 1]`` (never longer: ``t[:a + 2]``
 would make ``t[:a + 1]`` followed by a token) is checked against the documents' last tokens.
 """
@@ -40,41 +38,30 @@ def _select_rows(desc: MatchDescriptors, rows: torch.Tensor) -> MatchDescriptors
                             desc.max_levels, desc.max_tail)
 
 
-_FIRST = 4  # prefix lengths tried first: most answers are short
-_FANOUT = 8  # prefix lengths tried per later round
+def _stages(k: int) -> list[tuple[int, int]]:
+    """Prefix-length stages ``[e0, e1)``: 4, 12, then the rest, cut at ``k``."""
+    cuts = [0] + [c for c in (4, 12) if c < k] + [k]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _pivots(lo: torch.Tensor, hi: torch.Tensor, first: bool) -> torch.Tensor:
-    """``int64 [r, F]``: prefix lengths to try in ``(lo, hi]``, ascending, 0 where unused.
-
-    The first round tries ``1 .. _FIRST``; later ones ``_FANOUT`` lengths evenly spread up to
-    ``hi`` (so a row whose whole pattern occurs ends in that round), or every length when the
-    bracket is that narrow."""
-    if first:
-        piv = lo[:, None] + torch.arange(1, _FIRST + 1, device=lo.device)[None, :]
-    else:
-        f = torch.arange(1, _FANOUT + 1, device=lo.device)[None, :]
-        width = (hi - lo)[:, None]
-        piv = lo[:, None] + (width * f + _FANOUT - 1) // _FANOUT
-        # narrow brackets repeat lengths: keep the first of each
-        piv = torch.where(piv > torch.cat([lo[:, None], piv[:, :-1]], 1), piv, 0)
-    return torch.where(piv <= hi[:, None], piv, 0)
-
-
-def _occurs(arena: IndexArena, patterns: torch.Tensor, base_desc: MatchDescriptors,
-            rows: torch.Tensor, piv: torch.Tensor) -> torch.Tensor:
-    """``bool [r, F]``: whether ``t[:piv]`` of pattern row ``rows[i]`` occurs followed by a
-    token (False where ``piv`` is 0): the longest match of the query ``t[:piv]`` is ``piv``."""
+def _full_prefixes(arena: IndexArena, patterns: torch.Tensor, plen: torch.Tensor,
+                   base_desc: MatchDescriptors, rows: torch.Tensor, e0: int, e1: int
+                   ) -> torch.Tensor:
+    """``int64 [r]``: ``e0`` plus the run of prefixes ``t[:e + 1]``, ``e0 <= e < e1``, that
+    occur followed by a token (rows whose prefixes below ``e0`` all do)."""
     dev = patterns.device
-    r, F = piv.shape
-    k = patterns.shape[1]
-    # query (i, f) = patterns[rows[i], :piv[i, f]], right-aligned in k columns
-    src = (piv[:, :, None] - k + torch.arange(k, device=dev)[None, None, :]).clamp(min=0)
-    queries = patterns[rows].clamp(min=0).gather(1, src.view(r, F * k)).to(torch.int32)
-    desc = _repeat_rows(_select_rows(base_desc, rows), F)
-    ms = match_lengths_torch(arena.tokens, arena.sa, desc, queries.view(r * F, k),
-                             piv.reshape(-1).to(torch.int32), max_depth=arena.config.max_depth)
-    return (ms.view(r, F) >= piv) & (piv > 0)
+    r, k = patterns.shape[0], e1
+    e = torch.arange(e0, e1, device=dev)
+    # query (row, e) = patterns[row, :e + 1], right-aligned in k columns
+    src = (e[:, None] - (k - 1) + torch.arange(k, device=dev)[None, :]).clamp(min=0)
+    queries = patterns.clamp(min=0)[:, src].to(torch.int32).reshape(-1, k)
+    lengths = torch.where(e[None, :] < plen[:, None], e[None, :] + 1, 0)
+    desc = _repeat_rows(_select_rows(base_desc, rows), e.numel())
+    ms = match_lengths_torch(arena.tokens, arena.sa, desc, queries,
+                             lengths.reshape(-1).to(torch.int32),
+                             max_depth=arena.config.max_depth)
+    full = (ms.view(r, -1) >= e[None, :] + 1) & (e[None, :] < plen[:, None])
+    return e0 + torch.cumprod(full.to(torch.int64), 1).sum(1)
 
 
 def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[int]
@@ -93,20 +80,15 @@ def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[i
         return torch.zeros(R, dtype=torch.int64, device=dev)
     plen = torch.cumprod((patterns >= 0).to(torch.int64), 1).sum(1)
     base_desc = arena.descriptors(list(corpus_ids))
-    # "t[:l] occurs followed by a token" is monotone in l: a search over l per row, a few
-    # lengths per round (one batched match), keeping t[:best] found and the answer <= hi
+    # most answers are short: the prefixes are tried in stages, a row going on to the next
+    # stage only while every prefix so far was found
     best = torch.zeros(R, dtype=torch.int64, device=dev)
-    hi = plen.clone()
-    rows = torch.nonzero(plen > 0, as_tuple=True)[0]
-    first = True
-    while rows.numel():
-        lo_r, hi_r = best[rows], hi[rows]
-        piv = _pivots(lo_r, hi_r, first)
-        ok = _occurs(arena, patterns, base_desc, rows, piv)
-        best[rows] = torch.where(ok, piv, lo_r[:, None]).max(dim=1).values
-        hi[rows] = torch.where((piv > 0) & ~ok, piv - 1, hi_r[:, None]).min(dim=1).values
-        rows = rows[best[rows] < hi[rows]]
-        first = False
+    rows = torch.arange(R, device=dev)
+    for e0, e1 in _stages(k):
+        rows = rows[(best[rows] == e0) & (plen[rows] > e0)]
+        if rows.numel() == 0:
+            break
+        best[rows] = _full_prefixes(arena, patterns[rows], plen[rows], base_desc, rows, e0, e1)
     # t[:best + 1] may still occur right before a separator or the corpus end
     todo = torch.nonzero(best < plen, as_tuple=True)[0]
     if todo.numel():
