@@ -28,6 +28,7 @@ from agspec_gpu.accept import SamplingParams, greedy_accept, sample_accept
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.host import to_device
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -232,8 +233,8 @@ class SpecDecoder:
         while not all(done):
             with nvtx.annotate("agspec.propose"):
                 draft = self.drafter.propose(sids)
-            draft = _mask_drafts(draft, spec_mask & torch.tensor(
-                [not d for d in done], dtype=torch.bool, device=dev))
+            draft = _mask_drafts(draft, spec_mask & to_device([not d for d in done],
+                                                              torch.bool, dev))
             # the HF forward's cost grows with the padded width: verify the widest tree's
             # nodes, not the drafter's static max_nodes (this loop syncs each step anyway)
             draft = draft.narrowed(max(int(draft.num_draft_tokens.max()), 1))
@@ -259,8 +260,7 @@ class SpecDecoder:
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit, nothing for requests that had already finished
                 # the ids are the model's own and the counts are on the host: no read back
-                self.drafter.observe(sids, res.output_ids,
-                                     torch.tensor(taken, dtype=torch.int32, device=dev),
+                self.drafter.observe(sids, res.output_ids, to_device(taken, torch.int32, dev),
                                      res.num_accepted, num_output_host=taken, validate=False)
         for st, o in zip(states, outs):
             st.context.extend(o)

@@ -31,6 +31,7 @@ from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile,
                                    cost_table, draft_depth, update_scale)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.host import to_device
 from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
@@ -208,7 +209,7 @@ class Drafter:
         cfg, store = self.config, self.store
         dev = self.recent.device
         B = len(sids)
-        slots = torch.tensor([self._slot_of(s) for s in sids], dtype=torch.int64, device=dev)
+        slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
         rows_req, rows_cid, rows_tier, R_max = [], [], [], 0
         for b, sid in enumerate(sids):
             corpora = store.corpora_of(sid)
@@ -217,12 +218,12 @@ class Drafter:
                 rows_req.append(b)
                 rows_cid.append(cid)
                 rows_tier.append(int(tier))
-        req = torch.tensor(rows_req, dtype=torch.int64, device=dev)
-        tier = torch.tensor(rows_tier, dtype=torch.int64, device=dev)
+        req = to_device(rows_req, torch.int64, dev)
+        tier = to_device(rows_tier, torch.int64, dev)
         stale = [i for i, sid in enumerate(sids)
                  if self._version[sid] != store.tenant_version(sid)]
         if stale:
-            st = slots[torch.tensor(stale, device=dev)]
+            st = slots[to_device(stale, torch.int64, dev)]
             self.match_cap[st] = store.config.max_depth
             for i in stale:
                 self._version[sids[i]] = store.tenant_version(sids[i])
@@ -405,7 +406,7 @@ class Drafter:
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
                  validate=True) -> None:
         dev = self.recent.device
-        slots = torch.tensor([self._slot_of(s) for s in sids], dtype=torch.int64, device=dev)
+        slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
         out = output_ids.to(dev, torch.int32)
         nout = num_output.to(dev)
         nacc = num_accepted.to(dev)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agspec_gpu.host import to_device
 from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
 from agspec_gpu.suffix_array import build_context_array
 
@@ -297,7 +298,7 @@ class IndexArena:
         dev = self.device
 
         def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
+            return to_device(x, dt, dev)
 
         return MatchDescriptors(
             tok_base=t(tok_base, torch.int64), num_tokens=t(n, torch.int32),

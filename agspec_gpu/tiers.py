@@ -20,6 +20,7 @@ import torch
 
 from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
+from agspec_gpu.host import to_device
 from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.suffix_array import build_context_array
 from agspec_gpu.tokenizer import Tokenizer
@@ -233,7 +234,7 @@ class CorpusStore:
                 rows.append(b)
                 cids.append(cid)
         cont = continuation.to(self.arena.device, torch.int32)
-        r = torch.tensor(rows, dtype=torch.int64, device=self.arena.device)
+        r = to_device(rows, torch.int64, self.arena.device)
         per_row = longest_prefix(self.arena, cont[r], cids)
         out = torch.zeros(len(sids), dtype=torch.int64, device=self.arena.device)
         out.scatter_reduce_(0, r, per_row, reduce="amax")

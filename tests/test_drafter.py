@@ -648,3 +648,38 @@ def test_per_step_path_reads_nothing_back_to_the_host(tok, monkeypatch):
             monkeypatch.setattr(torch.Tensor, n, f)
     assert reads == [], reads
     assert store.arena.corpus_tokens(store.session("s0").corpus).numel() == 20 + 1 + 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_drafter_step_does_not_sync_on_cuda(tok):
+    """propose + observe (host counts, no validation) queue work without waiting for the GPU:
+    under ``torch.cuda.set_sync_debug_mode("error")`` a synchronizing call raises. Steps that
+    build an index level are not part of it (they read lengths back), so the test appends
+    fewer tokens than the tail holds."""
+    dev = torch.device("cuda")
+    code = "def area(r):\n    return 3.14159 * r * r\n\n" * 8 + "print(area(2))\n" * 3
+    ids = tok.encode(code)
+    store = CorpusStore(tok, TierConfig(tail_tokens=64), device=dev)
+    d = Drafter(store, DrafterConfig(), max_batch=4)
+    for i in range(2):
+        d.open_session(f"s{i}", "t", prompt_ids=ids[: len(ids) - 5 * i])
+    sids = ["s0", "s1"]
+
+    def step():
+        draft = d.propose(sids)
+        out = draft.token_ids[:, :1].clamp(min=0).to(torch.int32)  # one emitted token each
+        n = torch.ones(2, dtype=torch.int32, device=dev)
+        d.observe(sids, out, n, torch.zeros(2, dtype=torch.int32, device=dev),
+                  num_output_host=[1, 1], validate=False)
+        return draft
+
+    step()  # compiles the match kernel
+    torch.cuda.synchronize()
+    assert store.arena.num_levels(store.session("s0").corpus) >= 1  # levels are searched too
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            draft = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(draft.num_draft_tokens.min()) > 0  # the repeated code is drafted

@@ -1,0 +1,19 @@
+"""Host values to the device on the per-step path, without synchronizing the stream.
+
+``torch.tensor(values, device="cuda")`` copies with ``non_blocking=False``, which waits for
+every kernel queued on the stream before it returns: one such call in a step makes the host
+wait for the GPU, so the next launches cannot overlap the running ones. A non-blocking copy
+from pageable memory does not wait (the runtime stages the host buffer before it returns, so
+the buffer may be freed at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (host numbers) as a 1-D ``dtype`` tensor on ``device``; no stream sync."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
