@@ -19,6 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from agspec_gpu.host import to_device
 from agspec_gpu.tree import TreeMetadata
 
 
@@ -105,7 +106,9 @@ class PagedKVCache:
             self._rows[seq_id] = self._free_rows.pop()
         new = [self._free_pages.pop() for _ in range(need - have)]
         pages.extend(new)
-        self._page_table[self._rows[seq_id], have:need] = torch.tensor(new, dtype=torch.int32)
+        if new:  # a host list assigned into a device tensor would wait for the stream
+            self._page_table[self._rows[seq_id], have:need] = to_device(new, torch.int32,
+                                                                        self.device)
 
     def free(self, seq_id: Hashable) -> None:
         """Returns every page of ``seq_id`` to the pool."""
@@ -122,8 +125,8 @@ class PagedKVCache:
         missing = [s for s in seq_ids if s not in self._rows]
         if missing:
             raise ValueError(f"page_table: unknown sequences {missing}")
-        rows = torch.tensor([self._rows[s] for s in seq_ids], dtype=torch.long)
-        return self._page_table.index_select(0, rows.to(self.device))
+        rows = to_device([self._rows[s] for s in seq_ids], torch.long, self.device)
+        return self._page_table.index_select(0, rows)
 
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                   meta: TreeMetadata) -> None:

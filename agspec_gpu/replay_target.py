@@ -40,6 +40,7 @@ import torch
 
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.host import to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
@@ -449,13 +450,13 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             prefix_host = [r.prefix_len for r in active]
             with nvtx.annotate("e2e.verify", color="yellow"):
                 verify_timer.start()
-                roots = torch.tensor([r.root for r in active], dtype=torch.int32).to(dev)
+                roots = to_device([r.root for r in active], torch.int32, dev)
                 if n_total == 0 and graphs is not None:
                     logits = graphs.decode(kv_ids, roots, prefix_host)
                 else:
                     draft = DraftBatch(draft.token_ids.to(dev), draft.parents.to(dev),
                                        draft.num_draft_tokens.to(dev))
-                    prefix_t = torch.tensor(prefix_host, dtype=torch.int32)
+                    prefix_t = to_device(prefix_host, torch.int32, dev)
                     meta = runner.plan(kv_ids, draft, roots, prefix_t,
                                        prefix_lens_host=prefix_host,
                                        out=pool.rows(n_active + n_total))
@@ -475,7 +476,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     A = int(num_acc.max())
                     if A:
                         kv_compact(cache.data, cache.page_table(kv_ids),
-                                   prefix_t.to(dev),
+                                   prefix_t,
                                    paths.path_nodes[:, :A].to(torch.int32).contiguous())
                 accepted = np.minimum(num_acc, remaining)
                 produced = np.minimum(accepted + 1, remaining)

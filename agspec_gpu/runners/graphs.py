@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.host import to_device
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
 
@@ -117,14 +118,13 @@ class DecodeGraphs:
         width = -(-(max(prefix_lens_host) + 1) // cache.page_size)
         dev = self.runner.device
         page_table = cache.page_table(seq_ids)[:, :width]
-        prefix = torch.zeros(S, dtype=torch.int32)
-        prefix[:b] = torch.tensor(list(prefix_lens_host), dtype=torch.int32)
+        prefix = to_device(list(prefix_lens_host) + [0] * (S - b), torch.int32, dev)
         root = torch.zeros(S, dtype=torch.int32, device=dev)
         root[:b] = roots.to(dev, torch.int32)
         if S > b:  # padding requests: one token on the null page
             pad = torch.full((S - b, width), cache.null_page, dtype=torch.int32, device=dev)
             page_table = torch.cat([page_table, pad])
-        meta = plan_tree(self._empty[S], root, prefix.to(dev), page_table.contiguous(),
+        meta = plan_tree(self._empty[S], root, prefix, page_table.contiguous(),
                          cache.page_size, out=self._meta[S])
         return S, meta
 
