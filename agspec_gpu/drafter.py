@@ -44,6 +44,10 @@ class DrafterConfig:
 
     Attributes:
         max_positions: occurrences sampled per (request, corpus) as candidates.
+        max_scan: entries of each index level's match range read to find them (the most
+            recent ``max_positions`` of the tail's hits and of these; None: the whole range).
+            Bounds the match kernel's work per row: a one-token match in a large level has a
+            range of up to ~10^5 entries.
         max_draft_depth: hard cap on draft depth (the role cap applies below it).
         max_nodes: most draft nodes per request.
         tree: trees (True) or chains (False).
@@ -62,6 +66,7 @@ class DrafterConfig:
     """
 
     max_positions: int = 8
+    max_scan: int | None = 256
     max_draft_depth: int = 32
     max_nodes: int = 64
     tree: bool = True
@@ -77,6 +82,8 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.max_positions < 1 or self.max_draft_depth < 1 or self.max_nodes < 1:
             raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
+        if self.max_scan is not None and self.max_scan < 1:
+            raise ValueError("max_scan must be >= 1 or None")
         if self.min_match < 1:
             raise ValueError("min_match must be >= 1")
         if self.candidate_slack < 0:
@@ -235,7 +242,7 @@ class Drafter:
         desc = arena.descriptors(rows_cid)
         m = suffix_match(arena.tokens, arena.sa, desc, self.recent[slots][req].contiguous(),
                          qlen[req].contiguous(), max_depth=store.config.max_depth,
-                         max_positions=P)
+                         max_positions=P, max_scan=cfg.max_scan)
         # the longest match of each request (tier bonus included) decides which rows supply
         # candidates; the cap on the next match is the longest raw match
         raw_best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(

@@ -309,7 +309,8 @@ class IndexArena:
         )
 
     def match(self, queries: torch.Tensor, lengths: torch.Tensor, corpus_ids: list[int],
-              max_positions: int = 8, use_triton: bool | None = None) -> MatchResult:
+              max_positions: int = 8, use_triton: bool | None = None, *,
+              max_scan: int | None = None) -> MatchResult:
         """Longest suffix match of every query row against its corpus (one batched call).
 
         Args:
@@ -318,6 +319,7 @@ class IndexArena:
             lengths: ``int32 [B]``, ``0 <= lengths[b] <= L``.
             corpus_ids: ``B`` corpus ids (rows may share a corpus).
             max_positions: ``P``, continuation positions returned per row.
+            max_scan: entries of each level's range read for them (None: all).
 
         Returns:
             :class:`MatchResult` (see :mod:`agspec_gpu.kernels.suffix_match`).
@@ -331,7 +333,7 @@ class IndexArena:
         desc = self.descriptors(list(corpus_ids))
         return suffix_match(self.tokens, self.sa, desc, queries, lengths,
                             max_depth=self.config.max_depth, max_positions=max_positions,
-                            use_triton=use_triton)
+                            max_scan=max_scan, use_triton=use_triton)
 
     def _get(self, cid: int) -> _Corpus:
         try:
@@ -388,12 +390,12 @@ class SuffixIndex:
         self.arena.append(self.cid, tokens)
 
     def match(self, queries: torch.Tensor, lengths: torch.Tensor, max_positions: int = 8,
-              use_triton: bool | None = None) -> MatchResult:
+              use_triton: bool | None = None, *, max_scan: int | None = None) -> MatchResult:
         """See :meth:`IndexArena.match`; every row queries this corpus."""
         if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
             raise ValueError("queries must be a 2-D int32 tensor [B, L]")
         return self.arena.match(queries, lengths, [self.cid] * queries.shape[0],
-                                max_positions, use_triton)
+                                max_positions, use_triton, max_scan=max_scan)
 
 
 # -------------------------------------------------------------------- validation helpers

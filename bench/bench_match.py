@@ -13,6 +13,9 @@ Methods (same queries, same corpus):
   torch path on CPU, the Triton kernel on CUDA.
 * ``agspec-launch``: the launcher ``suffix_match`` alone with descriptors built beforehand
   (what a decode loop that keeps descriptors on the device pays).
+* ``agspec-launch-scan``: the same launch with ``max_scan`` (``--max-scan``, the drafter's
+  default 256): positions from the first ``max_scan`` entries of each level's range, which
+  bounds a row's work when a short match has a range of ~10^5 entries.
 * ``agspec-torch`` (CUDA only): the torch path on the GPU.
 * ``unfold``: ``match_baselines.unfold_match``, the brute-force torch implementation one
   writes first; configurations predicted to exceed ``--baseline-budget-s`` per call are
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--max-depth", type=int, default=64)
     ap.add_argument("--max-positions", type=int, default=8)
+    ap.add_argument("--max-scan", type=int, default=256)
     ap.add_argument("--query-len", type=int, default=64)
     ap.add_argument("--baseline-budget-s", type=float, default=None,
                     help="unfold: skip configurations predicted slower than this per call, "
@@ -229,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             record("agspec-launch", measure(lambda: suffix_match(
                 idx.arena.tokens, idx.arena.sa, desc, q, lens, max_depth=D, max_positions=P,
                 use_triton=use_triton), device, args.repeats), mean_match_len=mean_len)
+            record("agspec-launch-scan", measure(lambda: suffix_match(
+                idx.arena.tokens, idx.arena.sa, desc, q, lens, max_depth=D, max_positions=P,
+                max_scan=args.max_scan, use_triton=use_triton), device, args.repeats),
+                mean_match_len=mean_len, max_range=int((ref.sa_hi - ref.sa_lo).max()))
             if device.type == "cuda":
                 record("agspec-torch", measure(lambda: idx.match(q, lens, max_positions=P,
                                                                use_triton=False),
@@ -314,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: agspec and unfold disagree on {mismatches} configuration(s)")
     config = {"argv": sys.argv[1:] if argv is None else argv, "sizes": sizes,
               "batches": batches, "repeats": args.repeats, "max_depth": D,
-              "max_positions": P, "query_len": L, "unfold_budget_s": budget,
+              "max_positions": P, "max_scan": args.max_scan, "query_len": L,
+              "unfold_budget_s": budget,
               "suffix_decoding": sd_cls is not None, "sd_spec_tokens": args.sd_spec_tokens,
               "agspec_path": "triton" if use_triton else "torch", "triton_note": triton_note,
               "agspec_unfold_mismatches": mismatches, "corpus": corpus_info, **extra, **env}

@@ -10,7 +10,10 @@ find
 * ``count[b]``: the exact number of such occurrences (levels + tail);
 * ``positions[b]``: the continuation positions (index of the token after the match, corpus
   relative) of ``min(P, count)`` occurrences, the most recent first (largest position
-  first), ``-1`` padded;
+  first), ``-1`` padded -- the ``P`` largest among the tail's hits and, per level, the first
+  ``max_scan`` entries of its range (all of them when ``max_scan`` is None): a short match
+  in a large level has a range of ~10^5 entries, and reading it all would set the latency
+  of the whole batch's step;
 * ``sa_lo[b, k], sa_hi[b, k]``: the range of level ``k`` (oldest first) holding those
   occurrences, as absolute indices into ``sa`` (``sa_lo == sa_hi ==`` the level's base when
   ``length`` is 0; ``(0, 0)`` for slots past the row's levels).
@@ -91,15 +94,19 @@ class MatchResult:
 
 def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
-                 max_positions: int, use_triton: bool | None = None) -> MatchResult:
+                 max_positions: int, max_scan: int | None = None,
+                 use_triton: bool | None = None) -> MatchResult:
     """Launcher: validates and runs the Triton kernel on CUDA, the torch path otherwise.
 
     Args:
         tokens: ``int32 [T]`` arena tokens. sa: ``int32 [S]`` arena suffix arrays.
         desc: per-row descriptors. queries: ``int32 [B, L]`` right-aligned.
         lengths: ``int32 [B]``. max_depth: longest match searched.
-        max_positions: ``P``. use_triton: force a path (None: Triton iff on CUDA).
+        max_positions: ``P``. max_scan: entries of a level's range read for positions
+        (None: all). use_triton: force a path (None: Triton iff on CUDA).
     """
+    if max_scan is not None and max_scan < 1:
+        raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
     for name, t, dt in (("tokens", tokens, torch.int32), ("sa", sa, torch.int32),
                         ("queries", queries, torch.int32), ("lengths", lengths, torch.int32)):
         if t.dtype != dt:
@@ -117,9 +124,9 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
 
         return suffix_match_triton(tokens, sa, desc, queries, lengths, max_depth=max_depth,
-                                   max_positions=max_positions)
+                                   max_positions=max_positions, max_scan=max_scan)
     return suffix_match_torch(tokens, sa, desc, queries, lengths, max_depth=max_depth,
-                              max_positions=max_positions)
+                              max_positions=max_positions, max_scan=max_scan)
 
 
 # ------------------------------------------------------------------------ torch path
@@ -320,7 +327,7 @@ def match_lengths_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
 
 def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
-                       max_positions: int) -> MatchResult:
+                       max_positions: int, max_scan: int | None = None) -> MatchResult:
     """Pure-torch implementation of :func:`suffix_match` (same results as the kernel)."""
     dev = queries.device
     B = queries.shape[0]
@@ -355,6 +362,8 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         cand_pos = [tail_c[tail_hit]]
         if prow.numel():
             size = sa_hi[prow, pslot] - sa_lo[prow, pslot]
+            if max_scan is not None:
+                size = size.clamp(max=max_scan)  # the first max_scan entries of a range
             # a newer source's positions are all larger (tail, then levels newest first): a
             # level whose row already has P hits in newer sources adds nothing
             csum = torch.cumsum(size, 0)

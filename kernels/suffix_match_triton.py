@@ -30,7 +30,8 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    ``best = 0`` a level's range is empty at its base (``sa_lo = sa_hi = level base``); slots
    past the row's levels stay ``(0, 0)``, as in the torch path.
 4. Positions: the ``P`` largest continuation positions among the tail hits (tail rescanned)
-   and the level ranges (the ``sa`` entries themselves, ``BLOCK_C`` at a time), kept in a
+   and the level ranges (the ``sa`` entries themselves, the first ``max_scan`` of each
+   range, ``BLOCK_C`` at a time), kept in a
    descending ``BLOCK_P`` register vector. Sources are read newest first (tail, then levels
    newest to oldest): a newer source's positions are all larger, so a level met with ``P``
    positions already held is not read (steps 3 and 4 run together, level by level). A block
@@ -152,6 +153,7 @@ def _suffix_match_kernel(
     L,               # query width
     max_levels,      # row stride of sa_lo / sa_hi
     max_depth,
+    max_scan,        # entries of a level's range read for positions
     P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -229,10 +231,11 @@ def _suffix_match_kernel(
         if P > 0:
             # the P-th largest held position; -1 while fewer than P are held
             thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
-            i0 = tl.where(thr < 0, lo, hi)
-            while i0 < hi:
+            hi_scan = tl.minimum(hi, lo + max_scan)
+            i0 = tl.where(thr < 0, lo, hi_scan)
+            while i0 < hi_scan:
                 ii = i0 + tl.arange(0, BLOCK_C)
-                inr = ii < hi
+                inr = ii < hi_scan
                 cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64)
                 cand = tl.where(inr, cand, -1)
                 thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
@@ -257,13 +260,14 @@ def block_sizes(max_depth: int, max_positions: int) -> dict[str, int]:
 
 def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                         queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
-                        max_positions: int) -> MatchResult:
+                        max_positions: int, max_scan: int | None = None) -> MatchResult:
     """Batched longest-suffix match, one Triton program per row (see the module docstring).
 
     Args:
         tokens: ``int32 [T]``. sa: ``int32 [S]``. desc: per-row descriptors.
         queries: ``int32 [B, L]`` right-aligned. lengths: ``int32 [B]`` in ``[0, L]``.
         max_depth: longest match searched. max_positions: ``P``.
+        max_scan: entries of each level's range read for positions (None: all).
 
     Returns:
         :class:`MatchResult` with ``length int32 [B]``, ``count int64 [B]``,
@@ -273,6 +277,8 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     if max_positions < 0:
         raise ValueError(f"max_positions must be >= 0, got {max_positions}")
+    if max_scan is not None and max_scan < 1:
+        raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
     B, L = queries.shape
     dev = queries.device
     checks = (("tokens", tokens, torch.int32, None), ("sa", sa, torch.int32, None),
@@ -316,6 +322,7 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
     _suffix_match_kernel[(B,)](
         nz(tokens), nz(sa), desc.tok_base, desc.num_tokens, desc.tail_start, desc.level_indptr,
         nz(desc.level_sa_base), nz(desc.level_sa_len), nz(queries), lengths, length, count,
-        nz(positions), nz(sa_lo), nz(sa_hi), L, K, max_depth, P=P,
+        nz(positions), nz(sa_lo), nz(sa_hi), L, K, max_depth,
+        sa.numel() if max_scan is None else max_scan, P=P,
         **block_sizes(max_depth, P))
     return MatchResult(length, count, positions, sa_lo, sa_hi)

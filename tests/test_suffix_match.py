@@ -106,13 +106,13 @@ def make_queries(names: list[str], L: int, seed: int) -> tuple[torch.Tensor, tor
 
 # ------------------------------------------------------------------------------ comparison
 def run_both(ar: IndexArena, ids: list[int], q: torch.Tensor, lengths: torch.Tensor,
-             P: int) -> tuple[MatchResult, MatchResult]:
+             P: int, max_scan: int | None = None) -> tuple[MatchResult, MatchResult]:
     desc = ar.descriptors(ids)
     md = ar.config.max_depth
     ref = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
-                       use_triton=False)
+                       max_scan=max_scan, use_triton=False)
     got = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
-                       use_triton=True)
+                       max_scan=max_scan, use_triton=True)
     return ref, got
 
 
@@ -280,6 +280,50 @@ def test_edge_shapes(P):
         assert_same(ref, got, names)
 
 
+@pytest.mark.parametrize("max_scan", [1, 2, 5])
+def test_max_scan_reads_the_first_entries_of_each_range(max_scan):
+    """With ``max_scan``, positions are the ``P`` largest among the tail's hits and the first
+    ``max_scan`` entries of each level's range (a bound on the kernel's work per row): kernel
+    vs torch, and both against that rule applied to the brute force's hits and the ranges;
+    length, count and the ranges are those of the unbounded search."""
+    P = 4
+    ar = IndexArena(IndexConfig(max_depth=8, tail_tokens=3))
+    ids = {}
+    for name, toks in _adversarial_corpora().items():
+        cid = ids[name] = ar.new_corpus()
+        for i in range(0, len(toks), 5):
+            ar.append(cid, t32(toks[i:i + 5]))
+    rows = _adversarial_queries()
+    L = max(len(q) for _, q in rows) + 2
+    q = torch.full((len(rows), L), PAD, dtype=torch.int32)
+    lengths = torch.zeros(len(rows), dtype=torch.int32)
+    for b, (_, query) in enumerate(rows):
+        if query:
+            q[b, L - len(query):] = t32(query)
+        lengths[b] = len(query)
+    cids = [ids[name] for name, _ in rows]
+    ref, got = run_both(ar, cids, q, lengths, P, max_scan)
+    assert_same(ref, got, [name for name, _ in rows])
+    full, _ = run_both(ar, cids, q, lengths, P)
+    for f in ("length", "count", "sa_lo", "sa_hi"):
+        assert torch.equal(getattr(got, f), getattr(full, f)), f
+    desc = ar.descriptors(cids)
+    capped_somewhere = False
+    for b, (name, query) in enumerate(rows):
+        corpus = _adversarial_corpora()[name]
+        _, _, hits = match_reference(corpus, query, 8, len(corpus) + 1)
+        cand = [c for c in hits if c >= int(desc.tail_start[b])]
+        for lo, hi in zip(got.sa_lo[b].tolist(), got.sa_hi[b].tolist()):
+            cand += ar.sa[lo:min(hi, lo + max_scan)].tolist()
+            capped_somewhere |= hi - lo > max_scan
+        assert [p for p in got.positions[b].tolist() if p >= 0] == \
+            sorted(cand, reverse=True)[:P], (name, query)
+    assert capped_somewhere  # the bound was exercised
+    with pytest.raises(ValueError, match="max_scan"):
+        suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=8, max_positions=P,
+                     max_scan=0)
+
+
 def test_launcher_rejects_bad_descriptors():
     ar, ids = arena(4, 3)
     desc = ar.descriptors([ids["random"]])
@@ -301,7 +345,7 @@ _SIGNATURE = dict(
     tail_start_ptr="*i32", level_indptr_ptr="*i32", level_base_ptr="*i64", level_len_ptr="*i32",
     queries_ptr="*i32", lengths_ptr="*i32", length_ptr="*i32", count_ptr="*i64",
     positions_ptr="*i64", sa_lo_ptr="*i64", sa_hi_ptr="*i64", L="i32", max_levels="i32",
-    max_depth="i32")
+    max_depth="i32", max_scan="i32")
 
 
 def test_compiles_for_sm90():
