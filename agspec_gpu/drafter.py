@@ -48,6 +48,9 @@ class DrafterConfig:
             recent ``max_positions`` of the tail's hits and of these; None: the whole range).
             Bounds the match kernel's work per row: a one-token match in a large level has a
             range of up to ~10^5 entries.
+        max_candidate_rows: most corpora (rows of the match) supplying candidates to one
+            request: those with the best score (match length plus tier bonus), then the
+            earlier tier. None: every row within ``candidate_slack`` of the best.
         max_draft_depth: hard cap on draft depth (the role cap applies below it).
         max_nodes: most draft nodes per request.
         tree: trees (True) or chains (False).
@@ -67,6 +70,7 @@ class DrafterConfig:
 
     max_positions: int = 8
     max_scan: int | None = 256
+    max_candidate_rows: int | None = 2
     max_draft_depth: int = 32
     max_nodes: int = 64
     tree: bool = True
@@ -84,6 +88,8 @@ class DrafterConfig:
             raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
         if self.max_scan is not None and self.max_scan < 1:
             raise ValueError("max_scan must be >= 1 or None")
+        if self.max_candidate_rows is not None and self.max_candidate_rows < 1:
+            raise ValueError("max_candidate_rows must be >= 1 or None")
         if self.min_match < 1:
             raise ValueError("min_match must be >= 1")
         if self.candidate_slack < 0:
@@ -270,18 +276,24 @@ class Drafter:
         # tier weight (learned acceptance share), more recent occurrences first within a row
         tw = (self.tier_hits / self.tier_drafts).to(torch.float32)[tier]
         w = torch.where(ok[:, :, 0], tw[:, None].expand(-1, P), 0.0)
-        # regroup rows into requests: [B, C, K] with C = rows per request * P
-        rows_per = _counts(req, B)
-        first = torch.cumsum(rows_per, 0) - rows_per
-        rslot = torch.arange(req.numel(), device=dev) - first[req]
-        C = R_max * P
-        W = torch.full((B, R_max, P, K), PAD_ID, dtype=torch.int32, device=dev)
-        S = torch.full((B, R_max, P, K), -1, dtype=torch.int32, device=dev)
-        Wt = torch.zeros(B, R_max, P, device=dev)
+        # regroup the rows that supply candidates into requests: [B, C, K], C = slots * P, a
+        # request's rows by score (then tier order), at most max_candidate_rows of them; the
+        # trie below costs O(C^2 K), and rows that supply nothing would only pad it
+        nslot = R_max if cfg.max_candidate_rows is None else min(R_max, cfg.max_candidate_rows)
+        R = req.numel()
+        ridx = torch.arange(R, device=dev)
+        key = torch.where(use, score.to(torch.int64) * R + (R - 1 - ridx), -1)
+        rank = ((req[:, None] == req[None, :]) & (key[None, :] > key[:, None])).sum(1)
+        rslot = torch.where(use & (rank < nslot), rank, nslot)  # slot nslot: dropped
+        C = nslot * P
+        W = torch.full((B, nslot + 1, P, K), PAD_ID, dtype=torch.int32, device=dev)
+        S = torch.full((B, nslot + 1, P, K), -1, dtype=torch.int32, device=dev)
+        Wt = torch.zeros(B, nslot + 1, P, device=dev)
         W[req, rslot] = win.to(torch.int32)
         S[req, rslot] = src
         Wt[req, rslot] = w
-        W, S, Wt = W.view(B, C, K), S.view(B, C, K), Wt.view(B, C)
+        W, S = W[:, :nslot].reshape(B, C, K), S[:, :nslot].reshape(B, C, K)
+        Wt = Wt[:, :nslot].reshape(B, C)
         return self._tree(sids, slots, W, S, Wt, best)
 
     def _tree(self, sids, slots, W, S, Wt, best) -> DraftBatch:

@@ -541,6 +541,7 @@ def test_lifecycle_errors(tok):
 @pytest.mark.parametrize("kwargs", [dict(max_positions=0), dict(max_draft_depth=0),
                                     dict(max_nodes=0), dict(min_match=0),
                                     dict(candidate_slack=-1), dict(min_prob=1.0),
+                                    dict(max_scan=0), dict(max_candidate_rows=0),
                                     dict(tier_bonus=(1, 1, 1)), dict(tier_bonus=(0, 0, 0, -1))])
 def test_drafter_config_validation(kwargs):
     with pytest.raises(ValueError):
@@ -559,12 +560,42 @@ def test_candidate_slack_adds_rows_with_shorter_matches(tok):
     store.add_workspace_file("t", "w.py", "alpha beta gamma delta")
     trees = []
     for slack in (0, 2):
-        d = Drafter(store, DrafterConfig(**_SHARES, candidate_slack=slack, batch_budget=False))
+        d = Drafter(store, DrafterConfig(**_SHARES, candidate_slack=slack, batch_budget=False,
+                                         max_candidate_rows=None))
         d.open_session(f"s{slack}", "t", prompt_ids=prompt)
         trees.append(d.propose([f"s{slack}"]).token_ids[0].tolist())
         d.close_session(f"s{slack}")
     assert eps in trees[0] and delta not in trees[0]
     assert eps in trees[1] and delta in trees[1]
+
+
+def test_max_candidate_rows_keeps_the_best_scored_rows(tok):
+    # three rows supply candidates at slack 2: the session ("zeta beta gamma", 4 tokens + bonus
+    # 2, continued by " epsilon"), the tenant's history (a closed session's "zeta beta gamma
+    # theta", 4 + 1) and the workspace (" beta gamma delta", 2 + 2). A cap keeps the
+    # best-scored rows; a cap that does not bind leaves the draft exactly as without one.
+    enc = tok.encode
+    prompt = enc("zeta") + enc(" beta gamma epsilon") + enc(" omega") + enc("zeta") + \
+        enc(" beta gamma")
+    eps, theta, delta = enc(" epsilon")[0], enc(" theta")[0], enc(" delta")[0]
+    drafts = {}
+    for cap in (None, 3, 2, 1):
+        store = CorpusStore(tok, TierConfig(use_global=False, forms=(EmissionForm.RAW,)))
+        store.add_workspace_file("t", "w.py", "alpha beta gamma delta")
+        store.open_session("old", "t", enc("zeta") + enc(" beta gamma theta"))
+        store.close_session("old")  # its text joins the tenant's history
+        d = Drafter(store, DrafterConfig(**_SHARES, candidate_slack=2, batch_budget=False,
+                                         max_candidate_rows=cap))
+        d.open_session(f"s{cap}", "t", prompt_ids=prompt)
+        assert len(store.corpora_of(f"s{cap}")) == 3
+        drafts[cap] = d.propose([f"s{cap}"])
+    for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+        assert torch.equal(getattr(drafts[3], f), getattr(drafts[None], f)), f
+    first = {cap: {t for t, p in zip(dr.token_ids[0].tolist(), dr.parents[0].tolist())
+                   if t >= 0 and p == -1} for cap, dr in drafts.items()}
+    assert first[None] == {eps, theta, delta}
+    assert first[2] == {eps, theta}
+    assert first[1] == {eps}
 
 
 def test_tier_bonus_prefers_the_session_over_a_longer_workspace_match(tok):
