@@ -225,18 +225,14 @@ def _adversarial_queries() -> list[tuple[str, list[int]]]:
     ]
 
 
-@pytest.mark.parametrize("max_depth,tail_tokens,P", [(1, 1, 3), (5, 3, 4), (8, 1000, 8),
-                                                     (16, 7, 1), (16, 1, 40)])
-def test_adversarial(max_depth, tail_tokens, P):
-    """Hand-built corner cases, kernel vs torch vs the brute force: queries longer than any
-    match (and than ``max_depth``), one repeated token (every key ties), separators right
-    before and right after the matches, matches at position 0, keys read across the
-    level / tail boundary, more occurrences than ``P`` and ``P`` above the count."""
+def _adversarial_batch(max_depth: int, tail_tokens: int):
+    """The adversarial corpora in one arena (small appends: several levels and merges) and
+    the adversarial queries as one right-aligned batch: ``(arena, ids, rows, q, lengths)``."""
     ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens))
     ids = {}
     for name, toks in _adversarial_corpora().items():
         cid = ids[name] = ar.new_corpus()
-        for i in range(0, len(toks), 5):  # small appends: several levels and merges
+        for i in range(0, len(toks), 5):
             ar.append(cid, t32(toks[i:i + 5]))
     rows = _adversarial_queries()
     L = max(len(q) for _, q in rows) + 2
@@ -246,6 +242,17 @@ def test_adversarial(max_depth, tail_tokens, P):
         if query:
             q[b, L - len(query):] = t32(query)
         lengths[b] = len(query)
+    return ar, ids, rows, q, lengths
+
+
+@pytest.mark.parametrize("max_depth,tail_tokens,P", [(1, 1, 3), (5, 3, 4), (8, 1000, 8),
+                                                     (16, 7, 1), (16, 1, 40)])
+def test_adversarial(max_depth, tail_tokens, P):
+    """Hand-built corner cases, kernel vs torch vs the brute force: queries longer than any
+    match (and than ``max_depth``), one repeated token (every key ties), separators right
+    before and right after the matches, matches at position 0, keys read across the
+    level / tail boundary, more occurrences than ``P`` and ``P`` above the count."""
+    ar, ids, rows, q, lengths = _adversarial_batch(max_depth, tail_tokens)
     names = [name for name, _ in rows]
     ref, got = run_both(ar, [ids[name] for name in names], q, lengths, P)
     assert_same(ref, got, names)
@@ -287,20 +294,7 @@ def test_max_scan_reads_the_first_entries_of_each_range(max_scan):
     vs torch, and both against that rule applied to the brute force's hits and the ranges;
     length, count and the ranges are those of the unbounded search."""
     P = 4
-    ar = IndexArena(IndexConfig(max_depth=8, tail_tokens=3))
-    ids = {}
-    for name, toks in _adversarial_corpora().items():
-        cid = ids[name] = ar.new_corpus()
-        for i in range(0, len(toks), 5):
-            ar.append(cid, t32(toks[i:i + 5]))
-    rows = _adversarial_queries()
-    L = max(len(q) for _, q in rows) + 2
-    q = torch.full((len(rows), L), PAD, dtype=torch.int32)
-    lengths = torch.zeros(len(rows), dtype=torch.int32)
-    for b, (_, query) in enumerate(rows):
-        if query:
-            q[b, L - len(query):] = t32(query)
-        lengths[b] = len(query)
+    ar, ids, rows, q, lengths = _adversarial_batch(8, 3)
     cids = [ids[name] for name, _ in rows]
     ref, got = run_both(ar, cids, q, lengths, P, max_scan)
     assert_same(ref, got, [name for name, _ in rows])
