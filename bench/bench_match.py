@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             a = res["agspec"]
             w = {"size_h": fmt_size(size), "batch": B, "mean_len": mean_len,
                  "agspec_med": a["median_ms"], "agspec_p90": a["p90_ms"],
-                 "launch_med": res["agspec-launch"]["median_ms"]}
+                 "launch_med": res["agspec-launch"]["median_ms"],
+                 "scan_med": res["agspec-launch-scan"]["median_ms"],
+                 "max_range": res["agspec-launch-scan"]["max_range"]}
             if "agspec-torch" in res:
                 w["torch_med"] = res["agspec-torch"]["median_ms"]
             u = res.get("unfold")
@@ -303,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.repeats}); x = median speedup of agspec")
     cols = [("tokens", "size_h", ""), ("B", "batch", "d"), ("mean len", "mean_len", ".1f"),
             ("agspec", "agspec_med", ".2f"), ("p90", "agspec_p90", ".2f"),
-            ("launch only", "launch_med", ".2f")]
+            ("launch only", "launch_med", ".2f"),
+            (f"launch, max_scan {args.max_scan}", "scan_med", ".2f"),
+            ("widest range", "max_range", "d")]
     if device.type == "cuda":
         cols.append(("torch path", "torch_med", ".2f"))
     if not args.no_unfold:
