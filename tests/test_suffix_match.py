@@ -149,6 +149,8 @@ def test_matches_torch(max_depth, tail_tokens, B, P):
     q, lengths = make_queries(rows, L, seed=max_depth * 100 + tail_tokens)
     ref, got = run_both(ar, [ids[r] for r in rows], q, lengths, P)
     assert_same(ref, got, rows)
+    if P:  # positions from the first 2 entries of each level's range: kernel == torch
+        assert_same(*run_both(ar, [ids[r] for r in rows], q, lengths, P, max_scan=2), rows)
     # the torch path itself against the brute force (cheap here)
     for b, name in enumerate(rows):
         query = q[b, L - int(lengths[b]):].tolist()
