@@ -31,12 +31,12 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    past the row's levels stay ``(0, 0)``, as in the torch path.
 4. Positions: the ``P`` largest continuation positions among the tail hits (tail rescanned)
    and the level ranges (the ``sa`` entries themselves, the first ``max_scan`` of each
-   range, ``BLOCK_C`` at a time), kept in a
-   descending ``BLOCK_P`` register vector. Sources are read newest first (tail, then levels
-   newest to oldest): a newer source's positions are all larger, so a level met with ``P``
-   positions already held is not read (steps 3 and 4 run together, level by level). A block
-   merges by ranks (every valid position is distinct): an entry's new rank is the number of
-   larger values in both; blocks with nothing above the current ``P``-th value are skipped.
+   range, ``BLOCK_C`` at a time), kept in a descending ``BLOCK_P`` register vector. Sources
+   are read newest first (tail, then levels newest to oldest): a newer source's positions
+   are all larger, so a level met with ``P`` positions already held is not read (steps 3
+   and 4 run together, level by level). A block merges by ranks (every valid position is
+   distinct): an entry's new rank is the number of larger values in both; blocks with
+   nothing above the current ``P``-th value are skipped.
 
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
