@@ -64,6 +64,37 @@ def _full_prefixes(arena: IndexArena, patterns: torch.Tensor, plen: torch.Tensor
     return e0 + torch.cumprod(full.to(torch.int64), 1).sum(1)
 
 
+def _ends_document(arena: IndexArena, corpus_ids: list[int], rows: list[torch.Tensor],
+                   patterns: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """``bool [r]``: whether ``patterns[i, :l[i]]`` (``int64 [r, k]``, ``1 <= l[i] <= k``) are
+    the last ``l[i]`` tokens of a document (before a separator or the corpus end) of one of
+    the corpora checked for row ``i``: corpus ``corpus_ids[j]`` for the rows ``rows[j]``
+    (``int64``). One pass over all (row, document) pairs, first by the last token."""
+    dev = patterns.device
+    r, k = patterns.shape
+    hit = torch.zeros(r, dtype=torch.int64, device=dev)
+    if r == 0 or not corpus_ids:
+        return hit > 0
+    tok_base = arena.descriptors(list(corpus_ids)).tok_base
+    parts = [(rs, arena.doc_ends(cid), tok_base[j]) for j, (cid, rs) in
+             enumerate(zip(corpus_ids, rows))]
+    rr = torch.cat([rs.repeat_interleave(e.numel()) for rs, e, _ in parts])
+    cc = torch.cat([e.repeat(rs.numel()) for rs, e, _ in parts])
+    base = torch.cat([b.expand(rs.numel() * e.numel()) for rs, e, b in parts])
+    # a document's last token must be t[l - 1] (one gather), then the whole window
+    last = torch.take(arena.tokens, base + cc - 1).to(torch.int64)
+    keep = torch.nonzero(last == patterns[rr, l[rr] - 1], as_tuple=True)[0]
+    rr, cc, base = rr[keep], cc[keep], base[keep]
+    ll = l[rr][:, None]
+    i = torch.arange(k, device=dev)[None, :]
+    pos = cc[:, None] - ll + i  # tokens c - l .. c - 1 against t[:l]
+    use = i < ll
+    ok_pos = pos >= 0
+    toks = torch.take(arena.tokens, torch.where(use & ok_pos, base[:, None] + pos, 0))
+    same = ((toks.to(torch.int64) == patterns[rr]) & ok_pos | ~use).all(dim=1)
+    return hit.index_add_(0, rr, same.to(torch.int64)) > 0
+
+
 def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[int]
                    ) -> torch.Tensor:
     """``int64 [R]``: longest prefix of ``patterns[r]`` (``int32 [R, k]``, PAD < 0 ends it)
@@ -95,21 +126,108 @@ def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[i
         by_cid: dict[int, list[int]] = {}  # evaluation only: host reads are fine here
         for r in todo.tolist():
             by_cid.setdefault(corpus_ids[r], []).append(r)
-        parts = [(torch.tensor(rs, device=dev), arena.doc_ends(cid)) for cid, rs in by_cid.items()]
-        rr = torch.cat([rs.repeat_interleave(c.numel()) for rs, c in parts])
-        cc = torch.cat([c.repeat(rs.numel()) for rs, c in parts])
-        # a document's last token must be t[best] (one gather), then the whole window
-        last = torch.take(arena.tokens, base_desc.tok_base[rr] + cc - 1).to(torch.int64)
-        keep = torch.nonzero(last == patterns[rr, best[rr]], as_tuple=True)[0]
-        rr, cc = rr[keep], cc[keep]
-        if rr.numel():
-            base = base_desc.tok_base[rr]
-            l = best[rr] + 1  # compare tokens c - l .. c - 1 with t[:l]
-            i = torch.arange(k, device=dev)[None, :]
-            pos = cc[:, None] - l[:, None] + i
-            use = i < l[:, None]
-            ok_pos = pos >= 0
-            toks = torch.take(arena.tokens, torch.where(use & ok_pos, base[:, None] + pos, 0))
-            hit = ((toks.to(torch.int64) == patterns[rr]) & ok_pos | ~use).all(dim=1)
-            best.scatter_reduce_(0, rr, torch.where(hit, l, 0), reduce="amax")
+        rows = [torch.tensor(rs, device=dev) for rs in by_cid.values()]
+        best += _ends_document(arena, list(by_cid), rows, patterns, best + 1).to(torch.int64)
+    return best
+
+
+# --------------------------------------------------------------- a whole message at once
+
+_CHUNK = 4096  # query rows per match call (bounds the search's [rows * 15, k] temporaries)
+
+
+def _runs(ok: torch.Tensor) -> torch.Tensor:
+    """``int64 [n]``: the number of leading True of each row of ``ok`` (``bool [n, k]``)."""
+    return torch.cumprod(ok.to(torch.int64), 1).sum(1)
+
+
+def _followed_runs(arena: IndexArena, corpus_ids: list[int], message: torch.Tensor, k: int
+                   ) -> torch.Tensor:
+    """``int64 [n]``: per position ``p``, the longest ``l <= min(k, n - p)`` such that
+    ``message[p:p + l]`` occurs in a corpus followed by a token.
+
+    By matching statistics: with ``S[e]`` the longest suffix of ``message[:e]`` that occurs
+    followed by a token (the drafter's match length: one search per end ``e`` and corpus),
+    ``message[p:p + l]`` occurs so iff ``S[p + l] >= l``, and these ``l`` run from 1."""
+    dev = message.device
+    n, C = message.numel(), len(corpus_ids)
+    padded = torch.cat([message.new_zeros(k), message]).to(torch.int32)
+    queries = padded.unfold(0, k, 1)[1:n + 1]  # row e - 1: message[e - k:e], right-aligned
+    lengths = torch.arange(1, n + 1, device=dev).clamp(max=k).to(torch.int32)
+    base = arena.descriptors(list(corpus_ids))
+    S = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    step = max(1, _CHUNK // max(C, 1))
+    for e0 in range(0, n if C else 0, step):
+        e1 = min(n, e0 + step)
+        rows = torch.arange(C, device=dev).repeat(e1 - e0)  # (end, corpus), corpus fastest
+        ms = match_lengths_torch(arena.tokens, arena.sa, _select_rows(base, rows),
+                                 queries[e0:e1].repeat_interleave(C, 0).contiguous(),
+                                 lengths[e0:e1].repeat_interleave(C),
+                                 max_depth=arena.config.max_depth)
+        S[e0 + 1:e1 + 1] = ms.view(e1 - e0, C).max(dim=1).values
+    p = torch.arange(n, device=dev)[:, None]
+    l = torch.arange(1, k + 1, device=dev)[None, :]
+    return _runs((p + l <= n) & (S[(p + l).clamp(max=n)] >= l))
+
+
+def _emitted_runs(lead_in: torch.Tensor, message: torch.Tensor, k: int) -> torch.Tensor:
+    """``int64 [n]``: per position ``p``, the longest ``l <= min(k, n - p)`` such that
+    ``message[p:p + l]`` occurs in ``Y[:q]``, ``Y = lead_in ++ message`` and ``q`` the index
+    of ``message[p]`` in ``Y``: in the text before it, the copy ending by ``q``.
+
+    Exact, from the first occurrence of every ``l``-gram of ``Y``: dense ranks of the
+    ``l``-grams grown one token at a time (one sort per ``l``) until no run is open."""
+    dev = message.device
+    Y = torch.cat([lead_in, message]).to(torch.int64)
+    N, n = Y.numel(), message.numel()
+    q = torch.arange(lead_in.numel(), N, device=dev)
+    run = torch.zeros(n, dtype=torch.int64, device=dev)
+    tok_rank = torch.unique(Y, return_inverse=True)[1]
+    rank, idx = tok_rank, torch.arange(N, device=dev)
+    for l in range(1, k + 1):
+        # rank[i]: dense rank of Y[i:i + l] (i <= N - l); first[r]: the first i of rank r
+        first = torch.full((N,), N, dtype=torch.int64, device=dev).scatter_reduce_(
+            0, rank, idx[:rank.numel()], reduce="amin")
+        ok = (q + l <= N) & (run == l - 1) & \
+            (first[rank[q.clamp(max=rank.numel() - 1)]] + l <= q)
+        if not bool(ok.any()):  # evaluation only: one host read per length
+            break
+        run += ok.to(torch.int64)
+        if l < k:
+            rank = torch.unique(rank[:N - l] * N + tok_rank[l:], return_inverse=True)[1]
+    return run
+
+
+def message_prefix_lengths(arena: IndexArena, corpus_ids: list[int], lead_in: torch.Tensor,
+                           message: torch.Tensor, k: int) -> torch.Tensor:
+    """The oracle of a whole message at once: ``int64 [n]``, per position ``p`` of ``message``
+    (``[n]`` tokens the session emits next), the longest prefix of at most
+    ``min(k, max_depth, n - p)`` tokens of ``message[p:]`` that occurs
+
+    * in one of the corpora ``corpus_ids`` as they are now (followed by a token, or ending a
+      document), or
+    * in ``lead_in ++ message[:p]``, ending by ``p``: the text emitted before ``p``.
+      ``lead_in`` holds the last ``k`` (or all, when fewer) tokens of the session's own
+      corpus, itself one of ``corpus_ids``.
+
+    That is :func:`longest_prefix` over the same corpora at every position ``p``, the session
+    corpus grown by ``message[:p]`` and no other text joining them; at the cost of one
+    search per token and corpus instead of several per step.
+    """
+    dev = arena.device
+    k = min(k, arena.config.max_depth)
+    message = message.to(dev, torch.int64)
+    n = message.numel()
+    if n == 0 or k <= 0:
+        return torch.zeros(n, dtype=torch.int64, device=dev)
+    best = torch.maximum(_followed_runs(arena, corpus_ids, message, k),
+                         _emitted_runs(lead_in.to(dev, torch.int64), message, k))
+    # message[p:p + best + 1] may still end a document (never longer: see longest_prefix)
+    plen = (n - torch.arange(n, device=dev)).clamp(max=k)
+    todo = torch.nonzero(best < plen, as_tuple=True)[0]
+    if todo.numel():
+        patterns = torch.cat([message, message.new_full((k,), -1)]).unfold(0, k, 1)[todo]
+        hit = _ends_document(arena, corpus_ids, [torch.arange(todo.numel(), device=dev)]
+                             * len(corpus_ids), patterns, best[todo] + 1)
+        best[todo] += hit.to(torch.int64)
     return best

@@ -8,7 +8,7 @@ The replay loop (``agspec_gpu.replay``) runs sessions as one continuous batch an
 - a host baseline driven one request at a time (:class:`HostLane`: the
   :class:`~agspec_gpu.baselines.HostDrafter` protocol, a request being one assistant message),
 - or the oracle (:class:`OracleLane`: accepts the longest prefix of the true continuation
-  found in the store's corpora, via ``CorpusStore.oracle_prefix_len``).
+  found in the store's corpora, via :func:`agspec_gpu.oracle.message_prefix_lengths`).
 
 :func:`make_lane` builds a lane from a drafter name (``none``, ``pld-hf``, ..., ``agspec``,
 ``agspec-no-emission``, ...).
@@ -247,16 +247,37 @@ class BatchedLane:
             self.store.close_tenant(tenant)
 
 
+_NEW_MESSAGE = object()  # a session whose message has no plan yet
+_FIRST_WINDOW = 256  # positions of a message's first oracle window
+
+
+@dataclass
+class _OraclePlan:
+    """The oracle's answers for a window of a message's positions."""
+
+    lengths: np.ndarray  # int64 [w]: prefix length at each position of the window
+    pos: int  # the next step's position, relative to the window's start
+    version: int  # the tenant version of the corpora it saw
+    num_windows: int  # windows planned for this message so far
+
+
 class OracleLane(BatchedLane):
     """The oracle: each step accepts the longest prefix (at most ``k`` tokens) of the true
     continuation that occurs in the session's searchable corpora, then the bonus token.
 
     It keeps the same corpora as the drafter it bounds (a ``Drafter`` over the same
     ``CorpusStore`` config) but never proposes: generated tokens reach the session corpus
-    through ``extend``. Per-step prefix lengths are monotone in the position (a suffix of an
-    occurrence is an occurrence, and corpora only grow), so this greedy choice is the
-    fewest-steps schedule: its ``tau`` bounds every drafter whose drafts come from the same
-    corpora and are at most ``k`` deep.
+    through ``extend``, at the end of the message (or before a new plan). Per-step prefix
+    lengths are monotone in the position (a suffix of an occurrence is an occurrence, and
+    corpora only grow), so this greedy choice is the fewest-steps schedule: its ``tau``
+    bounds every drafter whose drafts come from the same corpora and are at most ``k`` deep.
+
+    The answers come a window of positions at a time
+    (:func:`agspec_gpu.oracle.message_prefix_lengths`), windows doubling along a message.
+    When other text joins the tenant's corpora before the message ends (another session of
+    the tenant reads a file or closes, with ``tenant_by="agent"``), the rest of the message,
+    and every later message of the tenant, is looked up step by step
+    (``CorpusStore.oracle_prefix_len``).
     """
 
     wants_files = True
@@ -267,18 +288,94 @@ class OracleLane(BatchedLane):
             raise ValueError(f"oracle k must be >= 1, got {k}")
         super().__init__(name, drafter, store, device, oracle_key=None)
         self.k = k
+        self._plans: dict[str, _OraclePlan | None] = {}  # None: step by step
+        self._emitted: dict[str, list[int]] = {}  # per session: tokens not yet in its corpus
+        self._shared_tenants: set[str] = set()  # their text changed during a message
+
+    def start_message(self, sid: str, tenant: str, context: np.ndarray) -> None:
+        self._plans.pop(sid, None)
 
     def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
              remaining: np.ndarray) -> StepResult:
-        cont = torch.from_numpy(truth(self.k, PAD_ID)).to(self.device)
-        found = self.store.oracle_prefix_len(sids, cont).cpu().numpy().astype(np.int64)
+        plan_rows, lookup = [], []
+        for b, sid in enumerate(sids):
+            plan = self._plans.get(sid, _NEW_MESSAGE)
+            if plan is _NEW_MESSAGE and self.store.tenant_of(sid) in self._shared_tenants:
+                plan = self._plans[sid] = None
+            if plan is not _NEW_MESSAGE and (plan is None or
+                                             plan.version != self.store.tenant_version(sid)):
+                if plan is not None:  # other text joined: per step from now on
+                    self._plans[sid] = None
+                    self._shared_tenants.add(self.store.tenant_of(sid))
+                lookup.append(b)
+            elif plan is _NEW_MESSAGE or plan.pos >= plan.lengths.size:
+                plan_rows.append(b)
+        found = np.zeros(len(sids), dtype=np.int64)
+        if plan_rows:
+            self._plan(sids, plan_rows, truth, remaining)
+        if lookup:
+            for b in lookup:
+                self.flush(sids[b])
+            cont = torch.from_numpy(truth(self.k, PAD_ID)[lookup]).to(self.device)
+            found[lookup] = self.store.oracle_prefix_len([sids[b] for b in lookup],
+                                                         cont).cpu().numpy()
+        for b, sid in enumerate(sids):
+            if (plan := self._plans[sid]) is not None:
+                found[b] = plan.lengths[plan.pos]
         num_acc = np.minimum(np.minimum(found, self.k), remaining)
         return StepResult(np.zeros(len(sids), dtype=np.int64), num_acc, None, 0.0)
+
+    def _plan(self, sids: list[str], rows: list[int], truth: TruthFn, remaining: np.ndarray
+              ) -> None:
+        """Answers for the next window of positions of each row: ``_FIRST_WINDOW`` tokens,
+        doubling with each window of a message (few windows when nothing else joins the
+        corpora, little work lost when something does). A window's answers need the ``k``
+        tokens after it."""
+        from agspec_gpu.oracle import message_prefix_lengths
+
+        done = [0 if (p := self._plans.get(sids[b], _NEW_MESSAGE)) is _NEW_MESSAGE
+                else p.num_windows for b in rows]
+        sizes = [min(int(remaining[b]), _FIRST_WINDOW << min(j, 16)) for b, j in zip(rows, done)]
+        rest = truth(max(sizes) + self.k, PAD_ID)
+        arena = self.store.arena
+        for b, size, j in zip(rows, sizes, done):
+            sid = sids[b]
+            self.flush(sid)  # the window's lead-in is the session corpus's end
+            lead = arena.corpus_tokens(self.store.session(sid).corpus)[-self.k:]
+            cids = [cid for _, cid in self.store.corpora_of(sid)]
+            n = min(int(remaining[b]), size + self.k)
+            lengths = message_prefix_lengths(arena, cids, lead.clone(),
+                                             torch.from_numpy(rest[b, :n]), self.k)
+            self._plans[sid] = _OraclePlan(lengths[:size].cpu().numpy(), 0,
+                                           self.store.tenant_version(sid), j + 1)
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
                 num_accepted: np.ndarray) -> None:
         for b, sid in enumerate(sids):
-            self.drafter.extend(sid, output_ids[b, :num_output[b]].tolist())
+            self._emitted.setdefault(sid, []).extend(output_ids[b, :num_output[b]].tolist())
+            plan = self._plans.get(sid)
+            if plan is not None:
+                plan.pos += int(num_output[b])
+
+    def flush(self, sid: str) -> None:
+        """Appends the tokens emitted since the last flush to the session corpus (the plan
+        already holds what they add; a new plan reads the corpus)."""
+        tokens = self._emitted.pop(sid, None)
+        if tokens:
+            self.drafter.extend(sid, tokens)
+
+    def finish_message(self, sid: str) -> None:
+        self.flush(sid)
+        self._plans.pop(sid, None)
+
+    def close_session(self, sid: str) -> None:
+        self.flush(sid)  # its text joins the tenant's history whole
+        self._plans.pop(sid, None)
+        super().close_session(sid)
+
+    def close_tenant(self, tenant: str) -> None:
+        self._shared_tenants.discard(tenant)
+        super().close_tenant(tenant)
 
 
 # ----------------------------------------------------------------------------- factories

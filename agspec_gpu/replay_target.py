@@ -140,6 +140,8 @@ class OracleProposer(OracleLane):
 
     def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
                 ) -> DraftBatch:
+        for sid in sids:  # the lookup searches the session corpus as it is now
+            self.flush(sid)
         cont = torch.from_numpy(truth(self.k, PAD_ID)).to(self.device)
         found = self.store.oracle_prefix_len(sids, cont).clamp(max=self.k)
         cols = torch.arange(self.k, device=self.device, dtype=torch.int32)

@@ -91,3 +91,74 @@ def test_longest_prefix_empty_inputs():
     assert longest_prefix(arena, torch.zeros(0, 5, dtype=torch.int32), []).shape == (0,)
     assert longest_prefix(arena, torch.zeros(2, 0, dtype=torch.int32), [cid, cid]).tolist() == [0, 0]
     assert longest_prefix(arena, torch.full((1, 3), -1, dtype=torch.int32), [cid]).tolist() == [0]
+
+
+def _stepwise(arena, session_cid, other_cids, message, k):
+    """``longest_prefix`` at every position of ``message``, the session corpus growing by
+    one emitted token at a time (what the replay's oracle lane computed per step)."""
+    out = []
+    for p in range(len(message)):
+        pat = (message[p:p + k] + [-1] * k)[:k]
+        cids = [session_cid] + other_cids
+        got = longest_prefix(arena, torch.tensor([pat] * len(cids), dtype=torch.int32), cids)
+        out.append(int(got.max()))
+        arena.append(session_cid, torch.tensor([message[p]], dtype=torch.int32))
+    return out
+
+
+@pytest.mark.parametrize("max_depth,tail_tokens,k,seed", [
+    (8, 3, 8, 0), (8, 5, 12, 1), (32, 16, 32, 2), (32, 1000, 32, 3), (64, 7, 32, 4),
+    (16, 2, 16, 5)])
+def test_message_prefix_lengths_equals_longest_prefix_per_step(max_depth, tail_tokens, k, seed):
+    from agspec_gpu.oracle import message_prefix_lengths
+
+    rng = random.Random(seed)
+    for trial in range(6):
+        arena = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens),
+                           initial_tokens=32)
+        docs = corpora(rng)[rng.randrange(11)] if trial % 2 else \
+            [1, 2, 3, -1, 1, 2, 4, -1, 7, 1, 2]  # 1 2 3 only ends a document
+        docs_cid = arena.new_corpus(16)
+        for i in range(0, len(docs), 5):
+            arena.append(docs_cid, torch.tensor(docs[i:i + 5], dtype=torch.int32))
+        empty_cid = arena.new_corpus(16)  # a tier with nothing in it yet
+        context = [rng.randrange(4) for _ in range(rng.choice([0, 1, 5, 40, 90]))]
+        session_cid = arena.new_corpus(16)
+        for i in range(0, len(context), 9):
+            arena.append(session_cid, torch.tensor(context[i:i + 9], dtype=torch.int32))
+        message: list[int] = []
+        size = [1, 2, 30, 70, 120, 200][trial]
+        while len(message) < size:
+            kind = rng.randrange(5)
+            if kind == 0 and context:  # a copy of the context, possibly straddling its end
+                s = rng.randrange(len(context))
+                message += context[s:s + rng.randrange(1, 40)]
+            elif kind == 1 and message:  # a copy of what the message emitted already
+                s = rng.randrange(len(message))
+                message += message[s:s + rng.randrange(1, 40)]
+            elif kind == 2:
+                message += [t for t in docs if t >= 0][:rng.randrange(1, 12)]
+            elif kind == 3:
+                message += [5] * rng.randrange(1, 20) + [t % 3 for t in range(rng.randrange(9))]
+            else:
+                message.append(rng.randrange(6))
+        if trial == 0:
+            message = [1, 2, 3, 9, 7, 1, 2] + message  # document ends: docs and the session
+        lead = torch.tensor(context[-k:], dtype=torch.int32)
+        got = message_prefix_lengths(arena, [session_cid, empty_cid, docs_cid], lead,
+                                     torch.tensor(message, dtype=torch.int32), k)
+        want = _stepwise(arena, session_cid, [empty_cid, docs_cid], message, k)
+        assert got.tolist() == want, (trial, message)
+
+
+def test_message_prefix_lengths_empty_message_and_self_copies():
+    from agspec_gpu.oracle import message_prefix_lengths
+
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=4))
+    cid = arena.new_corpus()
+    assert message_prefix_lengths(arena, [cid], torch.zeros(0, dtype=torch.int32),
+                                  torch.zeros(0, dtype=torch.int32), 8).shape == (0,)
+    # nothing before it: only the message's own earlier text counts, the copy ending by p
+    got = message_prefix_lengths(arena, [cid], torch.zeros(0, dtype=torch.int32),
+                                 torch.tensor([4, 4, 4, 4, 4, 4], dtype=torch.int32), 8)
+    assert got.tolist() == [0, 1, 2, 3, 2, 1]

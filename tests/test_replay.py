@@ -356,6 +356,36 @@ def test_oracle_bounds_every_drafter(seed):
         assert r["tau"] <= r["oracle_tau"] + 1e-9, r
 
 
+class _EveryTenant(set):
+    def __contains__(self, tenant) -> bool:
+        return True
+
+
+@needs_agspec
+@pytest.mark.parametrize("tenant_by", ["session", "agent"])
+def test_oracle_lane_windows_equal_step_by_step_lookups(tok, tenant_by):
+    # the oracle lane plans windows of a message at once (message_prefix_lengths), and goes
+    # step by step when a tenant's other text changes during a message (tenant_by="agent":
+    # sessions of one agent format share a workspace); both give the per-step lookups' tau
+    from agspec_gpu.replay import replay_lane
+    from agspec_gpu.replay_lanes import LaneContext, make_oracle_lane, oracle_key
+
+    rng = np.random.default_rng(7)
+    corpus = tokenize_sessions([_random_session(rng, i) for i in range(6)], tok)
+    config = ReplayConfig(batch_size=3, tenant_by=tenant_by)
+    ctx = LaneContext(tok, batch_size=3, oracle_k=12)
+    stats = []
+    for stepwise in (False, True):
+        lane = make_oracle_lane("oracle", oracle_key("agspec", ctx), ctx)
+        if stepwise:
+            lane._shared_tenants = _EveryTenant()
+        stats.append(replay_lane(corpus, lane, config))
+    planned, looked_up = stats
+    assert planned.steps.tolist() == looked_up.steps.tolist()
+    assert planned.accepted_hist.tolist() == looked_up.accepted_hist.tolist()
+    assert planned.accepted.sum() > planned.steps.sum()  # the sessions copy text
+
+
 def _has_arctic() -> bool:
     from agspec_gpu.baselines import suffix_decoding_available
 
