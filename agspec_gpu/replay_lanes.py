@@ -248,7 +248,7 @@ class BatchedLane:
 
 
 _NEW_MESSAGE = object()  # a session whose message has no plan yet
-_FIRST_WINDOW = 256  # positions of a message's first oracle window
+_FIRST_WINDOW, _MAX_WINDOW = 256, 1 << 14  # positions of a message's oracle windows
 
 
 @dataclass
@@ -297,6 +297,13 @@ class OracleLane(BatchedLane):
 
     def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
              remaining: np.ndarray) -> StepResult:
+        num_acc = np.minimum(np.minimum(self.prefix_lengths(sids, truth), self.k), remaining)
+        return StepResult(np.zeros(len(sids), dtype=np.int64), num_acc, None, 0.0)
+
+    def prefix_lengths(self, sids: list[str], truth: TruthFn) -> np.ndarray:
+        """``int64 [B]``: the longest prefix of each row's true continuation (``truth``,
+        ``PAD_ID`` past its message end) found in its corpora: a plan's answer, or a
+        per-step lookup."""
         plan_rows, lookup = [], []
         for b, sid in enumerate(sids):
             plan = self._plans.get(sid, _NEW_MESSAGE)
@@ -312,7 +319,7 @@ class OracleLane(BatchedLane):
                 plan_rows.append(b)
         found = np.zeros(len(sids), dtype=np.int64)
         if plan_rows:
-            self._plan(sids, plan_rows, truth, remaining)
+            self._plan(sids, plan_rows, truth)
         if lookup:
             for b in lookup:
                 self.flush(sids[b])
@@ -322,31 +329,29 @@ class OracleLane(BatchedLane):
         for b, sid in enumerate(sids):
             if (plan := self._plans[sid]) is not None:
                 found[b] = plan.lengths[plan.pos]
-        num_acc = np.minimum(np.minimum(found, self.k), remaining)
-        return StepResult(np.zeros(len(sids), dtype=np.int64), num_acc, None, 0.0)
+        return found
 
-    def _plan(self, sids: list[str], rows: list[int], truth: TruthFn, remaining: np.ndarray
-              ) -> None:
+    def _plan(self, sids: list[str], rows: list[int], truth: TruthFn) -> None:
         """Answers for the next window of positions of each row: ``_FIRST_WINDOW`` tokens,
-        doubling with each window of a message (few windows when nothing else joins the
-        corpora, little work lost when something does). A window's answers need the ``k``
-        tokens after it."""
+        doubling with each window of a message up to ``_MAX_WINDOW`` (few windows when
+        nothing else joins the corpora, little work lost when something does). A window's
+        answers need the ``k`` tokens after it; the message ends at the first ``PAD_ID``."""
         from agspec_gpu.oracle import message_prefix_lengths
 
         done = [0 if (p := self._plans.get(sids[b], _NEW_MESSAGE)) is _NEW_MESSAGE
                 else p.num_windows for b in rows]
-        sizes = [min(int(remaining[b]), _FIRST_WINDOW << min(j, 16)) for b, j in zip(rows, done)]
-        rest = truth(max(sizes) + self.k, PAD_ID)
+        windows = [min(_FIRST_WINDOW << j, _MAX_WINDOW) for j in done]
+        rest = truth(max(windows) + self.k, PAD_ID)
         arena = self.store.arena
-        for b, size, j in zip(rows, sizes, done):
+        for b, window, j in zip(rows, windows, done):
             sid = sids[b]
             self.flush(sid)  # the window's lead-in is the session corpus's end
             lead = arena.corpus_tokens(self.store.session(sid).corpus)[-self.k:]
             cids = [cid for _, cid in self.store.corpora_of(sid)]
-            n = min(int(remaining[b]), size + self.k)
+            n = min(int(np.argmin(np.append(rest[b], PAD_ID) >= 0)), window + self.k)
             lengths = message_prefix_lengths(arena, cids, lead.clone(),
                                              torch.from_numpy(rest[b, :n]), self.k)
-            self._plans[sid] = _OraclePlan(lengths[:size].cpu().numpy(), 0,
+            self._plans[sid] = _OraclePlan(lengths[:window].cpu().numpy(), 0,
                                            self.store.tenant_version(sid), j + 1)
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,

@@ -133,17 +133,16 @@ class AgspecProposer(BatchedLane):
 
 class OracleProposer(OracleLane):
     """The ceiling: drafts the longest prefix (at most ``k``) of the true continuation that
-    occurs in the request's corpora (``CorpusStore.oracle_prefix_len``), as a chain. Its
+    occurs in the request's corpora (:meth:`OracleLane.prefix_lengths`), as a chain. Its
     lookup reads the future, so its time is not charged to the steps."""
 
     counts_draft_time = False
 
     def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
                 ) -> DraftBatch:
-        for sid in sids:  # the lookup searches the session corpus as it is now
-            self.flush(sid)
         cont = torch.from_numpy(truth(self.k, PAD_ID)).to(self.device)
-        found = self.store.oracle_prefix_len(sids, cont).clamp(max=self.k)
+        found = torch.from_numpy(np.minimum(self.prefix_lengths(sids, truth), self.k)
+                                 ).to(self.device)
         cols = torch.arange(self.k, device=self.device, dtype=torch.int32)
         keep = cols[None, :] < found[:, None]
         return DraftBatch(torch.where(keep, cont, PAD_ID).to(torch.int32),
