@@ -147,24 +147,27 @@ def _followed_runs(arena: IndexArena, corpus_ids: list[int], message: torch.Tens
     ``message[p:p + l]`` occurs in a corpus followed by a token.
 
     By matching statistics: with ``S[e]`` the longest suffix of ``message[:e]`` that occurs
-    followed by a token (the drafter's match length: one search per end ``e`` and corpus),
+    followed by a token (the drafter's match length: one search per end ``e`` and corpus,
+    the corpora in order, an end that one matches in full skipping the rest),
     ``message[p:p + l]`` occurs so iff ``S[p + l] >= l``, and these ``l`` run from 1."""
     dev = message.device
-    n, C = message.numel(), len(corpus_ids)
+    n = message.numel()
     padded = torch.cat([message.new_zeros(k), message]).to(torch.int32)
     queries = padded.unfold(0, k, 1)[1:n + 1]  # row e - 1: message[e - k:e], right-aligned
     lengths = torch.arange(1, n + 1, device=dev).clamp(max=k).to(torch.int32)
-    base = arena.descriptors(list(corpus_ids))
     S = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    step = max(1, _CHUNK // max(C, 1))
-    for e0 in range(0, n if C else 0, step):
-        e1 = min(n, e0 + step)
-        rows = torch.arange(C, device=dev).repeat(e1 - e0)  # (end, corpus), corpus fastest
-        ms = match_lengths_torch(arena.tokens, arena.sa, _select_rows(base, rows),
-                                 queries[e0:e1].repeat_interleave(C, 0).contiguous(),
-                                 lengths[e0:e1].repeat_interleave(C),
-                                 max_depth=arena.config.max_depth)
-        S[e0 + 1:e1 + 1] = ms.view(e1 - e0, C).max(dim=1).values
+    full = lengths.to(torch.int64)  # no match is longer than its query
+    # corpus by corpus: an end already matched in full by an earlier corpus is not searched
+    for cid in corpus_ids:
+        desc = arena.descriptors([cid])
+        todo = torch.nonzero(S[1:] < full, as_tuple=True)[0]
+        for i in range(0, todo.numel(), _CHUNK):
+            t = todo[i:i + _CHUNK]
+            ms = match_lengths_torch(arena.tokens, arena.sa,
+                                     _select_rows(desc, torch.zeros_like(t)),
+                                     queries[t].contiguous(), lengths[t],
+                                     max_depth=arena.config.max_depth)
+            S[t + 1] = torch.maximum(S[t + 1], ms)
     p = torch.arange(n, device=dev)[:, None]
     l = torch.arange(1, k + 1, device=dev)[None, :]
     return _runs((p + l <= n) & (S[(p + l).clamp(max=n)] >= l))
@@ -211,8 +214,8 @@ def message_prefix_lengths(arena: IndexArena, corpus_ids: list[int], lead_in: to
       corpus, itself one of ``corpus_ids``.
 
     That is :func:`longest_prefix` over the same corpora at every position ``p``, the session
-    corpus grown by ``message[:p]`` and no other text joining them; at the cost of one
-    search per token and corpus instead of several per step.
+    corpus grown by ``message[:p]`` and no other text joining them; at the cost of at most
+    one search per token and corpus instead of several per step and corpus.
     """
     dev = arena.device
     k = min(k, arena.config.max_depth)
