@@ -134,6 +134,7 @@ def longest_prefix(arena: IndexArena, patterns: torch.Tensor, corpus_ids: list[i
 # --------------------------------------------------------------- a whole message at once
 
 _CHUNK = 4096  # query rows per match call (bounds the search's [rows * 15, k] temporaries)
+_DOC_CHUNK = 256  # positions per document-end check (a workspace holds thousands of documents)
 
 
 def _runs(ok: torch.Tensor) -> torch.Tensor:
@@ -228,9 +229,10 @@ def message_prefix_lengths(arena: IndexArena, corpus_ids: list[int], lead_in: to
     # message[p:p + best + 1] may still end a document (never longer: see longest_prefix)
     plen = (n - torch.arange(n, device=dev)).clamp(max=k)
     todo = torch.nonzero(best < plen, as_tuple=True)[0]
-    if todo.numel():
-        patterns = torch.cat([message, message.new_full((k,), -1)]).unfold(0, k, 1)[todo]
-        hit = _ends_document(arena, corpus_ids, [torch.arange(todo.numel(), device=dev)]
-                             * len(corpus_ids), patterns, best[todo] + 1)
-        best[todo] += hit.to(torch.int64)
+    windows = torch.cat([message, message.new_full((k,), -1)]).unfold(0, k, 1)
+    for i in range(0, todo.numel(), _DOC_CHUNK):  # (position, document) pairs: bounded
+        t = todo[i:i + _DOC_CHUNK]
+        hit = _ends_document(arena, corpus_ids, [torch.arange(t.numel(), device=dev)]
+                             * len(corpus_ids), windows[t], best[t] + 1)
+        best[t] += hit.to(torch.int64)
     return best
