@@ -413,6 +413,92 @@ def main(argv: list[str] | None = None) -> int:
 
     results_by = {}
     trace_path = None
+
+    # ---------------------------------------------------------------- report
+    def save() -> dict:
+        """Writes the JSON and CSV of the rows measured so far (after every run, so a
+        run cut short by a time limit still leaves its finished rows)."""
+        rows = []
+        for (m, b), (r, peak) in results_by.items():
+            base = results_by.get(("none", b), (None,))[0]
+            steps = max(r.steps, 1)
+            mean_batch = r.request_steps / steps
+            step_ms_run = 1e3 * r.decode_s / steps
+            draft_ms = r.per_step_ms(r.draft_s) if r.counts_draft_time else 0.0
+            c = cost_for[b]
+            modelled = r.tau * c.step_ms(mean_batch) / (
+                c.step_ms(mean_batch + r.drafted / steps) + draft_ms) if r.steps else None
+            rows.append({
+                "method": m, "batch_size": b,
+                "tokens_per_s": r.tokens_per_s,
+                "speedup": r.tokens_per_s / base.tokens_per_s
+                if base is not None and base.tokens_per_s else None,
+                "tau": r.tau,
+                "draft_ms_per_step": draft_ms,
+                "verify_ms_per_step": r.per_step_ms(r.verify_s),
+                "peak_mem_gb": peak / 1e9,
+                "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),
+                "step_ms": step_ms_run,
+                "draft_share_of_step": draft_ms / step_ms_run if step_ms_run else None,
+                "modelled_speedup": modelled,
+                "acceptance_rate": r.accepted / r.drafted if r.drafted else None,
+                "drafted_per_request_step": r.drafted / r.request_steps if r.request_steps else 0.0,
+                "mean_batch": mean_batch,
+                "plain_step_share": r.plain_steps / steps,
+                "steps": r.steps, "tokens": r.tokens, "messages": r.messages,
+                "sessions": r.sessions, "prefill_s": r.prefill_s,
+                "prefill_tokens": r.prefill_tokens,
+            })
+        none_b1 = results_by.get(("none", 1))
+        loop_bw = None
+        if none_b1 is not None and none_b1[0].steps:
+            loop_step_s = none_b1[0].decode_s / none_b1[0].steps
+            loop_bw = decode_bytes(runner, args.context) / loop_step_s / 1e9
+        how = "a CUDA graph replayed back to back" if graphs.uses_graphs else \
+            "run eagerly (no CUDA graphs)"
+        out = Path(args.out) if args.out else \
+            results / f"e2e-{_dt.date.today().strftime('%Y%m%d')}-{gpu_slug}.json"
+        report = {
+            "gpu": gpu,
+            "model": args.model,
+            "out": str(out),
+            "protocol": protocol(args.context, str(dtype).removeprefix("torch."), args.prefill),
+            "rows": rows,
+            "decode_bandwidth_gbps": bw_gbps,
+            "decode_bandwidth_fraction": bw_gbps / H200_BANDWIDTH_GBPS
+            if device.type == "cuda" else None,
+            "decode_step_ms": step_ms,
+            "decode_bandwidth_note": (
+                f"plain decode, B=1, {args.context} tokens of KV: (weights except the embedding "
+                f"table + KV bytes) / step time; the step is "
+                f"{how}"
+                f"; fraction of {H200_BANDWIDTH_GBPS / 1e3:.1f} TB/s (H200 HBM3e). "
+                "loop_decode_bandwidth_gbps: the same bytes over the none B=1 loop's mean step "
+                "(host work of the replay loop included)"),
+            "loop_decode_bandwidth_gbps": loop_bw,
+            "decode_cuda_graphs": graphs.uses_graphs,
+            "decode_graph_error": graphs.graph_error,
+            "goals": goals(rows, batch_sizes),
+            "cost_model": {"path": str(cost_path) if cost_path else None,
+                           "by_batch_size": {str(b): [list(p) for p in c.points]
+                                             for b, c in cost_for.items()},
+                           "source": {str(b): c.source for b, c in cost_for.items()}},
+            "skipped_methods": skipped,
+            "trace": str(trace_path) if trace_path else None,
+            "config": {k: v for k, v in vars(args).items()} | {
+                "methods": methods, "batch_sizes": batch_sizes, "dtype": str(dtype),
+                "sessions_loaded": len(corpus.sessions), "num_pages": num_pages,
+                "max_pages_per_seq": max_pages_per_seq, "graph_sizes": graph_sizes,
+                "wall_s": time.perf_counter() - t_start, **environment(device)},
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        with out.with_suffix(".csv").open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        return report
+
     for b in batch_sizes:
         n_sessions = min(len(corpus.sessions),
                          max(args.min_sessions, math.ceil(args.sessions_per_slot * b)))
@@ -432,91 +518,16 @@ def main(argv: list[str] | None = None) -> int:
                 prof.close()
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
             results_by[(m, b)] = (r, peak)
+            save()
             print(f"[e2e] {m:>16} B={b:<3} {r.tokens_per_s:9.1f} tok/s  tau {r.tau:5.2f}  "
                   f"{r.steps} steps, {r.tokens} tokens, {r.messages} messages "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
 
-    # ---------------------------------------------------------------- report
-    rows = []
-    for (m, b), (r, peak) in results_by.items():
-        base = results_by[("none", b)][0]
-        steps = max(r.steps, 1)
-        mean_batch = r.request_steps / steps
-        step_ms_run = 1e3 * r.decode_s / steps
-        draft_ms = r.per_step_ms(r.draft_s) if r.counts_draft_time else 0.0
-        c = cost_for[b]
-        modelled = r.tau * c.step_ms(mean_batch) / (
-            c.step_ms(mean_batch + r.drafted / steps) + draft_ms) if r.steps else None
-        rows.append({
-            "method": m, "batch_size": b,
-            "tokens_per_s": r.tokens_per_s,
-            "speedup": r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None,
-            "tau": r.tau,
-            "draft_ms_per_step": draft_ms,
-            "verify_ms_per_step": r.per_step_ms(r.verify_s),
-            "peak_mem_gb": peak / 1e9,
-            "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),
-            "step_ms": step_ms_run,
-            "draft_share_of_step": draft_ms / step_ms_run if step_ms_run else None,
-            "modelled_speedup": modelled,
-            "acceptance_rate": r.accepted / r.drafted if r.drafted else None,
-            "drafted_per_request_step": r.drafted / r.request_steps if r.request_steps else 0.0,
-            "mean_batch": mean_batch,
-            "plain_step_share": r.plain_steps / steps,
-            "steps": r.steps, "tokens": r.tokens, "messages": r.messages,
-            "sessions": r.sessions, "prefill_s": r.prefill_s,
-            "prefill_tokens": r.prefill_tokens,
-        })
-    none_b1 = results_by.get(("none", 1))
-    loop_bw = None
-    if none_b1 is not None and none_b1[0].steps:
-        loop_step_s = none_b1[0].decode_s / none_b1[0].steps
-        loop_bw = decode_bytes(runner, args.context) / loop_step_s / 1e9
-    how = "a CUDA graph replayed back to back" if graphs.uses_graphs else \
-        "run eagerly (no CUDA graphs)"
-    out = Path(args.out) if args.out else \
-        results / f"e2e-{_dt.date.today().strftime('%Y%m%d')}-{gpu_slug}.json"
-    report = {
-        "gpu": gpu,
-        "model": args.model,
-        "protocol": protocol(args.context, str(dtype).removeprefix("torch."), args.prefill),
-        "rows": rows,
-        "decode_bandwidth_gbps": bw_gbps,
-        "decode_bandwidth_fraction": bw_gbps / H200_BANDWIDTH_GBPS
-        if device.type == "cuda" else None,
-        "decode_step_ms": step_ms,
-        "decode_bandwidth_note": (
-            f"plain decode, B=1, {args.context} tokens of KV: (weights except the embedding "
-            f"table + KV bytes) / step time; the step is "
-            f"{how}"
-            f"; fraction of {H200_BANDWIDTH_GBPS / 1e3:.1f} TB/s (H200 HBM3e). "
-            "loop_decode_bandwidth_gbps: the same bytes over the none B=1 loop's mean step "
-            "(host work of the replay loop included)"),
-        "loop_decode_bandwidth_gbps": loop_bw,
-        "decode_cuda_graphs": graphs.uses_graphs,
-        "decode_graph_error": graphs.graph_error,
-        "goals": goals(rows, batch_sizes),
-        "cost_model": {"path": str(cost_path) if cost_path else None,
-                       "by_batch_size": {str(b): [list(p) for p in c.points]
-                                         for b, c in cost_for.items()},
-                       "source": {str(b): c.source for b, c in cost_for.items()}},
-        "skipped_methods": skipped,
-        "trace": str(trace_path) if trace_path else None,
-        "config": {k: v for k, v in vars(args).items()} | {
-            "methods": methods, "batch_sizes": batch_sizes, "dtype": str(dtype),
-            "sessions_loaded": len(corpus.sessions), "num_pages": num_pages,
-            "max_pages_per_seq": max_pages_per_seq, "graph_sizes": graph_sizes,
-            "wall_s": time.perf_counter() - t_start, **environment(device)},
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    csv_path = out.with_suffix(".csv")
-    with csv_path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    report = save()
     print_table(report)
-    print(f"[e2e] wrote {out} and {csv_path}" + (f"; trace {trace_path}" if trace_path else ""))
+    out = Path(report["out"])
+    print(f"[e2e] wrote {out} and {out.with_suffix('.csv')}"
+          + (f"; trace {trace_path}" if trace_path else ""))
     return 0
 
 
@@ -535,7 +546,8 @@ def goals(rows: list[dict], batch_sizes: list[int]) -> dict:
                                               for b in batch_sizes},
         "agspec_measured_over_modelled": {
             b: (by[("agspec", b)]["speedup"] / by[("agspec", b)]["modelled_speedup"])
-            if ("agspec", b) in by and by[("agspec", b)]["modelled_speedup"] else None
+            if ("agspec", b) in by and by[("agspec", b)]["speedup"]
+            and by[("agspec", b)]["modelled_speedup"] else None
             for b in batch_sizes},
         "agspec_draft_share_of_step": {b: by[("agspec", b)]["draft_share_of_step"]
                                        if ("agspec", b) in by else None for b in batch_sizes},

@@ -7,25 +7,31 @@
 #     run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=540)
 #
 # .whl/ (git-ignored) must hold, for Python 3.12 manylinux x86_64:
-#   flashinfer_python-0.7.2.post1-*.whl and apache_tvm_ffi-*.whl   (tree attention, decode graphs)
+#   flashinfer_python-0.7.2.post1-*.whl, pruned (see below), and apache_tvm_ffi-*.whl
 #   nvtx-0.2.*-cp312-*.whl           (agspec_gpu imports nvtx; the device image has no nvtx)
 # and optionally:
-#   arctic_inference-0.3.0.tar.gz + nanobind-2.9.2-py3-none-any.whl  (SuffixDecoding, built
-#                                    there in the background while FlashInfer compiles)
-#   *.jsonl.gz trajectories           (../shared does not travel: copy some of
-#                                    ../shared/data/trajectories/dev/*.jsonl.gz into .whl/)
-# Fetching them here, once:
-#   echo /.whl/ >> .git/info/exclude; mkdir -p .whl
+#   flashinfer-aot/<module>/<module>.so  FlashInfer's modules compiled here for sm_90a
+#                                    (bench/prebuild_flashinfer.py): no nvcc minutes there;
+#                                    a module that fails to load is JIT-compiled as before
+#   arctic_inference-0.3.0.tar.gz     (SuffixDecoding, built there in the background; the
+#                                    image has nanobind, cmake and ninja)
+#   *.jsonl.gz trajectories           (../shared does not travel)
+# Fetching them here, once (the whole tree must stay under the 64 MiB carry):
+#   echo /.whl/ >> .git/info/exclude; mkdir -p .whl /tmp/dl
 #   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
-#   pip download --no-deps --only-binary=:all: $P -d .whl flashinfer-python==0.7.2.post1 apache-tvm-ffi nvtx==0.2.17 nanobind==2.9.2
+#   pip download --no-deps --only-binary=:all: $P -d .whl apache-tvm-ffi nvtx==0.2.17
+#   pip download --no-deps --only-binary=:all: $P -d /tmp/dl flashinfer-python==0.7.2.post1
+#   python bench/prune_flashinfer_wheel.py /tmp/dl/flashinfer_python-0.7.2.post1-py3-none-any.whl .whl/
+#                                    (62 MB -> 24 MB: only the kernel sources it compiles)
 #   pip download --no-deps --no-binary :all: --no-build-isolation -d .whl arctic-inference==0.3.0
-#   cp ../shared/data/trajectories/dev/swe_agent__claude-sonnet-4.jsonl.gz .whl/   # 1.2 MB: the
-#                                    flashinfer wheel (62 MB) leaves little of the 64 MiB carry
+#   cp ../shared/data/trajectories/dev/{swe_agent__claude-sonnet-4,aider__chat_history}.jsonl.gz .whl/
+#   python bench/prebuild_flashinfer.py .whl/flashinfer-aot   (its docstring: the environment)
 #
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
-# status and time), e2e-<date>-h200.json/.csv, cost-llama3-8b-h200.json, trace-e2e.json.gz (one
-# torch.profiler trace of agspec at B=64), match.json, index_build.json.
-# Each step has its own timeout and the whole script a deadline (BUDGET_S, default 470 s): a
+# status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
+# keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
+# trace of agspec at B=64), pytest.xml, match.json, index_build.json.
+# Each step has its own timeout and the whole script a deadline (BUDGET_S, default 430 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
 set -u
 OUT=${OUT:-$PWD/out}
@@ -33,7 +39,7 @@ mkdir -p "$OUT"
 LOG=$OUT/check.log
 : >"$LOG"
 START=$(date +%s)
-BUDGET_S=${BUDGET_S:-470}
+BUDGET_S=${BUDGET_S:-430}
 DATE=$(date +%Y%m%d)
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 
@@ -64,8 +70,12 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r agspec_gpu /tmp/pkg/ \
 step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:/tmp/pkg
+if [ -d .whl/flashinfer-aot ] && [ -d /tmp/site/flashinfer ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && cp -r .whl/flashinfer-aot/. /tmp/site/flashinfer/data/aot/
+  log "=== flashinfer: prebuilt modules: $(ls .whl/flashinfer-aot | tr '\n' ' ')"
+fi
 step nvidia-smi 20 nvidia-smi
-step imports 60 python3 -c "
+step imports 60 python3 -P -c "
 import torch, triton, transformers, nvtx, flashinfer, agspec_gpu
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
       'transformers', transformers.__version__, 'flashinfer', flashinfer.__version__)
@@ -85,7 +95,7 @@ else
 fi
 
 # ---------------------------------------------------------------- FlashInfer JIT (nvcc, minutes)
-step flashinfer-jit 300 python3 - <<'EOF'
+step flashinfer-jit 300 python3 -P - <<'EOF'
 import time
 import torch
 from agspec_gpu.attention import FlashInferPagedAttention
@@ -116,11 +126,21 @@ w.run(torch.randn(1, 32, 128, device=dev, dtype=torch.bfloat16), cache)
 torch.cuda.synchronize()
 print(f"decode (tensor cores): {time.time() - t:.1f} s", flush=True)
 EOF
+log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 2>/dev/null | grep -v '^tmp$' | tr '\n' ' ')"
+
+# ---------------------------------------------------------------- GPU tests
+# fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
+step pytest 120 python3 -P -m pytest -q --tb=short -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
+  tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
+  "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
+  "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
+  --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[1-dtype0]" \
+  --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[16-dtype0]"
 
 if [ -n "$ARCTIC_PID" ]; then
   wait "$ARCTIC_PID"
   cat /tmp/arctic.log | tee -a "$LOG"
-  python3 -c "import arctic_inference.suffix_decoding" 2>&1 | tee -a "$LOG" \
+  python3 -P -c "import arctic_inference.suffix_decoding" 2>&1 | tee -a "$LOG" \
     && log "=== arctic-inference: importable"
 fi
 
@@ -130,21 +150,12 @@ TRAJ=$(ls .whl/*.jsonl.gz 2>/dev/null)
 [ -z "$TRAJ" ] && TRAJ=.whl/trajectories
 # --prefill skip: each request's context KV is allocated, not computed (decode time does not
 # depend on the cached values); the full run (prefill real) is for a longer session.
-step e2e 270 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
+step e2e 260 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
   --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
   --profile --profile-steps 3 --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200.json"
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
-
-# ---------------------------------------------------------------- GPU tests
-# fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
-step pytest 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
-  tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
-  "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
-  "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
-  --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[1-dtype0]" \
-  --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[16-dtype0]"
 
 # ---------------------------------------------------------------- kernel benchmarks
 step bench_match 75 python3 bench/bench_match.py --device cuda --sizes 32K,1M,16M --repeats 10 \
