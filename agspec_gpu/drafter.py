@@ -351,8 +351,9 @@ class Drafter:
             allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
             allv = allv[:B * min(cfg.max_nodes, C * K)]
             nstar = batch_budget(allv.clamp(min=0), B, self.cost, table=self._cost_table)
-            thresh = torch.where(nstar > 0, allv[(nstar - 1).clamp(min=0)].clamp(min=1e-12),
-                                 2.0)
+            # gather with a [1] index: indexing by the 0-d nstar would read it to the host
+            nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
+            thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
             keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
         # nodes in best-first order (topological: a parent never ranks below its child)
         num = keep_n

@@ -14,6 +14,18 @@ from collections.abc import Sequence
 import torch
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``"cuda"`` becomes ``cuda:<current device>``.
+
+    A tensor's ``.device`` always carries the index, so comparing it with an unindexed
+    ``torch.device("cuda")`` would call the same GPU two devices.
+    """
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` (host numbers) as a 1-D ``dtype`` tensor on ``device``; no stream sync."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

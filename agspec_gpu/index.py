@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agspec_gpu.host import to_device
+from agspec_gpu.host import canonical_device, to_device
 from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
 from agspec_gpu.suffix_array import build_context_array
 
@@ -91,7 +91,7 @@ class IndexArena:
     def __init__(self, config: IndexConfig | None = None, device: torch.device | str = "cpu",
                  initial_tokens: int = 1 << 12) -> None:
         self.config = config or IndexConfig()
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.tokens = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
         self.sa = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
         # int8 tag per token (which tier / emission form it came from), moved with tokens

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from agspec_gpu.host import to_device
+from agspec_gpu.host import canonical_device, to_device
 from agspec_gpu.tree import TreeMetadata
 
 
@@ -57,7 +57,7 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.max_pages_per_seq = max_pages_per_seq or num_pages
         self.null_page = num_pages
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         # data: [L, num_pages + 1, 2, page_size, H_kv, D]
         self.data = torch.zeros(num_layers, num_pages + 1, 2, page_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=self.device)

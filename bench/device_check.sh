@@ -31,7 +31,7 @@
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
 # trace of agspec at B=64), pytest.xml, match.json, index_build.json.
-# Each step has its own timeout and the whole script a deadline (BUDGET_S, default 430 s): a
+# Each step has its own timeout and the whole script a deadline (BUDGET_S, default 420 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
 set -u
 OUT=${OUT:-$PWD/out}
@@ -39,7 +39,7 @@ mkdir -p "$OUT"
 LOG=$OUT/check.log
 : >"$LOG"
 START=$(date +%s)
-BUDGET_S=${BUDGET_S:-430}
+BUDGET_S=${BUDGET_S:-420}
 DATE=$(date +%Y%m%d)
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 
@@ -130,7 +130,7 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 
 # ---------------------------------------------------------------- GPU tests
 # fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
-step pytest 120 python3 -P -m pytest -q --tb=short --durations=8 -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
+step pytest 100 python3 -P -m pytest -q --tb=short --durations=8 -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
   tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
@@ -150,7 +150,7 @@ TRAJ=$(ls .whl/*.jsonl.gz 2>/dev/null)
 [ -z "$TRAJ" ] && TRAJ=.whl/trajectories
 # --prefill skip: each request's context KV is allocated, not computed (decode time does not
 # depend on the cached values); the full run (prefill real) is for a longer session.
-step e2e 260 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
+step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
   --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
   --profile --profile-steps 3 --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200.json"

@@ -88,6 +88,17 @@ def test_flashinfer_equals_torch_backend_at_llama3_8b_shape():
                                    atol=2e-2, rtol=2e-2, msg=lambda m: f"case {seed}: {m}")
 
 
+def test_unindexed_cuda_device_is_the_tensors_device():
+    """``device="cuda"`` names the current GPU: the cache's checks compare it with tensors'
+    devices, which always carry the index (``cuda:0``)."""
+    from agspec_gpu.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=8,
+                         dtype=torch.bfloat16, device="cuda")
+    assert cache.device == torch.empty(0, device="cuda").device
+    assert tiny_runner().device == cache.device
+
+
 def _prefill(runner, ids, prompts):
     last = runner.prefill(ids, prompts)
     return last.float().argmax(-1).to(torch.int32)

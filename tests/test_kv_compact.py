@@ -91,6 +91,13 @@ def test_kernel_compiles_for_sm90():
     compile_for_sm90(_kv_compact_kernel, sig, {"BLOCK_COLS": 1024})
 
 
+def test_canonical_device_keeps_cpu_and_indexed_devices():
+    from agspec_gpu.host import canonical_device
+
+    assert canonical_device("cpu") == torch.device("cpu")
+    assert canonical_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # no CUDA call
+
+
 def test_cache_allocator_lifecycle():
     cache = PagedKVCache(1, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2,
                          dtype=torch.float32, device="cpu", max_seqs=2, max_pages_per_seq=4)

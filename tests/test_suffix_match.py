@@ -21,6 +21,8 @@ from agspec_gpu.kernels.suffix_match_triton import _suffix_match_kernel, block_s
 from index_reference import match_reference
 from kernel_compile import compile_all_for_sm90
 
+# the arenas live on the GPU when there is one: there the kernel runs compiled, not interpreted
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAD = -7  # left padding of query rows: negative, so a kernel reading it would be caught
 FIELDS = ("length", "count", "positions", "sa_lo", "sa_hi")
 
@@ -70,7 +72,7 @@ def corpora() -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
 @lru_cache(maxsize=None)
 def arena(max_depth: int, tail_tokens: int) -> tuple[IndexArena, dict[str, int]]:
     """Every corpus of :func:`corpora` in one arena, appended chunk by chunk."""
-    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens),
+    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens), DEV,
                     initial_tokens=64)
     ids = {}
     for name, (tokens, chunks) in corpora().items():
@@ -78,7 +80,7 @@ def arena(max_depth: int, tail_tokens: int) -> tuple[IndexArena, dict[str, int]]
         i = j = 0
         while i < tokens.numel():
             k = chunks[j % len(chunks)]
-            ar.append(cid, tokens[i:i + k])
+            ar.append(cid, tokens[i:i + k].to(DEV))
             i, j = i + k, j + 1
     return ar, ids
 
@@ -109,6 +111,7 @@ def run_both(ar: IndexArena, ids: list[int], q: torch.Tensor, lengths: torch.Ten
              P: int, max_scan: int | None = None) -> tuple[MatchResult, MatchResult]:
     desc = ar.descriptors(ids)
     md = ar.config.max_depth
+    q, lengths = q.to(ar.device), lengths.to(ar.device)
     ref = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
                        max_scan=max_scan, use_triton=False)
     got = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
@@ -181,12 +184,13 @@ def test_golden_tiny():
     q = t32([0, 1, 2, PAD, 9, 3]).view(2, 3)
     lengths = t32([3, 2])
     for tail_tokens in (1, 100):  # all in levels / all in the tail
-        ar = IndexArena(IndexConfig(max_depth=4, tail_tokens=tail_tokens))
+        ar = IndexArena(IndexConfig(max_depth=4, tail_tokens=tail_tokens), DEV)
         cid = ar.new_corpus()
         for i in range(0, 12, 2):
-            ar.append(cid, corpus[i:i + 2])
+            ar.append(cid, corpus[i:i + 2].to(DEV))
         for use_triton in (False, True):
-            m = ar.match(q, lengths, [cid, cid], max_positions=4, use_triton=use_triton)
+            m = ar.match(q.to(DEV), lengths.to(DEV), [cid, cid], max_positions=4,
+                         use_triton=use_triton)
             assert m.length.tolist() == [2, 1]
             assert m.count.tolist() == [3, 1]
             assert m.positions.tolist() == [[8, 5, 2, -1], [3, -1, -1, -1]]
@@ -230,12 +234,12 @@ def _adversarial_queries() -> list[tuple[str, list[int]]]:
 def _adversarial_batch(max_depth: int, tail_tokens: int):
     """The adversarial corpora in one arena (small appends: several levels and merges) and
     the adversarial queries as one right-aligned batch: ``(arena, ids, rows, q, lengths)``."""
-    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens))
+    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens), DEV)
     ids = {}
     for name, toks in _adversarial_corpora().items():
         cid = ids[name] = ar.new_corpus()
         for i in range(0, len(toks), 5):
-            ar.append(cid, t32(toks[i:i + 5]))
+            ar.append(cid, t32(toks[i:i + 5]).to(DEV))
     rows = _adversarial_queries()
     L = max(len(q) for _, q in rows) + 2
     q = torch.full((len(rows), L), PAD, dtype=torch.int32)
@@ -244,7 +248,7 @@ def _adversarial_batch(max_depth: int, tail_tokens: int):
         if query:
             q[b, L - len(query):] = t32(query)
         lengths[b] = len(query)
-    return ar, ids, rows, q, lengths
+    return ar, ids, rows, q.to(DEV), lengths.to(DEV)
 
 
 @pytest.mark.parametrize("max_depth,tail_tokens,P", [(1, 1, 3), (5, 3, 4), (8, 1000, 8),
@@ -326,7 +330,7 @@ def test_launcher_rejects_bad_descriptors():
     bad = MatchDescriptors(desc.tok_base.to(torch.int32), desc.num_tokens, desc.tail_start,
                            desc.level_indptr, desc.level_sa_base, desc.level_sa_len,
                            desc.max_levels, desc.max_tail)
-    q, lengths = t32([1, 2]).view(1, 2), t32([2])
+    q, lengths = t32([1, 2]).view(1, 2).to(DEV), t32([2]).to(DEV)
     with pytest.raises(ValueError, match="tok_base"):
         suffix_match(ar.tokens, ar.sa, bad, q, lengths, max_depth=4, max_positions=2,
                      use_triton=True)

@@ -138,7 +138,7 @@ class DecodeGraphs:
         """
         S, meta = self.plan(seq_ids, roots, prefix_lens_host)
         if S in self._graphs:
-            graph, wrapper, logits = self._graphs[S]
+            graph, wrapper, logits, _ = self._graphs[S]
             self._plan_wrapper(wrapper, meta)
             graph.replay()
             return logits[:len(seq_ids)]
@@ -154,7 +154,7 @@ class DecodeGraphs:
         """
         S, meta = self.plan(seq_ids, roots, prefix_lens_host)
         if S in self._graphs:
-            graph, wrapper, _ = self._graphs[S]
+            graph, wrapper, _, _ = self._graphs[S]
             self._plan_wrapper(wrapper, meta)
             step = graph.replay
         else:
@@ -218,7 +218,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = view.forward(meta)
-            self._graphs[S] = (graph, wrapper, logits)
+            # the graph writes into `out` (held by view.attention): keep the view alive with it
+            self._graphs[S] = (graph, wrapper, logits, view)
         torch.cuda.synchronize(dev)
 
     def _plan_padding(self, S: int) -> TreeMetadata:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from agspec_gpu.attention import make_attention_backend
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.host import canonical_device
 from agspec_gpu.kv_cache import PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
@@ -151,7 +152,7 @@ class PagedLlamaRunner:
                  page_size: int = 16, max_seqs: int = 256, max_pages_per_seq: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.shape = s = ModelShape.from_hf_config(config)
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype = canonical_device(device), dtype
         self.page_size = page_size
 
         def w(name: str) -> torch.Tensor:
