@@ -154,6 +154,13 @@ step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,
   --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
   --profile --profile-steps 3 --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200.json"
+E2E_RC=$?
+if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time limit): eager steps
+  step e2e-eager 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
+    --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
+    --context 4096 --prefill skip --calibrate-repeats 3 --no-graphs --results-dir /tmp/e2e \
+    --out "$OUT/e2e-$DATE-h200-eager.json"
+fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
