@@ -20,7 +20,14 @@ _DEFAULT_POINTS = ((1, 6.5), (16, 6.6), (64, 7.0), (128, 7.8), (256, 9.5), (512,
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Piecewise-linear step time in ms over ``(num_tokens, ms)`` points (extrapolated)."""
+    """Piecewise-linear step time in ms over ``(num_tokens, ms)`` points.
+
+    Above the last point the last segment is extrapolated; below the first point the time is
+    the first point's (a forward over fewer tokens than the smallest measured is no cheaper
+    than it: a measured curve that starts at ``B`` tokens, one per request, says nothing of
+    fewer, and its first segment may be a jump, e.g. from a CUDA-graph decode step to an
+    eager verification step, that must not be extrapolated down to zero).
+    """
 
     points: tuple[tuple[int, float], ...] = _DEFAULT_POINTS
     source: str = "default: 8B bf16 on H200 (documented estimate, not a measurement)"
@@ -41,6 +48,8 @@ class CostModel:
     def step_ms(self, num_tokens: float) -> float:
         """Time of one forward pass over ``num_tokens`` tokens (whole batch)."""
         xs = [p[0] for p in self.points]
+        if num_tokens <= xs[0]:
+            return self.points[0][1]
         i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(xs) - 1)
         (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
         return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)

@@ -296,8 +296,11 @@ def test_cost_model_interpolates_and_extrapolates():
     assert c.step_ms(6) == pytest.approx(3.0)
     assert c.step_ms(16) == pytest.approx(14.0)
     assert c.step_ms(31) == pytest.approx(44.0)     # past the last point: last segment
-    assert c.step_ms(0.5) == pytest.approx(1.9)     # before the first: first segment
-    assert c.step_ms(-1000) == pytest.approx(1e-6)  # never <= 0
+    assert c.step_ms(0.5) == 2.0 and c.step_ms(-1000) == 2.0  # before the first: its time
+    # a measured curve starting at B = 16 requests with a jump to verification: a mean batch
+    # of 10.6 requests costs the first point, not an extrapolation of the jump (was ~0)
+    h200_b16 = CostModel(((16, 10.6), (17, 20.95), (528, 41.25)))
+    assert h200_b16.step_ms(10.6) == 10.6 and h200_b16.step_ms(14.4) == 10.6
 
 
 def test_cost_model_default_is_monotone():
