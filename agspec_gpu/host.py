@@ -26,6 +26,12 @@ def canonical_device(device: torch.device | str) -> torch.device:
     return d
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (a no-op on CPU); for timers and end-of-step reads."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` (host numbers) as a 1-D ``dtype`` tensor on ``device``; no stream sync."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 import numpy as np
 import torch
 
+from agspec_gpu.host import synchronize
 from agspec_gpu.baselines import HOST_DRAFTERS, HostDrafter, make_host_drafter
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
@@ -91,12 +92,6 @@ class Lane(Protocol):
     def close_session(self, sid: str) -> None: ...
 
     def close_tenant(self, tenant: str) -> None: ...
-
-
-def _sync(device: torch.device) -> None:
-    # propose() may only enqueue work on a GPU; its time counts when the draft is ready.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _accept_on_host(draft: DraftBatch, truth: TruthFn) -> tuple[np.ndarray, np.ndarray | None]:
@@ -219,10 +214,10 @@ class BatchedLane:
 
     def step(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn,
              remaining: np.ndarray) -> StepResult:
-        _sync(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         draft = self.drafter.propose(sids)
-        _sync(self.device)
+        synchronize(self.device)
         seconds = time.perf_counter() - t0
         num_acc, sources = _accept_on_host(draft, truth)
         return StepResult(draft.num_draft_tokens.cpu().numpy().astype(np.int64), num_acc,

@@ -40,12 +40,13 @@ import torch
 
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.host import to_device
+from agspec_gpu.host import synchronize, to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.runners.graphs import DecodeGraphs
+from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tree import TreeMetadata
 
 
@@ -62,7 +63,8 @@ def protocol(context_tokens: int, dtype: str, prefill: str = "real") -> str:
         "token the target predicts at each position is the trajectory's next token; a step "
         "emits the longest draft path matching the true continuation plus the bonus token. "
         f"Weights are random ({dtype}); acceptance is the trajectory's, time per step is the "
-        "model's. Plain-decode steps (no draft in the batch) run as CUDA graphs where captured. "
+        "model's. Plain-decode steps (no draft in the batch) run as CUDA graphs where captured; "
+        "steps with a draft too, padded to (requests, rows) buckets, unless --eager-verify. "
         "tokens_per_s = emitted tokens / wall time of the decode steps (prefill excluded, the "
         "same for every method); oracle: drafting time excluded (a bound).")
 
@@ -316,11 +318,6 @@ class _Timer:
         return self._ev[0].elapsed_time(self._ev[1]) / 1e3 if self.cuda else self._t1 - self._t0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _start_next(req: _Request, proposer, config: ReplayTargetConfig, prompt_end: int
                 ) -> list[int] | None:
     """Feeds the messages after ``req.msg`` up to the next assistant message with tokens and
@@ -347,6 +344,7 @@ def _start_next(req: _Request, proposer, config: ReplayTargetConfig, prompt_end:
 
 def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTargetConfig, *,
                       pool: MetadataPool, graphs: DecodeGraphs | None = None,
+                      verify_graphs: VerifyGraphs | None = None,
                       step_hook: StepHook | None = None) -> ReplayTargetResult:
     """Replays ``corpus`` through ``proposer`` on ``runner`` as one continuous batch.
 
@@ -358,6 +356,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
     config : :class:`ReplayTargetConfig`.
     pool : planner buffers for the largest step (its ``max_nodes`` bounds every draft).
     graphs : plain-decode steps (no draft in the batch) run through it when given.
+    verify_graphs : steps with a draft run through it when given (CUDA graphs of padded
+        verification steps on a GPU); otherwise eagerly over ``pool``'s buffers.
     step_hook : called before each step with the step index and, per active request, its
         KV sequence id and the tokens its KV cache holds (profiling, tests).
 
@@ -390,7 +390,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
         if not real:
             return
         with nvtx.annotate("e2e.prefill", color="blue"):
-            _sync(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             if config.prefill == "real":
                 runner.prefill([r.kv_id for r, _ in real], [c for _, c in real],
@@ -398,7 +398,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             else:
                 for r, ctx in real:
                     cache.allocate(r.kv_id, len(ctx))
-            _sync(dev)
+            synchronize(dev)
             res.prefill_s += time.perf_counter() - t0
             res.prefill_tokens += sum(len(c) for _, c in real)
 
@@ -458,10 +458,14 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     draft = DraftBatch(draft.token_ids.to(dev), draft.parents.to(dev),
                                        draft.num_draft_tokens.to(dev))
                     prefix_t = to_device(prefix_host, torch.int32, dev)
-                    meta = runner.plan(kv_ids, draft, roots, prefix_t,
-                                       prefix_lens_host=prefix_host,
-                                       out=pool.rows(n_active + n_total))
-                    logits = runner.forward(meta)
+                    if verify_graphs is not None:
+                        _, logits = verify_graphs.verify(kv_ids, draft, roots, prefix_host,
+                                                         n_total)
+                    else:
+                        meta = runner.plan(kv_ids, draft, roots, prefix_t,
+                                           prefix_lens_host=prefix_host,
+                                           out=pool.rows(n_active + n_total))
+                        logits = runner.forward(meta)
                 # the target's own greedy choice, paid for as an engine would, then replaced
                 # by the trajectory's tokens (the replay target)
                 logits.argmax(dim=-1)
@@ -489,7 +493,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     r.pos += p
                     r.prefix_len += p
                     r.root = int(out_ids[b, p - 1])
-                _sync(dev)
+                synchronize(dev)
             t2 = time.perf_counter()
             res.steps += 1
             res.plain_steps += n_total == 0
@@ -539,7 +543,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
 
 def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
                          max_draft_tokens: int = 2048, repeats: int = 5, warmup: int = 2,
-                         graphs: DecodeGraphs | None = None, seed: int = 0,
+                         graphs: DecodeGraphs | None = None,
+                         verify_graphs: VerifyGraphs | None = None, seed: int = 0,
                          source: str = "") -> CostModel:
     """Measures verification time versus tokens per step on ``runner``.
 
@@ -547,7 +552,9 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     ``n`` draft tokens in total (``n = 0, 1, 2, 4, ..., max_draft_tokens``, spread evenly over
     the requests as chains); a point is ``(batch_size + n, median ms)`` of plan + forward +
     argmax, raised to the previous point's time where noise made it lower. ``n = 0`` is a
-    plain decode step, through ``graphs`` when given, as the loop runs it. The KV contents
+    plain decode step, through ``graphs`` when given, as the loop runs it; a step with a
+    draft goes through ``verify_graphs`` when given and its drafts fit them (chains of at
+    most ``max_nodes``), as the loop runs it, else eagerly. The KV contents
     are whatever the pages hold: timing does not depend on them.
 
     Returns
@@ -584,19 +591,23 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
                 # capacity = the step's real rows, as the loop's MetadataPool hands out
                 out = TreeMetadata.empty(B, N + 1, cache.max_pages_per_seq, cache.page_size,
                                          dev, max_total_q=-(-(B + n) // 8) * 8)
+                fits = verify_graphs is not None and N <= verify_graphs.max_nodes \
+                    and B <= verify_graphs.sizes[-1]
                 times = []
                 for i in range(warmup + repeats):
-                    _sync(dev)
+                    synchronize(dev)
                     timer.start()
                     if n == 0 and graphs is not None:
                         logits = graphs.decode(ids, roots, prefix)
+                    elif n and fits:
+                        _, logits = verify_graphs.verify(ids, draft, roots, prefix, n)
                     else:
                         meta = runner.plan(ids, draft, roots, prefix_t, prefix_lens_host=prefix,
                                            out=out)
                         logits = runner.forward(meta)
                     logits.argmax(dim=-1)
                     timer.stop()
-                    _sync(dev)
+                    synchronize(dev)
                     if i >= warmup:
                         times.append(timer.seconds())
                 ms = 1e3 * float(np.median(times))

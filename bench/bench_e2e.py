@@ -61,6 +61,7 @@ from agspec_gpu.replay_target import (
     METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, calibrate_cost_model,
     make_proposer, protocol, run_replay_target,
 )
+from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
@@ -225,7 +226,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-draft-nodes", type=int, default=64,
                     help="most draft nodes per request the planner holds")
-    ap.add_argument("--no-graphs", action="store_true", help="plain decode steps run eagerly")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="plain decode and verification steps run eagerly")
+    ap.add_argument("--eager-verify", action="store_true",
+                    help="verification steps run eagerly over exact-size metadata (the "
+                         "padded CUDA-graph buckets off; plain decode still graphed)")
     ap.add_argument("--calibrate", action="store_true", help="calibrate the cost model and exit")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip calibration (agspec uses --cost-model or the default model)")
@@ -335,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     graph_sizes = sorted({1 << k for k in range(max_b.bit_length()) if (1 << k) <= max_b} |
                          set(batch_sizes))
     graphs = DecodeGraphs(runner, graph_sizes, use_graphs=False if args.no_graphs else None)
+    verify = None if args.eager_verify else VerifyGraphs(
+        runner, graph_sizes, args.max_draft_nodes,
+        use_graphs=False if args.no_graphs else None)
     pool = MetadataPool(max_b, args.max_draft_nodes, max_pages_per_seq, ps, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -344,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[e2e] {args.model} on {gpu} ({dtype}): {model_gb:.2f} GB of weights read per "
           f"step, KV pool {pool_gb:.1f} GB, "
           f"decode graphs: {graphs.uses_graphs}"
-          f"{' (capture failed: ' + graphs.graph_error + ')' if graphs.graph_error else ''}; "
+          f"{' (capture failed: ' + graphs.graph_error + ')' if graphs.graph_error else ''}, "
+          f"verify graphs: {verify.uses_graphs if verify else 'off'}"
+          f"{' (capture failed: ' + verify.graph_error + ')' if verify and verify.graph_error else ''}; "
           f"setup {setup_s:.1f} s", flush=True)
 
     # ---------------------------------------------------------------- cost model
@@ -362,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in batch_sizes:
             cost_for[b] = calibrate_cost_model(
                 runner, b, args.context, max_draft_tokens=args.calibrate_max_tokens,
-                repeats=args.calibrate_repeats, graphs=graphs,
+                repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify,
                 source=f"measured: {args.model} on {gpu}, {b} requests x {args.context} tokens "
                        f"of KV; plan + forward + argmax, median of {args.calibrate_repeats}")
             print(f"[e2e] cost B={b}: " + ", ".join(f"{x}:{y:.2f}ms" for x, y in
@@ -372,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                     "source": cost_for.get(1, first).source, "model": args.model, "gpu": gpu,
                     "dtype": str(dtype).removeprefix("torch."), "context_tokens": args.context,
                     "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
+                    "verify_cuda_graphs": verify.uses_graphs if verify else False,
                     "by_batch_size": {str(b): [list(p) for p in c.points]
                                       for b, c in cost_for.items()}}
         cost_path.write_text(json.dumps(cost_obj, indent=2) + "\n")
@@ -403,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                                  prefill=args.prefill, max_steps=steps)
         sub = dataclasses.replace(corpus, sessions=tuple(sessions))
         return run_replay_target(runner, sub, proposer, cfg, pool=pool,
-                                 graphs=None if args.no_graphs else graphs, step_hook=hook)
+                                 graphs=None if args.no_graphs else graphs,
+                                 verify_graphs=verify, step_hook=hook)
 
     # warm-up: Triton kernels compile, allocator pools fill (results discarded)
     t0 = time.perf_counter()
@@ -478,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
             "loop_decode_bandwidth_gbps": loop_bw,
             "decode_cuda_graphs": graphs.uses_graphs,
             "decode_graph_error": graphs.graph_error,
+            "verify_cuda_graphs": verify.uses_graphs if verify else False,
+            "verify_graph_error": verify.graph_error if verify else None,
+            "verify_graph_buckets": sum(len(v) for v in verify.buckets.values())
+            if verify else 0,
             "goals": goals(rows, batch_sizes),
             "cost_model": {"path": str(cost_path) if cost_path else None,
                            "by_batch_size": {str(b): [list(p) for p in c.points]
@@ -606,7 +622,8 @@ def print_table(report: dict) -> None:
     con.print(f"plain decode B=1: {report['decode_step_ms']:.3f} ms/step, "
               f"{report['decode_bandwidth_gbps']:.0f} GB/s"
               + (f" = {100 * frac:.0f}% of 4.8 TB/s" if frac is not None else "")
-              + f" (CUDA graphs: {report['decode_cuda_graphs']})")
+              + f" (CUDA graphs: {report['decode_cuda_graphs']}; verification steps as "
+              f"CUDA graphs: {report['verify_cuda_graphs']})")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from agspec_gpu.replay_target import (
     run_replay_target,
 )
 from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
 
@@ -91,7 +92,8 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
     assert rc == 0
     report = json.loads(out.read_text())
     for key in ("gpu", "model", "protocol", "rows", "decode_bandwidth_gbps",
-                "decode_bandwidth_fraction", "decode_cuda_graphs", "cost_model", "goals"):
+                "decode_bandwidth_fraction", "decode_cuda_graphs", "verify_cuda_graphs",
+                "cost_model", "goals"):
         assert key in report, key
     assert report["gpu"] == "cpu" and report["model"] == "tiny"
     assert "teacher forcing" in report["protocol"]
@@ -149,10 +151,16 @@ def make_test_proposer(name, tok, batch_size):
     return DecoyOracle("decoy", base.drafter, base.store, base.k, "cpu")
 
 
-@pytest.mark.parametrize("method", ["agspec", "pld-hf", "decoy"])
-def test_kv_cache_holds_exactly_the_replayed_prefix(short_corpus, tok, method):
+@pytest.mark.parametrize("method,padded", [("agspec", False), ("pld-hf", False),
+                                           ("decoy", False), ("agspec", True),
+                                           ("decoy", True)])
+def test_kv_cache_holds_exactly_the_replayed_prefix(short_corpus, tok, method, padded):
+    """The KV of every replayed prefix equals a fresh prefill of it, after each step: with
+    exact-size verification steps, and with VerifyGraphs' padded buckets (padding requests
+    and the sink must leave the real sequences' KV alone)."""
     runner, pool = tiny_runner(3, context=40)
     graphs = DecodeGraphs(runner, [1, 2, 4])  # 3 requests: a padded plain-decode step
+    verify = VerifyGraphs(runner, [1, 2, 4], pool.max_nodes) if padded else None
     cache = runner.kv_cache
     checked = []
 
@@ -176,7 +184,7 @@ def test_kv_cache_holds_exactly_the_replayed_prefix(short_corpus, tok, method):
     cfg = ReplayTargetConfig(batch_size=3, context_tokens=40, max_message_tokens=None,
                              max_steps=10)
     res = run_replay_target(runner, short_corpus, proposer, cfg, pool=pool, graphs=graphs,
-                            step_hook=check)
+                            verify_graphs=verify, step_hook=check)
     assert res.steps == 10 and len(checked) >= 10
     if method != "pld-hf":  # drafts were accepted and compacted, not only plain steps
         assert res.accepted > 0

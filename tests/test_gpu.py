@@ -26,8 +26,9 @@ from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay_target import MetadataPool
 from agspec_gpu.runners.graphs import DecodeGraphs
 from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tree import plan_tree
-from tree_reference import make_case, on_device
+from tree_reference import make_case, on_device, random_trees
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
@@ -125,6 +126,42 @@ def test_decode_graph_equals_eager_step():
     assert graphs.time_step(["a"], roots[:1], [lens[0] - 1], iters=3, warmup=1) > 0
 
 
+def test_verify_graph_equals_eager_step():
+    """A padded verification bucket replayed as a CUDA graph equals the exact-size eager
+    step: the real requests' logits and the KV they write (padding writes the null page)."""
+    runner = tiny_runner(seed=2, num_pages=512)
+    vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=8)
+    assert vg.uses_graphs, vg.graph_error
+    cache = runner.kv_cache
+    rng = np.random.default_rng(2)
+    ids = ["a", "b", "c"]
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (40, 333, 17)]
+    roots = _prefill(runner, ids, prompts)
+    lens = [len(p) for p in prompts]
+    for step, b in enumerate([3, 1, 2, 3, 1]):  # S = 4 with a padding request, 1, 2, ...
+        sizes = [int(rng.integers(0, 9)) for _ in range(b)]
+        trees = random_trees(rng, sizes, "random", vocab=VOCAB)
+        draft = DraftBatch.from_lists(trees, device=DEV)
+        before = cache.data.clone()
+        meta = runner.plan(ids[:b], draft, roots[:b], torch.tensor(lens[:b], dtype=torch.int32),
+                           prefix_lens_host=lens[:b])
+        want = runner.forward(meta).float()
+        want_kv = cache.data.clone()
+        cache.data.copy_(before)
+        pmeta, got = vg.verify(ids[:b], draft, roots[:b], lens[:b], sum(sizes))
+        rows = b + sum(sizes)
+        assert pmeta.qo_indptr[:b + 1].tolist() == meta.qo_indptr[:b + 1].tolist()
+        scale = want[:rows].abs().max().item()
+        torch.testing.assert_close(got[:rows].float(), want[:rows], atol=2e-2 * scale,
+                                   rtol=2e-2, msg=lambda m: f"step {step}: {m}")
+        null = cache.null_page
+        torch.testing.assert_close(cache.data[:, :null].float(), want_kv[:, :null].float(),
+                                   atol=2e-2, rtol=2e-2, msg=lambda m: f"step {step} KV: {m}")
+        roots = want[meta.qo_indptr[:-1].long()].argmax(-1).to(torch.int32)
+        roots = torch.cat([roots, torch.zeros(3 - b, dtype=torch.int32, device=DEV)])
+        lens = [n + 1 if i < b else n for i, n in enumerate(lens)]
+
+
 def _greedy_reference(runner, graphs, seq_id, prompt, num_tokens, forced=None):
     """Plain greedy decoding: tokens, their logits and the top-2 margins (fp32).
 
@@ -146,9 +183,12 @@ def _greedy_reference(runner, graphs, seq_id, prompt, num_tokens, forced=None):
     return tokens, logits, (top2[:, 0] - top2[:, 1]).cpu()
 
 
-def test_greedy_tree_verification_is_lossless():
+@pytest.mark.parametrize("graphed_verify", [False, True])
+def test_greedy_tree_verification_is_lossless(graphed_verify):
     runner = tiny_runner(seed=1, num_pages=512)
     graphs = DecodeGraphs(runner, [1, 2, 4])
+    verify = VerifyGraphs(runner, [4], max_nodes=16) if graphed_verify else None
+    assert verify is None or verify.uses_graphs, verify.graph_error
     eager = DecodeGraphs(runner, [1, 2, 4], use_graphs=False)
     rng = np.random.default_rng(1)
     T = 48
@@ -180,9 +220,14 @@ def test_greedy_tree_verification_is_lossless():
                 parent = len(tree) - 1
             trees.append(tree)
         draft = DraftBatch.from_lists(trees, device=DEV)
-        meta = runner.plan(ids, draft, roots, torch.tensor(prefix, dtype=torch.int32),
-                           prefix_lens_host=prefix)
-        res = greedy_accept(draft, runner.forward(meta), meta.qo_indptr)
+        if verify is None:
+            meta = runner.plan(ids, draft, roots, torch.tensor(prefix, dtype=torch.int32),
+                               prefix_lens_host=prefix)
+            res = greedy_accept(draft, runner.forward(meta), meta.qo_indptr)
+        else:  # the padded bucket's graph: the real requests' rows come first
+            n = sum(len(t) for t in trees)
+            meta, logits = verify.verify(ids, draft, roots, prefix, n)
+            res = greedy_accept(draft, logits, meta.qo_indptr[:4])
         kv_compact(runner.kv_cache.data, runner.kv_cache.page_table(ids),
                    torch.tensor(prefix, dtype=torch.int32, device=DEV),
                    res.accepted_nodes.contiguous())

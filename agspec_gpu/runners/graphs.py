@@ -16,20 +16,16 @@ from typing import Sequence
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.host import to_device
+from agspec_gpu.host import synchronize, to_device
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class GraphAttention:
+    """A FlashInfer wrapper in CUDA-graph mode inside a captured forward (one bucket).
 
-
-class _GraphDecodeAttention:
-    """FlashInfer's tensor-core decode wrapper in CUDA-graph mode, for one batch size.
-
-    ``plan`` is a no-op: :class:`DecodeGraphs` plans the wrapper before every replay, outside
-    the graph, into the fixed buffers the graph reads.
+    ``plan`` is a no-op: the owner (:class:`DecodeGraphs`, ``VerifyGraphs``) plans the wrapper
+    before every replay, outside the graph, into the fixed buffers the graph reads; ``run``
+    writes into the bucket's own output buffer.
     """
 
     def __init__(self, wrapper, out: torch.Tensor) -> None:
@@ -162,14 +158,14 @@ class DecodeGraphs:
         dev = self.runner.device
         for _ in range(warmup):
             step()
-        _sync(dev)
+        synchronize(dev)
         if dev.type == "cuda":
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ev[0].record()
             for _ in range(iters):
                 step()
             ev[1].record()
-            _sync(dev)
+            synchronize(dev)
             return ev[0].elapsed_time(ev[1]) / iters
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -206,7 +202,7 @@ class DecodeGraphs:
             out = torch.empty(S, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
             # a decode view of the runner: same weights and KV cache, the graph's attention
             view = copy.copy(runner)
-            view.attention = _GraphDecodeAttention(wrapper, out)
+            view.attention = GraphAttention(wrapper, out)
             meta = self._plan_padding(S)
             self._plan_wrapper(wrapper, meta)
             side = torch.cuda.Stream(dev)

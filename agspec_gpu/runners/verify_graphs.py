@@ -1,0 +1,257 @@
+"""Tree-verification steps of a :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` as CUDA
+graphs: the forward over every request's root and draft tree, replayed instead of launched.
+
+Why: launched eagerly, a verification forward of an 8B model is ~700 kernel launches driven
+from Python, and on an H200 that host work, not the GPU, sets its time: verifying 1 draft
+token at batch 1 took 20.3 ms where the graphed plain decode step took 7.9 ms
+(``bench/results/cost-llama3-8b-h200.json``), so no drafter could win. A graph replays the
+same kernels in one launch.
+
+A graph has fixed shapes, so steps are padded into buckets ``(S, Q)``: ``S`` requests
+(the real ``b`` plus ``S - b`` padding requests of one row on the KV cache's null page) and
+``Q`` query rows. FlashInfer's batch prefill in CUDA-graph mode fixes the batch size and
+sizes its grid from the row count of the plan it was captured with, so every plan of a
+bucket has exactly ``Q`` rows: a *sink* request ``S`` (one KV entry on the null page, every
+row attending to it) takes the rows the step leaves over. Padding and sink rows write their
+KV to the null page and their logits are junk; the real requests' rows, KV slots and logits
+are those of the unpadded step (tested against it on CPU, where the same padded metadata
+runs eagerly through the torch backend).
+
+Buckets: ``S`` from ``batch_sizes``; ``Q = S + 1 + 8 * 2**j`` up to the most a bucket can
+need, ``S * (max_nodes + 1) + 1``. Each bucket owns its planner buffers, a FlashInfer
+wrapper planned before every replay (outside the graph: FlashInfer plans on the host), an
+attention output buffer and the logits the graph writes. Graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Sequence
+from dataclasses import replace
+
+import torch
+
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.host import synchronize, to_device
+from agspec_gpu.runners.graphs import GraphAttention
+from agspec_gpu.tree import TreeMetadata, plan_tree
+
+
+def row_buckets(S: int, max_nodes: int) -> list[int]:
+    """Query-row capacities of the graphs for ``S`` requests (ascending, the last the most
+    a step of ``S`` requests with ``max_nodes``-node drafts and the sink can need)."""
+    top = S * (max_nodes + 1) + 1
+    out, j = [], 0
+    while not out or out[-1] < top:
+        out.append(min(S + 1 + 8 * (1 << j), top))
+        j += 1
+    return out
+
+
+class VerifyGraphs:
+    """Verification forwards at fixed ``(requests, rows)`` buckets: CUDA graphs on a GPU with
+    FlashInfer, the same padded steps run eagerly elsewhere.
+
+    Parameters
+    ----------
+    runner : PagedLlamaRunner
+    batch_sizes : request counts to prepare (a step of ``b`` requests uses the smallest
+        ``S >= b``; more than the largest is an error).
+    max_nodes : the largest draft (nodes per request) a step may carry.
+    use_graphs : capture (default: on CUDA when the runner's attention is FlashInfer). When
+        capture fails, :attr:`graph_error` holds why and steps run eagerly.
+
+    Example
+    -------
+    >>> vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=16)
+    >>> meta, logits = vg.verify(["s0"], draft, roots, [17], num_draft_host=5)
+    >>> logits[:6]          # the root's and the 5 nodes' rows, as meta.qo_indptr[:2] says
+    """
+
+    def __init__(self, runner, batch_sizes: Sequence[int], max_nodes: int, *,
+                 use_graphs: bool | None = None, warmup: int = 2) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"batch_sizes must be >= 1, got {list(batch_sizes)}")
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.runner, self.max_nodes = runner, max_nodes
+        self.sizes = sorted(set(int(b) for b in batch_sizes))
+        cache, dev = runner.kv_cache, runner.device
+        P, ps = cache.max_pages_per_seq, cache.page_size
+        self.buckets = {S: row_buckets(S, max_nodes) for S in self.sizes}
+        self._meta: dict[tuple[int, int], TreeMetadata] = {}
+        for S in self.sizes:
+            for Q in self.buckets[S]:
+                # masks: sum over requests of qo_len * kv_len bits <= Q * P * ps bits, plus a
+                # byte of rounding per request
+                self._meta[S, Q] = TreeMetadata.empty(
+                    S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
+                    max_total_pages=S * P + 1, max_mask_bytes=Q * P * ps // 8 + S + 2)
+        self._ones = torch.full((-(-self.buckets[self.sizes[-1]][-1] // 8),), 255,
+                                dtype=torch.uint8, device=dev)
+        if use_graphs is None:
+            from agspec_gpu.attention import FlashInferPagedAttention
+
+            use_graphs = dev.type == "cuda" and isinstance(runner.attention,
+                                                           FlashInferPagedAttention)
+        self.graph_error: str | None = None
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        if use_graphs:
+            try:
+                self._capture(warmup)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+                self._graphs.clear()
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def uses_graphs(self) -> bool:
+        return bool(self._graphs)
+
+    def bucket(self, num_requests: int, num_rows: int) -> tuple[int, int]:
+        """``(S, Q)`` of a step of ``num_requests`` requests and ``num_rows`` real rows."""
+        S = next((s for s in self.sizes if s >= num_requests), None)
+        if S is None:
+            raise ValueError(f"{num_requests} requests exceed the largest prepared batch "
+                             f"{self.sizes[-1]}")
+        need = num_rows + (S - num_requests) + 1  # + padding requests' rows + the sink's
+        Q = next((q for q in self.buckets[S] if q >= need), None)
+        if Q is None:
+            raise ValueError(f"a step of {num_rows} rows over {num_requests} requests exceeds "
+                             f"the largest bucket ({self.buckets[S][-1]} rows for {S}; "
+                             f"max_nodes={self.max_nodes})")
+        return S, Q
+
+    def plan(self, seq_ids: Sequence[Hashable], draft: DraftBatch, roots: torch.Tensor,
+             prefix_lens_host: Sequence[int], num_draft_host: int
+             ) -> tuple[tuple[int, int], TreeMetadata]:
+        """Allocates pages and plans the padded step into its bucket's buffers.
+
+        ``draft``: ``B`` trees on the runner's device; ``roots``: ``int32 [B]``;
+        ``num_draft_host``: ``draft.num_draft_tokens.sum()`` as a host int (it picks the
+        bucket). Returns the bucket and the step's metadata over ``S + 1`` requests, the
+        real ones first (their rows as in the unpadded plan).
+        """
+        b, N = draft.token_ids.shape
+        if b != len(seq_ids) or len(prefix_lens_host) != b:
+            raise ValueError(f"draft: {b} rows for {len(seq_ids)} seq_ids and "
+                             f"{len(prefix_lens_host)} prefix lengths")
+        if N > self.max_nodes:
+            raise ValueError(f"draft: {N} nodes per request exceed max_nodes={self.max_nodes}")
+        S, Q = self.bucket(b, b + num_draft_host)
+        cache, dev = self.runner.kv_cache, self.runner.device
+        for sid, n in zip(seq_ids, prefix_lens_host):
+            cache.allocate(sid, n + 1 + N)
+        width = -(-(max(prefix_lens_host, default=0) + 1 + N) // cache.page_size)
+        page_table = torch.full((S, max(width, 1)), cache.null_page, dtype=torch.int32,
+                                device=dev)
+        prefix = torch.zeros(S, dtype=torch.int32, device=dev)
+        root = torch.zeros(S, dtype=torch.int32, device=dev)
+        tokens = torch.full((S, N), PAD_ID, dtype=torch.int32, device=dev)
+        parents = torch.full((S, N), PAD_ID, dtype=torch.int32, device=dev)
+        num = torch.zeros(S, dtype=torch.int32, device=dev)
+        if b:
+            page_table[:b, :width] = cache.page_table(seq_ids)[:, :width]
+            prefix[:b] = to_device(list(prefix_lens_host), torch.int32, dev)
+            root[:b] = roots.to(dev, torch.int32)
+            tokens[:b], parents[:b] = draft.token_ids, draft.parents
+            num[:b] = draft.num_draft_tokens
+        padded = DraftBatch(tokens, parents, num)
+        meta = self._plan_padded(S, Q, padded, root, prefix, page_table,
+                                 used_rows=b + num_draft_host + (S - b))
+        return (S, Q), meta
+
+    def _plan_padded(self, S: int, Q: int, draft: DraftBatch, root: torch.Tensor,
+                     prefix: torch.Tensor, page_table: torch.Tensor, used_rows: int
+                     ) -> TreeMetadata:
+        """plan_tree over the ``S`` requests, then the sink request ``S`` over rows
+        ``[used_rows, Q)``: one KV entry (null page, slot 0) that each of its rows sees."""
+        out = self._meta[S, Q]
+        null = self.runner.kv_cache.null_page
+        base = plan_tree(draft, root, prefix, page_table.contiguous(),
+                         self.runner.kv_cache.page_size, out=out)
+        r = Q - used_rows
+        if r < 1:
+            raise ValueError(f"bucket ({S}, {Q}) has no row left for the sink")
+        nbytes = -(-r // 8)
+        qi, ki, mi = out.qo_indptr, out.kv_indptr, out.mask_indptr
+        qi[S + 1:S + 2].fill_(Q)
+        torch.add(ki[S:S + 1], 1, out=ki[S + 1:S + 2])
+        out.kv_indices.index_fill_(0, ki[S:S + 1].long(), null)
+        out.kv_last_page_len[S:S + 1].fill_(1)
+        torch.add(mi[S:S + 1], nbytes, out=mi[S + 1:S + 2])
+        at = mi[S:S + 1].long() + torch.arange(nbytes, device=mi.device)
+        out.packed_mask.index_copy_(0, at, self._ones[:nbytes])
+        # rows past the S requests: plan_tree left them padding (token 0, KV slot -1); the
+        # sink's ancestor bits are unused (no tree)
+        R, W = base.ancestor_bits.shape[1:]
+        bits = out.ancestor_bits.view(-1)[:(S + 1) * R * W].view(S + 1, R, W)
+        return replace(base, qo_indptr=qi[:S + 2], kv_indptr=ki[:S + 2],
+                       mask_indptr=mi[:S + 2], kv_last_page_len=out.kv_last_page_len[:S + 1],
+                       ancestor_bits=bits)
+
+    @torch.inference_mode()
+    def verify(self, seq_ids: Sequence[Hashable], draft: DraftBatch, roots: torch.Tensor,
+               prefix_lens_host: Sequence[int], num_draft_host: int
+               ) -> tuple[TreeMetadata, torch.Tensor]:
+        """One verification forward: ``(meta, logits [Q, vocab])``; request ``i < b``'s rows
+        are ``meta.qo_indptr[i]:meta.qo_indptr[i + 1]``. With graphs ``logits`` is the
+        graph's buffer: read it before the next call of the same bucket."""
+        key, meta = self.plan(seq_ids, draft, roots, prefix_lens_host, num_draft_host)
+        if key in self._graphs:
+            graph, wrapper, logits, _ = self._graphs[key]
+            self._plan_wrapper(wrapper, meta)
+            graph.replay()
+            return meta, logits
+        return meta, self.runner.forward(meta)
+
+    # ------------------------------------------------------------------ capture (GPU)
+    def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
+        r, s = self.runner, self.runner.shape
+        wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                     s.num_qo_heads, s.num_kv_heads, s.head_dim, r.page_size,
+                     packed_custom_mask=meta.packed_mask, sm_scale=s.head_dim ** -0.5,
+                     q_data_type=r.dtype, kv_data_type=r.dtype)
+        # FlashInfer's plan writes mask offsets in elements where its kernel reads bytes
+        # (see FlashInferPagedAttention.plan): the graph reads our byte offsets
+        wrapper._mask_indptr_buf.copy_(meta.mask_indptr)
+
+    def _capture(self, warmup: int) -> None:
+        import flashinfer
+
+        runner, s = self.runner, self.runner.shape
+        dev, cache = runner.device, runner.kv_cache
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        for (S, Q) in sorted(self._meta, reverse=True):  # largest first: the rest reuse its pool
+            out = self._meta[S, Q]
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=out.qo_indptr[:S + 2],
+                paged_kv_indptr_buf=out.kv_indptr[:S + 2], paged_kv_indices_buf=out.kv_indices,
+                paged_kv_last_page_len_buf=out.kv_last_page_len[:S + 1],
+                custom_mask_buf=out.packed_mask,
+                mask_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
+                backend="fa2")
+            attn_out = torch.empty(Q, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
+            view = copy.copy(runner)  # same weights and KV cache, the graph's attention
+            view.attention = GraphAttention(wrapper, attn_out)
+            # the capture plan has the most rows a replay may have: S padding requests and
+            # the sink over the rest
+            empty = DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
+                               torch.zeros(S, 0, dtype=torch.int32, device=dev),
+                               torch.zeros(S, dtype=torch.int32, device=dev))
+            zeros = torch.zeros(S, dtype=torch.int32, device=dev)
+            table = torch.full((S, 1), cache.null_page, dtype=torch.int32, device=dev)
+            meta = self._plan_padded(S, Q, empty, zeros, zeros, table, used_rows=S)
+            self._plan_wrapper(wrapper, meta)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    view.forward(meta)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = view.forward(meta)
+            # the graph writes into attn_out (held by view.attention): keep the view with it
+            self._graphs[S, Q] = (graph, wrapper, logits, view)
+        synchronize(dev)

@@ -1,0 +1,93 @@
+"""VerifyGraphs' padded steps equal the unpadded verification forward (CPU, torch backend).
+
+The padding a CUDA graph needs (requests of one row on the null page, a sink request over the
+rest of the bucket's rows) must not change a real request's logits or the KV it writes. On a
+GPU the same metadata is replayed through a captured graph (tests/test_gpu.py); here it runs
+eagerly through the torch backend, which consumes the same FlashInfer-layout metadata.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from agspec_gpu import DraftBatch
+from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.runners.verify_graphs import VerifyGraphs, row_buckets
+from test_paged_runner import tiny_model
+from tree_reference import random_trees
+
+
+def test_row_buckets():
+    assert row_buckets(1, 8) == [10]  # 1 * 9 + 1 = 10 rows at most
+    assert row_buckets(1, 64) == [10, 18, 34, 66]
+    b = row_buckets(16, 64)
+    assert b[0] == 25 and b[-1] == 16 * 65 + 1 and b == sorted(set(b))
+
+
+def _runner():
+    return PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_pages=96, page_size=4,
+                                          max_seqs=8)
+
+
+def _draft(trees, width):
+    """Ragged trees as a DraftBatch of ``width`` columns (PAD_ID past each tree)."""
+    d = DraftBatch.from_lists(trees)
+    pad = width - d.token_ids.shape[1]
+    tok = torch.nn.functional.pad(d.token_ids, (0, pad), value=-1)
+    par = torch.nn.functional.pad(d.parents, (0, pad), value=-1)
+    return DraftBatch(tok, par, d.num_draft_tokens)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padded_step_equals_unpadded(seed):
+    rng = np.random.default_rng(seed)
+    runner = _runner()
+    vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=6)
+    assert not vg.uses_graphs and vg.graph_error is None  # CPU: eager, same metadata
+    ids = ["a", "b", "c"]
+    prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 23, 5)]
+    roots = runner.prefill(ids, prompts).argmax(-1).to(torch.int32)
+    lens = [len(p) for p in prompts]
+    for step in range(4):
+        b = [3, 1, 2, 3][step]  # S = 4 (one padding request), 1, 2, 4
+        sizes = [int(rng.integers(0, 7)) for _ in range(b)]
+        if step == 3:
+            sizes = [6] * b  # full trees: the largest bucket's rows
+        trees = random_trees(rng, sizes, "random", vocab=1000)
+        draft = _draft(trees, max(sizes + [1]))
+        n = sum(sizes)
+        sids, r, pre = ids[:b], roots[:b], lens[:b]
+        before = runner.kv_cache.data.clone()
+        meta = runner.plan(sids, draft, r, torch.tensor(pre, dtype=torch.int32),
+                           prefix_lens_host=pre)
+        want = runner.forward(meta).clone()
+        want_kv = runner.kv_cache.data.clone()
+        runner.kv_cache.data.copy_(before)
+
+        pmeta, got = vg.verify(sids, draft, r, pre, num_draft_host=n)
+        S, Q = vg.bucket(b, b + n)
+        assert pmeta.batch_size == S + 1 and pmeta.capacity_q == Q
+        assert int(pmeta.qo_indptr[-1]) == Q  # every bucket row belongs to a request
+        rows = b + n
+        assert pmeta.qo_indptr[:b + 1].tolist() == meta.qo_indptr[:b + 1].tolist()
+        torch.testing.assert_close(got[:rows], want[:rows], atol=1e-5, rtol=1e-5)
+        null = runner.kv_cache.null_page  # padding and sink KV go there, nowhere else
+        torch.testing.assert_close(runner.kv_cache.data[:, :null], want_kv[:, :null])
+        # next step: the first child of each root was "accepted" (slots rewritten next step)
+        roots = want[meta.qo_indptr[:-1].long()].argmax(-1).to(torch.int32)
+        roots = torch.cat([roots, torch.zeros(3 - b, dtype=torch.int32)])
+        lens = [x + 1 if i < b else x for i, x in enumerate(lens)]
+
+
+def test_rejects_what_no_bucket_holds():
+    runner = _runner()
+    vg = VerifyGraphs(runner, [1, 2], max_nodes=3)
+    with pytest.raises(ValueError, match="exceed the largest prepared batch"):
+        vg.bucket(3, 3)
+    with pytest.raises(ValueError, match="largest bucket"):
+        vg.bucket(2, 2 + 9)  # 2 requests of 3 nodes: 8 rows at most
+    d = _draft([[(5, -1), (6, 0), (7, 1), (8, 2)]], 4)
+    with pytest.raises(ValueError, match="max_nodes"):
+        vg.verify(["a"], d, torch.zeros(1, dtype=torch.int32), [0], num_draft_host=4)
+    with pytest.raises(ValueError, match="max_nodes must be"):
+        VerifyGraphs(runner, [1], max_nodes=0)
