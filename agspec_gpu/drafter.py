@@ -463,9 +463,8 @@ class Drafter:
             self.last_accepted_sources = acc_src
         self._push(slots, out.clamp(min=0), nout)
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
-        for b, sid in enumerate(sids):  # host loop: corpus appends are per-corpus segments
-            if counts[b]:  # validated above, or the caller vouches for the ids
-                self.store.append_session(sid, out[b, :counts[b]], checked=True)
+        # validated above, or the caller vouches for the ids; one scatter for every session
+        self.store.append_sessions(sids, out.to(torch.int32).contiguous(), counts)
 
     def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, calib_row: torch.Tensor,
                    on_path: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -138,6 +139,14 @@ class CorpusStore:
         s = self.session(sid)
         t = tokens if checked else self._as_tokens(tokens, "tokens")
         self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION))
+
+    def append_sessions(self, sids: Sequence[str], tokens: torch.Tensor,
+                        counts: Sequence[int]) -> None:
+        """Appends row ``i``'s first ``counts[i]`` tokens of ``int32 [len(sids), M]`` to
+        session ``sids[i]`` (distinct sessions), all rows in one scatter. The caller vouches
+        for the ids (the drafter's per-step commit: validated, or the model's own)."""
+        cids = [self.session(sid).corpus for sid in sids]
+        self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION))
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""

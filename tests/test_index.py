@@ -491,6 +491,41 @@ def test_arena_corpora_are_isolated_and_batched():
             assert g == (0, 0, [])
 
 
+def test_append_rows_equals_one_append_per_row():
+    """The batched commit append: same tokens, sources, levels and matches as appending
+    each row on its own, through relocations, level builds, zero counts and separators."""
+    cfg = IndexConfig(max_depth=8, tail_tokens=5)
+    one, rows = IndexArena(cfg, initial_tokens=16), IndexArena(cfg, initial_tokens=16)
+    rng = random.Random(5)
+    cids = [one.new_corpus(capacity=4) for _ in range(4)]
+    assert [rows.new_corpus(capacity=4) for _ in range(4)] == cids
+    for step in range(60):
+        batch = rng.sample(cids, rng.randint(1, 4))
+        M = rng.randint(1, 6)
+        toks = [[rng.randrange(4) if rng.random() > 0.1 else -1 for _ in range(M)]
+                for _ in batch]
+        counts = [rng.randint(0, M) for _ in batch]
+        src = step % 3
+        for cid, t, m in zip(batch, toks, counts):
+            one.append(cid, t32(t[:m]), src)
+        rows.append_rows(batch, t32(sum(toks, [])).view(len(batch), M), counts, src)
+    for cid in cids:
+        assert rows.corpus_tokens(cid).tolist() == one.corpus_tokens(cid).tolist()
+        assert rows.num_levels(cid) == one.num_levels(cid)
+        a, b = (x.src[x._corpora[cid].tok_base:][:x._corpora[cid].n] for x in (one, rows))
+        assert torch.equal(a, b)
+    q, lens = pack([[1, 2], [3], [0, 1, 2, 3]] * 4)
+    ids = [c for c in cids for _ in range(3)]
+    assert rows_of(rows.match(q, lens, ids, max_positions=4), 4) == \
+        rows_of(one.match(q, lens, ids, max_positions=4), 4)
+    with pytest.raises(ValueError, match="at most once"):
+        rows.append_rows([cids[0], cids[0]], t32([1, 2]).view(2, 1), [1, 1])
+    with pytest.raises(ValueError, match="counts"):
+        rows.append_rows([cids[0]], t32([1, 2]).view(1, 2), [3])
+    with pytest.raises(ValueError, match="tokens"):
+        rows.append_rows([cids[0]], t32([1, 2]), [1])
+
+
 def test_arena_free_releases_memory_and_keeps_others():
     arena = IndexArena(IndexConfig(max_depth=16, tail_tokens=16))
     toks = stdlib_tokens(6000)
