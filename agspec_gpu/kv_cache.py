@@ -128,8 +128,17 @@ class PagedKVCache:
         rows = to_device([self._rows[s] for s in seq_ids], torch.long, self.device)
         return self._page_table.index_select(0, rows)
 
+    def slots_of(self, meta: TreeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page, offset)``, ``int64 [Q]`` each: where :meth:`append_kv` writes each query
+        row of ``meta`` (padding rows: the null page). The same for every layer of a step:
+        compute it once per forward."""
+        slots = meta.kv_slots.long()
+        slots = torch.where(slots >= 0, slots, self.null_page * self.page_size)
+        return slots // self.page_size, slots % self.page_size
+
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                  meta: TreeMetadata) -> None:
+                  meta: TreeMetadata, *,
+                  slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Writes the KV of every query row of a planned step into layer ``layer``.
 
         Parameters
@@ -138,6 +147,7 @@ class PagedKVCache:
             One row per query row of ``meta`` (``Q = meta.capacity_q``); row ``i`` goes to
             physical slot ``meta.kv_slots[i]`` (its logical slot ``prefix_len + r``, node order);
             padding rows go to the null page.
+        slots : ``slots_of(meta)``, when the caller computed it for the step.
         """
         Q = meta.capacity_q
         shape = (Q, self.num_kv_heads, self.head_dim)
@@ -146,9 +156,7 @@ class PagedKVCache:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
             if x.device != self.device:
                 raise ValueError(f"{name}: on {x.device}, cache on {self.device}")
-        slots = meta.kv_slots.long()
-        slots = torch.where(slots >= 0, slots, self.null_page * self.page_size)
-        page, offset = slots // self.page_size, slots % self.page_size
+        page, offset = slots if slots is not None else self.slots_of(meta)
         cache = self.data[layer]
         cache[page, 0, offset] = k.to(cache.dtype)
         cache[page, 1, offset] = v.to(cache.dtype)

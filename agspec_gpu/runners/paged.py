@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from agspec_gpu.attention import make_attention_backend
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import canonical_device
+from agspec_gpu.kernels.rms_norm import rms_norm
+from agspec_gpu.kernels.rope import rope
 from agspec_gpu.kv_cache import PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
@@ -111,18 +113,6 @@ class _Layer:
     post_norm: torch.Tensor  # [hidden]
     gate_up_weight: torch.Tensor  # [2 I, hidden]
     down_weight: torch.Tensor  # [hidden, I]
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)``, computed in fp32 like ``LlamaRMSNorm``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class PagedLlamaRunner:
@@ -262,26 +252,28 @@ class PagedLlamaRunner:
         # RoPE tables for this step: [Q, D], fp32 angles then the compute dtype (as HF does)
         angles = meta.position_ids.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
-        sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        cos = (angles.cos() * self.rope_scaling).to(self.dtype)
+        sin = (angles.sin() * self.rope_scaling).to(self.dtype)
+        slots = self.kv_cache.slots_of(meta)  # the same KV slots in every layer
+        eps = s.rms_norm_eps
 
+        # RMSNorm and RoPE: one kernel each on a GPU (kernels/rms_norm.py, kernels/rope.py)
         x = self.embed[meta.input_ids.long()]  # [Q, hidden]
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, s.rms_norm_eps)
+            h = rms_norm(x, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q, k, v = q.view(Q, H, D), k.view(Q, Hkv, D), v.view(Q, Hkv, D)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.kv_cache.append_kv(i, k, v, meta)
-            o = self.attention.run(q.contiguous(), self.kv_cache.layer(i))
+            q = rope(q.view(Q, H, D), cos, sin)  # contiguous, as attention wants it
+            k = rope(k.view(Q, Hkv, D), cos, sin)
+            self.kv_cache.append_kv(i, k, v.view(Q, Hkv, D), meta, slots=slots)
+            o = self.attention.run(q, self.kv_cache.layer(i))
             x = x + F.linear(o.view(Q, H * D), layer.o_weight, layer.o_bias)
-            h = _rms_norm(x, layer.post_norm, s.rms_norm_eps)
+            h = rms_norm(x, layer.post_norm, eps)
             gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down_weight)
         if logit_rows is not None:
             x = x[logit_rows.long()]
-        return F.linear(_rms_norm(x, self.final_norm, s.rms_norm_eps), self.lm_head)
+        return F.linear(rms_norm(x, self.final_norm, eps), self.lm_head)
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]],

@@ -1,0 +1,168 @@
+"""The fused RMSNorm and RoPE kernels (Triton, interpreted on CPU) equal their torch paths,
+which are Llama's arithmetic, on many shapes and adversarial values; both compile for sm_90.
+
+RMSNorm may differ from torch by the order of its fp32 sum of squares, which can move the
+normalized row's rounding by one unit; the product with the weight is rounded again, so the
+bound is two units in the last place of the output dtype (fp32: a relative 1e-5, its sum
+and rsqrt). RoPE rounds exactly as torch does: equal bit for bit, except that Triton's
+interpreter converts fp32 to bf16 by truncation where the GPU rounds to nearest even (seen
+with triton 3.6), so interpreted bf16 may differ by a unit per rounding. On a GPU the tests
+run the compiled kernels on CUDA tensors and require bf16 equality too.
+"""
+
+import pytest
+import torch
+
+from agspec_gpu.kernels.rms_norm import _rms_norm_kernel, rms_norm, rms_norm_torch
+from agspec_gpu.kernels.rope import _rope_kernel, rope, rope_torch
+from kernel_compile import compile_all_for_sm90
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of ``x`` (in x's dtype), as fp32."""
+    bits = torch.finfo(x.dtype).eps
+    return (x.float().abs() * bits).clamp(min=torch.finfo(x.dtype).tiny)
+
+
+def values(kind: str, shape, dtype, g):
+    if kind == "random":
+        x = torch.randn(shape, generator=g)
+    elif kind == "zeros":  # rms 0: rsqrt(eps)
+        x = torch.zeros(shape)
+    elif kind == "large":  # squares overflow fp16, not the fp32 sum
+        x = torch.randn(shape, generator=g) * 200
+    elif kind == "repeated":  # one value in every column
+        x = torch.full(shape, 0.37)
+    else:  # periodic rows with a spike
+        x = torch.sin(torch.arange(shape[-1]).float() * 0.5).expand(shape).clone()
+        x[..., 0] = 60.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N", [(0, 64), (1, 1), (1, 64), (3, 96), (17, 128), (5, 4096)])
+@pytest.mark.parametrize("kind", ["random", "zeros", "large", "repeated", "periodic"])
+def test_rms_norm_matches_torch(dtype, M, N, kind):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    x = values(kind, (M, N), dtype, g).to(DEV)
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype).to(DEV)
+    want = rms_norm_torch(x, w, 1e-5)
+    got = rms_norm(x, w, 1e-5, use_triton=True)
+    assert got.dtype == dtype and got.shape == (M, N) and got.is_contiguous()
+    diff = (got.float() - want.float()).abs()
+    units = 2 if dtype != torch.float32 else 1e-5 / torch.finfo(dtype).eps
+    assert (diff <= units * ulp(want) + 1e-30).all(), (diff.max(), kind)
+    assert not got.isnan().any()
+
+
+def test_rms_norm_strided_rows_and_default_path():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 80, generator=g).to(torch.bfloat16).to(DEV)
+    x = base[::2, 8:72]  # rows at stride 160, 64 contiguous columns
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEV)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, use_triton=True),
+                               rms_norm_torch(x, w, 1e-6), atol=0, rtol=2 ** -6)
+    xc, wc = x.cpu(), w.cpu()
+    assert torch.equal(rms_norm(xc, wc, 1e-6), rms_norm_torch(xc, wc, 1e-6))  # CPU: torch
+
+
+def test_rms_norm_rejects_bad_inputs():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="x: expected"):
+        rms_norm(torch.zeros(8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="weight: expected"):
+        rms_norm(x, torch.ones(8, dtype=torch.float16), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(torch.zeros(8, 2, device=DEV).t(), torch.ones(8, device=DEV), 1e-5,
+                 use_triton=True)
+
+
+def _qkv_views(Q, H, Hkv, D, dtype, g, kind):
+    """q, k as strided views of one fused projection, like the runner's."""
+    qkv = values(kind, (Q, (H + 2 * Hkv) * D), dtype, g)
+    q, k, _ = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    return q.view(Q, H, D), k.view(Q, Hkv, D)
+
+
+def _tables(Q, D, dtype, g):
+    pos = torch.randint(0, 100_000, (Q,), generator=g).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = pos[:, None] * inv[None, :]
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rope_truncating_bf16(x, cos, sin):
+    """The kernel's roundings with the interpreter's fp32 -> bf16 cast (truncation)."""
+    def t(v):  # fp32 -> bf16 by dropping the low 16 bits, back to fp32
+        return (v.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+    x1, x2 = (h.float() for h in x.chunk(2, dim=-1))
+    c, s_ = cos.float()[:, None, :], sin.float()[:, None, :]
+    half = x.shape[-1] // 2
+    lo = t(t(x1 * c[..., :half]) + t(-x2 * s_[..., :half]))
+    hi = t(t(x2 * c[..., half:]) + t(x1 * s_[..., half:]))
+    return torch.cat((lo, hi), dim=-1).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Q,H,Hkv,D", [(0, 4, 2, 8), (1, 1, 1, 2), (1, 4, 2, 64),
+                                       (7, 4, 1, 16), (33, 8, 2, 128)])
+@pytest.mark.parametrize("kind", ["random", "large", "repeated", "periodic"])
+def test_rope_equals_torch(dtype, Q, H, Hkv, D, kind):
+    g = torch.Generator().manual_seed(Q * 100 + D)
+    q, k = (t.to(DEV) for t in _qkv_views(Q, H, Hkv, D, dtype, g, kind))
+    cos, sin = (t.to(DEV) for t in _tables(Q, D, dtype, g))
+    for x in (q, k):
+        got = rope(x, cos, sin, use_triton=True)
+        want = rope_torch(x, cos, sin)
+        assert got.is_contiguous() and got.shape == x.shape and got.dtype == dtype
+        if dtype == torch.bfloat16 and DEV.type == "cpu":  # interpreter: truncating casts
+            want = _rope_truncating_bf16(x, cos, sin)
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_rope_is_llamas_rotation():
+    """Position 0 leaves a head unchanged; the torch path is transformers' apply_rotary."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(1)
+    q, k = (t.to(DEV) for t in _qkv_views(5, 4, 2, 16, torch.float32, g, "random"))
+    cos, sin = (t.to(DEV) for t in _tables(5, 16, torch.float32, g))
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                  cos[None], sin[None])
+    torch.testing.assert_close(rope(q, cos, sin, use_triton=True), hq[0].transpose(0, 1))
+    torch.testing.assert_close(rope(k, cos, sin, use_triton=True), hk[0].transpose(0, 1))
+    ones, zeros = torch.ones(5, 16, device=DEV), torch.zeros(5, 16, device=DEV)
+    assert torch.equal(rope(q, ones, zeros, use_triton=True), q.contiguous())
+    del transformers
+
+
+def test_rope_rejects_bad_inputs_and_falls_back_for_odd_halves():
+    x = torch.zeros(3, 2, 8)
+    c = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="D even"):
+        rope(torch.zeros(3, 2, 7), torch.zeros(3, 7), torch.zeros(3, 7))
+    with pytest.raises(ValueError, match="cos: expected shape"):
+        rope(x, torch.zeros(2, 8), c)
+    with pytest.raises(ValueError, match="sin: expected"):
+        rope(x, c, torch.zeros(3, 8, dtype=torch.float16))
+    y = torch.randn(2, 3, 12, device=DEV)  # D / 2 = 6, not a power of two: the torch path
+    cy, sy = torch.randn(2, 12, device=DEV), torch.randn(2, 12, device=DEV)
+    assert torch.equal(rope(y, cy, sy, use_triton=True), rope_torch(y, cy, sy))
+
+
+def test_kernels_compile_for_sm90():
+    compile_all_for_sm90([
+        (_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i64",
+                                N="i32", eps="fp32", BLOCK_N="constexpr"), dict(BLOCK_N=4096)),
+        (_rope_kernel, dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16",
+                            stride_xq="i64", stride_xh="i64", H="i32", HALF="constexpr"),
+         dict(HALF=64)),
+    ])
