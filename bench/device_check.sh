@@ -30,7 +30,7 @@
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), pytest.xml, match.json, index_build.json.
+# trace of agspec at B=64), match.json, rms_norm_rope.json, e2e-<date>-h200-eager-verify.json.
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 420 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
 set -u
@@ -169,8 +169,17 @@ for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.
 step bench_match 75 python3 bench/bench_match.py --device cuda --sizes 32K,1M,16M --repeats 10 \
   --sd-max-size 1M --out /tmp/bench/match
 cp /tmp/bench/match.json "$OUT/match.json" 2>/dev/null
-step bench_index_build 60 python3 bench/bench_index_build.py --device cuda --sizes 1M,16M \
-  --repeats 3 --out /tmp/bench/index_build
-cp /tmp/bench/index_build.json "$OUT/index_build.json" 2>/dev/null
+step bench_rms_norm_rope 40 python3 bench/bench_rms_norm_rope.py --device cuda \
+  --out /tmp/bench/rms_norm_rope
+cp /tmp/bench/rms_norm_rope.json "$OUT/rms_norm_rope.json" 2>/dev/null
+# the verification graphs' share of the e2e result: the same run with eager verification
+# steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
+# H200 on 2026-11-30, bench/results/index_build-20261130-h200.json)
+step e2e-eager-verify 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16 \
+  --methods none,agspec,suffix-decoding --sessions-per-slot 1 --min-sessions 4 \
+  --messages-per-session 2 --max-message-tokens 128 --context 4096 --prefill skip \
+  --calibrate-repeats 3 --eager-verify --results-dir /tmp/e2e-eager \
+  --out "$OUT/e2e-$DATE-h200-eager-verify.json"
+rm -f "$OUT/e2e-$DATE-h200-eager-verify.csv"  # the JSON holds the rows (8 files come back)
 
 log "=== done in $(($(date +%s) - START))s; files: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,109 @@
+"""The fused RMSNorm and RoPE kernels against their torch paths at decoder-layer shapes.
+
+Shapes: a Llama-3-8B layer (hidden 4096; 32 query and 8 KV heads of 128) at ``--rows`` query
+rows (a decode step of B requests has B rows; a verification step B * (1 + nodes)). Per
+shape: median microseconds of the Triton kernel and of the torch path (``triton.testing.
+do_bench`` on CUDA: CUDA-event timing of many launches; on CPU only the torch path is
+timed, with ``time.perf_counter``), and the kernels each replaces (RMSNorm: 8, RoPE of q and
+k: 10 plus the query's contiguous copy). The decode step's gain shows in
+``bench/bench_e2e.py``'s bandwidth figure; this isolates the kernels.
+
+Usage::
+
+    python bench/bench_rms_norm_rope.py --device cuda              # 1, 16, 64, 1024 rows
+    python bench/bench_rms_norm_rope.py --device cpu --rows 1,16   # torch path only
+
+Prints a table; writes ``<out>.json`` (default ``bench/results/rms_norm_rope-<date>-<dev>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from agspec_gpu.kernels.rms_norm import rms_norm
+from agspec_gpu.kernels.rope import rope
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timer(device: torch.device, repeats: int):
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, rep=repeats, return_mode="median") * 1e3
+
+    def cpu(fn):
+        fn()
+        times = []
+        for _ in range(max(repeats // 10, 5)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e6
+    return cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", default="1,16,64,1024")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", default="32,8", help="query,KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=100, help="ms of timing per measurement")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    H, Hkv = (int(x) for x in args.heads.split(","))
+    D, N = args.head_dim, args.hidden
+    bench = timer(dev, args.repeats)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for Q in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(Q, N, device=dev, generator=g).to(dtype)
+        w = torch.randn(N, device=dev, generator=g).to(dtype)
+        qkv = torch.randn(Q, (H + 2 * Hkv) * D, device=dev, generator=g).to(dtype)
+        q = qkv[:, :H * D].view(Q, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(Q, Hkv, D)
+        ang = torch.rand(Q, D, device=dev, generator=g) * 100
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        cases = {
+            "rms_norm": (lambda t: rms_norm(x, w, 1e-5, use_triton=t), 8),
+            "rope_qk": (lambda t: (rope(q, cos, sin, use_triton=t),
+                                   rope(k, cos, sin, use_triton=t)), 11),
+        }
+        for name, (fn, replaced) in cases.items():
+            row = {"op": name, "rows": Q, "torch_us": bench(lambda: fn(False)),
+                   "torch_kernels": replaced, "triton_kernels": 1 if name == "rms_norm" else 2}
+            row["triton_us"] = bench(lambda: fn(True)) if dev.type == "cuda" else None
+            row["speedup"] = row["torch_us"] / row["triton_us"] if row["triton_us"] else None
+            rows.append(row)
+            tri = f"{row['triton_us']:9.1f}" if row["triton_us"] else "        -"
+            sp = f"{row['speedup']:6.2f}x" if row["speedup"] else "      -"
+            print(f"{name:9s} rows={Q:<5d} torch {row['torch_us']:9.1f} us  triton {tri} us  "
+                  f"{sp}  ({replaced} kernels -> {row['triton_kernels']})", flush=True)
+    name = f"{dev.type}" if dev.type == "cpu" else \
+        torch.cuda.get_device_name(dev).split()[-1].lower()
+    out = Path(args.out) if args.out else \
+        ROOT / "bench" / "results" / f"rms_norm_rope-{_dt.date.today():%Y%m%d}-{name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
+              "machine": platform.machine(),
+              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None}
+    out.with_suffix(".json").write_text(json.dumps({"config": config, "results": rows},
+                                                   indent=2) + "\n")
+    print(f"wrote {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
