@@ -39,7 +39,58 @@ class GraphAttention:
         return self.wrapper.run(q, kv_cache, out=self.out)
 
 
-class DecodeGraphs:
+def capture_forward(runner, wrapper, out: torch.Tensor, meta: TreeMetadata, warmup: int,
+                    pool) -> tuple:
+    """Captures ``runner.forward(meta)`` as a CUDA graph with ``wrapper`` (planned for
+    ``meta``) as its attention, writing into ``out``; ``(graph, logits, view)``.
+
+    ``view`` is the runner's copy that holds the graph's attention: keep it as long as the
+    graph, or ``out`` is freed and the graph writes into memory that is no longer its own.
+    Warm-up runs on a side stream first, as capture requires.
+    """
+    dev = runner.device
+    view = copy.copy(runner)  # same weights and KV cache, the graph's attention
+    view.attention = GraphAttention(wrapper, out)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            view.forward(meta)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = view.forward(meta)
+    return graph, logits, view
+
+
+class GraphSteps:
+    """Captured forwards of a runner, one per bucket, with an eager fallback: the part
+    :class:`DecodeGraphs` and ``VerifyGraphs`` share. A subclass sets ``runner`` and
+    implements ``_capture(warmup)``, filling ``_graphs``."""
+
+    def _start(self, use_graphs: bool | None, warmup: int) -> None:
+        """Captures (default: on CUDA when the runner's attention is FlashInfer); a failure
+        is kept in :attr:`graph_error` and every step then runs eagerly."""
+        if use_graphs is None:
+            from agspec_gpu.attention import FlashInferPagedAttention
+
+            use_graphs = self.runner.device.type == "cuda" and isinstance(
+                self.runner.attention, FlashInferPagedAttention)
+        self.graph_error: str | None = None
+        self._graphs: dict = {}
+        if use_graphs:
+            try:
+                self._capture(warmup)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+                self._graphs.clear()
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def uses_graphs(self) -> bool:
+        return bool(self._graphs)
+
+
+class DecodeGraphs(GraphSteps):
     """One-token decode steps at fixed batch sizes: CUDA graphs on a GPU, eager elsewhere.
 
     For each size ``S`` it holds the planner buffers of a step of ``S`` requests with no draft
@@ -78,23 +129,7 @@ class DecodeGraphs:
                                      torch.zeros(S, 0, dtype=torch.int32, device=dev),
                                      torch.zeros(S, dtype=torch.int32, device=dev))
                        for S in self.sizes}
-        if use_graphs is None:
-            from agspec_gpu.attention import FlashInferPagedAttention
-
-            use_graphs = dev.type == "cuda" and isinstance(runner.attention,
-                                                           FlashInferPagedAttention)
-        self.graph_error: str | None = None
-        self._graphs: dict[int, tuple] = {}
-        if use_graphs:
-            try:
-                self._capture(warmup)
-            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
-                self._graphs.clear()
-                self.graph_error = f"{type(exc).__name__}: {exc}"
-
-    @property
-    def uses_graphs(self) -> bool:
-        return bool(self._graphs)
+        self._start(use_graphs, warmup)
 
     def size_for(self, num_requests: int) -> int:
         for S in self.sizes:
@@ -200,21 +235,9 @@ class DecodeGraphs:
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                                        **kwargs)
             out = torch.empty(S, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
-            # a decode view of the runner: same weights and KV cache, the graph's attention
-            view = copy.copy(runner)
-            view.attention = GraphAttention(wrapper, out)
             meta = self._plan_padding(S)
             self._plan_wrapper(wrapper, meta)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    view.forward(meta)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = view.forward(meta)
-            # the graph writes into `out` (held by view.attention): keep the view alive with it
+            graph, logits, view = capture_forward(runner, wrapper, out, meta, warmup, pool)
             self._graphs[S] = (graph, wrapper, logits, view)
         torch.cuda.synchronize(dev)
 

@@ -25,7 +25,6 @@ attention output buffer and the logits the graph writes. Graphs share one memory
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
@@ -33,7 +32,7 @@ import torch
 
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import synchronize, to_device
-from agspec_gpu.runners.graphs import GraphAttention
+from agspec_gpu.runners.graphs import GraphSteps, capture_forward
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
 
@@ -48,7 +47,7 @@ def row_buckets(S: int, max_nodes: int) -> list[int]:
     return out
 
 
-class VerifyGraphs:
+class VerifyGraphs(GraphSteps):
     """Verification forwards at fixed ``(requests, rows)`` buckets: CUDA graphs on a GPU with
     FlashInfer, the same padded steps run eagerly elsewhere.
 
@@ -89,23 +88,7 @@ class VerifyGraphs:
                     max_total_pages=S * P + 1, max_mask_bytes=Q * P * ps // 8 + S + 2)
         self._ones = torch.full((-(-self.buckets[self.sizes[-1]][-1] // 8),), 255,
                                 dtype=torch.uint8, device=dev)
-        if use_graphs is None:
-            from agspec_gpu.attention import FlashInferPagedAttention
-
-            use_graphs = dev.type == "cuda" and isinstance(runner.attention,
-                                                           FlashInferPagedAttention)
-        self.graph_error: str | None = None
-        self._graphs: dict[tuple[int, int], tuple] = {}
-        if use_graphs:
-            try:
-                self._capture(warmup)
-            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
-                self._graphs.clear()
-                self.graph_error = f"{type(exc).__name__}: {exc}"
-
-    @property
-    def uses_graphs(self) -> bool:
-        return bool(self._graphs)
+        self._start(use_graphs, warmup)
 
     def bucket(self, num_requests: int, num_rows: int) -> tuple[int, int]:
         """``(S, Q)`` of a step of ``num_requests`` requests and ``num_rows`` real rows."""
@@ -232,8 +215,6 @@ class VerifyGraphs:
                 mask_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
                 backend="fa2")
             attn_out = torch.empty(Q, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
-            view = copy.copy(runner)  # same weights and KV cache, the graph's attention
-            view.attention = GraphAttention(wrapper, attn_out)
             # the capture plan has the most rows a replay may have: S padding requests and
             # the sink over the rest
             empty = DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
@@ -243,15 +224,6 @@ class VerifyGraphs:
             table = torch.full((S, 1), cache.null_page, dtype=torch.int32, device=dev)
             meta = self._plan_padded(S, Q, empty, zeros, zeros, table, used_rows=S)
             self._plan_wrapper(wrapper, meta)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    view.forward(meta)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = view.forward(meta)
-            # the graph writes into attn_out (held by view.attention): keep the view with it
+            graph, logits, view = capture_forward(runner, wrapper, attn_out, meta, warmup, pool)
             self._graphs[S, Q] = (graph, wrapper, logits, view)
         synchronize(dev)
