@@ -243,6 +243,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=4)
     ap.add_argument("--bandwidth-iters", type=int, default=50)
     ap.add_argument("--global-corpus", default=None, help="an agspec global corpus file")
+    ap.add_argument("--half", type=int, choices=(0, 1), default=None,
+                    help="only sessions of this half (agspec_gpu.tiers.session_half), e.g. 1 "
+                         "with a global corpus built from --half 0: no session feeds its own "
+                         "global tier")
     ap.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--out", default=None, help="e2e JSON path (CSV next to it)")
     ap.add_argument("--seed", type=int, default=0)
@@ -270,6 +274,10 @@ def load_corpus(args, tokenizer):
     paths = args.paths or ([] if args.git else [DEFAULT_DATA])
     if paths:
         sessions += load_paths(paths)
+    if args.half is not None:
+        from agspec_gpu.tiers import session_half
+
+        sessions = [s for s in sessions if session_half(s.id) == args.half]
     if args.sessions is None:  # only what the largest batch runs (tokenizing costs)
         max_b = max(int(b) for b in args.batch_sizes.split(",") if b)
         args.sessions = max(args.min_sessions, math.ceil(args.sessions_per_slot * max_b))

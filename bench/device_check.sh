@@ -16,6 +16,8 @@
 #   arctic_inference-0.3.0.tar.gz     (SuffixDecoding, built there in the background; the
 #                                    image has nanobind, cmake and ninja)
 #   *.jsonl.gz trajectories           (../shared does not travel)
+#   dev-half0.agspec.gz                a global corpus built from dev half 0 (gzip: 14 MB);
+#                                    the e2e then replays half-1 sessions only
 # Fetching them here, once (the whole tree must stay under the 64 MiB carry):
 #   echo /.whl/ >> .git/info/exclude; mkdir -p .whl /tmp/dl
 #   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
@@ -24,13 +26,15 @@
 #   python bench/prune_flashinfer_wheel.py /tmp/dl/flashinfer_python-0.7.2.post1-py3-none-any.whl .whl/
 #                                    (62 MB -> 24 MB: only the kernel sources it compiles)
 #   pip download --no-deps --no-binary :all: --no-build-isolation -d .whl arctic-inference==0.3.0
-#   cp ../shared/data/trajectories/dev/{swe_agent__claude-sonnet-4,aider__chat_history}.jsonl.gz .whl/
+#   cp ../shared/data/trajectories/dev/*.jsonl.gz .whl/
+#   agspec-gpu build-global --trajectories ../shared/data/trajectories/dev --half 0 -o /tmp/g0.agspec
+#   gzip -c /tmp/g0.agspec > .whl/dev-half0.agspec.gz
 #   python bench/prebuild_flashinfer.py .whl/flashinfer-aot   (its docstring: the environment)
 #
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), match.json, rms_norm_rope.json, e2e-<date>-h200-eager-verify.json.
+# trace of agspec at B=64), rms_norm_rope.json, e2e-<date>-h200-eager-verify.json.
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 420 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
 set -u
@@ -149,36 +153,39 @@ fi
 TRAJ=$(ls .whl/*.jsonl.gz 2>/dev/null)
 [ -z "$TRAJ" ] && [ -d ../shared/data/trajectories/dev ] && TRAJ=../shared/data/trajectories/dev
 [ -z "$TRAJ" ] && TRAJ=.whl/trajectories
+GLOBAL=()
+if [ -f .whl/dev-half0.agspec.gz ] && gunzip -c .whl/dev-half0.agspec.gz >/tmp/global.agspec; then
+  GLOBAL=(--global-corpus /tmp/global.agspec --half 1)  # no session feeds its own global tier
+  log "=== e2e: global tier from dev half 0, half-1 sessions"
+fi
 # --prefill skip: each request's context KV is allocated, not computed (decode time does not
 # depend on the cached values); the full run (prefill real) is for a longer session.
 step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
   --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
-  --profile --profile-steps 3 --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200.json"
+  --profile --profile-steps 3 "${GLOBAL[@]}" --results-dir /tmp/e2e \
+  --out "$OUT/e2e-$DATE-h200.json"
 E2E_RC=$?
 if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time limit): eager steps
   step e2e-eager 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
     --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
-    --context 4096 --prefill skip --calibrate-repeats 3 --no-graphs --results-dir /tmp/e2e \
-    --out "$OUT/e2e-$DATE-h200-eager.json"
+    --context 4096 --prefill skip --calibrate-repeats 3 --no-graphs "${GLOBAL[@]}" \
+    --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200-eager.json"
 fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
 # ---------------------------------------------------------------- kernel benchmarks
-step bench_match 75 python3 bench/bench_match.py --device cuda --sizes 32K,1M,16M --repeats 10 \
-  --sd-max-size 1M --out /tmp/bench/match
-cp /tmp/bench/match.json "$OUT/match.json" 2>/dev/null
 step bench_rms_norm_rope 40 python3 bench/bench_rms_norm_rope.py --device cuda \
   --out /tmp/bench/rms_norm_rope
 cp /tmp/bench/rms_norm_rope.json "$OUT/rms_norm_rope.json" 2>/dev/null
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
-# H200 on 2026-11-30, bench/results/index_build-20261130-h200.json)
+# H200 on 2026-11-30, bench/results/index_build-20261130-h200.json, as was bench_match)
 step e2e-eager-verify 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16 \
   --methods none,agspec,suffix-decoding --sessions-per-slot 1 --min-sessions 4 \
   --messages-per-session 2 --max-message-tokens 128 --context 4096 --prefill skip \
-  --calibrate-repeats 3 --eager-verify --results-dir /tmp/e2e-eager \
+  --calibrate-repeats 3 --eager-verify "${GLOBAL[@]}" --results-dir /tmp/e2e-eager \
   --out "$OUT/e2e-$DATE-h200-eager-verify.json"
 rm -f "$OUT/e2e-$DATE-h200-eager-verify.csv"  # the JSON holds the rows (8 files come back)
 
