@@ -32,6 +32,7 @@ from agspec_gpu.host import to_device
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
+from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
@@ -47,6 +48,11 @@ class DecoderConfig:
             :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
             attention on a GPU) with a KV pool of ``kv_cache_tokens`` slots in pages of
             ``page_size``.
+        cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
+            step (a plain decode step too) replays a CUDA graph of its padded (requests,
+            rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
+            when the decoder is built, for batches of 1, 2, 4, ... up to ``max_batch``);
+            False launches every step eagerly.
         profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
             those of the drafter's roles of the same name (other roles are kept).
     """
@@ -57,6 +63,7 @@ class DecoderConfig:
     runner: str = "hf"
     page_size: int = 16
     kv_cache_tokens: int = 1 << 15
+    cuda_graphs: bool = True
     profiles: str | None = None
 
     def __post_init__(self) -> None:
@@ -114,6 +121,11 @@ class SpecDecoder:
             except ValueError as exc:
                 raise ValueError(f"model: runner='paged' takes Llama/Qwen2-family models "
                                  f"({exc})") from exc
+        self._verify_graphs: VerifyGraphs | None = None
+        if self._paged is not None and self.config.cuda_graphs and device.type == "cuda":
+            sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
+            self._verify_graphs = VerifyGraphs(self._paged, sizes + [self.config.max_batch],
+                                               drafter_cfg.max_nodes)
         self._sessions: dict[str, _SessionState] = {}
         self._next = 0
         # a per-instance prefix: one decoder never takes another decoder's session id for
@@ -215,7 +227,7 @@ class SpecDecoder:
     def _batch_runner(self) -> HFRunner | PagedBatch:
         if self._paged is None:
             return HFRunner(self.model)
-        return PagedBatch(self._paged)
+        return PagedBatch(self._paged, self._verify_graphs)
 
     def _generate(self, sids, states, runner, max_new_tokens, sampling, stop, spec, eos,
                   generator, on_tokens) -> list[list[int]]:

@@ -91,3 +91,34 @@ def test_rejects_what_no_bucket_holds():
         vg.verify(["a"], d, torch.zeros(1, dtype=torch.int32), [0], num_draft_host=4)
     with pytest.raises(ValueError, match="max_nodes must be"):
         VerifyGraphs(runner, [1], max_nodes=0)
+
+
+def test_paged_batch_through_verify_graphs_equals_exact_steps():
+    """SpecDecoder's paged batch (``DecoderConfig.cuda_graphs`` on a GPU): verify_padded
+    through the padded buckets gives the exact-size step's logits, and commits the same KV."""
+    from agspec_gpu.accept import greedy_accept
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    rng = np.random.default_rng(7)
+    runner = _runner()
+    vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=6)
+    prompts = [rng.integers(0, 1000, n).tolist() for n in (11, 4, 19)]
+    got = []
+    for graphs in (None, vg):
+        batch = PagedBatch(runner, graphs)
+        roots = batch.prefill(prompts).argmax(-1).to(torch.int32)
+        rng_t = np.random.default_rng(3)
+        steps = []
+        for _ in range(3):
+            sizes = [int(rng_t.integers(0, 7)) for _ in range(3)]
+            draft = _draft(random_trees(rng_t, sizes, "random", vocab=1000), max(sizes + [1]))
+            logits = batch.verify_padded(draft, roots)
+            res = greedy_accept(draft, logits)
+            batch.commit(res)
+            roots = res.bonus_ids().to(torch.int32)
+            steps.append(logits.clone())
+        got.append(steps)
+        batch.close()
+    for a, b in zip(*got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages

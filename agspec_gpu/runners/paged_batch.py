@@ -23,6 +23,7 @@ from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.runners.common import check_verify_call
 from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.runners.verify_graphs import VerifyGraphs
 
 _batch_ids = itertools.count()
 
@@ -39,8 +40,10 @@ class PagedBatch:
         batch.close()
     """
 
-    def __init__(self, runner: PagedLlamaRunner) -> None:
+    def __init__(self, runner: PagedLlamaRunner,
+                 verify_graphs: VerifyGraphs | None = None) -> None:
         self.runner = runner
+        self.verify_graphs = verify_graphs  # steps that fit its buckets replay its graphs
         self.device = runner.device
         self._tag = next(_batch_ids)
         self._seq_ids: list[tuple[int, int]] = []
@@ -71,10 +74,18 @@ class PagedBatch:
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._prefix is not None,
                                  pending=self._pending is not None)
-        meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
-                                prefix_lens_host=self._prefix_host)
-        flat = self.runner.forward(meta)                               # [capacity_q, V]
-        start, end = meta.qo_indptr[:-1].long(), meta.qo_indptr[1:].long()
+        vg = self.verify_graphs
+        if vg is not None and N <= vg.max_nodes and B <= vg.sizes[-1]:
+            # the padded bucket (CUDA graph on a GPU); its first B requests are these
+            num_draft = int(draft.num_draft_tokens.sum())  # picks the bucket (a host read)
+            meta, flat = vg.verify(self._seq_ids, draft, root_ids, self._prefix_host, num_draft)
+            qo = meta.qo_indptr[:B + 1]
+        else:
+            meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
+                                    prefix_lens_host=self._prefix_host)
+            flat = self.runner.forward(meta)                           # [capacity_q, V]
+            qo = meta.qo_indptr
+        start, end = qo[:-1].long(), qo[1:].long()
         rows = torch.minimum(start[:, None] + torch.arange(1 + N, device=self.device)[None, :],
                              end[:, None] - 1)                          # [B, 1 + N]
         self._pending = self._prefix
