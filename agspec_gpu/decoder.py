@@ -273,7 +273,8 @@ class SpecDecoder:
                 # string or the limit, nothing for requests that had already finished
                 # the ids are the model's own and the counts are on the host: no read back
                 self.drafter.observe(sids, res.output_ids, to_device(taken, torch.int32, dev),
-                                     res.num_accepted, num_output_host=taken, validate=False)
+                                     res.num_accepted, num_output_host=taken, validate=False,
+                                     path_nodes=res.accepted_nodes)
         for st, o in zip(states, outs):
             st.context.extend(o)
         return outs

@@ -403,7 +403,7 @@ class Drafter:
     # ------------------------------------------------------------ observe
     def observe(self, sids: list[str], output_ids: torch.Tensor, num_output: torch.Tensor,
                 num_accepted: torch.Tensor, *, num_output_host: Sequence[int] | None = None,
-                validate: bool = True) -> None:
+                validate: bool = True, path_nodes: torch.Tensor | None = None) -> None:
         """Commits verification results for the last ``propose(sids)``.
 
         Args:
@@ -414,6 +414,11 @@ class Drafter:
                 serving loop does: it emits the tokens); otherwise they are read back.
             validate: check that the committed ids are in the vocabulary (a read back of
                 ``output_ids``); a caller whose ids come from the model may skip it.
+            path_nodes: ``int [B, A]`` the accepted draft nodes in path order, ``-1``
+                padded (``AcceptResult.accepted_nodes``, ``teacher_forced_accept(...)
+                .path_nodes``), when the verifier has them: the drafter then does not search
+                its tree for the accepted tokens again (a pointer-jumping pass, ~130 small
+                kernels). Entries past ``num_accepted[b]`` are ignored.
 
         With ``num_output_host`` and ``validate=False`` nothing is read back to the host:
         the step's only device-to-host reads are the periodic index merges of a corpus
@@ -421,10 +426,10 @@ class Drafter:
         """
         with nvtx.annotate("agspec.commit", color="red"):
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
-                          validate)
+                          validate, path_nodes)
 
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
-                 validate=True) -> None:
+                 validate=True, path_nodes=None) -> None:
         dev = self.recent.device
         slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
         out = output_ids.to(dev, torch.int32)
@@ -454,7 +459,7 @@ class Drafter:
             srcs = draft.maybe_source.to(torch.int64)
             tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
             drafted = _counts(tiers.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
-            acc_src, on_path = self._accepted_path(draft, out, nacc)
+            acc_src, on_path = self._accepted_path(draft, out, nacc, path_nodes)
             self._calibrate(draft, nd, calib_row, on_path)
             acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
             hits = _counts(acc_t.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
@@ -490,20 +495,27 @@ class Drafter:
         self.calib_hits.clamp_(min=1e-3)
 
     @staticmethod
-    def _accepted_path(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor
+    def _accepted_path(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor,
+                       path_nodes: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Source tags of the accepted path's nodes ``int [B, max_acc]`` (-1 padded) and
-        ``bool [B, N]``: node is on the accepted path (the path ``out[:nacc]`` spells)."""
+        ``bool [B, N]``: node is on the accepted path (the path ``out[:nacc]`` spells, or
+        the first ``nacc`` of ``path_nodes`` when the caller has them)."""
         B, N = draft.token_ids.shape
         A = out.shape[1]
-        cols = torch.arange(A, device=out.device)[None, :]
-        spelled = torch.where(cols < nacc.to(torch.int64)[:, None], out, NO_TOKEN)
-        path = teacher_forced_accept(draft, spelled).path_nodes  # [B, N], -1 padded
+        if path_nodes is None:
+            cols = torch.arange(A, device=out.device)[None, :]
+            spelled = torch.where(cols < nacc.to(torch.int64)[:, None], out, NO_TOKEN)
+            path = teacher_forced_accept(draft, spelled).path_nodes  # [B, N], -1 padded
+        else:
+            path = path_nodes.to(out.device, torch.int64)
+            cols = torch.arange(path.shape[1], device=out.device)[None, :]
+            path = torch.where(cols < nacc.to(torch.int64)[:, None], path, -1)
         on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=out.device)
         on_path.scatter_(1, torch.where(path >= 0, path, N), True)
         src = torch.where(path >= 0, draft.maybe_source.to(torch.int64).gather(
             1, path.clamp(min=0)), -1)
         res = torch.full((B, max(A, 1)), -1, dtype=torch.int64, device=out.device)
-        w = min(A, N)
+        w = min(A, path.shape[1])
         res[:, :w] = src[:, :w]
         return res, on_path[:, :N]

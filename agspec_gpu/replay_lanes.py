@@ -85,7 +85,7 @@ class Lane(Protocol):
              remaining: np.ndarray) -> StepResult: ...
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
-                num_accepted: np.ndarray) -> None: ...
+                num_accepted: np.ndarray, path_nodes: torch.Tensor | None = None) -> None: ...
 
     def finish_message(self, sid: str) -> None: ...
 
@@ -94,17 +94,19 @@ class Lane(Protocol):
     def close_tenant(self, tenant: str) -> None: ...
 
 
-def _accept_on_host(draft: DraftBatch, truth: TruthFn) -> tuple[np.ndarray, np.ndarray | None]:
-    """``(num_accepted, maybe_sources)`` of a draft against the true continuation."""
+def _accept_on_host(draft: DraftBatch, truth: TruthFn
+                    ) -> tuple[np.ndarray, np.ndarray | None, torch.Tensor]:
+    """``(num_accepted, maybe_sources, path_nodes)`` of a draft against the true
+    continuation (``path_nodes``: ``int64 [B, N]`` on the draft's device, -1 padded)."""
     width = draft.max_nodes
     t = torch.from_numpy(truth(width, NO_TOKEN)).to(draft.token_ids.device)
     paths = teacher_forced_accept(draft, t)
     num_acc = paths.num_accepted.cpu().numpy()
     if draft.maybe_source is None or width == 0:
-        return num_acc, None
+        return num_acc, None, paths.path_nodes
     src = draft.maybe_source.long().gather(1, paths.path_nodes.clamp(min=0))
     src = torch.where(paths.path_nodes >= 0, src, -1)
-    return num_acc, src.cpu().numpy()
+    return num_acc, src.cpu().numpy(), paths.path_nodes
 
 
 # ----------------------------------------------------------------------------- host drafters
@@ -154,12 +156,12 @@ class HostLane:
             drafts.append(self.drafter.propose(self._keys[sid], ctx))
             seconds += time.perf_counter() - t0
         draft = DraftBatch.from_host(drafts)
-        num_acc, _ = _accept_on_host(draft, truth)
+        num_acc, _, _ = _accept_on_host(draft, truth)
         return StepResult(draft.num_draft_tokens.numpy().astype(np.int64), num_acc, None,
                           seconds)
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
-                num_accepted: np.ndarray) -> None:
+                num_accepted: np.ndarray, path_nodes: torch.Tensor | None = None) -> None:
         for b, sid in enumerate(sids):
             self.drafter.accept(self._keys[sid], output_ids[b, :num_output[b]].tolist())
 
@@ -195,6 +197,7 @@ class BatchedLane:
         self.device = torch.device(device)
         self.oracle_key = oracle_key
         self._roles = {r.name for r in getattr(getattr(drafter, "config", None), "roles", ())}
+        self._last_path: tuple[list[str], torch.Tensor] | None = None  # step() -> observe()
 
     def open_session(self, sid: str, tenant: str, role: str, prompt: np.ndarray) -> None:
         # The agent format is the role when the drafter has a profile for it (profiles are
@@ -219,17 +222,22 @@ class BatchedLane:
         draft = self.drafter.propose(sids)
         synchronize(self.device)
         seconds = time.perf_counter() - t0
-        num_acc, sources = _accept_on_host(draft, truth)
+        num_acc, sources, path = _accept_on_host(draft, truth)
+        self._last_path = (list(sids), path)  # observe() passes it on: no second search
         return StepResult(draft.num_draft_tokens.cpu().numpy().astype(np.int64), num_acc,
                           sources, seconds)
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
-                num_accepted: np.ndarray) -> None:
+                num_accepted: np.ndarray, path_nodes: torch.Tensor | None = None) -> None:
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(  # noqa: E731
             self.device)
+        if path_nodes is None and self._last_path is not None and self._last_path[0] == sids:
+            path_nodes = self._last_path[1]  # this step's acceptance, found by step()
+        self._last_path = None
         # trajectory tokens, counts on the host: the serving loop's sync-free commit
         self.drafter.observe(sids, to(output_ids), to(num_output), to(num_accepted),
-                             num_output_host=num_output.tolist(), validate=False)
+                             num_output_host=num_output.tolist(), validate=False,
+                             path_nodes=path_nodes)
 
     def finish_message(self, sid: str) -> None:
         pass
@@ -350,7 +358,7 @@ class OracleLane(BatchedLane):
                                            self.store.tenant_version(sid), j + 1)
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
-                num_accepted: np.ndarray) -> None:
+                num_accepted: np.ndarray, path_nodes: torch.Tensor | None = None) -> None:
         for b, sid in enumerate(sids):
             self._emitted.setdefault(sid, []).extend(output_ids[b, :num_output[b]].tolist())
             plan = self._plans.get(sid)

@@ -487,7 +487,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 produced = np.minimum(accepted + 1, remaining)
                 out_ids = truth(int(produced.max()), -1)
                 out_ids[np.arange(out_ids.shape[1])[None, :] >= produced[:, None]] = -1
-                proposer.observe(sids, out_ids, produced, accepted)
+                proposer.observe(sids, out_ids, produced, accepted,
+                                 path_nodes=None if paths is None else paths.path_nodes)
                 for b, r in enumerate(active):
                     p = int(produced[b])
                     r.pos += p

@@ -358,6 +358,56 @@ def test_observe_updates_ring_session_scale_and_tier_weights(tok):
     assert paths(d.propose(["s"])) == [(C,)]
 
 
+def test_observe_with_the_verifiers_path_equals_observe_without(tok):
+    """``path_nodes`` (the verifier's accepted path) spares observe its own tree search and
+    changes nothing: the same state after several steps of random acceptance, and the same
+    next drafts; nodes past ``num_accepted`` are ignored."""
+    from agspec_gpu.accept import teacher_forced_accept
+
+    rng = random.Random(4)
+    drafters = [make(tok) for _ in range(2)]
+    sids = ["a", "b", "c"]
+    for _, d in drafters:
+        for i, sid in enumerate(sids):
+            d.open_session(sid, "t", role="coder", prompt_ids=(CASE_A * 3)[i:])
+    for step in range(6):
+        drafts = [d.propose(sids) for _, d in drafters]
+        assert torch.equal(drafts[0].token_ids, drafts[1].token_ids)
+        draft = drafts[0]
+        # a "true" continuation: a random node's path, then a token no draft has
+        truth = torch.full((3, draft.max_nodes + 1), 0, dtype=torch.long)
+        for b in range(3):
+            n = int(draft.num_draft_tokens[b])
+            node = rng.randrange(-1, n) if n else -1
+            path = []
+            while node >= 0:
+                path.append(int(draft.token_ids[b, node]))
+                node = int(draft.parents[b, node])
+            truth[b, :len(path)] = torch.tensor(path[::-1])
+        res = teacher_forced_accept(draft, truth)
+        nacc = res.num_accepted.to(torch.int32)
+        out = torch.full((3, draft.max_nodes + 1), PAD_ID, dtype=torch.int32)
+        for b in range(3):
+            k = int(nacc[b])
+            out[b, :k + 1] = truth[b, :k + 1].to(torch.int32)
+            out[b, k] = B  # the bonus token
+        nout = nacc + 1
+        cut = nacc.clone()
+        if step == 3:  # the caller cut acceptance short (a message end): path entries ignored
+            cut = (nacc - 1).clamp(min=0)
+            nout = cut + 1
+            for b in range(3):
+                out[b, int(cut[b]):] = PAD_ID
+                out[b, int(cut[b])] = B
+        drafters[0][1].observe(sids, out, nout, cut)
+        drafters[1][1].observe(sids, out, nout, cut, path_nodes=res.path_nodes)
+    (_, d0), (_, d1) = drafters
+    for name in ("scale", "prev_full", "calib_seen", "calib_hits", "tier_hits", "tier_drafts",
+                 "recent", "recent_len", "last_accepted_sources"):
+        assert torch.equal(getattr(d0, name), getattr(d1, name)), name
+    assert torch.equal(d0.propose(sids).token_ids, d1.propose(sids).token_ids)
+
+
 def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(tok):
     store, d = make(tok, batch_budget=False, tree=False)
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
