@@ -34,7 +34,7 @@
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), rms_norm_rope.json, e2e-<date>-h200-eager-verify.json.
+# trace of agspec at B=64), layer_kernels.json, e2e-<date>-h200-eager-verify.json.
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
 set -u
@@ -136,7 +136,7 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
 step pytest 140 python3 -P -m pytest -q --tb=short --durations=8 -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
   tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
-  tests/test_rms_norm_rope.py tests/test_verify_graphs.py \
+  tests/test_layer_kernels.py tests/test_verify_graphs.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[1-dtype0]" \
@@ -176,9 +176,9 @@ cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
 # ---------------------------------------------------------------- kernel benchmarks
-step bench_rms_norm_rope 40 python3 bench/bench_rms_norm_rope.py --device cuda \
-  --out /tmp/bench/rms_norm_rope
-cp /tmp/bench/rms_norm_rope.json "$OUT/rms_norm_rope.json" 2>/dev/null
+step bench_layer_kernels 40 python3 bench/bench_layer_kernels.py --device cuda \
+  --out /tmp/bench/layer_kernels
+cp /tmp/bench/layer_kernels.json "$OUT/layer_kernels.json" 2>/dev/null
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
 # H200 on 2026-11-30, bench/results/index_build-20261130-h200.json, as was bench_match)

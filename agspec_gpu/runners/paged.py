@@ -31,6 +31,7 @@ from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import canonical_device
 from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope import rope
+from agspec_gpu.kernels.silu_mul import silu_mul
 from agspec_gpu.kv_cache import PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
@@ -113,6 +114,14 @@ class _Layer:
     post_norm: torch.Tensor  # [hidden]
     gate_up_weight: torch.Tensor  # [2 I, hidden]
     down_weight: torch.Tensor  # [hidden, I]
+
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + delta), x + delta)``; ``delta=None``: ``(rms_norm(x), x)``."""
+    if delta is None:
+        return rms_norm(x, weight, eps), x
+    return rms_norm(delta, weight, eps, residual=x)
 
 
 class PagedLlamaRunner:
@@ -257,23 +266,26 @@ class PagedLlamaRunner:
         slots = self.kv_cache.slots_of(meta)  # the same KV slots in every layer
         eps = s.rms_norm_eps
 
-        # RMSNorm and RoPE: one kernel each on a GPU (kernels/rms_norm.py, kernels/rope.py)
+        # one kernel each on a GPU: RMSNorm fused with the residual add before it, RoPE,
+        # SiLU * up (kernels/rms_norm.py, rope.py, silu_mul.py). The residual stream is x;
+        # each sublayer's output joins it inside the next norm.
         x = self.embed[meta.input_ids.long()]  # [Q, hidden]
+        delta = None  # the last sublayer's output, not yet added to x
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps)
+            h, x = _add_norm(x, delta, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = rope(q.view(Q, H, D), cos, sin)  # contiguous, as attention wants it
             k = rope(k.view(Q, Hkv, D), cos, sin)
             self.kv_cache.append_kv(i, k, v.view(Q, Hkv, D), meta, slots=slots)
             o = self.attention.run(q, self.kv_cache.layer(i))
-            x = x + F.linear(o.view(Q, H * D), layer.o_weight, layer.o_bias)
-            h = rms_norm(x, layer.post_norm, eps)
-            gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_weight)
+            delta = F.linear(o.view(Q, H * D), layer.o_weight, layer.o_bias)
+            h, x = _add_norm(x, delta, layer.post_norm, eps)
+            delta = F.linear(silu_mul(F.linear(h, layer.gate_up_weight)), layer.down_weight)
+        h, _ = _add_norm(x, delta, self.final_norm, eps)
         if logit_rows is not None:
-            x = x[logit_rows.long()]
-        return F.linear(rms_norm(x, self.final_norm, eps), self.lm_head)
+            h = h[logit_rows.long()]
+        return F.linear(h, self.lm_head)
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]],

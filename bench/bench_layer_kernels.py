@@ -1,19 +1,19 @@
-"""The fused RMSNorm and RoPE kernels against their torch paths at decoder-layer shapes.
+"""The decoder-layer kernels (RMSNorm + residual, RoPE, SiLU * up) against their torch paths.
 
 Shapes: a Llama-3-8B layer (hidden 4096; 32 query and 8 KV heads of 128) at ``--rows`` query
-rows (a decode step of B requests has B rows; a verification step B * (1 + nodes)). Per
-shape: median microseconds of the Triton kernel and of the torch path (``triton.testing.
-do_bench`` on CUDA: CUDA-event timing of many launches; on CPU only the torch path is
-timed, with ``time.perf_counter``), and the kernels each replaces (RMSNorm: 8, RoPE of q and
-k: 10 plus the query's contiguous copy). The decode step's gain shows in
+rows (a decode step of B requests has B rows; a verification step B * (1 + nodes)), MLP
+width 14336. Per shape: median microseconds of the Triton kernel and of the torch path
+(``triton.testing.do_bench`` on CUDA: CUDA-event timing of many launches; on CPU only the
+torch path is timed, with ``time.perf_counter``), and the kernels each replaces (residual
+add + RMSNorm: 9, RoPE of q and k: 10 plus the query's contiguous copy, SiLU * up: 2). The decode step's gain shows in
 ``bench/bench_e2e.py``'s bandwidth figure; this isolates the kernels.
 
 Usage::
 
-    python bench/bench_rms_norm_rope.py --device cuda              # 1, 16, 64, 1024 rows
-    python bench/bench_rms_norm_rope.py --device cpu --rows 1,16   # torch path only
+    python bench/bench_layer_kernels.py --device cuda              # 1, 16, 64, 1024 rows
+    python bench/bench_layer_kernels.py --device cpu --rows 1,16   # torch path only
 
-Prints a table; writes ``<out>.json`` (default ``bench/results/rms_norm_rope-<date>-<dev>``).
+Prints a table; writes ``<out>.json`` (default ``bench/results/layer_kernels-<date>-<dev>``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope import rope
+from agspec_gpu.kernels.silu_mul import silu_mul
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", default="32,8", help="query,KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--repeats", type=int, default=100, help="ms of timing per measurement")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -76,25 +78,28 @@ def main(argv: list[str] | None = None) -> int:
         k = qkv[:, H * D:(H + Hkv) * D].view(Q, Hkv, D)
         ang = torch.rand(Q, D, device=dev, generator=g) * 100
         cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-        cases = {
-            "rms_norm": (lambda t: rms_norm(x, w, 1e-5, use_triton=t), 8),
+        res = torch.randn(Q, N, device=dev, generator=g).to(dtype)
+        gate_up = torch.randn(Q, 2 * args.intermediate, device=dev, generator=g).to(dtype)
+        cases = {  # name: (fn(use_triton), kernels of the torch path, Triton launches)
+            "add_rms_norm": (lambda t: rms_norm(x, w, 1e-5, residual=res, use_triton=t), 9, 1),
             "rope_qk": (lambda t: (rope(q, cos, sin, use_triton=t),
-                                   rope(k, cos, sin, use_triton=t)), 11),
+                                   rope(k, cos, sin, use_triton=t)), 11, 2),
+            "silu_mul": (lambda t: silu_mul(gate_up, use_triton=t), 2, 1),
         }
-        for name, (fn, replaced) in cases.items():
+        for name, (fn, replaced, launches) in cases.items():
             row = {"op": name, "rows": Q, "torch_us": bench(lambda: fn(False)),
-                   "torch_kernels": replaced, "triton_kernels": 1 if name == "rms_norm" else 2}
+                   "torch_kernels": replaced, "triton_kernels": launches}
             row["triton_us"] = bench(lambda: fn(True)) if dev.type == "cuda" else None
             row["speedup"] = row["torch_us"] / row["triton_us"] if row["triton_us"] else None
             rows.append(row)
             tri = f"{row['triton_us']:9.1f}" if row["triton_us"] else "        -"
             sp = f"{row['speedup']:6.2f}x" if row["speedup"] else "      -"
-            print(f"{name:9s} rows={Q:<5d} torch {row['torch_us']:9.1f} us  triton {tri} us  "
+            print(f"{name:12s} rows={Q:<5d} torch {row['torch_us']:9.1f} us  triton {tri} us  "
                   f"{sp}  ({replaced} kernels -> {row['triton_kernels']})", flush=True)
     name = f"{dev.type}" if dev.type == "cpu" else \
         torch.cuda.get_device_name(dev).split()[-1].lower()
     out = Path(args.out) if args.out else \
-        ROOT / "bench" / "results" / f"rms_norm_rope-{_dt.date.today():%Y%m%d}-{name}"
+        ROOT / "bench" / "results" / f"layer_kernels-{_dt.date.today():%Y%m%d}-{name}"
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
               "machine": platform.machine(),

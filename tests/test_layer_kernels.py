@@ -1,5 +1,6 @@
-"""The fused RMSNorm and RoPE kernels (Triton, interpreted on CPU) equal their torch paths,
-which are Llama's arithmetic, on many shapes and adversarial values; both compile for sm_90.
+"""The decoder-layer kernels (RMSNorm with an optional residual add, RoPE, SiLU * up;
+Triton, interpreted on CPU) equal their torch paths, which are Llama's arithmetic, on many
+shapes and adversarial values; all compile for sm_90.
 
 RMSNorm may differ from torch by the order of its fp32 sum of squares, which can move the
 normalized row's rounding by one unit; the product with the weight is rounded again, so the
@@ -15,6 +16,7 @@ import torch
 
 from agspec_gpu.kernels.rms_norm import _rms_norm_kernel, rms_norm, rms_norm_torch
 from agspec_gpu.kernels.rope import _rope_kernel, rope, rope_torch
+from agspec_gpu.kernels.silu_mul import _silu_mul_kernel, silu_mul, silu_mul_torch
 from kernel_compile import compile_all_for_sm90
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -42,6 +44,8 @@ def values(kind: str, shape, dtype, g):
     return x.to(dtype)
 
 
+# "large" inputs overflow in the interpreter's numpy (exp, fp16 casts): by design
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N", [(0, 64), (1, 1), (1, 64), (3, 96), (17, 128), (5, 4096)])
 @pytest.mark.parametrize("kind", ["random", "zeros", "large", "repeated", "periodic"])
@@ -56,6 +60,50 @@ def test_rms_norm_matches_torch(dtype, M, N, kind):
     units = 2 if dtype != torch.float32 else 1e-5 / torch.finfo(dtype).eps
     assert (diff <= units * ulp(want) + 1e-30).all(), (diff.max(), kind)
     assert not got.isnan().any()
+
+
+# "large" inputs overflow in the interpreter's numpy (exp, fp16 casts): by design
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N", [(0, 64), (1, 1), (3, 96), (17, 4096)])
+@pytest.mark.parametrize("kind", ["random", "large", "periodic"])
+def test_rms_norm_with_residual_matches_torch(dtype, M, N, kind):
+    """The fused residual add: the sum equals torch's add exactly, the norm within bounds."""
+    g = torch.Generator().manual_seed(M * 7 + N)
+    x = values(kind, (M, N), dtype, g).to(DEV)
+    res = values("random", (M, N), dtype, g).to(DEV)
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype).to(DEV)
+    want, want_sum = rms_norm_torch(x, w, 1e-5, residual=res)
+    got, got_sum = rms_norm(x, w, 1e-5, residual=res, use_triton=True)
+    if dtype == torch.bfloat16 and DEV.type == "cpu":  # interpreter: truncating bf16 cast
+        assert ((got_sum.float() - want_sum.float()).abs() <= ulp(want_sum) + 1e-30).all()
+    else:
+        assert torch.equal(got_sum, want_sum)
+    units = 3 if dtype != torch.float32 else 1e-5 / torch.finfo(dtype).eps
+    assert ((got.float() - want.float()).abs() <= units * ulp(want) + 1e-30).all()
+    with pytest.raises(ValueError, match="residual: expected shape"):
+        rms_norm(x, w, 1e-5, residual=res[:, :N - 1] if N > 1 else res[:0])
+
+
+# "large" inputs overflow in the interpreter's numpy (exp, fp16 casts): by design
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,I", [(0, 8), (1, 1), (3, 100), (5, 1024), (2, 3000)])
+@pytest.mark.parametrize("kind", ["random", "large", "zeros"])
+def test_silu_mul_matches_torch(dtype, M, I, kind):
+    g = torch.Generator().manual_seed(M * 13 + I)
+    base = values(kind, (M, 2 * I + 6), dtype, g).to(DEV)
+    gate_up = base[:, 3:3 + 2 * I]  # strided rows: a view into a wider buffer
+    want = silu_mul_torch(gate_up)
+    got = silu_mul(gate_up, use_triton=True)
+    assert got.shape == (M, I) and got.dtype == dtype and got.is_contiguous()
+    # the exponential may round differently; the interpreter also truncates to bf16
+    units = 2 if dtype != torch.float32 else 1e-5 / torch.finfo(dtype).eps
+    diff = torch.where(got == want, 0.0, (got.float() - want.float()).abs())  # equal infs
+    assert (diff <= units * ulp(want) + 1e-30).all()
+    assert torch.equal(silu_mul(gate_up.cpu()), silu_mul_torch(gate_up.cpu()))  # CPU: torch
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul(torch.zeros(2, 3, device=DEV))
 
 
 def test_rms_norm_strided_rows_and_default_path():
@@ -110,6 +158,8 @@ def _rope_truncating_bf16(x, cos, sin):
     return torch.cat((lo, hi), dim=-1).to(torch.bfloat16)
 
 
+# "large" inputs overflow in the interpreter's numpy (exp, fp16 casts): by design
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Q,H,Hkv,D", [(0, 4, 2, 8), (1, 1, 1, 2), (1, 4, 2, 64),
                                        (7, 4, 1, 16), (33, 8, 2, 128)])
@@ -159,9 +209,14 @@ def test_rope_rejects_bad_inputs_and_falls_back_for_odd_halves():
 
 
 def test_kernels_compile_for_sm90():
+    norm_sig = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                    sum_ptr="*bf16", stride_x="i64", N="i32", eps="fp32", BLOCK_N="constexpr",
+                    HAS_RESIDUAL="constexpr")
     compile_all_for_sm90([
-        (_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i64",
-                                N="i32", eps="fp32", BLOCK_N="constexpr"), dict(BLOCK_N=4096)),
+        (_rms_norm_kernel, norm_sig, dict(BLOCK_N=4096, HAS_RESIDUAL=False)),
+        (_rms_norm_kernel, norm_sig, dict(BLOCK_N=4096, HAS_RESIDUAL=True)),
+        (_silu_mul_kernel, dict(gate_up_ptr="*bf16", out_ptr="*bf16", stride_m="i64", I="i32",
+                                BLOCK_I="constexpr"), dict(BLOCK_I=1024)),
         (_rope_kernel, dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16",
                             stride_xq="i64", stride_xh="i64", H="i32", HALF="constexpr"),
          dict(HALF=64)),
