@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.kernels.tree_accept import tree_accept
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,22 +228,13 @@ def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
     row_idx = row_start[:, None] + torch.arange(1 + N, device=dev)
     row_idx = row_idx.clamp(max=max(rows.shape[0] - 1, 0))  # padding columns: any valid row
     target = rows.argmax(-1)[row_idx] if rows.shape[0] else torch.zeros_like(row_idx)
-    valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
-    parents = draft.parents.long()
-    # padding has parent PAD_ID == -1 like root children, so every test is and-ed with `valid`
-    at_parent = target.gather(1, (parents + 1).clamp(min=0))
-    match = valid & (draft.token_ids.long() == at_parent)
-
-    cur = torch.full((B,), -1, dtype=torch.long, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    num_acc = torch.zeros(B, dtype=torch.long, device=dev)
-    accepted = torch.full((B, D), PAD_ID, dtype=torch.long, device=dev)
-    for d in range(D):
-        has, child = _first_true(match & (parents == cur[:, None]) & alive[:, None])
-        accepted[:, d] = torch.where(has, child, PAD_ID)
-        cur = torch.where(has, child, cur)
-        num_acc += has
-        alive &= has
+    # the walk down each tree: one kernel on a GPU (kernels/tree_accept.py)
+    num_acc, accepted = tree_accept(draft.token_ids, draft.parents, draft.num_draft_tokens,
+                                    target, by_depth=False, max_depth=D)
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # the last accepted node
+    if D:
+        last = accepted.gather(1, (num_acc - 1).clamp(min=0)[:, None])[:, 0]
+        cur = torch.where(num_acc > 0, last, cur)
     bonus = target.gather(1, (cur + 1)[:, None])[:, 0]
     return _assemble(draft, accepted, num_acc, bonus)
 
@@ -376,10 +368,10 @@ def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPat
 
     Returns
     -------
-    :class:`AcceptedPaths`. Depths and "every ancestor matched" are computed by pointer
-    jumping (``ceil(log2 N)`` rounds of gathers for the whole batch, no loop over requests or
-    depths). Sibling nodes with the same token (a drafter should merge them) are resolved to
-    the lowest node index at each depth, as :func:`agspec_gpu.accept.greedy_accept` does.
+    :class:`AcceptedPaths`: the walk of :func:`agspec_gpu.kernels.tree_accept.tree_accept`
+    (one kernel per batch on a GPU; on CPU one level of the batch at a time, stopping at the
+    deepest match). Sibling nodes with the same token (a drafter should merge them) are
+    resolved to the lower node index at each level, as :func:`greedy_accept` does.
 
     Example
     -------
@@ -394,38 +386,7 @@ def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPat
     if N == 0 or truth.shape[1] == 0:
         return AcceptedPaths(torch.zeros(B, dtype=torch.long, device=dev),
                              torch.full((B, N), -1, dtype=torch.long, device=dev))
-    W = truth.shape[1]
-    cols = torch.arange(N, device=dev)
-    valid = cols[None, :] < draft.num_draft_tokens.to(dev)[:, None]
-    parents = torch.where(valid, draft.parents.long(), -1)
-    rounds = max(N - 1, 1).bit_length()
-
-    # Pointer jumping. Invariant: depth[j] counts the nodes from j up to, not including,
-    # anc[j]; once anc[j] is -1 (above the root's children) it is j's depth.
-    depth, anc = valid.long(), parents
-    for _ in range(rounds):
-        has = anc >= 0
-        a = anc.clamp(min=0)
-        depth = depth + torch.where(has, depth.gather(1, a), 0)
-        anc = torch.where(has, anc.gather(1, a), -1)
-
-    in_range = valid & (depth <= W)
-    true_tok = truth.to(dev).long().gather(1, (depth - 1).clamp(0, W - 1))
-    ok = in_range & (draft.token_ids.long() == true_tok)
-    # Same jumping for "every node from j to the root matched".
-    anc = parents
-    for _ in range(rounds):
-        has = anc >= 0
-        a = anc.clamp(min=0)
-        ok = ok & torch.where(has, ok.gather(1, a), True)
-        anc = torch.where(has, anc.gather(1, a), -1)
-
-    num_accepted = torch.where(ok, depth, 0).amax(1)
-    # Lowest accepted node index per depth: table[b, d] for depth d (column 0 collects the
-    # rejected nodes and is dropped).
-    table = torch.full((B, N + 1), N, dtype=torch.long, device=dev)
-    table.scatter_reduce_(1, torch.where(ok, depth, 0), cols.expand(B, N).contiguous(),
-                          reduce="amin")
-    path = table[:, 1:]
-    path = torch.where(path < N, path, -1)
+    num_accepted, path = tree_accept(draft.token_ids, draft.parents,
+                                     draft.num_draft_tokens.to(dev), truth.to(dev).long(),
+                                     by_depth=True, max_depth=N)
     return AcceptedPaths(num_accepted, path)

@@ -136,7 +136,7 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
 step pytest 140 python3 -P -m pytest -q --tb=short --durations=8 -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
   tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
-  tests/test_layer_kernels.py tests/test_verify_graphs.py \
+  tests/test_layer_kernels.py tests/test_verify_graphs.py tests/test_tree_accept.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[1-dtype0]" \

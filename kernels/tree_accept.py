@@ -1,0 +1,202 @@
+"""Accept the longest matching root-to-node path of each draft tree, one program per request.
+
+Verification ends with a walk down each tree: from the root, take the lowest-index child
+whose token equals the target's, until none does. Expressed with batched torch ops the walk
+is a loop over depths of about ten small kernels each, hundreds per step on a GPU where the
+GPU work is microseconds. The kernel walks every request's tree in one program: the tree's
+nodes in registers, one level per iteration (a vector compare and a min), no global memory
+but the inputs and the path.
+
+Two ways to say what a node must match (``by_depth``):
+
+* greedy verification: ``expected[b, 0]`` is the target's token at the root and
+  ``expected[b, 1 + j]`` at node ``j``; node ``j`` matches iff its token equals the target at
+  its parent (``expected[b, 1 + parents[b, j]]``);
+* teacher forcing (a replayed trajectory): ``expected[b, d]`` is the true token at depth
+  ``d + 1``; a node at depth ``d + 1`` matches iff its token equals it. Depths past
+  ``expected``'s width never match.
+
+Sibling nodes with the same token (a drafter should merge them): greedy verification walks
+into the lower-index one (what a serving engine's sequential walk does); teacher forcing
+accepts the deepest path that spells the truth and reports the lowest-index matched node of
+each depth (the replay's measurement: a duplicate never costs acceptance).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
+
+
+@triton.jit
+def _tree_accept_kernel(
+    tok_ptr,  # *int32 [B, N]  draft tokens, topological order (parents[b, j] < j)
+    par_ptr,  # *int32 [B, N]  parents, -1: a child of the root
+    num_ptr,  # *int32 [B]  valid nodes per request
+    exp_ptr,  # *int64 [B, E]  expected tokens (see the module docstring)
+    path_ptr,  # *int64 [B, D]  accepted nodes in path order, -1 padded
+    nacc_ptr,  # *int64 [B]  accepted nodes
+    N,
+    E,
+    D,
+    NO_MATCH,  # a token no draft node carries
+    BLOCK_N: tl.constexpr,
+    BY_DEPTH: tl.constexpr,
+):
+    """Grid ``(B,)``: the walk of one request, ``D`` levels at most."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_N)
+    inb = j < N
+    valid = inb & (j < tl.load(num_ptr + b))
+    tok = tl.load(tok_ptr + b * N + j, mask=inb, other=0).to(tl.int64)
+    par = tl.load(par_ptr + b * N + j, mask=inb, other=-1)
+    if not BY_DEPTH:  # the target at the node's parent: expected column parents + 1
+        want = tl.load(exp_ptr + b * E + par + 1, mask=valid, other=NO_MATCH)
+        match = valid & (tok == want)
+    cur = tl.zeros((), tl.int32) - 1  # greedy: the walk's current node
+    level = par == -1  # by depth: the nodes whose ancestors all matched, one level at a time
+    alive = tl.zeros((), tl.int32) + 1
+    num = tl.zeros((), tl.int64)
+    d = tl.zeros((), tl.int32)
+    while d < D:  # no break: compiled loops cannot; `alive` stops the walk instead
+        if BY_DEPTH:
+            want_d = tl.load(exp_ptr + b * E + d, mask=d < E, other=NO_MATCH)
+            hit = level & valid & (tok == want_d)
+            # the next level: children of this level's matched nodes
+            level = tl.max(((par[:, None] == j[None, :]) & hit[None, :]).to(tl.int32),
+                           axis=1) > 0
+        else:
+            hit = match & (par == cur)
+        child = tl.min(tl.where(hit & (alive != 0), j, BLOCK_N), axis=0)
+        has = (child < BLOCK_N).to(tl.int32)
+        tl.store(path_ptr + b * D + d, tl.where(has != 0, child, -1).to(tl.int64))
+        cur = tl.where(has != 0, child, cur)
+        num += has
+        alive = alive * has
+        d += 1
+    tl.store(nacc_ptr + b, num)
+
+
+def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
+                      num_draft_tokens: torch.Tensor, expected: torch.Tensor, *,
+                      by_depth: bool, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch implementation of :func:`tree_accept`, the same path without a loop over
+    levels (no host reads, ``O(log N)`` batched ops): depths by pointer jumping; a node is
+    accepted iff it and each of its ancestors matches (greedy: and has no matching sibling of
+    lower index), pointer jumping again; the path lists the lowest accepted node by depth."""
+    B, N = token_ids.shape
+    dev = token_ids.device
+    path = torch.full((B, max_depth), -1, dtype=torch.long, device=dev)
+    if N == 0 or max_depth == 0:
+        return torch.zeros(B, dtype=torch.long, device=dev), path
+    cols = torch.arange(N, device=dev)
+    valid = cols[None, :] < num_draft_tokens.to(dev)[:, None]
+    par = torch.where(valid, parents.long(), -1)
+    tok = token_ids.long()
+    rounds = max(N - 1, 1).bit_length()
+
+    def up(x: torch.Tensor, combine) -> torch.Tensor:
+        """Folds each node's ancestors into ``x`` (``combine(x, x_at_ancestor)``)."""
+        anc = par
+        for _ in range(rounds):
+            has = anc >= 0
+            a = anc.clamp(min=0)
+            x = torch.where(has, combine(x, x.gather(1, a)), x)
+            anc = torch.where(has, anc.gather(1, a), -1)
+        return x
+
+    # depth[j]: nodes from j up to the root's child (the jump adds the skipped segments)
+    depth = _depths(valid, par, rounds)
+    E = expected.shape[1]
+    if by_depth and E == 0:
+        ok = torch.zeros_like(valid)
+    elif by_depth:
+        ok = valid & (depth <= E) & (tok == expected.gather(1, (depth - 1).clamp(0, E - 1)))
+    else:
+        ok = valid & (tok == expected.gather(1, par + 1))
+    if by_depth:  # every node whose ancestors all matched (the deepest path wins)
+        on = up(ok, torch.logical_and)
+    else:  # the walk takes the lowest-index matching child of each node it reaches
+        blocked = ((par[:, :, None] == par[:, None, :]) & ok[:, None, :]
+                   & (cols[None, None, :] < cols[None, :, None])).any(2)
+        on = up(ok & ~blocked, torch.logical_and)
+    on &= depth <= max_depth
+    num = torch.where(on, depth, 0).amax(1)
+    table = torch.full((B, N + 1), N, dtype=torch.long, device=dev)  # column 0: off the path
+    table.scatter_reduce_(1, torch.where(on, depth, 0), cols.expand(B, N).contiguous(),
+                          reduce="amin")
+    w = min(N, max_depth)
+    path[:, :w] = torch.where(table[:, 1:w + 1] < N, table[:, 1:w + 1], -1)
+    return num, path
+
+
+def _depths(valid: torch.Tensor, par: torch.Tensor, rounds: int) -> torch.Tensor:
+    """``int64 [B, N]`` depth of each valid node (root's children: 1), by pointer jumping:
+    ``depth[j]`` counts the nodes from ``j`` up to, not including, ``anc[j]``."""
+    depth, anc = valid.long(), par
+    for _ in range(rounds):
+        has = anc >= 0
+        a = anc.clamp(min=0)
+        depth = depth + torch.where(has, depth.gather(1, a), 0)
+        anc = torch.where(has, anc.gather(1, a), -1)
+    return depth
+
+
+def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: torch.Tensor,
+                expected: torch.Tensor, *, by_depth: bool, max_depth: int,
+                use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted path of every request's draft tree.
+
+    Parameters
+    ----------
+    token_ids, parents : ``int32 [B, N]`` (``parents[b, j] < j``; -1 for the root's children)
+    num_draft_tokens : ``int32 [B]`` valid nodes per request (columns past it are padding)
+    expected : ``int64 [B, E]``: ``E = N + 1`` targets at the root and each node
+        (``by_depth=False``), or the true tokens at depths ``1 .. E`` (``by_depth=True``)
+    max_depth : levels to walk (``D``, the path's width)
+    use_triton : bool, optional
+        Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
+        Triton for CUDA tensors.
+
+    Returns
+    -------
+    ``(num_accepted int64 [B], path int64 [B, D])``: ``path[b, :num_accepted[b]]`` are the
+    accepted nodes from the root down, ``-1`` after them.
+    """
+    if token_ids.dim() != 2 or parents.shape != token_ids.shape:
+        raise ValueError(f"token_ids, parents: expected the same [B, N], got "
+                         f"{tuple(token_ids.shape)}, {tuple(parents.shape)}")
+    B, N = token_ids.shape
+    if num_draft_tokens.shape != (B,):
+        raise ValueError(f"num_draft_tokens: expected shape ({B},), got "
+                         f"{tuple(num_draft_tokens.shape)}")
+    if expected.dim() != 2 or expected.shape[0] != B or expected.dtype != torch.int64:
+        raise ValueError(f"expected: expected int64 [{B}, E], got {expected.dtype} "
+                         f"{tuple(expected.shape)}")
+    if not by_depth and expected.shape[1] != N + 1:
+        raise ValueError(f"expected: [B, N + 1 = {N + 1}] targets (root, then each node), got "
+                         f"{tuple(expected.shape)}")
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    dev = token_ids.device
+    for name, t in (("parents", parents), ("num_draft_tokens", num_draft_tokens),
+                    ("expected", expected)):
+        if t.device != dev:
+            raise ValueError(f"{name}: on {t.device}, token_ids on {dev}")
+    if use_triton is None:
+        use_triton = dev.type == "cuda"
+    if not use_triton or N > MAX_BLOCK_N:
+        return tree_accept_torch(token_ids, parents, num_draft_tokens, expected,
+                                 by_depth=by_depth, max_depth=max_depth)
+    num = torch.zeros(B, dtype=torch.long, device=dev)
+    path = torch.empty(B, max_depth, dtype=torch.long, device=dev)
+    if B and max_depth:
+        _tree_accept_kernel[(B,)](
+            token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
+            num_draft_tokens.to(torch.int32).contiguous(), expected.contiguous(), path, num,
+            N, expected.shape[1], max_depth, -2, BLOCK_N=max(triton.next_power_of_2(N), 1),
+            BY_DEPTH=by_depth)
+    return num, path

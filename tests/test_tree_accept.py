@@ -1,0 +1,119 @@
+"""The tree-acceptance walk: the Triton kernel (interpreted on CPU) and the torch path equal a
+plain Python walk on random trees, duplicate sibling tokens, depth and width bounds, empty and
+one-node drafts, in both modes (greedy targets at the parent; true tokens by depth); the
+kernel compiles for sm_90."""
+
+import numpy as np
+import pytest
+import torch
+
+from agspec_gpu.kernels.tree_accept import _tree_accept_kernel, tree_accept, tree_accept_torch
+from kernel_compile import compile_all_for_sm90
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NO = -2
+
+
+def walk(tokens, parents, n, expected, by_depth, max_depth):
+    """The definitions. Greedy: from the root, the lowest-index child matching the target at
+    its parent, level by level. By depth: the set of nodes whose whole path spells the truth,
+    level by level; the lowest-index node of each level is reported."""
+    cur, path = -1, []
+    level = {-1}
+    for d in range(max_depth):
+        if by_depth:
+            want = expected[d] if d < len(expected) else NO
+            level = {j for j in range(n) if parents[j] in level and tokens[j] == want}
+            if not level:
+                break
+            path.append(min(level))
+            continue
+        nxt = next((j for j in range(n) if parents[j] == cur and tokens[j] == expected[cur + 1]),
+                   None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        cur = nxt
+    return path
+
+
+def random_case(rng, B, N, vocab, by_depth, W):
+    tok = np.full((B, N), -1, dtype=np.int32)
+    par = np.full((B, N), -1, dtype=np.int32)
+    num = rng.integers(0, N + 1, B).astype(np.int32)
+    for b in range(B):
+        for j in range(num[b]):
+            par[b, j] = rng.integers(-1, j) if j else -1
+            tok[b, j] = rng.integers(0, vocab)
+    if by_depth:
+        exp = rng.integers(0, vocab, (B, W)).astype(np.int64)
+        cut = rng.integers(0, W + 1, B)
+        for b in range(B):
+            exp[b, cut[b]:] = NO  # past the message end
+    else:
+        exp = rng.integers(0, vocab, (B, N + 1)).astype(np.int64)
+    return tok, par, num, exp
+
+
+def check(tok, par, num, exp, by_depth, D):
+    t = [torch.from_numpy(x).to(DEV) for x in (tok, par, num, exp)]
+    got = tree_accept(*t, by_depth=by_depth, max_depth=D, use_triton=True)
+    ref = tree_accept_torch(*t, by_depth=by_depth, max_depth=D)
+    for b in range(tok.shape[0]):
+        want = walk(tok[b].tolist(), par[b].tolist(), int(num[b]), exp[b].tolist(), by_depth, D)
+        for name, (n, p) in (("triton", got), ("torch", ref)):
+            assert int(n[b]) == len(want), (name, b, want, p[b].tolist())
+            assert p[b].tolist() == want + [-1] * (D - len(want)), (name, b)
+
+
+@pytest.mark.parametrize("by_depth", [False, True])
+@pytest.mark.parametrize("B,N,vocab", [(1, 1, 2), (3, 5, 2), (8, 16, 3), (4, 64, 2),
+                                       (2, 64, 50), (5, 100, 2)])
+def test_walk_matches_definition(by_depth, B, N, vocab):
+    """Tiny vocabularies: matches and duplicate sibling tokens are common."""
+    rng = np.random.default_rng(B * 1000 + N + by_depth)
+    for D in (N, 3, 0):
+        case = random_case(rng, B, N, vocab, by_depth, W=int(rng.integers(0, N + 2)))
+        check(*case, by_depth, D)
+
+
+@pytest.mark.parametrize("by_depth", [False, True])
+def test_chains_and_empty_batches(by_depth):
+    # a chain of repeated tokens (periodic text), every node matching: the depth bound cuts it
+    N = 12
+    tok = np.full((2, N), 7, dtype=np.int32)
+    par = np.tile(np.arange(-1, N - 1, dtype=np.int32), (2, 1))
+    num = np.array([N, 5], dtype=np.int32)
+    exp = np.full((2, N + 1), 7, dtype=np.int64)
+    for D in (N, 4):
+        check(tok, par, num, exp, by_depth, D)
+    empty = [np.zeros((0, 3), np.int32), np.zeros((0, 3), np.int32), np.zeros(0, np.int32),
+             np.zeros((0, 4 if not by_depth else 2), np.int64)]
+    n, p = tree_accept(*[torch.from_numpy(x).to(DEV) for x in empty], by_depth=by_depth,
+                       max_depth=3, use_triton=True)
+    assert n.shape == (0,) and p.shape == (0, 3)
+
+
+def test_rejects_bad_inputs():
+    t = torch.zeros(2, 3, dtype=torch.int32)
+    num = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected: expected int64"):
+        tree_accept(t, t, num, torch.zeros(2, 4, dtype=torch.int32), by_depth=False,
+                    max_depth=3)
+    with pytest.raises(ValueError, match="N \\+ 1"):
+        tree_accept(t, t, num, torch.zeros(2, 3, dtype=torch.int64), by_depth=False,
+                    max_depth=3)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        tree_accept(t, t, num[:1], torch.zeros(2, 4, dtype=torch.int64), by_depth=False,
+                    max_depth=3)
+    with pytest.raises(ValueError, match="max_depth"):
+        tree_accept(t, t, num, torch.zeros(2, 4, dtype=torch.int64), by_depth=False,
+                    max_depth=-1)
+
+
+def test_kernel_compiles_for_sm90():
+    sig = dict(tok_ptr="*i32", par_ptr="*i32", num_ptr="*i32", exp_ptr="*i64", path_ptr="*i64",
+               nacc_ptr="*i64", N="i32", E="i32", D="i32", NO_MATCH="i64",
+               BLOCK_N="constexpr", BY_DEPTH="constexpr")
+    compile_all_for_sm90([(_tree_accept_kernel, sig, dict(BLOCK_N=64, BY_DEPTH=False)),
+                          (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True))])
