@@ -91,24 +91,25 @@ def update_scale(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: tor
     return new.clamp(config.s_min, config.s_max)
 
 
-def cost_table(cost: CostModel, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(num_tokens, ms)`` points of ``cost`` as ``float64`` device tensors (build once)."""
-    xs = torch.tensor([p[0] for p in cost.points], dtype=torch.float64, device=device)
-    ys = torch.tensor([p[1] for p in cost.points], dtype=torch.float64, device=device)
-    return xs, ys
+def cost_table(cost: CostModel, device: torch.device | str, max_tokens: int) -> torch.Tensor:
+    """``float64 [max_tokens + 1]`` on ``device``: ``cost.step_ms(n)`` for ``n = 0 ..
+    max_tokens`` (build once: a step then reads its costs as a slice, no interpolation)."""
+    return torch.tensor([cost.step_ms(n) for n in range(max_tokens + 1)], dtype=torch.float64,
+                        device=device)
 
 
 def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
                  max_tokens: int | None = None,
-                 table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 table: torch.Tensor | None = None) -> torch.Tensor:
     """How many of the (descending) node scores to verify in one step.
 
     Args:
         scores: ``float [M]`` estimated acceptance probabilities, sorted descending.
         num_requests: ``B``, roots verified anyway.
         cost: step time versus tokens.
-        table: ``cost_table(cost, device)``, when the caller built it once (a per-step
-            caller: no host-to-device copy of the points each call).
+        table: ``cost_table(cost, device, T)`` with ``T >= B + M``, when the caller built
+            it once (a per-step caller: no host-to-device copy each call); otherwise built
+            here.
 
     Returns:
         ``int64 []`` (0-d tensor) ``n*`` maximising ``(B + cumsum(scores)[n-1]) / cost(B + n)``
@@ -117,10 +118,10 @@ def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
     """
     M = scores.numel() if max_tokens is None else min(scores.numel(), max_tokens)
     gain = torch.cat([scores.new_zeros(1), torch.cumsum(scores[:M].double(), 0)]) + num_requests
-    xs, ys = table if table is not None else cost_table(cost, scores.device)
-    n = torch.arange(M + 1, device=scores.device, dtype=torch.float64) + num_requests
-    i = torch.searchsorted(xs, n).clamp(1, xs.numel() - 1)
-    t = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+    end = num_requests + M + 1
+    if table is None or table.numel() < end:
+        table = cost_table(cost, scores.device, end - 1)
+    t = table[num_requests:end]  # cost(B + n), n = 0 .. M
     return torch.argmax(gain / t.clamp(min=1e-9))
 
 

@@ -151,7 +151,8 @@ class Drafter:
         self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).contiguous()
         self.prev_full = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
-        self._cost_table = cost_table(self.cost, dev)
+        # every step's costs: B requests plus at most max_nodes nodes each
+        self._cost_table = cost_table(self.cost, dev, max_batch * (1 + self.config.max_nodes))
         self._last: tuple | None = None
 
     # ------------------------------------------------------------ lifecycle
