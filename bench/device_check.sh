@@ -134,7 +134,14 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 
 # ---------------------------------------------------------------- GPU tests
 # fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
-step pytest 140 python3 -P -m pytest -q --tb=short --durations=8 -p no:cacheprovider tests/test_gpu.py tests/test_attention.py \
+# four workers when pytest-xdist is there: kernels compile in parallel, and a CUDA fault ends
+# one worker's tests, not all of them (the first run lost 46 tests to one illegal access);
+# PYTHONSAFEPATH: the workers too must not import the checkout's agspec_gpu (no kernels/ in it)
+XDIST=()
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
+step pytest 140 env PYTHONSAFEPATH=1 python3 -P -m pytest -q --tb=short --durations=8 \
+  -p no:cacheprovider "${XDIST[@]}" \
+  tests/test_gpu.py tests/test_attention.py \
   tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
   tests/test_layer_kernels.py tests/test_verify_graphs.py tests/test_tree_accept.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
