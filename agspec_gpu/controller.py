@@ -98,14 +98,15 @@ def cost_table(cost: CostModel, device: torch.device | str, max_tokens: int) -> 
                         device=device)
 
 
-def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
+def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: CostModel,
                  max_tokens: int | None = None,
                  table: torch.Tensor | None = None) -> torch.Tensor:
     """How many of the (descending) node scores to verify in one step.
 
     Args:
         scores: ``float [M]`` estimated acceptance probabilities, sorted descending.
-        num_requests: ``B``, roots verified anyway.
+        num_requests: ``B``, roots verified anyway (an int, or a 0-d int64 device tensor:
+            then ``table`` is required and must cover ``B + M``).
         cost: step time versus tokens.
         table: ``cost_table(cost, device, T)`` with ``T >= B + M``, when the caller built
             it once (a per-step caller: no host-to-device copy each call); otherwise built
@@ -118,6 +119,12 @@ def batch_budget(scores: torch.Tensor, num_requests: int, cost: CostModel,
     """
     M = scores.numel() if max_tokens is None else min(scores.numel(), max_tokens)
     gain = torch.cat([scores.new_zeros(1), torch.cumsum(scores[:M].double(), 0)]) + num_requests
+    if isinstance(num_requests, torch.Tensor):  # a device scalar: gather, no host read
+        if table is None:
+            raise ValueError("table: required when num_requests is a tensor")
+        at = num_requests + torch.arange(M + 1, device=scores.device)
+        t = table.gather(0, at.clamp(max=table.numel() - 1))
+        return torch.argmax(gain / t.clamp(min=1e-9))
     end = num_requests + M + 1
     if table is None or table.numel() < end:
         table = cost_table(cost, scores.device, end - 1)

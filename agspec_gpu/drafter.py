@@ -31,6 +31,7 @@ from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile,
                                    cost_table, draft_depth, update_scale)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.drafter_graphs import TreeGraphs
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
@@ -66,6 +67,9 @@ class DrafterConfig:
             global) when choosing which rows supply candidates: the tenant's own text
             predicts its next tokens better than an equally long match in other text.
         controller: the adaptive-length rule.
+        cuda_graphs: on a GPU, run the tree step (everything after the batched match) as a
+            CUDA graph per batch bucket (:mod:`agspec_gpu.drafter_graphs`); drafts are the
+            same.
     """
 
     max_positions: int = 8
@@ -82,6 +86,7 @@ class DrafterConfig:
     tier_bonus: tuple[int, ...] = (2, 2, 1, 0)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_positions < 1 or self.max_draft_depth < 1 or self.max_nodes < 1:
@@ -154,6 +159,9 @@ class Drafter:
         # every step's costs: B requests plus at most max_nodes nodes each
         self._cost_table = cost_table(self.cost, dev, max_batch * (1 + self.config.max_nodes))
         self._last: tuple | None = None
+        # the tree step as CUDA graphs per batch bucket (on a GPU, unless configured off)
+        self._tree_graphs = TreeGraphs(self._tree_tensors, max_batch, dev) \
+            if self.config.cuda_graphs and dev.type == "cuda" else None
 
     # ------------------------------------------------------------ lifecycle
     def open_session(self, sid: str, tenant: str, role: str = "default",
@@ -298,6 +306,22 @@ class Drafter:
         return self._tree(sids, slots, W, S, Wt, best)
 
     def _tree(self, sids, slots, W, S, Wt, best) -> DraftBatch:
+        """The draft trees of the candidate windows (CUDA graphs on a GPU: ``TreeGraphs``)."""
+        if self._tree_graphs is not None:
+            tok, parent, num, srcs, nd, node_row = self._tree_graphs.run(slots, W, S, Wt, best)
+        else:
+            tok, parent, num, srcs, nd, node_row = self._tree_tensors(slots, W, S, Wt, best,
+                                                                      len(sids))
+        draft = DraftBatch(tok, parent, num, srcs)
+        self._last = (list(sids), draft, nd, node_row)
+        return draft
+
+    def _tree_tensors(self, slots, W, S, Wt, best, num_requests) -> tuple[torch.Tensor, ...]:
+        """``(token_ids, parents, num_draft_tokens, sources, node depth, node calibration
+        row)`` of ``B`` requests' candidate windows ``W int32 [B, C, K]`` (sources ``S``,
+        weights ``Wt [B, C]``, match length ``best [B]``). Shapes depend on ``(B, C, K)``
+        only; ``num_requests`` (int, or a 0-d device tensor when ``B`` counts padding
+        requests without candidates) is what the batch budget prices."""
         cfg = self.config
         B, C, K = W.shape
         dev = W.device
@@ -351,7 +375,8 @@ class Drafter:
             # hold all it may keep (padding scores 0: it never adds gain, only cost)
             allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
             allv = allv[:B * min(cfg.max_nodes, C * K)]
-            nstar = batch_budget(allv.clamp(min=0), B, self.cost, table=self._cost_table)
+            nstar = batch_budget(allv.clamp(min=0), num_requests, self.cost,
+                                 table=self._cost_table)
             # gather with a [1] index: indexing by the 0-d nstar would read it to the host
             nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
             thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
@@ -378,11 +403,9 @@ class Drafter:
         parent_cand = prev_rep.gather(1, pd * C + nc)
         parent = torch.where(nd > 0, idx_of.gather(1, pd * C + parent_cand), -1)
         parent = torch.where(valid_node, parent, PAD_ID)
-        draft = DraftBatch(tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
-                           srcs.to(torch.int8))
         node_row = calib_row.gather(1, nc)  # [B, N]: a node is its own representative
-        self._last = (list(sids), draft, nd, node_row)
-        return draft
+        return (tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
+                srcs.to(torch.int8), nd, node_row)
 
     @staticmethod
     def _chain_mask(rep, mass, is_node) -> torch.Tensor:

@@ -408,6 +408,36 @@ def test_observe_with_the_verifiers_path_equals_observe_without(tok):
     assert torch.equal(d0.propose(sids).token_ids, d1.propose(sids).token_ids)
 
 
+@pytest.mark.parametrize("batch_budget", [True, False])
+def test_padded_tree_step_equals_unpadded(tok, batch_budget):
+    """The tree step padded to a batch bucket (what TreeGraphs replays as a CUDA graph; here
+    eagerly) drafts exactly what the unpadded step drafts: padding requests add no nodes and
+    the batch budget prices the real requests only."""
+    from agspec_gpu.drafter_graphs import TreeGraphs
+
+    (_, d0), (_, d1) = make(tok, batch_budget=batch_budget), make(tok, batch_budget=batch_budget)
+    d1._tree_graphs = TreeGraphs(d1._tree_tensors, d1.max_batch, torch.device("cpu"),
+                                 use_graphs=False)
+    sids = [f"s{i}" for i in range(6)]
+    for d in (d0, d1):
+        for i, sid in enumerate(sids):
+            d.open_session(sid, "t", role="coder", prompt_ids=(CASE_A * 3)[i:])
+    rng = random.Random(2)
+    for step, b in enumerate([1, 3, 6, 5, 2]):  # buckets 1, 4, 8, 8, 2
+        batch = sids[:b]
+        drafts = [d.propose(batch) for d in (d0, d1)]
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        n = drafts[0].num_draft_tokens
+        take = torch.tensor([min(int(x), rng.randrange(3)) for x in n], dtype=torch.int32)
+        out = torch.where(torch.arange(3)[None, :] < take[:, None],
+                          drafts[0].token_ids[:, :3].clamp(min=0), B).to(torch.int32) \
+            if drafts[0].max_nodes >= 3 else torch.full((b, 3), B, dtype=torch.int32)
+        for d in (d0, d1):
+            d.observe(batch, out, take + 1, take)
+    assert torch.equal(d0.scale, d1.scale) and torch.equal(d0.calib_hits, d1.calib_hits)
+
+
 def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(tok):
     store, d = make(tok, batch_budget=False, tree=False)
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
@@ -729,6 +759,34 @@ def test_per_step_path_reads_nothing_back_to_the_host(tok, monkeypatch):
             monkeypatch.setattr(torch.Tensor, n, f)
     assert reads == [], reads
     assert store.arena.corpus_tokens(store.session("s0").corpus).numel() == 20 + 1 + 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_graphs_draft_what_eager_steps_draft_on_cuda(tok):
+    """DrafterConfig(cuda_graphs=True) replays the tree step as CUDA graphs per batch bucket;
+    the drafts equal those of eager steps, through buckets with padding and repeated ones."""
+    dev = torch.device("cuda")
+    code = "def area(r):\n    return 3.14159 * r * r\n\n" * 8 + "print(area(2))\n" * 3
+    ids = tok.encode(code)
+    ds = []
+    for graphs in (True, False):
+        store = CorpusStore(tok, TierConfig(tail_tokens=64, use_global=False), device=dev)
+        d = Drafter(store, DrafterConfig(cuda_graphs=graphs), max_batch=8)
+        assert (d._tree_graphs is not None) == graphs
+        for i in range(5):
+            d.open_session(f"s{i}", "t", prompt_ids=ids[: len(ids) - 3 * i])
+        ds.append(d)
+    for step, b in enumerate([3, 5, 1, 3, 5, 4]):
+        sids = [f"s{i}" for i in range(b)]
+        drafts = [d.propose(sids) for d in ds]
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        out = drafts[0].token_ids[:, :1].clamp(min=0).to(torch.int32)
+        for d in ds:
+            d.observe(sids, out, torch.full((b,), 1, dtype=torch.int32, device=dev),
+                      torch.zeros(b, dtype=torch.int32, device=dev))
+    assert ds[0]._tree_graphs.graph_error is None
+    assert any("graph" in buf for buf in ds[0]._tree_graphs._buckets.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
