@@ -279,10 +279,21 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
         nb = torch.cat([idx - 1, idx])
         two = lambda x: torch.cat([x, x])  # noqa: E731
         ok = (nb >= 0) & (nb < two(alen))
-        c = torch.take(sa, (two(abase) + nb.clamp(min=0)).clamp(max=max(sa.numel() - 1, 0)))
+        c = _sa_at(sa, two(abase), nb, ok)
         lcp, _ = _compare(tokens, two(ab), c.to(torch.int64), two(apat), two(al))
         best.scatter_reduce_(0, two(arow), torch.where(ok, lcp, 0), reduce="amax")
     return _Longest(best, pat, tail_m, tail_c, prow, pslot, act, idx)
+
+
+def _sa_at(sa: torch.Tensor, sa_base: torch.Tensor, j: torch.Tensor, inside: torch.Tensor
+           ) -> torch.Tensor:
+    """Suffix-array entries ``sa[sa_base + j]`` where ``inside``, position 0 elsewhere.
+
+    An index past a level's range reads the next level, or another corpus's: its position
+    may lie past this corpus, and comparing text there would read past the token buffer.
+    Position 0 compares as the empty key (every token before it is ``END``)."""
+    at = torch.where(inside, sa_base + j, 0).clamp(max=max(sa.numel() - 1, 0))
+    return torch.where(inside, torch.take(sa, at), 0)
 
 
 _WINDOW = 16  # entries read on each side of the insertion point before searching
@@ -299,7 +310,7 @@ def _range_at(tokens, sa, base, sa_base, sa_len, pat, l, i0):
     R, H = i0.numel(), _WINDOW
     j = i0[:, None] + torch.arange(-H, H, device=dev)[None, :]  # [R, 2H]
     inside = (j >= 0) & (j < sa_len[:, None])
-    c = torch.take(sa, (sa_base[:, None] + j.clamp(min=0)).clamp(max=max(sa.numel() - 1, 0)))
+    c = _sa_at(sa, sa_base[:, None], j, inside)
     rep = lambda x: x[:, None].expand(-1, 2 * H).reshape(-1)  # noqa: E731
     lcp, _ = _compare(tokens, rep(base), c.reshape(-1).to(torch.int64),
                       pat[:, None, :].expand(-1, 2 * H, -1).reshape(2 * H * R, -1), rep(l))

@@ -324,6 +324,36 @@ def test_max_scan_reads_the_first_entries_of_each_range(max_scan):
                      max_scan=0)
 
 
+def test_reads_past_a_level_stay_inside_the_corpus():
+    """A neighbour or window entry past a level's end belongs to the next level, here another
+    corpus's with larger positions; the torch path compared text at that foreign position
+    (past the token buffer: IndexError, seen on the demo's workload). Now it is masked
+    before any read; kernel and torch agree with the brute force."""
+    from agspec_gpu.suffix_array import build_context_array
+
+    g = torch.Generator().manual_seed(0)
+    b_tok = torch.randint(0, 5, (100,), generator=g, dtype=torch.int32)  # corpus B first
+    a_tok = t32([1, 2, 3, 1, 2, 3, 1, 2, 3, 4])  # corpus A at the end of the buffer
+    tokens = torch.cat([b_tok, a_tok]).to(DEV)
+    sa_a = build_context_array(a_tok, 0, 10, 8)
+    sa = torch.cat([sa_a, build_context_array(b_tok, 0, 100, 8)]).to(DEV)  # B right after A
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)  # noqa: E731
+    desc = MatchDescriptors(i64([100, 100]), t32([10, 10]).to(DEV), t32([10, 10]).to(DEV),
+                            t32([0, 1, 2]).to(DEV), i64([0, 0]), t32([sa_a.numel()] * 2).to(DEV),
+                            1, 0)
+    # row 0 sorts after every key of A (its insertion point is the level's end); row 1 ends
+    # in "2 3", which A holds near the end of its level
+    q = t32([4, 4, 4, 9, 3, 1, 2, 3]).view(2, 4).to(DEV)
+    lengths = t32([4, 4]).to(DEV)
+    got = [suffix_match(tokens, sa, desc, q, lengths, max_depth=8, max_positions=4,
+                        use_triton=u) for u in (False, True)]
+    assert_same(*got)
+    for b in range(2):
+        exp = match_reference(a_tok.tolist(), q[b].tolist(), 8, 4)
+        assert (int(got[0].length[b]), int(got[0].count[b]),
+                [p for p in got[0].positions[b].tolist() if p >= 0]) == exp, b
+
+
 def test_launcher_rejects_bad_descriptors():
     ar, ids = arena(4, 3)
     desc = ar.descriptors([ids["random"]])
