@@ -52,8 +52,8 @@ class DecoderConfig:
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
             when the decoder is built, for batches of 1, 2, 4, ... up to ``max_batch``; each
-            bucket keeps its logits, about ``2 * max_batch * (1 + max_nodes) * vocab`` bf16
-            values in all: ~2 GB per 16 requests of max_batch at a 128K vocabulary);
+            bucket keeps its logits: about ``4 * max_batch * (1 + max_nodes) * vocab`` values
+            in all, ~4 GB in bf16 at max_batch 64, 64 nodes and a 128K vocabulary);
             False launches every step eagerly.
         profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
             those of the drafter's roles of the same name (other roles are kept).
