@@ -1,7 +1,7 @@
 """Tree-verification steps of a :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` as CUDA
 graphs: the forward over every request's root and draft tree, replayed instead of launched.
 
-Why: launched eagerly, a verification forward of an 8B model is ~700 kernel launches driven
+Why: launched eagerly, a verification forward of an 8B model is ~1,350 kernel launches driven
 from Python, and on an H200 that host work, not the GPU, sets its time: verifying 1 draft
 token at batch 1 took 20.3 ms where the graphed plain decode step took 7.9 ms
 (``bench/results/cost-llama3-8b-h200.json``), so no drafter could win. A graph replays the
