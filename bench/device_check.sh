@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The H200 device check of issue 7: GPU tests, the kernel benchmarks at GPU sizes and a reduced
-# end-to-end run (Llama-3-8B architecture, B = 1, 16, 64), everything under $OUT, < 8 minutes.
+# The H200 device check of issues 6 and 7: the GPU tests, the layer-kernel benchmark and a
+# reduced end-to-end run (Llama-3-8B architecture, B = 1, 16, 64; then B = 1, 16 with eager
+# verification steps, for the CUDA graphs' share), everything under $OUT, < 8 minutes.
+# (The match and index-build benchmarks ran on 2026-11-30: bench/results/*-20261130-h200.json.)
 #
 # How to call it (device tool, from the repository root; it needs the carried wheels):
 #
