@@ -162,6 +162,10 @@ class Drafter:
         # the tree step as CUDA graphs per batch bucket (on a GPU, unless configured off)
         self._tree_graphs = TreeGraphs(self._tree_tensors, max_batch, dev) \
             if self.config.cuda_graphs and dev.type == "cuda" else None
+        if self._tree_graphs is not None:  # the usual candidate counts: rows x positions
+            rows = range(1, (self.config.max_candidate_rows or 1) + 1)
+            self._tree_graphs.prepare([r * self.config.max_positions for r in rows],
+                                      self.config.max_draft_depth)
 
     # ------------------------------------------------------------ lifecycle
     def open_session(self, sid: str, tenant: str, role: str = "default",

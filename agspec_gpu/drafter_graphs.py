@@ -51,6 +51,23 @@ class TreeGraphs:
         self._buckets: dict[tuple[int, int, int], dict] = {}
         self._pool = None
 
+    def prepare(self, candidates: list[int], K: int) -> None:
+        """Captures every batch bucket for these candidate counts now (a drafter does this
+        when it is built, so no step pays for a capture); other shapes are captured on first
+        use."""
+        if not self.use_graphs:
+            return
+        for C in candidates:
+            for S in self.sizes:
+                buf = self._buckets.get((S, C, K)) or self._prepare((S, C, K))
+                if "graph" not in buf and self.graph_error is None:
+                    try:
+                        self._capture(buf)
+                    except Exception as exc:  # noqa: BLE001 - any capture failure: eager
+                        self.graph_error = f"{type(exc).__name__}: {exc}"
+                        self._buckets.clear()
+                        return
+
     def bucket(self, B: int) -> int:
         S = next((s for s in self.sizes if s >= B), None)
         if S is None:
