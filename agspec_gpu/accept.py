@@ -368,10 +368,11 @@ def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPat
 
     Returns
     -------
-    :class:`AcceptedPaths`: the walk of :func:`agspec_gpu.kernels.tree_accept.tree_accept`
-    (one kernel per batch on a GPU; on CPU one level of the batch at a time, stopping at the
-    deepest match). Sibling nodes with the same token (a drafter should merge them) are
-    resolved to the lower node index at each level, as :func:`greedy_accept` does.
+    :class:`AcceptedPaths` from :func:`agspec_gpu.kernels.tree_accept.tree_accept` with
+    ``by_depth=True`` (one kernel per batch on a GPU; pointer jumping on CPU, no host reads).
+    Sibling nodes with the same token (a drafter should merge them) never cost acceptance:
+    the deepest path that spells the truth counts, and ``path_nodes`` reports the lowest
+    matched node index at each depth.
 
     Example
     -------
