@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from agspec_gpu.cuda_graph import capture
 from agspec_gpu.draft_batch import PAD_ID
 
 # (slots int64 [S], W int32 [S, C, K], S int32 [S, C, K], Wt float32 [S, C], best int32 [S],
@@ -60,13 +61,8 @@ class TreeGraphs:
         for C in candidates:
             for S in self.sizes:
                 buf = self._buckets.get((S, C, K)) or self._prepare((S, C, K))
-                if "graph" not in buf and self.graph_error is None:
-                    try:
-                        self._capture(buf)
-                    except Exception as exc:  # noqa: BLE001 - any capture failure: eager
-                        self.graph_error = f"{type(exc).__name__}: {exc}"
-                        self._buckets.clear()
-                        return
+                if not self._captured(buf):
+                    return
 
     def bucket(self, B: int) -> int:
         S = next((s for s in self.sizes if s >= B), None)
@@ -96,13 +92,8 @@ class TreeGraphs:
         buf["best"][B:].zero_()
         buf["num_requests"].fill_(B)
         if self.use_graphs:
-            if "graph" not in buf:
-                try:
-                    self._capture(buf)
-                except Exception as exc:  # noqa: BLE001 - any capture failure: eager
-                    self.graph_error = f"{type(exc).__name__}: {exc}"
-                    self._buckets.clear()
-                    return self.fn(slots, W, S_, Wt, best, B)
+            if not self._captured(buf):
+                return self.fn(slots, W, S_, Wt, best, B)
             buf["graph"].replay()
             out = buf["out"]
         else:
@@ -126,17 +117,20 @@ class TreeGraphs:
         return self.fn(buf["slots"], buf["W"], buf["S"], buf["Wt"], buf["best"],
                        buf["num_requests"])
 
-    def _capture(self, buf: dict) -> None:
-        dev = self.device
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self._call(buf)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._call(buf)
-        buf["graph"], buf["out"] = graph, out
+    def _captured(self, buf: dict) -> bool:
+        """Captures ``buf``'s graph if it has none; False (and every step eager from then
+        on) when capture fails."""
+        if "graph" in buf:
+            return True
+        if self.graph_error is not None:
+            return False
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            buf["graph"], buf["out"] = capture(lambda: self._call(buf), self.device,
+                                               self.warmup, self._pool)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any capture failure: eager
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            self._buckets.clear()
+            return False

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from agspec_gpu.cuda_graph import capture
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize, to_device
 from agspec_gpu.tree import TreeMetadata, plan_tree
@@ -46,20 +47,10 @@ def capture_forward(runner, wrapper, out: torch.Tensor, meta: TreeMetadata, warm
 
     ``view`` is the runner's copy that holds the graph's attention: keep it as long as the
     graph, or ``out`` is freed and the graph writes into memory that is no longer its own.
-    Warm-up runs on a side stream first, as capture requires.
     """
-    dev = runner.device
     view = copy.copy(runner)  # same weights and KV cache, the graph's attention
     view.attention = GraphAttention(wrapper, out)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            view.forward(meta)
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        logits = view.forward(meta)
+    graph, logits = capture(lambda: view.forward(meta), runner.device, warmup, pool)
     return graph, logits, view
 
 
