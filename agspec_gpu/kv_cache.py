@@ -120,13 +120,17 @@ class PagedKVCache:
         self._free_rows.append(row)
         self._page_table[row].fill_(self.null_page)
 
-    def page_table(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        """``int32 [len(seq_ids), max_pages_per_seq]`` the sequences' pages (null-page padded)."""
+    def page_table(self, seq_ids: Sequence[Hashable], *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """``int32 [len(seq_ids), max_pages_per_seq]`` the sequences' pages (null-page padded),
+        into ``out`` when given (a preallocated buffer of that shape)."""
         missing = [s for s in seq_ids if s not in self._rows]
         if missing:
             raise ValueError(f"page_table: unknown sequences {missing}")
         rows = to_device([self._rows[s] for s in seq_ids], torch.long, self.device)
-        return self._page_table.index_select(0, rows)
+        if out is None:
+            return self._page_table.index_select(0, rows)
+        return torch.index_select(self._page_table, 0, rows, out=out)
 
     def slots_of(self, meta: TreeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page, offset)``, ``int64 [Q]`` each: where :meth:`append_kv` writes each query

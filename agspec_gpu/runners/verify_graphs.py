@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +35,16 @@ from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import synchronize, to_device
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
 from agspec_gpu.tree import TreeMetadata, plan_tree
+
+
+class _StepInputs(NamedTuple):
+    """A bucket's planner inputs, allocated once: page tables ``int32 [S, P]``, prefix
+    lengths and roots ``int32 [S]``, drafts ``[S, max_nodes]``."""
+
+    page_table: torch.Tensor
+    prefix: torch.Tensor
+    root: torch.Tensor
+    draft: DraftBatch
 
 
 def row_buckets(S: int, max_nodes: int) -> list[int]:
@@ -86,6 +97,10 @@ class VerifyGraphs(GraphSteps):
                 self._meta[S, Q] = TreeMetadata.empty(
                     S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
                     max_total_pages=S * P + 1, max_mask_bytes=Q * P * ps // 8 + S + 2)
+        i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+        self._inputs = {S: _StepInputs(i32(S, P), i32(S), i32(S),
+                                       DraftBatch(i32(S, max_nodes), i32(S, max_nodes), i32(S)))
+                        for S in self.sizes}
         self._ones = torch.full((-(-self.buckets[self.sizes[-1]][-1] // 8),), 255,
                                 dtype=torch.uint8, device=dev)
         self._start(use_graphs, warmup)
@@ -124,22 +139,23 @@ class VerifyGraphs(GraphSteps):
         cache, dev = self.runner.kv_cache, self.runner.device
         for sid, n in zip(seq_ids, prefix_lens_host):
             cache.allocate(sid, n + 1 + N)
-        width = -(-(max(prefix_lens_host, default=0) + 1 + N) // cache.page_size)
-        page_table = torch.full((S, max(width, 1)), cache.null_page, dtype=torch.int32,
-                                device=dev)
-        prefix = torch.zeros(S, dtype=torch.int32, device=dev)
-        root = torch.zeros(S, dtype=torch.int32, device=dev)
-        tokens = torch.full((S, N), PAD_ID, dtype=torch.int32, device=dev)
-        parents = torch.full((S, N), PAD_ID, dtype=torch.int32, device=dev)
-        num = torch.zeros(S, dtype=torch.int32, device=dev)
+        # the bucket's step inputs, rewritten in place: padding requests have no nodes, a
+        # zero prefix and the null page; node columns past N are PAD_ID
+        inp = self._inputs[S]
+        inp.page_table[b:].fill_(cache.null_page)
+        inp.prefix[b:].zero_()
+        inp.root[b:].zero_()
+        inp.draft.token_ids.fill_(PAD_ID)
+        inp.draft.parents.fill_(PAD_ID)
+        inp.draft.num_draft_tokens[b:].zero_()
         if b:
-            page_table[:b, :width] = cache.page_table(seq_ids)[:, :width]
-            prefix[:b] = to_device(list(prefix_lens_host), torch.int32, dev)
-            root[:b] = roots.to(dev, torch.int32)
-            tokens[:b], parents[:b] = draft.token_ids, draft.parents
-            num[:b] = draft.num_draft_tokens
-        padded = DraftBatch(tokens, parents, num)
-        meta = self._plan_padded(S, Q, padded, root, prefix, page_table,
+            cache.page_table(seq_ids, out=inp.page_table[:b])
+            inp.prefix[:b].copy_(to_device(list(prefix_lens_host), torch.int32, dev))
+            inp.root[:b].copy_(roots)
+            inp.draft.token_ids[:b, :N].copy_(draft.token_ids)
+            inp.draft.parents[:b, :N].copy_(draft.parents)
+            inp.draft.num_draft_tokens[:b].copy_(draft.num_draft_tokens)
+        meta = self._plan_padded(S, Q, inp.draft, inp.root, inp.prefix, inp.page_table,
                                  used_rows=b + num_draft_host + (S - b))
         return (S, Q), meta
 
