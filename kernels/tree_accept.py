@@ -96,20 +96,19 @@ def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     valid = cols[None, :] < num_draft_tokens.to(dev)[:, None]
     par = torch.where(valid, parents.long(), -1)
     tok = token_ids.long()
-    rounds = max(N - 1, 1).bit_length()
 
     def up(x: torch.Tensor, combine) -> torch.Tensor:
-        """Folds each node's ancestors into ``x`` (``combine(x, x_at_ancestor)``)."""
+        """Folds each node's ancestors into ``x`` by pointer jumping (``ceil(log2 N)``
+        rounds): ``x[j]`` becomes ``combine`` over ``j`` and every ancestor of ``j``."""
         anc = par
-        for _ in range(rounds):
+        for _ in range(max(N - 1, 1).bit_length()):
             has = anc >= 0
             a = anc.clamp(min=0)
             x = torch.where(has, combine(x, x.gather(1, a)), x)
             anc = torch.where(has, anc.gather(1, a), -1)
         return x
 
-    # depth[j]: nodes from j up to the root's child (the jump adds the skipped segments)
-    depth = _depths(valid, par, rounds)
+    depth = up(valid.long(), torch.add)  # nodes from j up to the root's child
     E = expected.shape[1]
     if by_depth and E == 0:
         ok = torch.zeros_like(valid)
@@ -131,18 +130,6 @@ def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     w = min(N, max_depth)
     path[:, :w] = torch.where(table[:, 1:w + 1] < N, table[:, 1:w + 1], -1)
     return num, path
-
-
-def _depths(valid: torch.Tensor, par: torch.Tensor, rounds: int) -> torch.Tensor:
-    """``int64 [B, N]`` depth of each valid node (root's children: 1), by pointer jumping:
-    ``depth[j]`` counts the nodes from ``j`` up to, not including, ``anc[j]``."""
-    depth, anc = valid.long(), par
-    for _ in range(rounds):
-        has = anc >= 0
-        a = anc.clamp(min=0)
-        depth = depth + torch.where(has, depth.gather(1, a), 0)
-        anc = torch.where(has, anc.gather(1, a), -1)
-    return depth
 
 
 def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: torch.Tensor,
