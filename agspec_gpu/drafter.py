@@ -31,12 +31,17 @@ from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile,
                                    cost_table, draft_depth, update_scale)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.drafter_graphs import TreeGraphs
+from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
+# the values that make a padding row of a graphed step inert (its slot: the spare one)
+_DRAFT_PADS = {"tier": -1, "length": 0, "win": PAD_ID, "src": -1}
+_COMMIT_PADS = {"out": 0, "nout": 0, "nacc": 0, "token_ids": PAD_ID, "parents": PAD_ID,
+                "num_draft_tokens": 0, "maybe_source": -1, "nd": 0, "calib_row": 0,
+                "path": -1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +72,11 @@ class DrafterConfig:
             global) when choosing which rows supply candidates: the tenant's own text
             predicts its next tokens better than an equally long match in other text.
         controller: the adaptive-length rule.
-        cuda_graphs: on a GPU, run the tree step (everything after the batched match) as a
-            CUDA graph per batch bucket (:mod:`agspec_gpu.drafter_graphs`); drafts are the
-            same.
+        cuda_graphs: on a GPU, replay the device halves of a step as CUDA graphs per batch
+            bucket (:mod:`agspec_gpu.drafter_graphs`): propose after the batched match (the
+            candidate windows' rows, trie, probabilities, budget) and commit before the
+            corpora (controller, calibration, tier weights, recent-token ring). Drafts and
+            state are the same.
     """
 
     max_positions: int = 8
@@ -130,15 +137,18 @@ class Drafter:
         self.max_batch = max_batch
         dev = store.arena.device
         D = store.config.max_depth
-        self.recent = torch.zeros(max_batch, D, dtype=torch.int32, device=dev)
-        self.recent_len = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        # per-slot state has one spare row (slot max_batch): the padding rows of a step
+        # replayed as a CUDA graph read and write it, never a real session's
+        slots = max_batch + 1
+        self.recent = torch.zeros(slots, D, dtype=torch.int32, device=dev)
+        self.recent_len = torch.zeros(slots, dtype=torch.int32, device=dev)
         # upper bound on the next match length: the last match plus the tokens appended
         # since (an occurrence of l tokens now implies one of l - a before a appended
         # tokens); reset to max_depth when other text joins the request's corpora
-        self.match_cap = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.match_cap = torch.zeros(slots, dtype=torch.int32, device=dev)
         self._version: dict[str, int] = {}
-        self.scale = torch.ones(max_batch, dtype=torch.float32, device=dev)
-        self.cap = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.scale = torch.ones(slots, dtype=torch.float32, device=dev)
+        self.cap = torch.ones(slots, dtype=torch.int32, device=dev)
         self.tier_hits = torch.ones(_NUM_TIERS, dtype=torch.float64, device=dev)
         self.tier_drafts = torch.full((_NUM_TIERS,), 2.0, dtype=torch.float64, device=dev)
         self._roles = {r.name: r for r in self.config.roles}
@@ -154,18 +164,29 @@ class Drafter:
         rows = 2 * _NUM_TIERS
         self.calib_seen = torch.full((rows * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
         self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).contiguous()
-        self.prev_full = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.prev_full = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # every step's costs: B requests plus at most max_nodes nodes each
         self._cost_table = cost_table(self.cost, dev, max_batch * (1 + self.config.max_nodes))
         self._last: tuple | None = None
-        # the tree step as CUDA graphs per batch bucket (on a GPU, unless configured off)
-        self._tree_graphs = TreeGraphs(self._tree_tensors, max_batch, dev) \
-            if self.config.cuda_graphs and dev.type == "cuda" else None
-        if self._tree_graphs is not None:  # the usual candidate counts: rows x positions
-            rows = range(1, (self.config.max_candidate_rows or 1) + 1)
-            self._tree_graphs.prepare([r * self.config.max_positions for r in rows],
-                                      self.config.max_draft_depth)
+        # on a GPU (unless configured off) both device halves of a step replay as CUDA graphs
+        # per batch bucket, captured now so that no step pays for a capture
+        self._graphs: tuple[StepGraphs, StepGraphs] | None = None
+        if self.config.cuda_graphs and dev.type == "cuda":
+            self._graphs = self._step_graphs()
+
+    def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
+        """The propose and commit halves as :class:`StepGraphs` (``use_graphs=False``: padded
+        but eager, what the CPU tests compare with unpadded steps); graphs are captured here."""
+        dev, B = self.recent.device, self.max_batch
+        graphs = (StepGraphs(self._draft_tensors, B, dev, _DRAFT_PADS | {"slots": B},
+                             state=[self.match_cap], use_graphs=use_graphs),
+                  StepGraphs(self._commit_tensors, B, dev, _COMMIT_PADS | {"slots": B},
+                             state=self._commit_state(), use_graphs=use_graphs))
+        graphs[0].prepare([self._draft_example(r) for r in range(1, _NUM_TIERS + 1)])
+        graphs[1].prepare([self._commit_example()])
+        return graphs
 
     # ------------------------------------------------------------ lifecycle
     def open_session(self, sid: str, tenant: str, role: str = "default",
@@ -236,16 +257,18 @@ class Drafter:
         dev = self.recent.device
         B = len(sids)
         slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
-        rows_req, rows_cid, rows_tier, R_max = [], [], [], 0
-        for b, sid in enumerate(sids):
-            corpora = store.corpora_of(sid)
-            R_max = max(R_max, len(corpora))  # rows of the widest request (host: no sync)
-            for tier, cid in corpora:
-                rows_req.append(b)
+        # the rows of the match: a [B, Rs] grid of (request, corpus), Rs = the most corpora
+        # of a request (host: no sync); a request with fewer repeats its session corpus as
+        # tier -1 rows, whose query is empty (no match, no candidates)
+        corpora = [store.corpora_of(s) for s in sids]
+        Rs = max(len(c) for c in corpora)
+        rows_cid, rows_tier = [], []
+        for c in corpora:
+            for r in range(Rs):
+                tier_r, cid = c[r] if r < len(c) else (-1, c[0][1])
                 rows_cid.append(cid)
-                rows_tier.append(int(tier))
-        req = to_device(rows_req, torch.int64, dev)
-        tier = to_device(rows_tier, torch.int64, dev)
+                rows_tier.append(int(tier_r))
+        tier = to_device(rows_tier, torch.int64, dev).view(B, Rs)
         stale = [i for i, sid in enumerate(sids)
                  if self._version[sid] != store.tenant_version(sid)]
         if stale:
@@ -253,72 +276,89 @@ class Drafter:
             self.match_cap[st] = store.config.max_depth
             for i in stale:
                 self._version[sids[i]] = store.tenant_version(sids[i])
-        P = cfg.max_positions
+        P, K = cfg.max_positions, cfg.max_draft_depth
         qlen = torch.minimum(self.recent_len[slots], self.match_cap[slots])
         arena = store.arena
         # the kernel directly: queries come from the validated ring, so the per-call checks
         # of IndexArena.match (host syncs) are not needed on this per-step path
         desc = arena.descriptors(rows_cid)
-        m = suffix_match(arena.tokens, arena.sa, desc, self.recent[slots][req].contiguous(),
-                         qlen[req].contiguous(), max_depth=store.config.max_depth,
-                         max_positions=P, max_scan=cfg.max_scan)
-        # the longest match of each request (tier bonus included) decides which rows supply
-        # candidates; the cap on the next match is the longest raw match
-        raw_best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
-            0, req, m.length, reduce="amax")
-        self.match_cap[slots] = raw_best
-        score = torch.where(m.length > 0, m.length + self._tier_bonus[tier], 0)
-        best_score = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
-            0, req, score, reduce="amax")
-        use = (score >= best_score[req] - cfg.candidate_slack) & (m.length >= cfg.min_match)
-        # the match length of the chosen rows drives depth and calibration
-        best = torch.zeros(B, dtype=torch.int32, device=dev).scatter_reduce(
-            0, req, torch.where(use, m.length, 0), reduce="amax")
-        K = cfg.max_draft_depth
-        # candidate windows [R, P, K]
-        base, n = desc.tok_base, desc.num_tokens.to(torch.int64)
+        D = self.recent.shape[1]
+        queries = self.recent[slots][:, None, :].expand(B, Rs, D).reshape(B * Rs, D)
+        m = suffix_match(arena.tokens, arena.sa, desc, queries.contiguous(),
+                         torch.where(tier >= 0, qlen[:, None], 0).view(-1).to(torch.int32),
+                         max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan)
+        # candidate windows [B * Rs, P, K]: the K tokens after each occurrence, read here
+        # because the arena's buffers move as it grows (a graph would keep the old address)
         pos = m.positions
-        j = torch.arange(K, device=dev)
-        at = pos[:, :, None] + j[None, None, :]
-        inside = (pos[:, :, None] >= 0) & (at < n[:, None, None]) & use[:, None, None]
-        flat = torch.where(inside, base[:, None, None] + at, 0)
+        at = pos[:, :, None] + torch.arange(K, device=dev)[None, None, :]
+        inside = (pos[:, :, None] >= 0) & (at < desc.num_tokens.to(torch.int64)[:, None, None])
+        flat = torch.where(inside, desc.tok_base[:, None, None] + at, 0)
         win = torch.where(inside, torch.take(arena.tokens, flat), PAD_ID)
-        src = torch.where(inside, torch.take(arena.src, flat).to(torch.int32), -1)
-        ok = torch.cumprod((win >= 0).to(torch.int32), dim=2).bool()  # stop at separators
+        src = torch.where(inside, torch.take(arena.src, flat), -1)
+        inputs = {"slots": slots, "tier": tier, "length": m.length.view(B, Rs),
+                  "win": win.view(B, Rs, P, K), "src": src.view(B, Rs, P, K)}
+        if self._graphs is not None:
+            out = self._graphs[0].run(inputs)
+        else:
+            out = self._draft_tensors(**inputs, num_requests=B)
+        tok, parent, num, srcs, nd, node_row = out
+        draft = DraftBatch(tok, parent, num, srcs)
+        self._last = (list(sids), draft, nd, node_row)
+        return draft
+
+    def _draft_example(self, rows: int) -> dict[str, torch.Tensor]:
+        """One request's inputs of :meth:`_draft_tensors` with ``rows`` corpora (shapes)."""
+        dev, P, K = self.recent.device, self.config.max_positions, self.config.max_draft_depth
+        return {"slots": torch.zeros(1, dtype=torch.int64, device=dev),
+                "tier": torch.zeros(1, rows, dtype=torch.int64, device=dev),
+                "length": torch.zeros(1, rows, dtype=torch.int32, device=dev),
+                "win": torch.zeros(1, rows, P, K, dtype=torch.int32, device=dev),
+                "src": torch.zeros(1, rows, P, K, dtype=torch.int8, device=dev)}
+
+    def _draft_tensors(self, slots, tier, length, win, src, num_requests
+                       ) -> tuple[torch.Tensor, ...]:
+        """The device half of a propose, after the match (a CUDA graph per batch bucket on a
+        GPU): ``slots int64 [B]``, per (request, corpus) row ``tier int64 [B, Rs]`` (-1: no
+        corpus), match ``length int32 [B, Rs]``, candidate windows ``win int32 [B, Rs, P,
+        K]`` and their sources ``src int8 [B, Rs, P, K]`` (-1 past a corpus). Chooses the
+        rows that supply candidates, weights them, and returns :meth:`_tree_tensors`'s
+        outputs; writes the next match cap of ``slots``."""
+        cfg = self.config
+        B, Rs, P, K = win.shape
+        dev = win.device
+        # the longest raw match caps the next query; the longest match with the tier bonus
+        # decides which rows supply candidates
+        self.match_cap[slots] = length.max(dim=1).values
+        score = torch.where(length > 0, length + self._tier_bonus[tier.clamp(min=0)], 0)
+        best_score = score.max(dim=1).values
+        use = (score >= best_score[:, None] - cfg.candidate_slack) & (length >= cfg.min_match)
+        # the match length of the chosen rows drives depth and calibration
+        best = torch.where(use, length, 0).max(dim=1).values
+        win = torch.where(use[:, :, None, None], win, PAD_ID)
+        ok = torch.cumprod((win >= 0).to(torch.int32), dim=3).bool()  # stop at separators
         win = torch.where(ok, win, PAD_ID)
+        src = torch.where(use[:, :, None, None], src.to(torch.int32), -1)
         # tier weight (learned acceptance share), more recent occurrences first within a row
-        tw = (self.tier_hits / self.tier_drafts).to(torch.float32)[tier]
-        w = torch.where(ok[:, :, 0], tw[:, None].expand(-1, P), 0.0)
+        tw = (self.tier_hits / self.tier_drafts).to(torch.float32)[tier.clamp(min=0)]
+        w = torch.where(ok[:, :, :, 0], tw[:, :, None], 0.0)  # [B, Rs, P]
         # regroup the rows that supply candidates into requests: [B, C, K], C = slots * P, a
         # request's rows by score (then tier order), at most max_candidate_rows of them; the
         # trie below costs O(C^2 K), and rows that supply nothing would only pad it
-        nslot = R_max if cfg.max_candidate_rows is None else min(R_max, cfg.max_candidate_rows)
-        R = req.numel()
-        ridx = torch.arange(R, device=dev)
-        key = torch.where(use, score.to(torch.int64) * R + (R - 1 - ridx), -1)
-        rank = ((req[:, None] == req[None, :]) & (key[None, :] > key[:, None])).sum(1)
+        nslot = Rs if cfg.max_candidate_rows is None else min(Rs, cfg.max_candidate_rows)
+        r = torch.arange(Rs, device=dev)
+        key = torch.where(use, score.to(torch.int64) * Rs + (Rs - 1 - r), -1)
+        rank = (key[:, None, :] > key[:, :, None]).sum(dim=2)  # rows of the request above
         rslot = torch.where(use & (rank < nslot), rank, nslot)  # slot nslot: dropped
+        b = torch.arange(B, device=dev)[:, None].expand(B, Rs)
         C = nslot * P
         W = torch.full((B, nslot + 1, P, K), PAD_ID, dtype=torch.int32, device=dev)
         S = torch.full((B, nslot + 1, P, K), -1, dtype=torch.int32, device=dev)
         Wt = torch.zeros(B, nslot + 1, P, device=dev)
-        W[req, rslot] = win.to(torch.int32)
-        S[req, rslot] = src
-        Wt[req, rslot] = w
+        W[b, rslot] = win
+        S[b, rslot] = src
+        Wt[b, rslot] = w
         W, S = W[:, :nslot].reshape(B, C, K), S[:, :nslot].reshape(B, C, K)
-        Wt = Wt[:, :nslot].reshape(B, C)
-        return self._tree(sids, slots, W, S, Wt, best)
-
-    def _tree(self, sids, slots, W, S, Wt, best) -> DraftBatch:
-        """The draft trees of the candidate windows (CUDA graphs on a GPU: ``TreeGraphs``)."""
-        if self._tree_graphs is not None:
-            tok, parent, num, srcs, nd, node_row = self._tree_graphs.run(slots, W, S, Wt, best)
-        else:
-            tok, parent, num, srcs, nd, node_row = self._tree_tensors(slots, W, S, Wt, best,
-                                                                      len(sids))
-        draft = DraftBatch(tok, parent, num, srcs)
-        self._last = (list(sids), draft, nd, node_row)
-        return draft
+        return self._tree_tensors(slots, W, S, Wt[:, :nslot].reshape(B, C), best, num_requests)
 
     def _tree_tensors(self, slots, W, S, Wt, best, num_requests) -> tuple[torch.Tensor, ...]:
         """``(token_ids, parents, num_draft_tokens, sources, node depth, node calibration
@@ -477,27 +517,87 @@ class Drafter:
                                  "num_output[b] columns of each row")
         if self._last is not None and self._last[0] == list(sids):
             _, draft, nd, calib_row = self._last
-            depth_drafted = torch.where(
-                torch.arange(draft.max_nodes, device=dev)[None, :] < draft.num_draft_tokens[:, None],
-                nd + 1, 0).max(dim=1).values
-            self.prev_full[slots] = ((nacc >= depth_drafted) & (depth_drafted > 0)).long()
-            self.scale[slots] = update_scale(self.scale[slots], depth_drafted, nacc,
-                                             self.cap[slots], self.config.controller)
-            # tier weights: drafted nodes per tier vs accepted path tokens per tier
-            srcs = draft.maybe_source.to(torch.int64)
-            tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
-            drafted = _counts(tiers.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
-            acc_src, on_path = self._accepted_path(draft, out, nacc, path_nodes)
-            self._calibrate(draft, nd, calib_row, on_path)
-            acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
-            hits = _counts(acc_t.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
-            self.tier_hits.mul_(0.99).add_(hits)
-            self.tier_drafts.mul_(0.99).add_(drafted)
+            N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1
+            if path_nodes is None:  # the path the accepted tokens spell in the draft
+                cols = torch.arange(M, device=dev)[None, :]
+                spelled = torch.where(cols < nacc.to(torch.int64)[:, None], out, NO_TOKEN)
+                path = teacher_forced_accept(draft, spelled).path_nodes
+            else:  # entries past num_accepted (<= N) are ignored
+                path = path_nodes.to(dev, torch.int64)[:, :N]
+                if path.shape[1] < N:
+                    path = torch.nn.functional.pad(path, (0, N - path.shape[1]), value=-1)
+            inputs = {"slots": slots, "out": out, "nout": nout.to(torch.int32),
+                      "nacc": nacc.to(torch.int32), "token_ids": draft.token_ids,
+                      "parents": draft.parents, "num_draft_tokens": draft.num_draft_tokens,
+                      "maybe_source": draft.maybe_source, "nd": nd, "calib_row": calib_row,
+                      "path": path}
+            if self._graphs is not None:  # one width: a draft accepts at most its depth
+                inputs["out"] = out[:, :K1] if M >= K1 else \
+                    torch.nn.functional.pad(out, (0, K1 - M), value=0)
+                (acc_src,) = self._graphs[1].run(inputs)
+                W = max(M, 1)  # the eager step's width: one column per output token
+                acc_src = acc_src[:, :W] if W <= K1 else \
+                    torch.nn.functional.pad(acc_src, (0, W - K1), value=-1)
+            else:
+                (acc_src,) = self._commit_tensors(**inputs, num_requests=len(sids))
             self.last_accepted_sources = acc_src
-        self._push(slots, out.clamp(min=0), nout)
+        else:
+            self._push(slots, out.clamp(min=0), nout)
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
         # validated above, or the caller vouches for the ids; one scatter for every session
         self.store.append_sessions(sids, out.to(torch.int32).contiguous(), counts)
+
+    def _commit_example(self) -> dict[str, torch.Tensor]:
+        """One request's inputs of :meth:`_commit_tensors` (shapes and dtypes)."""
+        dev, cfg = self.recent.device, self.config
+        N = min(cfg.max_nodes, cfg.max_positions * (cfg.max_candidate_rows or _NUM_TIERS)
+                * cfg.max_draft_depth)
+        i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+        i64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
+        return {"slots": i64(1), "out": i32(1, cfg.max_draft_depth + 1), "nout": i32(1),
+                "nacc": i32(1), "token_ids": i32(1, N), "parents": i32(1, N),
+                "num_draft_tokens": i32(1),
+                "maybe_source": torch.zeros(1, N, dtype=torch.int8, device=dev),
+                "nd": i64(1, N), "calib_row": i64(1, N), "path": i64(1, N)}
+
+    def _commit_state(self) -> list[torch.Tensor]:
+        """The state :meth:`_commit_tensors` updates in place."""
+        return [self.prev_full, self.scale, self.calib_seen, self.calib_hits, self.tier_hits,
+                self.tier_drafts, self.recent, self.recent_len, self.match_cap]
+
+    def _commit_tensors(self, slots, out, nout, nacc, token_ids, parents, num_draft_tokens,
+                        maybe_source, nd, calib_row, path, num_requests
+                        ) -> tuple[torch.Tensor]:
+        """The device half of a commit (a CUDA graph per batch bucket on a GPU): for the last
+        draft (``token_ids``, ``parents``, ``maybe_source [B, N]``, ``num_draft_tokens
+        [B]``, node depth ``nd`` and calibration row ``calib_row [B, N]``) and what
+        verification accepted (``out int32 [B, M]`` accepted tokens then the bonus,
+        ``nout``, ``nacc int32 [B]``, the accepted nodes ``path int64 [B, N]`` in path
+        order, -1 padded), updates copy mode, controller scale, tier weights, calibration
+        and the recent-token ring of ``slots``. Returns the accepted tokens' source tags
+        ``int64 [B, M]``."""
+        del num_requests  # the commit of a padding row changes nothing
+        N = token_ids.shape[1]
+        draft = DraftBatch(token_ids, parents, num_draft_tokens, maybe_source)
+        depth_drafted = torch.where(
+            torch.arange(N, device=nd.device)[None, :] < num_draft_tokens[:, None],
+            nd + 1, 0).max(dim=1).values
+        self.prev_full[slots] = ((nacc >= depth_drafted) & (depth_drafted > 0)).long()
+        self.scale[slots] = update_scale(self.scale[slots], depth_drafted, nacc,
+                                         self.cap[slots], self.config.controller)
+        # tier weights: drafted nodes per tier vs accepted path tokens per tier
+        srcs = maybe_source.to(torch.int64)
+        tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
+        drafted = _counts(tiers.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
+        acc_src, on_path = self._accepted_path(draft, out, nacc, path)
+        self._calibrate(draft, nd, calib_row, on_path)
+        acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
+        hits = _counts(acc_t.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
+        self.tier_hits.mul_(0.99).add_(hits)
+        self.tier_drafts.mul_(0.99).add_(drafted)
+        # no row outputs more than its accepted path and bonus, which out holds
+        self._push(slots, out.clamp(min=0), nout.clamp(max=out.shape[1]))
+        return (acc_src,)
 
     def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, calib_row: torch.Tensor,
                    on_path: torch.Tensor) -> None:
@@ -524,21 +624,14 @@ class Drafter:
 
     @staticmethod
     def _accepted_path(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor,
-                       path_nodes: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Source tags of the accepted path's nodes ``int [B, max_acc]`` (-1 padded) and
-        ``bool [B, N]``: node is on the accepted path (the path ``out[:nacc]`` spells, or
-        the first ``nacc`` of ``path_nodes`` when the caller has them)."""
+                       path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source tags of the accepted path's nodes ``int [B, M]`` (-1 padded) and ``bool
+        [B, N]``: node is on the accepted path (the first ``nacc`` of ``path int64 [B, N]``,
+        the accepted nodes in path order)."""
         B, N = draft.token_ids.shape
         A = out.shape[1]
-        if path_nodes is None:
-            cols = torch.arange(A, device=out.device)[None, :]
-            spelled = torch.where(cols < nacc.to(torch.int64)[:, None], out, NO_TOKEN)
-            path = teacher_forced_accept(draft, spelled).path_nodes  # [B, N], -1 padded
-        else:
-            path = path_nodes.to(out.device, torch.int64)
-            cols = torch.arange(path.shape[1], device=out.device)[None, :]
-            path = torch.where(cols < nacc.to(torch.int64)[:, None], path, -1)
+        cols = torch.arange(path.shape[1], device=out.device)[None, :]
+        path = torch.where(cols < nacc.to(torch.int64)[:, None], path, -1)
         on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=out.device)
         on_path.scatter_(1, torch.where(path >= 0, path, N), True)
         src = torch.where(path >= 0, draft.maybe_source.to(torch.int64).gather(

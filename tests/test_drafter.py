@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import agspec_gpu.drafter as drafter_mod
+from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.controller import ControllerConfig, RoleProfile
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
@@ -362,7 +363,6 @@ def test_observe_with_the_verifiers_path_equals_observe_without(tok):
     """``path_nodes`` (the verifier's accepted path) spares observe its own tree search and
     changes nothing: the same state after several steps of random acceptance, and the same
     next drafts; nodes past ``num_accepted`` are ignored."""
-    from agspec_gpu.accept import teacher_forced_accept
 
     rng = random.Random(4)
     drafters = [make(tok) for _ in range(2)]
@@ -408,34 +408,120 @@ def test_observe_with_the_verifiers_path_equals_observe_without(tok):
     assert torch.equal(d0.propose(sids).token_ids, d1.propose(sids).token_ids)
 
 
-@pytest.mark.parametrize("batch_budget", [True, False])
-def test_padded_tree_step_equals_unpadded(tok, batch_budget):
-    """The tree step padded to a batch bucket (what TreeGraphs replays as a CUDA graph; here
-    eagerly) drafts exactly what the unpadded step drafts: padding requests add no nodes and
-    the batch budget prices the real requests only."""
-    from agspec_gpu.drafter_graphs import TreeGraphs
+_STATE = ("scale", "prev_full", "calib_seen", "calib_hits", "tier_hits", "tier_drafts",
+          "recent", "recent_len", "match_cap", "last_accepted_sources")
 
-    (_, d0), (_, d1) = make(tok, batch_budget=batch_budget), make(tok, batch_budget=batch_budget)
-    d1._tree_graphs = TreeGraphs(d1._tree_tensors, d1.max_batch, torch.device("cpu"),
-                                 use_graphs=False)
+
+@pytest.mark.parametrize("batch_budget,spelled", [(True, False), (False, False), (True, True)])
+def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
+    """Both device halves of a step padded to a batch bucket (what StepGraphs replays as CUDA
+    graphs on a GPU; here eagerly) do exactly what the unpadded step does: the same drafts,
+    the same state after every commit. Padding requests add no nodes, the batch budget prices
+    the real requests only, and their writes land in the spare slot. Tenants with and
+    without a workspace make the (request, corpus) grid ragged; commits pass the verifier's
+    accepted nodes, or (``spelled``) leave the drafter to find them."""
+    ds = []
+    for _ in range(2):
+        store, d = make(tok, batch_budget=batch_budget)
+        store.add_workspace_file("w", "w.txt", "".join(chr(97 + i % 7) * 3 for i in range(60)))
+        ds.append(d)
+    ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
     sids = [f"s{i}" for i in range(6)]
-    for d in (d0, d1):
+    for d in ds:
         for i, sid in enumerate(sids):
-            d.open_session(sid, "t", role="coder", prompt_ids=(CASE_A * 3)[i:])
+            d.open_session(sid, "w" if i % 2 else f"t{i}", role="coder",
+                           prompt_ids=(CASE_A * 3)[i:])
     rng = random.Random(2)
-    for step, b in enumerate([1, 3, 6, 5, 2]):  # buckets 1, 4, 8, 8, 2
+    for step, b in enumerate([1, 3, 6, 5, 2, 6]):  # buckets 1, 4, 8, 8, 2, 8
         batch = sids[:b]
-        drafts = [d.propose(batch) for d in (d0, d1)]
+        drafts = [d.propose(batch) for d in ds]
         for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
             assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
-        n = drafts[0].num_draft_tokens
-        take = torch.tensor([min(int(x), rng.randrange(3)) for x in n], dtype=torch.int32)
-        out = torch.where(torch.arange(3)[None, :] < take[:, None],
-                          drafts[0].token_ids[:, :3].clamp(min=0), B).to(torch.int32) \
-            if drafts[0].max_nodes >= 3 else torch.full((b, 3), B, dtype=torch.int32)
-        for d in (d0, d1):
-            d.observe(batch, out, take + 1, take)
-    assert torch.equal(d0.scale, d1.scale) and torch.equal(d0.calib_hits, d1.calib_hits)
+        res = teacher_forced_accept(drafts[0], drafts[0].token_ids[:, :3].clamp(min=0))
+        take = torch.tensor([min(int(x), rng.randrange(4)) for x in res.num_accepted],
+                            dtype=torch.int32)
+        out = torch.full((b, 4), B, dtype=torch.int32)
+        for r in range(b):
+            path = res.path_nodes[r, :int(take[r])]
+            out[r, :path.numel()] = drafts[0].token_ids[r, path]
+        for d in ds:
+            d.observe(batch, out, take + 1, take,
+                      path_nodes=None if spelled else res.path_nodes)
+        for name in _STATE:
+            a, c = getattr(ds[0], name), getattr(ds[1], name)
+            assert torch.equal(a, c), (step, name)
+    assert ds[1].calib_seen.ne(2.0).any()  # commits calibrated something
+
+
+class _CountOps:
+    """Counts the kernel-launching ops the dispatcher sees (views and allocations aside)."""
+
+    _FREE = {"view", "_unsafe_view", "expand", "permute", "select", "slice", "as_strided",
+             "unsqueeze", "squeeze", "t", "transpose", "detach", "alias", "reshape",
+             "_reshape_alias", "empty", "empty_strided", "lift_fresh", "scalar_tensor"}
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+        self.ops: list[str] = []
+        self.paused = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if not outer.paused and name not in outer._FREE:
+                    outer.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def pause(self, fn):
+        """``fn`` with counting off: what runs inside a graph or a single kernel."""
+        def run(*a, **k):
+            self.paused += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self.paused -= 1
+        return run
+
+
+def test_graphed_step_launches_few_kernels_outside_its_graphs(tok, monkeypatch):
+    """With the step's device halves graphed, what a GPU still launches one by one per step
+    stays small: counted here on the CPU with the graphed functions and the match (one Triton
+    launch on a GPU) left out. Before the graphs: ~185 ops per propose, ~105 per commit."""
+    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
+    store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
+    d = Drafter(store, DrafterConfig(), max_batch=8)
+    d._graphs = d._step_graphs(use_graphs=False)
+    text = tok.encode("def f(x):\n    return x + 1\n\n" * 6)
+    sids = [f"s{i}" for i in range(5)]
+    for i, sid in enumerate(sids):
+        d.open_session(sid, "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 7 * i])
+    count = _CountOps()
+    for g in d._graphs:
+        g.fn = count.pause(g.fn)
+    monkeypatch.setattr(drafter_mod, "suffix_match", count.pause(drafter_mod.suffix_match))
+    per_step = []
+    for _ in range(4):
+        with count.mode:
+            draft = d.propose(sids)
+            n_propose = len(count.ops)
+            truth = draft.token_ids[:, :2].clamp(min=0)
+            res = teacher_forced_accept(draft, truth)
+            out = torch.cat([truth, truth[:, :1]], 1).to(torch.int32)
+            n = res.num_accepted.to(torch.int32)
+            n_out, host = n + 1, (n + 1).tolist()
+            n_acc = len(count.ops)
+            d.observe(sids, out, n_out, n, num_output_host=host, validate=False,
+                      path_nodes=res.path_nodes)
+        per_step.append((n_propose, len(count.ops) - n_acc))
+        count.ops.clear()
+    assert int(draft.num_draft_tokens.sum()) > 0
+    for n_propose, n_commit in per_step[1:]:  # the first step also fills new buckets' buffers
+        assert n_propose <= 32, per_step
+        assert n_commit <= 18, per_step
 
 
 def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(tok):
@@ -762,31 +848,42 @@ def test_per_step_path_reads_nothing_back_to_the_host(tok, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tree_graphs_draft_what_eager_steps_draft_on_cuda(tok):
-    """DrafterConfig(cuda_graphs=True) replays the tree step as CUDA graphs per batch bucket;
-    the drafts equal those of eager steps, through buckets with padding and repeated ones."""
+def test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda(tok):
+    """DrafterConfig(cuda_graphs=True) replays propose (after the match) and commit as CUDA
+    graphs per batch bucket; drafts and every piece of drafter state equal those of eager
+    steps, through buckets with padding, repeated ones, a tenant with a workspace (ragged
+    corpora) and an arena that grows between steps."""
     dev = torch.device("cuda")
     code = "def area(r):\n    return 3.14159 * r * r\n\n" * 8 + "print(area(2))\n" * 3
     ids = tok.encode(code)
     ds = []
     for graphs in (True, False):
         store = CorpusStore(tok, TierConfig(tail_tokens=64, use_global=False), device=dev)
+        store.add_workspace_file("w", "w.py", code.replace("area", "volume"))
         d = Drafter(store, DrafterConfig(cuda_graphs=graphs), max_batch=8)
-        assert (d._tree_graphs is not None) == graphs
+        assert (d._graphs is not None) == graphs
         for i in range(5):
-            d.open_session(f"s{i}", "t", prompt_ids=ids[: len(ids) - 3 * i])
+            d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=ids[: len(ids) - 3 * i])
         ds.append(d)
-    for step, b in enumerate([3, 5, 1, 3, 5, 4]):
+    for step, b in enumerate([3, 5, 1, 3, 5, 4, 5, 2]):
         sids = [f"s{i}" for i in range(b)]
         drafts = [d.propose(sids) for d in ds]
         for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
             assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
-        out = drafts[0].token_ids[:, :1].clamp(min=0).to(torch.int32)
+        truth = drafts[0].token_ids[:, :2].clamp(min=0)
+        res = teacher_forced_accept(drafts[0], truth)
+        n = res.num_accepted.to(torch.int32)
+        out = torch.cat([truth, truth[:, :1]], 1).to(torch.int32)  # accepted, then a bonus
         for d in ds:
-            d.observe(sids, out, torch.full((b,), 1, dtype=torch.int32, device=dev),
-                      torch.zeros(b, dtype=torch.int32, device=dev))
-    assert ds[0]._tree_graphs.graph_error is None
-    assert any("graph" in buf for buf in ds[0]._tree_graphs._buckets.values())
+            d.observe(sids, out, n + 1, n, path_nodes=res.path_nodes if step % 2 else None)
+        for name in _STATE:
+            assert torch.equal(getattr(ds[0], name), getattr(ds[1], name)), (step, name)
+        if step == 3:  # more text than the arena holds: its buffers move
+            for d in ds:
+                d.extend("s0", ids * 4)
+    for g in ds[0]._graphs:
+        assert g.graph_error is None
+        assert any("graph" in buf for buf in g._buckets.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
