@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{bw_gbps:.0f} GB/s", flush=True)
 
     # ---------------------------------------------------------------- methods
+    drafter_graphs: dict[str, list[str]] = {}  # method -> propose / commit graph status
+
     def run(method: str, b: int, sessions, steps=max_steps, hook=None):
         proposer = make_proposer(method, tokenizer, device, b,
                                  cost=cost_for.get(b, CostModel.default()),
@@ -421,15 +423,20 @@ def main(argv: list[str] | None = None) -> int:
                                  max_message_tokens=max_msg, messages_per_session=per_msg,
                                  prefill=args.prefill, max_steps=steps)
         sub = dataclasses.replace(corpus, sessions=tuple(sessions))
-        return run_replay_target(runner, sub, proposer, cfg, pool=pool,
-                                 graphs=None if args.no_graphs else graphs,
-                                 verify_graphs=verify, step_hook=hook)
+        res = run_replay_target(runner, sub, proposer, cfg, pool=pool,
+                                graphs=None if args.no_graphs else graphs,
+                                verify_graphs=verify, step_hook=hook)
+        step_graphs = getattr(getattr(proposer, "drafter", None), "_graphs", None)
+        if step_graphs is not None:  # the agspec drafter's propose / commit graphs
+            drafter_graphs[method] = [g.graph_error or "captured" for g in step_graphs]
+        return res
 
     # warm-up: Triton kernels compile, allocator pools fill (results discarded)
     t0 = time.perf_counter()
     for m in dict.fromkeys(["none", "agspec"] + methods):
         run(m, min(2, max_b), corpus.sessions[:2], steps=4)
-    print(f"[e2e] warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"[e2e] warm-up {time.perf_counter() - t0:.1f} s; agspec drafter graphs "
+          f"(propose, commit): {drafter_graphs.get('agspec', 'off')}", flush=True)
 
     results_by = {}
     trace_path = None
@@ -502,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             "verify_graph_error": verify.graph_error if verify else None,
             "verify_graph_buckets": sum(len(v) for v in verify.buckets.values())
             if verify else 0,
+            "drafter_graphs": drafter_graphs,
             "goals": goals(rows, batch_sizes),
             "cost_model": {"path": str(cost_path) if cost_path else None,
                            "by_batch_size": {str(b): [list(p) for p in c.points]
