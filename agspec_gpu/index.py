@@ -320,7 +320,9 @@ class IndexArena:
 
     # ---------------------------------------------------------------- queries
     def descriptors(self, corpus_ids: list[int]) -> MatchDescriptors:
-        """Per-row corpus descriptors for :func:`suffix_match` (host metadata -> device)."""
+        """Per-row corpus descriptors for :func:`suffix_match` (host metadata -> device, in
+        two copies: the int64 fields in one buffer, the int32 fields in another, each field
+        a slice of it)."""
         tok_base, n, tail, lv_ptr = [], [], [], [0]
         lv_base, lv_len = [], []
         for cid in corpus_ids:
@@ -332,16 +334,14 @@ class IndexArena:
                 lv_base.append(lv.sa_base)
                 lv_len.append(lv.sa_len)
             lv_ptr.append(len(lv_base))
-        dev = self.device
-
-        def t(x: list[int], dt: torch.dtype) -> torch.Tensor:
-            return to_device(x, dt, dev)
-
+        R = len(corpus_ids)
+        i64 = to_device(tok_base + lv_base, torch.int64, self.device)
+        i32 = to_device(n + tail + lv_ptr + lv_len, torch.int32, self.device)
         return MatchDescriptors(
-            tok_base=t(tok_base, torch.int64), num_tokens=t(n, torch.int32),
-            tail_start=t(tail, torch.int32), level_indptr=t(lv_ptr, torch.int32),
-            level_sa_base=t(lv_base, torch.int64), level_sa_len=t(lv_len, torch.int32),
-            max_levels=max([lv_ptr[i + 1] - lv_ptr[i] for i in range(len(corpus_ids))] + [0]),
+            tok_base=i64[:R], num_tokens=i32[:R], tail_start=i32[R:2 * R],
+            level_indptr=i32[2 * R:3 * R + 1], level_sa_base=i64[R:],
+            level_sa_len=i32[3 * R + 1:],
+            max_levels=max([lv_ptr[i + 1] - lv_ptr[i] for i in range(R)] + [0]),
             max_tail=max([a - b for a, b in zip(n, tail)] + [0]),
         )
 
