@@ -33,6 +33,7 @@ from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
+from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
@@ -112,13 +113,6 @@ class DrafterConfig:
             raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints")
 
 
-def _counts(idx: torch.Tensor, n: int) -> torch.Tensor:
-    """``int64 [n]`` occurrences of each value of ``idx`` (in ``[0, n)``). ``bincount`` on a
-    GPU reads ``max(idx)`` back to size its output; a fixed-size scatter does not."""
-    return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(
-        0, idx.long(), torch.ones_like(idx, dtype=torch.int64))
-
-
 class Drafter:
     """Batched drafter over a :class:`CorpusStore`.
 
@@ -165,6 +159,10 @@ class Drafter:
         self.calib_seen = torch.full((rows * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
         self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).contiguous()
         self.prev_full = torch.zeros(slots, dtype=torch.int64, device=dev)
+        # a commit's counts (drafted and accepted per tier, calibration cells reached and
+        # accepted), zeroed and folded into the decayed tables every commit
+        self._commit_counts = torch.zeros(2 * _NUM_TIERS + 2 * self.calib_seen.numel(),
+                                          dtype=torch.float64, device=dev)
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # every step's costs: B requests plus at most max_nodes nodes each
@@ -235,16 +233,10 @@ class Drafter:
 
     def _push(self, slots: torch.Tensor, toks: torch.Tensor, num: torch.Tensor | None) -> None:
         """Appends ``toks [b, M]`` (first ``num`` valid, all if None) to the recent ring."""
-        D = self.recent.shape[1]
         slots = slots.to(self.recent.device)
-        M = toks.shape[1]
-        num = torch.full((slots.numel(),), M, dtype=torch.int64, device=slots.device) \
-            if num is None else num.to(torch.int64)
-        cat = torch.cat([self.recent[slots], toks.to(torch.int32)], 1)
-        idx = torch.arange(D, device=cat.device)[None, :] + num[:, None]
-        self.recent[slots] = cat.gather(1, idx)
-        self.recent_len[slots] = (self.recent_len[slots] + num.to(torch.int32)).clamp(max=D)
-        self.match_cap[slots] = (self.match_cap[slots] + num.to(torch.int32)).clamp(max=D)
+        num = torch.full((slots.numel(),), toks.shape[1], dtype=torch.int64,
+                         device=slots.device) if num is None else num
+        ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, num)
 
     # ------------------------------------------------------------ propose
     def propose(self, sids: list[str]) -> DraftBatch:
@@ -577,66 +569,30 @@ class Drafter:
         and the recent-token ring of ``slots``. Returns the accepted tokens' source tags
         ``int64 [B, M]``."""
         del num_requests  # the commit of a padding row changes nothing
-        N = token_ids.shape[1]
-        draft = DraftBatch(token_ids, parents, num_draft_tokens, maybe_source)
+        N, T = token_ids.shape[1], _NUM_TIERS
         depth_drafted = torch.where(
             torch.arange(N, device=nd.device)[None, :] < num_draft_tokens[:, None],
             nd + 1, 0).max(dim=1).values
         self.prev_full[slots] = ((nacc >= depth_drafted) & (depth_drafted > 0)).long()
         self.scale[slots] = update_scale(self.scale[slots], depth_drafted, nacc,
                                          self.cap[slots], self.config.controller)
+        # ring push, tier counts, calibration counts: one kernel on a GPU
+        counts = self._commit_counts.zero_()
+        n = self.calib_seen.numel()
+        drafted, hits = counts[:T], counts[T:2 * T]
+        seen, accepted = counts[2 * T:2 * T + n], counts[2 * T + n:]
+        acc_src = drafter_commit(slots, out, nout, nacc, maybe_source, parents,
+                                 num_draft_tokens, nd, calib_row, path, self.recent,
+                                 self.recent_len, self.match_cap, drafted, hits, seen, accepted,
+                                 calib_depth=self.calib_seen.shape[1])
         # tier weights: drafted nodes per tier vs accepted path tokens per tier
-        srcs = maybe_source.to(torch.int64)
-        tiers = torch.where(srcs >= 0, srcs // 8, _NUM_TIERS)
-        drafted = _counts(tiers.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
-        acc_src, on_path = self._accepted_path(draft, out, nacc, path)
-        self._calibrate(draft, nd, calib_row, on_path)
-        acc_t = torch.where(acc_src >= 0, acc_src // 8, _NUM_TIERS)
-        hits = _counts(acc_t.view(-1), _NUM_TIERS + 1)[:_NUM_TIERS]
         self.tier_hits.mul_(0.99).add_(hits)
         self.tier_drafts.mul_(0.99).add_(drafted)
-        # no row outputs more than its accepted path and bonus, which out holds
-        self._push(slots, out.clamp(min=0), nout.clamp(max=out.shape[1]))
-        return (acc_src,)
-
-    def _calibrate(self, draft: DraftBatch, nd: torch.Tensor, calib_row: torch.Tensor,
-                   on_path: torch.Tensor) -> None:
-        """Counts, per calibration row (``calib_row int64 [B, N]``, one per node) and depth,
-        nodes reached (parent accepted) and accepted."""
-        B, N = draft.token_ids.shape
-        dev = on_path.device
-        valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
-        par = draft.parents.to(torch.int64)
-        parent_ok = torch.where(par >= 0, on_path.gather(1, par.clamp(min=0)), True)
-        reached = valid & parent_ok
-        K = self.calib_seen.shape[1]
-        cell = (calib_row * K + nd.clamp(max=K - 1)).reshape(-1)
-        seen = torch.zeros(self.calib_seen.numel(), dtype=torch.float64, device=dev)
-        hits = torch.zeros_like(seen)
-        seen.scatter_add_(0, cell, reached.reshape(-1).double())
-        hits.scatter_add_(0, cell, (reached & on_path).reshape(-1).double())
-        decay = 0.999  # in place: the tables are the drafter's preallocated state
+        # calibration, in place (the tables are the drafter's preallocated state)
+        decay = 0.999
         self.calib_seen.mul_(decay).add_(seen.view_as(self.calib_seen))
-        self.calib_hits.mul_(decay).add_(hits.view_as(self.calib_hits))
+        self.calib_hits.mul_(decay).add_(accepted.view_as(self.calib_hits))
         # keep the prior's weight from vanishing in cells that are rarely drafted
         self.calib_seen.clamp_(min=2.0)
         self.calib_hits.clamp_(min=1e-3)
-
-    @staticmethod
-    def _accepted_path(draft: DraftBatch, out: torch.Tensor, nacc: torch.Tensor,
-                       path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Source tags of the accepted path's nodes ``int [B, M]`` (-1 padded) and ``bool
-        [B, N]``: node is on the accepted path (the first ``nacc`` of ``path int64 [B, N]``,
-        the accepted nodes in path order)."""
-        B, N = draft.token_ids.shape
-        A = out.shape[1]
-        cols = torch.arange(path.shape[1], device=out.device)[None, :]
-        path = torch.where(cols < nacc.to(torch.int64)[:, None], path, -1)
-        on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=out.device)
-        on_path.scatter_(1, torch.where(path >= 0, path, N), True)
-        src = torch.where(path >= 0, draft.maybe_source.to(torch.int64).gather(
-            1, path.clamp(min=0)), -1)
-        res = torch.full((B, max(A, 1)), -1, dtype=torch.int64, device=out.device)
-        w = min(A, path.shape[1])
-        res[:, :w] = src[:, :w]
-        return res, on_path[:, :N]
+        return (acc_src,)

@@ -36,7 +36,8 @@
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), layer_kernels.json, e2e-<date>-h200-eager-verify.json.
+# trace of agspec at B=64), layer_kernels.json, e2e-<date>-h200-eager-verify.json,
+# drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
 set -u
@@ -146,6 +147,7 @@ step pytest 140 env PYTHONSAFEPATH=1 python3 -P -m pytest -q --tb=short --durati
   tests/test_gpu.py tests/test_attention.py \
   tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
   tests/test_layer_kernels.py tests/test_verify_graphs.py tests/test_tree_accept.py \
+  tests/test_drafter_commit.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda" \
@@ -163,6 +165,7 @@ fi
 TRAJ=$(ls .whl/*.jsonl.gz 2>/dev/null)
 [ -z "$TRAJ" ] && [ -d ../shared/data/trajectories/dev ] && TRAJ=../shared/data/trajectories/dev
 [ -z "$TRAJ" ] && TRAJ=.whl/trajectories
+TRAJ_DIR=$TRAJ; [ -d "$TRAJ_DIR" ] || TRAJ_DIR=$(dirname "${TRAJ%% *}")
 GLOBAL=()
 if [ -f .whl/dev-half0.agspec.gz ] && gunzip -c .whl/dev-half0.agspec.gz >/tmp/global.agspec; then
   GLOBAL=(--global-corpus /tmp/global.agspec --half 1)  # no session feeds its own global tier
@@ -184,6 +187,14 @@ if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time l
 fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
+
+# ---------------------------------------------------------------- drafter step, graphed vs eager
+# propose and commit timed alone on the same replayed steps, DrafterConfig(cuda_graphs=True/False)
+step bench_drafter_step 60 python3 bench/bench_drafter_step.py --device cuda \
+  --trajectories "$TRAJ_DIR" --sessions 2 \
+  --max-target-tokens 400 --batch-sizes 1 16 64 ${GLOBAL:+--global /tmp/global.agspec --half 1} \
+  --out /tmp/bench/drafter_step
+cp /tmp/bench/drafter_step.json "$OUT/drafter_step.json" 2>/dev/null
 
 # ---------------------------------------------------------------- kernel benchmarks
 step bench_layer_kernels 40 python3 bench/bench_layer_kernels.py --device cuda \

@@ -1,0 +1,196 @@
+"""The drafter's per-step commit bookkeeping in one launch: ring push, tier and calibration counts.
+
+After verification the drafter updates, for every request of the step: its recent-token ring
+(the accepted tokens and the bonus appended, the oldest dropped), the ring's fill and the
+cap on the next match length; the tokens drafted and accepted per tier (the tier weights);
+and, per calibration cell (a node's calibration row and depth), the nodes whose parent was
+accepted (reached) and those accepted too. As batched torch ops that is about sixty small
+kernels; the kernel does it in one program per request, the draft's nodes and accepted path
+in registers. Counts are added to zeroed ``float64`` accumulators (whole numbers: exact in
+any order), which the caller folds into its decayed tables.
+
+Layout (``B`` requests, ``N`` draft nodes, ``M`` output columns, ring width ``D``):
+
+* ``out int32 [B, M]``: accepted tokens then the bonus, ``nout int32 [B]`` of them valid
+  (at most ``M``); ``nacc int32 [B]`` draft tokens accepted;
+* the draft: ``src int8 [B, N]`` source tag (``tier * 8 + form``, -1: none), ``parents
+  int32 [B, N]`` (-1: a child of the root), ``num int32 [B]`` valid nodes, ``depth int64
+  [B, N]`` (0-based), ``calib_row int64 [B, N]``; ``path int64 [B, N]`` the accepted nodes in
+  path order (entries from ``nacc`` on are ignored);
+* state, updated in place at ``slots int64 [B]``: ``recent int32 [S, D]``, ``recent_len`` and
+  ``match_cap int32 [S]``;
+* accumulators: ``drafted``, ``hits float64 [T]`` per tier, ``seen``, ``accepted float64
+  [R * K]`` per calibration cell (``row * K + min(depth, K - 1)``).
+
+Returns ``acc_src int64 [B, M]``: the source tag of each accepted token (-1 for the bonus and
+padding). Rows sharing a slot (padding rows of a graphed step) race on it: only padding may.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _drafter_commit_kernel(
+    slot_ptr,  # *int64 [B]  state slot of each request
+    out_ptr,  # *int32 [B, M]  accepted tokens then the bonus
+    nout_ptr,  # *int32 [B]  valid columns of out
+    nacc_ptr,  # *int32 [B]  draft tokens accepted
+    src_ptr,  # *int8 [B, N]  node source tags, -1: none
+    par_ptr,  # *int32 [B, N]  node parents, -1: a child of the root
+    num_ptr,  # *int32 [B]  valid nodes
+    depth_ptr,  # *int64 [B, N]  node depth, 0-based
+    row_ptr,  # *int64 [B, N]  node calibration row
+    path_ptr,  # *int64 [B, N]  accepted nodes in path order
+    recent_ptr,  # *int32 [S, D]  recent-token ring (in place)
+    rlen_ptr,  # *int32 [S]  ring fill (in place)
+    cap_ptr,  # *int32 [S]  next match-length cap (in place)
+    acc_src_ptr,  # *int64 [B, M]  out: accepted tokens' source tags (pre-filled -1)
+    drafted_ptr,  # *float64 [T]  accumulated: drafted nodes per tier
+    hits_ptr,  # *float64 [T]  accumulated: accepted nodes per tier
+    seen_ptr,  # *float64 [R * K]  accumulated: calibration cells reached
+    cacc_ptr,  # *float64 [R * K]  accumulated: calibration cells reached and accepted
+    M,
+    N,
+    D,
+    K,
+    NUM_TIERS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid ``(B,)``: one request's commit."""
+    b = tl.program_id(0).to(tl.int64)
+    nacc = tl.load(nacc_ptr + b)
+    nout = tl.minimum(tl.load(nout_ptr + b), M)
+    num = tl.load(num_ptr + b)
+    i = tl.arange(0, BLOCK_N)
+    in_n = i < N
+    # tiers of the drafted nodes
+    src = tl.load(src_ptr + b * N + i, mask=in_n, other=-1).to(tl.int32)
+    tl.atomic_add(drafted_ptr + src // 8, 1.0, mask=in_n & (src >= 0))
+    # the accepted path (first nacc entries) and its nodes' sources
+    p = tl.load(path_ptr + b * N + i, mask=in_n & (i < nacc), other=-1)
+    on = p >= 0
+    ps = tl.load(src_ptr + b * N + p, mask=on, other=-1).to(tl.int64)
+    w = tl.minimum(M, N)
+    tl.store(acc_src_ptr + b * M + i, ps, mask=i < w)
+    tl.atomic_add(hits_ptr + ps // 8, 1.0, mask=(i < w) & (ps >= 0))
+    # calibration: a node is reached when its parent is the root or on the path
+    on_path = tl.max(((p[None, :] == i[:, None]) & on[None, :]).to(tl.int32), axis=1) > 0
+    par = tl.load(par_ptr + b * N + i, mask=in_n, other=-1).to(tl.int64)
+    par_on = tl.max(((p[None, :] == par[:, None]) & on[None, :]).to(tl.int32), axis=1) > 0
+    reached = in_n & (i < num) & ((par < 0) | par_on)
+    depth = tl.load(depth_ptr + b * N + i, mask=in_n, other=0)
+    cell = tl.load(row_ptr + b * N + i, mask=in_n, other=0) * K + tl.minimum(depth, K - 1)
+    tl.atomic_add(seen_ptr + cell, 1.0, mask=reached)
+    tl.atomic_add(cacc_ptr + cell, 1.0, mask=reached & on_path)
+    # the ring: drop the nout oldest, append out[:nout] (tokens clamped to >= 0)
+    slot = tl.load(slot_ptr + b)
+    d = tl.arange(0, BLOCK_D)
+    at = d + nout
+    old = tl.load(recent_ptr + slot * D + at, mask=(d < D) & (at < D), other=0)
+    new = tl.load(out_ptr + b * M + at - D, mask=(d < D) & (at >= D), other=0)
+    ring = tl.where(at < D, old, tl.maximum(new, 0))
+    tl.debug_barrier()  # every element read before any is written
+    tl.store(recent_ptr + slot * D + d, ring, mask=d < D)
+    tl.store(rlen_ptr + slot, tl.minimum(tl.load(rlen_ptr + slot) + nout, D))
+    tl.store(cap_ptr + slot, tl.minimum(tl.load(cap_ptr + slot) + nout, D))
+
+
+def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
+                   nacc: torch.Tensor, src: torch.Tensor, parents: torch.Tensor,
+                   num: torch.Tensor, depth: torch.Tensor, calib_row: torch.Tensor,
+                   path: torch.Tensor, recent: torch.Tensor, recent_len: torch.Tensor,
+                   match_cap: torch.Tensor, drafted: torch.Tensor, hits: torch.Tensor,
+                   seen: torch.Tensor, accepted: torch.Tensor, *, calib_depth: int,
+                   use_triton: bool | None = None) -> torch.Tensor:
+    """Launcher (see the module docstring for every argument): validates, then runs the
+    Triton kernel on CUDA (or when ``use_triton``), the torch path otherwise. Returns
+    ``acc_src int64 [B, M]``; updates the state and adds to the accumulators."""
+    B, M = out.shape
+    N = src.shape[1]
+    S, D = recent.shape
+    for name, t, dt, shape in (
+            ("slots", slots, torch.int64, (B,)), ("out", out, torch.int32, (B, M)),
+            ("nout", nout, torch.int32, (B,)), ("nacc", nacc, torch.int32, (B,)),
+            ("src", src, torch.int8, (B, N)), ("parents", parents, torch.int32, (B, N)),
+            ("num", num, torch.int32, (B,)), ("depth", depth, torch.int64, (B, N)),
+            ("calib_row", calib_row, torch.int64, (B, N)), ("path", path, torch.int64, (B, N)),
+            ("recent", recent, torch.int32, (S, D)), ("recent_len", recent_len, torch.int32, (S,)),
+            ("match_cap", match_cap, torch.int32, (S,)),
+            ("drafted", drafted, torch.float64, tuple(drafted.shape[:1])),
+            ("hits", hits, torch.float64, tuple(drafted.shape[:1])),
+            ("seen", seen, torch.float64, tuple(seen.shape[:1])),
+            ("accepted", accepted, torch.float64, tuple(seen.shape[:1]))):
+        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous {dt} {list(shape)}, "
+                             f"got {t.dtype} {list(t.shape)}")
+    if use_triton is None:
+        use_triton = out.is_cuda
+    if not use_triton:
+        return drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth,
+                                    calib_row, path, recent, recent_len, match_cap, drafted,
+                                    hits, seen, accepted, calib_depth=calib_depth)
+    acc_src = torch.full((B, M), -1, dtype=torch.int64, device=out.device)
+    if B:
+        _drafter_commit_kernel[(B,)](
+            slots, out, nout, nacc, src, parents, num, depth, calib_row, path, recent,
+            recent_len, match_cap, acc_src, drafted, hits, seen, accepted, M, N, D,
+            calib_depth, NUM_TIERS=drafted.shape[0],
+            BLOCK_N=triton.next_power_of_2(max(N, 1)),
+            BLOCK_D=triton.next_power_of_2(max(D, 1)))
+    return acc_src
+
+
+# ------------------------------------------------------------------------ torch path
+def ring_push_torch(recent: torch.Tensor, recent_len: torch.Tensor, match_cap: torch.Tensor,
+                    slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor) -> None:
+    """Appends ``tokens [b, M]`` (the first ``num [b]`` of each row) to the rings of
+    ``slots``: the oldest drop out; fill and match cap grow by ``num``, at most ``D``."""
+    D = recent.shape[1]
+    num = num.to(torch.int64)
+    cat = torch.cat([recent[slots], tokens.to(torch.int32)], 1)
+    recent[slots] = cat.gather(1, torch.arange(D, device=cat.device)[None, :] + num[:, None])
+    recent_len[slots] = (recent_len[slots] + num.to(torch.int32)).clamp(max=D)
+    match_cap[slots] = (match_cap[slots] + num.to(torch.int32)).clamp(max=D)
+
+
+def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib_row, path,
+                         recent, recent_len, match_cap, drafted, hits, seen, accepted, *,
+                         calib_depth: int) -> torch.Tensor:
+    """Pure-torch implementation of :func:`drafter_commit` (same results as the kernel)."""
+    B, M = out.shape
+    N = src.shape[1]
+    T = drafted.shape[0]
+    dev = out.device
+    srcs = src.to(torch.int64)
+    drafted += _counts(torch.where(srcs >= 0, srcs // 8, T).view(-1), T + 1)[:T]
+    cols = torch.arange(N, device=dev)[None, :]
+    p = torch.where(cols < nacc.to(torch.int64)[:, None], path, -1)
+    on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)
+    on_path.scatter_(1, torch.where(p >= 0, p, N), True)
+    on_path = on_path[:, :N]
+    ps = torch.where(p >= 0, srcs.gather(1, p.clamp(min=0)), -1)
+    acc_src = torch.full((B, M), -1, dtype=torch.int64, device=dev)
+    w = min(M, N)
+    acc_src[:, :w] = ps[:, :w]
+    hits += _counts(torch.where(acc_src >= 0, acc_src // 8, T).view(-1), T + 1)[:T]
+    par = parents.to(torch.int64)
+    parent_ok = torch.where(par >= 0, on_path.gather(1, par.clamp(min=0)), True)
+    reached = (cols < num.to(torch.int64)[:, None]) & parent_ok
+    cell = (calib_row * calib_depth + depth.clamp(max=calib_depth - 1)).view(-1)
+    seen.scatter_add_(0, cell, reached.view(-1).to(seen.dtype))
+    accepted.scatter_add_(0, cell, (reached & on_path).view(-1).to(accepted.dtype))
+    ring_push_torch(recent, recent_len, match_cap, slots, out.clamp(min=0),
+                    nout.clamp(max=M))
+    return acc_src
+
+
+def _counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``float64 [n]`` occurrences of each value of ``idx`` (in ``[0, n)``), by a fixed-size
+    scatter (``bincount`` on a GPU reads ``max(idx)`` back to size its output)."""
+    return torch.zeros(n, dtype=torch.float64, device=idx.device).scatter_add_(
+        0, idx, torch.ones_like(idx, dtype=torch.float64))

@@ -1,0 +1,192 @@
+"""The drafter's commit kernel: the Triton kernel (interpreted on CPU) equals the torch path
+exactly (accepted sources, ring, fill, match cap, every count) on random trees and accepted
+paths, including empty batches, one-node drafts, nothing or everything accepted, output
+widths below and above the node count, rings narrower than the output, repeated tokens and
+padding rows sharing a spare slot; a drafter whose commits run the kernel keeps exactly the
+state of one that runs the torch path; bad arguments are named; the kernel compiles for
+sm_90."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+import agspec_gpu.drafter as drafter_mod
+from agspec_gpu.accept import teacher_forced_accept
+from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.kernels.drafter_commit import (_drafter_commit_kernel, drafter_commit,
+                                               drafter_commit_torch)
+from agspec_gpu.tiers import CorpusStore, TierConfig
+from agspec_gpu.tokenizer import load_tokenizer
+from kernel_compile import compile_all_for_sm90
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+T = 4
+
+
+def random_case(rng: random.Random, B: int, N: int, M: int, D: int, S: int, R: int, K: int,
+                vocab: int = 5, spare: bool = False) -> dict:
+    """Random draft trees, an accepted path down each (a root-to-node chain, cut at a random
+    length), outputs, and state rows. ``spare``: the last rows are padding on slot S - 1."""
+    slots = rng.sample(range(S - 1), min(B, S - 1)) + [S - 1] * max(0, B - (S - 1))
+    if spare:
+        slots = slots[:B // 2] + [S - 1] * (B - B // 2)
+    src = torch.full((B, N), -1, dtype=torch.int8)
+    par = torch.full((B, N), -1, dtype=torch.int32)
+    num = torch.zeros(B, dtype=torch.int32)
+    depth = torch.zeros(B, N, dtype=torch.int64)
+    path = torch.full((B, N), -1, dtype=torch.int64)
+    nacc = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n = rng.randint(0, N)
+        num[b] = n
+        for j in range(N):
+            src[b, j] = rng.choice([-1, rng.randrange(8 * T)])
+            if j < n:
+                par[b, j] = rng.randrange(-1, j)
+                depth[b, j] = 0 if par[b, j] < 0 else depth[b, int(par[b, j])] + 1
+            else:
+                par[b, j] = rng.randrange(-1, N)  # padding entries: ignored
+        if n:
+            node, chain = rng.randrange(n), []
+            while node >= 0:
+                chain.append(node)
+                node = int(par[b, node])
+            chain.reverse()
+            a = rng.randint(0, len(chain))
+            for j, c in enumerate(chain):
+                path[b, j] = c
+            nacc[b] = a
+        if rng.random() < 0.3:  # entries past nacc must be ignored
+            path[b, int(nacc[b]):] = torch.randint(-1, max(N, 1), (N - int(nacc[b]),))
+    nout = torch.tensor([min(int(a) + 1, M) for a in nacc], dtype=torch.int32)
+    out = torch.randint(-1, vocab, (B, M), dtype=torch.int32)
+    return dict(slots=torch.tensor(slots, dtype=torch.int64), out=out, nout=nout, nacc=nacc,
+                src=src, parents=par, num=num, depth=depth,
+                calib_row=torch.randint(0, R, (B, N), dtype=torch.int64), path=path,
+                recent=torch.randint(0, vocab, (S, D), dtype=torch.int32),
+                recent_len=torch.randint(0, D + 1, (S,), dtype=torch.int32),
+                match_cap=torch.randint(0, D + 1, (S,), dtype=torch.int32),
+                drafted=torch.zeros(T, dtype=torch.float64),
+                hits=torch.zeros(T, dtype=torch.float64),
+                seen=torch.zeros(R * K, dtype=torch.float64),
+                accepted=torch.zeros(R * K, dtype=torch.float64))
+
+
+def run_both(case: dict, K: int, spare_slot: int | None = None):
+    """(kernel, torch) results: acc_src plus every updated tensor (the spare slot's ring,
+    raced by padding rows, left out)."""
+    outs = []
+    for triton_path in (True, False):
+        c = {k: v.clone().to(DEV) for k, v in case.items()}
+        fn = functools.partial(drafter_commit, use_triton=True) if triton_path else \
+            drafter_commit_torch
+        acc = fn(**c, calib_depth=K)
+        state = {k: c[k].cpu() for k in ("recent", "recent_len", "match_cap", "drafted",
+                                         "hits", "seen", "accepted")}
+        if spare_slot is not None:
+            for k in ("recent", "recent_len", "match_cap"):
+                state[k] = state[k][:spare_slot]
+        outs.append((acc.cpu(), state))
+    return outs
+
+
+SHAPES = [  # (B, N, M, D, S)
+    (0, 8, 4, 8, 4), (1, 1, 1, 1, 2), (1, 1, 2, 4, 2), (3, 8, 9, 32, 5), (4, 16, 5, 3, 6),
+    (5, 64, 33, 32, 9), (2, 40, 50, 16, 3), (6, 7, 7, 7, 8),
+]
+
+
+@pytest.mark.parametrize("B,N,M,D,S", SHAPES)
+def test_kernel_equals_torch_path(B, N, M, D, S):
+    rng = random.Random(B * 1000 + N * 10 + M)
+    R, K = 5, 6
+    for trial in range(4):
+        case = random_case(rng, B, N, M, D, S, R, K, vocab=3 if trial % 2 else 50)
+        (acc_k, st_k), (acc_t, st_t) = run_both(case, K)
+        assert torch.equal(acc_k, acc_t), trial
+        for name in st_t:
+            assert torch.equal(st_k[name], st_t[name]), (trial, name)
+        if B:  # the counts add up: every valid reached node and every accepted one
+            assert st_t["accepted"].sum() <= st_t["seen"].sum()
+            assert st_t["hits"].sum() == (acc_t >= 0).sum()
+
+
+def test_padding_rows_on_a_shared_spare_slot_leave_real_slots_exact():
+    rng = random.Random(7)
+    for trial in range(3):
+        case = random_case(rng, 6, 12, 8, 16, 5, 4, 6, spare=True)
+        (acc_k, st_k), (acc_t, st_t) = run_both(case, 6, spare_slot=4)
+        assert torch.equal(acc_k, acc_t)
+        for name in st_t:
+            assert torch.equal(st_k[name], st_t[name]), (trial, name)
+
+
+def test_ring_push_keeps_the_newest_tokens():
+    """A ring of 4 holding 1 2 3 4, two outputs 7 8 (then padding): 3 4 7 8; fill and cap grow
+    by two, at most 4; negative ids (padding past nout) never enter."""
+    c = random_case(random.Random(0), 1, 2, 3, 4, 2, 1, 2)
+    c["recent"][:] = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0]], dtype=torch.int32)
+    c["slots"][:] = 0
+    c["out"][:] = torch.tensor([[7, 8, -1]], dtype=torch.int32)
+    c["nout"][:] = 2
+    c["recent_len"][:] = torch.tensor([3, 0], dtype=torch.int32)
+    c["match_cap"][:] = torch.tensor([1, 0], dtype=torch.int32)
+    for _, st in run_both(c, 2):
+        assert st["recent"][0].tolist() == [3, 4, 7, 8]
+        assert st["recent_len"][0] == 4 and st["match_cap"][0] == 3
+
+
+def test_bad_arguments_are_named():
+    c = random_case(random.Random(1), 2, 4, 3, 4, 3, 2, 3)
+    with pytest.raises(ValueError, match="src"):
+        drafter_commit(**{**c, "src": c["src"].to(torch.int32)}, calib_depth=3)
+    with pytest.raises(ValueError, match="path"):
+        drafter_commit(**{**c, "path": c["path"][:, :2].contiguous()}, calib_depth=3)
+    with pytest.raises(ValueError, match="recent_len"):
+        drafter_commit(**{**c, "recent_len": c["recent_len"][:2]}, calib_depth=3)
+
+
+def test_drafter_with_the_kernel_keeps_the_torch_paths_state(monkeypatch):
+    """Two drafters on the same steps, one committing through the kernel: the same drafts
+    and the same state after every commit."""
+    tok = load_tokenizer("cl100k")
+    text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\n" * 6)
+    ds = []
+    for _ in range(2):
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64))
+        store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
+        d = Drafter(store, DrafterConfig(), max_batch=8)
+        for i in range(5):
+            d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
+        ds.append(d)
+    real = drafter_mod.drafter_commit
+    for step, b in enumerate([5, 3, 5, 1, 4, 5]):
+        sids = [f"s{i}" for i in range(b)]
+        drafts = [d.propose(sids) for d in ds]
+        assert torch.equal(drafts[0].token_ids, drafts[1].token_ids), step
+        truth = drafts[0].token_ids[:, :3].clamp(min=0)
+        res = teacher_forced_accept(drafts[0], truth)
+        n = res.num_accepted.to(torch.int32)
+        out = torch.cat([truth, truth[:, :1]], 1).to(torch.int32)
+        for i, d in enumerate(ds):
+            monkeypatch.setattr(drafter_mod, "drafter_commit",
+                                functools.partial(real, use_triton=i == 0))
+            d.observe(sids, out, n + 1, n, path_nodes=res.path_nodes if step % 2 else None)
+        for name in ("scale", "prev_full", "calib_seen", "calib_hits", "tier_hits",
+                     "tier_drafts", "recent", "recent_len", "match_cap",
+                     "last_accepted_sources"):
+            assert torch.equal(getattr(ds[0], name), getattr(ds[1], name)), (step, name)
+    assert ds[0].calib_seen.ne(2.0).any()  # commits calibrated something
+
+
+def test_kernel_compiles_for_sm90():
+    sig = dict(slot_ptr="*i64", out_ptr="*i32", nout_ptr="*i32", nacc_ptr="*i32",
+               src_ptr="*i8", par_ptr="*i32", num_ptr="*i32", depth_ptr="*i64",
+               row_ptr="*i64", path_ptr="*i64", recent_ptr="*i32", rlen_ptr="*i32",
+               cap_ptr="*i32", acc_src_ptr="*i64", drafted_ptr="*fp64", hits_ptr="*fp64",
+               seen_ptr="*fp64", cacc_ptr="*fp64", M="i32", N="i32", D="i32", K="i32",
+               NUM_TIERS="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr")
+    compile_all_for_sm90([(_drafter_commit_kernel, sig,
+                           dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32))])
