@@ -34,6 +34,7 @@ from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
+from agspec_gpu.kernels.node_probs import node_probs
 from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
@@ -361,42 +362,22 @@ class Drafter:
         cfg = self.config
         B, C, K = W.shape
         dev = W.device
-        valid = W >= 0
-        # same[b, c, c2, d]: candidates c and c2 agree on tokens 0..d
-        eq = (W[:, :, None, :] == W[:, None, :, :]) & valid[:, :, None, :]
-        same = torch.cumprod(eq.to(torch.int8), dim=3).bool()
-        # representative: lowest-index candidate with the same prefix (the most recent one)
-        cidx = torch.arange(C, device=dev)
-        rep = torch.where(same, cidx[None, None, :, None], C).min(dim=2).values  # [B, C, K]
-        mass = (same.float() * Wt[:, None, :, None]).sum(dim=2)  # [B, C, K]
-        total = Wt.sum(dim=1).clamp(min=1e-9)
-        share = mass / total[:, None, None]
-        D1 = self.store.config.max_depth + 1
-        # calibration row of every candidate: (mode, its tier, the request's match length)
-        cand_tier = torch.where(S[:, :, 0] >= 0, S[:, :, 0] // 8, 0).long()
-        calib_row = (self.prev_full[slots][:, None] * _NUM_TIERS + cand_tier) * D1 + \
-            best.long().clamp(max=D1 - 1)[:, None]  # [B, C]
-        # estimated acceptance: path share among candidates x calibrated chance that the
-        # path survives to this depth (a node uses its representative candidate's row)
-        if cfg.calibrate:
-            q = (self.calib_hits / self.calib_seen).to(torch.float32)
-            reach = torch.cumprod(q[calib_row, :K], dim=2)  # [B, C, K]
-            prob = share * reach.gather(1, rep.clamp(max=C - 1))  # rep = C: no node
-        else:
-            prob = share
-        is_node = valid & (rep == cidx[None, :, None])
-        # depth cap from the controller
+        # the trie's nodes and their estimated acceptance (path share among candidates x
+        # calibrated chance that the path survives to the depth), within the controller's
+        # depth cap: one kernel on a GPU
         k = draft_depth(self.scale[slots], best, self.cap[slots], cfg.controller)
-        k = torch.minimum(k, torch.full_like(k, K))
-        depth = torch.arange(K, device=dev)
-        is_node &= depth[None, None, :] < k[:, None, None]
-        is_node &= prob >= cfg.min_prob
+        key, rep, calib_row, mass = node_probs(
+            W, S, Wt, best, self.prev_full[slots], k, self.calib_hits, self.calib_seen,
+            num_tiers=_NUM_TIERS, max_match=self.store.config.max_depth, min_prob=cfg.min_prob,
+            calibrate=cfg.calibrate)  # key [B, C * K]: flat (c, d) -> c * K + d, -2: no node
         if not cfg.tree:
-            is_node &= self._chain_mask(rep, mass, is_node)
+            chain = self._chain_mask(rep, mass, key.view(B, C, K) > -1.5)
+            key = torch.where(chain.view(B, C * K), key, -2.0)
         # best-first order, exact: probability descending, then the shallower node, then the
         # lower candidate index. Two stable sorts, not a float epsilon on the score: at p >= 1/4
         # a float32 ulp is as large as the depth term and the tie-break was lost.
-        key = torch.where(is_node, prob, -2.0).view(B, C * K)  # flat (c, d) -> c * K + d
+        cidx = torch.arange(C, device=dev)
+        depth = torch.arange(K, device=dev)
         tie_rank = (depth[None, :] * C + cidx[:, None]).reshape(1, C * K)
         by_tie = torch.argsort(tie_rank, dim=1).expand(B, -1)  # depth-major, then candidate
         order = by_tie.gather(1, torch.argsort(key.gather(1, by_tie), dim=1, descending=True,

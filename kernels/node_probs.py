@@ -1,0 +1,206 @@
+"""Draft-tree nodes and their estimated acceptance, one program per request.
+
+A request's ``C`` candidate windows (the ``K`` tokens after each occurrence of its longest
+match, -1 past a separator or the corpus end) form a trie: candidates ``c`` and ``c2`` share
+the node at depth ``d`` when they agree on tokens ``0..d``. Per (candidate, depth):
+
+* ``rep``: the lowest-index candidate sharing the node (the node's representative; ``C``
+  where the window has no token);
+* ``mass``: the summed weight of the candidates through the node; ``share`` = mass / total;
+* ``calib_row [C]``: the calibration row of each candidate, ``(mode * T + tier) * (L + 1) +
+  min(best, L)`` (the request's copy mode, the candidate's tier from its source tag, the
+  match length);
+* the node's estimated acceptance: ``share`` times, when calibrated, the product over depths
+  ``0..d`` of ``hits / seen`` at the representative's calibration row;
+* ``key``: that estimate where ``(c, d)`` is a node (its own representative) within the depth
+  cap ``k`` and at least ``min_prob``, ``-2`` elsewhere; flat index ``c * K + d``.
+
+As batched torch ops this is about forty-five kernels over a ``[B, C, C, K]`` compare; the
+kernel keeps a request's ``[C, K]`` windows in registers and walks the other candidates one
+by one. Sums and products run in the torch CPU path's order and precision (candidates
+ascending; depths ascending, the product accumulated in float64), so with exactly
+representable weights both paths agree to the bit (the tests also see it with arbitrary
+ones); the weights' total may differ in the last bit, as torch's CPU and GPU reductions do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _node_probs_kernel(
+    w_ptr,  # *int32 [B, C, K]  candidate windows, -1: no token
+    s_ptr,  # *int32 [B, C, K]  source tags (only depth 0 is read), -1: none
+    wt_ptr,  # *float32 [B, C]  candidate weights
+    best_ptr,  # *int32 [B]  the request's match length
+    mode_ptr,  # *int64 [B]  copy mode (1: the previous draft was fully accepted)
+    k_ptr,  # *int32 [B]  depth cap
+    hits_ptr,  # *float64 [R, KC]  calibration: accepted
+    seen_ptr,  # *float64 [R, KC]  calibration: reached
+    key_ptr,  # *float32 [B, C * K]  out
+    rep_ptr,  # *int64 [B, C, K]  out
+    row_ptr,  # *int64 [B, C]  out
+    mass_ptr,  # *float32 [B, C, K]  out
+    C,
+    K,
+    KC,  # columns of the calibration tables
+    MAX_MATCH,  # L: rows per (mode, tier) are L + 1
+    MIN_PROB,
+    NUM_TIERS: tl.constexpr,
+    CALIBRATE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid ``(B,)``: one request's trie."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    d = tl.arange(0, BLOCK_K)
+    in_c = c < C
+    in_ck = in_c[:, None] & (d < K)[None, :]
+    w = tl.load(w_ptr + (b * C + c[:, None]) * K + d[None, :], mask=in_ck, other=-1)
+    valid = w >= 0
+    rep = tl.zeros((BLOCK_C, BLOCK_K), tl.int64) + C
+    mass = tl.zeros((BLOCK_C, BLOCK_K), tl.float32)
+    c2 = 0
+    while c2 < C:  # candidates ascending: the first that shares a node is its representative
+        w2 = tl.load(w_ptr + (b * C + c2) * K + d, mask=d < K, other=-1)
+        eq = (w == w2[None, :]) & valid
+        first = tl.min(tl.where(eq, BLOCK_K, d[None, :]), axis=1)  # first mismatch depth
+        same = d[None, :] < first[:, None]
+        rep = tl.where(same & (rep == C), c2, rep)
+        mass += tl.where(same, tl.load(wt_ptr + b * C + c2), 0.0)
+        c2 += 1
+    total = tl.maximum(tl.sum(tl.load(wt_ptr + b * C + c, mask=in_c, other=0.0), axis=0), 1e-9)
+    share = mass / total
+    s0 = tl.load(s_ptr + (b * C + c) * K, mask=in_c, other=-1)
+    tier = tl.where(s0 >= 0, s0 // 8, 0).to(tl.int64)
+    best = tl.minimum(tl.load(best_ptr + b), MAX_MATCH).to(tl.int64)
+    row = (tl.load(mode_ptr + b) * NUM_TIERS + tier) * (MAX_MATCH + 1) + best
+    if CALIBRATE:
+        # reach[c, d]: the product of hits / seen (each rounded to float32) over depths 0..d
+        # at candidate c's row, accumulated in float64 as torch's CPU cumprod does
+        reach = tl.zeros((BLOCK_C, BLOCK_K), tl.float32)
+        run = tl.zeros((BLOCK_C,), tl.float64) + 1.0
+        dd = 0
+        while dd < K:
+            h = tl.load(hits_ptr + row * KC + dd, mask=in_c, other=1.0)
+            s = tl.load(seen_ptr + row * KC + dd, mask=in_c, other=1.0)
+            run = run * (h / s).to(tl.float32).to(tl.float64)
+            reach = tl.where(d[None, :] == dd, run.to(tl.float32)[:, None], reach)
+            dd += 1
+        # a node's chance is its representative's reach
+        reach_rep = tl.zeros((BLOCK_C, BLOCK_K), tl.float32)
+        c2 = 0
+        while c2 < C:
+            r2 = tl.sum(tl.where(c[:, None] == c2, reach, 0.0), axis=0)
+            reach_rep = tl.where(rep == c2, r2[None, :], reach_rep)
+            c2 += 1
+        prob = share * reach_rep
+    else:
+        prob = share
+    k = tl.load(k_ptr + b)
+    node = valid & (rep == c[:, None]) & (d[None, :] < k) & (prob >= MIN_PROB)
+    key = tl.where(node, prob, -2.0)
+    tl.store(key_ptr + (b * C + c[:, None]) * K + d[None, :], key, mask=in_ck)
+    tl.store(rep_ptr + (b * C + c[:, None]) * K + d[None, :], rep, mask=in_ck)
+    tl.store(mass_ptr + (b * C + c[:, None]) * K + d[None, :], mass, mask=in_ck)
+    tl.store(row_ptr + b * C + c, row, mask=in_c)
+
+
+def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.Tensor,
+               mode: torch.Tensor, k: torch.Tensor, calib_hits: torch.Tensor,
+               calib_seen: torch.Tensor, *, num_tiers: int, max_match: int, min_prob: float,
+               calibrate: bool, use_triton: bool | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher: validates, then runs the Triton kernel on CUDA (or when ``use_triton``),
+    the torch path otherwise.
+
+    Args:
+        W, S: ``int32 [B, C, K]`` candidate windows and their source tags (-1: none).
+        Wt: ``float32 [B, C]`` candidate weights. best: ``int32 [B]`` match lengths.
+        mode: ``int64 [B]`` copy mode. k: ``int32 [B]`` depth caps.
+        calib_hits, calib_seen: ``float64 [R, KC]``, ``KC >= K``, rows as in the module
+        docstring (``R >= 2 * num_tiers * (max_match + 1)``).
+
+    Returns:
+        ``(key float32 [B, C * K], rep int64 [B, C, K], calib_row int64 [B, C], mass
+        float32 [B, C, K])``.
+    """
+    B, C, K = W.shape
+    for name, t, dt, shape in (("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
+                               ("Wt", Wt, torch.float32, (B, C)),
+                               ("best", best, torch.int32, (B,)),
+                               ("mode", mode, torch.int64, (B,)), ("k", k, torch.int32, (B,)),
+                               ("calib_hits", calib_hits, torch.float64,
+                                tuple(calib_seen.shape)),
+                               ("calib_seen", calib_seen, torch.float64,
+                                tuple(calib_hits.shape))):
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected {dt} {list(shape)}, got {t.dtype} "
+                             f"{list(t.shape)}")
+    if calib_seen.dim() != 2 or calib_seen.shape[1] < K or \
+            calib_seen.shape[0] < 2 * num_tiers * (max_match + 1):
+        raise ValueError(f"calib_seen: expected [>= {2 * num_tiers * (max_match + 1)}, >= {K}]"
+                         f", got {list(calib_seen.shape)}")
+    if use_triton is None:
+        use_triton = W.is_cuda
+    if not use_triton:
+        return node_probs_torch(W, S, Wt, best, mode, k, calib_hits, calib_seen,
+                                num_tiers=num_tiers, max_match=max_match, min_prob=min_prob,
+                                calibrate=calibrate)
+    dev = W.device
+    W, S, Wt, best, mode, k = (t.contiguous() for t in (W, S, Wt, best, mode, k))
+    calib_hits, calib_seen = calib_hits.contiguous(), calib_seen.contiguous()
+    key = torch.empty(B, C * K, dtype=torch.float32, device=dev)
+    rep = torch.empty(B, C, K, dtype=torch.int64, device=dev)
+    row = torch.empty(B, C, dtype=torch.int64, device=dev)
+    mass = torch.empty(B, C, K, dtype=torch.float32, device=dev)
+    if B and C and K:
+        _node_probs_kernel[(B,)](
+            W, S, Wt, best, mode, k, calib_hits, calib_seen, key, rep, row, mass, C, K,
+            calib_seen.shape[1], max_match, float(min_prob), NUM_TIERS=num_tiers,
+            CALIBRATE=calibrate, BLOCK_C=triton.next_power_of_2(C),
+            BLOCK_K=triton.next_power_of_2(K))
+    else:
+        key.fill_(-2.0)
+        rep.fill_(C)
+        row.zero_()
+        mass.zero_()
+    return key, rep, row, mass
+
+
+def node_probs_torch(W, S, Wt, best, mode, k, calib_hits, calib_seen, *, num_tiers: int,
+                     max_match: int, min_prob: float, calibrate: bool):
+    """Pure-torch implementation of :func:`node_probs` (same results as the kernel)."""
+    B, C, K = W.shape
+    dev = W.device
+    valid = W >= 0
+    # same[b, c, c2, d]: candidates c and c2 agree on tokens 0..d
+    eq = (W[:, :, None, :] == W[:, None, :, :]) & valid[:, :, None, :]
+    same = torch.cumprod(eq.to(torch.int8), dim=3).bool()
+    # representative: lowest-index candidate with the same prefix (the most recent one)
+    cidx = torch.arange(C, device=dev)
+    rep = torch.where(same, cidx[None, None, :, None], C).min(dim=2).values  # [B, C, K]
+    mass = (same.float() * Wt[:, None, :, None]).sum(dim=2)  # [B, C, K]
+    total = Wt.sum(dim=1).clamp(min=1e-9)
+    share = mass / total[:, None, None]
+    D1 = max_match + 1
+    # calibration row of every candidate: (mode, its tier, the request's match length)
+    cand_tier = torch.where(S[:, :, 0] >= 0, S[:, :, 0] // 8, 0).long()
+    calib_row = (mode[:, None] * num_tiers + cand_tier) * D1 + \
+        best.long().clamp(max=D1 - 1)[:, None]  # [B, C]
+    # estimated acceptance: path share among candidates x calibrated chance that the path
+    # survives to this depth (a node uses its representative candidate's row)
+    if calibrate:
+        q = (calib_hits / calib_seen).to(torch.float32)
+        reach = torch.cumprod(q[calib_row, :K], dim=2)  # [B, C, K]
+        prob = share * reach.gather(1, rep.clamp(max=C - 1))  # rep = C: no node
+    else:
+        prob = share
+    depth = torch.arange(K, device=dev)
+    is_node = valid & (rep == cidx[None, :, None]) & (depth[None, None, :] < k[:, None, None])
+    is_node &= prob >= min_prob
+    return torch.where(is_node, prob, -2.0).view(B, C * K), rep, calib_row, mass

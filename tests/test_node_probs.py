@@ -1,0 +1,149 @@
+"""The draft-trie kernel: the Triton kernel (interpreted on CPU) equals the torch path on
+random candidate windows (small vocabularies: many shared prefixes), separators, identical
+candidates (periodic text), empty windows, one candidate of one token, widths that are not
+powers of two, with and without calibration, depth caps and a probability floor; bit for bit
+with exactly representable weights, to float32 rounding with arbitrary ones; a drafter whose
+trie runs the kernel drafts what the torch path drafts; bad arguments are named; the kernel
+compiles for sm_90."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+import agspec_gpu.drafter as drafter_mod
+from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.kernels.node_probs import _node_probs_kernel, node_probs, node_probs_torch
+from agspec_gpu.tiers import CorpusStore, TierConfig
+from agspec_gpu.tokenizer import load_tokenizer
+from kernel_compile import compile_all_for_sm90
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+T, L = 4, 6  # tiers, longest match (calibration rows: 2 * T * (L + 1))
+
+
+def random_case(rng: random.Random, B: int, C: int, K: int, vocab: int, dyadic: bool,
+                kind: str = "random") -> dict:
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    W = torch.randint(0, vocab, (B, C, K), generator=g, dtype=torch.int32)
+    if kind == "random":  # a separator ends some windows, some are empty
+        for b in range(B):
+            for c in range(C):
+                cut = rng.choice([K, K, rng.randrange(K + 1), 0])
+                W[b, c, cut:] = -1
+        W[torch.rand(B, C, K, generator=g) < 0.03] = -1  # stray -1 inside: never a node
+    elif kind == "identical":  # periodic text: every candidate the same window
+        W[:] = W[:, :1]
+    elif kind == "empty":
+        W[:] = -1
+    S = torch.randint(-1, 8 * T, (B, C, K), generator=g, dtype=torch.int32)
+    if dyadic:
+        Wt = torch.tensor([rng.choice([0.0, 0.25, 0.5, 1.0, 2.0]) for _ in range(B * C)],
+                          dtype=torch.float32).view(B, C)
+    else:
+        Wt = torch.rand(B, C, generator=g, dtype=torch.float32) * 3
+    R = 2 * T * (L + 1)
+    seen = torch.randint(2, 40, (R, K + 2), generator=g).double()
+    hits = (seen * torch.rand(R, K + 2, generator=g, dtype=torch.float64)).clamp(min=1e-3)
+    return dict(W=W, S=S, Wt=Wt, best=torch.randint(0, L + 3, (B,), generator=g,
+                                                     dtype=torch.int32),
+                mode=torch.randint(0, 2, (B,), generator=g),
+                k=torch.randint(1, K + 2, (B,), generator=g, dtype=torch.int32),
+                calib_hits=hits, calib_seen=seen)
+
+
+def both(case: dict, **kw):
+    c = {n: v.to(DEV) for n, v in case.items()}
+    got = node_probs(**c, num_tiers=T, max_match=L, use_triton=True, **kw)
+    want = node_probs_torch(**c, num_tiers=T, max_match=L, **kw)
+    return [x.cpu() for x in got], [x.cpu() for x in want]
+
+
+@pytest.mark.parametrize("B,C,K", [(1, 1, 1), (2, 3, 5), (3, 8, 32), (2, 16, 32), (2, 24, 7),
+                                   (1, 5, 64)])
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_kernel_equals_torch_path_bit_for_bit_with_dyadic_weights(B, C, K, calibrate):
+    rng = random.Random(B * 100 + C * 10 + K + calibrate)
+    for trial, kind in enumerate(["random", "random", "identical", "empty"]):
+        case = random_case(rng, B, C, K, vocab=2 if trial == 1 else 7, dyadic=True, kind=kind)
+        for min_prob in (0.0, 0.2):
+            got, want = both(case, min_prob=min_prob, calibrate=calibrate)
+            for name, g, w in zip(("key", "rep", "calib_row", "mass"), got, want):
+                assert torch.equal(g, w), (trial, kind, min_prob, name)
+
+
+def test_kernel_matches_torch_path_with_arbitrary_weights():
+    rng = random.Random(5)
+    for trial in range(6):
+        case = random_case(rng, 3, 16, 32, vocab=3, dyadic=False)
+        got, want = both(case, min_prob=0.0, calibrate=True)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-7)
+        # the same nodes; their estimates within float32 rounding
+        assert torch.equal(got[0] > -1.5, want[0] > -1.5)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+
+
+def test_empty_batch():
+    case = random_case(random.Random(0), 0, 4, 8, vocab=3, dyadic=True)
+    got, want = both(case, min_prob=0.0, calibrate=True)
+    assert all(g.shape == w.shape for g, w in zip(got, want)) and got[0].numel() == 0
+
+
+def test_bad_arguments_are_named():
+    c = random_case(random.Random(1), 2, 3, 4, vocab=3, dyadic=True)
+    kw = dict(num_tiers=T, max_match=L, min_prob=0.0, calibrate=True)
+    with pytest.raises(ValueError, match="Wt"):
+        node_probs(**{**c, "Wt": c["Wt"].double()}, **kw)
+    with pytest.raises(ValueError, match="best"):
+        node_probs(**{**c, "best": c["best"][:1]}, **kw)
+    with pytest.raises(ValueError, match="calib_seen"):
+        node_probs(**{**c, "calib_seen": c["calib_seen"][:3], "calib_hits": c["calib_hits"][:3]},
+                   **kw)
+
+
+def test_drafter_with_the_kernel_drafts_what_the_torch_path_drafts(monkeypatch):
+    """Two drafters on the same steps (calibrated, real tier weights), one building its
+    tries with the kernel: the same drafts every step."""
+    tok = load_tokenizer("cl100k")
+    text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
+                      "    print(f(i))\n" * 5)
+    ds = []
+    for _ in range(2):
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64))
+        store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
+        d = Drafter(store, DrafterConfig(), max_batch=8)
+        for i in range(5):
+            d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
+        ds.append(d)
+    real = drafter_mod.node_probs
+    drafted = 0
+    for step, b in enumerate([5, 3, 5, 1, 4, 5, 5]):
+        sids = [f"s{i}" for i in range(b)]
+        drafts = []
+        for i, d in enumerate(ds):
+            monkeypatch.setattr(drafter_mod, "node_probs", functools.partial(real,
+                                                                           use_triton=i == 0))
+            drafts.append(d.propose(sids))
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        drafted += int(drafts[0].num_draft_tokens.sum())
+        out = torch.cat([drafts[0].token_ids[:, :2].clamp(min=0),
+                         drafts[0].token_ids[:, :1].clamp(min=0)], 1).to(torch.int32)
+        n = torch.ones(b, dtype=torch.int32)
+        for d in ds:
+            d.observe(sids, out, n + 1, n)
+    assert drafted > 0
+
+
+def test_kernel_compiles_for_sm90():
+    sig = dict(w_ptr="*i32", s_ptr="*i32", wt_ptr="*fp32", best_ptr="*i32", mode_ptr="*i64",
+               k_ptr="*i32", hits_ptr="*fp64", seen_ptr="*fp64", key_ptr="*fp32",
+               rep_ptr="*i64", row_ptr="*i64", mass_ptr="*fp32", C="i32", K="i32", KC="i32",
+               MAX_MATCH="i32", MIN_PROB="fp32", NUM_TIERS="constexpr",
+               CALIBRATE="constexpr", BLOCK_C="constexpr", BLOCK_K="constexpr")
+    compile_all_for_sm90([(_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=True,
+                                                         BLOCK_C=16, BLOCK_K=32)),
+                          (_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=False,
+                                                         BLOCK_C=8, BLOCK_K=64))])
