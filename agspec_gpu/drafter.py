@@ -33,6 +33,7 @@ from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
+from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.node_probs import node_probs
 from agspec_gpu.kernels.suffix_match import suffix_match
@@ -373,56 +374,25 @@ class Drafter:
         if not cfg.tree:
             chain = self._chain_mask(rep, mass, key.view(B, C, K) > -1.5)
             key = torch.where(chain.view(B, C * K), key, -2.0)
-        # best-first order, exact: probability descending, then the shallower node, then the
-        # lower candidate index. Two stable sorts, not a float epsilon on the score: at p >= 1/4
-        # a float32 ulp is as large as the depth term and the tie-break was lost.
-        cidx = torch.arange(C, device=dev)
-        depth = torch.arange(K, device=dev)
-        tie_rank = (depth[None, :] * C + cidx[:, None]).reshape(1, C * K)
-        by_tie = torch.argsort(tie_rank, dim=1).expand(B, -1)  # depth-major, then candidate
-        order = by_tie.gather(1, torch.argsort(key.gather(1, by_tie), dim=1, descending=True,
-                                               stable=True))
-        ranked = key.gather(1, order)
-        keep_n = torch.clamp((ranked > -1.5).sum(dim=1), max=cfg.max_nodes)
+        # best-first order: probability descending, then the shallower node, then the lower
+        # candidate index; at most max_nodes per request (static: no host sync on the count)
+        N = min(cfg.max_nodes, C * K)
+        order, ranked, keep_n = best_first(key, C, K, N, cfg.max_nodes)
         if cfg.batch_budget and cfg.controller.static_k is None:
-            flat_scores = torch.where(ranked > -1.5, ranked, -1.0)
-            rank = torch.arange(C * K, device=dev)[None, :]
-            flat_scores = torch.where(rank < keep_n[:, None], flat_scores, -1.0)
-            # every request keeps at most max_nodes: the batch's best B * max_nodes scores
-            # hold all it may keep (padding scores 0: it never adds gain, only cost)
+            rank = torch.arange(N, device=dev)[None, :]
+            flat_scores = torch.where((ranked > -1.5) & (rank < keep_n[:, None]), ranked, -1.0)
+            # every request keeps at most max_nodes: the batch's best B * N scores hold all it
+            # may keep (padding scores 0: it never adds gain, only cost)
             allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
-            allv = allv[:B * min(cfg.max_nodes, C * K)]
             nstar = batch_budget(allv.clamp(min=0), num_requests, self.cost,
                                  table=self._cost_table)
             # gather with a [1] index: indexing by the 0-d nstar would read it to the host
             nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
             thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
             keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
-        # nodes in best-first order (topological: a parent never ranks below its child)
-        num = keep_n
-        N = min(cfg.max_nodes, C * K)  # static: no host sync on the number of nodes
-        first = order[:, :N]  # flat c * K + d
-        node_order = (first % K) * C + first // K  # depth-major flat index d * C + c
-        nd = node_order // C  # depth
-        nc = node_order % C  # candidate
-        valid_node = torch.arange(N, device=dev)[None, :] < num[:, None]
-        flat_W = W.permute(0, 2, 1).reshape(B, K * C)  # depth-major, like ordkey
-        tok = torch.where(valid_node, flat_W.gather(1, node_order), PAD_ID)
-        srcs = torch.where(valid_node, S.permute(0, 2, 1).reshape(B, K * C).gather(1, node_order),
-                           -1)
-        # parent: node (rep[c, d-1], d-1)
-        # node index of each chosen (depth, candidate); padding scatters to a dummy column
-        idx_of = torch.full((B, K * C + 1), -1, dtype=torch.int64, device=dev)
-        idx_of.scatter_(1, torch.where(valid_node, node_order, K * C),
-                        torch.where(valid_node, torch.arange(N, device=dev)[None, :], -1))
-        prev_rep = rep.permute(0, 2, 1).reshape(B, K * C)  # rep at (d, c)
-        pd = (nd - 1).clamp(min=0)
-        parent_cand = prev_rep.gather(1, pd * C + nc)
-        parent = torch.where(nd > 0, idx_of.gather(1, pd * C + parent_cand), -1)
-        parent = torch.where(valid_node, parent, PAD_ID)
-        node_row = calib_row.gather(1, nc)  # [B, N]: a node is its own representative
-        return (tok.to(torch.int32), parent.to(torch.int32), num.to(torch.int32),
-                srcs.to(torch.int8), nd, node_row)
+        # the kept nodes (topological: a parent never ranks below its child)
+        tok, parent, srcs, nd, node_row = emit_nodes(order, keep_n, W, S, rep, calib_row)
+        return tok, parent, keep_n.to(torch.int32), srcs, nd, node_row
 
     @staticmethod
     def _chain_mask(rep, mass, is_node) -> torch.Tensor:

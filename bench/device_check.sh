@@ -147,7 +147,7 @@ step pytest 140 env PYTHONSAFEPATH=1 python3 -P -m pytest -q --tb=short --durati
   tests/test_gpu.py tests/test_attention.py \
   tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
   tests/test_layer_kernels.py tests/test_verify_graphs.py tests/test_tree_accept.py \
-  tests/test_drafter_commit.py tests/test_node_probs.py \
+  tests/test_drafter_commit.py tests/test_node_probs.py tests/test_draft_nodes.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda" \

@@ -10,8 +10,10 @@ the node at depth ``d`` when they agree on tokens ``0..d``. Per (candidate, dept
 * ``calib_row [C]``: the calibration row of each candidate, ``(mode * T + tier) * (L + 1) +
   min(best, L)`` (the request's copy mode, the candidate's tier from its source tag, the
   match length);
-* the node's estimated acceptance: ``share`` times, when calibrated, the product over depths
-  ``0..d`` of ``hits / seen`` at the representative's calibration row;
+* the node's estimated acceptance: ``share`` times, when calibrated, the product over the
+  path's nodes (depths ``0..d``) of ``hits / seen`` at each node's representative's
+  calibration row: a child's estimate never exceeds its parent's (``hits <= seen`` and a
+  child's mass is part of its parent's), so best-first order is topological;
 * ``key``: that estimate where ``(c, d)`` is a node (its own representative) within the depth
   cap ``k`` and at least ``min_prob``, ``-2`` elsewhere; flat index ``c * K + d``.
 
@@ -62,7 +64,13 @@ def _node_probs_kernel(
     in_ck = in_c[:, None] & (d < K)[None, :]
     w = tl.load(w_ptr + (b * C + c[:, None]) * K + d[None, :], mask=in_ck, other=-1)
     valid = w >= 0
+    # calibration row of each candidate: (mode, its tier, the match length)
+    base = tl.load(mode_ptr + b) * NUM_TIERS
+    best = tl.minimum(tl.load(best_ptr + b), MAX_MATCH).to(tl.int64)
+    s0 = tl.load(s_ptr + (b * C + c) * K, mask=in_c, other=-1)
+    row = (base + tl.where(s0 >= 0, s0 // 8, 0).to(tl.int64)) * (MAX_MATCH + 1) + best
     rep = tl.zeros((BLOCK_C, BLOCK_K), tl.int64) + C
+    rep_row = tl.zeros((BLOCK_C, BLOCK_K), tl.int64)  # the representative's row
     mass = tl.zeros((BLOCK_C, BLOCK_K), tl.float32)
     c2 = 0
     while c2 < C:  # candidates ascending: the first that shares a node is its representative
@@ -70,35 +78,29 @@ def _node_probs_kernel(
         eq = (w == w2[None, :]) & valid
         first = tl.min(tl.where(eq, BLOCK_K, d[None, :]), axis=1)  # first mismatch depth
         same = d[None, :] < first[:, None]
+        s2 = tl.load(s_ptr + (b * C + c2) * K)
+        row2 = (base + tl.where(s2 >= 0, s2 // 8, 0).to(tl.int64)) * (MAX_MATCH + 1) + best
+        rep_row = tl.where(same & (rep == C), row2, rep_row)
         rep = tl.where(same & (rep == C), c2, rep)
         mass += tl.where(same, tl.load(wt_ptr + b * C + c2), 0.0)
         c2 += 1
     total = tl.maximum(tl.sum(tl.load(wt_ptr + b * C + c, mask=in_c, other=0.0), axis=0), 1e-9)
     share = mass / total
-    s0 = tl.load(s_ptr + (b * C + c) * K, mask=in_c, other=-1)
-    tier = tl.where(s0 >= 0, s0 // 8, 0).to(tl.int64)
-    best = tl.minimum(tl.load(best_ptr + b), MAX_MATCH).to(tl.int64)
-    row = (tl.load(mode_ptr + b) * NUM_TIERS + tier) * (MAX_MATCH + 1) + best
     if CALIBRATE:
-        # reach[c, d]: the product of hits / seen (each rounded to float32) over depths 0..d
-        # at candidate c's row, accumulated in float64 as torch's CPU cumprod does
+        # each node's chance hits / seen (rounded to float32) at its representative's row,
+        # multiplied along the path in float64 as torch's CPU cumprod does
+        h = tl.load(hits_ptr + rep_row * KC + d[None, :], mask=in_ck, other=1.0)
+        s = tl.load(seen_ptr + rep_row * KC + d[None, :], mask=in_ck, other=1.0)
+        step = (h / s).to(tl.float32)
         reach = tl.zeros((BLOCK_C, BLOCK_K), tl.float32)
         run = tl.zeros((BLOCK_C,), tl.float64) + 1.0
         dd = 0
         while dd < K:
-            h = tl.load(hits_ptr + row * KC + dd, mask=in_c, other=1.0)
-            s = tl.load(seen_ptr + row * KC + dd, mask=in_c, other=1.0)
-            run = run * (h / s).to(tl.float32).to(tl.float64)
+            col = tl.sum(tl.where(d[None, :] == dd, step, 0.0), axis=1)  # exact: one term
+            run = run * col.to(tl.float64)
             reach = tl.where(d[None, :] == dd, run.to(tl.float32)[:, None], reach)
             dd += 1
-        # a node's chance is its representative's reach
-        reach_rep = tl.zeros((BLOCK_C, BLOCK_K), tl.float32)
-        c2 = 0
-        while c2 < C:
-            r2 = tl.sum(tl.where(c[:, None] == c2, reach, 0.0), axis=0)
-            reach_rep = tl.where(rep == c2, r2[None, :], reach_rep)
-            c2 += 1
-        prob = share * reach_rep
+        prob = share * reach
     else:
         prob = share
     k = tl.load(k_ptr + b)
@@ -195,9 +197,11 @@ def node_probs_torch(W, S, Wt, best, mode, k, calib_hits, calib_seen, *, num_tie
     # estimated acceptance: path share among candidates x calibrated chance that the path
     # survives to this depth (a node uses its representative candidate's row)
     if calibrate:
+        # each node's chance at its representative's row (rep = C: no node), multiplied
+        # along the path: a child's estimate never exceeds its parent's
         q = (calib_hits / calib_seen).to(torch.float32)
-        reach = torch.cumprod(q[calib_row, :K], dim=2)  # [B, C, K]
-        prob = share * reach.gather(1, rep.clamp(max=C - 1))  # rep = C: no node
+        step = q[calib_row, :K].gather(1, rep.clamp(max=C - 1))  # [B, C, K]
+        prob = share * torch.cumprod(step, dim=2)
     else:
         prob = share
     depth = torch.arange(K, device=dev)

@@ -147,3 +147,26 @@ def test_kernel_compiles_for_sm90():
                                                          BLOCK_C=16, BLOCK_K=32)),
                           (_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=False,
                                                          BLOCK_C=8, BLOCK_K=64))])
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_a_childs_estimate_never_exceeds_its_parents(calibrate):
+    """Candidates from different tiers (different calibration rows) sharing a prefix: the
+    estimate multiplies each node's chance along the path, so a child never outranks its
+    parent and best-first order is topological (a parent ranked after its child would get
+    the child a wrong attention mask, and a wrong token accepted)."""
+    rng = random.Random(11)
+    for trial in range(8):
+        case = random_case(rng, 3, 16, 12, vocab=2, dyadic=False)
+        key, rep, _, _ = node_probs_torch(**case, num_tiers=T, max_match=L, min_prob=0.0,
+                                          calibrate=calibrate)
+        key = key.view(3, 16, 12)
+        nodes = 0
+        for b in range(3):
+            for c in range(16):
+                for d in range(1, 12):
+                    if key[b, c, d] > -1.5:
+                        parent = key[b, int(rep[b, c, d - 1]), d - 1]
+                        assert parent > -1.5 and key[b, c, d] <= parent, (trial, b, c, d)
+                        nodes += 1
+        assert nodes > 0

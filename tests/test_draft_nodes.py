@@ -1,0 +1,128 @@
+"""Best-first ranking and node emission: the Triton kernels (interpreted on CPU) equal the
+torch paths on random keys with many exact ties, no nodes at all, every entry a node, widths
+that are not powers of two, fewer slots than nodes; emission over real tries (from the trie
+kernel's torch path) with any number of kept nodes; a drafter whose whole tree step runs the
+kernels drafts exactly what the torch path drafts; bad arguments are named; both kernels
+compile for sm_90."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+import agspec_gpu.drafter as drafter_mod
+from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.kernels.draft_nodes import (_best_first_kernel, _emit_nodes_kernel, best_first,
+                                            best_first_torch, emit_nodes, emit_nodes_torch)
+from agspec_gpu.kernels.node_probs import node_probs_torch
+from agspec_gpu.tiers import CorpusStore, TierConfig
+from agspec_gpu.tokenizer import load_tokenizer
+from kernel_compile import compile_all_for_sm90
+from test_node_probs import L, T, random_case
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def random_keys(g: torch.Generator, B: int, CK: int, kind: str) -> torch.Tensor:
+    if kind == "ties":  # a handful of values: most comparisons fall to the tie-break
+        vals = torch.tensor([-2.0, 0.0, 0.125, 0.25, 0.5, 1.0])
+        return vals[torch.randint(0, 6, (B, CK), generator=g)]
+    if kind == "none":
+        return torch.full((B, CK), -2.0)
+    if kind == "all":
+        return torch.rand(B, CK, generator=g)
+    k = torch.rand(B, CK, generator=g)
+    return torch.where(torch.rand(B, CK, generator=g) < 0.5, k, -2.0)
+
+
+@pytest.mark.parametrize("B,C,K,N,max_nodes", [(1, 1, 1, 1, 1), (3, 3, 5, 15, 15),
+                                               (2, 16, 32, 64, 64), (4, 8, 32, 64, 20),
+                                               (2, 24, 7, 30, 64), (1, 2, 3, 0, 4)])
+@pytest.mark.parametrize("kind", ["mixed", "ties", "none", "all"])
+def test_best_first_kernel_equals_torch_path(B, C, K, N, max_nodes, kind):
+    g = torch.Generator().manual_seed(B * 7 + C * 3 + K + N)
+    key = random_keys(g, B, C * K, kind).to(DEV)
+    got = best_first(key, C, K, N, max_nodes, use_triton=True)
+    want = best_first_torch(key, C, K, N, max_nodes)
+    for name, a, b in zip(("order", "ranked", "keep"), got, want):
+        assert torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.parametrize("B,C,K", [(1, 1, 1), (2, 3, 5), (3, 16, 32), (2, 24, 7)])
+def test_emit_nodes_kernel_equals_torch_path_on_real_tries(B, C, K):
+    rng = random.Random(B + C + K)
+    for trial in range(3):
+        case = random_case(rng, B, C, K, vocab=2 + trial, dyadic=True)
+        key, rep, row, _ = node_probs_torch(**case, num_tiers=T, max_match=L, min_prob=0.0,
+                                            calibrate=True)
+        N = min(64, C * K)
+        order, _, keep = best_first_torch(key, C, K, N, 64)
+        num = torch.tensor([rng.randint(0, int(x)) for x in keep], dtype=torch.int64)
+        args = [t.to(DEV) for t in (order, num, case["W"], case["S"], rep, row)]
+        got = emit_nodes(*args, use_triton=True)
+        want = emit_nodes_torch(*args)
+        for name, a, b in zip(("tok", "parent", "src", "depth", "row"), got, want):
+            assert torch.equal(a.cpu(), b.cpu()), (trial, name)
+        # a kept node's parent is an earlier kept node (topological order)
+        par = want[1].cpu()
+        for b in range(B):
+            for i in range(int(num[b])):
+                assert -1 <= int(par[b, i]) < i
+
+
+def test_bad_arguments_are_named():
+    key = torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="key"):
+        best_first(key.double(), 2, 3, 6, 6)
+    with pytest.raises(ValueError, match="N must be"):
+        best_first(key, 2, 3, 7, 6)
+    o = torch.zeros(2, 4, dtype=torch.int64)
+    W = torch.zeros(2, 2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="rep"):
+        emit_nodes(o, torch.zeros(2, dtype=torch.int64), W, W, W, torch.zeros(2, 2,
+                                                                              dtype=torch.int64))
+
+
+def test_drafter_on_the_kernels_drafts_what_the_torch_path_drafts(monkeypatch):
+    """Two drafters on the same steps (batch budget on, calibrated), one running its whole
+    tree step on the kernels: the same drafts every step, budget-cut ones included."""
+    tok = load_tokenizer("cl100k")
+    text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
+                      "    print(f(i))\n" * 5)
+    ds = []
+    for _ in range(2):
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64))
+        store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
+        d = Drafter(store, DrafterConfig(), max_batch=8)
+        for i in range(6):
+            d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
+        ds.append(d)
+    real = {n: getattr(drafter_mod, n) for n in ("node_probs", "best_first", "emit_nodes")}
+    drafted = 0
+    for step, b in enumerate([6, 3, 6, 1, 4, 6, 6]):
+        sids = [f"s{i}" for i in range(b)]
+        drafts = []
+        for i, d in enumerate(ds):
+            for n, f in real.items():
+                monkeypatch.setattr(drafter_mod, n, functools.partial(f, use_triton=i == 0))
+            drafts.append(d.propose(sids))
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        drafted += int(drafts[0].num_draft_tokens.sum())
+        out = torch.cat([drafts[0].token_ids[:, :2].clamp(min=0),
+                         drafts[0].token_ids[:, :1].clamp(min=0)], 1).to(torch.int32)
+        n = torch.ones(b, dtype=torch.int32)
+        for d in ds:
+            d.observe(sids, out, n + 1, n)
+    assert drafted > 0
+
+
+def test_kernels_compile_for_sm90():
+    s1 = dict(key_ptr="*fp32", order_ptr="*i64", ranked_ptr="*fp32", keep_ptr="*i64", C="i32",
+              K="i32", N="i32", MAX_NODES="i32", BLOCK="constexpr")
+    s2 = dict(order_ptr="*i64", num_ptr="*i64", w_ptr="*i32", s_ptr="*i32", rep_ptr="*i64",
+              row_ptr="*i64", tok_ptr="*i32", par_ptr="*i32", src_ptr="*i8", nd_ptr="*i64",
+              nrow_ptr="*i64", C="i32", K="i32", N="i32", BLOCK_N="constexpr")
+    compile_all_for_sm90([(_best_first_kernel, s1, dict(BLOCK=512)),
+                          (_emit_nodes_kernel, s2, dict(BLOCK_N=64))])
