@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_tensors
+
 PAD_ID = -1
 _PAD = tl.constexpr(PAD_ID)  # what a kernel may read of it
 _TIE_BITS = 20  # the tie-break (depth * C + candidate) fits below the key's bits
@@ -107,13 +109,6 @@ def _emit_nodes_kernel(
     tl.store(nrow_ptr + b * N + i, tl.load(row_ptr + b * C + c, mask=inb, other=0), mask=inb)
 
 
-def _check(*specs) -> None:
-    for name, t, dt, shape in specs:
-        if t.dtype != dt or tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected {dt} {list(shape)}, got {t.dtype} "
-                             f"{list(t.shape)}")
-
-
 def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
                use_triton: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,7 +116,7 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
     C * K]`` (see the module docstring); ``N <= C * K``. Triton on CUDA (or when
     ``use_triton``), the torch path otherwise."""
     B = key.shape[0]
-    _check(("key", key, torch.float32, (B, C * K)))
+    check_tensors(("key", key, torch.float32, (B, C * K)))
     if not 0 <= N <= C * K or C * K >= 1 << _TIE_BITS:
         raise ValueError(f"N must be in [0, C * K] and C * K < {1 << _TIE_BITS}, got N={N}, "
                          f"C={C}, K={K}")
@@ -147,7 +142,7 @@ def emit_nodes(order: torch.Tensor, num: torch.Tensor, W: torch.Tensor, S: torch
     ``calib_row int64 [B, C]``. Triton on CUDA (or when ``use_triton``), torch otherwise."""
     B, N = order.shape
     _, C, K = W.shape
-    _check(("order", order, torch.int64, (B, N)), ("num", num, torch.int64, (B,)),
+    check_tensors(("order", order, torch.int64, (B, N)), ("num", num, torch.int64, (B,)),
            ("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
            ("rep", rep, torch.int64, (B, C, K)), ("calib_row", calib_row, torch.int64, (B, C)))
     if use_triton is None:

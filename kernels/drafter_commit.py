@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_tensors
+
 
 @triton.jit
 def _drafter_commit_kernel(
@@ -113,21 +115,18 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
     B, M = out.shape
     N = src.shape[1]
     S, D = recent.shape
-    for name, t, dt, shape in (
-            ("slots", slots, torch.int64, (B,)), ("out", out, torch.int32, (B, M)),
-            ("nout", nout, torch.int32, (B,)), ("nacc", nacc, torch.int32, (B,)),
-            ("src", src, torch.int8, (B, N)), ("parents", parents, torch.int32, (B, N)),
-            ("num", num, torch.int32, (B,)), ("depth", depth, torch.int64, (B, N)),
-            ("calib_row", calib_row, torch.int64, (B, N)), ("path", path, torch.int64, (B, N)),
-            ("recent", recent, torch.int32, (S, D)), ("recent_len", recent_len, torch.int32, (S,)),
-            ("match_cap", match_cap, torch.int32, (S,)),
-            ("drafted", drafted, torch.float64, tuple(drafted.shape[:1])),
-            ("hits", hits, torch.float64, tuple(drafted.shape[:1])),
-            ("seen", seen, torch.float64, tuple(seen.shape[:1])),
-            ("accepted", accepted, torch.float64, tuple(seen.shape[:1]))):
-        if t.dtype != dt or tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {dt} {list(shape)}, "
-                             f"got {t.dtype} {list(t.shape)}")
+    check_tensors(
+        ("slots", slots, torch.int64, (B,)), ("out", out, torch.int32, (B, M)),
+        ("nout", nout, torch.int32, (B,)), ("nacc", nacc, torch.int32, (B,)),
+        ("src", src, torch.int8, (B, N)), ("parents", parents, torch.int32, (B, N)),
+        ("num", num, torch.int32, (B,)), ("depth", depth, torch.int64, (B, N)),
+        ("calib_row", calib_row, torch.int64, (B, N)), ("path", path, torch.int64, (B, N)),
+        ("recent", recent, torch.int32, (S, D)), ("recent_len", recent_len, torch.int32, (S,)),
+        ("match_cap", match_cap, torch.int32, (S,)),
+        ("drafted", drafted, torch.float64, drafted.shape[:1]),
+        ("hits", hits, torch.float64, drafted.shape[:1]),
+        ("seen", seen, torch.float64, seen.shape[:1]),
+        ("accepted", accepted, torch.float64, seen.shape[:1]), contiguous=True)
     if use_triton is None:
         use_triton = out.is_cuda
     if not use_triton:

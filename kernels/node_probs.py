@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_tensors
+
 
 @triton.jit
 def _node_probs_kernel(
@@ -132,17 +134,11 @@ def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.T
         float32 [B, C, K])``.
     """
     B, C, K = W.shape
-    for name, t, dt, shape in (("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
-                               ("Wt", Wt, torch.float32, (B, C)),
-                               ("best", best, torch.int32, (B,)),
-                               ("mode", mode, torch.int64, (B,)), ("k", k, torch.int32, (B,)),
-                               ("calib_hits", calib_hits, torch.float64,
-                                tuple(calib_seen.shape)),
-                               ("calib_seen", calib_seen, torch.float64,
-                                tuple(calib_hits.shape))):
-        if t.dtype != dt or tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected {dt} {list(shape)}, got {t.dtype} "
-                             f"{list(t.shape)}")
+    check_tensors(("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
+                  ("Wt", Wt, torch.float32, (B, C)), ("best", best, torch.int32, (B,)),
+                  ("mode", mode, torch.int64, (B,)), ("k", k, torch.int32, (B,)),
+                  ("calib_hits", calib_hits, torch.float64, calib_seen.shape),
+                  ("calib_seen", calib_seen, torch.float64, calib_hits.shape))
     if calib_seen.dim() != 2 or calib_seen.shape[1] < K or \
             calib_seen.shape[0] < 2 * num_tiers * (max_match + 1):
         raise ValueError(f"calib_seen: expected [>= {2 * num_tiers * (max_match + 1)}, >= {K}]"

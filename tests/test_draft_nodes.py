@@ -2,8 +2,8 @@
 torch paths on random keys with many exact ties, no nodes at all, every entry a node, widths
 that are not powers of two, fewer slots than nodes; emission over real tries (from the trie
 kernel's torch path) with any number of kept nodes; a drafter whose whole tree step runs the
-kernels drafts exactly what the torch path drafts; bad arguments are named; both kernels
-compile for sm_90."""
+kernels, and whose commits run the commit kernel, drafts and keeps exactly what the torch
+path does; bad arguments are named; both kernels compile for sm_90."""
 
 import functools
 import random
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import agspec_gpu.drafter as drafter_mod
+from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kernels.draft_nodes import (_best_first_kernel, _emit_nodes_kernel, best_first,
                                             best_first_torch, emit_nodes, emit_nodes_torch)
@@ -84,9 +85,11 @@ def test_bad_arguments_are_named():
                                                                               dtype=torch.int64))
 
 
-def test_drafter_on_the_kernels_drafts_what_the_torch_path_drafts(monkeypatch):
-    """Two drafters on the same steps (batch budget on, calibrated), one running its whole
-    tree step on the kernels: the same drafts every step, budget-cut ones included."""
+def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
+    """Two drafters on the same steps (batch budget on, calibrated, tenants with and without
+    a workspace), one running its tree step and commit on the kernels (node_probs,
+    best_first, emit_nodes, drafter_commit): the same drafts, budget-cut ones included, and
+    the same state after every commit, whether the verifier passes its accepted path or not."""
     tok = load_tokenizer("cl100k")
     text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
                       "    print(f(i))\n" * 5)
@@ -98,24 +101,35 @@ def test_drafter_on_the_kernels_drafts_what_the_torch_path_drafts(monkeypatch):
         for i in range(6):
             d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
         ds.append(d)
-    real = {n: getattr(drafter_mod, n) for n in ("node_probs", "best_first", "emit_nodes")}
+    real = {n: getattr(drafter_mod, n)
+            for n in ("node_probs", "best_first", "emit_nodes", "drafter_commit")}
+
+    def use(kernels: bool) -> None:
+        for n, f in real.items():
+            monkeypatch.setattr(drafter_mod, n, functools.partial(f, use_triton=kernels))
+
     drafted = 0
     for step, b in enumerate([6, 3, 6, 1, 4, 6, 6]):
         sids = [f"s{i}" for i in range(b)]
         drafts = []
         for i, d in enumerate(ds):
-            for n, f in real.items():
-                monkeypatch.setattr(drafter_mod, n, functools.partial(f, use_triton=i == 0))
+            use(i == 0)
             drafts.append(d.propose(sids))
         for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
             assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
         drafted += int(drafts[0].num_draft_tokens.sum())
-        out = torch.cat([drafts[0].token_ids[:, :2].clamp(min=0),
-                         drafts[0].token_ids[:, :1].clamp(min=0)], 1).to(torch.int32)
-        n = torch.ones(b, dtype=torch.int32)
-        for d in ds:
-            d.observe(sids, out, n + 1, n)
-    assert drafted > 0
+        truth = drafts[0].token_ids[:, :3].clamp(min=0)
+        res = teacher_forced_accept(drafts[0], truth)
+        n = res.num_accepted.to(torch.int32)
+        out = torch.cat([truth, truth[:, :1]], 1).to(torch.int32)
+        for i, d in enumerate(ds):
+            use(i == 0)
+            d.observe(sids, out, n + 1, n, path_nodes=res.path_nodes if step % 2 else None)
+        for name in ("scale", "prev_full", "calib_seen", "calib_hits", "tier_hits",
+                     "tier_drafts", "recent", "recent_len", "match_cap",
+                     "last_accepted_sources"):
+            assert torch.equal(getattr(ds[0], name), getattr(ds[1], name)), (step, name)
+    assert drafted > 0 and ds[0].calib_seen.ne(2.0).any()
 
 
 def test_kernels_compile_for_sm90():

@@ -3,20 +3,15 @@ random candidate windows (small vocabularies: many shared prefixes), separators,
 candidates (periodic text), empty windows, one candidate of one token, widths that are not
 powers of two, with and without calibration, depth caps and a probability floor; bit for bit
 with exactly representable weights, to float32 rounding with arbitrary ones; a drafter whose
-trie runs the kernel drafts what the torch path drafts; bad arguments are named; the kernel
-compiles for sm_90."""
+bad arguments are named; the kernel
+compiles for sm_90. (A drafter on the kernels: tests/test_draft_nodes.py.)"""
 
-import functools
 import random
 
 import pytest
 import torch
 
-import agspec_gpu.drafter as drafter_mod
-from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kernels.node_probs import _node_probs_kernel, node_probs, node_probs_torch
-from agspec_gpu.tiers import CorpusStore, TierConfig
-from agspec_gpu.tokenizer import load_tokenizer
 from kernel_compile import compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,40 +96,6 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="calib_seen"):
         node_probs(**{**c, "calib_seen": c["calib_seen"][:3], "calib_hits": c["calib_hits"][:3]},
                    **kw)
-
-
-def test_drafter_with_the_kernel_drafts_what_the_torch_path_drafts(monkeypatch):
-    """Two drafters on the same steps (calibrated, real tier weights), one building its
-    tries with the kernel: the same drafts every step."""
-    tok = load_tokenizer("cl100k")
-    text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
-                      "    print(f(i))\n" * 5)
-    ds = []
-    for _ in range(2):
-        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64))
-        store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
-        d = Drafter(store, DrafterConfig(), max_batch=8)
-        for i in range(5):
-            d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
-        ds.append(d)
-    real = drafter_mod.node_probs
-    drafted = 0
-    for step, b in enumerate([5, 3, 5, 1, 4, 5, 5]):
-        sids = [f"s{i}" for i in range(b)]
-        drafts = []
-        for i, d in enumerate(ds):
-            monkeypatch.setattr(drafter_mod, "node_probs", functools.partial(real,
-                                                                           use_triton=i == 0))
-            drafts.append(d.propose(sids))
-        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
-            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
-        drafted += int(drafts[0].num_draft_tokens.sum())
-        out = torch.cat([drafts[0].token_ids[:, :2].clamp(min=0),
-                         drafts[0].token_ids[:, :1].clamp(min=0)], 1).to(torch.int32)
-        n = torch.ones(b, dtype=torch.int32)
-        for d in ds:
-            d.observe(sids, out, n + 1, n)
-    assert drafted > 0
 
 
 def test_kernel_compiles_for_sm90():
