@@ -130,24 +130,42 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
 
 
 # ------------------------------------------------------------------------ torch path
+def _windows(buf: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+    """``[R, width]``: ``buf[start[r] : start[r] + width]`` per row; elements outside the
+    buffer are some element of it (callers mask them). One ``index_select`` on an unfolded
+    view: several times faster on CPU than a ``take`` of ``R * width`` computed indices."""
+    n, lim = buf.numel(), buf.numel() - width
+    if n == 0:
+        return buf.new_zeros(start.shape[0], width)
+    out = buf.unfold(0, width, 1).index_select(0, start.clamp(0, lim)) if lim >= 0 else \
+        buf.new_empty(start.shape[0], width)
+    bad = torch.nonzero((start < 0) | (start > lim), as_tuple=True)[0]
+    if bad.numel():  # windows leaving the buffer: element by element
+        j = torch.arange(width, device=buf.device)
+        out[bad] = torch.take(buf, (start[bad, None] + j).clamp(0, n - 1))
+    return out
+
+
 def _context(tokens: torch.Tensor, base: torch.Tensor, c: torch.Tensor, width: int
              ) -> torch.Tensor:
-    """``int64 [R, width]``: ``key(c)`` = tokens ``c - 1, c - 2, ...``; ``END`` before 0."""
-    off = c[:, None] - 1 - torch.arange(width, device=c.device)[None, :]
-    inside = off >= 0
-    idx = torch.where(inside, base[:, None] + off, 0)
-    # torch.take, not tokens[idx]: advanced indexing is several times slower on CPU
-    return torch.where(inside, torch.take(tokens, idx).to(torch.int64), END)
+    """``int32 [R, width]``: ``key(c)`` = tokens ``c - 1, c - 2, ...``; ``END`` before 0."""
+    vals = _windows(tokens, base + c - width, width).flip(1)
+    short = torch.nonzero(c < width, as_tuple=True)[0]  # the key reaches the corpus start
+    if short.numel():
+        j = torch.arange(width, device=c.device)[None, :]
+        vals[short] = torch.where(j < c[short, None], vals[short], END)
+    return vals
 
 
-def _mismatch(vals: torch.Tensor, pat: torch.Tensor, l: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first index ``< l`` where ``vals [R, W]`` and ``pat`` differ, else ``W``; key < pat there)."""
+def _mismatch(vals: torch.Tensor, pat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first index where ``vals [R, W]`` and ``pat [R, >= W]`` differ, else ``W``, as int8;
+    key < pat there). Callers cap the index at the compared length: a later mismatch does
+    not matter."""
     W = vals.shape[1]
-    j = torch.arange(W, device=vals.device)[None, :]
-    diff = (vals != pat[:, :W]) & (j < l[:, None])
+    diff = vals != pat[:, :W]
+    j = torch.arange(W, dtype=torch.int8, device=vals.device)  # W <= 64: small temporaries
     first = torch.where(diff, j, W).min(dim=1).values
-    fj = first.clamp(max=W - 1)[:, None]
+    fj = first.clamp(max=W - 1).to(torch.int64)[:, None]
     less = vals.gather(1, fj)[:, 0] < pat.gather(1, fj)[:, 0]
     return first, less
 
@@ -155,22 +173,27 @@ def _mismatch(vals: torch.Tensor, pat: torch.Tensor, l: torch.Tensor
 _PROBE = 8  # key tokens compared first; most keys differ from the pattern within them
 
 
-def _compare(tokens, base, c, pat, l):
-    """Compares ``key(c)`` with patterns ``pat [R, W]`` (reversed queries) over ``l`` tokens.
+def _compare(tokens, base, c, pat, l, prow=None):
+    """Compares ``key(c)`` with the patterns (reversed queries) over ``l`` tokens.
 
-    Returns (lcp, less) ``[R]``: the common prefix length, capped at ``l``, and whether the
-    key is below the pattern at the first mismatch (meaningless when ``lcp == l``). Two phases
-    for speed on CPU: a short window for every row, the full one only for rows still equal.
+    ``c, base, l``: ``int64 [N]``; the pattern of candidate ``i`` is ``pat[prow[i]]``
+    (``pat [P, W]``; ``prow`` None: ``pat[i]``), so many candidates share a pattern without
+    copies of it. Returns (lcp, less) ``[N]``: the common prefix length, capped at ``l``, and
+    whether the key is below the pattern at the first mismatch (meaningless when ``lcp ==
+    l``). Two phases for speed on CPU: a short window for every candidate, the full one only
+    for those still equal.
     """
     W = pat.shape[1]
     w0 = min(_PROBE, W)
-    first, less = _mismatch(_context(tokens, base, c, w0), pat, l.clamp(max=w0))
+    head = pat[:, :w0] if prow is None else pat[:, :w0].index_select(0, prow)
+    first, less = _mismatch(_context(tokens, base, c, w0), head)
     todo = torch.nonzero((l > w0) & (first >= w0), as_tuple=True)[0]
     if todo.numel():
-        f2, less2 = _mismatch(_context(tokens, base[todo], c[todo], W), pat[todo], l[todo])
+        f2, less2 = _mismatch(_context(tokens, base[todo], c[todo], W),
+                              pat[todo if prow is None else prow[todo]])
         first = first.scatter(0, todo, f2)
         less = less.scatter(0, todo, less2)
-    return torch.minimum(first, l), less
+    return torch.minimum(first.to(torch.int64), l), less
 
 
 _FANOUT = 15  # pivots per search round: fewer, wider torch ops (CPU cost is per op)
@@ -196,7 +219,7 @@ def _bound(tokens, sa, base, sa_base, sa_len, pat, l, upper):
         c = torch.take(sa, (sa_base[live][:, None] + piv).clamp(max=sa.numel() - 1))
         rows = live[:, None].expand(-1, _FANOUT).reshape(-1)
         lr = l[rows]
-        lcp, less = _compare(tokens, base[rows], c.reshape(-1).to(torch.int64), pat[rows], lr)
+        lcp, less = _compare(tokens, base[rows], c.reshape(-1).to(torch.int64), pat, lr, rows)
         lt = (lcp < lr) & less
         if isinstance(upper, torch.Tensor):
             pred = torch.where(upper[rows], lt | (lcp >= lr), lt).view(-1, _FANOUT)
@@ -212,21 +235,22 @@ def _bound(tokens, sa, base, sa_base, sa_len, pat, l, upper):
 
 
 def _reversed_queries(queries: torch.Tensor, qlen: torch.Tensor, W: int) -> torch.Tensor:
-    """``int64 [B, W]``: ``queries[b, L - 1 - i]`` for ``i < qlen[b]``, -1 after."""
+    """``int32 [B, W]``: ``queries[b, L - 1 - i]`` for ``i < qlen[b]``, -1 after."""
     B, L = queries.shape
     j = torch.arange(W, device=queries.device)[None, :]
     ok = j < qlen[:, None]
     if L == 0:
-        return torch.full((B, W), -1, dtype=torch.int64, device=queries.device)
-    vals = queries.to(torch.int64).gather(1, (L - 1 - j).clamp(min=0).expand(B, -1))
+        return torch.full((B, W), -1, dtype=torch.int32, device=queries.device)
+    vals = queries.gather(1, (L - 1 - j).clamp(min=0).expand(B, -1))
     return torch.where(ok, vals, -1)
 
 
 class _Longest(NamedTuple):
     best: torch.Tensor    # int64 [B] longest match length
-    pat: torch.Tensor     # int64 [B, W] reversed queries
-    tail_m: torch.Tensor  # int64 [B, T] match length at each tail position (0: none)
-    tail_c: torch.Tensor  # int64 [B, T] the tail positions
+    pat: torch.Tensor     # int32 [B, W] reversed queries
+    tail_row: torch.Tensor  # int64 [H] row of each tail position matching a token or more
+    tail_pos: torch.Tensor  # int64 [H] that position (corpus relative)
+    tail_len: torch.Tensor  # int64 [H] its match length
     prow: torch.Tensor    # int64 [R] row of each (row, level) pair, levels oldest first
     pslot: torch.Tensor   # int64 [R] level slot within the row
     act: torch.Tensor     # int64 [A] the pairs searched (their row's qlen > 0)
@@ -246,20 +270,20 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
 
     # tail: positions c in [tail_start, n) with tokens[c - 1], tokens[c] tokens
     T = desc.max_tail
-    tail_c = tail_row[:, None] + torch.arange(max(T, 0), device=dev)[None, :]
-    tail_m = torch.zeros(B, max(T, 0), dtype=torch.int64, device=dev)
     best = torch.zeros(B, dtype=torch.int64, device=dev)
+    kr = kpos = klen = torch.zeros(0, dtype=torch.int64, device=dev)
     if T > 0:
-        inside = (tail_c < n_row[:, None]) & (tail_c >= 1)
-        cidx = torch.where(inside, base_row[:, None] + tail_c, 0)
-        cont_ok = inside & (torch.take(tokens, cidx) >= 0)
-        prev = torch.take(tokens, torch.where(inside, cidx - 1, 0)).to(torch.int64)
-        cand = cont_ok & (prev == pat[:, :1]) & (qlen[:, None] > 0)
+        # tokens[c - 1] and tokens[c] of every tail position c in one window per row; the
+        # positions matching the query's last token (few) are compared in full
+        win = _windows(tokens, base_row + tail_row - 1, T + 1)
+        j = torch.arange(T, device=dev)[None, :]
+        inside = (j < (n_row - tail_row)[:, None]) & (j >= (1 - tail_row)[:, None])
+        cand = inside & (win[:, 1:] >= 0) & (win[:, :-1] == pat[:, :1]) & (qlen[:, None] > 0)
         kr, kt = torch.nonzero(cand, as_tuple=True)
         if kr.numel():
-            lcp, _ = _compare(tokens, base_row[kr], tail_c[kr, kt], pat[kr], qlen[kr])
-            tail_m[kr, kt] = lcp
-        best = tail_m.max(dim=1).values
+            kpos = tail_row[kr] + kt
+            klen, _ = _compare(tokens, base_row[kr], kpos, pat, qlen[kr], kr)
+            best.scatter_reduce_(0, kr, klen, reduce="amax")
 
     # (row, level) pairs, levels oldest first
     lv_ptr = desc.level_indptr.to(torch.int64)
@@ -280,9 +304,9 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
         two = lambda x: torch.cat([x, x])  # noqa: E731
         ok = (nb >= 0) & (nb < two(alen))
         c = _sa_at(sa, two(abase), nb, ok)
-        lcp, _ = _compare(tokens, two(ab), c.to(torch.int64), two(apat), two(al))
+        lcp, _ = _compare(tokens, two(ab), c.to(torch.int64), pat, two(al), two(arow))
         best.scatter_reduce_(0, two(arow), torch.where(ok, lcp, 0), reduce="amax")
-    return _Longest(best, pat, tail_m, tail_c, prow, pslot, act, idx)
+    return _Longest(best, pat, kr, kpos, klen, prow, pslot, act, idx)
 
 
 def _sa_at(sa: torch.Tensor, sa_base: torch.Tensor, j: torch.Tensor, inside: torch.Tensor
@@ -312,8 +336,8 @@ def _range_at(tokens, sa, base, sa_base, sa_len, pat, l, i0):
     inside = (j >= 0) & (j < sa_len[:, None])
     c = _sa_at(sa, sa_base[:, None], j, inside)
     rep = lambda x: x[:, None].expand(-1, 2 * H).reshape(-1)  # noqa: E731
-    lcp, _ = _compare(tokens, rep(base), c.reshape(-1).to(torch.int64),
-                      pat[:, None, :].expand(-1, 2 * H, -1).reshape(2 * H * R, -1), rep(l))
+    lcp, _ = _compare(tokens, rep(base), c.reshape(-1).to(torch.int64), pat, rep(l),
+                      rep(torch.arange(R, device=dev)))
     hit = (inside & (lcp.view(R, 2 * H) >= l[:, None])).to(torch.int64)
     left = torch.cumprod(hit[:, :H].flip(1), 1).sum(1)
     right = torch.cumprod(hit[:, H:], 1).sum(1)
@@ -343,7 +367,7 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
     dev = queries.device
     B = queries.shape[0]
     P, K = max_positions, desc.max_levels
-    best, pat, tail_m, tail_c, prow, pslot, act, idx = _longest(tokens, sa, desc, queries,
+    best, pat, tail_r, tail_pos, tail_len, prow, pslot, act, idx = _longest(tokens, sa, desc, queries,
                                                                 lengths, max_depth)
 
     # ranges at the best length (empty at best 0)
@@ -363,14 +387,15 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         sa_lo[prow, pslot] = p_base + lo
         sa_hi[prow, pslot] = p_base + hi
         count.scatter_add_(0, prow, hi - lo)
-    tail_hit = (tail_m >= best[:, None]) & (best[:, None] > 0)
-    count += tail_hit.sum(dim=1)
+    tail_hit = (tail_len >= best[tail_r]) & (best[tail_r] > 0)
+    tail_hits = torch.zeros_like(count).scatter_add_(0, tail_r, tail_hit.to(torch.int64))
+    count += tail_hits
 
     # positions: the P largest continuation positions among tail hits and level ranges
     positions = torch.full((B, P), -1, dtype=torch.int64, device=dev)
     if P > 0:
-        cand_row = [torch.nonzero(tail_hit, as_tuple=True)[0]]
-        cand_pos = [tail_c[tail_hit]]
+        cand_row = [tail_r[tail_hit]]
+        cand_pos = [tail_pos[tail_hit]]
         if prow.numel():
             size = sa_hi[prow, pslot] - sa_lo[prow, pslot]
             if max_scan is not None:
@@ -379,7 +404,7 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
             # level whose row already has P hits in newer sources adds nothing
             csum = torch.cumsum(size, 0)
             last = desc.level_indptr[1:].to(torch.int64)[prow] - 1  # the row's newest pair
-            newer = csum[last] - csum + tail_hit.sum(dim=1)[prow]
+            newer = csum[last] - csum + tail_hits[prow]
             size = torch.where(newer < P, size, 0)
             r = torch.repeat_interleave(prow, size)
             start = torch.repeat_interleave(sa_lo[prow, pslot], size)

@@ -354,6 +354,57 @@ def test_reads_past_a_level_stay_inside_the_corpus():
                 [p for p in got[0].positions[b].tolist() if p >= 0]) == exp, b
 
 
+@pytest.mark.parametrize("n_buf,width", [(0, 4), (3, 4), (4, 4), (50, 1), (50, 8)])
+def test_windows_of_the_torch_path_match_a_loop(n_buf, width):
+    """``_windows`` (one ``index_select`` on an unfolded view) gives ``buf[s : s + width]``
+    for every start inside the buffer, also when the buffer is shorter than a window, and
+    some element of the buffer (no error) for starts that leave it."""
+    from agspec_gpu.kernels.suffix_match import _windows
+
+    buf = torch.arange(100, 100 + n_buf, dtype=torch.int32)
+    starts = torch.tensor([-5, -1, 0, 1, n_buf - width, n_buf - width + 1, n_buf, n_buf + 3])
+    got = _windows(buf, starts, width)
+    assert got.shape == (starts.numel(), width)
+    for r, s in enumerate(starts.tolist()):
+        for j in range(width):
+            if 0 <= s + j < n_buf:
+                assert int(got[r, j]) == 100 + s + j if 0 <= s and s + width <= n_buf \
+                    else int(got[r, j]) in buf.tolist()
+            elif n_buf:
+                assert int(got[r, j]) in buf.tolist()
+
+
+def test_tails_and_keys_at_both_ends_of_a_tight_buffer():
+    """Corpora at offset 0 and at the very end of a token buffer with no spare capacity:
+    the tail's window (padded to the longest tail) leaves the buffer, and keys reach back
+    past the corpus start. Torch path == kernel == brute force."""
+    from agspec_gpu.suffix_array import build_context_array
+
+    g = torch.Generator().manual_seed(3)
+    a_tok = torch.randint(0, 3, (40,), generator=g, dtype=torch.int32)
+    b_tok = torch.cat([t32([2, 1]), torch.randint(0, 3, (9,), generator=g, dtype=torch.int32)])
+    tokens = torch.cat([a_tok, b_tok]).to(DEV)  # b ends exactly at the buffer end
+    # rows 0, 3: a with positions 0..29 indexed, the rest its tail; rows 1, 2: b all tail;
+    # row 4: a all tail (its window starts before the buffer); tails padded to 42
+    sa_a = build_context_array(a_tok, 0, 30, 8)
+    sa = sa_a.to(DEV)
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)  # noqa: E731
+    desc = MatchDescriptors(i64([0, 40, 40, 0, 0]), t32([40, 11, 11, 40, 40]).to(DEV),
+                            t32([30, 0, 0, 30, 0]).to(DEV), t32([0, 1, 1, 1, 2, 2]).to(DEV),
+                            i64([0, 0]), t32([sa_a.numel()] * 2).to(DEV), 1, 42)
+    q = torch.stack([a_tok[:6], b_tok[:6], t32([0, 0, 0, 0, 2, 1]), a_tok[-6:],
+                     a_tok[10:16]]).to(DEV)
+    lengths = t32([6, 6, 2, 6, 6]).to(DEV)
+    got = [suffix_match(tokens, sa, desc, q, lengths, max_depth=8, max_positions=4,
+                        use_triton=u) for u in (False, True)]
+    assert_same(*got)
+    for b, corpus in enumerate([a_tok, b_tok, b_tok, a_tok, a_tok]):
+        L = int(lengths[b])
+        exp = match_reference(corpus.tolist(), q[b, 6 - L:].tolist(), 8, 4)
+        assert (int(got[0].length[b]), int(got[0].count[b]),
+                [p for p in got[0].positions[b].tolist() if p >= 0]) == exp, b
+
+
 def test_launcher_rejects_bad_descriptors():
     ar, ids = arena(4, 3)
     desc = ar.descriptors([ids["random"]])
