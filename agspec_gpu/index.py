@@ -84,9 +84,11 @@ class IndexArena:
         device: where the buffers live.
         initial_tokens: initial capacity of each buffer (grows by doubling).
 
-    Corpora are addressed by integer ids from :meth:`new_corpus`. Freed space is reclaimed by
-    compaction, which runs whenever garbage exceeds live data and on :meth:`free`, so closing a
-    corpus returns its memory.
+    Corpora are addressed by integer ids from :meth:`new_corpus`. Space a corpus leaves (freed,
+    relocated, merged away) is zeroed at once, so no text outlives its corpus, and reclaimed by
+    compaction: in place when an allocation reaches the end of a buffer, and into smaller
+    buffers when :meth:`free` leaves a buffer over twice its live data, so closing corpora
+    returns their memory (the buffers then hold 1.5x the live data).
     """
 
     def __init__(self, config: IndexConfig | None = None, device: torch.device | str = "cpu",
@@ -134,13 +136,20 @@ class IndexArena:
         return cid
 
     def free(self, cid: int) -> None:
-        """Releases a corpus; its device memory is reclaimed by compaction right away."""
+        """Releases a corpus: its text is zeroed now; its memory returns to the device once
+        the buffers hold over twice the live data (see the class docstring)."""
         c = self._get(cid)
         self._tok_garbage += c.tok_cap
         self._sa_garbage += sum(lv.sa_len for lv in c.levels)
+        self.tokens[c.tok_base:c.tok_base + c.tok_cap] = 0
+        self.src[c.tok_base:c.tok_base + c.tok_cap] = 0
+        for lv in c.levels:
+            self.sa[lv.sa_base:lv.sa_base + lv.sa_len] = 0
         del self._corpora[cid]
         self._doc_ends.pop(cid, None)
-        self._compact(shrink=True)
+        live_tok, live_sa = self._live()
+        if self.tokens.numel() > 2 * live_tok + 16 or self.sa.numel() > 2 * live_sa + 16:
+            self._compact(shrink=True)
 
     def __contains__(self, cid: int) -> bool:
         return cid in self._corpora
@@ -285,6 +294,8 @@ class IndexArena:
         c = self._corpora[cid]
         old = self.tokens[c.tok_base:c.tok_base + c.n].clone()
         old_src = self.src[c.tok_base:c.tok_base + c.n].clone()
+        self.tokens[c.tok_base:c.tok_base + c.n] = 0  # no stale copy of the text
+        self.src[c.tok_base:c.tok_base + c.n] = 0
         self._tok_garbage += c.tok_cap
         c.tok_cap = 0  # not live while we allocate (compaction may run)
         base = self._alloc_tokens(new_cap)
@@ -293,28 +304,41 @@ class IndexArena:
         self.src[base:base + c.n] = old_src
         c.tok_base, c.tok_cap = base, new_cap
 
+    def _live(self) -> tuple[int, int]:
+        """(token slots, suffix-array entries) held by live corpora."""
+        return (sum(c.tok_cap for c in self._corpora.values()),
+                sum(lv.sa_len for c in self._corpora.values() for lv in c.levels))
+
     def _compact(self, shrink: bool = False) -> None:
-        """Rewrites live segments contiguously; with ``shrink``, also returns spare capacity."""
-        live_tok = sum(c.tok_cap for c in self._corpora.values())
-        live_sa = sum(lv.sa_len for c in self._corpora.values() for lv in c.levels)
+        """Rewrites live segments contiguously (oldest offset first): in place, or with
+        ``shrink`` into new buffers of 1.5x the live data. Space past the live data is zero."""
         if not shrink and self._tok_garbage + self._sa_garbage == 0:
             return
-        tok_size = max(16, 2 * live_tok if shrink else self.tokens.numel())
-        sa_size = max(16, 2 * live_sa if shrink else self.sa.numel())
-        new_tok = torch.zeros(max(tok_size, live_tok), dtype=torch.int32, device=self.device)
-        new_sa = torch.zeros(max(sa_size, live_sa), dtype=torch.int32, device=self.device)
-        new_src = torch.zeros_like(new_tok, dtype=torch.int8)
+        if shrink:
+            live_tok, live_sa = self._live()
+            tokens = torch.zeros(max(16, live_tok * 3 // 2), dtype=torch.int32,
+                                 device=self.device)
+            sa = torch.zeros(max(16, live_sa * 3 // 2), dtype=torch.int32, device=self.device)
+            src = torch.zeros_like(tokens, dtype=torch.int8)
+        else:
+            tokens, sa, src = self.tokens, self.sa, self.src
         tt = st = 0
-        for c in self._corpora.values():
-            new_tok[tt:tt + c.n] = self.tokens[c.tok_base:c.tok_base + c.n]
-            new_src[tt:tt + c.n] = self.src[c.tok_base:c.tok_base + c.n]
+        for c in sorted(self._corpora.values(), key=lambda c: c.tok_base):
+            for old, new in ((self.tokens, tokens), (self.src, src)):
+                _move(old, c.tok_base, new, tt, c.n)
+                new[tt + c.n:tt + c.tok_cap] = 0
             c.tok_base = tt
             tt += c.tok_cap
-            for lv in c.levels:
-                new_sa[st:st + lv.sa_len] = self.sa[lv.sa_base:lv.sa_base + lv.sa_len]
-                lv.sa_base = st
-                st += lv.sa_len
-        self.tokens, self.sa, self.src = new_tok, new_sa, new_src
+        for lv in sorted((lv for c in self._corpora.values() for lv in c.levels),
+                         key=lambda lv: lv.sa_base):
+            _move(self.sa, lv.sa_base, sa, st, lv.sa_len)
+            lv.sa_base = st
+            st += lv.sa_len
+        if not shrink:  # what lay past the live data is garbage now
+            tokens[tt:self._tok_top] = 0
+            src[tt:self._tok_top] = 0
+            sa[st:self._sa_top] = 0
+        self.tokens, self.sa, self.src = tokens, sa, src
         self._tok_top, self._sa_top = tt, st
         self._tok_garbage = self._sa_garbage = 0
 
@@ -476,6 +500,14 @@ def _check_lengths(lengths: torch.Tensor, queries: torch.Tensor, device: torch.d
         if bool((used & (queries < 0)).any()):
             raise ValueError("queries must not contain negative tokens in the used suffix")
     return lengths.contiguous()
+
+
+def _move(src: torch.Tensor, at: int, dst: torch.Tensor, to: int, n: int) -> None:
+    """``dst[to:to + n] = src[at:at + n]``, also when the two ranges overlap in one buffer."""
+    if n == 0 or (src is dst and at == to):
+        return
+    seg = src[at:at + n]
+    dst[to:to + n] = seg.clone() if src is dst and abs(at - to) < n else seg
 
 
 def _grown(buf: torch.Tensor, used: int, need: int) -> torch.Tensor:
