@@ -559,6 +559,42 @@ def test_arena_free_releases_memory_and_keeps_others():
         [(0, 0, [])]
 
 
+def test_free_zeroes_the_text_and_compaction_in_place_keeps_the_others():
+    """Freeing one corpus among several live ones leaves the buffers as they are (no new
+    buffers) but erases its text at once; later appends compact in place (holes closed,
+    oldest first), and every other corpus matches what a brute force finds."""
+    arena = IndexArena(IndexConfig(max_depth=16, tail_tokens=16))
+    toks = stdlib_tokens(5000)
+    parts = {arena.new_corpus(): toks[i * 1000:(i + 1) * 1000] for i in range(4)}
+    secret = arena.new_corpus()
+    arena.append(secret, t32(range(200_000, 200_400)))  # ids no other corpus holds
+    for cid, part in parts.items():
+        arena.append(cid, t32(part))
+    arena._compact(shrink=True)  # buffers of 1.5x the live data
+    ptr = arena.tokens.data_ptr()
+    arena.free(secret)
+    assert arena.tokens.data_ptr() == ptr  # no shrink: the others hold most of the data
+    assert int((arena.tokens >= 200_000).sum()) == 0 and secret not in arena
+    rng = random.Random(2)
+    extra = toks[4000:5000]
+    for i, cid in enumerate(parts):  # grow every corpus: relocations leave holes, and
+        for k in range(0, 1000, 50):  # allocations at the buffer's end compact in place
+            arena.append(cid, t32(extra[k:k + 50]))
+            parts[cid] = parts[cid] + extra[k:k + 50]
+        if i == 1:
+            arena.free(cid)
+    del parts[list(parts)[1]]
+    for cid, part in parts.items():
+        queries = [part[a:a + 12] for a in (rng.randrange(len(part) - 12) for _ in range(6))]
+        queries = [[t for t in qr if t >= 0] for qr in queries]
+        q, lens = pack(queries)
+        got = rows_of(arena.match(q, lens, [cid] * len(queries), max_positions=8), 8)
+        for row, query in zip(got, queries):
+            assert row == match_reference(part, query, 16, 8)
+    live = sum(arena.nbytes(c) for c in parts)
+    assert arena.nbytes() <= 4 * live  # bounded by the live data
+
+
 def test_relocation_on_growth_keeps_results():
     toks = stdlib_tokens(4000)
     idx = SuffixIndex(IndexConfig(max_depth=32, tail_tokens=64), capacity=16)
