@@ -130,15 +130,19 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
 
 
 # ------------------------------------------------------------------------ torch path
-def _windows(buf: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
-    """``[R, width]``: ``buf[start[r] : start[r] + width]`` per row; elements outside the
-    buffer are some element of it (callers mask them). One ``index_select`` on an unfolded
-    view: several times faster on CPU than a ``take`` of ``R * width`` computed indices."""
+def _windows(buf: torch.Tensor, start: torch.Tensor, width: int, *, inside: bool = False
+             ) -> torch.Tensor:
+    """``[R, width]``: ``buf[start[r] : start[r] + width]`` per row. One ``index_select`` on
+    an unfolded view: several times faster on CPU than a ``take`` of ``R * width`` computed
+    indices. Windows leaving the buffer hold some element of it (callers mask them); with
+    ``inside`` the caller vouches there are none it keeps (no check)."""
     n, lim = buf.numel(), buf.numel() - width
     if n == 0:
         return buf.new_zeros(start.shape[0], width)
     out = buf.unfold(0, width, 1).index_select(0, start.clamp(0, lim)) if lim >= 0 else \
         buf.new_empty(start.shape[0], width)
+    if inside and lim >= 0:
+        return out
     bad = torch.nonzero((start < 0) | (start > lim), as_tuple=True)[0]
     if bad.numel():  # windows leaving the buffer: element by element
         j = torch.arange(width, device=buf.device)
@@ -146,108 +150,121 @@ def _windows(buf: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor
     return out
 
 
-def _context(tokens: torch.Tensor, base: torch.Tensor, c: torch.Tensor, width: int
-             ) -> torch.Tensor:
-    """``int32 [R, width]``: ``key(c)`` = tokens ``c - 1, c - 2, ...``; ``END`` before 0."""
-    vals = _windows(tokens, base + c - width, width).flip(1)
-    short = torch.nonzero(c < width, as_tuple=True)[0]  # the key reaches the corpus start
-    if short.numel():
-        j = torch.arange(width, device=c.device)[None, :]
-        vals[short] = torch.where(j < c[short, None], vals[short], END)
+def _keys(tokens: torch.Tensor, base: torch.Tensor, c: torch.Tensor, width: int
+          ) -> torch.Tensor:
+    """``int32 [G, F, width]``: the first ``width`` tokens of ``key(c)`` in text order,
+    ``tokens[c - width : c]`` (so ``key[j]`` is column ``width - 1 - j``), ``END`` before
+    the corpus start. ``c [G, F]`` continuation positions of corpora at ``base int64 [G]``."""
+    G, F = c.shape
+    end = base[:, None] + c
+    vals = _windows(tokens, (end - width).reshape(-1), width, inside=True).view(G, F, width)
+    sg, sf = torch.nonzero(c < width, as_tuple=True)  # keys reaching the corpus start
+    if sg.numel():
+        i = torch.arange(width, device=c.device)[None, :]
+        at = (end[sg, sf] - width)[:, None] + i
+        vals[sg, sf] = torch.where(i >= width - c[sg, sf][:, None],
+                                   torch.take(tokens, at.clamp(min=0)), END)
     return vals
 
 
 def _mismatch(vals: torch.Tensor, pat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first index where ``vals [R, W]`` and ``pat [R, >= W]`` differ, else ``W``, as int8;
-    key < pat there). Callers cap the index at the compared length: a later mismatch does
-    not matter."""
-    W = vals.shape[1]
-    diff = vals != pat[:, :W]
-    j = torch.arange(W, dtype=torch.int8, device=vals.device)  # W <= 64: small temporaries
-    first = torch.where(diff, j, W).min(dim=1).values
-    fj = first.clamp(max=W - 1).to(torch.int64)[:, None]
-    less = vals.gather(1, fj)[:, 0] < pat.gather(1, fj)[:, 0]
-    return first, less
+    """``vals [G, F, w]`` keys against ``pat [G, w]`` patterns, both in text order (key
+    position ``j`` is column ``w - 1 - j``). Returns (``int64 [G, F]`` first key position
+    that differs, else ``w``; whether the key is below the pattern there). Callers cap the
+    position at the compared length: a later difference does not matter."""
+    w = vals.shape[-1]
+    col = torch.arange(w, dtype=torch.int16, device=vals.device)
+    last = torch.where(vals != pat[:, None, :], col, -1).max(dim=-1).values  # [G, F]
+    at = last.clamp(min=0).to(torch.int64)
+    less = vals.gather(2, at[..., None])[..., 0] < pat.gather(1, at)
+    return (w - 1) - last.to(torch.int64), less
 
 
 _PROBE = 8  # key tokens compared first; most keys differ from the pattern within them
 
 
 def _compare(tokens, base, c, pat, l, prow=None):
-    """Compares ``key(c)`` with the patterns (reversed queries) over ``l`` tokens.
+    """Compares ``key(c)`` with the patterns over ``l`` tokens, ``F`` candidates per group.
 
-    ``c, base, l``: ``int64 [N]``; the pattern of candidate ``i`` is ``pat[prow[i]]``
-    (``pat [P, W]``; ``prow`` None: ``pat[i]``), so many candidates share a pattern without
-    copies of it. Returns (lcp, less) ``[N]``: the common prefix length, capped at ``l``, and
-    whether the key is below the pattern at the first mismatch (meaningless when ``lcp ==
-    l``). Two phases for speed on CPU: a short window for every candidate, the full one only
-    for those still equal.
+    ``c [G, F]``; per group ``base int64 [G]``, ``l int64 [G]`` and the pattern row ``prow
+    [G]`` of ``pat int32 [P, W]`` (reversed queries in text order: the query's last ``W``
+    tokens, -1 padded on the left; ``prow`` None: row ``g``), so candidates share their
+    pattern without copies. Returns (lcp, less) ``[G, F]``: the common prefix length,
+    capped at ``l``, and whether the key is below the pattern at the first mismatch
+    (meaningless when ``lcp == l``). Two phases for speed on CPU: a short window for every
+    candidate, the full one only for those still equal.
     """
     W = pat.shape[1]
     w0 = min(_PROBE, W)
-    head = pat[:, :w0] if prow is None else pat[:, :w0].index_select(0, prow)
-    first, less = _mismatch(_context(tokens, base, c, w0), head)
-    todo = torch.nonzero((l > w0) & (first >= w0), as_tuple=True)[0]
-    if todo.numel():
-        f2, less2 = _mismatch(_context(tokens, base[todo], c[todo], W),
-                              pat[todo if prow is None else prow[todo]])
-        first = first.scatter(0, todo, f2)
-        less = less.scatter(0, todo, less2)
-    return torch.minimum(first.to(torch.int64), l), less
+    head = pat[:, W - w0:]
+    first, less = _mismatch(_keys(tokens, base, c, w0),
+                            head if prow is None else head.index_select(0, prow))
+    tg, tf = torch.nonzero((l[:, None] > w0) & (first >= w0), as_tuple=True)
+    if tg.numel():
+        f2, less2 = _mismatch(_keys(tokens, base[tg], c[tg, tf][:, None], W),
+                              pat[tg if prow is None else prow[tg]])
+        first[tg, tf] = f2[:, 0]
+        less[tg, tf] = less2[:, 0]
+    return torch.minimum(first, l[:, None]), less
 
 
 _FANOUT = 15  # pivots per search round: fewer, wider torch ops (CPU cost is per op)
 
 
-def _bound(tokens, sa, base, sa_base, sa_len, pat, l, upper):
-    """Vectorized search over levels: first index in ``[0, sa_len)`` whose key fails
-    ``key[:l] < pat[:l]`` (lower bound) or ``key[:l] <= pat[:l]`` (upper bound).
+def _bound(tokens, sa, base, sa_base, sa_len, pat, prow, l, upper):
+    """Vectorized search over ``A`` (row, level) pairs: first index in ``[0, sa_len)``
+    whose key fails ``key[:l] < pat[:l]`` (lower bound) or ``key[:l] <= pat[:l]`` (upper).
 
-    A ``_FANOUT + 1``-ary search (``_FANOUT`` pivots per round, only unsettled rows) so a
-    level of ``m`` entries takes ``log_16(m)`` rounds of a few ops each instead of
-    ``log_2(m)``; the result is the same as a binary search's. ``upper``: a bool, or a bool
-    tensor ``[R]`` choosing per row (lower and upper bounds in one pass).
+    ``base, sa_base, sa_len, prow, l``: ``int64 [A]`` (``prow``: the pair's row of ``pat``).
+    A ``_FANOUT + 1``-ary search (``_FANOUT`` pivots per round, over the unsettled pairs
+    only, their state kept compact) so a level of ``m`` entries takes ``log_16(m)`` rounds
+    of a few ops each instead of ``log_2(m)``; the result is a binary search's. ``upper``: a
+    bool, or a bool tensor ``[A]`` choosing per pair (lower and upper bounds in one pass).
     """
     dev = sa_len.device
     lo = torch.zeros_like(sa_len)
-    hi = sa_len.clone()
+    up = upper if isinstance(upper, torch.Tensor) else \
+        torch.full(sa_len.shape, bool(upper), device=dev)
     k = torch.arange(1, _FANOUT + 1, device=dev)[None, :]
-    live = torch.nonzero(lo < hi, as_tuple=True)[0]
+    live = torch.nonzero(sa_len > 0, as_tuple=True)[0]
+    state = [lo[live], sa_len[live], sa_base[live], base[live], prow[live], l[live], up[live]]
     while live.numel():
-        llo, lhi = lo[live], hi[live]
+        llo, lhi, lsb, lbase, lprow, ll, lup = state
         piv = llo[:, None] + ((lhi - llo)[:, None] * k) // (_FANOUT + 1)  # [r, F] in [lo, hi)
-        c = torch.take(sa, (sa_base[live][:, None] + piv).clamp(max=sa.numel() - 1))
-        rows = live[:, None].expand(-1, _FANOUT).reshape(-1)
-        lr = l[rows]
-        lcp, less = _compare(tokens, base[rows], c.reshape(-1).to(torch.int64), pat, lr, rows)
-        lt = (lcp < lr) & less
-        if isinstance(upper, torch.Tensor):
-            pred = torch.where(upper[rows], lt | (lcp >= lr), lt).view(-1, _FANOUT)
-        else:
-            pred = (lt | (lcp >= lr) if upper else lt).view(-1, _FANOUT)
-        ntrue = pred.sum(dim=1)  # predicates are monotone along the sorted pivots
-        last_true = piv.gather(1, (ntrue - 1).clamp(min=0)[:, None])[:, 0]
-        first_false = piv.gather(1, ntrue.clamp(max=_FANOUT - 1)[:, None])[:, 0]
-        lo[live] = torch.where(ntrue > 0, last_true + 1, llo)
-        hi[live] = torch.where(ntrue < _FANOUT, first_false, lhi)
-        live = live[lo[live] < hi[live]]
+        c = torch.take(sa, (lsb[:, None] + piv).clamp(max=sa.numel() - 1))
+        lcp, less = _compare(tokens, lbase, c, pat, ll, lprow)
+        short = lcp < ll[:, None]
+        pred = (short & less) | (~short & lup[:, None])  # monotone along the sorted pivots
+        ntrue = pred.sum(dim=1)
+        llo = torch.where(ntrue > 0, piv.gather(1, (ntrue - 1).clamp(min=0)[:, None])[:, 0] + 1,
+                          llo)
+        lhi = torch.where(ntrue < _FANOUT, piv.gather(1, ntrue.clamp(max=_FANOUT - 1)[:, None])[:, 0],
+                          lhi)
+        state[0], state[1] = llo, lhi
+        done = llo >= lhi
+        nd = torch.nonzero(done, as_tuple=True)[0]
+        if nd.numel():
+            lo[live[nd]] = llo[nd]
+            keep = torch.nonzero(~done, as_tuple=True)[0]
+            live = live[keep]
+            state = [x[keep] for x in state]
     return lo
 
 
-def _reversed_queries(queries: torch.Tensor, qlen: torch.Tensor, W: int) -> torch.Tensor:
-    """``int32 [B, W]``: ``queries[b, L - 1 - i]`` for ``i < qlen[b]``, -1 after."""
+def _forward_queries(queries: torch.Tensor, qlen: torch.Tensor, W: int) -> torch.Tensor:
+    """``int32 [B, W]``: the last ``min(qlen, W)`` query tokens right-aligned, -1 before
+    (the reversed query in text order: ``key`` position ``j`` is column ``W - 1 - j``)."""
     B, L = queries.shape
-    j = torch.arange(W, device=queries.device)[None, :]
-    ok = j < qlen[:, None]
     if L == 0:
         return torch.full((B, W), -1, dtype=torch.int32, device=queries.device)
-    vals = queries.gather(1, (L - 1 - j).clamp(min=0).expand(B, -1))
-    return torch.where(ok, vals, -1)
+    j = torch.arange(W, device=queries.device)[None, :]
+    vals = queries.gather(1, (L - W + j).clamp(min=0).expand(B, -1))
+    return torch.where(j >= W - qlen[:, None], vals, -1)
 
 
 class _Longest(NamedTuple):
     best: torch.Tensor    # int64 [B] longest match length
-    pat: torch.Tensor     # int32 [B, W] reversed queries
+    pat: torch.Tensor     # int32 [B, W] reversed queries in text order (_forward_queries)
     tail_row: torch.Tensor  # int64 [H] row of each tail position matching a token or more
     tail_pos: torch.Tensor  # int64 [H] that position (corpus relative)
     tail_len: torch.Tensor  # int64 [H] its match length
@@ -263,7 +280,7 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
     B = queries.shape[0]
     W = max(min(max_depth, queries.shape[1]), 1)  # no match is longer than the query width
     qlen = torch.clamp(lengths.to(torch.int64), max=max_depth)
-    pat = _reversed_queries(queries, qlen, W)
+    pat = _forward_queries(queries, qlen, W)
     n_row = desc.num_tokens.to(torch.int64)
     base_row = desc.tok_base
     tail_row = desc.tail_start.to(torch.int64)
@@ -273,16 +290,17 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
     best = torch.zeros(B, dtype=torch.int64, device=dev)
     kr = kpos = klen = torch.zeros(0, dtype=torch.int64, device=dev)
     if T > 0:
-        # tokens[c - 1] and tokens[c] of every tail position c in one window per row; the
-        # positions matching the query's last token (few) are compared in full
+        # tokens[c - 1] and tokens[c] of every tail position c in one window per row: the
+        # positions whose tokens[c - 1] is the query's last token (few; one dense op), then
+        # those that lie in the tail with tokens[c] a token, for rows with a query
         win = _windows(tokens, base_row + tail_row - 1, T + 1)
-        j = torch.arange(T, device=dev)[None, :]
-        inside = (j < (n_row - tail_row)[:, None]) & (j >= (1 - tail_row)[:, None])
-        cand = inside & (win[:, 1:] >= 0) & (win[:, :-1] == pat[:, :1]) & (qlen[:, None] > 0)
-        kr, kt = torch.nonzero(cand, as_tuple=True)
+        kr, kt = torch.nonzero(win[:, :-1] == pat[:, -1:], as_tuple=True)
+        ok = (kt < n_row[kr] - tail_row[kr]) & (kt >= 1 - tail_row[kr]) & (qlen[kr] > 0)
+        ok = torch.nonzero(ok & (win[kr, kt + 1] >= 0), as_tuple=True)[0]
+        kr, kt = kr[ok], kt[ok]
         if kr.numel():
             kpos = tail_row[kr] + kt
-            klen, _ = _compare(tokens, base_row[kr], kpos, pat, qlen[kr], kr)
+            klen = _compare(tokens, base_row[kr], kpos[:, None], pat, qlen[kr], kr)[0][:, 0]
             best.scatter_reduce_(0, kr, klen, reduce="amax")
 
     # (row, level) pairs, levels oldest first
@@ -296,16 +314,15 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
         arow = prow[act]
         ab, abase = base_row[arow], desc.level_sa_base[act]
         alen = desc.level_sa_len[act].to(torch.int64)
-        apat, al = pat[arow], qlen[arow]
-        idx = _bound(tokens, sa, ab, abase, alen, apat, al, False)
+        al = qlen[arow]
+        idx = _bound(tokens, sa, ab, abase, alen, pat, arow, al, False)
         # the longest common prefix with the whole reversed query is at a neighbour of its
         # insertion point; both neighbours in one compare
-        nb = torch.cat([idx - 1, idx])
-        two = lambda x: torch.cat([x, x])  # noqa: E731
-        ok = (nb >= 0) & (nb < two(alen))
-        c = _sa_at(sa, two(abase), nb, ok)
-        lcp, _ = _compare(tokens, two(ab), c.to(torch.int64), pat, two(al), two(arow))
-        best.scatter_reduce_(0, two(arow), torch.where(ok, lcp, 0), reduce="amax")
+        nb = torch.stack([idx - 1, idx], dim=1)  # [A, 2]
+        ok = (nb >= 0) & (nb < alen[:, None])
+        c = _sa_at(sa, abase[:, None], nb, ok)
+        lcp, _ = _compare(tokens, ab, c, pat, al, arow)
+        best.scatter_reduce_(0, arow, torch.where(ok, lcp, 0).max(dim=1).values, reduce="amax")
     return _Longest(best, pat, kr, kpos, klen, prow, pslot, act, idx)
 
 
@@ -323,22 +340,20 @@ def _sa_at(sa: torch.Tensor, sa_base: torch.Tensor, j: torch.Tensor, inside: tor
 _WINDOW = 16  # entries read on each side of the insertion point before searching
 
 
-def _range_at(tokens, sa, base, sa_base, sa_len, pat, l, i0):
-    """``(lo, hi)`` per pair: the entries whose key starts with ``pat[:l]``.
+def _range_at(tokens, sa, base, sa_base, sa_len, pat, prow, l, i0):
+    """``(lo, hi)`` per pair: the entries whose key starts with ``pat[prow][:l]``.
 
     That range holds ``i0``, the insertion point of a longer pattern with this prefix, so the
     ``_WINDOW`` entries on each side of it are compared first (long matches have a few
     occurrences); a side whose run reaches the window's edge is searched instead.
     """
     dev = i0.device
-    R, H = i0.numel(), _WINDOW
+    H = _WINDOW
     j = i0[:, None] + torch.arange(-H, H, device=dev)[None, :]  # [R, 2H]
     inside = (j >= 0) & (j < sa_len[:, None])
     c = _sa_at(sa, sa_base[:, None], j, inside)
-    rep = lambda x: x[:, None].expand(-1, 2 * H).reshape(-1)  # noqa: E731
-    lcp, _ = _compare(tokens, rep(base), c.reshape(-1).to(torch.int64), pat, rep(l),
-                      rep(torch.arange(R, device=dev)))
-    hit = (inside & (lcp.view(R, 2 * H) >= l[:, None])).to(torch.int64)
+    lcp, _ = _compare(tokens, base, c, pat, l, prow)
+    hit = (inside & (lcp >= l[:, None])).to(torch.int64)
     left = torch.cumprod(hit[:, :H].flip(1), 1).sum(1)
     right = torch.cumprod(hit[:, H:], 1).sum(1)
     lo, hi = i0 - left, i0 + right
@@ -346,7 +361,7 @@ def _range_at(tokens, sa, base, sa_base, sa_len, pat, l, i0):
     wide_hi = torch.nonzero(right == H, as_tuple=True)[0]
     if wide_lo.numel() or wide_hi.numel():
         w = torch.cat([wide_lo, wide_hi])
-        found = _bound(tokens, sa, base[w], sa_base[w], sa_len[w], pat[w], l[w],
+        found = _bound(tokens, sa, base[w], sa_base[w], sa_len[w], pat, prow[w], l[w],
                        torch.arange(w.numel(), device=dev) >= wide_lo.numel())
         lo[wide_lo] = found[:wide_lo.numel()]
         hi[wide_hi] = found[wide_lo.numel():]
@@ -383,7 +398,7 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         if sel.numel():
             lo[sel], hi[sel] = _range_at(tokens, sa, desc.tok_base[prow[sel]], p_base[sel],
                                          desc.level_sa_len[sel].to(torch.int64),
-                                         pat[prow[sel]], best[prow[sel]], i0)
+                                         pat, prow[sel], best[prow[sel]], i0)
         sa_lo[prow, pslot] = p_base + lo
         sa_hi[prow, pslot] = p_base + hi
         count.scatter_add_(0, prow, hi - lo)
