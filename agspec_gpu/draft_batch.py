@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PAD_ID = -1
@@ -62,17 +63,19 @@ class DraftBatch:
     @staticmethod
     def from_host(drafts: "list[tuple[list[int], list[int]]]", device: torch.device | str = "cpu"
                   ) -> "DraftBatch":
-        """Pads host drafts, one ``(token_ids, parents)`` pair of lists per request."""
+        """Pads host drafts, one ``(token_ids, parents)`` pair of lists per request (padded
+        on the host with numpy, then one tensor each: per-row torch ops cost microseconds)."""
         B = len(drafts)
         N = max((len(t) for t, _ in drafts), default=0)
-        tok = torch.full((B, N), PAD_ID, dtype=torch.int32)
-        par = torch.full((B, N), PAD_ID, dtype=torch.int32)
-        num = torch.zeros(B, dtype=torch.int32)
+        tok = np.full((B, N), PAD_ID, dtype=np.int32)
+        par = np.full((B, N), PAD_ID, dtype=np.int32)
+        num = np.zeros(B, dtype=np.int32)
         for b, (t, p) in enumerate(drafts):
-            num[b] = len(t)
-            tok[b, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
-            par[b, :len(p)] = torch.as_tensor(p, dtype=torch.int32)
-        return DraftBatch(tok.to(device), par.to(device), num.to(device))
+            if len(t):
+                num[b] = len(t)
+                tok[b, :len(t)] = t
+                par[b, :len(p)] = p
+        return DraftBatch(*(torch.from_numpy(x).to(device) for x in (tok, par, num)))
 
     @staticmethod
     def from_lists(trees: list[list[tuple[int, int]]], device: torch.device | str = "cpu"
