@@ -280,7 +280,8 @@ class Drafter:
         queries = self.recent[slots][:, None, :].expand(B, Rs, D).reshape(B * Rs, D)
         m = suffix_match(arena.tokens, arena.sa, desc, queries.contiguous(),
                          torch.where(tier >= 0, qlen[:, None], 0).view(-1).to(torch.int32),
-                         max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan)
+                         max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
+                         sa_key=arena.sa_key)
         # candidate windows [B * Rs, P, K]: the K tokens after each occurrence, read here
         # because the arena's buffers move as it grows (a graph would keep the old address)
         pos = m.positions

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from agspec_gpu.host import canonical_device, to_device
-from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
+from agspec_gpu.kernels.suffix_match import (KEY_SEQ_SHIFT, MatchDescriptors, MatchResult,
+                                             prefix_keys, suffix_match)
 from agspec_gpu.suffix_array import build_context_array
 
 __all__ = ["IndexConfig", "IndexArena", "SuffixIndex", "MatchResult"]
@@ -62,6 +63,7 @@ class _Level:
     sa_len: int
     pos_lo: int  # indexed positions are in [pos_lo, pos_hi) of the corpus
     pos_hi: int
+    seq: int = 0  # increases with sa_base across the buffer (the order of sa_key)
 
 
 @dataclass(slots=True)
@@ -99,6 +101,12 @@ class IndexArena:
         self.sa = torch.zeros(max(initial_tokens, 16), dtype=torch.int32, device=self.device)
         # int8 tag per token (which tier / emission form it came from), moved with tokens
         self.src = torch.zeros(max(initial_tokens, 16), dtype=torch.int8, device=self.device)
+        # on the CPU, int64 search keys of every sa entry (prefix_keys; _KEY_FREE past the
+        # live levels), non-decreasing over the buffer: the torch match path's search
+        # hints. Kept in step with sa by every allocation, move and compaction.
+        self.sa_key = None if self.device.type == "cuda" else \
+            torch.full_like(self.sa, _KEY_FREE, dtype=torch.int64)
+        self._next_seq = 0
         self._corpora: dict[int, _Corpus] = {}
         self._next_id = 0
         self._tok_top = 0
@@ -132,7 +140,7 @@ class IndexArena:
         base = self._alloc_sa(sa.numel())
         c = self._corpora[cid]
         self.sa[base:base + sa.numel()] = sa.to(self.device, torch.int32)
-        c.levels.append(_Level(base, sa.numel(), 0, indexed_end))
+        c.levels.append(self._new_level(c, base, sa.numel(), 0, indexed_end))
         return cid
 
     def free(self, cid: int) -> None:
@@ -268,7 +276,17 @@ class IndexArena:
         base = self._alloc_sa(sa.numel())
         c = self._corpora[cid]  # _alloc_sa may compact
         self.sa[base:base + sa.numel()] = sa
-        c.levels.append(_Level(base, sa.numel(), lo, hi))
+        c.levels.append(self._new_level(c, base, sa.numel(), lo, hi))
+
+    def _new_level(self, c: _Corpus, base: int, m: int, lo: int, hi: int) -> _Level:
+        """The level whose entries were just written at ``sa[base:base + m]`` (the top of
+        the buffer), with the next sequence number and its search keys."""
+        lv = _Level(base, m, lo, hi, self._next_seq)
+        self._next_seq += 1
+        if self.sa_key is not None:
+            self.sa_key[base:base + m] = prefix_keys(self.tokens, c.tok_base,
+                                                     self.sa[base:base + m], lv.seq)
+        return lv
 
     # ---------------------------------------------------------------- memory
     def _alloc_tokens(self, size: int) -> int:
@@ -282,10 +300,12 @@ class IndexArena:
         return base
 
     def _alloc_sa(self, size: int) -> int:
-        if self._sa_top + size > self.sa.numel():
-            self._compact()
+        if self._sa_top + size > self.sa.numel() or self._next_seq >= _MAX_SEQ:
+            self._compact(renumber=self._next_seq >= _MAX_SEQ)
             if self._sa_top + size > self.sa.numel():
                 self.sa = _grown(self.sa, self._sa_top, self._sa_top + size)
+                if self.sa_key is not None:
+                    self.sa_key = _grown(self.sa_key, self._sa_top, self.sa.numel(), _KEY_FREE)
         base = self._sa_top
         self._sa_top += size
         return base
@@ -309,10 +329,11 @@ class IndexArena:
         return (sum(c.tok_cap for c in self._corpora.values()),
                 sum(lv.sa_len for c in self._corpora.values() for lv in c.levels))
 
-    def _compact(self, shrink: bool = False) -> None:
+    def _compact(self, shrink: bool = False, renumber: bool = False) -> None:
         """Rewrites live segments contiguously (oldest offset first): in place, or with
-        ``shrink`` into new buffers of 1.5x the live data. Space past the live data is zero."""
-        if not shrink and self._tok_garbage + self._sa_garbage == 0:
+        ``shrink`` into new buffers of 1.5x the live data. Space past the live data is zero.
+        Levels get sequence numbers 0, 1, ... in buffer order (also alone, ``renumber``)."""
+        if not (shrink or renumber) and self._tok_garbage + self._sa_garbage == 0:
             return
         if shrink:
             live_tok, live_sa = self._live()
@@ -320,8 +341,10 @@ class IndexArena:
                                  device=self.device)
             sa = torch.zeros(max(16, live_sa * 3 // 2), dtype=torch.int32, device=self.device)
             src = torch.zeros_like(tokens, dtype=torch.int8)
+            sa_key = None if self.sa_key is None else \
+                torch.full_like(sa, _KEY_FREE, dtype=torch.int64)
         else:
-            tokens, sa, src = self.tokens, self.sa, self.src
+            tokens, sa, src, sa_key = self.tokens, self.sa, self.src, self.sa_key
         tt = st = 0
         for c in sorted(self._corpora.values(), key=lambda c: c.tok_base):
             for old, new in ((self.tokens, tokens), (self.src, src)):
@@ -329,16 +352,24 @@ class IndexArena:
                 new[tt + c.n:tt + c.tok_cap] = 0
             c.tok_base = tt
             tt += c.tok_cap
-        for lv in sorted((lv for c in self._corpora.values() for lv in c.levels),
-                         key=lambda lv: lv.sa_base):
+        levels = sorted((lv for c in self._corpora.values() for lv in c.levels),
+                        key=lambda lv: lv.sa_base)
+        for seq, lv in enumerate(levels):
             _move(self.sa, lv.sa_base, sa, st, lv.sa_len)
-            lv.sa_base = st
+            if sa_key is not None:
+                _move(self.sa_key, lv.sa_base, sa_key, st, lv.sa_len)
+                if seq != lv.seq:
+                    sa_key[st:st + lv.sa_len] += (seq - lv.seq) << KEY_SEQ_SHIFT
+            lv.sa_base, lv.seq = st, seq
             st += lv.sa_len
+        self._next_seq = len(levels)
         if not shrink:  # what lay past the live data is garbage now
             tokens[tt:self._tok_top] = 0
             src[tt:self._tok_top] = 0
             sa[st:self._sa_top] = 0
-        self.tokens, self.sa, self.src = tokens, sa, src
+            if sa_key is not None:
+                sa_key[st:self._sa_top] = _KEY_FREE
+        self.tokens, self.sa, self.src, self.sa_key = tokens, sa, src, sa_key
         self._tok_top, self._sa_top = tt, st
         self._tok_garbage = self._sa_garbage = 0
 
@@ -348,7 +379,7 @@ class IndexArena:
         two copies: the int64 fields in one buffer, the int32 fields in another, each field
         a slice of it)."""
         tok_base, n, tail, lv_ptr = [], [], [], [0]
-        lv_base, lv_len = [], []
+        lv_base, lv_len, lv_key = [], [], []
         for cid in corpus_ids:
             c = self._get(cid)
             tok_base.append(c.tok_base)
@@ -357,14 +388,15 @@ class IndexArena:
             for lv in c.levels:
                 lv_base.append(lv.sa_base)
                 lv_len.append(lv.sa_len)
+                lv_key.append(lv.seq << KEY_SEQ_SHIFT)
             lv_ptr.append(len(lv_base))
-        R = len(corpus_ids)
-        i64 = to_device(tok_base + lv_base, torch.int64, self.device)
+        R, K = len(corpus_ids), len(lv_base)
+        i64 = to_device(tok_base + lv_base + lv_key, torch.int64, self.device)
         i32 = to_device(n + tail + lv_ptr + lv_len, torch.int32, self.device)
         return MatchDescriptors(
             tok_base=i64[:R], num_tokens=i32[:R], tail_start=i32[R:2 * R],
-            level_indptr=i32[2 * R:3 * R + 1], level_sa_base=i64[R:],
-            level_sa_len=i32[3 * R + 1:],
+            level_indptr=i32[2 * R:3 * R + 1], level_sa_base=i64[R:R + K],
+            level_sa_len=i32[3 * R + 1:], level_key=i64[R + K:],
             max_levels=max([lv_ptr[i + 1] - lv_ptr[i] for i in range(R)] + [0]),
             max_tail=max([a - b for a, b in zip(n, tail)] + [0]),
         )
@@ -394,7 +426,7 @@ class IndexArena:
         desc = self.descriptors(list(corpus_ids))
         return suffix_match(self.tokens, self.sa, desc, queries, lengths,
                             max_depth=self.config.max_depth, max_positions=max_positions,
-                            max_scan=max_scan, use_triton=use_triton)
+                            max_scan=max_scan, use_triton=use_triton, sa_key=self.sa_key)
 
     def _get(self, cid: int) -> _Corpus:
         try:
@@ -510,7 +542,11 @@ def _move(src: torch.Tensor, at: int, dst: torch.Tensor, to: int, n: int) -> Non
     dst[to:to + n] = seg.clone() if src is dst and abs(at - to) < n else seg
 
 
-def _grown(buf: torch.Tensor, used: int, need: int) -> torch.Tensor:
-    new = torch.zeros(max(need, 2 * buf.numel()), dtype=buf.dtype, device=buf.device)
+def _grown(buf: torch.Tensor, used: int, need: int, fill: int = 0) -> torch.Tensor:
+    new = torch.full((max(need, 2 * buf.numel()),), fill, dtype=buf.dtype, device=buf.device)
     new[:used] = buf[:used]
     return new
+
+
+_KEY_FREE = torch.iinfo(torch.int64).max  # sa_key past the live levels: above every key
+_MAX_SEQ = 1 << (63 - KEY_SEQ_SHIFT)  # level sequence numbers fit below the sign bit

@@ -35,7 +35,8 @@ def _select_rows(desc: MatchDescriptors, rows: torch.Tensor) -> MatchDescriptors
     indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
     return MatchDescriptors(desc.tok_base[rows], desc.num_tokens[rows], desc.tail_start[rows],
                             indptr, desc.level_sa_base[lv], desc.level_sa_len[lv],
-                            desc.max_levels, desc.max_tail)
+                            desc.max_levels, desc.max_tail,
+                            None if desc.level_key is None else desc.level_key[lv])
 
 
 def _stages(k: int) -> list[tuple[int, int]]:
@@ -59,7 +60,7 @@ def _full_prefixes(arena: IndexArena, patterns: torch.Tensor, plen: torch.Tensor
     desc = _repeat_rows(_select_rows(base_desc, rows), e.numel())
     ms = match_lengths_torch(arena.tokens, arena.sa, desc, queries,
                              lengths.reshape(-1).to(torch.int32),
-                             max_depth=arena.config.max_depth)
+                             max_depth=arena.config.max_depth, sa_key=arena.sa_key)
     full = (ms.view(r, -1) >= e[None, :] + 1) & (e[None, :] < plen[:, None])
     return e0 + torch.cumprod(full.to(torch.int64), 1).sum(1)
 
@@ -167,7 +168,7 @@ def _followed_runs(arena: IndexArena, corpus_ids: list[int], message: torch.Tens
             ms = match_lengths_torch(arena.tokens, arena.sa,
                                      _select_rows(desc, torch.zeros_like(t)),
                                      queries[t].contiguous(), lengths[t],
-                                     max_depth=arena.config.max_depth)
+                                     max_depth=arena.config.max_depth, sa_key=arena.sa_key)
             S[t + 1] = torch.maximum(S[t + 1], ms)
     p = torch.arange(n, device=dev)[:, None]
     l = torch.arange(1, k + 1, device=dev)[None, :]

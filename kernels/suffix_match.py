@@ -61,7 +61,9 @@ class MatchDescriptors:
     Attributes:
         tok_base: ``int64 [B]``; num_tokens: ``int32 [B]``; tail_start: ``int32 [B]``;
         level_indptr: ``int32 [B + 1]``; level_sa_base: ``int64 [K]``;
-        level_sa_len: ``int32 [K]``; max_levels, max_tail: host ints bounding the loops.
+        level_sa_len: ``int32 [K]``; max_levels, max_tail: host ints bounding the loops;
+        level_key: ``int64 [K]`` or None, each level's ``seq << KEY_SEQ_SHIFT`` in the
+        arena's ``sa_key`` (see :func:`prefix_keys`; the torch path's search hints).
     """
 
     tok_base: torch.Tensor
@@ -72,6 +74,33 @@ class MatchDescriptors:
     level_sa_len: torch.Tensor
     max_levels: int
     max_tail: int
+    level_key: torch.Tensor | None = None
+
+
+KEY_TOKEN_BITS = 20  # bits of one packed key token (vocabularies up to ~1M ids exactly)
+KEY_SEQ_SHIFT = 2 * KEY_TOKEN_BITS  # a level's sequence number sits above two tokens
+_KEY_TOKEN_MAX = (1 << KEY_TOKEN_BITS) - 1
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    """Order-preserving (coarse) code of key tokens: ``END`` and separators 0, token ``t``
+    ``t + 1``, ids from ``2^20 - 2`` up share the top code."""
+    return (t.to(torch.int64) + 1).clamp(0, _KEY_TOKEN_MAX)
+
+
+def prefix_keys(tokens: torch.Tensor, base: int, c: torch.Tensor, seq: int) -> torch.Tensor:
+    """``int64 [m]`` search keys of a level's entries ``c`` (continuation positions, corpus
+    relative, at ``tokens[base:]``) when the level has sequence number ``seq``:
+    ``seq << KEY_SEQ_SHIFT | pack(key[0]) << KEY_TOKEN_BITS | pack(key[1])``.
+
+    Non-decreasing along a level (its entries are sorted by key, and packing keeps order),
+    and across levels laid out in increasing ``seq``: one ``searchsorted`` over the whole
+    buffer then finds, for any level, the entries whose key starts with one or two given
+    tokens. The torch path narrows its searches with it (the kernel does not need it)."""
+    c = c.to(torch.int64)
+    t0 = torch.take(tokens, base + c - 1)
+    t1 = torch.where(c >= 2, torch.take(tokens, (base + c - 2).clamp(min=0)), END)
+    return (seq << KEY_SEQ_SHIFT) | (_pack(t0) << KEY_TOKEN_BITS) | _pack(t1)
 
 
 @dataclass
@@ -95,7 +124,8 @@ class MatchResult:
 def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
                  max_positions: int, max_scan: int | None = None,
-                 use_triton: bool | None = None) -> MatchResult:
+                 use_triton: bool | None = None, sa_key: torch.Tensor | None = None
+                 ) -> MatchResult:
     """Launcher: validates and runs the Triton kernel on CUDA, the torch path otherwise.
 
     Args:
@@ -104,7 +134,13 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         lengths: ``int32 [B]``. max_depth: longest match searched.
         max_positions: ``P``. max_scan: entries of a level's range read for positions
         (None: all). use_triton: force a path (None: Triton iff on CUDA).
+        sa_key: ``int64 [S]`` search keys of every ``sa`` entry (:func:`prefix_keys`, with
+        ``desc.level_key``), or None: the torch path starts its searches inside the entries
+        sharing the query's last one or two tokens (same results, fewer rounds).
     """
+    if sa_key is not None and (sa_key.dtype != torch.int64 or sa_key.shape != sa.shape
+                               or desc.level_key is None):
+        raise ValueError("sa_key must be int64 shaped like sa, with desc.level_key set")
     if max_scan is not None and max_scan < 1:
         raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
     for name, t, dt in (("tokens", tokens, torch.int32), ("sa", sa, torch.int32),
@@ -126,7 +162,7 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         return suffix_match_triton(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                                    max_positions=max_positions, max_scan=max_scan)
     return suffix_match_torch(tokens, sa, desc, queries, lengths, max_depth=max_depth,
-                              max_positions=max_positions, max_scan=max_scan)
+                              max_positions=max_positions, max_scan=max_scan, sa_key=sa_key)
 
 
 # ------------------------------------------------------------------------ torch path
@@ -211,7 +247,7 @@ def _compare(tokens, base, c, pat, l, prow=None):
 _FANOUT = 15  # pivots per search round: fewer, wider torch ops (CPU cost is per op)
 
 
-def _bound(tokens, sa, base, sa_base, sa_len, pat, prow, l, upper):
+def _bound(tokens, sa, base, sa_base, sa_len, pat, prow, l, upper, lo0=None, hi0=None):
     """Vectorized search over ``A`` (row, level) pairs: first index in ``[0, sa_len)``
     whose key fails ``key[:l] < pat[:l]`` (lower bound) or ``key[:l] <= pat[:l]`` (upper).
 
@@ -220,14 +256,16 @@ def _bound(tokens, sa, base, sa_base, sa_len, pat, prow, l, upper):
     only, their state kept compact) so a level of ``m`` entries takes ``log_16(m)`` rounds
     of a few ops each instead of ``log_2(m)``; the result is a binary search's. ``upper``: a
     bool, or a bool tensor ``[A]`` choosing per pair (lower and upper bounds in one pass).
+    ``lo0, hi0``: ``int64 [A]`` an interval known to hold the answer (default the level).
     """
     dev = sa_len.device
-    lo = torch.zeros_like(sa_len)
+    lo = torch.zeros_like(sa_len) if lo0 is None else lo0.clone()
+    hi = sa_len if hi0 is None else hi0
     up = upper if isinstance(upper, torch.Tensor) else \
         torch.full(sa_len.shape, bool(upper), device=dev)
     k = torch.arange(1, _FANOUT + 1, device=dev)[None, :]
-    live = torch.nonzero(sa_len > 0, as_tuple=True)[0]
-    state = [lo[live], sa_len[live], sa_base[live], base[live], prow[live], l[live], up[live]]
+    live = torch.nonzero(lo < hi, as_tuple=True)[0]
+    state = [lo[live], hi[live], sa_base[live], base[live], prow[live], l[live], up[live]]
     while live.numel():
         llo, lhi, lsb, lbase, lprow, ll, lup = state
         piv = llo[:, None] + ((lhi - llo)[:, None] * k) // (_FANOUT + 1)  # [r, F] in [lo, hi)
@@ -262,6 +300,37 @@ def _forward_queries(queries: torch.Tensor, qlen: torch.Tensor, W: int) -> torch
     return torch.where(j >= W - qlen[:, None], vals, -1)
 
 
+class _Hints(NamedTuple):
+    """Per searched pair, level relative, from the arena's ``sa_key``: every search starts
+    in ``[lo, hi]``; ``[lo1, hi1)`` holds the entries whose key starts with the query's last
+    token, exactly when ``exact1``; ``[lo, hi)`` those starting with its last two, exactly
+    when ``exact2``."""
+    lo: torch.Tensor
+    hi: torch.Tensor
+    lo1: torch.Tensor
+    hi1: torch.Tensor
+    exact1: torch.Tensor
+    exact2: torch.Tensor
+
+
+def _hints(sa_key, level_key, sa_base, sa_len, pat, arow, al) -> _Hints:
+    """Two ``searchsorted`` over the whole key buffer for all pairs (see :func:`prefix_keys`)."""
+    W = pat.shape[1]
+    p0 = _pack(pat[arow, W - 1])
+    p1 = _pack(pat[arow, W - 2]) if W >= 2 else torch.zeros_like(p0)
+    k1 = level_key + (p0 << KEY_TOKEN_BITS)
+    k2 = k1 + p1
+    lo_abs = torch.searchsorted(sa_key, torch.cat([k1, k2]))
+    hi_abs = torch.searchsorted(sa_key, torch.cat([k1 + _KEY_TOKEN_MAX, k2]), right=True)
+    base2, len2 = torch.cat([sa_base, sa_base]), torch.cat([sa_len, sa_len])
+    lo_rel = torch.minimum((lo_abs - base2).clamp(min=0), len2).view(2, -1)
+    hi_rel = torch.minimum((hi_abs - base2).clamp(min=0), len2).view(2, -1)
+    exact1 = p0 < _KEY_TOKEN_MAX
+    two = (al >= 2) & exact1  # the second token orders entries only below an exact first
+    return _Hints(torch.where(two, lo_rel[1], lo_rel[0]), torch.where(two, hi_rel[1], hi_rel[0]),
+                  lo_rel[0], hi_rel[0], exact1, two & (p1 < _KEY_TOKEN_MAX))
+
+
 class _Longest(NamedTuple):
     best: torch.Tensor    # int64 [B] longest match length
     pat: torch.Tensor     # int32 [B, W] reversed queries in text order (_forward_queries)
@@ -272,9 +341,10 @@ class _Longest(NamedTuple):
     pslot: torch.Tensor   # int64 [R] level slot within the row
     act: torch.Tensor     # int64 [A] the pairs searched (their row's qlen > 0)
     idx: torch.Tensor     # int64 [A] insertion point of the whole reversed query in the level
+    hints: _Hints | None  # with an sa_key
 
 
-def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
+def _longest(tokens, sa, desc, queries, lengths, max_depth, sa_key=None) -> _Longest:
     """Longest match per row: the tail scanned, one search plus two neighbours per level."""
     dev = queries.device
     B = queries.shape[0]
@@ -309,13 +379,16 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
     prow = torch.repeat_interleave(torch.arange(B, device=dev), per_row)
     pslot = torch.arange(prow.numel(), device=dev) - lv_ptr[:-1][prow]
     act = torch.nonzero(qlen[prow] > 0, as_tuple=True)[0]
-    idx = act
+    idx, hints = act, None
     if act.numel():
         arow = prow[act]
         ab, abase = base_row[arow], desc.level_sa_base[act]
         alen = desc.level_sa_len[act].to(torch.int64)
         al = qlen[arow]
-        idx = _bound(tokens, sa, ab, abase, alen, pat, arow, al, False)
+        if sa_key is not None:
+            hints = _hints(sa_key, desc.level_key[act], abase, alen, pat, arow, al)
+        idx = _bound(tokens, sa, ab, abase, alen, pat, arow, al, False,
+                     *((hints.lo, hints.hi) if hints is not None else ()))
         # the longest common prefix with the whole reversed query is at a neighbour of its
         # insertion point; both neighbours in one compare
         nb = torch.stack([idx - 1, idx], dim=1)  # [A, 2]
@@ -323,7 +396,7 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth) -> _Longest:
         c = _sa_at(sa, abase[:, None], nb, ok)
         lcp, _ = _compare(tokens, ab, c, pat, al, arow)
         best.scatter_reduce_(0, arow, torch.where(ok, lcp, 0).max(dim=1).values, reduce="amax")
-    return _Longest(best, pat, kr, kpos, klen, prow, pslot, act, idx)
+    return _Longest(best, pat, kr, kpos, klen, prow, pslot, act, idx, hints)
 
 
 def _sa_at(sa: torch.Tensor, sa_base: torch.Tensor, j: torch.Tensor, inside: torch.Tensor
@@ -340,12 +413,13 @@ def _sa_at(sa: torch.Tensor, sa_base: torch.Tensor, j: torch.Tensor, inside: tor
 _WINDOW = 16  # entries read on each side of the insertion point before searching
 
 
-def _range_at(tokens, sa, base, sa_base, sa_len, pat, prow, l, i0):
+def _range_at(tokens, sa, base, sa_base, sa_len, pat, prow, l, i0, lo0=None, hi0=None):
     """``(lo, hi)`` per pair: the entries whose key starts with ``pat[prow][:l]``.
 
     That range holds ``i0``, the insertion point of a longer pattern with this prefix, so the
     ``_WINDOW`` entries on each side of it are compared first (long matches have a few
-    occurrences); a side whose run reaches the window's edge is searched instead.
+    occurrences); a side whose run reaches the window's edge is searched instead, within
+    ``[lo0, hi0]`` when given (an interval holding the range).
     """
     dev = i0.device
     H = _WINDOW
@@ -362,28 +436,30 @@ def _range_at(tokens, sa, base, sa_base, sa_len, pat, prow, l, i0):
     if wide_lo.numel() or wide_hi.numel():
         w = torch.cat([wide_lo, wide_hi])
         found = _bound(tokens, sa, base[w], sa_base[w], sa_len[w], pat, prow[w], l[w],
-                       torch.arange(w.numel(), device=dev) >= wide_lo.numel())
+                       torch.arange(w.numel(), device=dev) >= wide_lo.numel(),
+                       *((lo0[w], hi0[w]) if lo0 is not None else ()))
         lo[wide_lo] = found[:wide_lo.numel()]
         hi[wide_hi] = found[wide_lo.numel():]
     return lo, hi
 
 
 def match_lengths_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
-                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int
-                        ) -> torch.Tensor:
+                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
+                        sa_key: torch.Tensor | None = None) -> torch.Tensor:
     """``int64 [B]``: only the ``length`` of :func:`suffix_match` (no ranges, no positions)."""
-    return _longest(tokens, sa, desc, queries, lengths, max_depth).best
+    return _longest(tokens, sa, desc, queries, lengths, max_depth, sa_key).best
 
 
 def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
-                       max_positions: int, max_scan: int | None = None) -> MatchResult:
+                       max_positions: int, max_scan: int | None = None,
+                       sa_key: torch.Tensor | None = None) -> MatchResult:
     """Pure-torch implementation of :func:`suffix_match` (same results as the kernel)."""
     dev = queries.device
     B = queries.shape[0]
     P, K = max_positions, desc.max_levels
-    best, pat, tail_r, tail_pos, tail_len, prow, pslot, act, idx = _longest(tokens, sa, desc, queries,
-                                                                lengths, max_depth)
+    best, pat, tail_r, tail_pos, tail_len, prow, pslot, act, idx, hints = _longest(
+        tokens, sa, desc, queries, lengths, max_depth, sa_key)
 
     # ranges at the best length (empty at best 0)
     sa_lo = torch.zeros(B, K, dtype=torch.int64, device=dev)
@@ -395,10 +471,21 @@ def suffix_match_torch(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescri
         hi = torch.zeros_like(lo)
         keep = best[prow[act]] > 0
         sel, i0 = act[keep], idx[keep]
+        L = best[prow[sel]]
+        if hints is not None and sel.numel():  # one- and two-token ranges are the hints
+            h = _Hints(*(x[keep] for x in hints))
+            d1 = (L == 1) & h.exact1
+            d2 = (L == 2) & h.exact2
+            lo[sel] = torch.where(d1, h.lo1, h.lo)
+            hi[sel] = torch.where(d1, h.hi1, h.hi)
+            rest = torch.nonzero(~(d1 | d2), as_tuple=True)[0]
+            sel, i0, L, bounds = sel[rest], i0[rest], L[rest], (h.lo[rest], h.hi[rest])
+        else:
+            bounds = ()
         if sel.numel():
             lo[sel], hi[sel] = _range_at(tokens, sa, desc.tok_base[prow[sel]], p_base[sel],
                                          desc.level_sa_len[sel].to(torch.int64),
-                                         pat, prow[sel], best[prow[sel]], i0)
+                                         pat, prow[sel], L, i0, *bounds)
         sa_lo[prow, pslot] = p_base + lo
         sa_hi[prow, pslot] = p_base + hi
         count.scatter_add_(0, prow, hi - lo)

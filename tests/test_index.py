@@ -559,6 +559,25 @@ def test_arena_free_releases_memory_and_keeps_others():
         [(0, 0, [])]
 
 
+def assert_keys_in_step(arena: IndexArena) -> None:
+    """The torch path's search keys: non-decreasing over the whole buffer (one
+    ``searchsorted`` serves every level) and each live level's are its entries' keys."""
+    from agspec_gpu.kernels.suffix_match import prefix_keys
+
+    keys = arena.sa_key
+    assert keys.shape == arena.sa.shape
+    assert bool((keys[1:] >= keys[:-1]).all())
+    seqs = []
+    for c in arena._corpora.values():
+        for lv in c.levels:
+            got = keys[lv.sa_base:lv.sa_base + lv.sa_len]
+            assert torch.equal(got, prefix_keys(arena.tokens, c.tok_base,
+                                                arena.sa[lv.sa_base:lv.sa_base + lv.sa_len],
+                                                lv.seq))
+            seqs.append(lv.seq)
+    assert len(set(seqs)) == len(seqs)
+
+
 def test_free_zeroes_the_text_and_compaction_in_place_keeps_the_others():
     """Freeing one corpus among several live ones leaves the buffers as they are (no new
     buffers) but erases its text at once; later appends compact in place (holes closed,
@@ -593,6 +612,26 @@ def test_free_zeroes_the_text_and_compaction_in_place_keeps_the_others():
             assert row == match_reference(part, query, 16, 8)
     live = sum(arena.nbytes(c) for c in parts)
     assert arena.nbytes() <= 4 * live  # bounded by the live data
+    assert_keys_in_step(arena)
+
+
+def test_level_numbers_restart_before_they_overflow_the_keys():
+    """Sequence numbers sit in the keys' top bits: at the limit the next level renumbers
+    every level (0, 1, ... in buffer order) first; matches are unchanged."""
+    from agspec_gpu import index as index_mod
+
+    arena = IndexArena(IndexConfig(max_depth=16, tail_tokens=16))
+    toks = stdlib_tokens(600)
+    a, b = arena.new_corpus(), arena.new_corpus()
+    arena.append(a, t32(toks[:300]))
+    q, lens = pack([toks[100:110], toks[400:410]])
+    arena._next_seq = index_mod._MAX_SEQ
+    arena.append(b, t32(toks[300:]))
+    assert arena._next_seq < 64
+    assert_keys_in_step(arena)
+    got = rows_of(arena.match(q, lens, [a, b], max_positions=8), 8)
+    assert got == [match_reference(toks[:300], toks[100:110], 16, 8),
+                   match_reference(toks[300:], toks[400:410], 16, 8)]
 
 
 def test_relocation_on_growth_keeps_results():
@@ -609,6 +648,7 @@ def test_relocation_on_growth_keeps_results():
         pos += k
         ptrs.add(idx.arena.tokens.data_ptr())
     assert len(ptrs) > 2
+    assert_keys_in_step(idx.arena)
     check_against_reference(idx, toks, queries, 32, 8)
     fresh = SuffixIndex.build(t32(toks), max_depth=32)
     q, lens = pack(queries)

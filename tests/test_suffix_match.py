@@ -116,6 +116,10 @@ def run_both(ar: IndexArena, ids: list[int], q: torch.Tensor, lengths: torch.Ten
                        max_scan=max_scan, use_triton=False)
     got = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md, max_positions=P,
                        max_scan=max_scan, use_triton=True)
+    if ar.sa_key is not None:  # the torch path's searches started from the key hints
+        assert_same(ref, suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=md,
+                                      max_positions=P, max_scan=max_scan, use_triton=False,
+                                      sa_key=ar.sa_key))
     return ref, got
 
 
