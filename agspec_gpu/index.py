@@ -171,7 +171,10 @@ class IndexArena:
         return self.tokens[c.tok_base:c.tok_base + c.n]
 
     def nbytes(self, cid: int | None = None) -> int:
-        """Bytes held: of one corpus (tokens + index), or of both arena buffers."""
+        """Bytes of the index layout, of one corpus or of the arena's buffers: 4 + 1 per
+        token slot (tokens, source tags) and 4 per suffix-array entry, what an arena on a
+        GPU holds. On the CPU, ``sa_key`` (the torch path's search keys) adds 8 per
+        suffix-array entry."""
         if cid is None:
             return self.tokens.numel() * 5 + self.sa.numel() * 4
         c = self._get(cid)
