@@ -12,7 +12,8 @@ Methods (same queries, same corpus):
 * ``agspec``: ``SuffixIndex.match`` (the public call: validation, descriptors, launch); the
   torch path on CPU, the Triton kernel on CUDA.
 * ``agspec-launch``: the launcher ``suffix_match`` alone with descriptors built beforehand
-  (what a decode loop that keeps descriptors on the device pays).
+  (what a decode loop that keeps descriptors on the device pays), with the arena's search
+  keys on the CPU as the drafter passes them.
 * ``agspec-launch-scan``: the same launch with ``max_scan`` (``--max-scan``, the drafter's
   default 256): positions from the first ``max_scan`` entries of each level's range, which
   bounds a row's work when a short match has a range of ~10^5 entries.
@@ -232,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             desc = idx.arena.descriptors([idx.cid] * B)
             record("agspec-launch", measure(lambda: suffix_match(
                 idx.arena.tokens, idx.arena.sa, desc, q, lens, max_depth=D, max_positions=P,
-                use_triton=use_triton), device, args.repeats), mean_match_len=mean_len)
+                use_triton=use_triton, sa_key=idx.arena.sa_key), device, args.repeats),
+                mean_match_len=mean_len)
             record("agspec-launch-scan", measure(lambda: suffix_match(
                 idx.arena.tokens, idx.arena.sa, desc, q, lens, max_depth=D, max_positions=P,
-                max_scan=args.max_scan, use_triton=use_triton), device, args.repeats),
+                max_scan=args.max_scan, use_triton=use_triton, sa_key=idx.arena.sa_key),
+                device, args.repeats),
                 mean_match_len=mean_len, max_range=int((ref.sa_hi - ref.sa_lo).max()))
             if device.type == "cuda":
                 record("agspec-torch", measure(lambda: idx.match(q, lens, max_positions=P,
