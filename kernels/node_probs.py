@@ -181,8 +181,10 @@ def node_probs_torch(W, S, Wt, best, mode, k, calib_hits, calib_seen, *, num_tie
     same = torch.cumprod(eq.to(torch.int8), dim=3).bool()
     # representative: lowest-index candidate with the same prefix (the most recent one)
     cidx = torch.arange(C, device=dev)
-    rep = torch.where(same, cidx[None, None, :, None], C).min(dim=2).values  # [B, C, K]
-    mass = (same.float() * Wt[:, None, :, None]).sum(dim=2)  # [B, C, K]
+    # small [B, C, C, K] temporaries (they dominate on the CPU): int16 indices
+    cnar = cidx.to(torch.int16 if C < (1 << 15) else torch.int64)
+    rep = torch.where(same, cnar[None, None, :, None], C).min(dim=2).values.long()  # [B, C, K]
+    mass = torch.where(same, Wt[:, None, :, None], 0.0).sum(dim=2)  # [B, C, K]
     total = Wt.sum(dim=1).clamp(min=1e-9)
     share = mass / total[:, None, None]
     D1 = max_match + 1
