@@ -91,16 +91,19 @@ def _pack(t: torch.Tensor) -> torch.Tensor:
 def prefix_keys(tokens: torch.Tensor, base: int, c: torch.Tensor, seq: int) -> torch.Tensor:
     """``int64 [m]`` search keys of a level's entries ``c`` (continuation positions, corpus
     relative, at ``tokens[base:]``) when the level has sequence number ``seq``:
-    ``seq << KEY_SEQ_SHIFT | pack(key[0]) << KEY_TOKEN_BITS | pack(key[1])``.
+    ``seq << KEY_SEQ_SHIFT | pack(key[0]) << KEY_TOKEN_BITS | pack(key[1])`` (the second
+    code 0 when the first is the shared top code).
 
     Non-decreasing along a level (its entries are sorted by key, and packing keeps order),
     and across levels laid out in increasing ``seq``: one ``searchsorted`` over the whole
     buffer then finds, for any level, the entries whose key starts with one or two given
     tokens. The torch path narrows its searches with it (the kernel does not need it)."""
     c = c.to(torch.int64)
-    t0 = torch.take(tokens, base + c - 1)
+    p0 = _pack(torch.take(tokens, base + c - 1))
     t1 = torch.where(c >= 2, torch.take(tokens, (base + c - 2).clamp(min=0)), END)
-    return (seq << KEY_SEQ_SHIFT) | (_pack(t0) << KEY_TOKEN_BITS) | _pack(t1)
+    # below a shared (coarse) first code the second token is not ordered: leave it out
+    p1 = torch.where(p0 < _KEY_TOKEN_MAX, _pack(t1), 0)
+    return (seq << KEY_SEQ_SHIFT) | (p0 << KEY_TOKEN_BITS) | p1
 
 
 @dataclass

@@ -634,6 +634,43 @@ def test_level_numbers_restart_before_they_overflow_the_keys():
                    match_reference(toks[300:], toks[400:410], 16, 8)]
 
 
+@pytest.mark.parametrize("base_id", [0, (1 << 20) - 4, 5_000_000])
+def test_search_hints_are_exact_for_any_token_ids(base_id):
+    """The torch path's search hints pack two key tokens in 20 bits each: ids from 2^20 - 2
+    up share one code, where the hints only bound the searches. Small alphabets (long
+    repeats, many levels, merges) at both sides of that limit: the hinted path equals the
+    unhinted one and the brute force, ranges included."""
+    from agspec_gpu.kernels.suffix_match import suffix_match
+
+    rng = random.Random(base_id)
+    arena = IndexArena(IndexConfig(max_depth=12, tail_tokens=8))
+    corpora = {}
+    for _ in range(3):
+        cid = arena.new_corpus()
+        toks = [base_id + rng.randrange(5) if rng.random() > 0.05 else -1 for _ in range(400)]
+        for k in range(0, 400, 37):
+            arena.append(cid, t32(toks[k:k + 37]))
+        corpora[cid] = toks
+    queries, ids = [], []
+    for cid, toks in corpora.items():
+        for _ in range(6):
+            a = rng.randrange(350)
+            qr = [t for t in toks[a:a + rng.randrange(1, 14)] if t >= 0] or [base_id]
+            queries.append(qr)
+            ids.append(cid)
+    q, lens = pack(queries, 14)
+    desc = arena.descriptors(ids)
+    args = (arena.tokens, arena.sa, desc, q, lens)
+    kw = {"max_depth": 12, "max_positions": 8, "use_triton": False}
+    hinted = suffix_match(*args, **kw, sa_key=arena.sa_key)
+    plain = suffix_match(*args, **kw)
+    for f in ("length", "count", "positions", "sa_lo", "sa_hi"):
+        assert torch.equal(getattr(hinted, f), getattr(plain, f)), f
+    for row, qr, cid in zip(rows_of(hinted, 8), queries, ids):
+        assert row == match_reference(corpora[cid], qr, 12, 8)
+    assert_keys_in_step(arena)
+
+
 def test_relocation_on_growth_keeps_results():
     toks = stdlib_tokens(4000)
     idx = SuffixIndex(IndexConfig(max_depth=32, tail_tokens=64), capacity=16)
