@@ -396,12 +396,12 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
                           agent_formats=corpus.agents),
                   replace(config, global_corpus=str(cross_halves[1 - h])))
                  for h in (0, 1)]
-    results = []
-    for part, cfg_part in parts:
-        if not part.sessions:
-            continue
-        run = _replay_sharded if cfg_part.workers > 1 else _replay_all
-        results.append(run(part, list(drafters), tokenizer, cfg_part, progress))
+    parts = [(part, cfg_part) for part, cfg_part in parts if part.sessions]
+    if config.workers > 1 and parts:  # every part's shards in one pool of workers
+        results = [_replay_sharded(parts, list(drafters), tokenizer, config.workers, progress)]
+    else:
+        results = [_replay_all(part, list(drafters), tokenizer, cfg_part, progress)
+                   for part, cfg_part in parts]
     if not results:  # nothing to replay: the counters of an empty run
         results.append(_replay_all(corpus, drafters, tokenizer, config, progress))
     lanes_stats, oracle_stats, timing = _merge_results(results)
@@ -506,27 +506,31 @@ def _shard_worker(args: tuple) -> tuple:
     return _replay_all(corpus, drafters, tokenizer, config, None)
 
 
-def _replay_sharded(corpus: ReplayCorpus, drafters: list[str], tokenizer: Tokenizer,
-                    config: ReplayConfig, progress: ReplayProgress | None
+def _replay_sharded(parts: list[tuple[ReplayCorpus, ReplayConfig]], drafters: list[str],
+                    tokenizer: Tokenizer, workers: int, progress: ReplayProgress | None
                     ) -> tuple[LaneStats, dict[Hashable, ReplayStats], dict[str, float]]:
-    """:func:`_replay_all` on shards in ``config.workers`` processes; counters summed,
-    lane seconds summed over the shards (CPU time, not wall)."""
+    """:func:`_replay_all` on ``workers`` shards of each part (a corpus and its config), all
+    shards in one pool of ``workers`` processes, the largest first (so one part's slow shard
+    overlaps the next part's); counters summed, lane seconds summed over the shards (CPU
+    time, not wall)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    shards = shard_sessions(corpus, config.workers)
-    one = replace(config, workers=1)
-    tokens = [sum(int(s.bounds[i + 1] - s.bounds[i]) for s in c.sessions
-                  for i in s.target_messages) for c in shards]
+    def size(c: ReplayCorpus) -> int:
+        return sum(int(s.bounds[i + 1] - s.bounds[i]) for s in c.sessions
+                   for i in s.target_messages)
+
+    jobs = sorted(((shard, replace(cfg, workers=1)) for part, cfg in parts
+                   for shard in shard_sessions(part, workers)), key=lambda j: -size(j[0]))
     if progress is not None:
-        progress.start(f"{len(shards)} shards", sum(tokens))
+        progress.start(f"{len(jobs)} shards", sum(size(c) for c, _ in jobs))
     results = []
-    with ProcessPoolExecutor(len(shards), mp_context=mp.get_context("spawn")) as pool:
-        for res, n in zip(pool.map(_shard_worker, [(c, drafters, tokenizer, one)
-                                                   for c in shards]), tokens):
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
+        for res, (c, _) in zip(pool.map(_shard_worker, [(c, drafters, tokenizer, cfg)
+                                                        for c, cfg in jobs]), jobs):
             results.append(res)
             if progress is not None:
-                progress.advance(n)
+                progress.advance(size(c))
     if progress is not None:
         progress.stop()
     return _merge_results(results)

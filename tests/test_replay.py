@@ -541,6 +541,12 @@ def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
     assert {r["sessions"] for r in report.rows if r["agent"] == "all"} == {3}
     assert set(report.config["global_corpus"]) == {"half 0 replayed against",
                                                    "half 1 replayed against"}
+    # two workers: both halves' shards share one pool, each with its own half's tier
+    two = run_replay(corpus, ["agspec"], tok, ReplayConfig(batch_size=2, workers=2),
+                     cross_halves=halves)
+    tau2 = {r["agent"]: r["tau"] for r in two.rows}
+    assert tau2["a-agent"] > 5 and tau2["b-agent"] > 5 and tau2["c-agent"] < 1.5
+    assert {r["sessions"] for r in two.rows if r["agent"] == "all"} == {3}
     # the CLI builds both global tiers itself
     from agspec_gpu.cli import main
 
