@@ -268,27 +268,26 @@ def _bound(tokens, sa, base, sa_base, sa_len, pat, prow, l, upper, lo0=None, hi0
         torch.full(sa_len.shape, bool(upper), device=dev)
     k = torch.arange(1, _FANOUT + 1, device=dev)[None, :]
     live = torch.nonzero(lo < hi, as_tuple=True)[0]
-    state = [lo[live], hi[live], sa_base[live], base[live], prow[live], l[live], up[live]]
+    llo, lhi = lo[live], hi[live]  # the unsettled pairs' intervals, and their constants:
+    per_pair = [sa_base[live], base[live], prow[live], l[live], up[live]]
     while live.numel():
-        llo, lhi, lsb, lbase, lprow, ll, lup = state
+        lsb, lbase, lprow, ll, lup = per_pair
         piv = llo[:, None] + ((lhi - llo)[:, None] * k) // (_FANOUT + 1)  # [r, F] in [lo, hi)
         c = torch.take(sa, (lsb[:, None] + piv).clamp(max=sa.numel() - 1))
         lcp, less = _compare(tokens, lbase, c, pat, ll, lprow)
         short = lcp < ll[:, None]
         pred = (short & less) | (~short & lup[:, None])  # monotone along the sorted pivots
         ntrue = pred.sum(dim=1)
-        llo = torch.where(ntrue > 0, piv.gather(1, (ntrue - 1).clamp(min=0)[:, None])[:, 0] + 1,
-                          llo)
-        lhi = torch.where(ntrue < _FANOUT, piv.gather(1, ntrue.clamp(max=_FANOUT - 1)[:, None])[:, 0],
-                          lhi)
-        state[0], state[1] = llo, lhi
-        done = llo >= lhi
-        nd = torch.nonzero(done, as_tuple=True)[0]
-        if nd.numel():
-            lo[live[nd]] = llo[nd]
-            keep = torch.nonzero(~done, as_tuple=True)[0]
-            live = live[keep]
-            state = [x[keep] for x in state]
+        last_true = piv.gather(1, (ntrue - 1).clamp(min=0)[:, None])[:, 0]
+        first_false = piv.gather(1, ntrue.clamp(max=_FANOUT - 1)[:, None])[:, 0]
+        llo = torch.where(ntrue > 0, last_true + 1, llo)
+        lhi = torch.where(ntrue < _FANOUT, first_false, lhi)
+        done = torch.nonzero(llo >= lhi, as_tuple=True)[0]
+        if done.numel():
+            lo[live[done]] = llo[done]
+            keep = torch.nonzero(llo < lhi, as_tuple=True)[0]
+            live, llo, lhi = live[keep], llo[keep], lhi[keep]
+            per_pair = [x[keep] for x in per_pair]
     return lo
 
 
