@@ -149,10 +149,8 @@ class IndexArena:
         c = self._get(cid)
         self._tok_garbage += c.tok_cap
         self._sa_garbage += sum(lv.sa_len for lv in c.levels)
-        self.tokens[c.tok_base:c.tok_base + c.tok_cap] = 0
+        self.tokens[c.tok_base:c.tok_base + c.tok_cap] = 0  # its levels hold positions only
         self.src[c.tok_base:c.tok_base + c.tok_cap] = 0
-        for lv in c.levels:
-            self.sa[lv.sa_base:lv.sa_base + lv.sa_len] = 0
         del self._corpora[cid]
         self._doc_ends.pop(cid, None)
         live_tok, live_sa = self._live()
