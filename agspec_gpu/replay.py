@@ -121,6 +121,11 @@ class TokenizedSession:
         return [i for i, r in enumerate(self.roles)
                 if r == "assistant" and self.bounds[i + 1] > self.bounds[i]]
 
+    @property
+    def target_tokens(self) -> int:
+        """Tokens of its assistant messages (what the replay produces)."""
+        return sum(int(self.bounds[i + 1] - self.bounds[i]) for i in self.target_messages)
+
 
 @dataclass(frozen=True)
 class ReplayCorpus:
@@ -258,8 +263,7 @@ def replay_lane(corpus: ReplayCorpus, lane: Lane, config: ReplayConfig,
     tenant_of = (lambda s: s.sid) if config.tenant_by == "session" else (lambda s: s.agent)
     sessions_left = Counter(tenant_of(s) for s in todo)  # tenant teardown after its last one
     if progress is not None:
-        progress.start(lane.name, sum(int(s.bounds[i + 1] - s.bounds[i])
-                                      for s in todo for i in s.target_messages))
+        progress.start(lane.name, sum(s.target_tokens for s in todo))
     queue = iter(todo)
     active: list[_Slot] = []
     stream = corpus.stream
@@ -488,8 +492,7 @@ def shard_sessions(corpus: ReplayCorpus, num_shards: int) -> list[ReplayCorpus]:
     (longest first, each to the lightest shard; order within a shard is kept)."""
     load = [0] * num_shards
     member: list[list[int]] = [[] for _ in range(num_shards)]
-    sizes = [sum(int(s.bounds[i + 1] - s.bounds[i]) for i in s.target_messages)
-             for s in corpus.sessions]
+    sizes = [s.target_tokens for s in corpus.sessions]
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         k = min(range(num_shards), key=lambda k: load[k])
         member[k].append(i)
@@ -517,8 +520,7 @@ def _replay_sharded(parts: list[tuple[ReplayCorpus, ReplayConfig]], drafters: li
     from concurrent.futures import ProcessPoolExecutor
 
     def size(c: ReplayCorpus) -> int:
-        return sum(int(s.bounds[i + 1] - s.bounds[i]) for s in c.sessions
-                   for i in s.target_messages)
+        return sum(s.target_tokens for s in c.sessions)
 
     jobs = sorted(((shard, replace(cfg, workers=1)) for part, cfg in parts
                    for shard in shard_sessions(part, workers)), key=lambda j: -size(j[0]))
