@@ -101,8 +101,10 @@ class VerifyGraphs(GraphSteps):
         self._inputs = {S: _StepInputs(i32(S, P), i32(S), i32(S),
                                        DraftBatch(i32(S, max_nodes), i32(S, max_nodes), i32(S)))
                         for S in self.sizes}
-        self._ones = torch.full((-(-self.buckets[self.sizes[-1]][-1] // 8),), 255,
-                                dtype=torch.uint8, device=dev)
+        sink_bytes = -(-self.buckets[self.sizes[-1]][-1] // 8)  # the most a sink's mask takes
+        self._ones = torch.full((sink_bytes,), 255, dtype=torch.uint8, device=dev)
+        self._byte_offsets = torch.arange(sink_bytes, dtype=torch.int64, device=dev)
+        self._sink_at = torch.empty_like(self._byte_offsets)  # the sink's mask bytes, per step
         self._start(use_graphs, warmup)
 
     def bucket(self, num_requests: int, num_rows: int) -> tuple[int, int]:
@@ -178,7 +180,7 @@ class VerifyGraphs(GraphSteps):
         out.kv_indices.index_fill_(0, ki[S:S + 1].long(), null)
         out.kv_last_page_len[S:S + 1].fill_(1)
         torch.add(mi[S:S + 1], nbytes, out=mi[S + 1:S + 2])
-        at = mi[S:S + 1].long() + torch.arange(nbytes, device=mi.device)
+        at = torch.add(self._byte_offsets[:nbytes], mi[S:S + 1], out=self._sink_at[:nbytes])
         out.packed_mask.index_copy_(0, at, self._ones[:nbytes])
         # rows past the S requests: plan_tree left them padding (token 0, KV slot -1); the
         # sink's ancestor bits are unused (no tree)
