@@ -9,7 +9,7 @@
 #     run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=500)
 #
 # .whl/ (git-ignored) must hold, for Python 3.12 manylinux x86_64:
-#   flashinfer_python-0.7.2.post1-*.whl, pruned (see below), and apache_tvm_ffi-*.whl
+#   flashinfer_python-0.7.2.post1-*.whl, pruned (bench/prune_flashinfer_wheel.py), and apache_tvm_ffi-*.whl
 #   nvtx-0.2.*-cp312-*.whl           (agspec_gpu imports nvtx; the device image has no nvtx)
 # and optionally:
 #   flashinfer-aot/<module>/<module>.so  FlashInfer's modules compiled here for sm_90a
@@ -20,18 +20,9 @@
 #   *.jsonl.gz trajectories           (../shared does not travel)
 #   dev-half0.agspec.gz                a global corpus built from dev half 0 (gzip: 14 MB);
 #                                    the e2e then replays half-1 sessions only
-# Fetching them here, once (the whole tree must stay under the 64 MiB carry):
-#   echo /.whl/ >> .git/info/exclude; mkdir -p .whl /tmp/dl
-#   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
-#   pip download --no-deps --only-binary=:all: $P -d .whl apache-tvm-ffi nvtx==0.2.17
-#   pip download --no-deps --only-binary=:all: $P -d /tmp/dl flashinfer-python==0.7.2.post1
-#   python bench/prune_flashinfer_wheel.py /tmp/dl/flashinfer_python-0.7.2.post1-py3-none-any.whl .whl/
-#                                    (62 MB -> 24 MB: only the kernel sources it compiles)
-#   pip download --no-deps --no-binary :all: --no-build-isolation -d .whl arctic-inference==0.3.0
-#   cp ../shared/data/trajectories/dev/*.jsonl.gz .whl/
-#   agspec-gpu build-global --trajectories ../shared/data/trajectories/dev --half 0 -o /tmp/g0.agspec
-#   gzip -c /tmp/g0.agspec > .whl/dev-half0.agspec.gz
-#   python bench/prebuild_flashinfer.py .whl/flashinfer-aot   (its docstring: the environment)
+# Fetching and building them here, once per checkout (3-4 minutes on two cores, most of it
+# nvcc; the tree plus .whl/ must stay under the 64 MiB carry, which the script checks):
+#   bash bench/prepare_device_carry.sh .venv/bin/python
 #
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
