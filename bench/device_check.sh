@@ -9,7 +9,8 @@
 #     run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=500)
 #
 # .whl/ (git-ignored) must hold, for Python 3.12 manylinux x86_64:
-#   flashinfer_python-0.7.2.post1-*.whl, pruned (bench/prune_flashinfer_wheel.py), and apache_tvm_ffi-*.whl
+#   flashinfer_python-0.7.2.post1-*.whl, pruned (bench/prune_flashinfer_wheel.py),
+#   apache_tvm_ffi-*.whl
 #   nvtx-0.2.*-cp312-*.whl           (agspec_gpu imports nvtx; the device image has no nvtx)
 # and optionally:
 #   flashinfer-aot/<module>/<module>.so  FlashInfer's modules compiled here for sm_90a

@@ -13,11 +13,10 @@ The modules: batch prefill (fa2 backend, bf16, head dim 128, int32 indices), who
 paged-KV parts serve both tree verification (`FlashInferPagedAttention`, custom mask) and the
 tensor-core decode wrapper of the decode graphs (`DecodeGraphs`).
 
-    CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=2 \
-        PYTHONPATH=<flashinfer + tvm-ffi site> python bench/prebuild_flashinfer.py .whl/flashinfer-aot
-
-Linking wants `libcuda.so` from `$CUDA_HOME/lib64/stubs`; without a driver, an empty stub
-with soname `libcuda.so.1` serves (the device's driver provides the real one).
+`bench/prepare_device_carry.sh` runs it with the environment it needs: FlashInfer and its
+import-time dependencies on `PYTHONPATH`, `FLASHINFER_CUDA_ARCH_LIST=9.0a`, and a `CUDA_HOME`
+whose `lib64/stubs/libcuda.so` is an empty stub with soname `libcuda.so.1` (linking wants
+libcuda; the device's driver provides the real one at load time).
 """
 
 from __future__ import annotations
