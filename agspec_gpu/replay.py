@@ -39,7 +39,7 @@ from agspec_gpu.replay_lanes import (
     make_lane,
     make_oracle_lane,
 )
-from agspec_gpu.replay_stats import P_ACC_MAX_K, ReplayStats
+from agspec_gpu.replay_stats import P_ACC_MAX_K, ReplayStats, add_replay_speedups
 from agspec_gpu.tokenizer import Tokenizer
 from agspec_gpu.trajectories import Session
 
@@ -416,6 +416,7 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
     rows = []
     for name, key, stats in lanes_stats:
         rows.extend(stats.rows(name, config.cost_model, oracle.get(key)))
+    add_replay_speedups(rows)
     cfg = {
         "inputs": list(inputs),
         "drafters": [d if isinstance(d, str) else d[0] for d in drafters],
@@ -436,6 +437,10 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + draft_ms_per_step)",
         "batch_speedup_model": "tau * cost(B) / cost(B * (1 + drafted_per_step)), B = "
                                "mean_batch (drafting time excluded)",
+        "replay_speedup_model": "modelled_ms of the none lane / modelled_ms of the lane, "
+                                "modelled_ms = sum over the lane's batched steps of "
+                                "cost(rows + drafted) (drafting time excluded; null "
+                                "without a none lane)",
         "draft_time": "wall time of propose per request step (a batched propose is shared "
                       "by its rows; host drafters: sum of their per-request calls)",
         "workers": config.workers,

@@ -27,6 +27,7 @@ _TABLE_COLUMNS = (
     ("draft_us_per_step", "draft µs/step", "{:.0f}"),
     ("modelled_speedup", "speedup*", "{:.2f}x"),
     ("modelled_batch_speedup", "batch×**", "{:.2f}x"),
+    ("modelled_replay_speedup", "replay×***", "{:.2f}x"),
 )
 
 
@@ -50,7 +51,8 @@ def print_table(report: ReplayReport, console=None, title: str | None = None) ->
     console.print(table)
     cost = report.config.get("cost_model", {})
     console.print(f"* modelled speedup = {report.config.get('speedup_model')}; ** with B the "
-                  f"mean batch: {report.config.get('batch_speedup_model')}; cost model: "
+                  f"mean batch: {report.config.get('batch_speedup_model')}; *** step by step: "
+                  f"{report.config.get('replay_speedup_model')}; cost model: "
                   f"{cost.get('source', '?')}. tau counts accepted + bonus tokens per step.",
                   highlight=False)
 
@@ -129,10 +131,13 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
     per-step means), so the merge is exact: ``tau = sum(target_tokens) / sum(steps)``,
     acceptance = accepted / drafted, ``P_acc`` and the shares weighted by steps and by
     attributed accepted tokens, the oracle's steps recovered as ``target_tokens /
-    oracle_tau`` (its tokens are the same messages). Row order: drafters as they first
-    appear, agent formats sorted, then ``"all"`` (as a replay orders them).
+    oracle_tau`` (its tokens are the same messages), a lane's ``modelled_ms`` as the sum of
+    its ``"all"`` rows' (every agent row carries the lane's, as in a replay). Row order:
+    drafters as they first appear, agent formats sorted, then ``"all"`` (as a replay orders
+    them).
     """
-    from agspec_gpu.replay_stats import modelled_batch_speedup, modelled_speedup
+    from agspec_gpu.replay_stats import add_replay_speedups, modelled_batch_speedup, \
+        modelled_speedup
 
     groups: dict[tuple[str, str], list[dict]] = {}
     for rows in row_sets:
@@ -187,5 +192,9 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
             row["mean_batch"] = sum(r["mean_batch"] * r["batch_steps"] for r in rs) / bsteps
             row["modelled_batch_speedup"] = modelled_batch_speedup(
                 tau, row["drafted_per_step"], row["mean_batch"], cost_model)
+        # lane-level, as in a replay: the "all" rows' times summed over the replays
+        lane_ms = [r.get("modelled_ms") for r in groups.get((drafter, "all"), [])]
+        row["modelled_ms"] = sum(lane_ms) if lane_ms and None not in lane_ms else None
         out.append(row)
+    add_replay_speedups(out)
     return out

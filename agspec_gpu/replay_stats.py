@@ -51,6 +51,9 @@ class ReplayStats:
     draft_seconds: np.ndarray = field(init=False)
     accepted_hist: np.ndarray = field(init=False)  # [A, P_ACC_MAX_K + 1], last bin is >= K
     source_hist: np.ndarray = field(init=False)  # [A, 256] accepted tokens per source code
+    # batched steps by the tokens their forward verifies (rows + drafts): the lane's
+    # modelled verification time is sum(count[n] * cost(n))
+    step_tokens: np.ndarray = field(init=False)
     batch_steps: int = 0
     batch_rows: int = 0
     has_sources: bool = False  # the drafter reported maybe_source at least once
@@ -63,6 +66,7 @@ class ReplayStats:
         self.draft_seconds = np.zeros(A, dtype=np.float64)
         self.accepted_hist = np.zeros((A, P_ACC_MAX_K + 1), dtype=np.int64)
         self.source_hist = np.zeros((A, _SOURCE_CODES), dtype=np.int64)
+        self.step_tokens = np.zeros(1, dtype=np.int64)
 
     def add_step(self, agent: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
                  produced: np.ndarray, draft_seconds: float,
@@ -95,8 +99,21 @@ class ReplayStats:
             codes = agent[rows] * _SOURCE_CODES + maybe_sources[rows, cols]
             self.source_hist += np.bincount(
                 codes, minlength=A * _SOURCE_CODES).reshape(A, _SOURCE_CODES)
+        n = B + int(drafted.sum())
+        self._grow_step_tokens(n + 1)
+        self.step_tokens[n] += 1
         self.batch_steps += 1
         self.batch_rows += B
+
+    def _grow_step_tokens(self, size: int) -> None:
+        if size > self.step_tokens.size:
+            self.step_tokens = np.pad(self.step_tokens, (0, size - self.step_tokens.size))
+
+    def modelled_ms(self, cost_model: CostModel) -> float:
+        """The lane's verification time under ``cost_model``: ``sum over its batched steps
+        of cost(rows + drafted tokens)`` (drafting time left out)."""
+        n = np.nonzero(self.step_tokens)[0]
+        return float(sum(int(self.step_tokens[i]) * cost_model.step_ms(int(i)) for i in n))
 
     def merge(self, other: "ReplayStats") -> None:
         """Adds ``other``'s counters (the same drafter on other sessions) to these."""
@@ -105,6 +122,8 @@ class ReplayStats:
         for name in ("sessions", "messages", "target_tokens", "steps", "accepted", "drafted",
                      "empty_steps", "draft_seconds", "accepted_hist", "source_hist"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._grow_step_tokens(other.step_tokens.size)
+        self.step_tokens[:other.step_tokens.size] += other.step_tokens
         self.batch_steps += other.batch_steps
         self.batch_rows += other.batch_rows
         self.has_sources |= other.has_sources
@@ -168,7 +187,23 @@ class ReplayStats:
             "modelled_batch_speedup": modelled_batch_speedup(
                 tau, drafted_ps, self.batch_rows / self.batch_steps if self.batch_steps
                 else None, cost_model),
+            # the whole lane's verification time, step by step (see add_replay_speedups)
+            "modelled_ms": self.modelled_ms(cost_model) if self.batch_steps else None,
         }
+
+
+def add_replay_speedups(rows: list[dict]) -> None:
+    """Sets ``modelled_replay_speedup`` on every row: the ``none`` lane's ``modelled_ms``
+    over the row's lane's (None without a ``none`` row or without times). Both sum
+    ``cost(rows + drafted)`` over the batched steps of the same sessions' continuous batch,
+    each lane's as its own acceptance shaped it: the speedup of the whole replay's
+    verification time, which a budget that drafts less when the batch is full can win while
+    tau and ``modelled_batch_speedup`` (one mean batch) do not show it."""
+    none_ms = next((r.get("modelled_ms") for r in rows
+                    if r["drafter"] == "none" and r["agent"] == "all"), None)
+    for r in rows:
+        ms = r.get("modelled_ms")
+        r["modelled_replay_speedup"] = none_ms / ms if none_ms and ms else None
 
 
 def modelled_batch_speedup(tau: float | None, drafted_per_step: float | None,

@@ -21,7 +21,7 @@ from agspec_gpu.gitlog import cat_n
 from agspec_gpu.replay import ReplayConfig, run_replay, shard_sessions, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, agspec_unavailable_reason
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
-from agspec_gpu.replay_stats import P_ACC_MAX_K
+from agspec_gpu.replay_stats import P_ACC_MAX_K, ReplayStats
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import Message, Session
 
@@ -212,6 +212,9 @@ def test_future_drafter_tau_is_k_plus_one(tok, k, batched):
     B = row["mean_batch"]
     assert row["modelled_batch_speedup"] == pytest.approx(
         row["tau"] * cost.step_ms(B) / cost.step_ms(B * (1 + row["drafted_per_step"])))
+    # step by step: each batched step costs cost(rows + drafts); no none lane, no ratio
+    assert row["modelled_ms"] >= steps / 2 * cost.step_ms(2)
+    assert row["modelled_replay_speedup"] is None
     if batched:
         assert row["tier_share"] == {"workspace": 1.0}
         assert row["form_share"] == {"diff_ctx": 1.0}
@@ -234,7 +237,41 @@ def test_none_gives_tau_one(tok):
         assert r["modelled_speedup"] == pytest.approx(1.0, abs=1e-3)
         assert r["modelled_batch_speedup"] == pytest.approx(1.0)
         assert 1 <= r["mean_batch"] <= 64
+        assert r["modelled_replay_speedup"] == pytest.approx(1.0)
     assert by_agent["all"]["target_tokens"] == sum(_assistant_lengths(corpus))
+
+
+def test_modelled_replay_time_sums_each_step(tok):
+    """A step of B rows with d drafts costs cost(B + d): with one session at a time the
+    none lane's time is one cost(1) per token, the future drafter's one cost(1 + k) per
+    step, so their ratio is known."""
+    sessions = [_copy_session(f"s{i}", text=FILE_TEXT) for i in range(2)]
+    corpus = tokenize_sessions(sessions, tok)
+    streams = {s.sid: s.tokens for s in corpus.sessions}
+    k = 4
+    report = run_replay(corpus, ["none", ("future", lambda: HostLane(FutureHost(streams, k)))],
+                        tok, ReplayConfig(batch_size=1, oracle=False))
+    cost = ReplayConfig().cost_model
+    none = next(r for r in report.rows if r["drafter"] == "none" and r["agent"] == "all")
+    fut = next(r for r in report.rows if r["drafter"] == "future" and r["agent"] == "all")
+    assert none["modelled_ms"] == pytest.approx(none["steps"] * cost.step_ms(1))
+    # drafts are k tokens except at a stream's very end
+    drafted = round(fut["drafted_per_step"] * fut["steps"])
+    assert cost.step_ms(1) * fut["steps"] <= fut["modelled_ms"] <= \
+        cost.step_ms(1 + k) * fut["steps"]
+    if drafted == k * fut["steps"]:
+        assert fut["modelled_ms"] == pytest.approx(fut["steps"] * cost.step_ms(1 + k))
+    assert fut["modelled_replay_speedup"] == pytest.approx(
+        none["modelled_ms"] / fut["modelled_ms"])
+    assert none["modelled_replay_speedup"] == pytest.approx(1.0)
+    # the histogram behind it: merge adds counts of steps by tokens verified
+    a, b = ReplayStats(("x",)), ReplayStats(("x",))
+    zero = np.zeros(1, dtype=np.int64)
+    a.add_step(zero, np.array([3]), np.array([1]), np.array([2]), 0.0)
+    b.add_step(np.zeros(2, dtype=np.int64), np.array([0, 30]), np.array([0, 2]),
+               np.array([1, 3]), 0.0)
+    a.merge(b)
+    assert a.modelled_ms(cost) == pytest.approx(cost.step_ms(4) + cost.step_ms(32))
 
 
 def test_batch_size_does_not_change_per_request_drafters(tok):
@@ -244,7 +281,8 @@ def test_batch_size_does_not_change_per_request_drafters(tok):
                        ReplayConfig(batch_size=b, oracle=False)).rows for b in (1, 3, 64)]
     strip = lambda rs: [{k: v for k, v in r.items()  # noqa: E731 - timing, batch differ
                          if k not in ("draft_us_per_step", "modelled_speedup", "batch_steps",
-                                      "mean_batch", "modelled_batch_speedup")} for r in rs]
+                                      "mean_batch", "modelled_batch_speedup",
+                                      "modelled_ms", "modelled_replay_speedup")} for r in rs]
     assert strip(rows[0]) == strip(rows[1]) == strip(rows[2])
     pld = next(r for r in rows[0] if r["drafter"] == "pld-hf" and r["agent"] == "all")
     assert pld["tau"] > 1.5  # the copied file is found in the context
@@ -581,3 +619,8 @@ def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
             assert m[key] == pytest.approx(w[key]), key
         assert m["p_acc"] == pytest.approx(w["p_acc"])
         assert m["mean_batch"] > 0 and m["modelled_batch_speedup"] > 0
+        # verification time adds up over disjoint replays; the ratio is the merged times'
+        assert m["modelled_ms"] == pytest.approx(sum(
+            next(r["modelled_ms"] for r in p if r["drafter"] == m["drafter"]
+                 and r["agent"] == "all") for p in parts))
+        assert m["modelled_replay_speedup"] > 0
