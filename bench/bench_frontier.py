@@ -16,9 +16,9 @@ to draft and prints (tau, acceptance rate, drafted per step) per point:
 ``replay*`` is the replay's modelled speedup of the whole continuous batch: the ``none``
 lane's verification time over the point's, each the sum over its batched steps of
 ``cost(rows + drafted)`` under the default cost model (drafting time left out), the figure
-the batch budget maximises step by step. Then, per
-agspec point, the best SuffixDecoding tau among its points at an acceptance rate at
-least the agspec point's (None: SuffixDecoding has no point that precise), and the ratio.
+the batch budget maximises step by step. Then, per agspec point, the best SuffixDecoding tau
+among its points at an acceptance rate at least the agspec point's (None: SuffixDecoding
+has no point that precise), and the ratio.
 
 Sessions: ``--sessions`` per dev file of ``--half``, uncut by default (SuffixDecoding's
 cross-request cache needs many sessions to reach its whole-set figure), replayed as one
@@ -40,7 +40,6 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 
 from agspec_gpu.baselines import SuffixDecoding, suffix_decoding_available
