@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 _DEFAULT_POINTS = ((1, 6.5), (16, 6.6), (64, 7.0), (128, 7.8), (256, 9.5), (512, 13.0),
                    (1024, 21.0), (2048, 38.0))
@@ -62,3 +64,40 @@ class CostModel:
         if isinstance(obj, (str, Path)):
             obj = json.loads(Path(obj).read_text())
         return cls(tuple((int(a), float(b)) for a, b in obj["points"]), obj.get("source", ""))
+
+
+@dataclass(slots=True)
+class StepTokenCounts:
+    """Batched steps counted by the tokens their forward verifies (rows + drafted tokens).
+
+    A run's modelled verification time is ``sum over n of counts[n] * cost(n)``: priced step
+    by step, because a drafter whose drafts follow the batch's fill (the batch budget) is
+    not scored right by one mean-batch figure. The replay and the end-to-end benchmark
+    both keep one per lane, so their modelled speedups are the same computation.
+    """
+
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    def add(self, num_tokens: int) -> None:
+        """Counts one step that verifies ``num_tokens`` tokens (>= 0)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._grow(num_tokens + 1)
+        self.counts[num_tokens] += 1
+
+    def merge(self, other: "StepTokenCounts") -> None:
+        self._grow(other.counts.size)
+        self.counts[:other.counts.size] += other.counts
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.counts.sum())
+
+    def modelled_ms(self, cost_model: CostModel) -> float:
+        """``sum over steps of cost_model.step_ms(tokens of the step)``."""
+        n = np.nonzero(self.counts)[0]
+        return float(sum(int(self.counts[i]) * cost_model.step_ms(int(i)) for i in n))
+
+    def _grow(self, size: int) -> None:
+        if size > self.counts.size:
+            self.counts = np.pad(self.counts, (0, size - self.counts.size))

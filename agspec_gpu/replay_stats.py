@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import CostModel, StepTokenCounts
 
 P_ACC_MAX_K = 32  # P_acc(k) is reported for k = 1 .. P_ACC_MAX_K
 _SOURCE_CODES = 256  # maybe_source is int8 tier*8 + form; non-negative codes fit in 0..127
@@ -51,9 +51,8 @@ class ReplayStats:
     draft_seconds: np.ndarray = field(init=False)
     accepted_hist: np.ndarray = field(init=False)  # [A, P_ACC_MAX_K + 1], last bin is >= K
     source_hist: np.ndarray = field(init=False)  # [A, 256] accepted tokens per source code
-    # batched steps by the tokens their forward verifies (rows + drafts): the lane's
-    # modelled verification time is sum(count[n] * cost(n))
-    step_tokens: np.ndarray = field(init=False)
+    # batched steps by the tokens their forward verifies (rows + drafts)
+    step_tokens: StepTokenCounts = field(default_factory=StepTokenCounts)
     batch_steps: int = 0
     batch_rows: int = 0
     has_sources: bool = False  # the drafter reported maybe_source at least once
@@ -66,7 +65,6 @@ class ReplayStats:
         self.draft_seconds = np.zeros(A, dtype=np.float64)
         self.accepted_hist = np.zeros((A, P_ACC_MAX_K + 1), dtype=np.int64)
         self.source_hist = np.zeros((A, _SOURCE_CODES), dtype=np.int64)
-        self.step_tokens = np.zeros(1, dtype=np.int64)
 
     def add_step(self, agent: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
                  produced: np.ndarray, draft_seconds: float,
@@ -99,21 +97,14 @@ class ReplayStats:
             codes = agent[rows] * _SOURCE_CODES + maybe_sources[rows, cols]
             self.source_hist += np.bincount(
                 codes, minlength=A * _SOURCE_CODES).reshape(A, _SOURCE_CODES)
-        n = B + int(drafted.sum())
-        self._grow_step_tokens(n + 1)
-        self.step_tokens[n] += 1
+        self.step_tokens.add(B + int(drafted.sum()))
         self.batch_steps += 1
         self.batch_rows += B
-
-    def _grow_step_tokens(self, size: int) -> None:
-        if size > self.step_tokens.size:
-            self.step_tokens = np.pad(self.step_tokens, (0, size - self.step_tokens.size))
 
     def modelled_ms(self, cost_model: CostModel) -> float:
         """The lane's verification time under ``cost_model``: ``sum over its batched steps
         of cost(rows + drafted tokens)`` (drafting time left out)."""
-        n = np.nonzero(self.step_tokens)[0]
-        return float(sum(int(self.step_tokens[i]) * cost_model.step_ms(int(i)) for i in n))
+        return self.step_tokens.modelled_ms(cost_model)
 
     def merge(self, other: "ReplayStats") -> None:
         """Adds ``other``'s counters (the same drafter on other sessions) to these."""
@@ -122,8 +113,7 @@ class ReplayStats:
         for name in ("sessions", "messages", "target_tokens", "steps", "accepted", "drafted",
                      "empty_steps", "draft_seconds", "accepted_hist", "source_hist"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self._grow_step_tokens(other.step_tokens.size)
-        self.step_tokens[:other.step_tokens.size] += other.step_tokens
+        self.step_tokens.merge(other.step_tokens)
         self.batch_steps += other.batch_steps
         self.batch_rows += other.batch_rows
         self.has_sources |= other.has_sources

@@ -31,14 +31,14 @@ evaluator's (:mod:`agspec_gpu.replay`), so both report the same acceptance.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
 import nvtx
 import torch
 
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import CostModel, StepTokenCounts
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import synchronize, to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
@@ -262,6 +262,9 @@ class ReplayTargetResult:
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     counts_draft_time: bool = True
+    # steps by the tokens their forward verified (rows + drafts): the cost model's price of
+    # the run, step by step, as the replay evaluator prices its lanes
+    step_tokens: StepTokenCounts = field(default_factory=StepTokenCounts)
 
     @property
     def tau(self) -> float:
@@ -499,6 +502,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             res.steps += 1
             res.plain_steps += n_total == 0
             res.request_steps += n_active
+            res.step_tokens.add(n_active + n_total)
             res.tokens += int(produced.sum())
             res.drafted += n_total
             res.accepted += int(accepted.sum())

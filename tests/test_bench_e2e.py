@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from agspec_gpu.cost_model import CostModel
 from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.replay_target import (
@@ -35,7 +36,8 @@ import bench_e2e  # noqa: E402  (bench/ is not a package)
 
 DEV = Path("/work/shared/data/trajectories/dev")
 ROW_FIELDS = ("method", "batch_size", "tokens_per_s", "speedup", "tau", "draft_ms_per_step",
-              "verify_ms_per_step", "peak_mem_gb")
+              "verify_ms_per_step", "peak_mem_gb", "modelled_replay_speedup",
+              "modelled_verify_ms_per_step")
 
 
 def data_args() -> list[str]:
@@ -106,6 +108,13 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
         if row["method"] == "none":
             assert row["speedup"] == pytest.approx(1.0) and row["tau"] == pytest.approx(1.0)
+            assert row["modelled_replay_speedup"] == pytest.approx(1.0)
+    for b in (1, 2):  # the goals read the step-by-step figure
+        agspec = next(r for r in report["rows"] if r["method"] == "agspec" and r["batch_size"] == b)
+        assert report["goals"]["agspec_measured_over_modelled"][str(b)] == pytest.approx(
+            agspec["speedup"] / agspec["modelled_replay_speedup"])
+        assert report["goals"]["agspec_verify_measured_over_modelled"][str(b)] == pytest.approx(
+            agspec["verify_ms_per_step"] / agspec["modelled_verify_ms_per_step"])
     assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("method,batch_size")
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
     assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2
@@ -118,6 +127,7 @@ def test_tau_equals_the_replay_evaluators(short_corpus, tok, batch_size):
     runner, pool = tiny_runner(batch_size, context=48)
     graphs = DecodeGraphs(runner, [1, 2, 4])
     names = ["none", "pld-hf", "agspec"]
+    cost = CostModel.default()  # the replay's default, which priced its modelled_ms
     replay = run_replay(short_corpus, names, tok, ReplayConfig(batch_size=batch_size))
     want = {r["drafter"]: r for r in replay.rows if r["agent"] == "all"}
     for name in names + ["oracle"]:
@@ -127,6 +137,10 @@ def test_tau_equals_the_replay_evaluators(short_corpus, tok, batch_size):
         got = run_replay_target(runner, short_corpus, proposer, cfg, pool=pool, graphs=graphs)
         tau = want["agspec"]["oracle_tau"] if name == "oracle" else want[name]["tau"]
         assert got.tau == pytest.approx(tau), name
+        if name != "oracle":  # the same steps, so the replay's modelled time step by step
+            assert got.step_tokens.num_steps == got.steps
+            assert got.step_tokens.modelled_ms(cost) == pytest.approx(
+                want[name]["modelled_ms"]), name
         assert got.messages == want["none"]["messages"]
         assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages  # all freed
 

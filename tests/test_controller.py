@@ -28,7 +28,7 @@ from agspec_gpu.controller import (
     profile_roles,
     update_scale,
 )
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import CostModel, StepTokenCounts
 
 CFG = ControllerConfig(alpha=1.5, beta=0.5, s_min=0.25, s_max=4.0)
 
@@ -316,6 +316,23 @@ def test_cost_model_json_round_trip(tmp_path):
     p.write_text(json.dumps(c.to_json()))
     assert CostModel.from_json(p) == c
     assert CostModel.from_json(str(p)) == c
+
+
+def test_step_token_counts_price_each_step():
+    c = CostModel(((1, 2.0), (11, 4.0), (21, 24.0)))
+    a, b = StepTokenCounts(), StepTokenCounts()
+    assert a.num_steps == 0 and a.modelled_ms(c) == 0.0
+    for n in (1, 6, 6, 0):
+        a.add(n)
+    b.add(31)  # past a's histogram: merge grows it
+    a.merge(b)
+    assert a.num_steps == 5
+    assert a.modelled_ms(c) == pytest.approx(2.0 + 3.0 + 3.0 + 2.0 + 44.0)
+    # not the mean step's price: the curve is convex past 11 tokens
+    assert a.modelled_ms(c) != pytest.approx(5 * c.step_ms((1 + 6 + 6 + 0 + 31) / 5))
+    with pytest.raises(ValueError, match="num_tokens"):
+        a.add(-1)
+    assert a.num_steps == 5
 
 
 def test_batch_budget_and_step_ms_agree():
