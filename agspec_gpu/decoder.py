@@ -13,6 +13,13 @@ request's tree), ``accept`` (greedy: longest path of target argmaxes plus the bo
 multi-branch rejection sampling, which preserves the target distribution), ``commit`` (KV of
 the accepted path, session tier, controller). Greedy output equals plain greedy decoding
 token for token.
+
+Inside your own loop, with your own model and KV cache::
+
+    draft = dec.propose(sids)                          # DraftBatch, rooted at each last token
+    logits = my_verify(dec.root_ids(sids), draft)      # [B, 1 + N, V]: root row, then nodes
+    res = dec.commit(sids, draft, logits)              # AcceptResult; prune your KV with
+                                                       # res.accepted_nodes, next root = bonus
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Callable, Sequence
 import nvtx
 import torch
 
-from agspec_gpu.accept import SamplingParams, greedy_accept, sample_accept
+from agspec_gpu.accept import AcceptResult, SamplingParams, greedy_accept, sample_accept
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
@@ -104,7 +111,7 @@ class SpecDecoder:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
                              f"vocabulary has {vocab}: mismatched vocabularies")
         self.vocab_size = vocab or self.tokenizer.vocab_size
-        device = next(model.parameters()).device
+        device = self._device = next(model.parameters()).device
         self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
                                  vocab_size=self.vocab_size)
         drafter_cfg = self.config.drafter
@@ -129,6 +136,7 @@ class SpecDecoder:
             self._verify_graphs = VerifyGraphs(self._paged, sizes + [self.config.max_batch],
                                                drafter_cfg.max_nodes)
         self._sessions: dict[str, _SessionState] = {}
+        self._proposed: list[str] | None = None  # the sessions of the last public propose
         self._next = 0
         # a per-instance prefix: one decoder never takes another decoder's session id for
         # one of its own (possibly another tenant's session)
@@ -169,6 +177,8 @@ class SpecDecoder:
         self.drafter.close_session(sid)
         st.closed = True
         del self._sessions[sid]
+        if self._proposed is not None and sid in self._proposed:
+            self._proposed = None
 
     def _session(self, sid: str) -> _SessionState:
         st = self._sessions.get(sid)
@@ -189,6 +199,108 @@ class SpecDecoder:
                              f"[0, {self.vocab_size})")
         return ids
 
+    # ------------------------------------------------------------ your own loop
+    def propose(self, session_ids: Sequence[str]) -> DraftBatch:
+        """Draft trees for one verification step of ``session_ids`` (distinct, open).
+
+        Tree ``b`` continues session ``b``'s last token, its *root* (:meth:`root_ids`), which
+        your KV cache does not hold yet. Verify ``[root, node_0, ..., node_{N-1}]`` per session
+        in one forward: the root at position ``len(context) - 1``, node ``j`` at that plus its
+        depth (``draft.depths()``), each attending to the cached context, the root, its
+        ancestors and itself (:func:`agspec_gpu.runners.hf.tree_attend` is that mask over
+        ``[root, nodes]``); then pass the logits to :meth:`commit`. ``N`` is the drafter's
+        static ``max_nodes`` (fixed shapes for CUDA graphs); ``draft.narrowed(...)`` to the
+        widest tree is fine too.
+
+        Returns:
+            :class:`DraftBatch` of device tensors (``PAD_ID`` padded).
+        """
+        sids = self._batch(session_ids)
+        with nvtx.annotate("agspec.propose"):
+            draft = self.drafter.propose(sids)
+        self._proposed = sids
+        return draft
+
+    def root_ids(self, session_ids: Sequence[str]) -> torch.Tensor:
+        """``int32 [B]`` each session's last token: row 0 of its verification."""
+        states = [self._session(s) for s in session_ids]
+        return to_device([st.context[-1] for st in states], torch.int32, self._device)
+
+    def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
+               sampling: SamplingParams | None = None,
+               generator: torch.Generator | None = None) -> AcceptResult:
+        """Accepts a verified step of the last :meth:`propose` of ``session_ids``.
+
+        Args:
+            draft: the proposed trees (or a narrowed / masked copy of them).
+            logits: ``[B, 1 + N, V]`` the target's logits at each root (row 0) and node ``j``
+                (row ``1 + j``), ``N = draft.max_nodes``, ``V >= `` the tokenizer's vocabulary;
+                rows of padding nodes are ignored.
+            sampling: None or temperature 0 = greedy (the output is the target's greedy
+                tokens); else multi-branch rejection sampling (the target distribution).
+
+        Returns:
+            :class:`AcceptResult`: per session ``output_ids[b, :num_output[b]]`` (the accepted
+            draft tokens, then the bonus token: the next root) and ``accepted_nodes`` (the
+            draft nodes whose KV your cache keeps, after the root's). The tokens join each
+            session's context, its session tier and the controller.
+        """
+        sids = self._batch(session_ids)
+        if self._proposed != sids:
+            raise ValueError("session_ids: commit() must follow propose() of the same "
+                             f"sessions in the same order (last propose: {self._proposed})")
+        B, N = draft.token_ids.shape
+        if B != len(sids):
+            raise ValueError(f"draft: batch {B} != {len(sids)} session_ids")
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or \
+                tuple(logits.shape[:2]) != (B, 1 + N) or logits.shape[2] < self.vocab_size:
+            raise ValueError(f"logits: expected [{B}, {1 + N}, >= {self.vocab_size}], got "
+                             f"{list(getattr(logits, 'shape', ()))}")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
+        if logits.device != draft.token_ids.device:
+            raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
+        self._check_draft(draft)
+        with nvtx.annotate("agspec.commit"):
+            res = self._accept(draft, logits, sampling or SamplingParams(temperature=0.0),
+                               generator)
+            n_out = res.num_output.tolist()
+            rows = res.output_ids.tolist()
+            self._record(sids, draft, res, n_out)
+            for sid, r, n in zip(sids, rows, n_out):
+                self._sessions[sid].context.extend(r[:n])
+        self._proposed = None
+        return res
+
+    def _batch(self, session_ids: Sequence[str]) -> list[str]:
+        """``session_ids`` as a list, checked: distinct and open."""
+        sids = list(session_ids)
+        if len(set(sids)) != len(sids):
+            raise ValueError("session_ids must be distinct")
+        for s in sids:
+            self._session(s)
+        return sids
+
+    def _accept(self, draft: DraftBatch, logits: torch.Tensor, sampling: SamplingParams,
+                generator: torch.Generator | None) -> AcceptResult:
+        if sampling.is_greedy:
+            return greedy_accept(draft, logits)
+        return sample_accept(draft, logits, None, sampling, generator)
+
+    def _record(self, sids: list[str], draft: DraftBatch, res: AcceptResult,
+                taken: list[int]) -> None:
+        """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
+        controller) and the counters; ``taken`` is ``num_output`` cut where a request ended."""
+        self.stats["steps"] += 1
+        self.stats["tokens"] += sum(taken)
+        self.stats["drafted"] += int(draft.num_draft_tokens.sum())
+        self.stats["accepted"] += int(res.num_accepted.sum())
+        # the ids are the model's own and the counts are on the host: no read back
+        self.drafter.observe(sids, res.output_ids,
+                             to_device(taken, torch.int32, res.output_ids.device),
+                             res.num_accepted, num_output_host=taken, validate=False,
+                             path_nodes=res.accepted_nodes)
+
     # ------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, session_ids: Sequence[str], max_new_tokens: int = 256,
@@ -207,10 +319,9 @@ class SpecDecoder:
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
         """
-        sids = list(session_ids)
-        if len(set(sids)) != len(sids):
-            raise ValueError("session_ids must be distinct")
-        states = [self._session(s) for s in sids]
+        sids = self._batch(session_ids)
+        states = [self._sessions[s] for s in sids]
+        self._proposed = None  # generate's own steps replace a pending propose()
         if max_new_tokens < 1:
             return [[] for _ in sids]
         spec = [speculate] * len(sids) if isinstance(speculate, bool) else list(speculate)
@@ -233,7 +344,7 @@ class SpecDecoder:
 
     def _generate(self, sids, states, runner, max_new_tokens, sampling, stop, spec, eos,
                   generator, on_tokens) -> list[list[int]]:
-        dev = next(self.model.parameters()).device
+        dev = self._device
         logits = runner.prefill([st.context for st in states])
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
         outs: list[list[int]] = [[] for _ in sids]
@@ -254,29 +365,18 @@ class SpecDecoder:
             draft = draft.narrowed(max(int(draft.num_draft_tokens.max()), 1))
             self._check_draft(draft)
             with nvtx.annotate("agspec.verify"):
-                tree_logits = runner.verify_padded(draft, root)
-                if sampling.is_greedy:
-                    res = greedy_accept(draft, tree_logits)
-                else:
-                    res = sample_accept(draft, tree_logits, None, sampling, generator)
+                res = self._accept(draft, runner.verify_padded(draft, root), sampling,
+                                   generator)
             with nvtx.annotate("agspec.commit"):
                 runner.commit(res)
                 root = res.bonus_ids().to(torch.int32)
                 n_out = res.num_output.tolist()
-                live = [not d for d in done]
-                self.stats["steps"] += 1
-                self.stats["tokens"] += sum(n for n, a in zip(n_out, live) if a)
-                self.stats["drafted"] += int(draft.num_draft_tokens.sum())
-                self.stats["accepted"] += int(res.num_accepted.sum())
                 rows = res.output_ids.tolist()
                 taken = self._emit(sids, outs, done, [r[:n] for r, n in zip(rows, n_out)],
                                    max_new_tokens, eos, stop, on_tokens)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit, nothing for requests that had already finished
-                # the ids are the model's own and the counts are on the host: no read back
-                self.drafter.observe(sids, res.output_ids, to_device(taken, torch.int32, dev),
-                                     res.num_accepted, num_output_host=taken, validate=False,
-                                     path_nodes=res.accepted_nodes)
+                self._record(sids, draft, res, taken)
         for st, o in zip(states, outs):
             st.context.extend(o)
         return outs

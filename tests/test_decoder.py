@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import agspec_gpu
-from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder
-from agspec_gpu.runners.hf import greedy_generate
+from agspec_gpu import CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SpecDecoder
+from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from agspec_gpu.tokenizer import load_tokenizer
 from tiny_models import VARIANTS, tiny_model
 
@@ -448,6 +448,107 @@ def test_padded_model_vocabulary_generates():
     dec = SpecDecoder(m, tok())
     sid = dec.open_session("t0", "coder", P)
     assert dec.generate([sid], max_new_tokens=20) == [ref]
+
+
+# ---------------------------------------------------------------- your own loop
+def own_loop(dec, runner, sids, steps, **commit_kw) -> list[list[int]]:
+    """``steps`` propose / verify / commit rounds with ``runner`` as the user's verifier."""
+    outs = [[] for _ in sids]
+    for _ in range(steps):
+        draft = dec.propose(sids)
+        logits = runner.verify_padded(draft, dec.root_ids(sids))
+        res = dec.commit(sids, draft, logits, **commit_kw)
+        runner.commit(res)
+        for b, (row, n) in enumerate(zip(res.output_ids.tolist(), res.num_output.tolist())):
+            outs[b] += row[:n]
+    return outs
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
+def test_own_loop_propose_commit_is_lossless(variant):
+    """propose / root_ids / commit around the user's own verifier (an HFRunner whose KV
+    holds each context but its last token, the root): plain greedy decoding's tokens, with
+    drafts accepted (one steered to be accepted whole), and ``generate`` continues from the
+    contexts ``commit`` extended."""
+    P = [list(prompts()[i]) for i in (3, 1, 2)]
+    g0 = greedy(variant, P[0], 45, eos=None)
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + g0)
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    runner = HFRunner(model(variant))
+    runner.prefill([p[:-1] for p in P])
+    outs = own_loop(dec, runner, sids, 10)
+    for p, o in zip(P, outs):
+        assert len(o) >= 10 and o == greedy(variant, p, len(o), eos=None)
+    assert len(outs[0]) > 45 and outs[0][:45] == g0  # the steered draft ran whole
+    s = dec.stats
+    assert s["steps"] == 10 and s["accepted"] >= 20 and s["tokens"] == sum(map(len, outs))
+    more = dec.generate(sids[:2], max_new_tokens=6)
+    for p, o, m in zip(P, outs, more):
+        assert m == greedy(variant, p + o, 6)
+
+
+def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    other = dec.open_session("t9", "coder", list(prompts()[2]))
+    runner = HFRunner(model(variant))
+    runner.prefill([p[:-1] for p in P])
+    draft0 = DraftBatch.from_lists([[], []])
+    with pytest.raises(ValueError, match="session_ids"):  # no propose yet
+        dec.commit(sids, draft0, torch.zeros(2, 2, VOCAB))
+    draft = dec.propose(sids)
+    N = draft.max_nodes
+    logits = runner.verify_padded(draft, dec.root_ids(sids))
+    for bad_sids in (sids[::-1], sids[:1], [sids[0], other]):
+        with pytest.raises(ValueError, match="session_ids"):
+            dec.commit(bad_sids, draft, logits)
+    with pytest.raises(ValueError, match="distinct"):
+        dec.commit([sids[0], sids[0]], draft, logits)
+    for bad in (logits[:, :N], logits[:1], logits[..., :VOCAB - 1], logits.argmax(-1),
+                logits.long()):
+        with pytest.raises(ValueError, match="logits"):
+            dec.commit(sids, draft, bad)
+    with pytest.raises(ValueError, match="draft"):
+        dec.commit(sids, DraftBatch(draft.token_ids[:1], draft.parents[:1],
+                                    draft.num_draft_tokens[:1]), logits)
+    bad_tok = draft.token_ids.clone()
+    bad_tok[0, 0], num = VOCAB + 5, draft.num_draft_tokens.clamp(min=1)
+    with pytest.raises(ValueError, match="draft.token_ids"):
+        dec.commit(sids, DraftBatch(bad_tok, draft.parents, num), logits)
+    with pytest.raises(KeyError):
+        dec.root_ids([sids[0], "nope"])
+    assert dec.stats["steps"] == 0  # nothing was committed
+    res = dec.commit(sids, draft, logits)  # the real step still commits
+    runner.commit(res)
+    with pytest.raises(ValueError, match="session_ids"):  # one commit per propose
+        dec.commit(sids, draft, logits)
+    outs = own_loop(dec, runner, sids, 3)
+    first = [r[:n] for r, n in zip(res.output_ids.tolist(), res.num_output.tolist())]
+    for p, f, o in zip(P, first, outs):
+        assert f + o == greedy(variant, p, len(f + o), eos=None)
+    dec.propose([sids[1]])
+    dec.close_session(sids[1])  # closing a proposed session drops the proposal
+    with pytest.raises(KeyError):
+        dec.commit([sids[1]], draft, logits)
+
+
+def test_own_loop_sampling_commits_sampled_tokens():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    runner = HFRunner(model(variant))
+    runner.prefill([p[:-1] for p in P])
+    g = torch.Generator().manual_seed(0)
+    outs = own_loop(dec, runner, sids, 6, sampling=SamplingParams(temperature=1.0, top_k=50),
+                    generator=g)
+    for sid, p, o in zip(sids, P, outs):
+        assert len(o) >= 6 and all(0 <= t < VOCAB for t in o)
+        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+        assert held == p + o  # the session tier holds exactly the sampled context
 
 
 # ---------------------------------------------------------------- streaming
