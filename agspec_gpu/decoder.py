@@ -54,7 +54,10 @@ class DecoderConfig:
             ``"paged"`` converts a Llama/Qwen2-family model once into a
             :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
             attention on a GPU) with a KV pool of ``kv_cache_tokens`` slots in pages of
-            ``page_size``.
+            ``page_size``. There each session keeps its KV between ``generate`` calls (a call
+            prefills only the tokens appended since); a call that needs pages frees idle
+            sessions' KV, least recently generated first; ``close_session`` frees it. The
+            ``hf`` runner prefills each call's contexts afresh.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
@@ -89,6 +92,11 @@ class _SessionState:
     tenant: str
     context: list[int]
     closed: bool = False
+    # runner="paged": the session's KV sequence holds context[:kv_len] between generate
+    # calls (< len(context): the last token is the next step's root); last_used orders
+    # evictions when the pool runs short
+    kv_len: int = 0
+    last_used: int = 0
 
 
 class SpecDecoder:
@@ -137,6 +145,7 @@ class SpecDecoder:
                                                drafter_cfg.max_nodes)
         self._sessions: dict[str, _SessionState] = {}
         self._proposed: list[str] | None = None  # the sessions of the last public propose
+        self._calls = 0  # generate calls so far (the sessions' last_used clock)
         self._next = 0
         # a per-instance prefix: one decoder never takes another decoder's session id for
         # one of its own (possibly another tenant's session)
@@ -172,9 +181,10 @@ class SpecDecoder:
         return self.store.add_workspace_file(self._session(sid).tenant, path, text)
 
     def close_session(self, sid: str) -> None:
-        """Frees the session's corpus; its text joins its tenant's history."""
+        """Frees the session's corpus and KV; its text joins its tenant's history."""
         st = self._session(sid)
         self.drafter.close_session(sid)
+        self._drop_kv(sid, st)
         st.closed = True
         del self._sessions[sid]
         if self._proposed is not None and sid in self._proposed:
@@ -329,7 +339,12 @@ class SpecDecoder:
             raise ValueError("speculate: one flag per session")
         eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
         sampling = sampling or SamplingParams(temperature=0.0)
+        self._calls += 1
+        for st in states:
+            st.last_used = self._calls
         runner = self._batch_runner()
+        if isinstance(runner, PagedBatch):
+            self._make_room(sids, max_new_tokens)
         try:
             return self._generate(sids, states, runner, max_new_tokens, sampling, stop, spec,
                                   eos, generator, on_tokens)
@@ -342,10 +357,38 @@ class SpecDecoder:
             return HFRunner(self.model)
         return PagedBatch(self._paged, self._verify_graphs)
 
+    # ------------------------------------------------------------ session KV (paged)
+    def _drop_kv(self, sid: str, st: _SessionState) -> None:
+        """Frees the session's KV pages (runner="paged"); its next generate prefills again."""
+        if self._paged is not None and sid in self._paged.kv_cache:
+            self._paged.kv_cache.free(sid)
+        st.kv_len = 0
+
+    def _make_room(self, sids: list[str], max_new_tokens: int) -> None:
+        """Frees the KV of sessions outside ``sids``, least recently generated first, until
+        the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens`` +
+        a draft); a call that still does not fit runs and fails only if it gets that far."""
+        cache = self._paged.kv_cache
+        ps, extra = cache.page_size, max_new_tokens + 1 + self.drafter.config.max_nodes
+        need = sum(max(min(-(-(len(self._sessions[s].context) + extra) // ps),
+                           cache.max_pages_per_seq) - cache.capacity(s) // ps, 0)
+                   for s in sids)
+        batch = set(sids)
+        idle = sorted((st.last_used, sid) for sid, st in self._sessions.items()
+                      if sid not in batch and sid in cache)
+        for _, sid in idle:
+            if cache.num_free_pages >= need:
+                break
+            self._drop_kv(sid, self._sessions[sid])
+
     def _generate(self, sids, states, runner, max_new_tokens, sampling, stop, spec, eos,
                   generator, on_tokens) -> list[list[int]]:
         dev = self._device
-        logits = runner.prefill([st.context for st in states])
+        if isinstance(runner, PagedBatch):  # each session continues its own KV sequence
+            logits = runner.prefill([st.context for st in states], seq_ids=sids,
+                                    cached=[st.kv_len for st in states])
+        else:
+            logits = runner.prefill([st.context for st in states])
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)
@@ -379,6 +422,12 @@ class SpecDecoder:
                 self._record(sids, draft, res, taken)
         for st, o in zip(states, outs):
             st.context.extend(o)
+        if isinstance(runner, PagedBatch):
+            # the KV holds the prompt, then the emitted stream (and, past a request's end,
+            # what the model went on to produce while others ran): a prefix of the context
+            # up to the shorter of the two; the last context token stays the next root
+            for st, n in zip(states, runner.prefix_lens_host):
+                st.kv_len = min(n, len(st.context) - 1)
         return outs
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:

@@ -69,6 +69,9 @@ class PagedKVCache:
         self._pages: dict[Hashable, list[int]] = {}
         self._rows: dict[Hashable, int] = {}
 
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._pages
+
     @property
     def num_free_pages(self) -> int:
         return len(self._free_pages)

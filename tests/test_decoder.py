@@ -183,11 +183,24 @@ def test_fully_accepted_draft(variant):
     assert s["tokens"] / s["steps"] > 4, s  # measured: 2 steps, 43 of 43 drafted accepted
 
 
+def record_prefills(dec: SpecDecoder, monkeypatch) -> list[list[int]]:
+    """Per ``generate`` call on the paged runner: the tokens prefilled per session."""
+    calls, prefill = [], dec._paged.prefill
+
+    def wrapped(seq_ids, token_lists, *args, **kw):
+        calls.append([len(t) for t in token_lists])
+        return prefill(seq_ids, token_lists, *args, **kw)
+
+    monkeypatch.setattr(dec._paged, "prefill", wrapped)
+    return calls
+
+
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[2]], ids=[IDS[0], IDS[2]])
-def test_paged_runner_is_lossless_and_frees_its_pages(variant):
+def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
     """runner="paged": the same loop on PagedLlamaRunner (torch tree-attention backend on
-    CPU, FlashInfer on a GPU), ragged batches, full and partial acceptance, and two calls in
-    a row; every KV page returns to the pool after each ``generate``."""
+    CPU, FlashInfer on a GPU), ragged batches, full and partial acceptance. A session keeps
+    its KV from one ``generate`` to the next (the next call prefills one token, or the
+    appended tool output and one), and ``close_session`` returns every page."""
     P = prompts()
     full = list(P[3])
     g = greedy(variant, full, 45)
@@ -197,17 +210,28 @@ def test_paged_runner_is_lossless_and_frees_its_pages(variant):
     part = [0, 2, 5, 7]
     sids = [dec.open_session("t0", "coder", full)] + [
         dec.open_session(f"t{i + 1}", "coder", list(P[i])) for i in part]
+    prefilled = record_prefills(dec, monkeypatch)
     out = dec.generate(sids, max_new_tokens=45)
     assert out[0] == g
     for i, o in zip(part, out[1:]):
         assert o == greedy(variant, P[i], 45), i
+    assert prefilled == [[len(full)] + [len(P[i]) for i in part]]
     s = dec.stats
     assert s["drafted"] > 0 and s["tokens"] / s["steps"] > 1.5, s
     cache = dec._paged.kv_cache
-    assert cache.num_free_pages == cache.num_pages
-    # a second call continues from the generated tokens
+    assert all(sid in cache for sid in sids) and cache.num_free_pages < cache.num_pages
+    # the next call continues each session's KV: one token (the last one, the root) each
     more = dec.generate(sids[:2], max_new_tokens=8)
     assert more[0] == greedy(variant, full + g, 8)
+    assert more[1] == greedy(variant, list(P[0]) + out[1], 8)
+    assert prefilled[-1] == [1, 1]
+    tool = tok().encode("$ pytest -q tests/test_decoder.py\n3 passed in 0.12s\n")
+    dec.append(sids[0], tool)
+    again = dec.generate(sids[:1], max_new_tokens=8)
+    assert again[0] == greedy(variant, full + g + more[0] + tool, 8)
+    assert prefilled[-1] == [len(tool) + 1]
+    for sid in sids:
+        dec.close_session(sid)
     assert cache.num_free_pages == cache.num_pages
     with pytest.raises(ValueError, match="runner"):
         DecoderConfig(runner="vllm")
@@ -215,6 +239,32 @@ def test_paged_runner_is_lossless_and_frees_its_pages(variant):
         vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(ValueError, match="model: runner='paged'"):
         SpecDecoder(gpt2, tok(), DecoderConfig(runner="paged"))
+
+
+def test_paged_session_kv_is_evicted_least_recent_first(monkeypatch):
+    """A pool too small for every session's KV: a call frees idle sessions' KV, least
+    recently generated first, only as far as it needs; an evicted session prefills its
+    whole context at its next call, and every output is still plain greedy decoding's."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 6, 1)]  # 97, 140 and 23 tokens
+    # 45 pages of 8: A's and B's KV fit together (15 + 20 pages held after 16 new tokens,
+    # B's call asks for up to 28), C's call (up to 13) must free one of them
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
+                                                           kv_cache_tokens=8 * 45))
+    cache = dec._paged.kv_cache
+    a, b, c = sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    prefilled = record_prefills(dec, monkeypatch)
+    outs = {}
+    for sid, p in zip(sids, P):
+        outs[sid] = dec.generate([sid], max_new_tokens=16)[0]
+        assert outs[sid] == greedy(variant, p, 16)
+    assert a not in cache and b in cache and c in cache  # A, the least recent, made room
+    ctx = {sid: p + outs[sid] for sid, p in zip(sids, P)}
+    assert dec.generate([a], max_new_tokens=8)[0] == greedy(variant, ctx[a], 8)
+    assert prefilled[-1] == [len(ctx[a])]  # evicted: the whole context again
+    assert a in cache and b not in cache and c in cache  # then B was the least recent
+    assert dec.generate([c], max_new_tokens=8)[0] == greedy(variant, ctx[c], 8)
+    assert prefilled[-1] == [1]
 
 
 def test_decoder_loads_role_profiles(tmp_path):

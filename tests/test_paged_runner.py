@@ -115,3 +115,38 @@ def test_from_pretrained_round_trip(tmp_path):
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(runner.prefill(["s"], [ids])[0], want, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_batch_continues_the_callers_sequences():
+    """PagedBatch(seq_ids=...): the caller's KV sequences outlive the batch, and a later
+    batch that names how many tokens they hold (``cached``) computes only the rest."""
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    model = tiny_model("llama")
+    runner = PagedLlamaRunner.from_hf_model(model, num_pages=64, page_size=4, max_seqs=4)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 1000, n)] for n in (9, 3)]
+    batch = PagedBatch(runner)
+    batch.prefill(prompts, seq_ids=["a", "b"])
+    assert batch.prefix_lens_host == [9, 3]
+    batch.close()
+    assert "a" in runner.kv_cache and "b" in runner.kv_cache  # the caller's: kept
+    longer = [prompts[0] + [5, 6, 7], prompts[1] + [8]]
+    last = batch.prefill(longer, seq_ids=["a", "b"], cached=[9, 3])
+    with torch.no_grad():
+        for b, p in enumerate(longer):
+            want = model(torch.tensor([p])).logits[0, -1]
+            torch.testing.assert_close(last[b], want, atol=1e-4, rtol=1e-4)
+    for bad in ([9, 4], [12, 0], [-1, 0], [0]):
+        with pytest.raises(ValueError, match="cached"):
+            batch.prefill(longer, seq_ids=["a", "b"], cached=bad)
+    with pytest.raises(ValueError, match="cached"):
+        batch.prefill(longer, cached=[1, 1])  # counts without the sequences they count
+    with pytest.raises(ValueError, match="seq_ids"):
+        batch.prefill(longer, seq_ids=["a"])
+    own = PagedBatch(runner)
+    own.prefill(prompts)
+    own.close()  # its own sequences: freed, the caller's untouched
+    for s in ("a", "b"):
+        runner.kv_cache.free(s)
+    assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages

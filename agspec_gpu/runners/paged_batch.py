@@ -10,6 +10,11 @@ runs on the fast runner.
 KV layout per request: the committed tokens in slots ``[0, prefix_len)``; a step writes the
 root at ``prefix_len`` and draft node ``j`` at ``prefix_len + 1 + j``; ``commit`` moves the
 accepted nodes to consecutive slots with :func:`agspec_gpu.kernels.kv_compact.kv_compact`.
+
+A batch owns its KV sequences and frees them in :meth:`PagedBatch.close`, unless the caller
+names them (``prefill(..., seq_ids=...)``): such sequences outlive the batch, and a later
+batch continues them from the tokens they already hold (``cached``), as ``SpecDecoder`` does
+with a session's KV from one ``generate`` to the next.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ class PagedBatch:
         self.verify_graphs = verify_graphs  # steps that fit its buckets replay its graphs
         self.device = runner.device
         self._tag = next(_batch_ids)
-        self._seq_ids: list[tuple[int, int]] = []
+        self._seq_ids: list = []
+        self._owns_seqs = True  # close() frees the sequences (False: the caller's)
         self._prefix: torch.Tensor | None = None     # int32 [B] committed slots, on device
         self._prefix_host: list[int] = []
         self._pending: torch.Tensor | None = None    # int32 [B] prefix lens of the last verify
@@ -55,14 +61,41 @@ class PagedBatch:
     def batch_size(self) -> int:
         return len(self._seq_ids)
 
+    @property
+    def prefix_lens_host(self) -> list[int]:
+        """Committed KV slots per request: its prompt, then the root and accepted nodes of
+        every committed step (the last bonus token is not among them: it is the next root)."""
+        return list(self._prefix_host)
+
     @torch.no_grad()
-    def prefill(self, input_ids: list[list[int]]) -> torch.Tensor:
-        """Caches every prompt (a new batch); ``[B, V]`` logits after each prompt."""
+    def prefill(self, input_ids: list[list[int]], *, seq_ids: list | None = None,
+                cached: list[int] | None = None) -> torch.Tensor:
+        """Caches every prompt (a new batch); ``[B, V]`` logits after each prompt.
+
+        Parameters
+        ----------
+        input_ids : ``B`` non-empty token lists.
+        seq_ids : the KV sequences to use, the caller's (kept by :meth:`close`); default:
+            the batch's own (freed by :meth:`close`).
+        cached : per request, how many leading tokens of ``input_ids[b]`` sequence
+            ``seq_ids[b]`` already holds, in ``[0, len(input_ids[b]))``: only the rest is
+            computed. Needs ``seq_ids``.
+        """
         if not input_ids or any(len(p) == 0 for p in input_ids):
             raise ValueError("input_ids: expected a non-empty list of non-empty prompts")
+        B = len(input_ids)
+        if seq_ids is not None and len(seq_ids) != B:
+            raise ValueError(f"seq_ids: {len(seq_ids)} ids for {B} prompts")
+        if cached is not None and (seq_ids is None or len(cached) != B or any(
+                not 0 <= c < len(p) for c, p in zip(cached, input_ids))):
+            raise ValueError("cached: needs seq_ids and one count in [0, len(prompt)) per "
+                             "prompt")
         self.close()
-        self._seq_ids = [(self._tag, b) for b in range(len(input_ids))]
-        logits = self.runner.prefill(self._seq_ids, input_ids)
+        self._owns_seqs = seq_ids is None
+        self._seq_ids = [(self._tag, b) for b in range(B)] if seq_ids is None else list(seq_ids)
+        cached = cached or [0] * B
+        logits = self.runner.prefill(self._seq_ids, [p[c:] for p, c in zip(input_ids, cached)],
+                                     prefix_lens=cached)
         self._prefix_host = [len(p) for p in input_ids]
         self._prefix = torch.tensor(self._prefix_host, dtype=torch.int32, device=self.device)
         return logits
@@ -105,7 +138,9 @@ class PagedBatch:
         self._pending = None
 
     def close(self) -> None:
-        """Frees the batch's KV pages (idempotent)."""
-        for sid in self._seq_ids:
-            self.runner.kv_cache.free(sid)
+        """Ends the batch (idempotent): frees its own KV sequences' pages; the caller's
+        (``prefill(seq_ids=...)``) keep theirs."""
+        if self._owns_seqs:
+            for sid in self._seq_ids:
+                self.runner.kv_cache.free(sid)
         self._seq_ids, self._prefix, self._prefix_host, self._pending = [], None, [], None
