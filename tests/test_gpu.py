@@ -189,6 +189,13 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
                 dec.open_session("u", "coder", prompt[:50])]
         outs.append(dec.generate(sids, max_new_tokens=24))
         assert all(len(o) >= 1 for o in outs[-1])
+        # the sessions' KV is kept: a second call continues it, close_session frees it
+        assert all(len(o) >= 1 for o in dec.generate(sids, max_new_tokens=8))
+        cache = dec._paged.kv_cache
+        assert cache.num_free_pages < cache.num_pages
+        for sid in sids:
+            dec.close_session(sid)
+        assert cache.num_free_pages == cache.num_pages
     same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
             for x, y in zip(*outs)]
     assert min(same) >= 4, (same, outs)
