@@ -455,8 +455,6 @@ def main(argv: list[str] | None = None) -> int:
             step_ms_run = 1e3 * r.decode_s / steps
             draft_ms = r.per_step_ms(r.draft_s) if r.counts_draft_time else 0.0
             c = cost_for[b]
-            modelled = r.tau * c.step_ms(mean_batch) / (
-                c.step_ms(mean_batch + r.drafted / steps) + draft_ms) if r.steps else None
             # the replay evaluator's figure (replay_stats.add_replay_speedups): verification
             # time priced step by step, plain decoding's over this method's, drafting left out
             modelled_ms = r.step_tokens.modelled_ms(c) if r.steps else None
@@ -474,7 +472,6 @@ def main(argv: list[str] | None = None) -> int:
                 "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),
                 "step_ms": step_ms_run,
                 "draft_share_of_step": draft_ms / step_ms_run if step_ms_run else None,
-                "modelled_speedup": modelled,
                 "modelled_replay_speedup": base_ms / modelled_ms
                 if base_ms and modelled_ms else None,
                 "modelled_verify_ms_per_step": modelled_ms / steps if modelled_ms else None,
