@@ -3,11 +3,11 @@
 from agspec_gpu.accept import SamplingParams
 from agspec_gpu.controller import ControllerConfig, RoleProfile
 from agspec_gpu.decoder import DecoderConfig, SpecDecoder
-from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig
 
 __all__ = ["PAD_ID", "ControllerConfig", "CorpusStore", "CorpusTier", "DecoderConfig",
            "DraftBatch", "Drafter", "DrafterConfig", "RoleProfile", "SamplingParams",
-           "SpecDecoder", "TierConfig"]
+           "SpecDecoder", "TierConfig", "TreeInputs"]
 __version__ = "0.1.0"

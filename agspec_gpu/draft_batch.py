@@ -10,6 +10,22 @@ import torch
 PAD_ID = -1
 
 
+@dataclass(frozen=True)
+class TreeInputs:
+    """One verification forward's inputs for ``B`` draft trees, rows ``[root, nodes]``.
+
+    Attributes:
+        input_ids: ``int64 [B, 1+N]`` the root, then the draft tokens (padding nodes: 0).
+        position_ids: ``int64 [B, 1+N]`` prefix length + depth (the root's depth is 0).
+        tree_mask: ``bool [B, 1+N, 1+N]`` row ``i`` may attend column ``i``'s tree ancestors
+            and itself (:meth:`DraftBatch.tree_mask`); every row attends the cached prefix.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    tree_mask: torch.Tensor
+
+
 @dataclass
 class DraftBatch:
     """Draft trees for ``B`` requests, padded to ``N`` nodes.
@@ -59,6 +75,47 @@ class DraftBatch:
             pd = torch.where(self.parents[:, j] >= 0, depth.gather(1, par[:, j:j + 1])[:, 0], 0)
             depth[:, j] = torch.where(valid[:, j], pd + 1, 0)
         return depth
+
+    def tree_mask(self) -> torch.Tensor:
+        """``bool [B, 1+N, 1+N]``: row ``i`` may attend column ``k`` within ``[root, nodes]``.
+
+        Index 0 is the root, ``1 + j`` node ``j``. A valid node sees the root, its ancestors
+        and itself; the root and padding slots see only themselves (no row is empty).
+        """
+        B, N = self.token_ids.shape
+        dev = self.token_ids.device
+        attend = torch.eye(1 + N, dtype=torch.bool, device=dev).repeat(B, 1, 1)
+        valid = torch.arange(N, device=dev)[None, :] < self.num_draft_tokens[:, None]
+        parent_col = (self.parents.long() + 1).clamp(min=0)  # root children -> column 0
+        rows = torch.arange(B, device=dev)
+        # topological order: a parent's row is complete before its children copy it
+        for j in range(N):
+            attend[:, 1 + j] |= attend[rows, parent_col[:, j]] & valid[:, j:j + 1]
+        return attend
+
+    def tree_inputs(self, root_ids: torch.Tensor, prefix_lens: torch.Tensor) -> "TreeInputs":
+        """The inputs of one verification forward over ``[root, node_0, ..., node_{N-1}]``.
+
+        Args:
+            root_ids: ``int [B]`` each request's last committed token (not in its KV yet).
+            prefix_lens: ``int [B]`` tokens in each request's KV (the context but the root).
+
+        Returns:
+            :class:`TreeInputs` on the draft's device; every row also attends its request's
+            whole cached prefix.
+        """
+        B, N = self.token_ids.shape
+        dev = self.token_ids.device
+        if tuple(root_ids.shape) != (B,) or tuple(prefix_lens.shape) != (B,):
+            raise ValueError(f"root_ids, prefix_lens: expected shape [{B}], got "
+                             f"{list(root_ids.shape)} and {list(prefix_lens.shape)}")
+        valid = torch.arange(N, device=dev)[None, :] < self.num_draft_tokens[:, None]
+        # padding nodes get token 0: any valid id; their rows and keys are never used
+        tokens = torch.where(valid, self.token_ids.long(), 0)
+        ids = torch.cat([root_ids.to(dev).long()[:, None], tokens], 1)
+        depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev),
+                           self.depths().long()], 1)
+        return TreeInputs(ids, prefix_lens.to(dev).long()[:, None] + depth, self.tree_mask())
 
     @staticmethod
     def from_host(drafts: "list[tuple[list[int], list[int]]]", device: torch.device | str = "cpu"

@@ -9,7 +9,7 @@ import torch
 
 from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.runners.hf import HFRunner, greedy_generate, tree_attend
+from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from tiny_models import VARIANTS, tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -67,11 +67,18 @@ def check_verify_rows(model, padded, prefixes, roots, trees) -> None:
                                        msg=lambda m: f"request {b} node {j}: {m}")
 
 
-def test_tree_attend_layout():
-    d = DraftBatch.from_lists([[(5, -1), (6, -1), (7, 1)], []])
-    a = tree_attend(d).int()
+def test_tree_inputs_layout():
+    d = DraftBatch.from_lists([[(5, -1), (6, -1), (7, 1)], [], [(9, -1)]])
+    inp = d.tree_inputs(torch.tensor([11, 12, 13]), torch.tensor([4, 0, 7]))
+    a = inp.tree_mask.int()
     assert a[0].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
     assert torch.equal(a[1], torch.eye(4, dtype=torch.int32))  # padding sees only itself
+    assert a[2].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    assert inp.input_ids.tolist() == [[11, 5, 6, 7], [12, 0, 0, 0], [13, 9, 0, 0]]
+    assert inp.position_ids.tolist() == [[4, 5, 5, 6], [0, 0, 0, 0], [7, 8, 7, 7]]
+    assert inp.input_ids.dtype == inp.position_ids.dtype == torch.int64
+    with pytest.raises(ValueError, match="root_ids"):
+        d.tree_inputs(torch.tensor([1, 2]), torch.tensor([0, 0, 0]))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))

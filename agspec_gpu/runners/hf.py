@@ -81,25 +81,6 @@ def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
-def tree_attend(draft: DraftBatch) -> torch.Tensor:
-    """``bool [B, 1+N, 1+N]``: query ``i`` may attend key ``k`` within ``[root, nodes]``.
-
-    Index 0 is the root, ``1 + j`` node ``j``. A valid node sees the root, its ancestors and
-    itself; the root and padding slots see only themselves.
-    """
-    B, N = draft.token_ids.shape
-    dev = draft.token_ids.device
-    attend = torch.eye(1 + N, dtype=torch.bool, device=dev).repeat(B, 1, 1)
-    valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
-    parent_col = (draft.parents.long() + 1).clamp(min=0)  # root children -> column 0
-    rows = torch.arange(B, device=dev)
-    # topological order: a parent's row is complete before its children copy it
-    for j in range(N):
-        inherit = attend[rows, parent_col[:, j]] & valid[:, j:j + 1]
-        attend[:, 1 + j] |= inherit
-    return attend
-
-
 class HFRunner:
     """Runs draft-tree verification for a batch of requests through a HF causal LM.
 
@@ -230,16 +211,10 @@ class HFRunner:
         if draft.token_ids.device != self.device:
             raise ValueError(f"draft: on {draft.token_ids.device}, model on {self.device}")
         dev, T, q = self.device, self._width, 1 + N
-        valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
-        # padding nodes get token 0: any valid id, their rows and keys are never used
-        tokens = torch.where(valid, draft.token_ids.long(), 0)
-        ids = torch.cat([root_ids.to(dev).long()[:, None], tokens], 1)            # [B, q]
-        depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev),
-                           draft.depths().long()], 1)                               # [B, q]
-        pos = self._seq_lens[:, None] + depth
+        inp = draft.tree_inputs(root_ids, self._seq_lens)
         past = torch.arange(T, device=dev)[None, :] < self._seq_lens[:, None]      # [B, T]
-        allowed = torch.cat([past[:, None, :].expand(B, q, T), tree_attend(draft)], 2)
-        logits = self._forward(ids, allowed, pos)
+        allowed = torch.cat([past[:, None, :].expand(B, q, T), inp.tree_mask], 2)
+        logits = self._forward(inp.input_ids, allowed, inp.position_ids)
         self._pending, self._width = (T, q), T + q
         return logits
 
