@@ -17,7 +17,8 @@ token for token.
 Inside your own loop, with your own model and KV cache::
 
     draft = dec.propose(sids)                          # DraftBatch, rooted at each last token
-    logits = my_verify(dec.root_ids(sids), draft)      # [B, 1 + N, V]: root row, then nodes
+    inp = dec.tree_inputs(sids, draft)                 # ids, positions, in-tree mask
+    logits = my_verify(inp)                            # [B, 1 + N, V]: root row, then nodes
     res = dec.commit(sids, draft, logits)              # AcceptResult; prune your KV with
                                                        # res.accepted_nodes, next root = bonus
 """
@@ -33,7 +34,7 @@ import torch
 
 from agspec_gpu.accept import AcceptResult, SamplingParams, greedy_accept, sample_accept
 from agspec_gpu.controller import load_profiles
-from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import to_device
 from agspec_gpu.runners.hf import HFRunner
@@ -215,12 +216,10 @@ class SpecDecoder:
 
         Tree ``b`` continues session ``b``'s last token, its *root* (:meth:`root_ids`), which
         your KV cache does not hold yet. Verify ``[root, node_0, ..., node_{N-1}]`` per session
-        in one forward: the root at position ``len(context) - 1``, node ``j`` at that plus its
-        depth (``draft.depths()``), each attending to the cached context, the root, its
-        ancestors and itself (:func:`agspec_gpu.runners.hf.tree_attend` is that mask over
-        ``[root, nodes]``); then pass the logits to :meth:`commit`. ``N`` is the drafter's
-        static ``max_nodes`` (fixed shapes for CUDA graphs); ``draft.narrowed(...)`` to the
-        widest tree is fine too.
+        in one forward (:meth:`tree_inputs`: ids, positions and the in-tree mask; every row
+        also attends the session's cached context), then pass the logits to :meth:`commit`.
+        ``N`` is the drafter's static ``max_nodes`` (fixed shapes for CUDA graphs);
+        ``draft.narrowed(...)`` to the widest tree is fine too.
 
         Returns:
             :class:`DraftBatch` of device tensors (``PAD_ID`` padded).
@@ -235,6 +234,16 @@ class SpecDecoder:
         """``int32 [B]`` each session's last token: row 0 of its verification."""
         states = [self._session(s) for s in session_ids]
         return to_device([st.context[-1] for st in states], torch.int32, self._device)
+
+    def tree_inputs(self, session_ids: Sequence[str], draft: DraftBatch) -> TreeInputs:
+        """The verification forward's inputs for ``draft`` (:meth:`DraftBatch.tree_inputs`):
+        ``[root, nodes]`` ids, positions from each session's cached length
+        ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask."""
+        states = [self._session(s) for s in session_ids]
+        dev = draft.token_ids.device
+        return draft.tree_inputs(self.root_ids(session_ids).to(dev),
+                                 to_device([len(st.context) - 1 for st in states],
+                                           torch.int64, dev))
 
     def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
                sampling: SamplingParams | None = None,
@@ -277,8 +286,8 @@ class SpecDecoder:
             n_out = res.num_output.tolist()
             rows = res.output_ids.tolist()
             self._record(sids, draft, res, n_out)
-            for sid, r, n in zip(sids, rows, n_out):
-                self._sessions[sid].context.extend(r[:n])
+            self._advance(sids, [self._sessions[s] for s in sids],
+                          [r[:n] for r, n in zip(rows, n_out)], None)
         self._proposed = None
         return res
 
@@ -350,6 +359,7 @@ class SpecDecoder:
                                   eos, generator, on_tokens)
         finally:
             if isinstance(runner, PagedBatch):
+                self._keep_kv(states, runner)
                 runner.close()
 
     def _batch_runner(self) -> HFRunner | PagedBatch:
@@ -393,10 +403,11 @@ class SpecDecoder:
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)
         root = first.to(torch.int32)
-        taken = self._emit(sids, outs, done, [[int(t)] for t in first.tolist()],
-                           max_new_tokens, eos, stop, on_tokens)
+        new = self._emit(outs, done, [[int(t)] for t in first.tolist()], max_new_tokens, eos,
+                         stop)
         self.drafter.append_generated(sids, root[:, None],
-                                      torch.tensor(taken, dtype=torch.int32, device=dev))
+                                      to_device(list(map(len, new)), torch.int32, dev))
+        self._advance(sids, states, new, on_tokens)
         spec_mask = torch.tensor(spec, dtype=torch.bool, device=dev)
         while not all(done):
             with nvtx.annotate("agspec.propose"):
@@ -415,20 +426,35 @@ class SpecDecoder:
                 root = res.bonus_ids().to(torch.int32)
                 n_out = res.num_output.tolist()
                 rows = res.output_ids.tolist()
-                taken = self._emit(sids, outs, done, [r[:n] for r, n in zip(rows, n_out)],
-                                   max_new_tokens, eos, stop, on_tokens)
+                new = self._emit(outs, done, [r[:n] for r, n in zip(rows, n_out)],
+                                 max_new_tokens, eos, stop)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit, nothing for requests that had already finished
-                self._record(sids, draft, res, taken)
-        for st, o in zip(states, outs):
-            st.context.extend(o)
-        if isinstance(runner, PagedBatch):
-            # the KV holds the prompt, then the emitted stream (and, past a request's end,
-            # what the model went on to produce while others ran): a prefix of the context
-            # up to the shorter of the two; the last context token stays the next root
-            for st, n in zip(states, runner.prefix_lens_host):
-                st.kv_len = min(n, len(st.context) - 1)
+                self._record(sids, draft, res, list(map(len, new)))
+            self._advance(sids, states, new, on_tokens)
         return outs
+
+    def _advance(self, sids, states, new, on_tokens) -> None:
+        """Extends each session's context by the tokens its drafter tier just took (the two
+        never disagree, even when the call fails later), then streams them."""
+        for st, toks in zip(states, new):
+            st.context.extend(toks)
+        if on_tokens is not None:
+            for sid, toks in zip(sids, new):
+                if toks:
+                    on_tokens(sid, toks)
+
+    def _keep_kv(self, states, runner: PagedBatch) -> None:
+        """After a paged call (finished or failed): each session's KV sequence holds the
+        prompt, then the emitted stream (and, past a request's end, what the model went on
+        to produce while others ran), so it is a prefix of the context up to the shorter of
+        the two; the last context token stays the next root. A call that failed before its
+        batch had a committed prefix keeps the sessions' earlier ``kv_len``: those slots are
+        never rewritten."""
+        lens = runner.prefix_lens_host
+        if len(lens) == len(states):
+            for st, n in zip(states, lens):
+                st.kv_len = min(n, len(st.context) - 1)
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         if sampling.is_greedy:
@@ -445,15 +471,14 @@ class SpecDecoder:
         if bool((valid & ((draft.token_ids < 0) | (draft.token_ids >= self.vocab_size))).any()):
             raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
 
-    def _emit(self, sids, outs, done, new, max_new, eos, stop, on_tokens) -> list[int]:
-        """Appends each request's new tokens, ending at EOS, a stop string or the limit.
-
-        Returns how many of ``new[b]`` request ``b`` took (0 once it is done)."""
-        taken = [0] * len(new)
+    def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
+        """Appends each request's new tokens to ``outs``, ending at EOS, a stop string or
+        the limit; returns what each request took of ``new[b]`` (nothing once it is done)."""
+        taken: list[list[int]] = [[] for _ in new]
         for b, toks in enumerate(new):
             if done[b]:
                 continue
-            take = []
+            take = taken[b]
             for t in toks:
                 take.append(t)
                 if (eos is not None and t == eos) or len(outs[b]) + len(take) >= max_new or \
@@ -461,9 +486,6 @@ class SpecDecoder:
                     done[b] = True
                     break
             outs[b].extend(take)
-            taken[b] = len(take)
-            if on_tokens and take:
-                on_tokens(sids[b], take)
         return taken
 
 

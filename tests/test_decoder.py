@@ -538,6 +538,42 @@ def test_own_loop_propose_commit_is_lossless(variant):
         assert m == greedy(variant, p + o, 6)
 
 
+def test_own_loop_with_the_models_own_forward_and_cache():
+    """What a user of one request writes: the model's forward on ``tree_inputs`` (their own
+    DynamicCache, a 0 / -inf mask: the cached context, then the in-tree mask), commit, and
+    the cache pruned to the root plus ``accepted_nodes``: plain greedy decoding's tokens."""
+    from transformers import DynamicCache
+
+    variant = VARIANTS[0]
+    P = list(prompts()[3])
+    g0 = greedy(variant, P, 45, eos=None)
+    m, dec = model(variant), SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P + g0)
+    sid = dec.open_session("t0", "coder", P)
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        m(input_ids=torch.tensor([P[:-1]]), cache=cache, use_cache=True)  # all but the root
+        for _ in range(8):
+            draft = dec.propose([sid])
+            inp = dec.tree_inputs([sid], draft)
+            past = cache.get_seq_length()
+            assert int(inp.position_ids[0, 0]) == past
+            allowed = torch.cat([torch.ones(1, 1 + draft.max_nodes, past, dtype=torch.bool),
+                                 inp.tree_mask], 2)
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]
+            logits = m(input_ids=inp.input_ids, position_ids=inp.position_ids,
+                       attention_mask=mask, cache=cache, use_cache=True).logits
+            res = dec.commit([sid], draft, logits)
+            n_acc = int(res.num_accepted[0])
+            keep = torch.cat([torch.arange(past + 1),  # the context and the root
+                              past + 1 + res.accepted_nodes[0, :n_acc].long()])
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+            out += res.output_ids[0, :int(res.num_output[0])].tolist()
+    assert len(out) > 45 and out[:45] == g0  # the steered draft ran
+    assert out == greedy(variant, P, len(out), eos=None)
+
+
 def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
     variant = VARIANTS[1]
     P = [list(prompts()[i]) for i in (3, 1)]
@@ -618,6 +654,59 @@ def test_on_tokens_streams_exactly_the_output():
         mine = [t for s, t in calls if s == sid]
         assert all(mine) and sum(mine, []) == o
     assert {s for s, _ in calls} == set(sids)
+
+
+# ---------------------------------------------------------------- failures inside generate
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+@pytest.mark.parametrize("where", ["on_tokens", "propose"])
+def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where,
+                                                                   monkeypatch):
+    """A call that fails half-way (the user's streaming callback raises, or a step fails):
+    each session's context holds exactly what was streamed to it and what its session tier
+    took, the paged KV stays a prefix of it, and the next call is plain greedy decoding of
+    that context."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    g = greedy(variant, P[0], 45)
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=2048))
+    steer(dec, "t0", P[0] + g)
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    streamed = {sid: [] for sid in sids}
+    calls = []
+
+    def on_tokens(sid, toks):
+        calls.append(sid)
+        if where == "on_tokens" and len(calls) == 5:  # third step, first session
+            raise Boom
+        streamed[sid] += toks
+
+    propose = dec.drafter.propose
+
+    def failing_propose(*a, **kw):
+        if len(calls) >= 4:
+            raise Boom
+        return propose(*a, **kw)
+
+    if where == "propose":
+        monkeypatch.setattr(dec.drafter, "propose", failing_propose)
+    with pytest.raises(Boom):
+        dec.generate(sids, max_new_tokens=45, on_tokens=on_tokens)
+    monkeypatch.undo()
+    for sid, p in zip(sids, P):
+        ctx = dec._sessions[sid].context
+        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+        assert held == ctx and len(ctx) > len(p) + 1
+        assert ctx[len(p):] == greedy(variant, p, len(ctx) - len(p), eos=None)
+        if where == "propose":
+            assert ctx == p + streamed[sid]
+        if runner == "paged":
+            assert 0 < dec._sessions[sid].kv_len <= len(ctx) - 1
+    assert_greedy(dec, variant, sids, [list(dec._sessions[s].context) for s in sids], n=8)
 
 
 # ---------------------------------------------------------------- close
