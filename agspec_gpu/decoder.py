@@ -37,7 +37,7 @@ from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import to_device
-from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.runners.hf import HFRunner, SessionKV
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
@@ -55,10 +55,12 @@ class DecoderConfig:
             ``"paged"`` converts a Llama/Qwen2-family model once into a
             :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
             attention on a GPU) with a KV pool of ``kv_cache_tokens`` slots in pages of
-            ``page_size``. There each session keeps its KV between ``generate`` calls (a call
-            prefills only the tokens appended since); a call that needs pages frees idle
-            sessions' KV, least recently generated first; ``close_session`` frees it. The
-            ``hf`` runner prefills each call's contexts afresh.
+            ``page_size``. With either runner each session keeps its KV between ``generate``
+            calls (a call prefills only the tokens appended since) until ``close_session``
+            frees it; ``paged``: a call that needs pages frees idle sessions' KV, least
+            recently generated first; ``hf``: the sessions keep at most ``kv_cache_tokens``
+            tokens of KV in all (the least recently generated are freed first), each in
+            tensors of its own between calls.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
@@ -98,6 +100,8 @@ class _SessionState:
     # evictions when the pool runs short
     kv_len: int = 0
     last_used: int = 0
+    # runner="hf": the KV of context[:hf_kv.length] kept between calls
+    hf_kv: SessionKV | None = None
 
 
 class SpecDecoder:
@@ -358,8 +362,8 @@ class SpecDecoder:
             return self._generate(sids, states, runner, max_new_tokens, sampling, stop, spec,
                                   eos, generator, on_tokens)
         finally:
+            self._keep_kv(states, runner)
             if isinstance(runner, PagedBatch):
-                self._keep_kv(states, runner)
                 runner.close()
 
     def _batch_runner(self) -> HFRunner | PagedBatch:
@@ -369,10 +373,38 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ session KV (paged)
     def _drop_kv(self, sid: str, st: _SessionState) -> None:
-        """Frees the session's KV pages (runner="paged"); its next generate prefills again."""
+        """Frees the session's KV; its next generate prefills its whole context again."""
         if self._paged is not None and sid in self._paged.kv_cache:
             self._paged.kv_cache.free(sid)
-        st.kv_len = 0
+        st.kv_len, st.hf_kv = 0, None
+
+    def _keep_kv(self, states: list[_SessionState], runner: HFRunner | PagedBatch) -> None:
+        """After a call (finished or failed): each session's KV holds the prompt, then the
+        emitted stream (and, past a request's end, what the model went on to produce while
+        others ran), so it is a prefix of the context up to the shorter of the two; the
+        last context token stays the next root. A call that failed before its batch had a
+        committed prefix keeps the sessions' earlier KV: those slots are never rewritten."""
+        paged = isinstance(runner, PagedBatch)
+        lens = runner.prefix_lens_host if paged else \
+            runner.seq_lens.tolist() if runner.batch_size else []  # once per call
+        if len(lens) != len(states):
+            return
+        for b, (st, n) in enumerate(zip(states, lens)):
+            n = min(n, len(st.context) - 1)
+            if paged:
+                st.kv_len = n
+            else:
+                st.hf_kv = runner.session_kv(b, n) if n > 0 else None
+        if not paged:  # the least recently generated sessions' KV goes first
+            budget = self.config.kv_cache_tokens
+            held = sorted((st.last_used, -st.hf_kv.length, sid)
+                          for sid, st in self._sessions.items() if st.hf_kv is not None)
+            total = sum(-neg for _, neg, _ in held)
+            for _, neg, sid in held:
+                if total <= budget:
+                    break
+                self._sessions[sid].hf_kv = None
+                total += neg
 
     def _make_room(self, sids: list[str], max_new_tokens: int) -> None:
         """Frees the KV of sessions outside ``sids``, least recently generated first, until
@@ -398,7 +430,10 @@ class SpecDecoder:
             logits = runner.prefill([st.context for st in states], seq_ids=sids,
                                     cached=[st.kv_len for st in states])
         else:
-            logits = runner.prefill([st.context for st in states])
+            logits = runner.prefill([st.context for st in states],
+                                    past=[st.hf_kv for st in states])
+            for st in states:  # the batch's cache holds it now; _keep_kv cuts it anew
+                st.hf_kv = None
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)
@@ -443,18 +478,6 @@ class SpecDecoder:
             for sid, toks in zip(sids, new):
                 if toks:
                     on_tokens(sid, toks)
-
-    def _keep_kv(self, states, runner: PagedBatch) -> None:
-        """After a paged call (finished or failed): each session's KV sequence holds the
-        prompt, then the emitted stream (and, past a request's end, what the model went on
-        to produce while others ran), so it is a prefix of the context up to the shorter of
-        the two; the last context token stays the next root. A call that failed before its
-        batch had a committed prefix keeps the sessions' earlier ``kv_len``: those slots are
-        never rewritten."""
-        lens = runner.prefix_lens_host
-        if len(lens) == len(states):
-            for st, n in zip(states, lens):
-                st.kv_len = min(n, len(st.context) - 1)
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
         if sampling.is_greedy:

@@ -1,12 +1,12 @@
 """Prompt tokens a multi-turn agent session prefills, with and without its KV kept between calls.
 
 An agent calls ``generate`` once per assistant message, each time on its whole context so far.
-``SpecDecoder(runner="paged")`` keeps a session's KV from one call to the next, so a call
+``SpecDecoder`` keeps a session's KV from one call to the next (both runners), so a call
 prefills only the tokens since the last one (the tool output and user turns, plus the last
-token, the next root: ``tests/test_decoder.py`` checks exactly these counts); the ``hf``
-runner, like any loop without a prefix cache, prefills the whole context at every call. This
-counts both over real sessions (cl100k tokens, every assistant message a call, no eviction:
-the pool holds the session). Counted, not timed: the ratio is the prefill compute saved on any
+token, the next root: ``tests/test_decoder.py`` checks exactly these counts); a loop without
+a prefix cache prefills the whole context at every call. This counts both over real
+sessions (cl100k tokens, every assistant message a call, no eviction: the pool holds the
+session). Counted, not timed: the ratio is the prefill compute saved on any
 hardware; its seconds depend on the GPU and the model.
 
 Usage::

@@ -267,6 +267,58 @@ def test_paged_session_kv_is_evicted_least_recent_first(monkeypatch):
     assert prefilled[-1] == [1]
 
 
+def record_hf_prefills(monkeypatch) -> list[list[int]]:
+    """Per ``generate`` call on the hf runner: the tokens prefilled per session."""
+    calls, prefill = [], HFRunner.prefill
+
+    def wrapped(self, input_ids, past=None):
+        calls.append([len(p) - (kv.length if kv else 0)
+                      for p, kv in zip(input_ids, past or [None] * len(input_ids))])
+        return prefill(self, input_ids, past)
+
+    monkeypatch.setattr(HFRunner, "prefill", wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[3]], ids=[IDS[1], IDS[3]])
+def test_hf_runner_keeps_session_kv_between_calls(variant, monkeypatch):
+    """runner="hf" (the default): a session's KV is kept between calls (the next call
+    prefills the appended tool output and one token), batches of other compositions mix
+    kept and fresh sessions, the least recently generated sessions' KV goes first past
+    ``kv_cache_tokens``, close_session frees it; every output is plain greedy decoding's."""
+    P = [list(prompts()[i]) for i in (3, 1, 6)]  # 97, 23 and 140 tokens
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(kv_cache_tokens=300))
+    prefilled = record_hf_prefills(monkeypatch)
+    a, b, c = sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    ctx = dict(zip(sids, P))
+
+    def run(batch, n=8):
+        out = dec.generate(batch, max_new_tokens=n)
+        for sid, o in zip(batch, out):
+            assert o == greedy(variant, ctx[sid], n), sid
+            ctx[sid] = ctx[sid] + o
+        return [dec._sessions[s].hf_kv.length if dec._sessions[s].hf_kv else 0 for s in sids]
+
+    assert run([a, b]) == [len(ctx[a]) - 1, len(ctx[b]) - 1, 0]
+    assert prefilled[-1] == [len(P[0]), len(P[1])]
+    tool = tok().encode("$ ls\nsrc tests\n")
+    dec.append(a, tool)
+    ctx[a] = ctx[a] + tool
+    run([b, a])  # another order: the kept KV goes with its session
+    assert prefilled[-1] == [1, len(tool) + 1]
+    # a's 126 and c's 147 kept tokens leave no room for b's 38 under 300: b, the least
+    # recently generated, is freed
+    held = run([c, a])
+    assert held == [len(ctx[a]) - 1, 0, len(ctx[c]) - 1]
+    assert prefilled[-1] == [len(P[2]), 1]
+    run([b])
+    assert prefilled[-1] == [len(ctx[b]) - 8]  # freed: its whole context again
+    st = dec._sessions[a]
+    assert st.hf_kv is not None
+    dec.close_session(a)
+    assert st.hf_kv is None
+
+
 def test_decoder_loads_role_profiles(tmp_path):
     from agspec_gpu.controller import profile_roles
 

@@ -160,6 +160,43 @@ def test_spec_loop_reproduces_greedy(variant, B):
     assert runner.seq_lens.tolist() == [len(p) + len(o) - 1 for p, o in zip(PROMPTS, outs)]
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+def test_kept_session_kv_continues_in_a_later_batch(variant):
+    """A batch's committed KV, kept per request (``session_kv``), seeds a later batch of
+    another composition and width: its prefill computes only the new tokens, and the
+    logits (prefill's and a tree step's) equal the model's full forward."""
+    model = model_for(variant)
+    first = HFRunner(model)
+    first.prefill(PROMPTS[:3])
+    roots = first.prefill(PROMPTS[:3]).argmax(-1)  # a second prefill starts afresh
+    g = [reference(variant, b) for b in range(3)]
+    d = DraftBatch.from_lists([[(g[0][1], -1), (g[0][2], 0)], [], [(5, -1)]])
+    res = greedy_accept(d, first.verify_padded(d, roots))
+    first.commit(res)
+    lens = first.seq_lens.tolist()
+    assert lens == [len(PROMPTS[0]) + 3, len(PROMPTS[1]) + 1, len(PROMPTS[2]) + 1]
+    kept = [first.session_kv(0, lens[0]), first.session_kv(2, lens[2] - 1)]
+    assert kept[0].length == lens[0] and kept[0].nbytes > 0
+    ctx0 = PROMPTS[0] + g[0][:3] + [17, 4, 250]          # the kept KV, then new tokens
+    ctx2 = PROMPTS[2] + [g[2][0]]                        # its last token was not cached
+    ctxs = [PROMPTS[3], ctx0, ctx2]                      # and a fresh request in front
+    second = HFRunner(model)
+    logits = second.prefill(ctxs, past=[None, kept[0], kept[1]])
+    for b, ctx in enumerate(ctxs):
+        torch.testing.assert_close(logits[b], full_forward_last(model, ctx), atol=1e-4, rtol=0)
+    assert second.seq_lens.tolist() == list(map(len, ctxs))
+    roots = logits.argmax(-1).tolist()
+    trees = [[(9, -1), (3, 0)], [(10, -1), (11, -1), (12, 1)], [(14, -1)]]
+    check_verify_rows(model, second.verify_padded(DraftBatch.from_lists(trees),
+                                                  torch.tensor(roots)), ctxs, roots, trees)
+    with pytest.raises(ValueError, match="past"):
+        second.prefill([PROMPTS[0]], past=[kept[0]])  # as long as the prompt: nothing new
+    with pytest.raises(ValueError, match="past"):
+        second.prefill([ctx0, ctx2], past=[kept[0]])
+    with pytest.raises(ValueError, match="length"):
+        first.session_kv(0, 0)
+
+
 def test_runner_misuse_raises():
     model = model_for(("llama", "eager"))
     runner = HFRunner(model)

@@ -21,11 +21,18 @@ itself, so no row is fully masked (that would give NaN).
 The root (last committed token) is not in the cache until it is verified: ``prefill`` caches
 the whole prompt and returns its last logits, the caller picks the first token, and that
 token is the first root.
+
+Between batches a request's committed KV can be kept (:meth:`HFRunner.session_kv`, a
+:class:`SessionKV` of its own, unpadded) and handed to a later ``prefill``, which then
+computes only the tokens after it (a multi-turn session's new tool output, not its whole
+context again).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -45,6 +52,25 @@ def _new_cache():
     from transformers import DynamicCache
 
     return DynamicCache()
+
+
+@dataclass(frozen=True)
+class SessionKV:
+    """One request's committed keys / values, kept between batches.
+
+    Attributes:
+        keys, values: per layer ``[H_kv, length, head_dim]`` (None for a layer that caches
+            nothing), the request's first ``length`` tokens.
+    """
+
+    keys: tuple[torch.Tensor | None, ...]
+    values: tuple[torch.Tensor | None, ...]
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.keys + self.values
+                   if x is not None)
 
 
 def greedy_generate(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
@@ -141,41 +167,96 @@ class HFRunner:
         return out.logits
 
     @torch.no_grad()
-    def prefill(self, input_ids: list[list[int]]) -> torch.Tensor:
+    def prefill(self, input_ids: list[list[int]],
+                past: Sequence[SessionKV | None] | None = None) -> torch.Tensor:
         """Starts a new batch: caches every prompt, returns each prompt's last logits.
 
-        Prompts are left-padded into one forward so that every last token is the last
-        column (only ``[B, 1, V]`` logits are materialised), then the cache is shifted into
-        the left-aligned layout. A padding query row attends only to itself.
+        The tokens past each request's kept KV are left-padded into one forward so that
+        every last token is the last column (only ``[B, 1, V]`` logits are materialised),
+        after the kept KV (left-aligned, zero padded, masked); then the cache is shifted
+        into the left-aligned layout. A padding query row attends only to itself.
 
         Parameters:
             input_ids: ``B`` non-empty token lists (ragged).
+            past: per request None or the KV of ``input_ids[b]``'s first ``past[b].length``
+                tokens (``< len(input_ids[b])``, from :meth:`session_kv` of an earlier batch
+                of this model): only the rest is computed.
 
         Returns:
             ``[B, V]`` logits after each full prompt (the first generated token's distribution).
         """
         if not input_ids or any(len(p) == 0 for p in input_ids):
             raise ValueError("input_ids: expected a non-empty list of non-empty prompts")
-        B, P = len(input_ids), max(len(p) for p in input_ids)
-        ids = torch.zeros(B, P, dtype=torch.long)
-        for b, p in enumerate(input_ids):  # host-side packing of host lists, once per batch
-            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        lens = torch.tensor([len(p) for p in input_ids], dtype=torch.long, device=self.device)
-        pad = P - lens                                                   # [B]
-        t = torch.arange(P, device=self.device)
+        B = len(input_ids)
+        past = list(past) if past is not None else [None] * B
+        if len(past) != B or any(kv is not None and not 0 < kv.length < len(p)
+                                 for kv, p in zip(past, input_ids)):
+            raise ValueError("past: one SessionKV or None per prompt, shorter than it")
+        cached = [0 if kv is None else kv.length for kv in past]
+        new = [p[c:] for p, c in zip(input_ids, cached)]
+        S, C = max(map(len, new)), max(cached)
+        ids = torch.zeros(B, S, dtype=torch.long)
+        for b, p in enumerate(new):  # host-side packing of host lists, once per batch
+            ids[b, S - len(p):] = torch.tensor(p, dtype=torch.long)
+        dev = self.device
+        ids = ids.to(dev)
+        n_new = torch.tensor(list(map(len, new)), dtype=torch.long, device=dev)   # [B]
+        n_past = torch.tensor(cached, dtype=torch.long, device=dev)               # [B]
+        pad = S - n_new
+        t = torch.arange(S, device=dev)
         causal = t[None, :, None] >= t[None, None, :]                    # [1, q, k]
         real_key = t[None, None, :] >= pad[:, None, None]                # [B, 1, k]
-        allowed = (causal & real_key) | torch.eye(P, dtype=torch.bool, device=self.device)
-        pos = (t[None, :] - pad[:, None]).clamp(min=0)
-        self._cache, self._pending = _new_cache(), None
+        real_row = t[None, :, None] >= pad[:, None, None]                # [B, q, 1]
+        old_key = torch.arange(C, device=dev)[None, None, :] < n_past[:, None, None]
+        allowed = torch.cat([old_key & real_row, (causal & real_key) |
+                             torch.eye(S, dtype=torch.bool, device=dev)], 2)
+        pos = (n_past[:, None] + t[None, :] - pad[:, None]).clamp(min=0)
+        self._cache, self._pending = self._cache_from(past, C), None
         extra = {"logits_to_keep": 1} if self._keep_kw else {}
         logits = self._forward(ids, allowed, pos, **extra)[:, -1]
-        # left-align: slot t of request b <- slot t + pad[b]; slots past the prompt are junk
-        src = torch.where(t[None, :] < lens[:, None], t[None, :] + pad[:, None], 0)
-        self._gather_slots(src)
-        self._seq_lens, self._width = lens, P
+        # left-align: slot w of request b <- its kept slot w, then its new token w - n_past
+        # (slot C + pad + w - n_past); slots past the prompt are junk
+        lens = n_past + n_new
+        w = torch.arange(int(max(c + len(p) for c, p in zip(cached, new))), device=dev)[None]
+        src = torch.where(w < n_past[:, None], w, C + pad[:, None] + w - n_past[:, None])
+        self._gather_slots(torch.where(w < lens[:, None], src, 0))
+        self._seq_lens, self._width = lens, w.shape[1]
         return logits
+
+    def _cache_from(self, past: list[SessionKV | None], width: int):
+        """A fresh cache holding each request's kept KV in slots ``[0, length)``, zeros up
+        to ``width`` (masked)."""
+        cache = _new_cache()
+        kept = [(b, kv) for b, kv in enumerate(past) if kv is not None]
+        if not kept:
+            return cache
+        for layer, (k0, v0) in enumerate(zip(kept[0][1].keys, kept[0][1].values)):
+            if k0 is None:
+                continue  # a layer that caches nothing
+            keys = k0.new_zeros(len(past), k0.shape[0], width, k0.shape[2])
+            values = v0.new_zeros(len(past), v0.shape[0], width, v0.shape[2])
+            for b, kv in kept:
+                keys[b, :, :kv.length] = kv.keys[layer]
+                values[b, :, :kv.length] = kv.values[layer]
+            cache.update(keys, values, layer)
+        return cache
+
+    def session_kv(self, b: int, length: int) -> SessionKV:
+        """A copy of request ``b``'s first ``length`` committed KV slots (``length <=
+        seq_lens[b]``), to pass to a later :meth:`prefill` of the same model."""
+        if self._seq_lens is None:
+            raise ValueError("session_kv: no batch: call prefill() first")
+        # a pending verify appended its tree after the committed slots: they are intact
+        committed = self._width if self._pending is None else self._pending[0]
+        if not 0 < length <= committed:
+            raise ValueError(f"length: {length} outside (0, {committed}]")
+
+        def cut(x):
+            return None if x is None or x.numel() == 0 else x[b, :, :length].clone()
+
+        layers = self._cache.layers
+        return SessionKV(tuple(cut(getattr(la, "keys", None)) for la in layers),
+                         tuple(cut(getattr(la, "values", None)) for la in layers), length)
 
     def _gather_slots(self, src: torch.Tensor) -> None:
         """New cache slot ``t`` of request ``b`` <- old slot ``src[b, t]`` (``int64 [B, W]``)."""
