@@ -155,8 +155,18 @@ class SpecDecoder:
         # a per-instance prefix: one decoder never takes another decoder's session id for
         # one of its own (possibly another tenant's session)
         self._sid_prefix = f"d{uuid.uuid4().hex[:8]}-s"
-        # cumulative counters: verification steps, tokens emitted by them, draft tokens
-        self.stats = {"steps": 0, "tokens": 0, "drafted": 0, "accepted": 0}
+        # cumulative counters: verification steps, tokens emitted (host); draft tokens
+        # drafted and accepted (on the device: summed without a read per step)
+        self._steps = self._tokens = 0
+        self._draft_counts = torch.zeros(2, dtype=torch.int64, device=device)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Cumulative ``steps`` (verification steps), ``tokens`` (emitted by them),
+        ``drafted`` and ``accepted`` draft tokens (reading it syncs with the device)."""
+        drafted, accepted = self._draft_counts.tolist()
+        return {"steps": self._steps, "tokens": self._tokens, "drafted": drafted,
+                "accepted": accepted}
 
     # ------------------------------------------------------------ lifecycle
     def open_session(self, tenant: str, role: str = "default",
@@ -314,10 +324,11 @@ class SpecDecoder:
                 taken: list[int]) -> None:
         """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
         controller) and the counters; ``taken`` is ``num_output`` cut where a request ended."""
-        self.stats["steps"] += 1
-        self.stats["tokens"] += sum(taken)
-        self.stats["drafted"] += int(draft.num_draft_tokens.sum())
-        self.stats["accepted"] += int(res.num_accepted.sum())
+        self._steps += 1
+        self._tokens += sum(taken)
+        counts = self._draft_counts
+        counts[0] += draft.num_draft_tokens.to(counts.device).sum()
+        counts[1] += res.num_accepted.to(counts.device).sum()
         # the ids are the model's own and the counts are on the host: no read back
         self.drafter.observe(sids, res.output_ids,
                              to_device(taken, torch.int32, res.output_ids.device),
