@@ -65,6 +65,46 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class BatchSampling:
+    """Per-request :class:`SamplingParams` of a batch, as device tensors.
+
+    Attributes:
+        temperature: ``float32 [B]`` (0 = greedy).
+        top_k: ``int64 [B]`` (0 = off).
+        top_p_drop: ``float32 [B]``: ``1 - top_p``, the nucleus's dropped mass (0 = off).
+        max_top_k, any_top_p, all_greedy, any_greedy: host-known flags of the rows.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p_drop: torch.Tensor
+    max_top_k: int
+    any_top_p: bool
+    all_greedy: bool
+    any_greedy: bool
+
+    @staticmethod
+    def of(params: "SamplingParams | list[SamplingParams]", device: torch.device | str
+           ) -> "BatchSampling":
+        """One row per element of ``params`` (a single ``SamplingParams``: one row that
+        broadcasts over every request)."""
+        ps = [params] if isinstance(params, SamplingParams) else list(params)
+        if not ps or not all(isinstance(p, SamplingParams) for p in ps):
+            raise ValueError("sampling: expected SamplingParams or a non-empty list of them")
+        greedy = [p.is_greedy for p in ps]
+        return BatchSampling(
+            torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(device),
+            torch.tensor([p.top_k for p in ps], dtype=torch.int64).to(device),
+            torch.tensor([1.0 - p.top_p for p in ps], dtype=torch.float32).to(device),
+            max(p.top_k for p in ps), any(p.top_p < 1.0 for p in ps), all(greedy),
+            any(greedy))
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
 @dataclass
 class AcceptResult:
     """What verification accepted, per request.
@@ -242,7 +282,7 @@ def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
 # ----------------------------------------------------------------------------- sampling
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: SamplingParams | BatchSampling) -> torch.Tensor:
     """The target distribution ``float32 [..., V]`` from logits ``[..., V]``.
 
     Order as in Hugging Face ``generate``: temperature, then top-k (ties with the k-th
@@ -250,23 +290,37 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     cumulative mass is ``<= 1 - top_p``, always keep the most likely). The sort is stable,
     so among equal logits at the nucleus edge the lower token id is dropped first.
     Temperature 0 gives the one-hot of the argmax (lower id on ties).
+
+    ``params``: one :class:`SamplingParams` for every row, or a :class:`BatchSampling`
+    whose row ``b`` applies to ``logits[b]`` (``logits [B, ..., V]``).
     """
-    if params.is_greedy:
+    s = params if isinstance(params, BatchSampling) else BatchSampling.of(params, logits.device)
+    if s.all_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    x = logits.float() / params.temperature
+    row = (-1,) + (1,) * (logits.dim() - 1)  # a per-row value against [B, ..., V]
+    temp = s.temperature.view(row)
+    x = logits.float() / torch.where(temp > 0, temp, 1.0)
     V = x.shape[-1]
-    if 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
+    if s.max_top_k > 0:
+        k = min(s.max_top_k, V)
+        idx = (s.top_k - 1).clamp(0, k - 1).view(row).expand(*x.shape[:-1], 1)
+        kth = torch.topk(x, k, dim=-1).values.gather(-1, idx)
+        on = ((s.top_k > 0) & (s.top_k < V)).view(row)
+        x = x.masked_fill(on & (x < kth), float("-inf"))
+    if s.any_top_p:
         sorted_x, order = torch.sort(x, dim=-1, stable=True)
-        drop_sorted = sorted_x.softmax(-1).cumsum(-1) <= 1.0 - params.top_p
+        drop = s.top_p_drop.view(row)
+        drop_sorted = (sorted_x.softmax(-1).cumsum(-1) <= drop) & (drop > 0)
         drop_sorted[..., -1] = False
         x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return x.softmax(-1)
+    probs = x.softmax(-1)
+    if s.any_greedy:
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), V).float()
+        probs = torch.where(temp.view(row) == 0, one_hot, probs)
+    return probs
 
 
-def _sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, params: BatchSampling, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample of one token per row of ``logits [B, V]`` with uniforms ``u [B]``.
 
     ``searchsorted(right=True)`` never returns a zero-probability token; scaling ``u`` by the
@@ -278,7 +332,8 @@ def _sample_rows(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) 
 
 
 def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None,
-                  sampling: SamplingParams, generator: torch.Generator | None = None, *,
+                  sampling: SamplingParams | BatchSampling,
+                  generator: torch.Generator | None = None, *,
                   max_depth: int | None = None) -> AcceptResult:
     """Multi-branch rejection sampling for deterministic drafts.
 
@@ -297,7 +352,9 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
 
     Parameters:
         draft, logits, qo_indptr, max_depth: as in :func:`greedy_accept`.
-        sampling: temperature / top-k / top-p; temperature 0 returns :func:`greedy_accept`.
+        sampling: temperature / top-k / top-p, for every request or per request
+            (:class:`BatchSampling`); temperature 0 everywhere returns :func:`greedy_accept`
+            (a greedy request in a sampled batch walks its argmaxes all the same).
         generator: the random stream (on the logits' device). Every call draws exactly
             ``B`` uniforms per level for ``D + 1`` levels, whatever is accepted, so results
             are a deterministic function of the generator state.
@@ -305,8 +362,12 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
     Returns:
         :class:`AcceptResult`.
     """
-    if sampling.is_greedy:
+    s = sampling if isinstance(sampling, BatchSampling) else \
+        BatchSampling.of(sampling, draft.token_ids.device)
+    if s.all_greedy:
         return greedy_accept(draft, logits, qo_indptr, max_depth=max_depth)
+    if s.num_rows not in (1, draft.batch_size):
+        raise ValueError(f"sampling: {s.num_rows} rows for a batch of {draft.batch_size}")
     rows, row_start = _tree_rows(draft, logits, qo_indptr)
     if generator is not None and generator.device.type != rows.device.type:
         raise ValueError(f"generator is on {generator.device}, logits on {rows.device}")
@@ -325,7 +386,7 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
     for d in range(D + 1):
         u = torch.rand(B, generator=generator, device=dev)
         # finished requests re-read a valid row; their draw is discarded
-        x = _sample_rows(rows[row_start + 1 + cur], sampling, u)
+        x = _sample_rows(rows[row_start + 1 + cur], s, u)
         if d < D:
             cand = valid & (parents == cur[:, None]) & (tokens == x[:, None]) & alive[:, None]
             has, child = _first_true(cand)

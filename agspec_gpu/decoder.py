@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 import nvtx
 import torch
 
-from agspec_gpu.accept import AcceptResult, SamplingParams, greedy_accept, sample_accept
+from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, greedy_accept,
+                               sample_accept, target_probs)
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
@@ -260,7 +261,7 @@ class SpecDecoder:
                                            torch.int64, dev))
 
     def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
-               sampling: SamplingParams | None = None,
+               sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                generator: torch.Generator | None = None) -> AcceptResult:
         """Accepts a verified step of the last :meth:`propose` of ``session_ids``.
 
@@ -271,6 +272,7 @@ class SpecDecoder:
                 rows of padding nodes are ignored.
             sampling: None or temperature 0 = greedy (the output is the target's greedy
                 tokens); else multi-branch rejection sampling (the target distribution).
+                One :class:`SamplingParams` for all, or one per session.
 
         Returns:
             :class:`AcceptResult`: per session ``output_ids[b, :num_output[b]]`` (the accepted
@@ -295,8 +297,7 @@ class SpecDecoder:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
         self._check_draft(draft)
         with nvtx.annotate("agspec.commit"):
-            res = self._accept(draft, logits, sampling or SamplingParams(temperature=0.0),
-                               generator)
+            res = self._accept(draft, logits, self._sampling(sampling, len(sids)), generator)
             n_out = res.num_output.tolist()
             rows = res.output_ids.tolist()
             self._record(sids, draft, res, n_out)
@@ -314,9 +315,21 @@ class SpecDecoder:
             self._session(s)
         return sids
 
-    def _accept(self, draft: DraftBatch, logits: torch.Tensor, sampling: SamplingParams,
+    def _sampling(self, sampling, num_sessions: int) -> BatchSampling:
+        """``sampling`` (None = greedy; one ``SamplingParams``; or one per session) as rows
+        of the batch, validated before anything changes."""
+        if sampling is None:
+            sampling = SamplingParams(temperature=0.0)
+        if not isinstance(sampling, SamplingParams):
+            sampling = list(sampling)
+            if len(sampling) != num_sessions:
+                raise ValueError(f"sampling: {len(sampling)} SamplingParams for "
+                                 f"{num_sessions} sessions")
+        return BatchSampling.of(sampling, self._device)
+
+    def _accept(self, draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
                 generator: torch.Generator | None) -> AcceptResult:
-        if sampling.is_greedy:
+        if sampling.all_greedy:
             return greedy_accept(draft, logits)
         return sample_accept(draft, logits, None, sampling, generator)
 
@@ -337,8 +350,9 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, session_ids: Sequence[str], max_new_tokens: int = 256,
-                 sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+    def generate(self, session_ids: Sequence[str], max_new_tokens: int | Sequence[int] = 256,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 stop: Sequence[str] = (),
                  speculate: bool | Sequence[bool] = True, eos_id: int | None = -1,
                  generator: torch.Generator | None = None,
                  on_tokens: Callable[[str, list[int]], None] | None = None) -> list[list[int]]:
@@ -346,36 +360,48 @@ class SpecDecoder:
 
         Args:
             session_ids: open sessions (distinct).
-            max_new_tokens: per session.
-            sampling: None or temperature 0 = greedy (lossless: equals plain greedy).
+            max_new_tokens: per session: one limit for all, or one per session.
+            sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
+                :class:`SamplingParams` for all, or one per session (a batch may mix greedy
+                and sampled requests).
             stop: strings that end a request; the output ends with the token completing one.
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
         """
         sids = self._batch(session_ids)
-        states = [self._sessions[s] for s in sids]
-        self._proposed = None  # generate's own steps replace a pending propose()
-        if max_new_tokens < 1:
-            return [[] for _ in sids]
-        spec = [speculate] * len(sids) if isinstance(speculate, bool) else list(speculate)
-        if len(spec) != len(sids):
-            raise ValueError("speculate: one flag per session")
+        n = len(sids)
+        limits = _per_session(max_new_tokens, n, "max_new_tokens", int)
+        if any(m < 0 for m in limits):
+            raise ValueError(f"max_new_tokens: must be >= 0, got {limits}")
+        spec = _per_session(speculate, n, "speculate", bool)
+        per_params = _per_session(sampling, n, "sampling", (SamplingParams, type(None)))
         eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
-        sampling = sampling or SamplingParams(temperature=0.0)
+        self._proposed = None  # generate's own steps replace a pending propose()
+        outs: list[list[int]] = [[] for _ in sids]
+        run = [b for b in range(n) if limits[b] > 0]  # a limit of 0: not in the batch
+        if not run:
+            return outs
+        sids = [sids[b] for b in run]
+        states = [self._sessions[s] for s in sids]
+        rows = self._sampling([per_params[b] or SamplingParams(temperature=0.0) for b in run],
+                              len(run))
         self._calls += 1
         for st in states:
             st.last_used = self._calls
         runner = self._batch_runner()
         if isinstance(runner, PagedBatch):
-            self._make_room(sids, max_new_tokens)
+            self._make_room(sids, max(limits))
         try:
-            return self._generate(sids, states, runner, max_new_tokens, sampling, stop, spec,
-                                  eos, generator, on_tokens)
+            got = self._generate(sids, states, runner, [limits[b] for b in run], rows, stop,
+                                 [spec[b] for b in run], eos, generator, on_tokens)
         finally:
             self._keep_kv(states, runner)
             if isinstance(runner, PagedBatch):
                 runner.close()
+        for b, o in zip(run, got):
+            outs[b] = o
+        return outs
 
     def _batch_runner(self) -> HFRunner | PagedBatch:
         if self._paged is None:
@@ -434,7 +460,7 @@ class SpecDecoder:
                 break
             self._drop_kv(sid, self._sessions[sid])
 
-    def _generate(self, sids, states, runner, max_new_tokens, sampling, stop, spec, eos,
+    def _generate(self, sids, states, runner, limits, sampling, stop, spec, eos,
                   generator, on_tokens) -> list[list[int]]:
         dev = self._device
         if isinstance(runner, PagedBatch):  # each session continues its own KV sequence
@@ -449,7 +475,7 @@ class SpecDecoder:
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)
         root = first.to(torch.int32)
-        new = self._emit(outs, done, [[int(t)] for t in first.tolist()], max_new_tokens, eos,
+        new = self._emit(outs, done, [[int(t)] for t in first.tolist()], limits, eos,
                          stop)
         self.drafter.append_generated(sids, root[:, None],
                                       to_device(list(map(len, new)), torch.int32, dev))
@@ -473,7 +499,7 @@ class SpecDecoder:
                 n_out = res.num_output.tolist()
                 rows = res.output_ids.tolist()
                 new = self._emit(outs, done, [r[:n] for r, n in zip(rows, n_out)],
-                                 max_new_tokens, eos, stop)
+                                 limits, eos, stop)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit, nothing for requests that had already finished
                 self._record(sids, draft, res, list(map(len, new)))
@@ -490,11 +516,9 @@ class SpecDecoder:
                 if toks:
                     on_tokens(sid, toks)
 
-    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, generator) -> torch.Tensor:
-        if sampling.is_greedy:
+    def _pick(self, logits: torch.Tensor, sampling: BatchSampling, generator) -> torch.Tensor:
+        if sampling.all_greedy:
             return logits.argmax(dim=-1)
-        from agspec_gpu.accept import target_probs
-
         p = target_probs(logits.float(), sampling)
         return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(
             p.shape[:-1])
@@ -507,7 +531,8 @@ class SpecDecoder:
 
     def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
         """Appends each request's new tokens to ``outs``, ending at EOS, a stop string or
-        the limit; returns what each request took of ``new[b]`` (nothing once it is done)."""
+        its limit ``max_new[b]``; returns what each request took of ``new[b]`` (nothing once
+        it is done)."""
         taken: list[list[int]] = [[] for _ in new]
         for b, toks in enumerate(new):
             if done[b]:
@@ -515,12 +540,25 @@ class SpecDecoder:
             take = taken[b]
             for t in toks:
                 take.append(t)
-                if (eos is not None and t == eos) or len(outs[b]) + len(take) >= max_new or \
+                if (eos is not None and t == eos) or len(outs[b]) + len(take) >= max_new[b] or \
                         (stop and any(s in self.tokenizer.decode(outs[b] + take) for s in stop)):
                     done[b] = True
                     break
             outs[b].extend(take)
         return taken
+
+
+def _per_session(value, n: int, name: str, kind) -> list:
+    """``value`` for every session, or one per session (checked: ``n`` of type ``kind``)."""
+    if isinstance(value, kind):
+        return [value] * n
+    try:
+        values = list(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected {kind} or one per session, got {value!r}") from None
+    if len(values) != n or not all(isinstance(v, kind) for v in values):
+        raise ValueError(f"{name}: expected one per session ({n}), got {values!r}")
+    return values
 
 
 def _mask_drafts(draft: DraftBatch, keep: torch.Tensor) -> DraftBatch:

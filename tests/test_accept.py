@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agspec_gpu.accept import (AcceptResult, SamplingParams, flatten_tree_logits, greedy_accept,
-                               pad_tree_logits, sample_accept, target_probs, tree_qo_indptr)
+from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, flatten_tree_logits,
+                               greedy_accept, pad_tree_logits, sample_accept, target_probs,
+                               tree_qo_indptr)
 from agspec_gpu.draft_batch import DraftBatch
 
 V = 16
@@ -175,6 +176,30 @@ def test_target_probs_matches_hf_warpers(params):
     torch.testing.assert_close(target_probs(logits, params), x.softmax(-1))
 
 
+MIXED = [SamplingParams(0.0), SamplingParams(0.7), SamplingParams(1.0, 5),
+         SamplingParams(1.0, 0, 0.8), SamplingParams(1.3, 7, 0.6), SamplingParams(0.0, 3, 0.5),
+         SamplingParams(0.9, 60, 1.0)]
+
+
+def test_batch_sampling_rows_equal_their_own_params():
+    """Row b of a mixed batch (greedy, temperature, top-k, top-p, both; k >= V) is exactly
+    what that row's params give alone, for [B, V] and [B, Q, V] logits."""
+    g = torch.Generator().manual_seed(3)
+    for shape in ((len(MIXED), 50), (len(MIXED), 4, 50)):
+        logits = torch.randn(*shape, generator=g) * 3
+        logits[0, ..., 7] = logits[0, ..., 9] = logits[0].max() + 1  # an argmax tie
+        batch = target_probs(logits, BatchSampling.of(MIXED, "cpu"))
+        for b, params in enumerate(MIXED):
+            assert torch.equal(batch[b], target_probs(logits[b], params)), (shape, params)
+    assert int(batch[0, 0].argmax()) == 7 and float(batch[0, 0].max()) == 1.0
+    s = BatchSampling.of(MIXED, "cpu")
+    assert (s.max_top_k, s.any_top_p, s.all_greedy, s.any_greedy) == (60, True, False, True)
+    with pytest.raises(ValueError, match="sampling"):
+        BatchSampling.of([SamplingParams(), 0.5], "cpu")
+    with pytest.raises(ValueError, match="sampling"):
+        BatchSampling.of([], "cpu")
+
+
 def _random_case(seed: int):
     g = torch.Generator().manual_seed(seed)
     trees = [[(1, -1), (2, -1), (3, 0)], [], [(0, -1), (1, 0), (2, 1), (3, 1)]] * 3
@@ -201,6 +226,29 @@ def test_temperature_zero_is_greedy():
     ref = greedy_accept(d, logits, indptr)
     assert torch.equal(res.output_ids, ref.output_ids)
     assert torch.equal(res.accepted_nodes, ref.accepted_nodes)
+
+
+def test_mixed_batch_samples_each_row_from_its_own_target():
+    """A batch whose requests sample with different params (and one greedy request): each
+    row's first emitted token follows its own target, the greedy rows are greedy_accept's."""
+    params = [SamplingParams(0.6, 0, 1.0), SamplingParams(1.4, 4, 0.9), SamplingParams(0.0)]
+    B = 3 * 20000
+    one = DraftBatch.from_lists([STAT_TREE])
+    d = DraftBatch(one.token_ids.expand(B, -1), one.parents.expand(B, -1),
+                   one.num_draft_tokens.expand(B))
+    rows = _markov_rows(d, torch.full((B,), ROOT))
+    res = sample_accept(d, rows, None, BatchSampling.of(params * (B // 3), "cpu"),
+                        torch.Generator().manual_seed(99))
+    first = res.output_ids[:, 0].long()
+    for i, p in enumerate(params):
+        mine = first[i::3]
+        tv = 0.5 * (torch.bincount(mine, minlength=6) / mine.numel()
+                    - target_probs(MARKOV[ROOT], p)).abs().sum()
+        assert tv < 0.02, (p, tv)
+    ref = greedy_accept(d, rows)
+    assert torch.equal(res.output_ids[2::3], ref.output_ids[2::3])
+    with pytest.raises(ValueError, match="sampling"):
+        sample_accept(d, rows, None, BatchSampling.of(params, "cpu"))
 
 
 # A toy target: a Markov chain over V=6 tokens, next-token logits depend on the last token.

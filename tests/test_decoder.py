@@ -481,6 +481,38 @@ def test_sampling_deterministic_under_seed_and_greedy_limits():
     assert _sampled(variant, P, g, SamplingParams(temperature=1.0, top_k=1), 7) == refs
 
 
+def test_per_session_sampling_and_limits():
+    """One batch, per-session SamplingParams and max_new_tokens (as a server batches
+    requests of different roles): the greedy sessions are plain greedy decoding whatever
+    their neighbours sample, each stops at its own limit (0: not run), every session tier
+    holds its context; bad per-session lists raise naming the argument."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 0, 7, 1)]
+    g = greedy(variant, P[0], 24)
+    hot = SamplingParams(temperature=0.9, top_k=40)
+    params = [None, hot, SamplingParams(temperature=0.0), SamplingParams(0.0, 5)]
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + g)
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    out = dec.generate(sids, max_new_tokens=[24, 12, 9, 0], sampling=params,
+                       generator=torch.Generator().manual_seed(5))
+    assert out[0] == g and out[2] == greedy(variant, P[2], 9) and out[3] == []
+    assert len(out[1]) == 12 and all(0 <= t < VOCAB for t in out[1])
+    assert out[1] != greedy(variant, P[1], 12)  # really sampled (temperature 0.9)
+    for sid, p, o in zip(sids, P, out):
+        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+        assert held == p + o
+    assert dec.generate(sids[3:], max_new_tokens=[5]) == [greedy(variant, P[3], 5)]
+    assert dec.generate(sids, max_new_tokens=0) == [[], [], [], []]
+    bad = [dict(max_new_tokens=[4, 4]), dict(max_new_tokens=[4, 4, -1, 4]),
+           dict(max_new_tokens=4.5), dict(sampling=[hot, hot]),
+           dict(sampling=[hot, 0.5, None, None]), dict(sampling="greedy")]
+    for kw in bad:
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            dec.generate(sids, **{"max_new_tokens": 4, **kw})
+    assert dec.generate(sids[2:3], max_new_tokens=6) == [greedy(variant, P[2] + out[2], 6)]
+
+
 # ---------------------------------------------------------------- bad input
 def test_mismatched_vocabularies():
     small = _tiny("llama", "sdpa", vocab=50000)
@@ -658,6 +690,8 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
         dec.commit(sids, DraftBatch(bad_tok, draft.parents, num), logits)
     with pytest.raises(KeyError):
         dec.root_ids([sids[0], "nope"])
+    with pytest.raises(ValueError, match="sampling"):  # one SamplingParams per session
+        dec.commit(sids, draft, logits, sampling=[SamplingParams()])
     assert dec.stats["steps"] == 0  # nothing was committed
     res = dec.commit(sids, draft, logits)  # the real step still commits
     runner.commit(res)
