@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from numbers import Integral
+from typing import Callable, Iterable, Sequence
 
 import nvtx
 import torch
@@ -217,7 +218,16 @@ class SpecDecoder:
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise ValueError(f"{name}: expected integer token ids, got {ids.dtype}")
             ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise ValueError(f"{name}: expected token ids (a list of int or a 1-D integer "
+                             f"tensor), got {type(ids).__name__}")
+        ids = list(ids)
+        odd = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
+        if odd:
+            raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
         ids = [int(t) for t in ids]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -308,6 +318,9 @@ class SpecDecoder:
 
     def _batch(self, session_ids: Sequence[str]) -> list[str]:
         """``session_ids`` as a list, checked: distinct and open."""
+        if isinstance(session_ids, str) or not isinstance(session_ids, Iterable):
+            raise ValueError(f"session_ids: expected a list of session ids, got "
+                             f"{session_ids!r}")
         sids = list(session_ids)
         if len(set(sids)) != len(sids):
             raise ValueError("session_ids must be distinct")
@@ -352,7 +365,7 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, session_ids: Sequence[str], max_new_tokens: int | Sequence[int] = 256,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 stop: Sequence[str] = (),
+                 stop: str | Sequence[str] = (),
                  speculate: bool | Sequence[bool] = True, eos_id: int | None = -1,
                  generator: torch.Generator | None = None,
                  on_tokens: Callable[[str, list[int]], None] | None = None) -> list[list[int]]:
@@ -364,19 +377,27 @@ class SpecDecoder:
             sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
                 and sampled requests).
-            stop: strings that end a request; the output ends with the token completing one.
+            stop: a string or strings that end a request; the output ends with the token
+                completing one.
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
         """
         sids = self._batch(session_ids)
         n = len(sids)
-        limits = _per_session(max_new_tokens, n, "max_new_tokens", int)
-        if any(m < 0 for m in limits):
-            raise ValueError(f"max_new_tokens: must be >= 0, got {limits}")
+        limits = _per_session(max_new_tokens, n, "max_new_tokens", Integral)
+        if any(isinstance(m, bool) or m < 0 for m in limits):
+            raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
         spec = _per_session(speculate, n, "speculate", bool)
         per_params = _per_session(sampling, n, "sampling", (SamplingParams, type(None)))
         eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
+        if eos is not None and not 0 <= eos < self.vocab_size:
+            raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {self.vocab_size})")
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+        if generator is not None and generator.device.type != self._device.type:
+            raise ValueError(f"generator: on {generator.device}, the model on {self._device}")
         self._proposed = None  # generate's own steps replace a pending propose()
         outs: list[list[int]] = [[] for _ in sids]
         run = [b for b in range(n) if limits[b] > 0]  # a limit of 0: not in the batch

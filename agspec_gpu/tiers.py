@@ -122,6 +122,7 @@ class CorpusStore:
             raise ValueError("sid must be a non-empty string")
         if sid in self._sessions:
             raise ValueError(f"sid {sid!r}: a session with this id already exists")
+        _check_tenant(tenant)
         ids = self._as_tokens(prompt_ids, "prompt_ids")
         t = self._tenants.setdefault(tenant, _Tenant())
         cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
@@ -194,6 +195,11 @@ class CorpusStore:
         added as a new version and the old one is kept (diffs quote old text). Returns the
         number of tokens added.
         """
+        _check_tenant(tenant)
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"path: expected a str or None, got {type(path).__name__}")
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
         if not self.config.use_workspace or not text:
             return 0
         t = self._tenants.setdefault(tenant, _Tenant())
@@ -276,6 +282,12 @@ class CorpusStore:
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
         return t.to(self.arena.device, torch.int32)
+
+
+def _check_tenant(tenant) -> None:
+    # the isolation key: 5 and "5" must not name two tenants by accident
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError(f"tenant: expected a non-empty str, got {tenant!r}")
 
 
 # ---------------------------------------------------------------- global tier

@@ -456,6 +456,9 @@ def test_stop_string_inside_accepted_draft(monkeypatch):
     out = dec.generate([sid], max_new_tokens=48, eos_id=None, stop=["never in this text", stop])
     assert out == [g[:j + 1]], (j, stop)
     assert accepted_with_more_after(steps, 0, j)
+    # one string is one stop string (not its characters)
+    again = dec.open_session("t0", "coder", P)
+    assert dec.generate([again], max_new_tokens=48, eos_id=None, stop=stop) == [g[:j + 1]]
 
 
 # ---------------------------------------------------------------- sampling
@@ -536,6 +539,24 @@ def test_bad_token_ids_and_survivors():
         dec.generate([sids[0], sids[1], sids[0]], max_new_tokens=4)
     with pytest.raises(ValueError, match="speculate"):
         dec.generate(sids, max_new_tokens=4, speculate=[True])
+    for bad in ("hello", b"ab", torch.tensor([1.0, 2.0]), torch.tensor([True]), [1, 2.5],
+                [True, 3], 7):
+        with pytest.raises(ValueError, match="prompt_ids"):
+            dec.open_session("t0", "coder", bad)
+    with pytest.raises(ValueError, match="tenant"):  # 5 and "5" must not be one tenant
+        dec.open_session(5, "coder", [1, 2])
+    with pytest.raises(ValueError, match="role"):
+        dec.open_session("t0", "no-such-role", [1, 2])
+    with pytest.raises(ValueError, match="path"):
+        dec.add_workspace_file(sids[0], 5, "x = 1\n")
+    with pytest.raises(ValueError, match="text"):
+        dec.add_workspace_file(sids[0], "a.py", b"x = 1\n")
+    with pytest.raises(ValueError, match="session_ids"):  # one id, not a list of them
+        dec.generate(sids[0], max_new_tokens=4)
+    for kw in (dict(max_new_tokens=True), dict(eos_id=VOCAB), dict(eos_id=-5),
+               dict(stop=[""]), dict(stop=["a", 3])):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            dec.generate(sids, **{"max_new_tokens": 4, **kw})
     assert_greedy(dec, variant, sids, P)
 
 
