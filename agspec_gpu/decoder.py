@@ -28,6 +28,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field, replace
 from numbers import Integral
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import nvtx
@@ -43,7 +44,7 @@ from agspec_gpu.runners.hf import HFRunner, SessionKV
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
-from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig
+from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -113,13 +114,17 @@ class SpecDecoder:
         model: a ``transformers`` causal LM (eval mode).
         tokenizer: its tokenizer (HF object or path), or ``"cl100k"``.
         config: :class:`DecoderConfig`.
-        global_corpus: optional read-only public corpus shared by every tenant.
+        global_corpus: optional read-only public corpus shared by every tenant: a
+            :class:`GlobalCorpus` or the path of a file from ``agspec-gpu build-global``
+            (loaded and checked against ``tokenizer``).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: DecoderConfig | None = None,
-                 global_corpus: GlobalCorpus | None = None) -> None:
+                 global_corpus: GlobalCorpus | str | Path | None = None) -> None:
         self.model = model
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        if isinstance(global_corpus, (str, Path)):
+            global_corpus = load_global_corpus(global_corpus, self.tokenizer)
         self.config = config or DecoderConfig()
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         if vocab and self.tokenizer.vocab_size > vocab:

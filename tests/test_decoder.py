@@ -345,6 +345,32 @@ def test_workspace_file_drafts_are_lossless():
     assert dec.stats["drafted"] > 0
 
 
+def test_global_corpus_from_a_path(tmp_path):
+    """``global_corpus=`` takes the path of an ``agspec-gpu build-global`` file, as
+    DESIGN.md's API does: loaded, checked against the tokenizer, drafted from (lossless);
+    a corpus of another tokenizer is refused naming it."""
+    import dataclasses
+
+    from agspec_gpu.tiers import build_global_corpus
+
+    variant = VARIANTS[1]
+    P = list(prompts()[6])
+    g = greedy(variant, P)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mod.py").write_text(tok().decode(P + g))
+    path = tmp_path / "global.agspec"
+    build_global_corpus([src], tok(), path)
+    dec = SpecDecoder(model(variant), tok(), global_corpus=str(path))
+    sid = dec.open_session("t0", "coder", P)
+    assert dec.generate([sid], max_new_tokens=NEW) == [g]
+    assert dec.stats["drafted"] > 0
+    other = dataclasses.replace(tok(), name="other-bpe", fingerprint="f" * 64)
+    build_global_corpus([src], other, tmp_path / "foreign.agspec")
+    with pytest.raises(ValueError, match="tokenizer"):
+        SpecDecoder(model(variant), tok(), global_corpus=tmp_path / "foreign.agspec")
+
+
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
 def test_mixed_trees_in_one_batch(variant, monkeypatch):
     """One batch: a fully accepted chain, a draft rejected at its first token, a tree whose
