@@ -40,10 +40,11 @@ from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import to_device
-from agspec_gpu.runners.hf import HFRunner, SessionKV
+from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
+from agspec_gpu.session_kv import SessionKVCache
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
@@ -98,13 +99,6 @@ class _SessionState:
     tenant: str
     context: list[int]
     closed: bool = False
-    # runner="paged": the session's KV sequence holds context[:kv_len] between generate
-    # calls (< len(context): the last token is the next step's root); last_used orders
-    # evictions when the pool runs short
-    kv_len: int = 0
-    last_used: int = 0
-    # runner="hf": the KV of context[:hf_kv.length] kept between calls
-    hf_kv: SessionKV | None = None
 
 
 class SpecDecoder:
@@ -157,7 +151,9 @@ class SpecDecoder:
                                                drafter_cfg.max_nodes)
         self._sessions: dict[str, _SessionState] = {}
         self._proposed: list[str] | None = None  # the sessions of the last public propose
-        self._calls = 0  # generate calls so far (the sessions' last_used clock)
+        # each session's KV between generate calls (a call prefills what was appended since)
+        self._kv = SessionKVCache(self._paged, self.config.kv_cache_tokens,
+                                  reserve_tokens=1 + drafter_cfg.max_nodes)
         self._next = 0
         # a per-instance prefix: one decoder never takes another decoder's session id for
         # one of its own (possibly another tenant's session)
@@ -206,7 +202,7 @@ class SpecDecoder:
         """Frees the session's corpus and KV; its text joins its tenant's history."""
         st = self._session(sid)
         self.drafter.close_session(sid)
-        self._drop_kv(sid, st)
+        self._kv.drop(sid)
         st.closed = True
         del self._sessions[sid]
         if self._proposed is not None and sid in self._proposed:
@@ -412,17 +408,13 @@ class SpecDecoder:
         states = [self._sessions[s] for s in sids]
         rows = self._sampling([per_params[b] or SamplingParams(temperature=0.0) for b in run],
                               len(run))
-        self._calls += 1
-        for st in states:
-            st.last_used = self._calls
         runner = self._batch_runner()
-        if isinstance(runner, PagedBatch):
-            self._make_room(sids, max(limits))
         try:
-            got = self._generate(sids, states, runner, [limits[b] for b in run], rows, stop,
-                                 [spec[b] for b in run], eos, generator, on_tokens)
+            logits = self._kv.prefill(runner, sids, [st.context for st in states], max(limits))
+            got = self._generate(sids, states, runner, logits, [limits[b] for b in run], rows,
+                                 stop, [spec[b] for b in run], eos, generator, on_tokens)
         finally:
-            self._keep_kv(states, runner)
+            self._kv.keep(runner, sids, [st.context for st in states])
             if isinstance(runner, PagedBatch):
                 runner.close()
         for b, o in zip(run, got):
@@ -434,69 +426,9 @@ class SpecDecoder:
             return HFRunner(self.model)
         return PagedBatch(self._paged, self._verify_graphs)
 
-    # ------------------------------------------------------------ session KV (paged)
-    def _drop_kv(self, sid: str, st: _SessionState) -> None:
-        """Frees the session's KV; its next generate prefills its whole context again."""
-        if self._paged is not None and sid in self._paged.kv_cache:
-            self._paged.kv_cache.free(sid)
-        st.kv_len, st.hf_kv = 0, None
-
-    def _keep_kv(self, states: list[_SessionState], runner: HFRunner | PagedBatch) -> None:
-        """After a call (finished or failed): each session's KV holds the prompt, then the
-        emitted stream (and, past a request's end, what the model went on to produce while
-        others ran), so it is a prefix of the context up to the shorter of the two; the
-        last context token stays the next root. A call that failed before its batch had a
-        committed prefix keeps the sessions' earlier KV: those slots are never rewritten."""
-        paged = isinstance(runner, PagedBatch)
-        lens = runner.prefix_lens_host if paged else \
-            runner.seq_lens.tolist() if runner.batch_size else []  # once per call
-        if len(lens) != len(states):
-            return
-        for b, (st, n) in enumerate(zip(states, lens)):
-            n = min(n, len(st.context) - 1)
-            if paged:
-                st.kv_len = n
-            else:
-                st.hf_kv = runner.session_kv(b, n) if n > 0 else None
-        if not paged:  # the least recently generated sessions' KV goes first
-            budget = self.config.kv_cache_tokens
-            held = sorted((st.last_used, -st.hf_kv.length, sid)
-                          for sid, st in self._sessions.items() if st.hf_kv is not None)
-            total = sum(-neg for _, neg, _ in held)
-            for _, neg, sid in held:
-                if total <= budget:
-                    break
-                self._sessions[sid].hf_kv = None
-                total += neg
-
-    def _make_room(self, sids: list[str], max_new_tokens: int) -> None:
-        """Frees the KV of sessions outside ``sids``, least recently generated first, until
-        the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens`` +
-        a draft); a call that still does not fit runs and fails only if it gets that far."""
-        cache = self._paged.kv_cache
-        ps, extra = cache.page_size, max_new_tokens + 1 + self.drafter.config.max_nodes
-        need = sum(max(min(-(-(len(self._sessions[s].context) + extra) // ps),
-                           cache.max_pages_per_seq) - cache.capacity(s) // ps, 0)
-                   for s in sids)
-        batch = set(sids)
-        idle = sorted((st.last_used, sid) for sid, st in self._sessions.items()
-                      if sid not in batch and sid in cache)
-        for _, sid in idle:
-            if cache.num_free_pages >= need:
-                break
-            self._drop_kv(sid, self._sessions[sid])
-
-    def _generate(self, sids, states, runner, limits, sampling, stop, spec, eos,
+    def _generate(self, sids, states, runner, logits, limits, sampling, stop, spec, eos,
                   generator, on_tokens) -> list[list[int]]:
         dev = self._device
-        if isinstance(runner, PagedBatch):  # each session continues its own KV sequence
-            logits = runner.prefill([st.context for st in states], seq_ids=sids,
-                                    cached=[st.kv_len for st in states])
-        else:
-            logits = runner.prefill([st.context for st in states],
-                                    past=[st.hf_kv for st in states])
-            for st in states:  # the batch's cache holds it now; _keep_kv cuts it anew
-                st.hf_kv = None
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)

@@ -297,7 +297,7 @@ def test_hf_runner_keeps_session_kv_between_calls(variant, monkeypatch):
         for sid, o in zip(batch, out):
             assert o == greedy(variant, ctx[sid], n), sid
             ctx[sid] = ctx[sid] + o
-        return [dec._sessions[s].hf_kv.length if dec._sessions[s].hf_kv else 0 for s in sids]
+        return [dec._kv.kept_tokens(s) for s in sids]
 
     assert run([a, b]) == [len(ctx[a]) - 1, len(ctx[b]) - 1, 0]
     assert prefilled[-1] == [len(P[0]), len(P[1])]
@@ -313,10 +313,10 @@ def test_hf_runner_keeps_session_kv_between_calls(variant, monkeypatch):
     assert prefilled[-1] == [len(P[2]), 1]
     run([b])
     assert prefilled[-1] == [len(ctx[b]) - 8]  # freed: its whole context again
-    st = dec._sessions[a]
-    assert st.hf_kv is not None
+    kept = dec._kv._kept[a].tensors
+    assert kept is not None and kept.nbytes > 0
     dec.close_session(a)
-    assert st.hf_kv is None
+    assert dec._kv.kept_tokens(a) == 0 and a not in dec._kv._kept
 
 
 def test_decoder_loads_role_profiles(tmp_path):
@@ -838,7 +838,7 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
         if where == "propose":
             assert ctx == p + streamed[sid]
         if runner == "paged":
-            assert 0 < dec._sessions[sid].kv_len <= len(ctx) - 1
+            assert 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
     assert_greedy(dec, variant, sids, [list(dec._sessions[s].context) for s in sids], n=8)
 
 
