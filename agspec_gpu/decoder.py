@@ -309,8 +309,7 @@ class SpecDecoder:
         self._check_draft(draft)
         with nvtx.annotate("agspec.commit"):
             res = self._accept(draft, logits, self._sampling(sampling, len(sids)), generator)
-            n_out = res.num_output.tolist()
-            rows = res.output_ids.tolist()
+            rows, n_out = _read_output(res)
             self._record(sids, draft, res, n_out)
             self._advance(sids, [self._sessions[s] for s in sids],
                           [r[:n] for r, n in zip(rows, n_out)], None)
@@ -444,18 +443,18 @@ class SpecDecoder:
                 draft = self.drafter.propose(sids)
             draft = _mask_drafts(draft, spec_mask & to_device([not d for d in done],
                                                               torch.bool, dev))
-            # the HF forward's cost grows with the padded width: verify the widest tree's
-            # nodes, not the drafter's static max_nodes (this loop syncs each step anyway)
-            draft = draft.narrowed(max(int(draft.num_draft_tokens.max()), 1))
-            self._check_draft(draft)
+            # two host reads a step: the draft sizes here, the output after acceptance.
+            # The HF forward's cost grows with the padded width: verify the widest tree's
+            # nodes, not the drafter's static max_nodes
+            num_draft = self._check_draft(draft)
+            draft = draft.narrowed(max(max(num_draft), 1))
             with nvtx.annotate("agspec.verify"):
-                res = self._accept(draft, runner.verify_padded(draft, root), sampling,
-                                   generator)
+                logits = runner.verify_padded(draft, root, num_draft_host=sum(num_draft))
+                res = self._accept(draft, logits, sampling, generator)
             with nvtx.annotate("agspec.commit"):
-                runner.commit(res)
+                rows, n_out = _read_output(res)
+                runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
                 root = res.bonus_ids().to(torch.int32)
-                n_out = res.num_output.tolist()
-                rows = res.output_ids.tolist()
                 new = self._emit(outs, done, [r[:n] for r, n in zip(rows, n_out)],
                                  limits, eos, stop)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
@@ -481,11 +480,16 @@ class SpecDecoder:
         return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(
             p.shape[:-1])
 
-    def _check_draft(self, draft: DraftBatch) -> None:
+    def _check_draft(self, draft: DraftBatch) -> list[int]:
+        """Raises if a draft token is outside the vocabulary; returns ``num_draft_tokens``
+        (one host read for both)."""
         valid = torch.arange(draft.max_nodes, device=draft.token_ids.device)[None, :] < \
             draft.num_draft_tokens[:, None]
-        if bool((valid & ((draft.token_ids < 0) | (draft.token_ids >= self.vocab_size))).any()):
+        bad = (valid & ((draft.token_ids < 0) | (draft.token_ids >= self.vocab_size))).any()
+        *num, bad = torch.cat([draft.num_draft_tokens.long(), bad.long()[None]]).tolist()
+        if bad:
             raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
+        return num
 
     def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
         """Appends each request's new tokens to ``outs``, ending at EOS, a stop string or
@@ -504,6 +508,12 @@ class SpecDecoder:
                     break
             outs[b].extend(take)
         return taken
+
+
+def _read_output(res: AcceptResult) -> tuple[list[list[int]], list[int]]:
+    """``(output_ids rows, num_output)`` on the host, in one read."""
+    both = torch.cat([res.num_output[:, None].long(), res.output_ids.long()], 1).tolist()
+    return [r[1:] for r in both], [r[0] for r in both]
 
 
 def _per_session(value, n: int, name: str, kind) -> list:

@@ -87,8 +87,7 @@ class SessionKVCache:
         last context token stays the next root. A call that failed before its batch had a
         committed prefix keeps the sessions' earlier KV: those slots are never rewritten."""
         paged = isinstance(runner, PagedBatch)
-        lens = runner.prefix_lens_host if paged else \
-            runner.seq_lens.tolist() if runner.batch_size else []  # once per call
+        lens = runner.prefix_lens_host if paged else runner.seq_lens_host
         if len(lens) != len(sids):
             return
         for b, (sid, ctx, n) in enumerate(zip(sids, contexts, lens)):

@@ -145,6 +145,7 @@ class HFRunner:
         self.device, self.dtype = param.device, param.dtype
         self._cache = None
         self._seq_lens: torch.Tensor | None = None   # int64 [B] committed tokens in the cache
+        self._lens_host: list[int] = []              # the same on the host
         self._width = 0                              # cache slots (a shape, host-known)
         self._pending: tuple[int, int] | None = None  # (width before verify, q) until commit
 
@@ -158,6 +159,11 @@ class HFRunner:
         if self._seq_lens is None:
             raise ValueError("no batch: call prefill() first")
         return self._seq_lens.clone()
+
+    @property
+    def seq_lens_host(self) -> list[int]:
+        """:attr:`seq_lens` as a host list (kept beside it: no device read)."""
+        return list(self._lens_host)
 
     def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, pos: torch.Tensor,
                  **extra) -> torch.Tensor:
@@ -193,6 +199,7 @@ class HFRunner:
                                  for kv, p in zip(past, input_ids)):
             raise ValueError("past: one SessionKV or None per prompt, shorter than it")
         cached = [0 if kv is None else kv.length for kv in past]
+        self._seq_lens, self._lens_host = None, []  # no batch until this one is cached
         new = [p[c:] for p, c in zip(input_ids, cached)]
         S, C = max(map(len, new)), max(cached)
         ids = torch.zeros(B, S, dtype=torch.long)
@@ -221,6 +228,7 @@ class HFRunner:
         src = torch.where(w < n_past[:, None], w, C + pad[:, None] + w - n_past[:, None])
         self._gather_slots(torch.where(w < lens[:, None], src, 0))
         self._seq_lens, self._width = lens, w.shape[1]
+        self._lens_host = [c + len(p) for c, p in zip(cached, new)]
         return logits
 
     def _cache_from(self, past: list[SessionKV | None], width: int):
@@ -271,7 +279,8 @@ class HFRunner:
                                                              layer.values.shape[3]))
 
     @torch.no_grad()
-    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
+    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
+                      num_draft_host: int | None = None) -> torch.Tensor:
         """Runs ``[root, node_0, ..., node_{N-1}]`` per request in one forward (no host sync).
 
         Node ``j`` sits at position ``seq_lens[b] + depth(j)`` and attends to the cached
@@ -281,6 +290,7 @@ class HFRunner:
         Parameters:
             draft: ``B`` trees (``B`` = the prefilled batch).
             root_ids: ``int [B]`` last committed token per request (not yet in the cache).
+            num_draft_host: unused (the paged batch's bucket choice; same interface).
 
         Returns:
             ``[B, 1+N, V]`` logits: row 0 the root's, row ``1+j`` node ``j``'s; rows of
@@ -308,12 +318,13 @@ class HFRunner:
         return flatten_tree_logits(self.verify_padded(draft, root_ids), draft.num_draft_tokens)
 
     @torch.no_grad()
-    def commit(self, result: AcceptResult) -> None:
+    def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:
         """Keeps prefix + root + accepted path of the last verify in each request's cache.
 
         The bonus token is not cached: it is the next root. Compaction is one gather per
-        layer; its width, ``max(new lengths)``, is read from the device (one host sync per
-        step, which keeps the cache no wider than the longest request).
+        layer; its width, ``max(new lengths)``, keeps the cache no wider than the longest
+        request: from ``num_accepted_host`` (``result.num_accepted`` read by the caller)
+        or read from the device.
         """
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
@@ -325,7 +336,9 @@ class HFRunner:
         dev = self.device
         n_acc = result.num_accepted.long().to(dev)
         new_lens = self._seq_lens + 1 + n_acc
-        W = int(new_lens.max())
+        lens_host = new_lens.tolist() if num_accepted_host is None else \
+            [n + 1 + a for n, a in zip(self._lens_host, num_accepted_host)]
+        W = max(lens_host)
         path = torch.cat([result.accepted_nodes.long().to(dev),
                           torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)    # [B, D+1]
         t = torch.arange(W, device=dev)[None, :]
@@ -335,3 +348,4 @@ class HFRunner:
         src = torch.where(off > n_acc[:, None], 0, src)   # past the new length: junk slot
         self._gather_slots(src)
         self._seq_lens, self._width, self._pending = new_lens, W, None
+        self._lens_host = lens_host

@@ -101,17 +101,22 @@ class PagedBatch:
         return logits
 
     @torch.no_grad()
-    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
+    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
+                      num_draft_host: int | None = None) -> torch.Tensor:
         """``[B, 1 + N, V]`` logits of each request's root (row 0) and draft nodes; rows of
-        padding nodes repeat the request's last row."""
+        padding nodes repeat the request's last row. ``num_draft_host``: the draft's total
+        node count if the caller holds it (else read from the device: it picks the
+        bucket)."""
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._prefix is not None,
                                  pending=self._pending is not None)
         vg = self.verify_graphs
         if vg is not None and N <= vg.max_nodes and B <= vg.sizes[-1]:
             # the padded bucket (CUDA graph on a GPU); its first B requests are these
-            num_draft = int(draft.num_draft_tokens.sum())  # picks the bucket (a host read)
-            meta, flat = vg.verify(self._seq_ids, draft, root_ids, self._prefix_host, num_draft)
+            if num_draft_host is None:
+                num_draft_host = int(draft.num_draft_tokens.sum())  # picks the bucket
+            meta, flat = vg.verify(self._seq_ids, draft, root_ids, self._prefix_host,
+                                   num_draft_host)
             qo = meta.qo_indptr[:B + 1]
         else:
             meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
@@ -125,8 +130,9 @@ class PagedBatch:
         return flat[rows.reshape(-1)].view(B, 1 + N, -1)
 
     @torch.no_grad()
-    def commit(self, result: AcceptResult) -> None:
-        """Keeps the root and the accepted path of the last verify in each request's KV."""
+    def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:
+        """Keeps the root and the accepted path of the last verify in each request's KV
+        (``num_accepted_host``: ``result.num_accepted`` if the caller read it already)."""
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
         cache = self.runner.kv_cache
@@ -134,7 +140,9 @@ class PagedBatch:
             kv_compact(cache.data, cache.page_table(self._seq_ids), self._pending,
                        result.accepted_nodes.to(self.device, torch.int32).contiguous())
         self._prefix = self._pending + 1 + result.num_accepted.to(self.device, torch.int32)
-        self._prefix_host = self._prefix.tolist()  # the planner sizes pages on the host
+        # the planner sizes pages on the host
+        self._prefix_host = self._prefix.tolist() if num_accepted_host is None else \
+            [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
         self._pending = None
 
     def close(self) -> None:
