@@ -329,16 +329,14 @@ class SpecDecoder:
         return sids
 
     def _sampling(self, sampling, num_sessions: int) -> BatchSampling:
-        """``sampling`` (None = greedy; one ``SamplingParams``; or one per session) as rows
-        of the batch, validated before anything changes."""
-        if sampling is None:
-            sampling = SamplingParams(temperature=0.0)
-        if not isinstance(sampling, SamplingParams):
-            sampling = list(sampling)
-            if len(sampling) != num_sessions:
-                raise ValueError(f"sampling: {len(sampling)} SamplingParams for "
-                                 f"{num_sessions} sessions")
-        return BatchSampling.of(sampling, self._device)
+        """``sampling`` (None = greedy; one ``SamplingParams``; or one per session, None =
+        greedy) as rows of the batch, validated before anything changes."""
+        greedy = SamplingParams(temperature=0.0)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            return BatchSampling.of(sampling or greedy, self._device)
+        rows = [p or greedy for p in _per_session(sampling, num_sessions, "sampling",
+                                                  (SamplingParams, type(None)))]
+        return BatchSampling.of(rows, self._device)
 
     def _accept(self, draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
                 generator: torch.Generator | None) -> AcceptResult:
@@ -405,8 +403,7 @@ class SpecDecoder:
             return outs
         sids = [sids[b] for b in run]
         states = [self._sessions[s] for s in sids]
-        rows = self._sampling([per_params[b] or SamplingParams(temperature=0.0) for b in run],
-                              len(run))
+        rows = self._sampling([per_params[b] for b in run], len(run))
         runner = self._batch_runner()
         try:
             logits = self._kv.prefill(runner, sids, [st.context for st in states], max(limits))
