@@ -363,7 +363,7 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, session_ids: Sequence[str], max_new_tokens: int | Sequence[int] = 256,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 stop: str | Sequence[str] = (),
+                 stop: str | Sequence[str] | Sequence[Sequence[str]] = (),
                  speculate: bool | Sequence[bool] = True, eos_id: int | None = -1,
                  generator: torch.Generator | None = None,
                  on_tokens: Callable[[str, list[int]], None] | None = None) -> list[list[int]]:
@@ -375,8 +375,8 @@ class SpecDecoder:
             sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
                 and sampled requests).
-            stop: a string or strings that end a request; the output ends with the token
-                completing one.
+            stop: a string or strings that end a request (the output ends with the token
+                completing one); or one list of them per session.
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
@@ -391,9 +391,7 @@ class SpecDecoder:
         eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
         if eos is not None and not 0 <= eos < self.vocab_size:
             raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {self.vocab_size})")
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(x, str) and x for x in stop):
-            raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+        stops = _stop_lists(stop, n)
         if generator is not None and generator.device.type != self._device.type:
             raise ValueError(f"generator: on {generator.device}, the model on {self._device}")
         self._proposed = None  # generate's own steps replace a pending propose()
@@ -408,7 +406,8 @@ class SpecDecoder:
         try:
             logits = self._kv.prefill(runner, sids, [st.context for st in states], max(limits))
             got = self._generate(sids, states, runner, logits, [limits[b] for b in run], rows,
-                                 stop, [spec[b] for b in run], eos, generator, on_tokens)
+                                 [stops[b] for b in run], [spec[b] for b in run], eos,
+                                 generator, on_tokens)
         finally:
             self._kv.keep(runner, sids, [st.context for st in states])
             if isinstance(runner, PagedBatch):
@@ -489,8 +488,8 @@ class SpecDecoder:
         return num
 
     def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
-        """Appends each request's new tokens to ``outs``, ending at EOS, a stop string or
-        its limit ``max_new[b]``; returns what each request took of ``new[b]`` (nothing once
+        """Appends each request's new tokens to ``outs``, ending at EOS, one of its stop
+        strings ``stop[b]`` or its limit ``max_new[b]``; returns what each request took of ``new[b]`` (nothing once
         it is done)."""
         taken: list[list[int]] = [[] for _ in new]
         for b, toks in enumerate(new):
@@ -500,7 +499,8 @@ class SpecDecoder:
             for t in toks:
                 take.append(t)
                 if (eos is not None and t == eos) or len(outs[b]) + len(take) >= max_new[b] or \
-                        (stop and any(s in self.tokenizer.decode(outs[b] + take) for s in stop)):
+                        (stop[b] and any(s in self.tokenizer.decode(outs[b] + take)
+                                         for s in stop[b])):
                     done[b] = True
                     break
             outs[b].extend(take)
@@ -511,6 +511,23 @@ def _read_output(res: AcceptResult) -> tuple[list[list[int]], list[int]]:
     """``(output_ids rows, num_output)`` on the host, in one read."""
     both = torch.cat([res.num_output[:, None].long(), res.output_ids.long()], 1).tolist()
     return [r[1:] for r in both], [r[0] for r in both]
+
+
+def _stop_lists(stop, n: int) -> list[list[str]]:
+    """``stop`` as one list of stop strings per session: a string, strings for every
+    session, or one list (or tuple) of strings per session."""
+    if isinstance(stop, str):
+        stop = [stop]
+    stop = list(stop)
+    if stop and all(isinstance(x, (list, tuple)) for x in stop):
+        if len(stop) != n:
+            raise ValueError(f"stop: {len(stop)} lists of stop strings for {n} sessions")
+        lists = [list(x) for x in stop]
+    else:
+        lists = [stop] * n
+    if not all(isinstance(x, str) and x for xs in lists for x in xs):
+        raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+    return lists
 
 
 def _per_session(value, n: int, name: str, kind) -> list:

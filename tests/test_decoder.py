@@ -485,6 +485,13 @@ def test_stop_string_inside_accepted_draft(monkeypatch):
     # one string is one stop string (not its characters)
     again = dec.open_session("t0", "coder", P)
     assert dec.generate([again], max_new_tokens=48, eos_id=None, stop=stop) == [g[:j + 1]]
+    # one list per session: only the session that names the stop string ends at it
+    pair = [dec.open_session("t0", "coder", P), dec.open_session("t1", "coder", P)]
+    out = dec.generate(pair, max_new_tokens=48, eos_id=None, stop=[[stop], ["never"]])
+    assert out == [g[:j + 1], g]
+    for bad in ([[stop]], [[stop], [""]], [[stop], [3]]):
+        with pytest.raises(ValueError, match="stop"):
+            dec.generate(pair, max_new_tokens=4, stop=bad)
 
 
 # ---------------------------------------------------------------- sampling
