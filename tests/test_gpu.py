@@ -8,7 +8,9 @@
 * greedy tree verification through ``PagedLlamaRunner`` with FlashInfer is lossless: the
   tokens it emits equal plain greedy decoding with the same runner (bf16; positions where the
   reference's top-2 logits are closer than the measured kernel noise end the comparison, since
-  there the greedy token itself is a bf16 coin flip).
+  there the greedy token itself is a bf16 coin flip);
+* ``SpecDecoder`` on both runners: the paged one through its verification graphs, the default
+  hf one (fp32) with per-session sampling and its kept KV on the device, freed at close.
 
 Every model here has head_dim 128 and bf16, so FlashInfer JIT-compiles one module.
 """
@@ -199,6 +201,38 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
     same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
             for x, y in zip(*outs)]
     assert min(same) >= 4, (same, outs)
+
+
+def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
+    """The default (hf) runner on a GPU (fp32): a greedy session next to a sampled one is
+    plain greedy decoding, its second call continues the kept KV (device tensors), and
+    closing the sessions frees that memory."""
+    import transformers
+
+    from agspec_gpu import SamplingParams, SpecDecoder
+    from agspec_gpu.runners.hf import greedy_generate
+
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100277, rope_theta=10000.0)
+    torch.manual_seed(4)
+    model = transformers.LlamaForCausalLM(config).to(DEV).eval()
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1000, 30)] * 3
+    dec = SpecDecoder(model, "cl100k")
+    sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:40])]
+    gen = torch.Generator(DEV).manual_seed(0)
+    out = dec.generate(sids, max_new_tokens=[24, 12], eos_id=None, generator=gen,
+                       sampling=[None, SamplingParams(temperature=0.8)])
+    assert out[0] == greedy_generate(model, prompt, 24) and len(out[1]) == 12
+    assert dec._kv.kept_tokens(sids[0]) == len(prompt) + 23
+    more = dec.generate(sids[:1], max_new_tokens=8, eos_id=None)
+    assert more[0] == greedy_generate(model, prompt + out[0], 8)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    for sid in sids:
+        dec.close_session(sid)
+    assert dec._kv.kept_tokens(sids[0]) == 0
+    assert torch.cuda.memory_allocated() < held
 
 
 def _greedy_reference(runner, graphs, seq_id, prompt, num_tokens, forced=None):
