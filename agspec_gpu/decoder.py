@@ -380,6 +380,15 @@ class SpecDecoder:
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
+
+        Returns:
+            The new tokens per session, in ``session_ids`` order.
+
+        Raises:
+            KeyError / ValueError naming the argument before anything changes. An error
+            raised later (in a step, or by ``on_tokens``) leaves each session's context,
+            session tier and kept KV in step at what was emitted before it: the next call
+            continues from there.
         """
         sids = self._batch(session_ids)
         n = len(sids)
