@@ -151,6 +151,7 @@ class SpecDecoder:
                                                drafter_cfg.max_nodes)
         self._sessions: dict[str, _SessionState] = {}
         self._proposed: list[str] | None = None  # the sessions of the last public propose
+        self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         # each session's KV between generate calls (a call prefills what was appended since)
         self._kv = SessionKVCache(self._paged, self.config.kv_cache_tokens,
                                   reserve_tokens=1 + drafter_cfg.max_nodes)
@@ -267,7 +268,7 @@ class SpecDecoder:
         ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask."""
         states = [self._session(s) for s in session_ids]
         dev = draft.token_ids.device
-        return draft.tree_inputs(self.root_ids(session_ids).to(dev),
+        return draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64, dev),
                                  to_device([len(st.context) - 1 for st in states],
                                            torch.int64, dev))
 
@@ -333,10 +334,15 @@ class SpecDecoder:
         greedy) as rows of the batch, validated before anything changes."""
         greedy = SamplingParams(temperature=0.0)
         if sampling is None or isinstance(sampling, SamplingParams):
-            return BatchSampling.of(sampling or greedy, self._device)
-        rows = [p or greedy for p in _per_session(sampling, num_sessions, "sampling",
-                                                  (SamplingParams, type(None)))]
-        return BatchSampling.of(rows, self._device)
+            rows = (sampling or greedy,)
+        else:
+            rows = tuple(p or greedy for p in _per_session(
+                sampling, num_sessions, "sampling", (SamplingParams, type(None))))
+        # a user's loop commits with the same params step after step: their device
+        # tensors are made once, not per step
+        if self._last_sampling[0] != rows:
+            self._last_sampling = (rows, BatchSampling.of(list(rows), self._device))
+        return self._last_sampling[1]
 
     def _accept(self, draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
                 generator: torch.Generator | None) -> AcceptResult:

@@ -95,7 +95,6 @@ class SessionKVCache:
             k.length = min(n, len(ctx) - 1)
             if not paged:
                 k.tensors = runner.session_kv(b, k.length) if k.length > 0 else None
-                k.length = 0 if k.tensors is None else k.length
         if not paged:
             held = sorted((k.last_used, -k.length, sid) for sid, k in self._kept.items()
                           if k.tensors is not None)
