@@ -45,6 +45,7 @@ from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.session_kv import SessionKVCache
+from agspec_gpu.stops import StopMatcher
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
@@ -442,6 +443,7 @@ class SpecDecoder:
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
         outs: list[list[int]] = [[] for _ in sids]
         done = [False] * len(sids)
+        stop = [StopMatcher(self.tokenizer.decode, s) for s in stop]
         root = first.to(torch.int32)
         new = self._emit(outs, done, [[int(t)] for t in first.tolist()], limits, eos,
                          stop)
@@ -503,9 +505,9 @@ class SpecDecoder:
         return num
 
     def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
-        """Appends each request's new tokens to ``outs``, ending at EOS, one of its stop
-        strings ``stop[b]`` or its limit ``max_new[b]``; returns what each request took of ``new[b]`` (nothing once
-        it is done)."""
+        """Appends each request's new tokens to ``outs``, ending at EOS, a stop string (its
+        matcher ``stop[b]`` sees every token it takes) or its limit ``max_new[b]``; returns
+        what each request took of ``new[b]`` (nothing once it is done)."""
         taken: list[list[int]] = [[] for _ in new]
         for b, toks in enumerate(new):
             if done[b]:
@@ -513,9 +515,9 @@ class SpecDecoder:
             take = taken[b]
             for t in toks:
                 take.append(t)
-                if (eos is not None and t == eos) or len(outs[b]) + len(take) >= max_new[b] or \
-                        (stop[b] and any(s in self.tokenizer.decode(outs[b] + take)
-                                         for s in stop[b])):
+                stopped = stop[b].push(t)  # the matcher sees every token taken
+                if stopped or (eos is not None and t == eos) or \
+                        len(outs[b]) + len(take) >= max_new[b]:
                     done[b] = True
                     break
             outs[b].extend(take)

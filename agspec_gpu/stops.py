@@ -1,0 +1,56 @@
+"""Stop strings, checked as tokens arrive without decoding the whole output each time.
+
+A request with stop strings ends at the first token after which one of them appears in its
+decoded output. Decoding the output so far at every token costs time linear in the output
+(quadratic over a request: 54 ms for 2,000 tokens with cl100k, and growing); a
+:class:`StopMatcher` decodes only a window of the last tokens, sized by the longest stop
+string, and confirms a hit on the whole output.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+# Tokens kept in front of the longest stop string's bytes: a UTF-8 character cut at the
+# window's start decodes as up to three U+FFFD, a SentencePiece decoder drops the first
+# token's leading space, and a completed multi-byte character can reach three bytes back.
+_MARGIN_TOKENS = 8
+
+
+class StopMatcher:
+    """Finds the token that completes one of a request's stop strings.
+
+    ``push(t)`` answers what ``any(s in decode(tokens) for s in stops)`` answers after
+    appending ``t`` (the reference, checked at every token), given that no earlier token
+    completed a stop string. An occurrence that the newest token completes ends in that
+    token's bytes, so it starts within the last ``len(s.encode())`` tokens (every token
+    decodes to at least one byte) or a character's width before them: the window of the last
+    ``max bytes + 8`` tokens holds it, with decoding artefacts of the cut in front of it.
+    A hit in the window is confirmed on the whole output, so the window never ends a request
+    that the reference would not.
+
+    Args:
+        decode: the tokenizer's ``decode(list[int]) -> str``.
+        stops: non-empty stop strings (none: ``push`` is always False).
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str]):
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stops: expected non-empty strings, got {stops!r}")
+        self.stops = tuple(stops)
+        self._decode = decode
+        self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
+        self.tokens: list[int] = []
+
+    def push(self, token: int) -> bool:
+        """Appends ``token``; True if a stop string appears in the output now."""
+        self.tokens.append(token)
+        if not self.stops:
+            return False
+        text = self._decode(self.tokens[-self._window:])
+        if not any(s in text for s in self.stops):
+            return False
+        if len(self.tokens) <= self._window:
+            return True  # the window was the whole output
+        text = self._decode(self.tokens)
+        return any(s in text for s in self.stops)

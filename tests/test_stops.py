@@ -1,0 +1,127 @@
+"""StopMatcher against the reference it replaces: decode the whole output after every token
+and end at the first token after which a stop string appears (real cl100k tokens of real
+agent sessions, plus multi-byte text, byte-fragment tokens and periodic text)."""
+
+import functools
+import random
+from pathlib import Path
+
+import pytest
+
+from agspec_gpu.stops import StopMatcher
+from agspec_gpu.tokenizer import load_tokenizer
+from agspec_gpu.trajectories import load_sessions
+
+DEV = Path("/work/shared/data/trajectories/dev")
+
+
+@functools.cache
+def tok():
+    return load_tokenizer("cl100k")
+
+
+def reference(tokens, stops) -> int | None:
+    """The number of tokens up to the one after which a stop string first appears."""
+    for k in range(1, len(tokens) + 1):
+        text = tok().decode(tokens[:k])
+        if any(s in text for s in stops):
+            return k
+    return None
+
+
+def matched(tokens, stops) -> int | None:
+    m = StopMatcher(tok().decode, stops)
+    for k, t in enumerate(tokens, 1):
+        if m.push(t):
+            return k
+    return None
+
+
+@functools.cache
+def session_texts() -> tuple[str, ...]:
+    texts = []
+    for path in sorted(DEV.glob("*.jsonl.gz"))[:3]:
+        for s in load_sessions(path, limit=2):
+            texts += [m.content for m in s.messages if m.role == "assistant" and
+                      len(m.content) > 200][:3]
+    return tuple(texts)
+
+
+def stops_from(text: str, rng: random.Random, n: int) -> list[list[str]]:
+    """Stop-string sets drawn from ``text``: substrings of 1-40 chars at random places (many
+    cross token boundaries, some are whitespace), alone or next to a string not in it."""
+    out = []
+    for _ in range(n):
+        a = rng.randrange(len(text))
+        s = text[a:a + rng.choice([1, 2, 3, 5, 8, 13, 40])]
+        out.append([s] if rng.random() < 0.5 else ["\x00never\x00", s])
+    return out
+
+
+def check(tokens, stop_sets):
+    for stops in stop_sets:
+        assert matched(tokens, stops) == reference(tokens, stops), stops
+
+
+def test_real_agent_text():
+    rng = random.Random(0)
+    texts = session_texts()
+    assert len(texts) >= 6
+    for text in texts:
+        tokens = tok().encode(text)[:400]
+        check(tokens, stops_from(tok().decode(tokens), rng, 6))
+
+
+def test_multibyte_characters_split_across_tokens():
+    text = ("def 函数(参数):  # 返回 ✓ — naïve café 🦀🐍 x̃ \u200b ok\n"
+            "    return '日本語テキスト' + \"🙂🙃\" * 3\n") * 4
+    tokens = tok().encode(text)
+    assert len(tokens) < len(text.encode())  # some tokens are several bytes ...
+    pieces = [tok().decode([t]) for t in tokens]
+    assert any("\ufffd" in p for p in pieces)  # ... and some are parts of one character
+    rng = random.Random(1)
+    check(tokens, stops_from(text, rng, 12) + [["🐍"], ["語テ"], ["✓ —"], [" ok\n    r"]])
+
+
+def test_byte_fragment_tokens_and_replacement_characters():
+    rng = random.Random(2)
+    vocab = tok().vocab_size - 100  # ordinary ranks: many are single bytes of a character
+    for _ in range(4):
+        tokens = [rng.randrange(vocab) for _ in range(120)]
+        text = tok().decode(tokens)
+        check(tokens, stops_from(text, rng, 6) + [["\ufffd"], ["\ufffd\ufffd"]])
+
+
+def test_periodic_and_repeated_text():
+    for text, stops in [("ab" * 300, [["ba"], ["abababab"], ["bb"]]),
+                        ("\n" * 200 + "x", [["\n\n\n"], ["\nx"], ["x"]]),
+                        ("    " * 100 + "}\n", [["  }"], ["}\n"]]),
+                        ("aaaa " * 80, [["a a"], [" " * 2]])]:
+        check(tok().encode(text), stops)
+
+
+def test_stop_far_into_a_long_output():
+    text = "\n".join(session_texts())
+    tokens = tok().encode(text)[:2500]
+    head = tok().decode(tokens[:2000])
+    target = next(t for t in (tok().decode(tokens[j:j + 8]) for j in range(2000, 2400))
+                  if t not in head)
+    assert matched(tokens, [target]) == reference(tokens, [target]) > 2000
+    assert matched(tokens, ["\x00"]) is None
+
+
+def test_window_decodes_stay_short():
+    """Each token decodes a window sized by the longest stop string, not the output."""
+    lengths = []
+    m = StopMatcher(lambda ids: (lengths.append(len(ids)), tok().decode(ids))[1], ["\x00"])
+    for t in tok().encode("\n".join(session_texts()))[:1000]:
+        assert not m.push(t)
+    assert max(lengths) == len("\x00".encode()) + 8
+
+
+def test_no_stops_and_bad_stops():
+    m = StopMatcher(tok().decode, [])
+    assert not any(m.push(t) for t in tok().encode("anything at all"))
+    for bad in ([""], ["x", ""], [3], [None]):
+        with pytest.raises(ValueError, match="stops"):
+            StopMatcher(tok().decode, bad)
