@@ -37,9 +37,10 @@ import torch
 from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, greedy_accept,
                                sample_accept, target_probs)
 from agspec_gpu.controller import load_profiles
-from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
+from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import to_device
+from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -63,7 +64,9 @@ class DecoderConfig:
             ``page_size``. With either runner each session keeps its KV between ``generate``
             calls (a call prefills only the tokens appended since) until ``close_session``
             frees it; ``paged``: a call that needs pages frees idle sessions' KV, least
-            recently generated first; ``hf``: the sessions keep at most ``kv_cache_tokens``
+            recently generated first, a step short of pages verifies shorter drafts, and
+            :class:`~agspec_gpu.kv_cache.KVCacheFull` (naming ``kv_cache_tokens``) ends a
+            call whose sessions cannot get one more slot each; ``hf``: the sessions keep at most ``kv_cache_tokens``
             tokens of KV in all (the least recently generated are freed first), each in
             tensors of its own between calls.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
@@ -454,13 +457,16 @@ class SpecDecoder:
         while not all(done):
             with nvtx.annotate("agspec.propose"):
                 draft = self.drafter.propose(sids)
-            draft = _mask_drafts(draft, spec_mask & to_device([not d for d in done],
-                                                              torch.bool, dev))
+            keep = spec_mask & to_device([not d for d in done], torch.bool, dev)
+            draft = draft.capped(torch.where(keep, draft.max_nodes, 0))
             # two host reads a step: the draft sizes here, the output after acceptance.
             # The HF forward's cost grows with the padded width: verify the widest tree's
             # nodes, not the drafter's static max_nodes
             num_draft = self._check_draft(draft)
-            draft = draft.narrowed(max(max(num_draft), 1))
+            width = max(max(num_draft), 1)
+            if isinstance(runner, PagedBatch):
+                width, num_draft, draft = self._fit_pool(runner, width, num_draft, draft)
+            draft = draft.narrowed(width)
             with nvtx.annotate("agspec.verify"):
                 logits = runner.verify_padded(draft, root, num_draft_host=sum(num_draft))
                 res = self._accept(draft, logits, sampling, generator)
@@ -485,6 +491,23 @@ class SpecDecoder:
             for sid, toks in zip(sids, new):
                 if toks:
                     on_tokens(sid, toks)
+
+    def _fit_pool(self, runner: PagedBatch, width: int, num_draft: list[int],
+                  draft: DraftBatch) -> tuple[int, list[int], DraftBatch]:
+        """Cuts the step's trees to what the page pool holds now (a shorter draft changes
+        the speed, never the tokens); raises :class:`KVCacheFull` when not even the root
+        and one node per request fit."""
+        fit = runner.fit_width(width)
+        if fit == width:
+            return width, num_draft, draft
+        if fit == 0:
+            cache = runner.runner.kv_cache
+            raise KVCacheFull(
+                f"kv_cache_tokens: the page pool ({cache.num_pages} pages of "
+                f"{cache.page_size}, {cache.num_free_pages} free) cannot hold the next step "
+                f"of {runner.batch_size} sessions; raise DecoderConfig.kv_cache_tokens, or "
+                f"generate for fewer sessions or fewer tokens at a time")
+        return fit, [min(n, fit) for n in num_draft], draft.capped(fit)
 
     def _pick(self, logits: torch.Tensor, sampling: BatchSampling, generator) -> torch.Tensor:
         if sampling.all_greedy:
@@ -559,12 +582,3 @@ def _per_session(value, n: int, name: str, kind) -> list:
         raise ValueError(f"{name}: expected one per session ({n}), got {values!r}")
     return values
 
-
-def _mask_drafts(draft: DraftBatch, keep: torch.Tensor) -> DraftBatch:
-    """Empties the drafts of requests with ``keep[b] == False``."""
-    num = torch.where(keep, draft.num_draft_tokens, 0)
-    valid = torch.arange(draft.max_nodes, device=num.device)[None, :] < num[:, None]
-    src = draft.maybe_source
-    return DraftBatch(torch.where(valid, draft.token_ids, PAD_ID),
-                      torch.where(valid, draft.parents, PAD_ID), num,
-                      None if src is None else torch.where(valid, src, -1).to(src.dtype))

@@ -64,6 +64,19 @@ class DraftBatch:
         return DraftBatch(self.token_ids[:, :num_nodes], self.parents[:, :num_nodes],
                           self.num_draft_tokens, None if src is None else src[:, :num_nodes])
 
+    def capped(self, max_nodes: int | torch.Tensor) -> "DraftBatch":
+        """Each tree cut to its first ``min(num_draft_tokens[b], max_nodes[b])`` nodes: a
+        topological prefix, so still a tree; the nodes cut become padding. ``max_nodes``:
+        one cap for all, or ``int [B]`` on the draft's device (0 drops a request's draft).
+        """
+        num = torch.minimum(self.num_draft_tokens, torch.as_tensor(
+            max_nodes, device=self.num_draft_tokens.device)).to(self.num_draft_tokens.dtype)
+        valid = torch.arange(self.max_nodes, device=num.device)[None, :] < num[:, None]
+        src = self.maybe_source
+        return DraftBatch(torch.where(valid, self.token_ids, PAD_ID),
+                          torch.where(valid, self.parents, PAD_ID), num,
+                          None if src is None else torch.where(valid, src, -1).to(src.dtype))
+
     def depths(self) -> torch.Tensor:
         """``int32 [B, N]``: 1 for root children, parent depth + 1 below; 0 for padding."""
         B, N = self.token_ids.shape

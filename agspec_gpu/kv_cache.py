@@ -23,6 +23,10 @@ from agspec_gpu.host import canonical_device, to_device
 from agspec_gpu.tree import TreeMetadata
 
 
+class KVCacheFull(RuntimeError):
+    """The page pool (or its sequence rows) cannot hold an allocation; nothing was changed."""
+
+
 class PagedKVCache:
     """KV pages for ``num_layers`` layers and the allocator that hands them to sequences.
 
@@ -84,11 +88,16 @@ class PagedKVCache:
         """Slots allocated to ``seq_id`` (0 for an unknown sequence)."""
         return len(self._pages.get(seq_id, ())) * self.page_size
 
+    def pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Pages :meth:`allocate` would add for ``seq_id`` to hold ``num_tokens`` slots."""
+        return max(-(-num_tokens // self.page_size) - len(self._pages.get(seq_id, ())), 0)
+
     def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Makes ``seq_id`` hold at least ``num_tokens`` slots, adding pages as needed.
 
-        Creates the sequence on first use. Raises ValueError when the pool, the page-table
-        width or the sequence rows run out (nothing is changed then).
+        Creates the sequence on first use. Raises :class:`KVCacheFull` when the free pages
+        or the sequence rows run out, ValueError when ``num_tokens`` exceeds the page-table
+        width (nothing is changed then).
         """
         need = -(-num_tokens // self.page_size)
         pages = self._pages.get(seq_id)
@@ -99,12 +108,12 @@ class PagedKVCache:
             raise ValueError(f"allocate({seq_id!r}, {num_tokens}): {need} pages exceed "
                              f"max_pages_per_seq={self.max_pages_per_seq}")
         if need - have > len(self._free_pages):
-            raise ValueError(f"allocate({seq_id!r}, {num_tokens}): {need - have} pages needed, "
-                             f"{len(self._free_pages)} free")
+            raise KVCacheFull(f"allocate({seq_id!r}, {num_tokens}): {need - have} pages "
+                              f"needed, {len(self._free_pages)} free")
         if pages is None:
             if not self._free_rows:
-                raise ValueError(f"allocate({seq_id!r}): all {len(self._rows)} sequence rows "
-                                 f"are in use")
+                raise KVCacheFull(f"allocate({seq_id!r}): all {len(self._rows)} sequence "
+                                  f"rows are in use")
             pages = self._pages[seq_id] = []
             self._rows[seq_id] = self._free_rows.pop()
         new = [self._free_pages.pop() for _ in range(need - have)]

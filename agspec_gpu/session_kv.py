@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, SessionKV
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -109,8 +110,10 @@ class SessionKVCache:
                    max_new_tokens: int) -> None:
         """Frees the KV of sessions outside ``sids``, least recently generated first, until
         the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens`` +
-        the reserve); a call that still does not fit runs and fails only if it gets that
-        far."""
+        the reserve); a call that still does not fit runs (its drafts shrink to the pages
+        left, a step that cannot get one more slot per session raises). Raises
+        :class:`KVCacheFull` before freeing anything when not even the contexts and the
+        first step fit."""
         cache = self.paged.kv_cache
         ps, extra = cache.page_size, max_new_tokens + self.reserve_tokens
         need = sum(max(min(-(-(len(ctx) + extra) // ps), cache.max_pages_per_seq)
@@ -118,6 +121,16 @@ class SessionKVCache:
         batch = set(sids)
         idle = sorted((k.last_used, sid) for sid, k in self._kept.items()
                       if sid not in batch and sid in cache)
+        first_step = 2 if max_new_tokens > 1 else 0  # the root and one node
+        least = sum(cache.pages_needed(s, len(ctx) + first_step)
+                    for s, ctx in zip(sids, contexts))
+        can_free = sum(cache.capacity(sid) // ps for _, sid in idle)
+        if least > cache.num_free_pages + can_free:
+            raise KVCacheFull(
+                f"kv_cache_tokens: {len(sids)} sessions' contexts need {least} pages of {ps} "
+                f"tokens, the pool has {cache.num_pages} ({cache.num_free_pages} free, "
+                f"{can_free} held by idle sessions); raise DecoderConfig.kv_cache_tokens or "
+                f"generate for fewer sessions at a time")
         for _, sid in idle:
             if cache.num_free_pages >= need:
                 break

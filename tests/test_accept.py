@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, flatten_tree_logits,
                                greedy_accept, pad_tree_logits, sample_accept, target_probs,
                                tree_qo_indptr)
-from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 
 V = 16
 
@@ -295,3 +295,29 @@ def test_sampled_distribution_matches_target(params):
     assert tv1 < 0.015 and tv2 < 0.02, (tv1, tv2)
     # every acceptance depth occurs, so all branches of the walk were exercised
     assert set(res.num_accepted.unique().tolist()) == {0, 1, 2}
+
+
+def test_capped_draft_is_a_prefix_of_each_tree():
+    """``DraftBatch.capped``: each tree keeps its first ``min(num, cap)`` nodes (a tree, since
+    nodes are topologically ordered), the rest become padding; greedy acceptance on the cut
+    tree never goes past the cut."""
+    trees = [BRANCHY, CHAIN, [], [(4, -1)]]
+    d = DraftBatch.from_lists(trees)
+    d = DraftBatch(d.token_ids, d.parents, d.num_draft_tokens,
+                   torch.arange(d.token_ids.numel(), dtype=torch.int8).view_as(d.token_ids))
+    for cap in ([2, 0, 5, 0], [0, 1, 1, 1], [99] * 4):
+        c = d.capped(torch.tensor(cap, dtype=torch.int32))
+        for b, tree in enumerate(trees):
+            n = min(len(tree), cap[b])
+            assert int(c.num_draft_tokens[b]) == n
+            assert list(zip(c.token_ids[b, :n].tolist(), c.parents[b, :n].tolist())) == tree[:n]
+            assert (c.token_ids[b, n:] == PAD_ID).all() and (c.parents[b, n:] == PAD_ID).all()
+            assert c.maybe_source[b, :n].tolist() == d.maybe_source[b, :n].tolist()
+            assert (c.maybe_source[b, n:] == -1).all()
+    one = d.capped(1)  # one cap for every request
+    assert one.num_draft_tokens.tolist() == [1, 1, 0, 1]
+    chain = DraftBatch.from_lists([CHAIN])  # the target agrees with all of it ...
+    logits = one_hot_logits([[5, 7, 9, 4]]).view(1, 4, V)  # padded [B, 1 + N, V]
+    check(greedy_accept(chain, logits), [[0, 1, 2]], [[5, 7, 9, 4]])
+    cut = chain.capped(1)  # ... and with the first node of it after the cut
+    check(greedy_accept(cut, logits), [[0]], [[5, 7]])

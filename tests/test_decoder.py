@@ -21,7 +21,9 @@ import torch
 
 import agspec_gpu
 from agspec_gpu import CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SpecDecoder
+from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
+from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.tokenizer import load_tokenizer
 from tiny_models import VARIANTS, tiny_model
 
@@ -265,6 +267,65 @@ def test_paged_session_kv_is_evicted_least_recent_first(monkeypatch):
     assert a in cache and b not in cache and c in cache  # then B was the least recent
     assert dec.generate([c], max_new_tokens=8)[0] == greedy(variant, ctx[c], 8)
     assert prefilled[-1] == [1]
+
+
+def test_paged_pool_running_short_shrinks_drafts_then_raises_and_keeps_state(monkeypatch):
+    """A call that outgrows the page pool: its drafts shrink to the pages left (output still
+    plain greedy decoding), then the step that cannot get one more slot per session raises
+    KVCacheFull naming kv_cache_tokens; each session's context holds what was emitted (its
+    session tier too, its KV a prefix of it), and once a session is closed the other one
+    continues as plain greedy decoding."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1)]  # 97 and 23 tokens: 16 pages of 8 prefilled
+    g = greedy(variant, P[0], 45)
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
+                                                           kv_cache_tokens=8 * 20))
+    steer(dec, "t0", P[0] + g)  # 45-token drafts: more than the pool has room for
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    fits, fit_width = [], PagedBatch.fit_width
+
+    def recorded(self, width):
+        fits.append((width, fit_width(self, width)))
+        return fits[-1][1]
+
+    monkeypatch.setattr(PagedBatch, "fit_width", recorded)
+    with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
+        dec.generate(sids, max_new_tokens=45)
+    monkeypatch.undo()
+    assert any(0 < got < width for width, got in fits), fits  # drafts were cut to fit
+    assert fits[-1][1] == 0
+    cache = dec._paged.kv_cache
+    for sid, p in zip(sids, P):
+        ctx = dec._sessions[sid].context
+        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+        assert held == ctx and len(ctx) > len(p) + 1
+        assert ctx[len(p):] == greedy(variant, p, len(ctx) - len(p), eos=None)
+        assert 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
+    dec.close_session(sids[1])
+    ctx = list(dec._sessions[sids[0]].context)
+    assert dec.generate(sids[:1], max_new_tokens=8) == [greedy(variant, ctx, 8)]
+    dec.close_session(sids[0])
+    assert cache.num_free_pages == cache.num_pages
+
+
+def test_paged_pool_too_small_for_the_contexts_raises_before_evicting():
+    """Contexts that cannot fit even after freeing every idle session's KV: KVCacheFull
+    before anything is freed; the idle session keeps its KV and continues."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (1, 3)]  # 23 and 97 tokens; the pool: 12 pages of 8
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
+                                                           kv_cache_tokens=8 * 12))
+    a, b = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+    first = dec.generate([a], max_new_tokens=8)[0]
+    cache = dec._paged.kv_cache
+    held = cache.capacity(a)
+    with pytest.raises(KVCacheFull, match="kv_cache_tokens.*13 pages of 8"):
+        dec.generate([b], max_new_tokens=8)
+    assert cache.capacity(a) == held and b not in cache
+    assert dec._sessions[b].context == P[1]
+    assert dec.generate([a], max_new_tokens=8) == [greedy(variant, P[0] + first, 8)]
+    with pytest.raises(KVCacheFull):  # the same again: nothing changed in between
+        dec.generate([b], max_new_tokens=8)
 
 
 def record_hf_prefills(monkeypatch) -> list[list[int]]:

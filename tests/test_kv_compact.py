@@ -5,7 +5,7 @@ import torch
 
 from agspec_gpu import DraftBatch
 from agspec_gpu.kernels.kv_compact import _kv_compact_kernel, kv_compact
-from agspec_gpu.kv_cache import PagedKVCache
+from agspec_gpu.kv_cache import KVCacheFull, PagedKVCache
 from agspec_gpu.tree import plan_tree
 from kernel_compile import compile_for_sm90
 from tree_reference import DEVICE
@@ -112,12 +112,14 @@ def test_cache_allocator_lifecycle():
     assert table[0, 1:].eq(cache.null_page).all()
     with pytest.raises(ValueError, match="max_pages_per_seq"):
         cache.allocate("a", 17)
-    with pytest.raises(ValueError, match="rows"):
+    with pytest.raises(KVCacheFull, match="rows"):
         cache.allocate("c", 1)
     cache.free("b")
     cache.allocate("c", 16)  # its row and page are reusable
     assert cache.num_free_pages == 0
-    with pytest.raises(ValueError, match="0 free"):
+    assert cache.pages_needed("a", 12) == 1 and cache.pages_needed("a", 8) == 0
+    assert cache.pages_needed("new", 9) == 3
+    with pytest.raises(KVCacheFull, match="0 free"):
         cache.allocate("a", 12)
     assert cache.capacity("a") == 8  # a failed allocation changes nothing
     with pytest.raises(ValueError, match="unknown"):

@@ -74,6 +74,8 @@ def test_prefill_tree_step_and_commit_match_hf(kind):
     seq_ids = ["a", "b", "c"]
 
     last = runner.prefill(seq_ids, prompts, chunk_size=5)  # chunks exercise prefix continuation
+    # each prompt holds its own pages, not the widest chunk's (7 -> 2 pages, 12 -> 3, 1 -> 1)
+    assert [runner.kv_cache.capacity(s) for s in seq_ids] == [8, 12, 4]
     with torch.no_grad():
         for b, p in enumerate(prompts):
             want = model(torch.tensor([p])).logits[0, -1]

@@ -222,16 +222,21 @@ class PagedLlamaRunner:
 
     def plan(self, seq_ids: Sequence[Hashable], draft: DraftBatch, root_ids: torch.Tensor,
              prefix_lens: torch.Tensor, *, prefix_lens_host: Sequence[int] | None = None,
+             num_slots_host: Sequence[int] | None = None,
              out: TreeMetadata | None = None) -> TreeMetadata:
         """Allocates pages for a step of ``seq_ids`` and plans it (:func:`plan_tree`).
 
-        Each sequence gets room for ``prefix_len + 1 + draft.max_nodes`` slots; the host
-        lengths come from ``prefix_lens_host`` (or, with a sync, from ``prefix_lens``).
+        Each sequence gets room for ``num_slots_host[b]`` slots (at least ``prefix_len + 1 +
+        num_draft_tokens[b]``; default ``prefix_len + 1 + draft.max_nodes``, which needs no
+        read of the draft); the host lengths come from ``prefix_lens_host`` (or, with a
+        sync, from ``prefix_lens``).
         """
         if prefix_lens_host is None:
             prefix_lens_host = prefix_lens.tolist()
-        for sid, n in zip(seq_ids, prefix_lens_host):
-            self.kv_cache.allocate(sid, n + 1 + draft.max_nodes)
+        if num_slots_host is None:
+            num_slots_host = [n + 1 + draft.max_nodes for n in prefix_lens_host]
+        for sid, n in zip(seq_ids, num_slots_host):
+            self.kv_cache.allocate(sid, n)
         # only the pages this step can touch: the width bounds the mask buffer and the grid
         width = -(-(max(prefix_lens_host) + 1 + draft.max_nodes) // self.page_size)
         page_table = self.kv_cache.page_table(seq_ids)[:, :width].contiguous()
@@ -324,8 +329,11 @@ class PagedLlamaRunner:
                                             device=self.device))
             roots = torch.tensor([c[0] for c in chunks], dtype=torch.int32)
             pre = [done[b] for b in active]
+            # each sequence's own chunk, not the widest one's: a short prompt next to a long
+            # one holds only its pages
             meta = self.plan([seq_ids[b] for b in active], draft, roots,
-                             torch.tensor(pre, dtype=torch.int32), prefix_lens_host=pre)
+                             torch.tensor(pre, dtype=torch.int32), prefix_lens_host=pre,
+                             num_slots_host=[p + len(c) for p, c in zip(pre, chunks)])
             last[torch.tensor(active, device=self.device)] = self.forward(
                 meta, logit_rows=meta.qo_indptr[1:] - 1)
             for b, c in zip(active, chunks):

@@ -100,6 +100,26 @@ class PagedBatch:
         self._prefix = torch.tensor(self._prefix_host, dtype=torch.int32, device=self.device)
         return logits
 
+    def fit_width(self, width: int) -> int:
+        """The most nodes per request, at most ``width``, that a step can verify with the
+        pool's free pages (each request's KV grows to ``prefix + 1 + nodes`` slots); 0 when
+        not even one fits. Host arithmetic, no device read."""
+        cache = self.runner.kv_cache
+
+        def fits(w: int) -> bool:
+            return sum(cache.pages_needed(s, p + 1 + w) for s, p in
+                       zip(self._seq_ids, self._prefix_host)) <= cache.num_free_pages
+
+        if fits(width):  # the common case: one pass
+            return width
+        if not fits(1):
+            return 0
+        lo, hi = 1, width  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
     @torch.no_grad()
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
                       num_draft_host: int | None = None) -> torch.Tensor:
