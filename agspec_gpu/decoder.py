@@ -5,7 +5,8 @@ Example::
     dec = SpecDecoder(model, tokenizer)
     sid = dec.open_session(tenant="t0", role="coder", prompt_ids=ids)
     out = dec.generate([sid], max_new_tokens=48)   # list[list[int]], greedy by default
-    dec.append(sid, tool_output_ids)               # the agent's next observation
+    dec.append(sid, tool_output_ids, text=output)  # the agent's next observation (the
+                                                   # files it shows join the workspace)
     dec.close_session(sid)
 
 Each step: ``propose`` (one batched match + draft trees), ``verify`` (one forward over every
@@ -36,6 +37,7 @@ import torch
 
 from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, greedy_accept,
                                sample_accept, target_probs)
+from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
@@ -103,6 +105,7 @@ class _SessionState:
     tenant: str
     context: list[int]
     closed: bool = False
+    message: list[int] = field(default_factory=list)  # generated since the last append
 
 
 class SpecDecoder:
@@ -192,12 +195,34 @@ class SpecDecoder:
         self._sessions[sid] = _SessionState(tenant, list(ids))
         return sid
 
-    def append(self, sid: str, token_ids: Sequence[int] | torch.Tensor) -> None:
-        """Appends context the model did not generate (a tool output, a user turn)."""
+    def append(self, sid: str, token_ids: Sequence[int] | torch.Tensor,
+               text: str | None = None) -> list[str | None]:
+        """Appends context the model did not generate (a tool output, a user turn).
+
+        The files the session's tenant saw join its workspace tier, so that later drafts
+        can quote them: the files the message generated since the last ``append`` wrote
+        (heredocs, editor ``create`` calls, aider listings), and, given ``text`` (the
+        appended message as the tool printed it, without chat-template markup), the files
+        it shows, read with that message's command (``cat``, ``sed -n``, ``nl``, ``grep
+        -n``, editor views; :func:`~agspec_gpu.capture.capture_tool_output`).
+
+        Returns:
+            The paths of the files captured (None: a file of unknown path).
+        """
         st = self._session(sid)
         ids = self._ids(token_ids, "token_ids")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"text: expected a str or None, got {type(text).__name__}")
+        command = self.tokenizer.decode(st.message) if st.message else None
+        files = capture_agent_writes(command) if command else []
+        if text is not None:
+            files += capture_tool_output(command, text)
         self.drafter.extend(sid, ids)
         st.context.extend(ids)
+        st.message = []
+        for f in files:
+            self.store.add_workspace_file(st.tenant, f.path, f.text, first_line=f.first_line)
+        return [f.path for f in files]
 
     def add_workspace_file(self, sid: str, path: str, text: str) -> int:
         """Indexes a file the session's tenant opened (all emission forms)."""
@@ -453,12 +478,17 @@ class SpecDecoder:
         self.drafter.append_generated(sids, root[:, None],
                                       to_device(list(map(len, new)), torch.int32, dev))
         self._advance(sids, states, new, on_tokens)
-        spec_mask = torch.tensor(spec, dtype=torch.bool, device=dev)
+        caps, capped_for = None, None  # per request: max_nodes, or 0 (opted out or done)
         while not all(done):
             with nvtx.annotate("agspec.propose"):
                 draft = self.drafter.propose(sids)
-            keep = spec_mask & to_device([not d for d in done], torch.bool, dev)
-            draft = draft.capped(torch.where(keep, draft.max_nodes, 0))
+            keep = [s and not d for s, d in zip(spec, done)]
+            if not all(keep):  # rebuilt only when a request finishes
+                if keep != capped_for:
+                    caps = to_device([draft.max_nodes if k else 0 for k in keep],
+                                     torch.int32, dev)
+                    capped_for = keep
+                draft = draft.capped(caps)
             # two host reads a step: the draft sizes here, the output after acceptance.
             # The HF forward's cost grows with the padded width: verify the widest tree's
             # nodes, not the drafter's static max_nodes
@@ -487,6 +517,7 @@ class SpecDecoder:
         never disagree, even when the call fails later), then streams them."""
         for st, toks in zip(states, new):
             st.context.extend(toks)
+            st.message.extend(toks)
         if on_tokens is not None:
             for sid, toks in zip(sids, new):
                 if toks:

@@ -406,6 +406,76 @@ def test_workspace_file_drafts_are_lossless():
     assert dec.stats["drafted"] > 0
 
 
+def emit_as_model(dec: SpecDecoder, sid: str, ids: list[int]) -> None:
+    """Commits ``ids`` as the model's output through the own loop: the drafts cut to
+    nothing, row 0's argmax is the next token (one token a step)."""
+    for t in ids:
+        draft = dec.propose([sid]).capped(0).narrowed(1)
+        logits = torch.zeros(1, 2, VOCAB)
+        logits[0, 0, t] = 1
+        dec.commit([sid], draft, logits)
+
+
+def draft_follows(draft: DraftBatch, b: int, continuation: list[int]) -> int:
+    """How many tokens of ``continuation`` a root-to-node path of tree ``b`` spells."""
+    n = int(draft.num_draft_tokens[b])
+    toks, pars = draft.token_ids[b, :n].tolist(), draft.parents[b, :n].tolist()
+    node, depth = -1, 0
+    while depth < len(continuation):
+        kids = [j for j in range(n) if pars[j] == node and toks[j] == continuation[depth]]
+        if not kids:
+            break
+        node, depth = kids[0], depth + 1
+    return depth
+
+
+def test_append_captures_the_files_an_agent_reads_and_writes():
+    """``append(sid, ids, text=...)``: the files a real tool output shows, read with the
+    command the model generated (a mini-swe-agent ``nl``/``sed`` read, which needs it), and
+    the files that generated message wrote (a heredoc) join the tenant's workspace tier;
+    another session of the tenant then drafts the file's text, another tenant's does not."""
+    from agspec_gpu.capture import capture_agent_writes, capture_tool_output
+    from agspec_gpu.trajectories import load_sessions
+
+    path = Path("/work/shared/data/trajectories/dev/mini_swe_agent__gemini-3-pro-preview.jsonl.gz")
+    msgs = load_sessions(path, limit=1)[0].messages
+    pairs = list(zip(msgs, msgs[1:]))
+    write = next((a, t) for a, t in pairs
+                 if a.role == "assistant" and t.role != "assistant" and
+                 capture_agent_writes(a.content))
+    read = next((a, t) for a, t in pairs
+                if a.role == "assistant" and t.role == "tool" and
+                capture_tool_output(a.content, t.content) and
+                not capture_tool_output(None, t.content))
+    shown = capture_tool_output(read[0].content, read[1].content)
+    dec = SpecDecoder(model(VARIANTS[1]), tok())
+    a = dec.open_session("t0", "coder", tok().encode(msgs[0].content)[:64])
+    paths = []
+    for message, output in (write, read):
+        emit_as_model(dec, a, tok().encode(message.content))
+        paths += dec.append(a, tok().encode(output.content), text=output.content)
+    assert paths == [f.path for f in capture_agent_writes(write[0].content)] + \
+        [f.path for f in capture_tool_output(write[0].content, write[1].content)] + \
+        [f.path for f in shown]
+    assert dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") > 0
+    assert dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t1") == 0
+    # a second session of the tenant re-types the file: its drafts quote the workspace
+    file_ids = tok().encode(shown[0].text)
+    at = len(file_ids) // 2
+    b = dec.open_session("t0", "coder", file_ids[:at])
+    c = dec.open_session("t1", "coder", file_ids[:at])
+    draft = dec.propose([b, c])
+    follows = [draft_follows(draft, b, file_ids[at:]) for b in range(2)]
+    # measured: 14 tokens from the workspace; 4 for the other tenant, from what its own
+    # prompt repeats
+    assert follows[0] >= 8 and follows[1] < follows[0] // 2, follows
+    # bad text: a clear error, the session unchanged
+    n = len(dec._sessions[a].context)
+    with pytest.raises(ValueError, match="text"):
+        dec.append(a, [1, 2], text=b"bytes")
+    assert len(dec._sessions[a].context) == n and dec.append(a, [1, 2]) == []
+
+
 def test_global_corpus_from_a_path(tmp_path):
     """``global_corpus=`` takes the path of an ``agspec-gpu build-global`` file, as
     DESIGN.md's API does: loaded, checked against the tokenizer, drafted from (lossless);
