@@ -238,6 +238,19 @@ class SpecDecoder:
         if self._proposed is not None and sid in self._proposed:
             self._proposed = None
 
+    def close_tenant(self, tenant: str) -> None:
+        """Frees the tenant's workspace and history tiers (its sessions must be closed).
+
+        Raises:
+            KeyError: the tenant is unknown (or already closed).
+            ValueError: the tenant has open sessions.
+        """
+        open_sids = [sid for sid, st in self._sessions.items() if st.tenant == tenant]
+        if open_sids:
+            raise ValueError(f"tenant: {tenant!r} has open sessions {open_sids}; close them "
+                             f"first")
+        self.store.close_tenant(tenant)
+
     def _session(self, sid: str) -> _SessionState:
         st = self._sessions.get(sid)
         if st is None:

@@ -163,6 +163,7 @@ class CorpusStore:
 
     def close_tenant(self, tenant: str) -> None:
         """Closes the tenant's sessions and frees its workspace and history."""
+        _check_tenant(tenant)
         t = self._tenants.get(tenant)
         if t is None:
             raise KeyError(f"tenant {tenant!r} is unknown")

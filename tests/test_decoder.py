@@ -1006,6 +1006,32 @@ def test_close_session_frees_memory():
     assert_greedy(dec, variant, [sids[1], s3], [P[1] + greedy(variant, P[1], 16), P[0]])
 
 
+def test_close_tenant_frees_its_workspace_and_history_only():
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (6, 3)]
+    dec = SpecDecoder(model(variant), tok())
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[1])
+    dec.add_workspace_file(a, "src/mod.py", tok().decode(P[0]))
+    dec.generate([a, b], max_new_tokens=8)
+    with pytest.raises(ValueError, match="tenant: 't0' has open sessions"):
+        dec.close_tenant("t0")
+    dec.close_session(a)  # its text joins t0's history
+    t1 = dec.store.nbytes(tenant="t1")
+    assert dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") > 0
+    assert dec.store.nbytes(tier=CorpusTier.HISTORY, tenant="t0") > 0
+    dec.close_tenant("t0")
+    assert dec.store.nbytes(tenant="t0") == 0 and dec.store.nbytes(tenant="t1") == t1
+    with pytest.raises(KeyError, match="t0"):
+        dec.close_tenant("t0")
+    with pytest.raises(ValueError, match="tenant"):
+        dec.close_tenant(0)
+    ctx = P[1] + greedy(variant, P[1], 8)
+    assert dec.generate([b], max_new_tokens=8) == [greedy(variant, ctx, 8)]
+    # a new session of the closed tenant starts from nothing
+    c = dec.open_session("t0", "coder", P[0])
+    assert dec.generate([c], max_new_tokens=8) == [greedy(variant, P[0], 8)]
+
+
 def test_session_tier_holds_exactly_the_context():
     variant = VARIANTS[1]
     P = [list(prompts()[i]) for i in (3, 1)]
