@@ -94,7 +94,7 @@ class Lane(Protocol):
     def close_tenant(self, tenant: str) -> None: ...
 
 
-def _accept_on_host(draft: DraftBatch, truth: TruthFn
+def accept_on_host(draft: DraftBatch, truth: TruthFn
                     ) -> tuple[np.ndarray, np.ndarray | None, torch.Tensor]:
     """``(num_accepted, maybe_sources, path_nodes)`` of a draft against the true
     continuation (``path_nodes``: ``int64 [B, N]`` on the draft's device, -1 padded)."""
@@ -156,7 +156,7 @@ class HostLane:
             drafts.append(self.drafter.propose(self._keys[sid], ctx))
             seconds += time.perf_counter() - t0
         draft = DraftBatch.from_host(drafts)
-        num_acc, _, _ = _accept_on_host(draft, truth)
+        num_acc, _, _ = accept_on_host(draft, truth)
         return StepResult(draft.num_draft_tokens.numpy().astype(np.int64), num_acc, None,
                           seconds)
 
@@ -222,7 +222,7 @@ class BatchedLane:
         draft = self.drafter.propose(sids)
         synchronize(self.device)
         seconds = time.perf_counter() - t0
-        num_acc, sources, path = _accept_on_host(draft, truth)
+        num_acc, sources, path = accept_on_host(draft, truth)
         self._last_path = (list(sids), path)  # observe() passes it on: no second search
         return StepResult(draft.num_draft_tokens.cpu().numpy().astype(np.int64), num_acc,
                           sources, seconds)
