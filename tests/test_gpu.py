@@ -203,6 +203,50 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
     assert min(same) >= 4, (same, outs)
 
 
+def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
+    """The paged decoder with its verify graphs, a pool too small for the call: drafts are
+    cut to the pages left inside the graphs' buckets, KVCacheFull ends the call naming
+    kv_cache_tokens, each session's context equals its session tier, and once a session is
+    closed the other continues."""
+    import transformers
+
+    from agspec_gpu import DecoderConfig, KVCacheFull, SpecDecoder
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100277, rope_theta=10000.0,
+        tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 40)] * 3
+    dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
+                                                     page_size=16, kv_cache_tokens=16 * 20))
+    # a closed session of the tenant holds the prompt and more: long drafts
+    dec.close_session(dec.open_session("t", "coder", prompt * 2))
+    sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])]
+    fits, fit_width = [], PagedBatch.fit_width
+
+    def recorded(self, width):
+        fits.append((width, fit_width(self, width)))
+        return fits[-1][1]
+
+    monkeypatch.setattr(PagedBatch, "fit_width", recorded)
+    with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
+        dec.generate(sids, max_new_tokens=200, eos_id=None)
+    monkeypatch.undo()
+    assert fits[-1][1] == 0 and any(0 < got < width for width, got in fits), fits
+    for sid in sids:
+        ctx = dec._sessions[sid].context
+        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+        assert held == ctx and 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
+    dec.close_session(sids[1])
+    assert len(dec.generate(sids[:1], max_new_tokens=8, eos_id=None)[0]) == 8
+    dec.close_session(sids[0])
+    cache = dec._paged.kv_cache
+    assert cache.num_free_pages == cache.num_pages
+
+
 def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
     """The default (hf) runner on a GPU (fp32): a greedy session next to a sampled one is
     plain greedy decoding, its second call continues the kept KV (device tensors), and
