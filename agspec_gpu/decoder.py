@@ -414,7 +414,8 @@ class SpecDecoder:
                  stop: str | Sequence[str] | Sequence[Sequence[str]] = (),
                  speculate: bool | Sequence[bool] = True, eos_id: int | None = -1,
                  generator: torch.Generator | None = None,
-                 on_tokens: Callable[[str, list[int]], None] | None = None) -> list[list[int]]:
+                 on_tokens: Callable[[str, list[int]], bool | None] | None = None
+                 ) -> list[list[int]]:
         """Generates for a batch of sessions; returns the new tokens per session.
 
         Args:
@@ -427,7 +428,9 @@ class SpecDecoder:
                 completing one); or one list of them per session.
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
-            on_tokens: streaming callback ``(sid, new_tokens)`` after every step.
+            on_tokens: streaming callback ``(sid, new_tokens)`` after every step; returning
+                False ends that session's request there (a client that went away), the
+                others go on.
 
         Returns:
             The new tokens per session, in ``session_ids`` order.
@@ -490,7 +493,7 @@ class SpecDecoder:
                          stop)
         self.drafter.append_generated(sids, root[:, None],
                                       to_device(list(map(len, new)), torch.int32, dev))
-        self._advance(sids, states, new, on_tokens)
+        self._advance(sids, states, new, on_tokens, done)
         caps, capped_for = None, None  # per request: max_nodes, or 0 (opted out or done)
         while not all(done):
             with nvtx.annotate("agspec.propose"):
@@ -522,19 +525,20 @@ class SpecDecoder:
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit, nothing for requests that had already finished
                 self._record(sids, draft, res, list(map(len, new)))
-            self._advance(sids, states, new, on_tokens)
+            self._advance(sids, states, new, on_tokens, done)
         return outs
 
-    def _advance(self, sids, states, new, on_tokens) -> None:
+    def _advance(self, sids, states, new, on_tokens, done=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two
-        never disagree, even when the call fails later), then streams them."""
+        never disagree, even when the call fails later), then streams them; a callback
+        that returns False marks its request ``done``."""
         for st, toks in zip(states, new):
             st.context.extend(toks)
             st.message.extend(toks)
         if on_tokens is not None:
-            for sid, toks in zip(sids, new):
-                if toks:
-                    on_tokens(sid, toks)
+            for b, (sid, toks) in enumerate(zip(sids, new)):
+                if toks and on_tokens(sid, toks) is False and done is not None:
+                    done[b] = True
 
     def _fit_pool(self, runner: PagedBatch, width: int, num_draft: list[int],
                   draft: DraftBatch) -> tuple[int, list[int], DraftBatch]:

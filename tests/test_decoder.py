@@ -927,6 +927,32 @@ def test_on_tokens_streams_exactly_the_output():
     assert {s for s, _ in calls} == set(sids)
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_on_tokens_returning_false_ends_only_that_request(runner):
+    """A streaming callback that returns False (the client went away) ends its request
+    after the tokens it was given; the other requests run to their end, and the ended
+    session's context holds exactly its output: its next call is plain greedy decoding."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    g = greedy(variant, P[0], 45)
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=2048))
+    steer(dec, "t0", P[0] + g)  # long accepted drafts: the cut falls after a whole step
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    streamed = {sid: [] for sid in sids}
+
+    def on_tokens(sid, toks):
+        streamed[sid] += toks
+        return not (sid == sids[0] and len(streamed[sid]) > 1)  # after its first step
+
+    out = dec.generate(sids, max_new_tokens=45, on_tokens=on_tokens)
+    assert out[0] == streamed[sids[0]] == g[:len(out[0])] and 2 < len(out[0]) < 45, out[0]
+    assert out[1] == streamed[sids[1]] == greedy(variant, P[1], 45)
+    ctx = [p + o for p, o in zip(P, out)]
+    assert [dec._sessions[s].context for s in sids] == ctx
+    assert_greedy(dec, variant, sids, ctx, n=8)
+
+
 # ---------------------------------------------------------------- failures inside generate
 class Boom(RuntimeError):
     pass
