@@ -68,9 +68,9 @@ class DecoderConfig:
             frees it; ``paged``: a call that needs pages frees idle sessions' KV, least
             recently generated first, a step short of pages verifies shorter drafts, and
             :class:`~agspec_gpu.kv_cache.KVCacheFull` (naming ``kv_cache_tokens``) ends a
-            call whose sessions cannot get one more slot each; ``hf``: the sessions keep at most ``kv_cache_tokens``
-            tokens of KV in all (the least recently generated are freed first), each in
-            tensors of its own between calls.
+            call whose sessions cannot get one more slot each; ``hf``: the sessions keep at
+            most ``kv_cache_tokens`` tokens of KV in all (the least recently generated are
+            freed first), each in tensors of its own between calls.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured

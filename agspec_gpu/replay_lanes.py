@@ -95,7 +95,7 @@ class Lane(Protocol):
 
 
 def accept_on_host(draft: DraftBatch, truth: TruthFn
-                    ) -> tuple[np.ndarray, np.ndarray | None, torch.Tensor]:
+                   ) -> tuple[np.ndarray, np.ndarray | None, torch.Tensor]:
     """``(num_accepted, maybe_sources, path_nodes)`` of a draft against the true
     continuation (``path_nodes``: ``int64 [B, N]`` on the draft's device, -1 padded)."""
     width = draft.max_nodes
