@@ -23,9 +23,8 @@ import agspec_gpu
 from agspec_gpu import CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SpecDecoder
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
-from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.tokenizer import load_tokenizer
-from tiny_models import VARIANTS, tiny_model
+from tiny_models import VARIANTS, record_fit_width, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,13 +281,7 @@ def test_paged_pool_running_short_shrinks_drafts_then_raises_and_keeps_state(mon
                                                            kv_cache_tokens=8 * 20))
     steer(dec, "t0", P[0] + g)  # 45-token drafts: more than the pool has room for
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
-    fits, fit_width = [], PagedBatch.fit_width
-
-    def recorded(self, width):
-        fits.append((width, fit_width(self, width)))
-        return fits[-1][1]
-
-    monkeypatch.setattr(PagedBatch, "fit_width", recorded)
+    fits = record_fit_width(monkeypatch)
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
         dec.generate(sids, max_new_tokens=45)
     monkeypatch.undo()

@@ -66,6 +66,18 @@ def tiny_runner(seed: int = 0, num_pages: int = 256, max_seqs: int = 8) -> Paged
     return runner
 
 
+def cl100k_llama(seed: int) -> torch.nn.Module:
+    """A random 2-layer bf16 Llama (head_dim 128) with cl100k's vocabulary, on ``DEV``."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100277, rope_theta=10000.0,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+
+
 def test_flashinfer_equals_torch_backend_at_llama3_8b_shape():
     H, Hkv, D, ps = 32, 8, 128, 16
     fi = FlashInferPagedAttention(H, Hkv, D, ps, device=DEV, dtype=torch.bfloat16)
@@ -168,16 +180,9 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
     """SpecDecoder(runner="paged") on a GPU captures VerifyGraphs and generates through them;
     with cuda_graphs=False the same loop runs eagerly. Greedy output is the target's own:
     the graphed and eager decoders agree up to the first bf16 near-tie."""
-    import transformers
-
     from agspec_gpu import DecoderConfig, SpecDecoder
 
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=100277, rope_theta=10000.0,
-        tie_word_embeddings=False)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    model = cl100k_llama(3)
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1000, 40)] * 3
     outs = []
     for graphs in (True, False):
@@ -208,30 +213,17 @@ def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
     cut to the pages left inside the graphs' buckets, KVCacheFull ends the call naming
     kv_cache_tokens, each session's context equals its session tier, and once a session is
     closed the other continues."""
-    import transformers
-
     from agspec_gpu import DecoderConfig, KVCacheFull, SpecDecoder
-    from agspec_gpu.runners.paged_batch import PagedBatch
+    from tiny_models import record_fit_width
 
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=100277, rope_theta=10000.0,
-        tie_word_embeddings=False)
-    torch.manual_seed(5)
-    model = transformers.LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    model = cl100k_llama(5)
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 40)] * 3
     dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
                                                      page_size=16, kv_cache_tokens=16 * 20))
     # a closed session of the tenant holds the prompt and more: long drafts
     dec.close_session(dec.open_session("t", "coder", prompt * 2))
     sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])]
-    fits, fit_width = [], PagedBatch.fit_width
-
-    def recorded(self, width):
-        fits.append((width, fit_width(self, width)))
-        return fits[-1][1]
-
-    monkeypatch.setattr(PagedBatch, "fit_width", recorded)
+    fits = record_fit_width(monkeypatch)
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
         dec.generate(sids, max_new_tokens=200, eos_id=None)
     monkeypatch.undo()

@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 models from transformers, shared by the runner and decoder tests."""
+"""Tiny random Llama / Qwen2 models from transformers, and a recorder, shared by the runner and
+decoder tests."""
 
 import torch
 import transformers
@@ -22,3 +23,17 @@ def tiny_model(arch: str, attn: str, vocab: int, max_positions: int = 1024) -> t
         cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
     return cls._from_config(cfg, attn_implementation=attn).eval()
+
+
+def record_fit_width(monkeypatch) -> list[tuple[int, int]]:
+    """``(width asked, width given)`` of every ``PagedBatch.fit_width`` call from now on."""
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    fits, fit_width = [], PagedBatch.fit_width
+
+    def recorded(self, width):
+        fits.append((width, fit_width(self, width)))
+        return fits[-1][1]
+
+    monkeypatch.setattr(PagedBatch, "fit_width", recorded)
+    return fits
