@@ -27,7 +27,7 @@ Inside your own loop, with your own model and KV cache::
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from numbers import Integral
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -106,6 +106,26 @@ class _SessionState:
     context: list[int]
     closed: bool = False
     message: list[int] = field(default_factory=list)  # generated since the last append
+
+
+@dataclass
+class _Rows:
+    """One ``generate`` call's requests, in the order of their runner rows; finished
+    requests leave (:meth:`select`), so every list shrinks together."""
+
+    sids: list[str]
+    states: list[_SessionState]
+    limits: list[int]
+    params: list[SamplingParams | None]
+    stop: list[StopMatcher]
+    spec: list[bool]
+    outs: list[list[int]]  # the caller's output lists, shared
+    done: list[bool]
+
+    def select(self, rows: list[int]) -> None:
+        for f in fields(self):
+            values = getattr(self, f.name)
+            setattr(self, f.name, [values[r] for r in rows])
 
 
 class SpecDecoder:
@@ -418,6 +438,9 @@ class SpecDecoder:
                  ) -> list[list[int]]:
         """Generates for a batch of sessions; returns the new tokens per session.
 
+        A request that ends (EOS, a stop string, its limit, its callback) leaves the batch
+        before the next step, its KV kept: the rest run on without its row and pages.
+
         Args:
             session_ids: open sessions (distinct).
             max_new_tokens: per session: one limit for all, or one per session.
@@ -459,21 +482,19 @@ class SpecDecoder:
         run = [b for b in range(n) if limits[b] > 0]  # a limit of 0: not in the batch
         if not run:
             return outs
-        sids = [sids[b] for b in run]
-        states = [self._sessions[s] for s in sids]
-        rows = self._sampling([per_params[b] for b in run], len(run))
+        batch = _Rows([sids[b] for b in run], [self._sessions[sids[b]] for b in run],
+                      [limits[b] for b in run], [per_params[b] for b in run],
+                      [StopMatcher(self.tokenizer.decode, stops[b]) for b in run],
+                      [spec[b] for b in run], [outs[b] for b in run], [False] * len(run))
         runner = self._batch_runner()
         try:
-            logits = self._kv.prefill(runner, sids, [st.context for st in states], max(limits))
-            got = self._generate(sids, states, runner, logits, [limits[b] for b in run], rows,
-                                 [stops[b] for b in run], [spec[b] for b in run], eos,
-                                 generator, on_tokens)
-        finally:
-            self._kv.keep(runner, sids, [st.context for st in states])
+            logits = self._kv.prefill(runner, batch.sids, [st.context for st in batch.states],
+                                      max(limits))
+            self._generate(batch, runner, logits, eos, generator, on_tokens)
+        finally:  # the requests still in the batch (those that left kept theirs then)
+            self._kv.keep(runner, batch.sids, [st.context for st in batch.states])
             if isinstance(runner, PagedBatch):
                 runner.close()
-        for b, o in zip(run, got):
-            outs[b] = o
         return outs
 
     def _batch_runner(self) -> HFRunner | PagedBatch:
@@ -481,29 +502,29 @@ class SpecDecoder:
             return HFRunner(self.model)
         return PagedBatch(self._paged, self._verify_graphs)
 
-    def _generate(self, sids, states, runner, logits, limits, sampling, stop, spec, eos,
-                  generator, on_tokens) -> list[list[int]]:
+    def _generate(self, batch: _Rows, runner, logits, eos, generator, on_tokens) -> None:
+        """The steps of one call: fills ``batch.outs``; a finished request leaves the batch
+        before the next step (its KV kept), so it costs no row and no pages after it."""
         dev = self._device
+        sampling = self._sampling(batch.params, len(batch.sids))
         first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
-        outs: list[list[int]] = [[] for _ in sids]
-        done = [False] * len(sids)
-        stop = [StopMatcher(self.tokenizer.decode, s) for s in stop]
         root = first.to(torch.int32)
-        new = self._emit(outs, done, [[int(t)] for t in first.tolist()], limits, eos,
-                         stop)
-        self.drafter.append_generated(sids, root[:, None],
+        new = self._emit(batch.outs, batch.done, [[int(t)] for t in first.tolist()],
+                         batch.limits, eos, batch.stop)
+        self.drafter.append_generated(batch.sids, root[:, None],
                                       to_device(list(map(len, new)), torch.int32, dev))
-        self._advance(sids, states, new, on_tokens, done)
-        caps, capped_for = None, None  # per request: max_nodes, or 0 (opted out or done)
-        while not all(done):
+        self._advance(batch.sids, batch.states, new, on_tokens, batch.done)
+        caps = None  # per request: max_nodes, or 0 (opted out of speculation)
+        while not all(batch.done):
+            if any(batch.done):
+                root, sampling = self._leave(batch, runner, root)
+                caps = None
             with nvtx.annotate("agspec.propose"):
-                draft = self.drafter.propose(sids)
-            keep = [s and not d for s, d in zip(spec, done)]
-            if not all(keep):  # rebuilt only when a request finishes
-                if keep != capped_for:
-                    caps = to_device([draft.max_nodes if k else 0 for k in keep],
+                draft = self.drafter.propose(batch.sids)
+            if not all(batch.spec):
+                if caps is None:
+                    caps = to_device([draft.max_nodes if s else 0 for s in batch.spec],
                                      torch.int32, dev)
-                    capped_for = keep
                 draft = draft.capped(caps)
             # two host reads a step: the draft sizes here, the output after acceptance.
             # The HF forward's cost grows with the padded width: verify the widest tree's
@@ -520,13 +541,25 @@ class SpecDecoder:
                 rows, n_out = _read_output(res)
                 runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
                 root = res.bonus_ids().to(torch.int32)
-                new = self._emit(outs, done, [r[:n] for r, n in zip(rows, n_out)],
-                                 limits, eos, stop)
+                new = self._emit(batch.outs, batch.done, [r[:n] for r, n in zip(rows, n_out)],
+                                 batch.limits, eos, batch.stop)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
-                # string or the limit, nothing for requests that had already finished
-                self._record(sids, draft, res, list(map(len, new)))
-            self._advance(sids, states, new, on_tokens, done)
-        return outs
+                # string or the limit
+                self._record(batch.sids, draft, res, list(map(len, new)))
+            self._advance(batch.sids, batch.states, new, on_tokens, batch.done)
+
+    def _leave(self, batch: _Rows, runner, root: torch.Tensor
+               ) -> tuple[torch.Tensor, BatchSampling]:
+        """Takes the finished requests out of ``batch`` and ``runner`` (keeping their KV);
+        returns the roots and sampling rows of those that stay."""
+        gone = [r for r, d in enumerate(batch.done) if d]
+        stay = [r for r, d in enumerate(batch.done) if not d]
+        self._kv.keep(runner, [batch.sids[r] for r in gone],
+                      [batch.states[r].context for r in gone], rows=gone)
+        runner.select_rows(stay)
+        batch.select(stay)
+        return root[to_device(stay, torch.int64, root.device)], \
+            self._sampling(batch.params, len(stay))
 
     def _advance(self, sids, states, new, on_tokens, done=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two

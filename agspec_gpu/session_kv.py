@@ -81,19 +81,23 @@ class SessionKVCache:
         return logits
 
     def keep(self, runner: HFRunner | PagedBatch, sids: list[str],
-             contexts: list[list[int]]) -> None:
-        """After a call (finished or failed): each session's KV holds the prompt, then the
-        emitted stream (and, past a request's end, what the model went on to produce while
-        others ran), so it is a prefix of the context up to the shorter of the two; the
-        last context token stays the next root. A call that failed before its batch had a
-        committed prefix keeps the sessions' earlier KV: those slots are never rewritten."""
+             contexts: list[list[int]], rows: list[int] | None = None) -> None:
+        """After a call (finished or failed), or when requests leave its batch (``rows``:
+        their rows in ``runner``'s batch; default: every row, in order): each session's KV
+        holds the prompt, then the emitted stream (and, past a request's end, what the model
+        went on to produce while others ran), so it is a prefix of the context up to the
+        shorter of the two; the last context token stays the next root. A call that failed
+        before its batch had a committed prefix keeps the sessions' earlier KV: those slots
+        are never rewritten."""
         paged = isinstance(runner, PagedBatch)
         lens = runner.prefix_lens_host if paged else runner.seq_lens_host
-        if len(lens) != len(sids):
-            return
-        for b, (sid, ctx, n) in enumerate(zip(sids, contexts, lens)):
+        if rows is None:
+            if len(lens) != len(sids):
+                return
+            rows = list(range(len(sids)))
+        for b, sid, ctx in zip(rows, sids, contexts):
             k = self._kept[sid]
-            k.length = min(n, len(ctx) - 1)
+            k.length = min(lens[b], len(ctx) - 1)
             if not paged:
                 k.tensors = runner.session_kv(b, k.length) if k.length > 0 else None
         if not paged:

@@ -23,6 +23,7 @@ import agspec_gpu
 from agspec_gpu import CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SpecDecoder
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
+from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.tokenizer import load_tokenizer
 from tiny_models import VARIANTS, record_fit_width, tiny_model
 
@@ -671,6 +672,50 @@ def test_per_session_sampling_and_limits():
         with pytest.raises(ValueError, match=next(iter(kw))):
             dec.generate(sids, **{"max_new_tokens": 4, **kw})
     assert dec.generate(sids[2:3], max_new_tokens=6) == [greedy(variant, P[2] + out[2], 6)]
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_finished_requests_leave_the_batch(runner, monkeypatch):
+    """A request that finishes early leaves the batch before the next step: later steps
+    verify only the others, the finished session keeps its KV as it was when it left (its
+    next call prefills one token; paged, it takes no pages after it left), and every output
+    is plain greedy decoding's (a sampled neighbour leaving does not disturb the rest)."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1, 7)]
+    limits = (3, 30, 12)
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=4096))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    cls = HFRunner if runner == "hf" else PagedBatch
+    sizes, verify, select = [], cls.verify_padded, cls.select_rows
+    held = {}
+
+    def recorded(self, draft, root, **kw):
+        sizes.append(draft.batch_size)
+        return verify(self, draft, root, **kw)
+
+    def selected(self, rows):
+        if runner == "paged":  # the pages of the sessions that leave, as they leave
+            held.update({sid: self.runner.kv_cache.capacity(sid)
+                         for b, sid in enumerate(self._seq_ids) if b not in rows})
+        return select(self, rows)
+
+    monkeypatch.setattr(cls, "verify_padded", recorded)
+    monkeypatch.setattr(cls, "select_rows", selected)
+    prefilled = record_hf_prefills(monkeypatch) if runner == "hf" else \
+        record_prefills(dec, monkeypatch)
+    out = dec.generate(sids, max_new_tokens=list(limits),
+                       sampling=[None, None, SamplingParams(temperature=0.9)],
+                       generator=torch.Generator().manual_seed(1))
+    assert out[:2] == [greedy(variant, p, n) for p, n in zip(P[:2], limits[:2])]
+    assert len(out[2]) == 12
+    assert sizes[0] == 3 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True), sizes
+    if runner == "paged":
+        cache = dec._paged.kv_cache
+        assert held and all(cache.capacity(sid) == n for sid, n in held.items()), held
+    ctx = [p + o for p, o in zip(P, out)]
+    assert dec.generate(sids, max_new_tokens=4) == [greedy(variant, c, 4) for c in ctx]
+    assert prefilled[-1] == [1, 1, 1]
 
 
 # ---------------------------------------------------------------- bad input

@@ -38,6 +38,7 @@ import torch
 
 from agspec_gpu.accept import AcceptResult, flatten_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.host import to_device
 from agspec_gpu.runners.common import check_verify_call
 
 
@@ -265,6 +266,22 @@ class HFRunner:
         layers = self._cache.layers
         return SessionKV(tuple(cut(getattr(la, "keys", None)) for la in layers),
                          tuple(cut(getattr(la, "values", None)) for la in layers), length)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keeps requests ``rows`` (in that order) and drops the rest from the batch: a
+        request that finished stops costing a padded row of every step's forward."""
+        if self._seq_lens is None or self._pending is not None:
+            raise ValueError("select_rows() needs a batch and no verify() pending")
+        idx = to_device(rows, torch.int64, self.device)
+        self._lens_host = [self._lens_host[b] for b in rows]
+        self._seq_lens = self._seq_lens[idx]
+        width = max(self._lens_host)  # the slots past every kept request's length: unused
+        for layer in self._cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            layer.keys = layer.keys[idx, :, :width]
+            layer.values = layer.values[idx, :, :width]
+        self._width = width
 
     def _gather_slots(self, src: torch.Tensor) -> None:
         """New cache slot ``t`` of request ``b`` <- old slot ``src[b, t]`` (``int64 [B, W]``)."""

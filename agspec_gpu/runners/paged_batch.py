@@ -25,6 +25,7 @@ import torch
 
 from agspec_gpu.accept import AcceptResult
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.host import to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.runners.common import check_verify_call
 from agspec_gpu.runners.paged import PagedLlamaRunner
@@ -99,6 +100,19 @@ class PagedBatch:
         self._prefix_host = [len(p) for p in input_ids]
         self._prefix = torch.tensor(self._prefix_host, dtype=torch.int32, device=self.device)
         return logits
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keeps requests ``rows`` (in that order) and drops the rest from the batch: a
+        request that finished stops taking a row and pages at every step. A dropped
+        sequence of the batch's own is freed; the caller's keep their KV."""
+        if self._pending is not None:
+            raise ValueError("select_rows() between verify() and commit()")
+        if self._owns_seqs:
+            for b in sorted(set(range(self.batch_size)) - set(rows)):
+                self.runner.kv_cache.free(self._seq_ids[b])
+        self._seq_ids = [self._seq_ids[b] for b in rows]
+        self._prefix_host = [self._prefix_host[b] for b in rows]
+        self._prefix = self._prefix[to_device(rows, torch.int64, self.device)]
 
     def fit_width(self, width: int) -> int:
         """The most nodes per request, at most ``width``, that a step can verify with the
