@@ -610,12 +610,11 @@ class SpecDecoder:
 
     def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
         """Appends each request's new tokens to ``outs``, ending at EOS, a stop string (its
-        matcher ``stop[b]`` sees every token it takes) or its limit ``max_new[b]``; returns
-        what each request took of ``new[b]`` (nothing once it is done)."""
+        matcher ``stop[b]`` sees every token it takes) or its limit ``max_new[b]`` (then
+        ``done[b]``); returns what each request took of ``new[b]``. Finished requests left
+        the batch before the step, so every row is still running."""
         taken: list[list[int]] = [[] for _ in new]
         for b, toks in enumerate(new):
-            if done[b]:
-                continue
             take = taken[b]
             for t in toks:
                 take.append(t)

@@ -120,8 +120,9 @@ class SessionKVCache:
         first step fit."""
         cache = self.paged.kv_cache
         ps, extra = cache.page_size, max_new_tokens + self.reserve_tokens
-        need = sum(max(min(-(-(len(ctx) + extra) // ps), cache.max_pages_per_seq)
-                       - cache.capacity(s) // ps, 0) for s, ctx in zip(sids, contexts))
+        most = cache.max_pages_per_seq * ps  # a sequence grows no further
+        need = sum(cache.pages_needed(s, min(len(ctx) + extra, most))
+                   for s, ctx in zip(sids, contexts))
         batch = set(sids)
         idle = sorted((k.last_used, sid) for sid, k in self._kept.items()
                       if sid not in batch and sid in cache)
