@@ -161,6 +161,36 @@ def test_spec_loop_reproduces_greedy(variant, B):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
+def test_commit_moves_only_the_accepted_slots(variant):
+    """``commit`` writes the root's and the accepted nodes' KV behind each prefix in place
+    (the cache is not copied: a step costs no pass over the whole context) and the kept
+    slots equal those of a fresh prefill of the same tokens."""
+    model = model_for(variant)
+    runner = HFRunner(model)
+    roots = runner.prefill(PROMPTS[:3]).argmax(-1)
+    g = [reference(variant, b) for b in range(3)]
+    wrong = [(g[b][1] + 1) % VOCAB for b in range(3)]
+    trees = [[(wrong[0], -1), (g[0][1], -1), (wrong[0], 1), (g[0][2], 1), (g[0][3], 3)],
+             [(wrong[1], -1)],                       # rejected at the first token
+             [(g[2][1], -1), (g[2][2], 0)]]          # accepted whole
+    d = DraftBatch.from_lists(trees)
+    logits = runner.verify_padded(d, roots)
+    storage = [layer.keys.data_ptr() for layer in runner._cache.layers]
+    res = greedy_accept(d, logits)
+    runner.commit(res)
+    assert res.num_accepted.tolist() == [3, 0, 2]
+    assert [layer.keys.data_ptr() for layer in runner._cache.layers] == storage
+    committed = [PROMPTS[b] + g[b][:1 + n] for b, n in enumerate(res.num_accepted.tolist())]
+    assert runner.seq_lens.tolist() == list(map(len, committed))
+    fresh = HFRunner(model)
+    fresh.prefill(committed)
+    for b, ctx in enumerate(committed):
+        got, want = runner.session_kv(b, len(ctx)), fresh.session_kv(b, len(ctx))
+        for x, y in zip(got.keys + got.values, want.keys + want.values):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
 def test_kept_session_kv_continues_in_a_later_batch(variant):
     """A batch's committed KV, kept per request (``session_kv``), seeds a later batch of
     another composition and width: its prefill computes only the new tokens, and the

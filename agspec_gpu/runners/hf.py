@@ -283,6 +283,19 @@ class HFRunner:
             layer.values = layer.values[idx, :, :width]
         self._width = width
 
+    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """Slot ``dst[b, k]`` of request ``b`` <- slot ``src[b, k]`` (``int64 [B, K]``, all
+        sources read before any write), in place; then the first ``width`` slots are kept."""
+        B, K = src.shape
+        for layer in self._cache.layers:  # keys/values: [B, H_kv, slots, head_dim]
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue  # a layer that caches nothing (KV sharing)
+            shape = (B, layer.keys.shape[1], K, layer.keys.shape[3])
+            s, d = src[:, None, :, None].expand(shape), dst[:, None, :, None].expand(shape)
+            layer.keys.scatter_(2, d, layer.keys.gather(2, s))
+            layer.values.scatter_(2, d, layer.values.gather(2, s))
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+
     def _gather_slots(self, src: torch.Tensor) -> None:
         """New cache slot ``t`` of request ``b`` <- old slot ``src[b, t]`` (``int64 [B, W]``)."""
         B, W = src.shape
@@ -338,10 +351,12 @@ class HFRunner:
     def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:
         """Keeps prefix + root + accepted path of the last verify in each request's cache.
 
-        The bonus token is not cached: it is the next root. Compaction is one gather per
-        layer; its width, ``max(new lengths)``, keeps the cache no wider than the longest
-        request: from ``num_accepted_host`` (``result.num_accepted`` read by the caller)
-        or read from the device.
+        The bonus token is not cached: it is the next root. In place: per layer one gather
+        of the root's and the accepted nodes' slots (``[B, H_kv, 1 + D, head_dim]``, D the
+        deepest path) and one scatter of them behind each request's prefix; the committed
+        prefix is not copied. The cache is then narrowed (a view) to ``max(new lengths)``
+        slots, from ``num_accepted_host`` (``result.num_accepted`` read by the caller) or
+        read from the device.
         """
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
@@ -355,14 +370,16 @@ class HFRunner:
         new_lens = self._seq_lens + 1 + n_acc
         lens_host = new_lens.tolist() if num_accepted_host is None else \
             [n + 1 + a for n, a in zip(self._lens_host, num_accepted_host)]
-        W = max(lens_host)
-        path = torch.cat([result.accepted_nodes.long().to(dev),
-                          torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)    # [B, D+1]
-        t = torch.arange(W, device=dev)[None, :]
-        off = t - self._seq_lens[:, None]        # 0 = root, 1+k = k-th accepted node
-        node = path.gather(1, (off - 1).clamp(0, path.shape[1] - 1))
-        src = torch.where(off < 0, t, torch.where(off == 0, T, T + 1 + node))
-        src = torch.where(off > n_acc[:, None], 0, src)   # past the new length: junk slot
-        self._gather_slots(src)
-        self._seq_lens, self._width, self._pending = new_lens, W, None
+        # column 0 the root (slot T), column k the k-th accepted node (slot T + 1 + node);
+        # it goes to slot seq_len + k. Every source slot is >= T >= every request's
+        # committed length, so no write lands on a slot another column reads (the gather
+        # reads them all first anyway); columns past a request's path copy a slot onto
+        # itself.
+        k = torch.arange(1 + result.max_depth, device=dev)[None, :]
+        nodes = result.accepted_nodes.long().to(dev).clamp(min=0)
+        dst = self._seq_lens[:, None] + k
+        src = torch.cat([torch.full((B, 1), T, dtype=torch.long, device=dev), T + 1 + nodes], 1)
+        src = torch.where(k <= n_acc[:, None], src, dst)
+        self._move_slots(src, dst, max(lens_host))
+        self._seq_lens, self._width, self._pending = new_lens, max(lens_host), None
         self._lens_host = lens_host
