@@ -162,9 +162,10 @@ def test_spec_loop_reproduces_greedy(variant, B):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
 def test_commit_moves_only_the_accepted_slots(variant):
-    """``commit`` writes the root's and the accepted nodes' KV behind each prefix in place
-    (the cache is not copied: a step costs no pass over the whole context) and the kept
-    slots equal those of a fresh prefill of the same tokens."""
+    """``commit`` writes the root's and the accepted nodes' KV behind each prefix in place,
+    and the next ``verify`` appends its tree in place too (the cache is not copied: a step
+    costs no pass over the whole context); the kept slots equal those of a fresh prefill of
+    the same tokens."""
     model = model_for(variant)
     runner = HFRunner(model)
     roots = runner.prefill(PROMPTS[:3]).argmax(-1)
@@ -188,6 +189,11 @@ def test_commit_moves_only_the_accepted_slots(variant):
         got, want = runner.session_kv(b, len(ctx)), fresh.session_kv(b, len(ctx))
         for x, y in zip(got.keys + got.values, want.keys + want.values):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=0)
+    roots = res.bonus_ids()
+    trees = [[(7 + b, -1)] for b in range(3)]  # any tokens: the logits are checked
+    check_verify_rows(model, runner.verify_padded(DraftBatch.from_lists(trees), roots),
+                      committed, roots.tolist(), trees)
+    assert [layer.keys.data_ptr() for layer in runner._cache.layers] == storage
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v))
@@ -255,3 +261,35 @@ def test_runner_misuse_raises():
                                        sliding_window=16, max_window_layers=1)
     with pytest.raises(ValueError, match="sliding"):
         HFRunner(transformers.Qwen2ForCausalLM(sliding).eval())
+
+
+def test_growing_cache_layer_equals_concatenation():
+    """The runner's cache layer appends in place, grows when full, and adopts tensors set
+    from outside (a gather, a row selection) or narrowed views: its keys / values always
+    equal a plain concatenation of what it was given."""
+    from agspec_gpu.runners.hf import _growing_cache
+
+    gen = torch.Generator().manual_seed(0)
+    cache = _growing_cache()
+    ref_k = ref_v = torch.zeros(2, 3, 0, 4)
+    ptrs = []
+    for step, (n, cut, select) in enumerate([(5, None, False), (300, None, False), (7, 250, False),
+                                             (1, None, True), (400, 100, False), (0, None, False),
+                                             (9, None, False)]):
+        k, v = torch.randn(2, 3, n, 4, generator=gen), torch.randn(2, 3, n, 4, generator=gen)
+        keys, values = cache.update(k, v, 0)
+        ref_k, ref_v = torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
+        assert torch.equal(keys, ref_k) and torch.equal(values, ref_v), f"step {step}"
+        layer = cache.layers[0]
+        ptrs.append(layer.keys.data_ptr())
+        if cut is not None:  # narrowed, as commit does
+            layer.keys, layer.values = layer.keys[:, :, :cut], layer.values[:, :, :cut]
+            ref_k, ref_v = ref_k[:, :, :cut], ref_v[:, :, :cut]
+        if select:  # a new tensor, as a row selection makes
+            idx = torch.tensor([1, 0])
+            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            ref_k, ref_v = ref_k[idx], ref_v[idx]
+    # 5 tokens (capacity 261), +300 (grown), cut to 250 and +7, +1 (kept), rows selected
+    # then +400 (adopted, grown), cut to 100 and +0, +9 (kept)
+    assert ptrs[1] != ptrs[0] and ptrs[3] == ptrs[2] == ptrs[1]
+    assert ptrs[4] != ptrs[3] and ptrs[6] == ptrs[5] == ptrs[4]

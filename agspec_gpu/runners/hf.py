@@ -10,7 +10,9 @@ attention adds the mask to the scores) with ``position_ids = prefix length + dep
 model's own attention code (eager, sdpa, ...) runs unchanged.
 
 Cache layout: one padded :class:`transformers.DynamicCache` for the batch, request ``b``'s
-committed tokens in slots ``[0, seq_lens[b])`` and junk above. Why one padded cache rather
+committed tokens in slots ``[0, seq_lens[b])`` and junk above. Its layers append in place
+into spare capacity (not ``torch.cat``) and ``commit`` moves only the accepted slots, so a
+step does not copy the cache: its cost is the forward's own. Why one padded cache rather
 than a list of per-request caches: the batch stays one forward (the clean batched path), and
 junk slots get a -inf mask entry, so their softmax weight is exactly 0.0 and they add exact
 zeros to the attention sums: the result equals an unpadded run up to the floating-point
@@ -30,6 +32,7 @@ context again).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,6 +56,62 @@ def _new_cache():
     from transformers import DynamicCache
 
     return DynamicCache()
+
+
+def _growing_cache():
+    """A ``DynamicCache`` whose layers append in place (:func:`_growing_layer_class`); a
+    plain one where this ``transformers`` has no ``layer_class_to_replicate`` hook."""
+    cache = _new_cache()
+    if getattr(cache, "layer_class_to_replicate", None) is not None and not cache.layers:
+        cache.layer_class_to_replicate = _growing_layer_class()
+    return cache
+
+
+@functools.cache  # one class, made on first use (transformers is imported lazily)
+def _growing_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A ``DynamicLayer`` that appends into spare capacity instead of concatenating.
+
+        ``keys`` / ``values`` are views ``[B, H_kv, length, head_dim]`` of a buffer with
+        room for more slots; ``update`` writes the new states behind them (no copy of the
+        cache) and grows the buffer by ``max(256, need // 8)`` slots when it is full. A
+        caller that assigns other tensors to ``keys`` / ``values`` (a gather, a row
+        selection) or narrows them (a view) keeps working: the next ``update`` appends in
+        place to a prefix view of the buffer, and copies anything else into a new one.
+        """
+
+        _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not getattr(self, "is_initialized", True):
+                self.lazy_initialization(key_states, value_states)
+            new = key_states.shape[-2]
+            held = (self.keys, self.values)
+            length = self.keys.shape[2] if self.keys is not None and self.keys.dim() == 4 else 0
+            if self._buffers is None or not length or not all(
+                    x.data_ptr() == b.data_ptr() and x.stride() == b.stride()
+                    and x.shape[:2] == b.shape[:2] and x.shape[3] == b.shape[3]
+                    for x, b in zip(held, self._buffers)):
+                self._buffers = None  # first call, or tensors set from outside: adopt them
+            need = length + new
+            if self._buffers is None or need > self._buffers[0].shape[2]:
+                cap = need + max(256, need // 8)
+                grown = []
+                for x, s in zip(held, (key_states, value_states)):
+                    buf = s.new_empty(s.shape[0], s.shape[1], cap, s.shape[3])
+                    if length:
+                        buf[:, :, :length] = x
+                    grown.append(buf)
+                self._buffers = (grown[0], grown[1])
+            kb, vb = self._buffers
+            kb[:, :, length:need] = key_states
+            vb[:, :, length:need] = value_states
+            self.keys, self.values = kb[:, :, :need], vb[:, :, :need]
+            return self.keys, self.values
+
+    return GrowingLayer
 
 
 @dataclass(frozen=True)
@@ -235,7 +294,7 @@ class HFRunner:
     def _cache_from(self, past: list[SessionKV | None], width: int):
         """A fresh cache holding each request's kept KV in slots ``[0, length)``, zeros up
         to ``width`` (masked)."""
-        cache = _new_cache()
+        cache = _growing_cache()
         kept = [(b, kv) for b, kv in enumerate(past) if kv is not None]
         if not kept:
             return cache
