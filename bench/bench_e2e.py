@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from agspec_gpu.cost_model import CostModel
+from agspec_gpu.host import synchronize
 from agspec_gpu.replay import tokenize_sessions
 from agspec_gpu.replay_target import (
     METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, calibrate_cost_model,
@@ -164,6 +165,61 @@ def decode_bytes(runner: PagedLlamaRunner, kv_len: int, batch: int = 1) -> int:
     s = runner.shape
     kv = 2 * s.num_layers * s.num_kv_heads * s.head_dim * runner.kv_cache.data.element_size()
     return weights + batch * kv * kv_len
+
+
+# kernel (or CPU op) name patterns -> the part of a decode step they belong to; first match
+KERNEL_KINDS = (
+    ("attention", ("flashinfer", "batchdecode", "batchprefill", "attention", "paged")),
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "aten::mm",
+                "aten::addmm", "aten::linear", "aten::matmul")),
+    ("norm / rope / silu", ("rms_norm", "rope", "silu")),
+)
+
+
+def kernel_breakdown(step, device: torch.device, iters: int = 5, top: int = 12) -> dict:
+    """Where a step's device time goes: ``step()`` ``iters`` times under ``torch.profiler``.
+
+    On a GPU, the CUDA kernels (inside a graph replay too; ``calls``: launches); on a CPU, the
+    ``aten`` ops (self time; ``calls``: op calls, views included). Returns per-step ms and
+    calls by kind (``KERNEL_KINDS``, else ``other``), the ``top`` kernels by time, and
+    ``busy_ms``: the kernels' summed time per step (against the step's wall time, the rest is
+    the GPU waiting between kernels).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            step()
+        synchronize(device)
+    kernels = []
+    for e in prof.key_averages():
+        if cuda:
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+            if getattr(e, "device_type", None) != DeviceType.CUDA or not us:
+                continue
+        else:
+            us = e.self_cpu_time_total
+            if not e.key.startswith("aten::") or not us:
+                continue
+        kernels.append((e.key, us / 1e3 / iters, e.count / iters))
+    kernels.sort(key=lambda k: -k[1])
+    kinds: dict[str, dict[str, float]] = {}
+    for name, ms, n in kernels:
+        low = name.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p in low for p in pats)), "other")
+        agg = kinds.setdefault(kind, {"ms": 0.0, "calls": 0.0})
+        agg["ms"] += ms
+        agg["calls"] += n
+    return {"source": "CUDA kernels" if cuda else "CPU aten ops (self time)",
+            "iters": iters, "busy_ms": sum(k[1] for k in kernels),
+            "calls": sum(k[2] for k in kernels), "by_kind": kinds,
+            "top": [{"name": name[:120], "ms": ms, "calls": n}
+                    for name, ms, n in kernels[:top]]}
 
 
 def round_robin_by_agent(sessions: list) -> list:
@@ -409,10 +465,17 @@ def main(argv: list[str] | None = None) -> int:
     runner.kv_cache.allocate(bw_id, args.context)
     step_ms = graphs.time_step([bw_id], torch.zeros(1, dtype=torch.int32), [args.context - 1],
                                iters=args.bandwidth_iters)
-    runner.kv_cache.free(bw_id)
     bw_gbps = decode_bytes(runner, args.context) / (step_ms / 1e3) / 1e9
     print(f"[e2e] plain decode B=1 at {args.context} tokens: {step_ms:.3f} ms/step, "
           f"{bw_gbps:.0f} GB/s", flush=True)
+    # where that step's time goes (the bandwidth goal's diagnosis): kernels by kind
+    decode_kernels = kernel_breakdown(
+        graphs.step_fn([bw_id], torch.zeros(1, dtype=torch.int32), [args.context - 1]), device)
+    runner.kv_cache.free(bw_id)
+    print(f"[e2e] plain decode B=1 kernels: {decode_kernels['busy_ms']:.3f} ms busy in "
+          f"{decode_kernels['calls']:.0f} calls per step; " + ", ".join(
+              f"{k} {v['ms']:.3f} ms / {v['calls']:.0f}"
+              for k, v in decode_kernels["by_kind"].items()), flush=True)
 
     # ---------------------------------------------------------------- methods
     drafter_graphs: dict[str, list[str]] = {}  # method -> propose / commit graph status
@@ -510,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loop_decode_bandwidth_gbps: the same bytes over the none B=1 loop's mean step "
                 "(host work of the replay loop included)"),
             "loop_decode_bandwidth_gbps": loop_bw,
+            "decode_kernels": decode_kernels,
             "decode_cuda_graphs": graphs.uses_graphs,
             "decode_graph_error": graphs.graph_error,
             "verify_cuda_graphs": verify.uses_graphs if verify else False,

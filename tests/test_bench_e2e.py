@@ -119,6 +119,11 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
     assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2
     assert report["trace"] and Path(report["trace"]).stat().st_size > 0
+    # the plain decode step's time by kind: on a CPU, aten ops; the matmuls are there
+    kernels = report["decode_kernels"]
+    assert kernels["by_kind"]["matmul"]["ms"] > 0 and kernels["calls"] > 0
+    assert kernels["busy_ms"] == pytest.approx(sum(k["ms"] for k in kernels["by_kind"].values()))
+    assert kernels["top"] and kernels["top"][0]["ms"] >= kernels["top"][-1]["ms"]
 
 
 @pytest.mark.parametrize("batch_size", [3])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -167,6 +167,17 @@ class DecodeGraphs(GraphSteps):
         return self.runner.forward(meta)[:len(seq_ids)]
 
     @torch.inference_mode()
+    def step_fn(self, seq_ids: Sequence, roots: torch.Tensor,
+                prefix_lens_host: Sequence[int]) -> Callable[[], object]:
+        """One decode step of ``seq_ids``, planned once, as a callable that repeats its
+        device work: the captured graph's ``replay`` (or the eager forward)."""
+        S, meta = self.plan(seq_ids, roots, prefix_lens_host)
+        if S in self._graphs:
+            graph, wrapper, _, _ = self._graphs[S]
+            self._plan_wrapper(wrapper, meta)
+            return graph.replay
+        return lambda: self.runner.forward(meta)
+
     def time_step(self, seq_ids: Sequence, roots: torch.Tensor, prefix_lens_host: Sequence[int],
                   iters: int = 50, warmup: int = 5) -> float:
         """Mean ms of one decode step's device work (planned once, then repeated).
@@ -174,13 +185,7 @@ class DecodeGraphs(GraphSteps):
         With graphs this is ``graph.replay()`` back to back: the step's kernels alone, the
         figure to hold against the memory-bandwidth roofline.
         """
-        S, meta = self.plan(seq_ids, roots, prefix_lens_host)
-        if S in self._graphs:
-            graph, wrapper, _, _ = self._graphs[S]
-            self._plan_wrapper(wrapper, meta)
-            step = graph.replay
-        else:
-            step = lambda: self.runner.forward(meta)  # noqa: E731
+        step = self.step_fn(seq_ids, roots, prefix_lens_host)
         dev = self.runner.device
         for _ in range(warmup):
             step()
