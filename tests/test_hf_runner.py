@@ -293,3 +293,31 @@ def test_growing_cache_layer_equals_concatenation():
     # then +400 (adopted, grown), cut to 100 and +0, +9 (kept)
     assert ptrs[1] != ptrs[0] and ptrs[3] == ptrs[2] == ptrs[1]
     assert ptrs[4] != ptrs[3] and ptrs[6] == ptrs[5] == ptrs[4]
+
+
+def test_plain_dynamic_cache_still_works(monkeypatch):
+    """Where ``transformers`` has no ``layer_class_to_replicate`` hook the runner keeps a
+    plain ``DynamicCache`` (its appends copy): prefill with kept KV, verify and commit give
+    the model's own logits all the same."""
+    import agspec_gpu.runners.hf as hf
+
+    monkeypatch.setattr(hf, "_growing_cache", hf._new_cache)
+    model = model_for(VARIANTS[0])
+    first = HFRunner(model)
+    roots = first.prefill(PROMPTS[:2]).argmax(-1).tolist()
+    d = DraftBatch.from_lists([[(3, -1)], [(4, -1), (5, 0)]])
+    res = greedy_accept(d, first.verify_padded(d, torch.tensor(roots)))
+    first.commit(res)
+    n_acc = res.num_accepted.tolist()
+    ctxs = [PROMPTS[b] + [roots[b]] + res.output_ids[b, :n_acc[b]].tolist() for b in range(2)]
+    assert first.seq_lens.tolist() == list(map(len, ctxs))
+    kept = [first.session_kv(b, len(ctxs[b])) for b in range(2)]
+    second = HFRunner(model)
+    ctxs = [ctxs[0] + [7, 8], PROMPTS[2], ctxs[1] + [9]]
+    logits = second.prefill(ctxs, past=[kept[0], None, kept[1]])
+    for b, ctx in enumerate(ctxs):
+        torch.testing.assert_close(logits[b], full_forward_last(model, ctx), atol=1e-4, rtol=0)
+    roots = logits.argmax(-1).tolist()
+    trees = [[(9, -1), (3, 0)], [(10, -1), (11, -1)], [(14, -1)]]
+    check_verify_rows(model, second.verify_padded(DraftBatch.from_lists(trees),
+                                                  torch.tensor(roots)), ctxs, roots, trees)

@@ -84,6 +84,14 @@ def _growing_layer_class() -> type:
 
         _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
+        def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+            """Takes ``keys`` / ``values`` ``[B, H_kv, capacity, head_dim]`` (contiguous,
+            their first ``length`` slots the cache) as the layer's buffers, without a copy."""
+            if not getattr(self, "is_initialized", True):
+                self.lazy_initialization(keys, values)
+            self._buffers = (keys, values)
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
         def update(self, key_states, value_states, *args, **kwargs):
             if not getattr(self, "is_initialized", True):
                 self.lazy_initialization(key_states, value_states)
@@ -278,35 +286,48 @@ class HFRunner:
         allowed = torch.cat([old_key & real_row, (causal & real_key) |
                              torch.eye(S, dtype=torch.bool, device=dev)], 2)
         pos = (n_past[:, None] + t[None, :] - pad[:, None]).clamp(min=0)
-        self._cache, self._pending = self._cache_from(past, C), None
+        self._cache, self._pending = self._cache_from(past, C, room=S), None
         extra = {"logits_to_keep": 1} if self._keep_kw else {}
         logits = self._forward(ids, allowed, pos, **extra)[:, -1]
-        # left-align: slot w of request b <- its kept slot w, then its new token w - n_past
-        # (slot C + pad + w - n_past); slots past the prompt are junk
-        lens = n_past + n_new
-        w = torch.arange(int(max(c + len(p) for c, p in zip(cached, new))), device=dev)[None]
-        src = torch.where(w < n_past[:, None], w, C + pad[:, None] + w - n_past[:, None])
-        self._gather_slots(torch.where(w < lens[:, None], src, 0))
-        self._seq_lens, self._width = lens, w.shape[1]
+        # left-align: new token w of request b moves from slot C + pad + w to n_past + w
+        # (only the new tokens move); slots past the prompt are junk
         self._lens_host = [c + len(p) for c, p in zip(cached, new)]
+        dst = n_past[:, None] + t[None, :]
+        src = torch.where(t[None, :] < n_new[:, None], C + pad[:, None] + t[None, :], dst)
+        self._move_slots(src, dst, max(self._lens_host))
+        self._seq_lens, self._width = n_past + n_new, max(self._lens_host)
         return logits
 
-    def _cache_from(self, past: list[SessionKV | None], width: int):
+    def _cache_from(self, past: list[SessionKV | None], width: int, room: int):
         """A fresh cache holding each request's kept KV in slots ``[0, length)``, zeros up
-        to ``width`` (masked)."""
+        to ``width`` (masked), with ``room`` more slots (and the growth margin) before its
+        layers grow."""
         cache = _growing_cache()
         kept = [(b, kv) for b, kv in enumerate(past) if kv is not None]
         if not kept:
             return cache
+        grows = hasattr(getattr(cache, "layer_class_to_replicate", None), "adopt")
         for layer, (k0, v0) in enumerate(zip(kept[0][1].keys, kept[0][1].values)):
             if k0 is None:
                 continue  # a layer that caches nothing
-            keys = k0.new_zeros(len(past), k0.shape[0], width, k0.shape[2])
-            values = v0.new_zeros(len(past), v0.shape[0], width, v0.shape[2])
-            for b, kv in kept:
-                keys[b, :, :kv.length] = kv.keys[layer]
-                values[b, :, :kv.length] = kv.values[layer]
-            cache.update(keys, values, layer)
+            cap = width + room + max(256, (width + room) // 8) if grows else width
+            # slots past a request's KV up to width are read (masked: they must be finite);
+            # those past width are written before anything reads them
+            keys = k0.new_empty(len(past), k0.shape[0], cap, k0.shape[2])
+            values = v0.new_empty(len(past), v0.shape[0], cap, v0.shape[2])
+            for b, kv in enumerate(past):
+                n = 0 if kv is None else kv.length
+                if n:
+                    keys[b, :, :n] = kv.keys[layer]
+                    values[b, :, :n] = kv.values[layer]
+                keys[b, :, n:width] = 0
+                values[b, :, n:width] = 0
+            if grows:  # the buffers become the layer's: no second copy
+                while len(cache.layers) <= layer:
+                    cache.layers.append(cache.layer_class_to_replicate())
+                cache.layers[layer].adopt(keys, values, width)
+            else:
+                cache.update(keys, values, layer)
         return cache
 
     def session_kv(self, b: int, length: int) -> SessionKV:
@@ -354,18 +375,6 @@ class HFRunner:
             layer.keys.scatter_(2, d, layer.keys.gather(2, s))
             layer.values.scatter_(2, d, layer.values.gather(2, s))
             layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-
-    def _gather_slots(self, src: torch.Tensor) -> None:
-        """New cache slot ``t`` of request ``b`` <- old slot ``src[b, t]`` (``int64 [B, W]``)."""
-        B, W = src.shape
-        src = src[:, None, :, None]
-        for layer in self._cache.layers:  # keys/values: [B, H_kv, slots, head_dim]
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue  # a layer that caches nothing (KV sharing)
-            layer.keys = layer.keys.gather(2, src.expand(B, layer.keys.shape[1], W,
-                                                         layer.keys.shape[3]))
-            layer.values = layer.values.gather(2, src.expand(B, layer.values.shape[1], W,
-                                                             layer.values.shape[3]))
 
     @torch.no_grad()
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
