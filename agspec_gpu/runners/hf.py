@@ -439,10 +439,9 @@ class HFRunner:
         lens_host = new_lens.tolist() if num_accepted_host is None else \
             [n + 1 + a for n, a in zip(self._lens_host, num_accepted_host)]
         # column 0 the root (slot T), column k the k-th accepted node (slot T + 1 + node);
-        # it goes to slot seq_len + k. Every source slot is >= T >= every request's
-        # committed length, so no write lands on a slot another column reads (the gather
-        # reads them all first anyway); columns past a request's path copy a slot onto
-        # itself.
+        # it goes to slot seq_len + k (distinct per request). Every source is read (one
+        # gather) before any write (one scatter), so a write onto another column's source
+        # is harmless; columns past a request's path copy a slot onto itself.
         k = torch.arange(1 + result.max_depth, device=dev)[None, :]
         nodes = result.accepted_nodes.long().to(dev).clamp(min=0)
         dst = self._seq_lens[:, None] + k
