@@ -190,7 +190,8 @@ def kernel_breakdown(step, device: torch.device, iters: int = 5, top: int = 12) 
 
     cuda = device.type == "cuda"
     synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
         for _ in range(iters):
             step()
         synchronize(device)
