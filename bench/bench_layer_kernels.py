@@ -1,12 +1,14 @@
-"""The decoder-layer kernels (RMSNorm + residual, RoPE, SiLU * up) against their torch paths.
+"""The decoder-layer kernels (RMSNorm + residual, RoPE, RoPE + KV append, SiLU * up) against
+their torch paths.
 
 Shapes: a Llama-3-8B layer (hidden 4096; 32 query and 8 KV heads of 128) at ``--rows`` query
 rows (a decode step of B requests has B rows; a verification step B * (1 + nodes)), MLP
 width 14336. Per shape: median microseconds of the Triton kernel and of the torch path
 (``triton.testing.do_bench`` on CUDA: CUDA-event timing of many launches; on CPU only the
 torch path is timed, with ``time.perf_counter``), and the kernels each replaces (residual
-add + RMSNorm: 9, RoPE of q and k: 10 plus the query's contiguous copy, SiLU * up: 2). The decode step's gain shows in
-``bench/bench_e2e.py``'s bandwidth figure; this isolates the kernels.
+add + RMSNorm: 9, RoPE of q and k: 10 plus the query's contiguous copy, RoPE of q and k with
+the keys' and values' writes to the paged cache: 12, SiLU * up: 2). The decode step's gain
+shows in ``bench/bench_e2e.py``'s bandwidth figure; this isolates the kernels.
 
 Usage::
 
@@ -30,6 +32,7 @@ import torch
 
 from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope import rope
+from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kernels.silu_mul import silu_mul
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
         res = torch.randn(Q, N, device=dev, generator=g).to(dtype)
         gate_up = torch.randn(Q, 2 * args.intermediate, device=dev, generator=g).to(dtype)
+        cache = torch.zeros(Q // 16 + 2, 2, 16, Hkv, D, device=dev, dtype=dtype)
+        slot = torch.arange(Q, device=dev)
+        page, offset = slot // 16, slot % 16
         cases = {  # name: (fn(use_triton), kernels of the torch path, Triton launches)
             "add_rms_norm": (lambda t: rms_norm(x, w, 1e-5, residual=res, use_triton=t), 9, 1),
             "rope_qk": (lambda t: (rope(q, cos, sin, use_triton=t),
                                    rope(k, cos, sin, use_triton=t)), 11, 2),
+            "rope_append": (lambda t: rope_append(qkv, cos, sin, page, offset, cache, H, Hkv,
+                                                  use_triton=t), 12, 1),
             "silu_mul": (lambda t: silu_mul(gate_up, use_triton=t), 2, 1),
         }
         for name, (fn, replaced, launches) in cases.items():

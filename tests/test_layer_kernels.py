@@ -1,6 +1,6 @@
-"""The decoder-layer kernels (RMSNorm with an optional residual add, RoPE, SiLU * up;
-Triton, interpreted on CPU) equal their torch paths, which are Llama's arithmetic, on many
-shapes and adversarial values; all compile for sm_90.
+"""The decoder-layer kernels (RMSNorm with an optional residual add, RoPE, RoPE with the KV
+append, SiLU * up; Triton, interpreted on CPU) equal their torch paths, which are Llama's
+arithmetic, on many shapes and adversarial values; all compile for sm_90.
 
 RMSNorm may differ from torch by the order of its fp32 sum of squares, which can move the
 normalized row's rounding by one unit; the product with the weight is rounded again, so the
@@ -16,6 +16,7 @@ import torch
 
 from agspec_gpu.kernels.rms_norm import _rms_norm_kernel, rms_norm, rms_norm_torch
 from agspec_gpu.kernels.rope import _rope_kernel, rope, rope_torch
+from agspec_gpu.kernels.rope_append import _rope_append_kernel, rope_append, rope_append_torch
 from agspec_gpu.kernels.silu_mul import _silu_mul_kernel, silu_mul, silu_mul_torch
 from kernel_compile import compile_all_for_sm90
 
@@ -208,6 +209,73 @@ def test_rope_rejects_bad_inputs_and_falls_back_for_odd_halves():
     assert torch.equal(rope(y, cy, sy, use_triton=True), rope_torch(y, cy, sy))
 
 
+def _slots(Q, page_size, g):
+    """Distinct slots for the rows of a step, the last two rows (when Q >= 3) padding rows on
+    the null page (the last one), as ``PagedKVCache.slots_of`` gives them."""
+    num_pages = Q // page_size + 3
+    flat = torch.randperm((num_pages - 1) * page_size, generator=g)[:Q]
+    page, offset = flat // page_size, flat % page_size
+    if Q >= 3:
+        page[-2:], offset[-2:] = num_pages - 1, 0
+    return num_pages, page, offset
+
+
+# "large" inputs overflow in the interpreter's numpy (fp16 casts): by design
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Q,H,Hkv,D", [(0, 4, 2, 8), (1, 1, 1, 2), (1, 4, 2, 64),
+                                       (7, 4, 1, 16), (33, 8, 2, 128)])
+@pytest.mark.parametrize("kind", ["random", "large", "repeated", "periodic"])
+def test_rope_append_equals_rope_and_indexed_writes(dtype, Q, H, Hkv, D, kind):
+    """One kernel: the queries equal ``rope``'s, the cache holds the rotated keys and the
+    values at each row's slot exactly as the torch path writes them (the null page, which
+    padding rows share, aside), and nothing else of the cache changes."""
+    g = torch.Generator().manual_seed(Q * 100 + D + H)
+    width = (H + 2 * Hkv) * D
+    qkv = values(kind, (Q, width + 8), dtype, g)[:, :width]  # rows strided, as a view may be
+    cos, sin = _tables(Q, D, dtype, g)
+    num_pages, page, offset = _slots(Q, 4, g)
+    cache = torch.randn(num_pages, 2, 4, Hkv, D, generator=g).to(dtype)
+    qkv, cos, sin, page, offset, cache = (t.to(DEV) for t in (qkv, cos, sin, page, offset,
+                                                                cache))
+    got_cache, want_cache = cache.clone(), cache.clone()
+    got = rope_append(qkv, cos, sin, page, offset, got_cache, H, Hkv, use_triton=True)
+    want = rope_append_torch(qkv, cos, sin, page, offset, want_cache, H, Hkv)
+    if dtype == torch.bfloat16 and DEV.type == "cpu":  # interpreter: truncating casts
+        want = _rope_truncating_bf16(qkv[:, :H * D].view(Q, H, D), cos, sin)
+        want_cache[page, 0, offset] = _rope_truncating_bf16(
+            qkv[:, H * D:(H + Hkv) * D].view(Q, Hkv, D), cos, sin)
+    assert got.is_contiguous() and got.shape == (Q, H, D) and got.dtype == dtype
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    assert torch.equal(got_cache[:-1], want_cache[:-1])
+    if Q:  # the values went in unrotated
+        v = qkv[:, (H + Hkv) * D:].view(Q, Hkv, D)
+        real = slice(0, Q - 2) if Q >= 3 else slice(0, Q)
+        assert torch.equal(got_cache[page[real], 1, offset[real]], v[real])
+
+
+def test_rope_append_names_bad_arguments():
+    qkv, cos = torch.zeros(3, 4 * 8), torch.zeros(3, 8)
+    page = offset = torch.zeros(3, dtype=torch.int64)
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    with pytest.raises(ValueError, match="qkv"):
+        rope_append(torch.zeros(3, 30), cos, cos, page, offset, cache, 2, 1)
+    with pytest.raises(ValueError, match="sin"):
+        rope_append(qkv, cos, torch.zeros(2, 8), page, offset, cache, 2, 1)
+    with pytest.raises(ValueError, match="page"):
+        rope_append(qkv, cos, cos, page.int(), offset, cache, 2, 1)
+    with pytest.raises(ValueError, match="cache"):
+        rope_append(qkv, cos, cos, page, offset, torch.zeros(2, 2, 4, 2, 8), 2, 1)
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        rope_append(qkv, cos, cos, page, offset, cache, 0, 1)
+    # D / 2 = 3, not a power of two: the torch path, on any request
+    q2, c2 = torch.randn(3, 4 * 6), torch.randn(3, 6)
+    a, b = torch.zeros(2, 2, 4, 1, 6), torch.zeros(2, 2, 4, 1, 6)
+    torch.testing.assert_close(rope_append(q2, c2, c2, page, offset, a, 2, 1, use_triton=True),
+                               rope_append_torch(q2, c2, c2, page, offset, b, 2, 1))
+    assert torch.equal(a, b)
+
+
 def test_kernels_compile_for_sm90():
     norm_sig = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                     sum_ptr="*bf16", stride_x="i64", N="i32", eps="fp32", BLOCK_N="constexpr",
@@ -220,4 +288,9 @@ def test_kernels_compile_for_sm90():
         (_rope_kernel, dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16",
                             stride_xq="i64", stride_xh="i64", H="i32", HALF="constexpr"),
          dict(HALF=64)),
+        (_rope_append_kernel, dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
+                                   page_ptr="*i64", offset_ptr="*i64", q_out_ptr="*bf16",
+                                   cache_ptr="*bf16", stride_qkv="i64", stride_page="i64",
+                                   stride_kv="i64", stride_slot="i64", H="i32", Hkv="i32",
+                                   HALF="constexpr"), dict(HALF=64)),
     ])

@@ -1,5 +1,7 @@
 """PagedLlamaRunner == the Hugging Face model's own forward on every root-to-node path."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -152,3 +154,41 @@ def test_paged_batch_continues_the_callers_sequences():
     for s in ("a", "b"):
         runner.kv_cache.free(s)
     assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages
+
+
+# the runner here is on the CPU: its Triton kernels run only interpreted (a GPU machine
+# compiles them; tests/test_gpu.py runs the runner there)
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs Triton's interpreter for CPU tensors")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_forward_with_the_triton_layer_kernels_equals_the_torch_path(kind, monkeypatch):
+    """The forward a GPU runs (the fused RoPE + KV append, RMSNorm and SiLU * up kernels;
+    interpreted here) gives the torch path's prefill and tree-step logits and cache (the null
+    page, which padding rows share, aside): bit for bit with the Triton RoPE + append alone
+    (it rounds as torch does), within fp32 noise with all three (RMSNorm sums in another
+    order)."""
+    import functools
+
+    import agspec_gpu.runners.paged as paged
+    from agspec_gpu.kernels import rms_norm, rope_append, silu_mul
+
+    model = tiny_model(kind)
+
+    def run(triton: set[str]):
+        for module, name in ((rope_append, "rope_append"), (rms_norm, "rms_norm"),
+                             (silu_mul, "silu_mul")):
+            monkeypatch.setattr(paged, name, functools.partial(getattr(module, name),
+                                                               use_triton=name in triton))
+        runner = PagedLlamaRunner.from_hf_model(model, num_pages=32, page_size=4, max_seqs=4,
+                                                max_pages_per_seq=16)
+        last = runner.prefill(["a", "b"], [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]])
+        draft = DraftBatch.from_lists([[(5, -1), (6, 0), (7, -1)], [(1, -1)]])
+        meta = runner.plan(["a", "b"], draft, torch.tensor([3, 4], dtype=torch.int32),
+                           torch.tensor([7, 3], dtype=torch.int32), prefix_lens_host=[7, 3])
+        return last, runner.forward(meta), runner.kv_cache.data[:, :-1].clone()
+
+    want = run(set())
+    for got, ref in zip(run({"rope_append"}), want):
+        assert torch.equal(got, ref)
+    for got, ref in zip(run({"rope_append", "rms_norm", "silu_mul"}), want):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -3,7 +3,8 @@
 One forward handles any planned step (:func:`agspec_gpu.tree.plan_tree`): prefill chunks (a
 chain draft: causal), plain decode (no draft) and tree verification, for a ragged batch. Per
 step: embed ``meta.input_ids``; per layer ``RMSNorm -> fused QKV (+ Qwen2 bias) -> RoPE at
-meta.position_ids -> append K/V at meta.kv_slots -> paged tree attention -> o_proj``, then
+meta.position_ids and K/V append at meta.kv_slots (one kernel) -> paged tree attention ->
+o_proj``, then
 ``RMSNorm -> fused gate/up -> SiLU * up -> down``; final norm and LM head. The attention
 backend is planned once per step and run per layer.
 
@@ -30,7 +31,7 @@ from agspec_gpu.attention import make_attention_backend
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import canonical_device
 from agspec_gpu.kernels.rms_norm import rms_norm
-from agspec_gpu.kernels.rope import rope
+from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kernels.silu_mul import silu_mul
 from agspec_gpu.kv_cache import PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
@@ -271,18 +272,16 @@ class PagedLlamaRunner:
         slots = self.kv_cache.slots_of(meta)  # the same KV slots in every layer
         eps = s.rms_norm_eps
 
-        # one kernel each on a GPU: RMSNorm fused with the residual add before it, RoPE,
-        # SiLU * up (kernels/rms_norm.py, rope.py, silu_mul.py). The residual stream is x;
-        # each sublayer's output joins it inside the next norm.
+        # one kernel each on a GPU: RMSNorm fused with the residual add before it, RoPE with
+        # the KV append, SiLU * up (kernels/rms_norm.py, rope_append.py, silu_mul.py). The
+        # residual stream is x; each sublayer's output joins it inside the next norm.
         x = self.embed[meta.input_ids.long()]  # [Q, hidden]
         delta = None  # the last sublayer's output, not yet added to x
         for i, layer in enumerate(self.layers):
             h, x = _add_norm(x, delta, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = rope(q.view(Q, H, D), cos, sin)  # contiguous, as attention wants it
-            k = rope(k.view(Q, Hkv, D), cos, sin)
-            self.kv_cache.append_kv(i, k, v.view(Q, Hkv, D), meta, slots=slots)
+            # RoPE of q and k, k and v into the step's cache slots; q contiguous for attention
+            q = rope_append(qkv, cos, sin, *slots, self.kv_cache.layer(i), H, Hkv)
             o = self.attention.run(q, self.kv_cache.layer(i))
             delta = F.linear(o.view(Q, H * D), layer.o_weight, layer.o_bias)
             h, x = _add_norm(x, delta, layer.post_norm, eps)
