@@ -18,6 +18,20 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos_row, sin_row, i, HALF: tl.constexpr, T: tl.constexpr):
+    """One head's rotated halves ``(lo, hi)`` in ``T``: ``x1, x2`` its halves (fp32),
+    ``cos_row, sin_row`` pointers to its row's ``[D]`` tables; each product and the sum
+    rounded to ``T``, as torch evaluates them one op at a time."""
+    c1 = tl.load(cos_row + i).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + i).to(tl.float32)
+    s1 = tl.load(sin_row + i).to(tl.float32)
+    s2 = tl.load(sin_row + HALF + i).to(tl.float32)
+    lo = ((x1 * c1).to(T).to(tl.float32) + (-x2 * s1).to(T).to(tl.float32)).to(T)
+    hi = ((x2 * c2).to(T).to(tl.float32) + (x1 * s2).to(T).to(tl.float32)).to(T)
+    return lo, hi
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,  # *T [Q, H, D]  rows at stride_xq, heads at stride_xh, D contiguous
     cos_ptr,  # *T [Q, D]  contiguous
@@ -35,17 +49,23 @@ def _rope_kernel(
     src = x_ptr + q * stride_xq + h * stride_xh
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + HALF + i).to(tl.float32)
-    c1 = tl.load(cos_ptr + q * 2 * HALF + i).to(tl.float32)
-    c2 = tl.load(cos_ptr + q * 2 * HALF + HALF + i).to(tl.float32)
-    s1 = tl.load(sin_ptr + q * 2 * HALF + i).to(tl.float32)
-    s2 = tl.load(sin_ptr + q * 2 * HALF + HALF + i).to(tl.float32)
-    T = out_ptr.dtype.element_ty
-    # each product and the sum rounded to T, as torch evaluates them one op at a time
-    lo = ((x1 * c1).to(T).to(tl.float32) + (-x2 * s1).to(T).to(tl.float32)).to(T)
-    hi = ((x2 * c2).to(T).to(tl.float32) + (x1 * s2).to(T).to(tl.float32)).to(T)
+    lo, hi = rotate_halves(x1, x2, cos_ptr + q * 2 * HALF, sin_ptr + q * 2 * HALF, i, HALF,
+                           out_ptr.dtype.element_ty)
     dst = out_ptr + (q * H + h) * 2 * HALF
     tl.store(dst + i, lo)
     tl.store(dst + HALF + i, hi)
+
+
+def check_tables(cos: torch.Tensor, sin: torch.Tensor, Q: int, D: int,
+                 like: torch.Tensor) -> None:
+    """Raises ValueError naming ``cos`` / ``sin`` unless each is ``[Q, D]`` in ``like``'s
+    dtype, on its device."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (Q, D):
+            raise ValueError(f"{name}: expected shape ({Q}, {D}), got {tuple(t.shape)}")
+        if t.dtype != like.dtype or t.device != like.device:
+            raise ValueError(f"{name}: expected {like.dtype} on {like.device}, got {t.dtype} "
+                             f"on {t.device}")
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,12 +95,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     if x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x: expected [Q, H, D] with D even, got shape {tuple(x.shape)}")
     Q, H, D = x.shape
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (Q, D):
-            raise ValueError(f"{name}: expected shape ({Q}, {D}), got {tuple(t.shape)}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"{name}: expected {x.dtype} on {x.device}, got {t.dtype} on "
-                             f"{t.device}")
+    check_tables(cos, sin, Q, D, x)
     if use_triton is None:
         use_triton = x.device.type == "cuda"
     half = D // 2

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels.rope import rope_torch
+from agspec_gpu.kernels.rope import check_tables, rope_torch, rotate_halves
 
 
 @triton.jit
@@ -51,13 +51,8 @@ def _rope_append_kernel(
     x2 = tl.load(src + HALF + i)
     T = q_out_ptr.dtype.element_ty
     if h < H + Hkv:  # query or key head: rotate, rounding as the torch path does
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        c1 = tl.load(cos_ptr + q * 2 * HALF + i).to(tl.float32)
-        c2 = tl.load(cos_ptr + q * 2 * HALF + HALF + i).to(tl.float32)
-        s1 = tl.load(sin_ptr + q * 2 * HALF + i).to(tl.float32)
-        s2 = tl.load(sin_ptr + q * 2 * HALF + HALF + i).to(tl.float32)
-        lo = ((f1 * c1).to(T).to(tl.float32) + (-f2 * s1).to(T).to(tl.float32)).to(T)
-        hi = ((f2 * c2).to(T).to(tl.float32) + (f1 * s2).to(T).to(tl.float32)).to(T)
+        lo, hi = rotate_halves(x1.to(tl.float32), x2.to(tl.float32), cos_ptr + q * 2 * HALF,
+                               sin_ptr + q * 2 * HALF, i, HALF, T)
     else:  # value head: as it is
         lo, hi = x1.to(T), x2.to(T)
     if h < H:
@@ -115,12 +110,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
         raise ValueError(f"qkv: expected [Q, (H + 2 H_kv) D] with D even for H={H}, "
                          f"H_kv={Hkv}, got shape {tuple(qkv.shape)}")
     Q, D = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (Q, D):
-            raise ValueError(f"{name}: expected shape ({Q}, {D}), got {tuple(t.shape)}")
-        if t.dtype != qkv.dtype or t.device != qkv.device:
-            raise ValueError(f"{name}: expected {qkv.dtype} on {qkv.device}, got {t.dtype} "
-                             f"on {t.device}")
+    check_tables(cos, sin, Q, D, qkv)
     for name, t in (("page", page), ("offset", offset)):
         if t.shape != (Q,) or t.dtype != torch.int64 or t.device != qkv.device:
             raise ValueError(f"{name}: expected int64 [{Q}] on {qkv.device}, got {t.dtype} "

@@ -159,12 +159,20 @@ def _rope_truncating_bf16(x, cos, sin):
     return torch.cat((lo, hi), dim=-1).to(torch.bfloat16)
 
 
-# "large" inputs overflow in the interpreter's numpy (exp, fp16 casts): by design
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Q,H,Hkv,D", [(0, 4, 2, 8), (1, 1, 1, 2), (1, 4, 2, 64),
-                                       (7, 4, 1, 16), (33, 8, 2, 128)])
-@pytest.mark.parametrize("kind", ["random", "large", "repeated", "periodic"])
+def rope_cases(test):
+    """The RoPE kernels' cases: every dtype, shapes from empty to GQA at head_dim 128, and
+    adversarial values ("large" overflows the interpreter's numpy fp16 casts: by design)."""
+    marks = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+             pytest.mark.parametrize("dtype", DTYPES),
+             pytest.mark.parametrize("Q,H,Hkv,D", [(0, 4, 2, 8), (1, 1, 1, 2), (1, 4, 2, 64),
+                                                   (7, 4, 1, 16), (33, 8, 2, 128)]),
+             pytest.mark.parametrize("kind", ["random", "large", "repeated", "periodic"])]
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+@rope_cases
 def test_rope_equals_torch(dtype, Q, H, Hkv, D, kind):
     g = torch.Generator().manual_seed(Q * 100 + D)
     q, k = (t.to(DEV) for t in _qkv_views(Q, H, Hkv, D, dtype, g, kind))
@@ -220,12 +228,7 @@ def _slots(Q, page_size, g):
     return num_pages, page, offset
 
 
-# "large" inputs overflow in the interpreter's numpy (fp16 casts): by design
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Q,H,Hkv,D", [(0, 4, 2, 8), (1, 1, 1, 2), (1, 4, 2, 64),
-                                       (7, 4, 1, 16), (33, 8, 2, 128)])
-@pytest.mark.parametrize("kind", ["random", "large", "repeated", "periodic"])
+@rope_cases
 def test_rope_append_equals_rope_and_indexed_writes(dtype, Q, H, Hkv, D, kind):
     """One kernel: the queries equal ``rope``'s, the cache holds the rotated keys and the
     values at each row's slot exactly as the torch path writes them (the null page, which
