@@ -130,7 +130,8 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
     q_out = torch.empty(Q, H, D, dtype=qkv.dtype, device=qkv.device)
     if Q:
         _rope_append_kernel[(Q, H + 2 * Hkv)](
-            qkv, cos.contiguous(), sin.contiguous(), page, offset, q_out, cache,
+            qkv, cos.contiguous(), sin.contiguous(), page.contiguous(), offset.contiguous(),
+            q_out, cache,
             qkv.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), H, Hkv,
             HALF=half)
     return q_out

@@ -238,6 +238,7 @@ def test_rope_append_equals_rope_and_indexed_writes(dtype, Q, H, Hkv, D, kind):
     qkv = values(kind, (Q, width + 8), dtype, g)[:, :width]  # rows strided, as a view may be
     cos, sin = _tables(Q, D, dtype, g)
     num_pages, page, offset = _slots(Q, 4, g)
+    page, offset = torch.stack([page, offset], 1).unbind(1)  # strided views, as may come
     cache = torch.randn(num_pages, 2, 4, Hkv, D, generator=g).to(dtype)
     qkv, cos, sin, page, offset, cache = (t.to(DEV) for t in (qkv, cos, sin, page, offset,
                                                                 cache))
