@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_tensors
 from agspec_gpu.kernels.rope import check_tables, rope_torch, rotate_halves
 
 
@@ -111,10 +112,10 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
                          f"H_kv={Hkv}, got shape {tuple(qkv.shape)}")
     Q, D = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
     check_tables(cos, sin, Q, D, qkv)
+    check_tensors(("page", page, torch.int64, (Q,)), ("offset", offset, torch.int64, (Q,)))
     for name, t in (("page", page), ("offset", offset)):
-        if t.shape != (Q,) or t.dtype != torch.int64 or t.device != qkv.device:
-            raise ValueError(f"{name}: expected int64 [{Q}] on {qkv.device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        if t.device != qkv.device:
+            raise ValueError(f"{name}: on {t.device}, qkv on {qkv.device}")
     if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (Hkv, D) or \
             cache.dtype != qkv.dtype or cache.device != qkv.device:
         raise ValueError(f"cache: expected {qkv.dtype} [P, 2, page_size, {Hkv}, {D}] on "
