@@ -145,34 +145,9 @@ class PagedKVCache:
         return torch.index_select(self._page_table, 0, rows, out=out)
 
     def slots_of(self, meta: TreeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(page, offset)``, ``int64 [Q]`` each: where :meth:`append_kv` writes each query
-        row of ``meta`` (padding rows: the null page). The same for every layer of a step:
-        compute it once per forward."""
+        """``(page, offset)``, ``int64 [Q]`` each: where a step writes the KV of each query
+        row of ``meta`` (:func:`~agspec_gpu.kernels.rope_append.rope_append`; padding rows:
+        the null page). The same for every layer of a step: compute it once per forward."""
         slots = meta.kv_slots.long()
         slots = torch.where(slots >= 0, slots, self.null_page * self.page_size)
         return slots // self.page_size, slots % self.page_size
-
-    def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                  meta: TreeMetadata, *,
-                  slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Writes the KV of every query row of a planned step into layer ``layer``.
-
-        Parameters
-        ----------
-        k, v : ``[Q, H_kv, D]``
-            One row per query row of ``meta`` (``Q = meta.capacity_q``); row ``i`` goes to
-            physical slot ``meta.kv_slots[i]`` (its logical slot ``prefix_len + r``, node order);
-            padding rows go to the null page.
-        slots : ``slots_of(meta)``, when the caller computed it for the step.
-        """
-        Q = meta.capacity_q
-        shape = (Q, self.num_kv_heads, self.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != shape:
-                raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
-            if x.device != self.device:
-                raise ValueError(f"{name}: on {x.device}, cache on {self.device}")
-        page, offset = slots if slots is not None else self.slots_of(meta)
-        cache = self.data[layer]
-        cache[page, 0, offset] = k.to(cache.dtype)
-        cache[page, 1, offset] = v.to(cache.dtype)

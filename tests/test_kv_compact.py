@@ -5,6 +5,7 @@ import torch
 
 from agspec_gpu import DraftBatch
 from agspec_gpu.kernels.kv_compact import _kv_compact_kernel, kv_compact
+from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kv_cache import KVCacheFull, PagedKVCache
 from agspec_gpu.tree import plan_tree
 from kernel_compile import compile_for_sm90
@@ -128,7 +129,10 @@ def test_cache_allocator_lifecycle():
         cache.page_table(["b"])
 
 
-def test_append_kv_writes_node_order_slots():
+def test_step_kv_goes_to_node_order_slots():
+    """A step's KV (written by the runner's ``rope_append`` at ``slots_of``) lands at each
+    tree row's logical slot ``prefix_len + r``, whatever its depth; padding rows on the
+    null page only."""
     cache = PagedKVCache(2, num_pages=8, page_size=3, num_kv_heads=2, head_dim=4,
                          dtype=torch.float32, device="cpu")
     cache.allocate("s", 9)
@@ -137,7 +141,9 @@ def test_append_kv_writes_node_order_slots():
                      torch.tensor([4], dtype=torch.int32), cache.page_table(["s"]), 3,
                      max_total_q=6)
     k = torch.arange(6 * 8, dtype=torch.float32).view(6, 2, 4)
-    cache.append_kv(1, k, -k, meta)
+    qkv = torch.cat([torch.zeros(6, 4), k.view(6, 8), -k.view(6, 8)], 1)  # 1 query head
+    ones, zeros = torch.ones(6, 4), torch.zeros(6, 4)  # the identity rotation
+    rope_append(qkv, ones, zeros, *cache.slots_of(meta), cache.layer(1), 1, 2)
     table = cache.page_table(["s"])[0]
     for r in range(4):  # tree row r at logical slot 4 + r, whatever its depth
         slot = 4 + r
@@ -148,8 +154,6 @@ def test_append_kv_writes_node_order_slots():
     assert torch.equal(cache.layer(1)[cache.null_page, 0, 0], k[5]) or \
         torch.equal(cache.layer(1)[cache.null_page, 0, 0], k[4])
     assert cache.layer(0).eq(0).all()
-    with pytest.raises(ValueError, match="k: expected shape"):
-        cache.append_kv(0, k[:4], k[:4], meta)
 
 
 def test_compact_moves_nothing_for_empty_batches():
