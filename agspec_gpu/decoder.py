@@ -59,6 +59,12 @@ class DecoderConfig:
     """Decoder settings: tiers, drafting, the largest batch ``generate`` serves, the runner.
 
     Attributes:
+        max_batch: the most sessions of one ``generate`` call or ``propose`` step.
+        max_sessions: the most concurrently open sessions, idle ones included (an agent
+            waiting on a tool keeps its session, its corpus and its kept KV); None: ``4 *
+            max_batch``. Each open session holds a drafter state slot (a few hundred bytes)
+            and, with ``runner="paged"``, a page-table row (``4 * kv_cache_tokens /
+            page_size`` bytes).
         runner: ``"hf"`` runs the model's own forward (any HF causal LM, a DynamicCache);
             ``"paged"`` converts a Llama/Qwen2-family model once into a
             :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
@@ -85,6 +91,7 @@ class DecoderConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     max_batch: int = 64
+    max_sessions: int | None = None
     runner: str = "hf"
     page_size: int = 16
     kv_cache_tokens: int = 1 << 15
@@ -94,6 +101,11 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_sessions is None:  # frozen: resolved once, here
+            object.__setattr__(self, "max_sessions", 4 * self.max_batch)
+        if self.max_sessions < self.max_batch:
+            raise ValueError(f"max_sessions ({self.max_sessions}) must be >= max_batch "
+                             f"({self.max_batch}): a batch is made of open sessions")
         if self.runner not in ("hf", "paged"):
             raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
@@ -159,14 +171,15 @@ class SpecDecoder:
         if self.config.profiles is not None:
             roles = load_profiles(self.config.profiles, {r.name: r for r in drafter_cfg.roles})
             drafter_cfg = replace(drafter_cfg, roles=tuple(roles.values()))
-        self.drafter = Drafter(self.store, drafter_cfg, self.config.max_batch)
+        self.drafter = Drafter(self.store, drafter_cfg, self.config.max_batch,
+                               max_sessions=self.config.max_sessions)
         self._paged: PagedLlamaRunner | None = None
         if self.config.runner == "paged":  # converted once, here, so a bad model fails early
             cfg = self.config
             pages = -(-cfg.kv_cache_tokens // cfg.page_size)
             try:
                 self._paged = PagedLlamaRunner.from_hf_model(
-                    model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.max_batch,
+                    model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.max_sessions,
                     max_pages_per_seq=pages)
             except ValueError as exc:
                 raise ValueError(f"model: runner='paged' takes Llama/Qwen2-family models "
@@ -380,13 +393,17 @@ class SpecDecoder:
         return res
 
     def _batch(self, session_ids: Sequence[str]) -> list[str]:
-        """``session_ids`` as a list, checked: distinct and open."""
+        """``session_ids`` as a list, checked: distinct, open, at most ``max_batch``."""
         if isinstance(session_ids, str) or not isinstance(session_ids, Iterable):
             raise ValueError(f"session_ids: expected a list of session ids, got "
                              f"{session_ids!r}")
         sids = list(session_ids)
         if len(set(sids)) != len(sids):
             raise ValueError("session_ids must be distinct")
+        if len(sids) > self.config.max_batch:
+            raise ValueError(f"session_ids: {len(sids)} sessions exceed DecoderConfig."
+                             f"max_batch={self.config.max_batch}; generate for them in "
+                             f"batches, or raise max_batch")
         for s in sids:
             self._session(s)
         return sids

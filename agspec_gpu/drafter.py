@@ -121,21 +121,30 @@ class Drafter:
     Args:
         store: the corpora (and tenant isolation).
         config: drafting parameters.
-        max_batch: most concurrently open sessions; device state is sized for it.
+        max_batch: the most requests of one step (the batch buckets and the budget's cost
+            table are sized for it).
         cost: verification cost model for the batch budget.
+        max_sessions: the most concurrently open sessions, idle ones included (default
+            ``max_batch``); each holds a state slot (its recent-token ring and controller
+            state, ``~4 * (max_depth + 8)`` bytes of device memory).
     """
 
     def __init__(self, store: CorpusStore, config: DrafterConfig | None = None,
-                 max_batch: int = 64, cost: CostModel | None = None) -> None:
+                 max_batch: int = 64, cost: CostModel | None = None,
+                 max_sessions: int | None = None) -> None:
+        max_sessions = max_batch if max_sessions is None else max_sessions
+        if max_batch < 1 or max_sessions < 1:
+            raise ValueError(f"max_batch and max_sessions must be >= 1, got {max_batch} "
+                             f"and {max_sessions}")
         self.store = store
         self.config = config or DrafterConfig()
         self.cost = cost or CostModel.default()
-        self.max_batch = max_batch
+        self.max_batch, self.max_sessions = max_batch, max_sessions
         dev = store.arena.device
         D = store.config.max_depth
-        # per-slot state has one spare row (slot max_batch): the padding rows of a step
+        # per-slot state has one spare row (slot max_sessions): the padding rows of a step
         # replayed as a CUDA graph read and write it, never a real session's
-        slots = max_batch + 1
+        slots = max_sessions + 1
         self.recent = torch.zeros(slots, D, dtype=torch.int32, device=dev)
         self.recent_len = torch.zeros(slots, dtype=torch.int32, device=dev)
         # upper bound on the next match length: the last match plus the tokens appended
@@ -149,7 +158,7 @@ class Drafter:
         self.tier_drafts = torch.full((_NUM_TIERS,), 2.0, dtype=torch.float64, device=dev)
         self._roles = {r.name: r for r in self.config.roles}
         self._slot: dict[str, int] = {}
-        self._free = list(range(max_batch - 1, -1, -1))
+        self._free = list(range(max_sessions - 1, -1, -1))
         # online calibration: P(node accepted | its parent accepted) by the state the draft
         # came from and the node's depth, from what verification accepted (exponentially
         # decayed counts over a prior of (L+1)/(L+3), weight 2: a longer match is more likely
@@ -179,10 +188,10 @@ class Drafter:
     def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
         """The propose and commit halves as :class:`StepGraphs` (``use_graphs=False``: padded
         but eager, what the CPU tests compare with unpadded steps); graphs are captured here."""
-        dev, B = self.recent.device, self.max_batch
-        graphs = (StepGraphs(self._draft_tensors, B, dev, _DRAFT_PADS | {"slots": B},
+        dev, B, pad = self.recent.device, self.max_batch, self.max_sessions
+        graphs = (StepGraphs(self._draft_tensors, B, dev, _DRAFT_PADS | {"slots": pad},
                              state=[self.match_cap], use_graphs=use_graphs),
-                  StepGraphs(self._commit_tensors, B, dev, _COMMIT_PADS | {"slots": B},
+                  StepGraphs(self._commit_tensors, B, dev, _COMMIT_PADS | {"slots": pad},
                              state=self._commit_state(), use_graphs=use_graphs))
         graphs[0].prepare([self._draft_example(r) for r in range(1, _NUM_TIERS + 1)])
         graphs[1].prepare([self._commit_example()])
@@ -194,7 +203,8 @@ class Drafter:
         if role not in self._roles:
             raise ValueError(f"role {role!r} is unknown (known: {sorted(self._roles)})")
         if not self._free:
-            raise ValueError(f"max_batch={self.max_batch} sessions are already open")
+            raise ValueError(f"max_sessions={self.max_sessions} sessions are already open "
+                             f"(close one, or raise max_sessions)")
         self.store.open_session(sid, tenant, prompt_ids)
         slot = self._free.pop()
         self._slot[sid] = slot
@@ -250,6 +260,9 @@ class Drafter:
         cfg, store = self.config, self.store
         dev = self.recent.device
         B = len(sids)
+        if not 0 < B <= self.max_batch:
+            raise ValueError(f"sids: {B} requests, a step takes 1 to max_batch="
+                             f"{self.max_batch}")
         slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
         # the rows of the match: a [B, Rs] grid of (request, corpus), Rs = the most corpora
         # of a request (host: no sync); a request with fewer repeats its session corpus as

@@ -12,7 +12,7 @@ captured per bucket:
   and the recent-token ring.
 
 Padding rows carry inputs that make them inert (no candidates, no nodes, no accepted tokens)
-and address the drafter's spare state slot (``max_batch``), so they never write a real
+and address the drafter's spare state slot (``max_sessions``), so they never write a real
 session's state; the real request count reaches the batch budget as a device scalar, so
 padding does not change it.
 

@@ -1048,14 +1048,14 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
 def test_close_session_frees_memory():
     variant = VARIANTS[1]
     P = [list(prompts()[i]) for i in (6, 3, 1)]
-    dec = SpecDecoder(model(variant), tok(), DecoderConfig(max_batch=3))
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(max_batch=3, max_sessions=3))
     sids = [dec.open_session(t, "coder", p) for t, p in zip(("t0", "t1", "t1"), P)]
     dec.generate(sids, max_new_tokens=16)
     store = dec.store
     before = {t: store.nbytes(tenant=t) for t in ("t0", "t1")}
     assert store.nbytes(tier=CorpusTier.SESSION, tenant="t0") > 0
     assert store.nbytes(tier=CorpusTier.HISTORY, tenant="t0") == 0
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match="max_sessions=3"):
         dec.open_session("t2", "coder", [1, 2, 3])
     dec.close_session(sids[0])
     # only the tenant's history is left, which holds the closed session's text by design
@@ -1068,6 +1068,41 @@ def test_close_session_frees_memory():
     # the drafter slot is free again
     s3 = dec.open_session("t2", "coder", P[0])
     assert_greedy(dec, variant, [sids[1], s3], [P[1] + greedy(variant, P[1], 16), P[0]])
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_more_open_sessions_than_max_batch(runner):
+    """Agents keep their sessions open while they wait on tools: a decoder holds up to
+    ``max_sessions`` open sessions (default 4x ``max_batch``) and generates for any
+    ``max_batch`` of them at a time, each keeping its KV between calls; a larger batch or
+    one session too many raises naming the setting, and changes nothing."""
+    variant = VARIANTS[0]
+    P = [list(p) for p in prompts()]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(
+        runner=runner, max_batch=2, max_sessions=5, page_size=8, kv_cache_tokens=4096))
+    assert DecoderConfig(max_batch=3).max_sessions == 12
+    with pytest.raises(ValueError, match="max_sessions"):
+        DecoderConfig(max_batch=4, max_sessions=3)
+    sids = [dec.open_session(f"t{i}", "coder", P[i]) for i in range(5)]
+    with pytest.raises(ValueError, match="max_sessions=5"):
+        dec.open_session("t5", "coder", P[5])
+    with pytest.raises(ValueError, match="max_batch=2"):
+        dec.generate(sids[:3], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_batch=2"):
+        dec.propose(sids[2:5])
+    outs = {}
+    for pair in ([0, 1], [2, 3], [4, 0], [1, 3]):  # every session, some twice, in new pairs
+        out = dec.generate([sids[i] for i in pair], max_new_tokens=12)
+        for i, o in zip(pair, out):
+            ctx = P[i] + outs.get(i, [])
+            assert o == greedy(variant, ctx, 12), (pair, i)
+            outs[i] = outs.get(i, []) + o
+    assert all(dec._kv.kept_tokens(s) > 0 for s in sids)  # idle sessions kept their KV
+    dec.close_session(sids[2])
+    s5 = dec.open_session("t5", "coder", P[5])  # its slot (and page-table row) is free again
+    assert_greedy(dec, variant, [s5, sids[4]], [P[5], P[4] + outs[4]], n=12)
+    if runner == "paged":
+        assert dec._paged.kv_cache._page_table.shape[0] == 5
 
 
 def test_close_tenant_frees_its_workspace_and_history_only():

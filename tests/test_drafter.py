@@ -419,21 +419,25 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
     the same state after every commit. Padding requests add no nodes, the batch budget prices
     the real requests only, and their writes land in the spare slot. Tenants with and
     without a workspace make the (request, corpus) grid ragged; commits pass the verifier's
-    accepted nodes, or (``spelled``) leave the drafter to find them."""
+    accepted nodes, or (``spelled``) leave the drafter to find them. More sessions are open
+    than a step takes (``max_sessions`` 12, ``max_batch`` 8), and steps pick any of them."""
     ds = []
     for _ in range(2):
-        store, d = make(tok, batch_budget=batch_budget)
+        store = CorpusStore(tok, TierConfig(use_global=False))
+        d = Drafter(store, DrafterConfig(**{**_SHARES, "batch_budget": batch_budget}),
+                    max_batch=8, max_sessions=12)
         store.add_workspace_file("w", "w.txt", "".join(chr(97 + i % 7) * 3 for i in range(60)))
         ds.append(d)
     ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
-    sids = [f"s{i}" for i in range(6)]
+    sids = [f"s{i}" for i in range(10)]
     for d in ds:
         for i, sid in enumerate(sids):
             d.open_session(sid, "w" if i % 2 else f"t{i}", role="coder",
                            prompt_ids=(CASE_A * 3)[i:])
     rng = random.Random(2)
-    for step, b in enumerate([1, 3, 6, 5, 2, 6]):  # buckets 1, 4, 8, 8, 2, 8
-        batch = sids[:b]
+    batches = [[9], [2, 8, 0], [3, 4, 5, 6, 7, 8], [9, 1, 4, 7, 5], [6, 3], list(range(8))]
+    for step, rows in enumerate(batches):  # buckets 1, 4, 8, 8, 2, 8
+        batch, b = [sids[i] for i in rows], len(rows)
         drafts = [d.propose(batch) for d in ds]
         for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
             assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
@@ -697,11 +701,25 @@ def test_lifecycle_errors(tok):
     small = Drafter(CorpusStore(tok, TierConfig(use_global=False)), max_batch=2)
     small.open_session("1", "t")
     small.open_session("2", "t")
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match="max_sessions=2"):
         small.open_session("3", "t")
     small.close_session("1")
     small.open_session("3", "t")  # the slot is reused
     assert small.propose(["2", "3"]).batch_size == 2
+    # more open sessions than a step's batch: any max_batch of them per step
+    wide = Drafter(CorpusStore(tok, TierConfig(use_global=False)), max_batch=2,
+                   max_sessions=4)
+    for s in "abcd":
+        wide.open_session(s, "t", prompt_ids=tok.encode(f"session {s}: x = 1\nx = 1\n"))
+    with pytest.raises(ValueError, match="max_sessions=4"):
+        wide.open_session("e", "t")
+    with pytest.raises(ValueError, match="max_batch=2"):
+        wide.propose(["a", "b", "c"])
+    with pytest.raises(ValueError, match="max_batch=2"):
+        wide.propose([])
+    assert wide.propose(["d", "a"]).batch_size == 2
+    with pytest.raises(ValueError, match="max_sessions"):
+        Drafter(CorpusStore(tok, TierConfig(use_global=False)), max_batch=2, max_sessions=0)
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_positions=0), dict(max_draft_depth=0),
