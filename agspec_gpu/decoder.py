@@ -215,17 +215,27 @@ class SpecDecoder:
     # ------------------------------------------------------------ lifecycle
     def open_session(self, tenant: str, role: str = "default",
                      prompt_ids: Sequence[int] | torch.Tensor = (),
-                     session_id: str | None = None) -> str:
-        """Opens a session and returns its id (``session_id`` if given; must be new)."""
+                     session_id: str | None = None, text: str | None = None) -> str:
+        """Opens a session and returns its id (``session_id`` if given; must be new).
+
+        ``text``: the prompt as the agent framework printed it (without chat-template
+        markup); the files it shows (editor views, ``[File: ...]`` windows, aider listings:
+        :func:`~agspec_gpu.capture.capture_tool_output` without a command) join the
+        tenant's workspace tier, as :meth:`append`'s do.
+        """
         ids = self._ids(prompt_ids, "prompt_ids")
         if not ids:
             raise ValueError("prompt_ids must not be empty")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"text: expected a str or None, got {type(text).__name__}")
         sid = session_id or f"{self._sid_prefix}{self._next}"
         self._next += 1
         if sid in self._sessions:
             raise ValueError(f"session_id {sid!r} already exists")
+        files = capture_tool_output(None, text) if text is not None else []
         self.drafter.open_session(sid, tenant, role, ids)
         self._sessions[sid] = _SessionState(tenant, list(ids))
+        self._add_files(tenant, files)
         return sid
 
     def append(self, sid: str, token_ids: Sequence[int] | torch.Tensor,
@@ -253,9 +263,12 @@ class SpecDecoder:
         self.drafter.extend(sid, ids)
         st.context.extend(ids)
         st.message = []
-        for f in files:
-            self.store.add_workspace_file(st.tenant, f.path, f.text, first_line=f.first_line)
+        self._add_files(st.tenant, files)
         return [f.path for f in files]
+
+    def _add_files(self, tenant: str, files) -> None:
+        for f in files:
+            self.store.add_workspace_file(tenant, f.path, f.text, first_line=f.first_line)
 
     def add_workspace_file(self, sid: str, path: str, text: str) -> int:
         """Indexes a file the session's tenant opened (all emission forms)."""

@@ -17,9 +17,9 @@ the decoder). Lanes:
   only, none that a tool output showed.
 
 A gap between ``agspec`` and ``decoder`` is wiring the public API lacks; ``decoder-notext``
-shows what capturing tool outputs is worth. One difference is by design: files shown in a session's
-prompt (before its first target message) reach the harness's workspace but not the
-decoder's (``open_session`` takes ids only).
+shows what capturing tool outputs is worth. A session's prompt (the messages before its first
+target message) reaches ``open_session(..., text=...)`` decoded as one text, where the
+harness captures each of its messages apart (the dev sessions' prompts show no files).
 
 Usage::
 
@@ -59,8 +59,10 @@ class DecoderLane:
         self.captured: list[str | None] = []  # the paths append() captured, in order
 
     def open_session(self, sid, tenant, role, prompt) -> None:
-        self.dec.open_session(tenant, role if role in self._roles else "default",
-                              prompt.tolist(), session_id=sid)
+        ids = prompt.tolist()
+        self.dec.open_session(tenant, role if role in self._roles else "default", ids,
+                              session_id=sid,
+                              text=self.dec.tokenizer.decode(ids) if self.with_text else None)
 
     def extend(self, sid, tokens) -> None:
         ids = tokens.tolist()

@@ -470,6 +470,31 @@ def test_append_captures_the_files_an_agent_reads_and_writes():
     assert len(dec._sessions[a].context) == n and dec.append(a, [1, 2]) == []
 
 
+def test_open_session_captures_the_files_its_prompt_shows():
+    """``open_session(..., text=...)``: a prompt that shows a file (here a real SWE-agent
+    editor view, recognised from the text alone) puts it in the tenant's workspace, so a later
+    session of the tenant drafts it; bad text opens nothing."""
+    from agspec_gpu.capture import capture_tool_output
+    from agspec_gpu.trajectories import load_sessions
+
+    path = Path("/work/shared/data/trajectories/dev/swe_agent__claude-sonnet-4.jsonl.gz")
+    shown = next(m.content for s in load_sessions(path, limit=3) for m in s.messages
+                 if m.role == "tool" and capture_tool_output(None, m.content))
+    file_text = capture_tool_output(None, shown)[0].text
+    dec = SpecDecoder(model(VARIANTS[1]), tok())
+    with pytest.raises(ValueError, match="text"):
+        dec.open_session("t0", "coder", [1, 2, 3], text=b"bytes")
+    assert not dec._sessions and dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") == 0
+    dec.open_session("t0", "coder", tok().encode(shown), text=shown)
+    dec.open_session("t1", "coder", [1, 2, 3])  # no text: nothing captured
+    assert dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") > 0
+    assert dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t1") == 0
+    file_ids = tok().encode(file_text)
+    at = len(file_ids) // 2
+    b = dec.open_session("t0", "coder", file_ids[:at])
+    assert draft_follows(dec.propose([b]), 0, file_ids[at:]) >= 8
+
+
 def test_global_corpus_from_a_path(tmp_path):
     """``global_corpus=`` takes the path of an ``agspec-gpu build-global`` file, as
     DESIGN.md's API does: loaded, checked against the tokenizer, drafted from (lossless);
