@@ -131,15 +131,18 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # fp16 cases of test_attention deselected: they would JIT-compile a second FlashInfer module.
 # four workers when pytest-xdist is there: kernels compile in parallel, and a CUDA fault ends
 # one worker's tests, not all of them (the first run lost 46 tests to one illegal access);
-# PYTHONSAFEPATH: the workers too must not import the checkout's agspec_gpu (no kernels/ in it)
+# PYTHONSAFEPATH: the workers too must not import the checkout's agspec_gpu (no kernels/ in it).
+# -v: one line per test as it finishes, so a step cut by its timeout still says what passed.
+# Two steps: the GPU-only tests (FlashInfer, graphs, the runners, the decoder) before the e2e
+# run; the Triton kernels against their torch paths (~400 cases, each already compared under
+# the interpreter and compiled for sm_90 in CI) after the e2e, drafter and kernel benchmarks.
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
-step pytest 140 env PYTHONSAFEPATH=1 python3 -P -m pytest -q --tb=short --durations=8 \
-  -p no:cacheprovider "${XDIST[@]}" \
-  tests/test_gpu.py tests/test_attention.py \
-  tests/test_suffix_match.py tests/test_tree_mask.py tests/test_kv_compact.py \
-  tests/test_layer_kernels.py tests/test_verify_graphs.py tests/test_tree_accept.py \
-  tests/test_drafter_commit.py tests/test_node_probs.py tests/test_draft_nodes.py \
+PYTEST=(env PYTHONSAFEPATH=1 python3 -P -m pytest -v --tb=short --durations=8
+        -p no:cacheprovider "${XDIST[@]}")
+step pytest 120 "${PYTEST[@]}" \
+  tests/test_gpu.py tests/test_attention.py tests/test_verify_graphs.py \
+  tests/test_layer_kernels.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda" \
@@ -192,6 +195,13 @@ cp /tmp/bench/drafter_step.json "$OUT/drafter_step.json" 2>/dev/null
 step bench_layer_kernels 40 python3 bench/bench_layer_kernels.py --device cuda \
   --out /tmp/bench/layer_kernels
 cp /tmp/bench/layer_kernels.json "$OUT/layer_kernels.json" 2>/dev/null
+
+# ---------------------------------------------------------------- kernel tests
+step pytest-kernels 150 "${PYTEST[@]}" \
+  tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
+  tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
+  tests/test_suffix_match.py
+
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
 # H200 on 2026-11-30, bench/results/index_build-20261130-h200.json, as was bench_match)
