@@ -399,7 +399,7 @@ class SpecDecoder:
         with nvtx.annotate("agspec.commit"):
             res = self._accept(draft, logits, self._sampling(sampling, len(sids)), generator)
             rows, n_out = _read_output(res)
-            self._record(sids, draft, res, n_out)
+            self._record(sids, draft, res, n_out, n_out)
             self._advance(sids, [self._sessions[s] for s in sids],
                           [r[:n] for r, n in zip(rows, n_out)], None)
         self._proposed = None
@@ -443,18 +443,21 @@ class SpecDecoder:
         return sample_accept(draft, logits, None, sampling, generator)
 
     def _record(self, sids: list[str], draft: DraftBatch, res: AcceptResult,
-                taken: list[int]) -> None:
+                taken: list[int], num_output: list[int]) -> None:
         """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
-        controller) and the counters; ``taken`` is ``num_output`` cut where a request ended."""
+        controller) and the counters; ``taken`` is ``num_output`` (host) cut where a
+        request ended."""
         self._steps += 1
         self._tokens += sum(taken)
         counts = self._draft_counts
         counts[0] += draft.num_draft_tokens.to(counts.device).sum()
         counts[1] += res.num_accepted.to(counts.device).sum()
-        # the ids are the model's own and the counts are on the host: no read back
-        self.drafter.observe(sids, res.output_ids,
-                             to_device(taken, torch.int32, res.output_ids.device),
-                             res.num_accepted, num_output_host=taken, validate=False,
+        # the ids are the model's own and the counts are on the host: no read back; the
+        # device counts are the step's own unless a request ended inside it
+        cut = res.num_output if taken == num_output else \
+            to_device(taken, torch.int32, res.output_ids.device)
+        self.drafter.observe(sids, res.output_ids, cut, res.num_accepted,
+                             num_output_host=taken, validate=False,
                              path_nodes=res.accepted_nodes)
 
     # ------------------------------------------------------------ generation
@@ -575,7 +578,7 @@ class SpecDecoder:
                                  batch.limits, eos, batch.stop)
                 # the session tier gets what the session emitted: nothing past EOS, a stop
                 # string or the limit
-                self._record(batch.sids, draft, res, list(map(len, new)))
+                self._record(batch.sids, draft, res, list(map(len, new)), n_out)
             self._advance(batch.sids, batch.states, new, on_tokens, batch.done)
 
     def _leave(self, batch: _Rows, runner, root: torch.Tensor
