@@ -101,11 +101,14 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_sessions is None:  # frozen: resolved once, here
-            object.__setattr__(self, "max_sessions", 4 * self.max_batch)
-        if self.max_sessions < self.max_batch:
+        if self.max_sessions is not None and self.max_sessions < self.max_batch:
             raise ValueError(f"max_sessions ({self.max_sessions}) must be >= max_batch "
                              f"({self.max_batch}): a batch is made of open sessions")
+
+    @property
+    def session_limit(self) -> int:
+        """``max_sessions``, or ``4 * max_batch`` when it is None."""
+        return 4 * self.max_batch if self.max_sessions is None else self.max_sessions
         if self.runner not in ("hf", "paged"):
             raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
@@ -172,14 +175,14 @@ class SpecDecoder:
             roles = load_profiles(self.config.profiles, {r.name: r for r in drafter_cfg.roles})
             drafter_cfg = replace(drafter_cfg, roles=tuple(roles.values()))
         self.drafter = Drafter(self.store, drafter_cfg, self.config.max_batch,
-                               max_sessions=self.config.max_sessions)
+                               max_sessions=self.config.session_limit)
         self._paged: PagedLlamaRunner | None = None
         if self.config.runner == "paged":  # converted once, here, so a bad model fails early
             cfg = self.config
             pages = -(-cfg.kv_cache_tokens // cfg.page_size)
             try:
                 self._paged = PagedLlamaRunner.from_hf_model(
-                    model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.max_sessions,
+                    model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.session_limit,
                     max_pages_per_seq=pages)
             except ValueError as exc:
                 raise ValueError(f"model: runner='paged' takes Llama/Qwen2-family models "

@@ -14,6 +14,7 @@ the prefill's token, then ``accepted + 1`` tokens per verification step, cut at 
 """
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -1105,7 +1106,8 @@ def test_more_open_sessions_than_max_batch(runner):
     P = [list(p) for p in prompts()]
     dec = SpecDecoder(model(variant), tok(), DecoderConfig(
         runner=runner, max_batch=2, max_sessions=5, page_size=8, kv_cache_tokens=4096))
-    assert DecoderConfig(max_batch=3).max_sessions == 12
+    assert DecoderConfig(max_batch=3).session_limit == 12
+    assert replace(DecoderConfig(), max_batch=512).session_limit == 2048
     with pytest.raises(ValueError, match="max_sessions"):
         DecoderConfig(max_batch=4, max_sessions=3)
     sids = [dec.open_session(f"t{i}", "coder", P[i]) for i in range(5)]
