@@ -104,15 +104,15 @@ class DecoderConfig:
         if self.max_sessions is not None and self.max_sessions < self.max_batch:
             raise ValueError(f"max_sessions ({self.max_sessions}) must be >= max_batch "
                              f"({self.max_batch}): a batch is made of open sessions")
+        if self.runner not in ("hf", "paged"):
+            raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
+        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
+            raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
 
     @property
     def session_limit(self) -> int:
         """``max_sessions``, or ``4 * max_batch`` when it is None."""
         return 4 * self.max_batch if self.max_sessions is None else self.max_sessions
-        if self.runner not in ("hf", "paged"):
-            raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
-        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
-            raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
 
 
 @dataclass
