@@ -27,7 +27,7 @@ Inside your own loop, with your own model and KV cache::
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from numbers import Integral
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -46,6 +46,8 @@ from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
+from agspec_gpu.requests import (Requests, StepOutput, per_session, read_output,
+                                 stop_lists)
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.session_kv import SessionKVCache
 from agspec_gpu.stops import StopMatcher
@@ -124,23 +126,15 @@ class _SessionState:
 
 
 @dataclass
-class _Rows:
-    """One ``generate`` call's requests, in the order of their runner rows; finished
-    requests leave (:meth:`select`), so every list shrinks together."""
+class _Live:
+    """A running batch: its requests, the runner that holds their KV (row ``b`` is request
+    ``b``), each request's next root and the step's sampling rows."""
 
-    sids: list[str]
-    states: list[_SessionState]
-    limits: list[int]
-    params: list[SamplingParams | None]
-    stop: list[StopMatcher]
-    spec: list[bool]
-    outs: list[list[int]]  # the caller's output lists, shared
-    done: list[bool]
-
-    def select(self, rows: list[int]) -> None:
-        for f in fields(self):
-            values = getattr(self, f.name)
-            setattr(self, f.name, [values[r] for r in rows])
+    reqs: Requests
+    runner: HFRunner | PagedBatch
+    root: torch.Tensor | None = None        # int32 [B]: the last emitted token, not cached
+    sampling: BatchSampling | None = None
+    caps: torch.Tensor | None = None        # int32 [B] draft caps (speculation opt-outs)
 
 
 class SpecDecoder:
@@ -193,6 +187,9 @@ class SpecDecoder:
             self._verify_graphs = VerifyGraphs(self._paged, sizes + [self.config.max_batch],
                                                drafter_cfg.max_nodes)
         self._sessions: dict[str, _SessionState] = {}
+        # continuous batching (submit / step): the requests waiting for room, the running batch
+        self._queue: list[Requests] = []
+        self._live: _Live | None = None
         self._proposed: list[str] | None = None  # the sessions of the last public propose
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         # each session's KV between generate calls (a call prefills what was appended since)
@@ -256,6 +253,7 @@ class SpecDecoder:
             The paths of the files captured (None: a file of unknown path).
         """
         st = self._session(sid)
+        self._check_idle([sid], "sid")
         ids = self._ids(token_ids, "token_ids")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"text: expected a str or None, got {type(text).__name__}")
@@ -278,8 +276,10 @@ class SpecDecoder:
         return self.store.add_workspace_file(self._session(sid).tenant, path, text)
 
     def close_session(self, sid: str) -> None:
-        """Frees the session's corpus and KV; its text joins its tenant's history."""
+        """Frees the session's corpus and KV (ending its submitted request, if any); its
+        text joins its tenant's history."""
         st = self._session(sid)
+        self.cancel(sid)
         self.drafter.close_session(sid)
         self._kv.drop(sid)
         st.closed = True
@@ -343,6 +343,7 @@ class SpecDecoder:
             :class:`DraftBatch` of device tensors (``PAD_ID`` padded).
         """
         sids = self._batch(session_ids)
+        self._check_idle(sids)
         with nvtx.annotate("agspec.propose"):
             draft = self.drafter.propose(sids)
         self._proposed = sids
@@ -401,10 +402,10 @@ class SpecDecoder:
         self._check_draft(draft)
         with nvtx.annotate("agspec.commit"):
             res = self._accept(draft, logits, self._sampling(sampling, len(sids)), generator)
-            rows, n_out = _read_output(res)
+            rows, n_out = read_output(res)
             self._record(sids, draft, res, n_out, n_out)
-            self._advance(sids, [self._sessions[s] for s in sids],
-                          [r[:n] for r, n in zip(rows, n_out)], None)
+            _extend_contexts([self._sessions[s] for s in sids],
+                             [r[:n] for r, n in zip(rows, n_out)])
         self._proposed = None
         return res
 
@@ -431,7 +432,7 @@ class SpecDecoder:
         if sampling is None or isinstance(sampling, SamplingParams):
             rows = (sampling or greedy,)
         else:
-            rows = tuple(p or greedy for p in _per_session(
+            rows = tuple(p or greedy for p in per_session(
                 sampling, num_sessions, "sampling", (SamplingParams, type(None))))
         # a user's loop commits with the same params step after step: their device
         # tensors are made once, not per step
@@ -478,7 +479,7 @@ class SpecDecoder:
         before the next step, its KV kept: the rest run on without its row and pages.
 
         Args:
-            session_ids: open sessions (distinct).
+            session_ids: open sessions (distinct, not submitted to :meth:`step`).
             max_new_tokens: per session: one limit for all, or one per session.
             sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
@@ -501,113 +502,244 @@ class SpecDecoder:
             continues from there.
         """
         sids = self._batch(session_ids)
-        n = len(sids)
-        limits = _per_session(max_new_tokens, n, "max_new_tokens", Integral)
-        if any(isinstance(m, bool) or m < 0 for m in limits):
-            raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
-        spec = _per_session(speculate, n, "speculate", bool)
-        per_params = _per_session(sampling, n, "sampling", (SamplingParams, type(None)))
-        eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
-        if eos is not None and not 0 <= eos < self.vocab_size:
-            raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {self.vocab_size})")
-        stops = _stop_lists(stop, n)
-        if generator is not None and generator.device.type != self._device.type:
-            raise ValueError(f"generator: on {generator.device}, the model on {self._device}")
+        self._check_idle(sids)
+        reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id)
+        self._check_generator(generator)
         self._proposed = None  # generate's own steps replace a pending propose()
-        outs: list[list[int]] = [[] for _ in sids]
-        run = [b for b in range(n) if limits[b] > 0]  # a limit of 0: not in the batch
+        outs = [[] for _ in sids]
+        run = [b for b, m in enumerate(reqs.limits) if m > 0]  # a limit of 0: not in the batch
+        reqs.outs = outs
+        reqs.select(run)
         if not run:
             return outs
-        batch = _Rows([sids[b] for b in run], [self._sessions[sids[b]] for b in run],
-                      [limits[b] for b in run], [per_params[b] for b in run],
-                      [StopMatcher(self.tokenizer.decode, stops[b]) for b in run],
-                      [spec[b] for b in run], [outs[b] for b in run], [False] * len(run))
-        runner = self._batch_runner()
+        live = _Live(reqs, self._batch_runner())
         try:
-            logits = self._kv.prefill(runner, batch.sids, [st.context for st in batch.states],
-                                      max(limits))
-            self._generate(batch, runner, logits, eos, generator, on_tokens)
+            self._advance(live, self._prefill(live, generator), on_tokens)
+            while not all(reqs.done):
+                self._advance(live, self._verify_step(live, generator), on_tokens)
         finally:  # the requests still in the batch (those that left kept theirs then)
-            self._kv.keep(runner, batch.sids, [st.context for st in batch.states])
-            if isinstance(runner, PagedBatch):
-                runner.close()
+            self._end(live)
         return outs
 
+    # ------------------------------------------------------------ continuous batching
+    def submit(self, session_id: str, max_new_tokens: int = 256,
+               sampling: SamplingParams | None = None, stop: str | Sequence[str] = (),
+               speculate: bool = True, eos_id: int | None = -1) -> None:
+        """Queues a request of an open session for :meth:`step` (continuous batching).
+
+        The request joins the running batch at the next step with room (``max_batch``
+        requests run at once; the rest wait in submission order). Arguments as
+        :meth:`generate`'s, for one session. The session is busy until the request ends
+        (``generate``, ``propose``, ``append`` and another ``submit`` of it raise).
+        """
+        sid = self._batch([session_id])[0]
+        self._check_idle([sid])
+        if isinstance(max_new_tokens, Integral) and max_new_tokens == 0:
+            raise ValueError("max_new_tokens: a submitted request needs >= 1")
+        self._queue.append(self._requests([sid], max_new_tokens, sampling,
+                                          [stop] if isinstance(stop, str) else [list(stop)],
+                                          speculate, eos_id))
+
+    @torch.no_grad()
+    def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:
+        """Runs one step of the submitted requests; returns what each running one emitted.
+
+        Requests that ended leave first (their KV kept). Then, if requests wait and the
+        batch has room, they join: one forward prefills them (after their sessions' kept
+        KV) and gives every running request one token, as a plain decoding step does.
+        Otherwise one speculative step (propose, verify, accept, commit). Greedy requests
+        stay plain greedy decoding whatever joins or leaves around them.
+
+        Returns:
+            :class:`StepOutput` per request that ran (none when nothing is submitted).
+
+        Raises:
+            What a step raises (a full KV pool, say): the running requests end there, their
+            sessions usable and in step at what they emitted; queued requests stay queued.
+        """
+        self._check_generator(generator)
+        live = self._live
+        room = self.config.max_batch - (0 if live is None else len(live.reqs.sids))
+        joining = self._queue[:room]
+        if not joining and live is None:
+            return []
+        try:
+            if joining:
+                del self._queue[:len(joining)]
+                live = self._live = self._join(live, joining)
+                new = self._prefill(live, generator)
+            else:
+                new = self._verify_step(live, generator)
+            self._advance(live, new)
+            r = live.reqs
+            out = [StepOutput(s, t, d) for s, t, d in zip(r.sids, new, r.done)]
+            self._leave_finished()  # their sessions are idle once step() returns
+        except BaseException:
+            if self._live is not None:
+                self._end(self._live)
+                self._live = None
+            raise
+        return out
+
+    def cancel(self, session_id: str) -> None:
+        """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
+        the batch, its KV and what it emitted kept). A no-op for an idle session."""
+        self._session(session_id)
+        self._queue = [q for q in self._queue if q.sids[0] != session_id]
+        live = self._live
+        if live is not None and session_id in live.reqs.sids:
+            live.reqs.done[live.reqs.sids.index(session_id)] = True
+            self._leave_finished()
+
+    def _leave_finished(self) -> None:
+        """The running batch's finished requests leave it (their KV kept); the batch ends
+        when none is left."""
+        live = self._live
+        if live is None or not any(live.reqs.done):
+            return
+        if all(live.reqs.done):
+            self._end(live)
+            self._live = None
+        else:
+            self._leave(live)
+
+    @property
+    def running(self) -> list[str]:
+        """Sessions whose submitted request is in the running batch."""
+        return [] if self._live is None else list(self._live.reqs.sids)
+
+    @property
+    def queued(self) -> list[str]:
+        """Sessions whose submitted request waits for room in the batch."""
+        return [q.sids[0] for q in self._queue]
+
+    def _check_idle(self, sids: list[str], name: str = "session_ids") -> None:
+        busy = set(self.running) | set(self.queued)
+        hit = [s for s in sids if s in busy]
+        if hit:
+            raise ValueError(f"{name}: session {hit[0]!r} has a submitted request (step() "
+                             f"runs it; cancel() ends it)")
+
+    def _check_generator(self, generator) -> None:
+        if generator is not None and generator.device.type != self._device.type:
+            raise ValueError(f"generator: on {generator.device}, the model on {self._device}")
+
+    def _requests(self, sids, max_new_tokens, sampling, stop, speculate, eos_id) -> Requests:
+        """The requests of ``sids`` with per-session arguments, validated (nothing changes
+        on an error); their outputs are new lists."""
+        n = len(sids)
+        limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
+        if any(isinstance(m, bool) or m < 0 for m in limits):
+            raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
+        spec = per_session(speculate, n, "speculate", bool)
+        params = per_session(sampling, n, "sampling", (SamplingParams, type(None)))
+        eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, Integral) or
+                                not 0 <= eos < self.vocab_size):
+            raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {self.vocab_size})")
+        stops = stop_lists(stop, n)
+        return Requests(list(sids), [self._sessions[s] for s in sids], list(limits),
+                        list(params), [StopMatcher(self.tokenizer.decode, s) for s in stops],
+                        [eos] * n, list(spec), [[] for _ in sids], [False] * n)
+
+    # ------------------------------------------------------------ the running batch
     def _batch_runner(self) -> HFRunner | PagedBatch:
         if self._paged is None:
             return HFRunner(self.model)
         return PagedBatch(self._paged, self._verify_graphs)
 
-    def _generate(self, batch: _Rows, runner, logits, eos, generator, on_tokens) -> None:
-        """The steps of one call: fills ``batch.outs``; a finished request leaves the batch
-        before the next step (its KV kept), so it costs no row and no pages after it."""
-        dev = self._device
-        sampling = self._sampling(batch.params, len(batch.sids))
-        first = self._pick(logits[:, None, :], sampling, generator)[:, 0]
-        root = first.to(torch.int32)
-        new = self._emit(batch.outs, batch.done, [[int(t)] for t in first.tolist()],
-                         batch.limits, eos, batch.stop)
-        self.drafter.append_generated(batch.sids, root[:, None],
-                                      to_device(list(map(len, new)), torch.int32, dev))
-        self._advance(batch.sids, batch.states, new, on_tokens, batch.done)
-        caps = None  # per request: max_nodes, or 0 (opted out of speculation)
-        while not all(batch.done):
-            if any(batch.done):
-                root, sampling = self._leave(batch, runner, root)
-                caps = None
-            with nvtx.annotate("agspec.propose"):
-                draft = self.drafter.propose(batch.sids)
-            if not all(batch.spec):
-                if caps is None:
-                    caps = to_device([draft.max_nodes if s else 0 for s in batch.spec],
-                                     torch.int32, dev)
-                draft = draft.capped(caps)
-            # two host reads a step: the draft sizes here, the output after acceptance.
-            # The HF forward's cost grows with the padded width: verify the widest tree's
-            # nodes, not the drafter's static max_nodes
-            num_draft = self._check_draft(draft)
-            width = max(max(num_draft), 1)
-            if isinstance(runner, PagedBatch):
-                width, num_draft, draft = self._fit_pool(runner, width, num_draft, draft)
-            draft = draft.narrowed(width)
-            with nvtx.annotate("agspec.verify"):
-                logits = runner.verify_padded(draft, root, num_draft_host=sum(num_draft))
-                res = self._accept(draft, logits, sampling, generator)
-            with nvtx.annotate("agspec.commit"):
-                rows, n_out = _read_output(res)
-                runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
-                root = res.bonus_ids().to(torch.int32)
-                new = self._emit(batch.outs, batch.done, [r[:n] for r, n in zip(rows, n_out)],
-                                 batch.limits, eos, batch.stop)
-                # the session tier gets what the session emitted: nothing past EOS, a stop
-                # string or the limit
-                self._record(batch.sids, draft, res, list(map(len, new)), n_out)
-            self._advance(batch.sids, batch.states, new, on_tokens, batch.done)
+    def _join(self, live: _Live | None, joining: list[Requests]) -> _Live:
+        """A new batch: the running requests (their KV kept, to be continued), then
+        ``joining``'s."""
+        reqs = joining[0] if live is None else live.reqs
+        if live is not None:
+            self._end(live)
+            self._live = None
+            reqs.extend(joining[0])
+        for q in joining[1:]:
+            reqs.extend(q)
+        return _Live(reqs, self._batch_runner())
 
-    def _leave(self, batch: _Rows, runner, root: torch.Tensor
-               ) -> tuple[torch.Tensor, BatchSampling]:
-        """Takes the finished requests out of ``batch`` and ``runner`` (keeping their KV);
-        returns the roots and sampling rows of those that stay."""
-        gone = [r for r, d in enumerate(batch.done) if d]
-        stay = [r for r, d in enumerate(batch.done) if not d]
-        self._kv.keep(runner, [batch.sids[r] for r in gone],
-                      [batch.states[r].context for r in gone], rows=gone)
-        runner.select_rows(stay)
-        batch.select(stay)
-        return root[to_device(stay, torch.int64, root.device)], \
-            self._sampling(batch.params, len(stay))
+    def _prefill(self, live: _Live, generator) -> list[list[int]]:
+        """Starts ``live``'s runner on its requests' contexts (after each session's kept
+        KV), picks each request's next token from the last logits and emits it (the first
+        token of a new request; for a running one, a plain decoding step)."""
+        reqs = live.reqs
+        logits = self._kv.prefill(live.runner, reqs.sids, [st.context for st in reqs.states],
+                                  max(reqs.remaining()))
+        live.sampling = self._sampling(reqs.params, len(reqs.sids))
+        live.caps = None
+        first = self._pick(logits[:, None, :], live.sampling, generator)[:, 0]
+        live.root = first.to(torch.int32)
+        new = reqs.emit([[int(t)] for t in first.tolist()])
+        self.drafter.append_generated(reqs.sids, live.root[:, None],
+                                      to_device(list(map(len, new)), torch.int32,
+                                                self._device))
+        return new
 
-    def _advance(self, sids, states, new, on_tokens, done=None) -> None:
+    def _verify_step(self, live: _Live, generator) -> list[list[int]]:
+        """One speculative step of ``live``'s requests (the finished ones leave first)."""
+        reqs, runner = live.reqs, live.runner
+        if any(reqs.done):
+            self._leave(live)
+        with nvtx.annotate("agspec.propose"):
+            draft = self.drafter.propose(reqs.sids)
+        if not all(reqs.spec):
+            if live.caps is None:  # per request: max_nodes, or 0 (opted out)
+                live.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
+                                      torch.int32, self._device)
+            draft = draft.capped(live.caps)
+        # two host reads a step: the draft sizes here, the output after acceptance.
+        # The HF forward's cost grows with the padded width: verify the widest tree's
+        # nodes, not the drafter's static max_nodes
+        num_draft = self._check_draft(draft)
+        width = max(max(num_draft), 1)
+        if isinstance(runner, PagedBatch):
+            width, num_draft, draft = self._fit_pool(runner, width, num_draft, draft)
+        draft = draft.narrowed(width)
+        with nvtx.annotate("agspec.verify"):
+            logits = runner.verify_padded(draft, live.root, num_draft_host=sum(num_draft))
+            res = self._accept(draft, logits, live.sampling, generator)
+        with nvtx.annotate("agspec.commit"):
+            rows, n_out = read_output(res)
+            runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
+            live.root = res.bonus_ids().to(torch.int32)
+            new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
+            # the session tier gets what the session emitted: nothing past EOS, a stop
+            # string or the limit
+            self._record(reqs.sids, draft, res, list(map(len, new)), n_out)
+        return new
+
+    def _leave(self, live: _Live) -> None:
+        """Takes the finished requests out of ``live`` and its runner (keeping their KV)."""
+        reqs = live.reqs
+        gone = [r for r, d in enumerate(reqs.done) if d]
+        stay = [r for r, d in enumerate(reqs.done) if not d]
+        self._kv.keep(live.runner, [reqs.sids[r] for r in gone],
+                      [reqs.states[r].context for r in gone], rows=gone)
+        live.runner.select_rows(stay)
+        reqs.select(stay)
+        live.root = live.root[to_device(stay, torch.int64, live.root.device)]
+        live.sampling = self._sampling(reqs.params, len(stay))
+        live.caps = None
+
+    def _end(self, live: _Live) -> None:
+        """Keeps the KV of every request still in ``live`` and frees its runner."""
+        reqs = live.reqs
+        self._kv.keep(live.runner, reqs.sids, [st.context for st in reqs.states])
+        if isinstance(live.runner, PagedBatch):
+            live.runner.close()
+
+    def _advance(self, live: _Live, new: list[list[int]], on_tokens=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two
         never disagree, even when the call fails later), then streams them; a callback
-        that returns False marks its request ``done``."""
-        for st, toks in zip(states, new):
-            st.context.extend(toks)
-            st.message.extend(toks)
+        that returns False marks its request done."""
+        reqs = live.reqs
+        _extend_contexts(reqs.states, new)
         if on_tokens is not None:
-            for b, (sid, toks) in enumerate(zip(sids, new)):
-                if toks and on_tokens(sid, toks) is False and done is not None:
-                    done[b] = True
+            for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
+                if toks and on_tokens(sid, toks) is False:
+                    reqs.done[b] = True
 
     def _fit_pool(self, runner: PagedBatch, width: int, num_draft: list[int],
                   draft: DraftBatch) -> tuple[int, list[int], DraftBatch]:
@@ -644,57 +776,9 @@ class SpecDecoder:
             raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
         return num
 
-    def _emit(self, outs, done, new, max_new, eos, stop) -> list[list[int]]:
-        """Appends each request's new tokens to ``outs``, ending at EOS, a stop string (its
-        matcher ``stop[b]`` sees every token it takes) or its limit ``max_new[b]`` (then
-        ``done[b]``); returns what each request took of ``new[b]``. Finished requests left
-        the batch before the step, so every row is still running."""
-        taken: list[list[int]] = [[] for _ in new]
-        for b, toks in enumerate(new):
-            take = taken[b]
-            for t in toks:
-                take.append(t)
-                stopped = stop[b].push(t)  # the matcher sees every token taken
-                if stopped or (eos is not None and t == eos) or \
-                        len(outs[b]) + len(take) >= max_new[b]:
-                    done[b] = True
-                    break
-            outs[b].extend(take)
-        return taken
 
-
-def _read_output(res: AcceptResult) -> tuple[list[list[int]], list[int]]:
-    """``(output_ids rows, num_output)`` on the host, in one read."""
-    both = torch.cat([res.num_output[:, None].long(), res.output_ids.long()], 1).tolist()
-    return [r[1:] for r in both], [r[0] for r in both]
-
-
-def _stop_lists(stop, n: int) -> list[list[str]]:
-    """``stop`` as one list of stop strings per session: a string, strings for every
-    session, or one list (or tuple) of strings per session."""
-    if isinstance(stop, str):
-        stop = [stop]
-    stop = list(stop)
-    if stop and all(isinstance(x, (list, tuple)) for x in stop):
-        if len(stop) != n:
-            raise ValueError(f"stop: {len(stop)} lists of stop strings for {n} sessions")
-        lists = [list(x) for x in stop]
-    else:
-        lists = [stop] * n
-    if not all(isinstance(x, str) and x for xs in lists for x in xs):
-        raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
-    return lists
-
-
-def _per_session(value, n: int, name: str, kind) -> list:
-    """``value`` for every session, or one per session (checked: ``n`` of type ``kind``)."""
-    if isinstance(value, kind):
-        return [value] * n
-    try:
-        values = list(value)
-    except TypeError:
-        raise ValueError(f"{name}: expected {kind} or one per session, got {value!r}") from None
-    if len(values) != n or not all(isinstance(v, kind) for v in values):
-        raise ValueError(f"{name}: expected one per session ({n}), got {values!r}")
-    return values
-
+def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:
+    """Each session's context (and its message since the last append) takes its tokens."""
+    for st, toks in zip(states, new):
+        st.context.extend(toks)
+        st.message.extend(toks)

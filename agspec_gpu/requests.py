@@ -1,0 +1,119 @@
+"""The requests of a running generation batch, host side: limits, stop strings, outputs.
+
+:class:`~agspec_gpu.decoder.SpecDecoder` keeps one :class:`Requests` per running batch (a
+``generate`` call, or the batch that ``submit`` / ``step`` grow and shrink): row ``b`` is row
+``b`` of the runner that holds the requests' KV. Everything here is host bookkeeping: what a
+request emitted, whether it ended (EOS, a stop string, its limit, its caller), what of a
+step's tokens it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from agspec_gpu.accept import AcceptResult, SamplingParams
+from agspec_gpu.stops import StopMatcher
+
+
+@dataclass
+class Requests:
+    """Requests in the order of their runner rows; :meth:`select` and :meth:`extend` keep
+    every list in step. ``states`` are the decoder's per-session records (``context``)."""
+
+    sids: list[str]
+    states: list[Any]
+    limits: list[int]                       # max new tokens of each request
+    params: list[SamplingParams | None]     # None: greedy
+    stop: list[StopMatcher]
+    eos: list[int | None]
+    spec: list[bool]                        # False: opted out of speculation
+    outs: list[list[int]]                   # what each request emitted (the caller's lists)
+    done: list[bool]
+
+    def select(self, rows: list[int]) -> None:
+        """Keeps rows ``rows``, in that order."""
+        for f in fields(self):
+            values = getattr(self, f.name)
+            setattr(self, f.name, [values[r] for r in rows])
+
+    def extend(self, other: "Requests") -> None:
+        """Appends ``other``'s rows after these."""
+        for f in fields(self):
+            getattr(self, f.name).extend(getattr(other, f.name))
+
+    def remaining(self) -> list[int]:
+        """Tokens each request may still emit."""
+        return [m - len(o) for m, o in zip(self.limits, self.outs)]
+
+    def emit(self, new: list[list[int]]) -> list[list[int]]:
+        """Appends each request's new tokens to its output, ending at its EOS, a stop string
+        (its matcher sees every token it takes) or its limit (then ``done[b]``); returns what
+        each request took of ``new[b]``. Every row must still be running."""
+        taken: list[list[int]] = [[] for _ in new]
+        for b, toks in enumerate(new):
+            take, out, eos = taken[b], self.outs[b], self.eos[b]
+            for t in toks:
+                take.append(t)
+                stopped = self.stop[b].push(t)  # the matcher sees every token taken
+                if stopped or (eos is not None and t == eos) or \
+                        len(out) + len(take) >= self.limits[b]:
+                    self.done[b] = True
+                    break
+            out.extend(take)
+        return taken
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one request did in one :meth:`~agspec_gpu.decoder.SpecDecoder.step`.
+
+    Attributes:
+        session_id: the request's session.
+        token_ids: the tokens it emitted in the step (in order; the last one may be EOS or
+            complete a stop string).
+        finished: it ended in this step (EOS, a stop string, its limit, or ``cancel``); it
+            leaves the batch before the next step, its KV kept.
+    """
+
+    session_id: str
+    token_ids: list[int]
+    finished: bool
+
+
+def read_output(res: AcceptResult) -> tuple[list[list[int]], list[int]]:
+    """``(output_ids rows, num_output)`` on the host, in one read."""
+    both = torch.cat([res.num_output[:, None].long(), res.output_ids.long()], 1).tolist()
+    return [r[1:] for r in both], [r[0] for r in both]
+
+
+def stop_lists(stop, n: int) -> list[list[str]]:
+    """``stop`` as one list of stop strings per session: a string, strings for every
+    session, or one list (or tuple) of strings per session."""
+    if isinstance(stop, str):
+        stop = [stop]
+    stop = list(stop)
+    if stop and all(isinstance(x, (list, tuple)) for x in stop):
+        if len(stop) != n:
+            raise ValueError(f"stop: {len(stop)} lists of stop strings for {n} sessions")
+        lists = [list(x) for x in stop]
+    else:
+        lists = [stop] * n
+    if not all(isinstance(x, str) and x for xs in lists for x in xs):
+        raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+    return lists
+
+
+def per_session(value, n: int, name: str, kind) -> list:
+    """``value`` for every session, or one per session (checked: ``n`` of type ``kind``)."""
+    if isinstance(value, kind):
+        return [value] * n
+    try:
+        values = list(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected {kind} or one per session, got {value!r}") from None
+    if len(values) != n or not all(isinstance(v, kind) for v in values):
+        raise ValueError(f"{name}: expected one per session ({n}), got {values!r}")
+    return values

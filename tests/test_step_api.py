@@ -1,0 +1,214 @@
+"""Continuous batching through ``SpecDecoder.submit`` / ``step``: requests join a running batch
+at step boundaries and leave it when they end, and every greedy request still equals plain
+greedy decoding token for token (tiny random Llama, real cl100k tokenizer, CPU)."""
+
+import pytest
+import torch
+
+from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder, StepOutput
+from test_decoder import (VARIANTS, greedy, model, prompts, record_hf_prefills,
+                          record_prefills, steer, tok)
+
+VARIANT = VARIANTS[0]
+
+
+def decoder(runner: str, **kw) -> SpecDecoder:
+    cfg = dict(runner=runner, max_batch=3, max_sessions=8, page_size=8, kv_cache_tokens=4096)
+    return SpecDecoder(model(VARIANT), tok(), DecoderConfig(**{**cfg, **kw}))
+
+
+def run_until_idle(dec: SpecDecoder, log: list, submit_at: dict | None = None,
+                   max_steps: int = 500) -> dict[str, list[int]]:
+    """Steps until nothing is running or queued (``submit_at[step]``: ``(sid, limit)``
+    pairs submitted before that step); returns each session's tokens, checks the events."""
+    submit_at = submit_at or {}
+    last = max(submit_at, default=-1)
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, int] = {}
+    for i in range(max_steps):
+        for sid, limit in submit_at.get(i, []):
+            dec.submit(sid, max_new_tokens=limit)
+        if i > last and not dec.running and not dec.queued:
+            break
+        events = dec.step()
+        log.append((i, [e.session_id for e in events], list(dec.queued)))
+        for e in events:
+            assert isinstance(e, StepOutput) and e.session_id not in finished, e
+            assert e.token_ids, e  # every running request emits at least one token a step
+            tokens.setdefault(e.session_id, []).extend(e.token_ids)
+            if e.finished:
+                finished[e.session_id] = i
+    assert dec.step() == [] and set(finished) == set(tokens)
+    return tokens
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_requests_join_and_leave_a_running_batch_losslessly(runner):
+    """Three slots, five requests of ragged lengths submitted at different steps: the
+    later ones wait in the queue until a request ends, then join (their prefill gives the
+    running ones one plain-decoding token); every output equals plain greedy decoding, and
+    drafts were accepted along the way."""
+    P = [list(p) for p in prompts()]
+    dec = decoder(runner)
+    full = P[3]
+    steer(dec, "t0", full + greedy(VARIANT, full, 60))  # drafts that are accepted whole
+    sids = [dec.open_session("t0", "coder", full)] + [
+        dec.open_session(f"t{i}", "coder", P[i]) for i in (0, 2, 5, 7)]
+    limits = [60, 12, 30, 20, 25]
+    submit_at = {0: [(sids[0], limits[0]), (sids[1], limits[1])],
+                 2: [(sids[2], limits[2]), (sids[3], limits[3]), (sids[4], limits[4])]}
+    log: list = []
+    out = run_until_idle(dec, log, submit_at)
+    for sid, p, n in zip(sids, [full] + [P[i] for i in (0, 2, 5, 7)], limits):
+        assert out[sid] == greedy(VARIANT, p, n), sid
+    # the batch held at most max_batch requests; requests waited, then joined
+    assert max(len(ran) for _, ran, _ in log) == 3
+    assert any(q for _, _, q in log)
+    assert dec.stats["accepted"] > 0 and dec.stats["tokens"] > dec.stats["steps"]
+    # the sessions kept their KV and continue with generate
+    more = dec.generate(sids[:2], max_new_tokens=6)
+    assert more[0] == greedy(VARIANT, full + out[sids[0]], 6)
+    if runner == "paged":
+        for sid in sids:
+            dec.close_session(sid)
+        cache = dec._paged.kv_cache
+        assert cache.num_free_pages == cache.num_pages
+
+
+def test_busy_sessions_bad_submissions_and_cancel():
+    """A session with a submitted request is busy (generate, propose, append, submit raise
+    naming it); bad arguments queue nothing; cancel drops a queued request and ends a
+    running one (its tokens so far are plain greedy, its KV kept); closing a running
+    session ends its request and frees it."""
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", max_batch=2)
+    a, b, c, d = (dec.open_session(f"t{i}", "coder", P[i]) for i in (0, 2, 3, 6))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.submit(a, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="eos_id"):
+        dec.submit(a, eos_id=10**9)
+    with pytest.raises(KeyError):
+        dec.submit("nobody")
+    assert dec.queued == [] and dec.step() == []
+    for s in (a, b, c):
+        dec.submit(s, max_new_tokens=40, eos_id=None)
+    assert dec.queued == [a, b, c]
+    for call in (lambda: dec.submit(a), lambda: dec.generate([b]),
+                 lambda: dec.propose([c]), lambda: dec.append(a, [1, 2])):
+        with pytest.raises(ValueError, match="submitted request"):
+            call()
+    got: dict[str, list[int]] = {}
+    for _ in range(3):
+        for e in dec.step():
+            got.setdefault(e.session_id, []).extend(e.token_ids)
+    assert dec.running == [a, b] and dec.queued == [c]
+    dec.cancel(c)  # queued: dropped
+    dec.cancel(a)  # running: leaves now, KV kept
+    assert dec.running == [b] and dec.queued == []
+    assert got[a] == greedy(VARIANT, P[0], len(got[a]), eos=None)
+    assert dec._kv.kept_tokens(a) > 0
+    assert dec.generate([a], max_new_tokens=5, eos_id=None)[0] == \
+        greedy(VARIANT, P[0] + got[a], 5, eos=None)
+    dec.generate([d], max_new_tokens=3)  # an idle session generates beside the batch
+    dec.close_session(b)  # running: ended and freed
+    assert dec.running == [] and dec._kv.kept_tokens(b) == 0
+    assert dec.step() == []
+    dec.cancel(a)  # idle: nothing to do
+
+
+def test_a_failed_step_ends_the_running_requests_and_keeps_sessions_in_step(monkeypatch):
+    """A step that raises ends the running requests (each session's context equals its
+    session tier, its KV kept); queued requests stay queued and run next."""
+    P = [list(p) for p in prompts()]
+    dec = decoder("paged", max_batch=2)
+    a, b, c = (dec.open_session(f"t{i}", "coder", P[i]) for i in (0, 3, 6))
+    for s in (a, b, c):
+        dec.submit(s, max_new_tokens=30, eos_id=None)
+    dec.step()
+    dec.step()
+    propose = dec.drafter.propose
+    monkeypatch.setattr(dec.drafter, "propose", lambda sids: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        dec.step()
+    monkeypatch.setattr(dec.drafter, "propose", propose)
+    assert dec.running == [] and dec.queued == [c]
+    for s in (a, b):
+        ctx = dec._sessions[s].context
+        held = dec.store.arena.corpus_tokens(dec.store.session(s).corpus).tolist()
+        assert held == ctx and 0 < dec._kv.kept_tokens(s) <= len(ctx) - 1
+    dec.submit(a, max_new_tokens=10, eos_id=None)
+    log: list = []
+    out = run_until_idle(dec, log)
+    assert out[c] == greedy(VARIANT, P[6], 30, eos=None)
+    ctx_a = dec._sessions[a].context
+    assert ctx_a[-10:] == out[a] == greedy(VARIANT, ctx_a[:-10], 10, eos=None)
+    assert dec.store.nbytes(tier=CorpusTier.SESSION, tenant="t0") > 0
+
+
+def test_sampled_and_greedy_requests_share_a_batch():
+    """A sampled request next to greedy ones (joining at different steps): the greedy ones
+    stay plain greedy, the sampled one emits its limit; a seeded generator repeats it."""
+    P = [list(p) for p in prompts()]
+    runs = []
+    for _ in range(2):
+        dec = decoder("hf")
+        a, b = dec.open_session("t0", "coder", P[3]), dec.open_session("t1", "coder", P[7])
+        dec.submit(a, max_new_tokens=24, eos_id=None,
+                   sampling=SamplingParams(temperature=0.9, top_k=50))
+        gen = torch.Generator().manual_seed(7)
+        out: dict[str, list[int]] = {}
+        for i in range(200):
+            if i == 3:
+                dec.submit(b, max_new_tokens=20, eos_id=None)
+            if i > 3 and not dec.running and not dec.queued:
+                break
+            for e in dec.step(generator=gen):
+                out.setdefault(e.session_id, []).extend(e.token_ids)
+        assert out[b] == greedy(VARIANT, P[7], 20, eos=None)
+        assert len(out[a]) == 24
+        runs.append(out[a])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_agent_turns_through_the_step_api(runner, monkeypatch):
+    """The agent loop a server runs: a request finishes, its agent appends the tool output
+    right away (the session is idle once step() returns) and submits its next turn while
+    the other agent's request keeps running; every turn equals plain greedy decoding of the
+    session's whole context, and the next turn prefills only the appended output."""
+    P = [list(p) for p in prompts()]
+    dec = decoder(runner, max_batch=2)
+    tool = tok().encode("$ pytest -q\n1 failed, 3 passed in 0.31s\n")
+    sids = [dec.open_session("t0", "coder", P[3]), dec.open_session("t1", "coder", P[6])]
+    prefills = record_prefills(dec, monkeypatch) if runner == "paged" else \
+        record_hf_prefills(monkeypatch)
+    limits = {sids[0]: [8, 14, 6], sids[1]: [30]}
+    turns = {s: [] for s in sids}
+    context = {s: list(p) for s, p in zip(sids, (P[3], P[6]))}
+    for s in sids:
+        dec.submit(s, max_new_tokens=limits[s][0], eos_id=None)
+    current = {s: [] for s in sids}
+    for _ in range(200):
+        if not dec.running and not dec.queued:
+            break
+        for e in dec.step():
+            current[e.session_id] += e.token_ids
+            if not e.finished:
+                continue
+            s = e.session_id
+            assert current[s] == greedy(VARIANT, context[s], len(current[s]), eos=None)
+            context[s] += current[s]
+            turns[s].append(current[s])
+            current[s] = []
+            if len(turns[s]) < len(limits[s]):
+                dec.append(s, tool)  # idle already: no error
+                context[s] += tool
+                dec.submit(s, max_new_tokens=limits[s][len(turns[s])], eos_id=None)
+    assert [list(map(len, turns[s])) for s in sids] == [limits[s] for s in sids]
+    assert dec._sessions[sids[0]].context == context[sids[0]]
+    # a join prefills the prompts, then the tool output and the last token of a resubmitted
+    # session, and one token (its root) of a running one
+    assert prefills[0] == [len(P[3]), len(P[6])] and len(prefills) == 3
+    assert all(c.count(len(tool) + 1) == 1 and set(c) <= {1, len(tool) + 1}
+               for c in prefills[1:]), prefills
+    assert any(len(c) == 2 for c in prefills[1:])  # joined a running request
