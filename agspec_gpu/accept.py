@@ -320,6 +320,17 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | BatchSampling) -
     return probs
 
 
+def sample_tokens(logits: torch.Tensor, sampling: BatchSampling,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits [B, ..., V]`` from the target distribution (row ``b``
+    by ``sampling``'s row ``b``; the argmax, lower id on ties, where it is greedy)."""
+    if sampling.all_greedy:
+        return logits.argmax(dim=-1)
+    p = target_probs(logits.float(), sampling)
+    return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(
+        p.shape[:-1])
+
+
 def _sample_rows(logits: torch.Tensor, params: BatchSampling, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample of one token per row of ``logits [B, V]`` with uniforms ``u [B]``.
 

@@ -15,6 +15,12 @@ multi-branch rejection sampling, which preserves the target distribution), ``com
 the accepted path, session tier, controller). Greedy output equals plain greedy decoding
 token for token.
 
+Continuous batching (a server's loop: requests join and leave a running batch)::
+
+    dec.submit(sid, max_new_tokens=256)                # queued; joins at the next step
+    for out in dec.step():                             # StepOutput per running request
+        stream(out.session_id, out.token_ids)          # out.finished: it left the batch
+
 Inside your own loop, with your own model and KV cache::
 
     draft = dec.propose(sids)                          # DraftBatch, rooted at each last token
@@ -35,20 +41,19 @@ from typing import Callable, Iterable, Sequence
 import nvtx
 import torch
 
-from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, greedy_accept,
-                               sample_accept, target_probs)
+from agspec_gpu.accept import AcceptResult, BatchSampling, SamplingParams
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import to_device
-from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.requests import (Requests, StepOutput, per_session, read_output,
                                  stop_lists)
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
+from agspec_gpu.running_batch import RunningBatch, accept_tree
 from agspec_gpu.session_kv import SessionKVCache
 from agspec_gpu.stops import StopMatcher
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus
@@ -125,18 +130,6 @@ class _SessionState:
     message: list[int] = field(default_factory=list)  # generated since the last append
 
 
-@dataclass
-class _Live:
-    """A running batch: its requests, the runner that holds their KV (row ``b`` is request
-    ``b``), each request's next root and the step's sampling rows."""
-
-    reqs: Requests
-    runner: HFRunner | PagedBatch
-    root: torch.Tensor | None = None        # int32 [B]: the last emitted token, not cached
-    sampling: BatchSampling | None = None
-    caps: torch.Tensor | None = None        # int32 [B] draft caps (speculation opt-outs)
-
-
 class SpecDecoder:
     """Speculative decoding for any Hugging Face causal LM.
 
@@ -189,7 +182,7 @@ class SpecDecoder:
         self._sessions: dict[str, _SessionState] = {}
         # continuous batching (submit / step): the requests waiting for room, the running batch
         self._queue: list[Requests] = []
-        self._live: _Live | None = None
+        self._live: RunningBatch | None = None
         self._proposed: list[str] | None = None  # the sessions of the last public propose
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         # each session's KV between generate calls (a call prefills what was appended since)
@@ -399,9 +392,9 @@ class SpecDecoder:
             raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
         if logits.device != draft.token_ids.device:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
-        self._check_draft(draft)
+        draft.checked_sizes(self.vocab_size)
         with nvtx.annotate("agspec.commit"):
-            res = self._accept(draft, logits, self._sampling(sampling, len(sids)), generator)
+            res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator)
             rows, n_out = read_output(res)
             self._record(sids, draft, res, n_out, n_out)
             _extend_contexts([self._sessions[s] for s in sids],
@@ -439,12 +432,6 @@ class SpecDecoder:
         if self._last_sampling[0] != rows:
             self._last_sampling = (rows, BatchSampling.of(list(rows), self._device))
         return self._last_sampling[1]
-
-    def _accept(self, draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
-                generator: torch.Generator | None) -> AcceptResult:
-        if sampling.all_greedy:
-            return greedy_accept(draft, logits)
-        return sample_accept(draft, logits, None, sampling, generator)
 
     def _record(self, sids: list[str], draft: DraftBatch, res: AcceptResult,
                 taken: list[int], num_output: list[int]) -> None:
@@ -512,13 +499,13 @@ class SpecDecoder:
         reqs.select(run)
         if not run:
             return outs
-        live = _Live(reqs, self._batch_runner())
+        live = self._running_batch(reqs)
         try:
-            self._advance(live, self._prefill(live, generator), on_tokens)
+            self._advance(reqs, live.prefill(generator), on_tokens)
             while not all(reqs.done):
-                self._advance(live, self._verify_step(live, generator), on_tokens)
+                self._advance(reqs, live.verify_step(generator), on_tokens)
         finally:  # the requests still in the batch (those that left kept theirs then)
-            self._end(live)
+            live.end()
         return outs
 
     # ------------------------------------------------------------ continuous batching
@@ -567,16 +554,16 @@ class SpecDecoder:
             if joining:
                 del self._queue[:len(joining)]
                 live = self._live = self._join(live, joining)
-                new = self._prefill(live, generator)
+                new = live.prefill(generator)
             else:
-                new = self._verify_step(live, generator)
-            self._advance(live, new)
+                new = live.verify_step(generator)
+            self._advance(live.reqs, new)
             r = live.reqs
             out = [StepOutput(s, t, d) for s, t, d in zip(r.sids, new, r.done)]
             self._leave_finished()  # their sessions are idle once step() returns
         except BaseException:
             if self._live is not None:
-                self._end(self._live)
+                self._live.end()
                 self._live = None
             raise
         return out
@@ -598,10 +585,10 @@ class SpecDecoder:
         if live is None or not any(live.reqs.done):
             return
         if all(live.reqs.done):
-            self._end(live)
+            live.end()
             self._live = None
         else:
-            self._leave(live)
+            live.leave()
 
     @property
     def running(self) -> list[str]:
@@ -643,138 +630,33 @@ class SpecDecoder:
                         [eos] * n, list(spec), [[] for _ in sids], [False] * n)
 
     # ------------------------------------------------------------ the running batch
-    def _batch_runner(self) -> HFRunner | PagedBatch:
-        if self._paged is None:
-            return HFRunner(self.model)
-        return PagedBatch(self._paged, self._verify_graphs)
+    def _running_batch(self, reqs: Requests) -> RunningBatch:
+        runner = HFRunner(self.model) if self._paged is None else \
+            PagedBatch(self._paged, self._verify_graphs)
+        return RunningBatch(reqs, runner, self.drafter, self._kv, self.vocab_size,
+                            lambda params: self._sampling(params, len(params)), self._record)
 
-    def _join(self, live: _Live | None, joining: list[Requests]) -> _Live:
+    def _join(self, live: RunningBatch | None, joining: list[Requests]) -> RunningBatch:
         """A new batch: the running requests (their KV kept, to be continued), then
         ``joining``'s."""
         reqs = joining[0] if live is None else live.reqs
         if live is not None:
-            self._end(live)
+            live.end()
             self._live = None
             reqs.extend(joining[0])
         for q in joining[1:]:
             reqs.extend(q)
-        return _Live(reqs, self._batch_runner())
+        return self._running_batch(reqs)
 
-    def _prefill(self, live: _Live, generator) -> list[list[int]]:
-        """Starts ``live``'s runner on its requests' contexts (after each session's kept
-        KV), picks each request's next token from the last logits and emits it (the first
-        token of a new request; for a running one, a plain decoding step)."""
-        reqs = live.reqs
-        logits = self._kv.prefill(live.runner, reqs.sids, [st.context for st in reqs.states],
-                                  max(reqs.remaining()))
-        live.sampling = self._sampling(reqs.params, len(reqs.sids))
-        live.caps = None
-        first = self._pick(logits[:, None, :], live.sampling, generator)[:, 0]
-        live.root = first.to(torch.int32)
-        new = reqs.emit([[int(t)] for t in first.tolist()])
-        self.drafter.append_generated(reqs.sids, live.root[:, None],
-                                      to_device(list(map(len, new)), torch.int32,
-                                                self._device))
-        return new
-
-    def _verify_step(self, live: _Live, generator) -> list[list[int]]:
-        """One speculative step of ``live``'s requests (the finished ones leave first)."""
-        reqs, runner = live.reqs, live.runner
-        if any(reqs.done):
-            self._leave(live)
-        with nvtx.annotate("agspec.propose"):
-            draft = self.drafter.propose(reqs.sids)
-        if not all(reqs.spec):
-            if live.caps is None:  # per request: max_nodes, or 0 (opted out)
-                live.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
-                                      torch.int32, self._device)
-            draft = draft.capped(live.caps)
-        # two host reads a step: the draft sizes here, the output after acceptance.
-        # The HF forward's cost grows with the padded width: verify the widest tree's
-        # nodes, not the drafter's static max_nodes
-        num_draft = self._check_draft(draft)
-        width = max(max(num_draft), 1)
-        if isinstance(runner, PagedBatch):
-            width, num_draft, draft = self._fit_pool(runner, width, num_draft, draft)
-        draft = draft.narrowed(width)
-        with nvtx.annotate("agspec.verify"):
-            logits = runner.verify_padded(draft, live.root, num_draft_host=sum(num_draft))
-            res = self._accept(draft, logits, live.sampling, generator)
-        with nvtx.annotate("agspec.commit"):
-            rows, n_out = read_output(res)
-            runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
-            live.root = res.bonus_ids().to(torch.int32)
-            new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
-            # the session tier gets what the session emitted: nothing past EOS, a stop
-            # string or the limit
-            self._record(reqs.sids, draft, res, list(map(len, new)), n_out)
-        return new
-
-    def _leave(self, live: _Live) -> None:
-        """Takes the finished requests out of ``live`` and its runner (keeping their KV)."""
-        reqs = live.reqs
-        gone = [r for r, d in enumerate(reqs.done) if d]
-        stay = [r for r, d in enumerate(reqs.done) if not d]
-        self._kv.keep(live.runner, [reqs.sids[r] for r in gone],
-                      [reqs.states[r].context for r in gone], rows=gone)
-        live.runner.select_rows(stay)
-        reqs.select(stay)
-        live.root = live.root[to_device(stay, torch.int64, live.root.device)]
-        live.sampling = self._sampling(reqs.params, len(stay))
-        live.caps = None
-
-    def _end(self, live: _Live) -> None:
-        """Keeps the KV of every request still in ``live`` and frees its runner."""
-        reqs = live.reqs
-        self._kv.keep(live.runner, reqs.sids, [st.context for st in reqs.states])
-        if isinstance(live.runner, PagedBatch):
-            live.runner.close()
-
-    def _advance(self, live: _Live, new: list[list[int]], on_tokens=None) -> None:
+    def _advance(self, reqs: Requests, new: list[list[int]], on_tokens=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two
         never disagree, even when the call fails later), then streams them; a callback
         that returns False marks its request done."""
-        reqs = live.reqs
         _extend_contexts(reqs.states, new)
         if on_tokens is not None:
             for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
                 if toks and on_tokens(sid, toks) is False:
                     reqs.done[b] = True
-
-    def _fit_pool(self, runner: PagedBatch, width: int, num_draft: list[int],
-                  draft: DraftBatch) -> tuple[int, list[int], DraftBatch]:
-        """Cuts the step's trees to what the page pool holds now (a shorter draft changes
-        the speed, never the tokens); raises :class:`KVCacheFull` when not even the root
-        and one node per request fit."""
-        fit = runner.fit_width(width)
-        if fit == width:
-            return width, num_draft, draft
-        if fit == 0:
-            cache = runner.runner.kv_cache
-            raise KVCacheFull(
-                f"kv_cache_tokens: the page pool ({cache.num_pages} pages of "
-                f"{cache.page_size}, {cache.num_free_pages} free) cannot hold the next step "
-                f"of {runner.batch_size} sessions; raise DecoderConfig.kv_cache_tokens, or "
-                f"generate for fewer sessions or fewer tokens at a time")
-        return fit, [min(n, fit) for n in num_draft], draft.capped(fit)
-
-    def _pick(self, logits: torch.Tensor, sampling: BatchSampling, generator) -> torch.Tensor:
-        if sampling.all_greedy:
-            return logits.argmax(dim=-1)
-        p = target_probs(logits.float(), sampling)
-        return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(
-            p.shape[:-1])
-
-    def _check_draft(self, draft: DraftBatch) -> list[int]:
-        """Raises if a draft token is outside the vocabulary; returns ``num_draft_tokens``
-        (one host read for both)."""
-        valid = torch.arange(draft.max_nodes, device=draft.token_ids.device)[None, :] < \
-            draft.num_draft_tokens[:, None]
-        bad = (valid & ((draft.token_ids < 0) | (draft.token_ids >= self.vocab_size))).any()
-        *num, bad = torch.cat([draft.num_draft_tokens.long(), bad.long()[None]]).tolist()
-        if bad:
-            raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
-        return num
 
 
 def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:

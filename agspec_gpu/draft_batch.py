@@ -77,6 +77,17 @@ class DraftBatch:
                           torch.where(valid, self.parents, PAD_ID), num,
                           None if src is None else torch.where(valid, src, -1).to(src.dtype))
 
+    def checked_sizes(self, vocab_size: int) -> list[int]:
+        """``num_draft_tokens`` on the host, in one read that also checks every draft token
+        is in ``[0, vocab_size)`` (ValueError naming ``draft.token_ids`` if not)."""
+        valid = torch.arange(self.max_nodes, device=self.token_ids.device)[None, :] < \
+            self.num_draft_tokens[:, None]
+        bad = (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any()
+        *num, bad = torch.cat([self.num_draft_tokens.long(), bad.long()[None]]).tolist()
+        if bad:
+            raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
+        return num
+
     def depths(self) -> torch.Tensor:
         """``int32 [B, N]``: 1 for root children, parent depth + 1 below; 0 for padding."""
         B, N = self.token_ids.shape

@@ -27,6 +27,7 @@ from agspec_gpu.accept import AcceptResult
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
+from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.common import check_verify_call
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
@@ -133,6 +134,23 @@ class PagedBatch:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
+
+    def fit_draft(self, width: int, num_draft: list[int], draft: DraftBatch
+                  ) -> tuple[int, list[int], DraftBatch]:
+        """``(width, num_draft, draft)`` cut to what the page pool holds now (a shorter
+        draft changes the speed, never the tokens); raises :class:`KVCacheFull` naming
+        ``kv_cache_tokens`` when not even the root and one node per request fit."""
+        fit = self.fit_width(width)
+        if fit == width:
+            return width, num_draft, draft
+        if fit == 0:
+            cache = self.runner.kv_cache
+            raise KVCacheFull(
+                f"kv_cache_tokens: the page pool ({cache.num_pages} pages of "
+                f"{cache.page_size}, {cache.num_free_pages} free) cannot hold the next step "
+                f"of {self.batch_size} sessions; raise DecoderConfig.kv_cache_tokens, or "
+                f"generate for fewer sessions or fewer tokens at a time")
+        return fit, [min(n, fit) for n in num_draft], draft.capped(fit)
 
     @torch.no_grad()
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,

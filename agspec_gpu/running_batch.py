@@ -1,0 +1,133 @@
+"""One running batch of generation requests: its prefill, its speculative steps, leaving.
+
+:class:`~agspec_gpu.decoder.SpecDecoder` runs one :class:`RunningBatch` per ``generate`` call
+and one for the requests of ``submit`` / ``step`` (rebuilt when requests join). Row ``b`` of
+the runner (``HFRunner`` or ``PagedBatch``) holds request ``b``'s KV; each step is
+
+    propose (drafter) -> verify (one forward over every root and tree) -> accept -> commit
+
+with two host reads: the draft sizes (which pick the verification width) and the accepted
+tokens (which the host needs for EOS, stop strings and streaming). A finished request leaves
+before the next step, its KV kept for its session's next call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import nvtx
+import torch
+
+from agspec_gpu.accept import (AcceptResult, BatchSampling, greedy_accept, sample_accept,
+                               sample_tokens)
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.drafter import Drafter
+from agspec_gpu.host import to_device
+from agspec_gpu.requests import Requests, read_output
+from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.runners.paged_batch import PagedBatch
+from agspec_gpu.session_kv import SessionKVCache
+
+# (session ids, draft, result, tokens each session took, num_output on the host)
+RecordFn = Callable[[list, DraftBatch, AcceptResult, list, list], None]
+
+
+def accept_tree(draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
+                generator: torch.Generator | None) -> AcceptResult:
+    """Greedy acceptance where every row is greedy, else multi-branch rejection sampling."""
+    if sampling.all_greedy:
+        return greedy_accept(draft, logits)
+    return sample_accept(draft, logits, None, sampling, generator)
+
+
+class RunningBatch:
+    """Requests ``reqs`` running on ``runner``.
+
+    Args:
+        reqs: the requests, row ``b`` = runner row ``b`` (shrinks as requests leave).
+        runner: a fresh ``HFRunner`` or ``PagedBatch``; :meth:`prefill` starts it.
+        drafter: proposes the trees and takes the emitted tokens.
+        kv: the sessions' kept KV (prefill continues it; leaving and :meth:`end` keep it).
+        vocab_size: the model's vocabulary (draft tokens are checked against it).
+        sampling_rows: ``params -> BatchSampling`` (the decoder's cached device rows).
+        record: commits a step's emitted tokens to the drafter and the decoder's counters.
+    """
+
+    def __init__(self, reqs: Requests, runner: HFRunner | PagedBatch, drafter: Drafter,
+                 kv: SessionKVCache, vocab_size: int,
+                 sampling_rows: Callable[[list], BatchSampling], record: RecordFn) -> None:
+        self.reqs, self.runner, self.drafter, self.kv = reqs, runner, drafter, kv
+        self.vocab_size, self._sampling_rows, self._record = vocab_size, sampling_rows, record
+        self.device = drafter.recent.device
+        self.root: torch.Tensor | None = None       # int32 [B]: last emitted token, not cached
+        self.sampling: BatchSampling | None = None
+        self.caps: torch.Tensor | None = None       # int32 [B] draft caps (opt-outs)
+
+    def prefill(self, generator: torch.Generator | None) -> list[list[int]]:
+        """Starts the runner on the requests' contexts (after each session's kept KV), picks
+        each request's next token from the last logits and emits it: a new request's first
+        token; for a request that was running, one plain decoding step."""
+        reqs = self.reqs
+        logits = self.kv.prefill(self.runner, reqs.sids, [st.context for st in reqs.states],
+                                 max(reqs.remaining()))
+        self.sampling = self._sampling_rows(reqs.params)
+        self.caps = None
+        first = sample_tokens(logits[:, None, :], self.sampling, generator)[:, 0]
+        self.root = first.to(torch.int32)
+        new = reqs.emit([[int(t)] for t in first.tolist()])
+        self.drafter.append_generated(reqs.sids, self.root[:, None],
+                                      to_device(list(map(len, new)), torch.int32, self.device))
+        return new
+
+    def verify_step(self, generator: torch.Generator | None) -> list[list[int]]:
+        """One speculative step (the finished requests leave first); the tokens each
+        request emitted."""
+        reqs, runner = self.reqs, self.runner
+        if any(reqs.done):
+            self.leave()
+        with nvtx.annotate("agspec.propose"):
+            draft = self.drafter.propose(reqs.sids)
+        if not all(reqs.spec):
+            if self.caps is None:  # per request: max_nodes, or 0 (opted out)
+                self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
+                                      torch.int32, self.device)
+            draft = draft.capped(self.caps)
+        # The HF forward's cost grows with the padded width: verify the widest tree's
+        # nodes, not the drafter's static max_nodes
+        num_draft = draft.checked_sizes(self.vocab_size)  # host read 1 of 2
+        width = max(max(num_draft), 1)
+        if isinstance(runner, PagedBatch):
+            width, num_draft, draft = runner.fit_draft(width, num_draft, draft)
+        draft = draft.narrowed(width)
+        with nvtx.annotate("agspec.verify"):
+            logits = runner.verify_padded(draft, self.root, num_draft_host=sum(num_draft))
+            res = accept_tree(draft, logits, self.sampling, generator)
+        with nvtx.annotate("agspec.commit"):
+            rows, n_out = read_output(res)  # host read 2 of 2
+            runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
+            self.root = res.bonus_ids().to(torch.int32)
+            new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
+            # the session tier gets what the session emitted: nothing past EOS, a stop
+            # string or the limit
+            self._record(reqs.sids, draft, res, list(map(len, new)), n_out)
+        return new
+
+    def leave(self) -> None:
+        """Takes the finished requests out of the batch and the runner (keeping their KV)."""
+        reqs = self.reqs
+        gone = [r for r, d in enumerate(reqs.done) if d]
+        stay = [r for r, d in enumerate(reqs.done) if not d]
+        self.kv.keep(self.runner, [reqs.sids[r] for r in gone],
+                     [reqs.states[r].context for r in gone], rows=gone)
+        self.runner.select_rows(stay)
+        reqs.select(stay)
+        self.root = self.root[to_device(stay, torch.int64, self.root.device)]
+        self.sampling = self._sampling_rows(reqs.params)
+        self.caps = None
+
+    def end(self) -> None:
+        """Keeps the KV of every request still in the batch and frees the runner."""
+        reqs = self.reqs
+        self.kv.keep(self.runner, reqs.sids, [st.context for st in reqs.states])
+        if isinstance(self.runner, PagedBatch):
+            self.runner.close()
