@@ -208,6 +208,36 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
     assert min(same) >= 4, (same, outs)
 
 
+def test_spec_decoder_step_api_on_cuda():
+    """submit / step on the paged runner with its verify graphs: a request joins a running
+    one, both run to their limits through graphed steps, each session's context equals its
+    session tier, and closing the sessions returns every page."""
+    from agspec_gpu import DecoderConfig, SpecDecoder
+
+    model = cl100k_llama(6)
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 1000, 40)] * 3
+    dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
+                                                     kv_cache_tokens=4096))
+    assert dec._verify_graphs.uses_graphs, dec._verify_graphs.graph_error
+    a, b = dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])
+    dec.submit(a, max_new_tokens=40, eos_id=None)
+    got = {a: [], b: []}
+    for i in range(200):
+        if i == 2:
+            dec.submit(b, max_new_tokens=30, eos_id=None)
+        if i > 2 and not dec.running:
+            break
+        for e in dec.step():
+            got[e.session_id] += e.token_ids
+    assert [len(got[a]), len(got[b])] == [40, 30]
+    for sid in (a, b):
+        ctx = dec._sessions[sid].context
+        assert dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist() == ctx
+        dec.close_session(sid)
+    cache = dec._paged.kv_cache
+    assert cache.num_free_pages == cache.num_pages
+
+
 def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
     """The paged decoder with its verify graphs, a pool too small for the call: drafts are
     cut to the pages left inside the graphs' buckets, KVCacheFull ends the call naming
