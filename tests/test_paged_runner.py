@@ -136,7 +136,11 @@ def test_paged_batch_continues_the_callers_sequences():
     batch.close()
     assert "a" in runner.kv_cache and "b" in runner.kv_cache  # the caller's: kept
     longer = [prompts[0] + [5, 6, 7], prompts[1] + [8]]
+    rows, forward = [], runner.forward
+    runner.forward = lambda meta, **kw: rows.append(meta.capacity_q) or forward(meta, **kw)
     last = batch.prefill(longer, seq_ids=["a", "b"], cached=[9, 3])
+    del runner.forward
+    assert rows == [3 + 1]  # the new tokens' rows only, not 2 x the longest chunk
     with torch.no_grad():
         for b, p in enumerate(longer):
             want = model(torch.tensor([p])).logits[0, -1]

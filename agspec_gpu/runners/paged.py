@@ -224,13 +224,15 @@ class PagedLlamaRunner:
     def plan(self, seq_ids: Sequence[Hashable], draft: DraftBatch, root_ids: torch.Tensor,
              prefix_lens: torch.Tensor, *, prefix_lens_host: Sequence[int] | None = None,
              num_slots_host: Sequence[int] | None = None,
-             out: TreeMetadata | None = None) -> TreeMetadata:
+             out: TreeMetadata | None = None,
+             max_total_q: int | None = None) -> TreeMetadata:
         """Allocates pages for a step of ``seq_ids`` and plans it (:func:`plan_tree`).
 
         Each sequence gets room for ``num_slots_host[b]`` slots (at least ``prefix_len + 1 +
         num_draft_tokens[b]``; default ``prefix_len + 1 + draft.max_nodes``, which needs no
         read of the draft); the host lengths come from ``prefix_lens_host`` (or, with a
-        sync, from ``prefix_lens``).
+        sync, from ``prefix_lens``). ``max_total_q``: the step's query rows when the caller
+        knows them (the forward then runs on those rows, not on ``B * (1 + max_nodes)``).
         """
         if prefix_lens_host is None:
             prefix_lens_host = prefix_lens.tolist()
@@ -243,7 +245,7 @@ class PagedLlamaRunner:
         page_table = self.kv_cache.page_table(seq_ids)[:, :width].contiguous()
         return plan_tree(draft, root_ids.to(self.device, torch.int32),
                          prefix_lens.to(self.device, torch.int32), page_table, self.page_size,
-                         out=out)
+                         out=out, max_total_q=max_total_q)
 
     @torch.inference_mode()
     def forward(self, meta: TreeMetadata, *,
@@ -329,10 +331,12 @@ class PagedLlamaRunner:
             roots = torch.tensor([c[0] for c in chunks], dtype=torch.int32)
             pre = [done[b] for b in active]
             # each sequence's own chunk, not the widest one's: a short prompt next to a long
-            # one holds only its pages
+            # one holds only its pages, and the forward runs on the chunks' rows only (a
+            # continuation's one token next to a 500-token tool output: 501 rows, not 1,000)
             meta = self.plan([seq_ids[b] for b in active], draft, roots,
                              torch.tensor(pre, dtype=torch.int32), prefix_lens_host=pre,
-                             num_slots_host=[p + len(c) for p, c in zip(pre, chunks)])
+                             num_slots_host=[p + len(c) for p, c in zip(pre, chunks)],
+                             max_total_q=sum(map(len, chunks)))
             last[torch.tensor(active, device=self.device)] = self.forward(
                 meta, logit_rows=meta.qo_indptr[1:] - 1)
             for b, c in zip(active, chunks):
