@@ -212,3 +212,24 @@ def test_agent_turns_through_the_step_api(runner, monkeypatch):
     assert all(c.count(len(tool) + 1) == 1 and set(c) <= {1, len(tool) + 1}
                for c in prefills[1:]), prefills
     assert any(len(c) == 2 for c in prefills[1:])  # joined a running request
+
+
+def test_bench_continuous_smoke(tmp_path):
+    """``bench/bench_continuous.py`` on two agents of two real turns each: both policies emit
+    every turn's tokens, and the JSON has the fields the results README quotes."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_continuous
+
+    out = tmp_path / "c.json"
+    assert bench_continuous.main(["--agents", "2", "--turns", "2", "--max-turn", "6",
+                                  "--max-prompt", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    limits = sum(sum(t) for t in report["turn_limits"])
+    assert [r["tokens"] for r in report["rows"]] == [limits, limits]
+    for r in report["rows"]:
+        assert r["turns"] == 4 and r["forwards"] == r["verification_steps"] + \
+            r["prefill_forwards"] and r["turn_latency_forwards_max"] >= 1

@@ -1,0 +1,184 @@
+"""Agent turns served in waves of ``generate`` calls against continuous batching (``step``).
+
+A server runs many agents; each alternates a model turn (an assistant message) with a tool
+call. With ``generate`` the server batches the agents that are ready into one call, and an
+agent whose turn ends early waits for the call's longest turn before its tool output goes in
+and its next turn can start (waves). With ``submit`` / ``step`` a turn that ends leaves the
+batch at once, its agent appends the tool output and submits its next turn, which joins
+the running batch at the next step.
+
+The turns are real: the first sessions of a dev trajectory file, each assistant message's
+token count as a turn's limit (``eos_id=None``) and the following tool and user messages as
+the appended text, up to ``--turns`` turns per agent. The model is a tiny random Llama with
+cl100k's vocabulary (the tokens it emits are not the trajectory's; the lengths are). Greedy,
+both policies on the same decoder settings; tool execution takes no time here (on a real
+server it only widens the gap: a wave also waits for every agent's tool).
+
+Measured: the forwards each policy runs for the same tokens (verification steps plus
+prefills: a ``generate`` call's, or a join's) and each turn's latency in forwards (from its
+submission, or its wave's start, to its last token). A memory-bound GPU step costs about
+the same at any batch size up to a few dozen requests, so forwards are what a GPU's time
+follows; on a CPU the time follows the rows a forward carries (CPU seconds are printed too,
+and favour the waves, whose late steps carry few rows).
+
+Usage::
+
+    python bench/bench_continuous.py [--agents 8] [--turns 4] [--max-turn 96] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from agspec_gpu import DecoderConfig, SpecDecoder
+from agspec_gpu.tokenizer import load_tokenizer
+from agspec_gpu.trajectories import load_sessions
+
+DEFAULT = (Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "dev"
+           / "swe_agent__claude-sonnet-4.jsonl.gz")
+
+
+def agent_turns(path: Path, tok, agents: int, turns: int, max_turn: int, max_prompt: int):
+    """Per agent: ``(prompt ids, [(turn limit, ids appended after the turn), ...])``."""
+    out = []
+    for s in load_sessions(path, limit=agents):
+        msgs = s.messages
+        first = next(i for i, m in enumerate(msgs) if m.role == "assistant")
+        prompt = tok.encode("".join(m.content for m in msgs[:first]))[-max_prompt:]
+        plan, i = [], first
+        while i < len(msgs) and len(plan) < turns:
+            limit = min(max(len(tok.encode(msgs[i].content)), 1), max_turn)
+            j = i + 1
+            while j < len(msgs) and msgs[j].role != "assistant":
+                j += 1
+            after = tok.encode("".join(m.content for m in msgs[i + 1:j]))[:max_prompt]
+            plan.append((limit, after or tok.encode("\n")))
+            i = j
+        out.append((prompt, plan))
+    return out
+
+
+class Forwards:
+    """Counts the decoder's forwards: its verification steps plus its prefills (one per
+    ``generate`` call or join), the latter by wrapping this decoder's own KV-cache object."""
+
+    def __init__(self, dec: SpecDecoder) -> None:
+        self.dec, self.prefills, prefill = dec, 0, dec._kv.prefill
+
+        def counted(*a, **k):
+            self.prefills += 1
+            return prefill(*a, **k)
+
+        dec._kv.prefill = counted
+
+    @property
+    def count(self) -> int:
+        return self.dec.stats["steps"] + self.prefills
+
+
+def waves(dec: SpecDecoder, sids, plans, fwd: Forwards) -> dict:
+    """Every round, one ``generate`` over the agents with a turn left."""
+    turn = [0] * len(sids)
+    latencies, tokens = [], 0
+    while True:
+        ready = [b for b in range(len(sids)) if turn[b] < len(plans[b])]
+        if not ready:
+            break
+        start = fwd.count
+        outs = dec.generate([sids[b] for b in ready], eos_id=None,
+                            max_new_tokens=[plans[b][turn[b]][0] for b in ready])
+        tokens += sum(map(len, outs))
+        latencies += [fwd.count - start] * len(ready)  # every turn waits for the call
+        for b in ready:
+            dec.append(sids[b], plans[b][turn[b]][1])
+            turn[b] += 1
+    return {"tokens": tokens, "turn_latencies": latencies}
+
+
+def continuous(dec: SpecDecoder, sids, plans, fwd: Forwards) -> dict:
+    """``submit`` each agent's turn; as one ends, append its tool output and submit the next."""
+    turn = [0] * len(sids)
+    index = {s: b for b, s in enumerate(sids)}
+    started, latencies, tokens = {}, [], 0
+    for b, sid in enumerate(sids):
+        dec.submit(sid, max_new_tokens=plans[b][0][0], eos_id=None)
+        started[sid] = fwd.count
+    while dec.running or dec.queued:
+        for out in dec.step():
+            tokens += len(out.token_ids)
+            if not out.finished:
+                continue
+            b = index[out.session_id]
+            latencies.append(fwd.count - started[out.session_id])
+            dec.append(out.session_id, plans[b][turn[b]][1])
+            turn[b] += 1
+            if turn[b] < len(plans[b]):
+                dec.submit(out.session_id, max_new_tokens=plans[b][turn[b]][0], eos_id=None)
+                started[out.session_id] = fwd.count
+    return {"tokens": tokens, "turn_latencies": latencies}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trajectories", nargs="?", default=str(DEFAULT))
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-turn", type=int, default=96, help="most tokens of one turn")
+    ap.add_argument("--max-prompt", type=int, default=512, help="most tokens of a prompt or "
+                    "of one appended tool output")
+    ap.add_argument("--runner", choices=("hf", "paged"), default="paged")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    tok = load_tokenizer("cl100k")
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64,
+                                   intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    plans = agent_turns(Path(args.trajectories), tok, args.agents, args.turns, args.max_turn,
+                        args.max_prompt)
+    rows = []
+    for name, policy in (("waves (generate)", waves), ("continuous (submit/step)", continuous)):
+        dec = SpecDecoder(model, tok, DecoderConfig(runner=args.runner, max_batch=args.agents,
+                                                    kv_cache_tokens=1 << 16))
+        sids = [dec.open_session(f"agent{b}", "coder", p) for b, (p, _) in enumerate(plans)]
+        fwd = Forwards(dec)
+        t0 = time.perf_counter()
+        r = policy(dec, sids, [plan for _, plan in plans], fwd)
+        seconds = time.perf_counter() - t0
+        lat = sorted(r.pop("turn_latencies"))
+        s = dec.stats
+        rows.append({"policy": name, "forwards": fwd.count, "prefill_forwards": fwd.prefills,
+                     "verification_steps": s["steps"], "tokens": r["tokens"],
+                     "drafted": s["drafted"], "accepted": s["accepted"], "turns": len(lat),
+                     "turn_latency_forwards_p50": lat[len(lat) // 2],
+                     "turn_latency_forwards_max": lat[-1],
+                     "turn_latency_forwards_mean": sum(lat) / len(lat), "cpu_seconds": seconds})
+        print(f"{name:26} {fwd.count:5d} forwards ({fwd.prefills:3d} prefills)  "
+              f"{r['tokens']:6d} tokens  turn latency in forwards: p50 "
+              f"{lat[len(lat) // 2]:4d}  mean {sum(lat) / len(lat):6.1f}  max {lat[-1]:4d}  "
+              f"({seconds:.1f} CPU-s)")
+    w, c = rows
+    mean = [r["turn_latency_forwards_mean"] for r in rows]
+    print(f"continuous against waves: {w['forwards'] / c['forwards']:.2f}x fewer forwards, "
+          f"mean turn latency {mean[0] / mean[1]:.2f}x shorter (in forwards)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": "cpu", "runner": args.runner, "agents": args.agents,
+            "turns": args.turns, "max_turn": args.max_turn,
+            "trajectories": str(args.trajectories), "turn_limits": [
+                [limit for limit, _ in plan] for _, plan in plans], "rows": rows},
+            indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
