@@ -47,11 +47,11 @@ from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import to_device
+from agspec_gpu.requests import (Requests, StepOutput, per_session, read_output,
+                                 stop_lists)
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
-from agspec_gpu.requests import (Requests, StepOutput, per_session, read_output,
-                                 stop_lists)
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.running_batch import RunningBatch, accept_tree
 from agspec_gpu.session_kv import SessionKVCache
@@ -523,9 +523,8 @@ class SpecDecoder:
         self._check_idle([sid])
         if isinstance(max_new_tokens, Integral) and max_new_tokens == 0:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
-        self._queue.append(self._requests([sid], max_new_tokens, sampling,
-                                          [stop] if isinstance(stop, str) else [list(stop)],
-                                          speculate, eos_id))
+        self._queue.append(self._requests([sid], max_new_tokens, sampling, stop, speculate,
+                                          eos_id))
 
     @torch.no_grad()
     def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:

@@ -94,7 +94,10 @@ def stop_lists(stop, n: int) -> list[list[str]]:
     session, or one list (or tuple) of strings per session."""
     if isinstance(stop, str):
         stop = [stop]
-    stop = list(stop)
+    try:
+        stop = list(stop)
+    except TypeError:
+        raise ValueError(f"stop: expected a string or strings, got {stop!r}") from None
     if stop and all(isinstance(x, (list, tuple)) for x in stop):
         if len(stop) != n:
             raise ValueError(f"stop: {len(stop)} lists of stop strings for {n} sessions")

@@ -33,6 +33,7 @@ class _Kept:
     length: int = 0                  # context tokens whose KV is kept
     tensors: SessionKV | None = None  # runner="hf": those tokens' keys / values
     last_used: int = 0               # the call that last generated for the session
+    in_use: bool = False             # a running batch holds it (prefilled, not yet kept)
 
 
 class SessionKVCache:
@@ -72,6 +73,7 @@ class SessionKVCache:
         kept = [self._kept.setdefault(s, _Kept()) for s in sids]
         for k in kept:
             k.last_used = self._calls
+            k.in_use = True
         if isinstance(runner, PagedBatch):
             self._make_room(sids, contexts, max_new_tokens)
             return runner.prefill(contexts, seq_ids=sids, cached=[k.length for k in kept])
@@ -89,6 +91,8 @@ class SessionKVCache:
         shorter of the two; the last context token stays the next root. A call that failed
         before its batch had a committed prefix keeps the sessions' earlier KV: those slots
         are never rewritten."""
+        for sid in sids:  # no longer the batch's: evictable again
+            self._kept[sid].in_use = False
         paged = isinstance(runner, PagedBatch)
         lens = runner.prefix_lens_host if paged else runner.seq_lens_host
         if rows is None:
@@ -125,7 +129,7 @@ class SessionKVCache:
                    for s, ctx in zip(sids, contexts))
         batch = set(sids)
         idle = sorted((k.last_used, sid) for sid, k in self._kept.items()
-                      if sid not in batch and sid in cache)
+                      if sid not in batch and sid in cache and not k.in_use)
         first_step = 2 if max_new_tokens > 1 else 0  # the root and one node
         least = sum(cache.pages_needed(s, len(ctx) + first_step)
                     for s, ctx in zip(sids, contexts))

@@ -87,6 +87,10 @@ def test_busy_sessions_bad_submissions_and_cancel():
         dec.submit(a, max_new_tokens=-1)
     with pytest.raises(ValueError, match="eos_id"):
         dec.submit(a, eos_id=10**9)
+    with pytest.raises(ValueError, match="stop"):
+        dec.submit(a, stop=5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.submit(a, max_new_tokens=0)
     with pytest.raises(KeyError):
         dec.submit("nobody")
     assert dec.queued == [] and dec.step() == []
@@ -233,3 +237,23 @@ def test_bench_continuous_smoke(tmp_path):
     for r in report["rows"]:
         assert r["turns"] == 4 and r["forwards"] == r["verification_steps"] + \
             r["prefill_forwards"] and r["turn_latency_forwards_max"] >= 1
+
+
+def test_a_generate_call_never_evicts_a_running_requests_kv():
+    """The page pool runs short while a submitted request runs: a ``generate`` call for
+    another session frees idle sessions' KV only, never the running request's (the least
+    recently prefilled here), which then runs on to plain greedy decoding's output."""
+    P = [list(prompts()[i]) for i in (3, 6, 1)]  # 97, 140 and 23 tokens
+    dec = decoder("paged", max_batch=2, kv_cache_tokens=8 * 45)
+    cache = dec._paged.kv_cache
+    a, b, c = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+    dec.submit(a, max_new_tokens=40, eos_id=None)
+    got = list(dec.step()[0].token_ids)  # a's prefill: its KV is the oldest in the pool
+    assert dec.generate([b], max_new_tokens=16, eos_id=None)[0] == \
+        greedy(VARIANT, P[1], 16, eos=None)
+    assert dec.generate([c], max_new_tokens=16, eos_id=None)[0] == \
+        greedy(VARIANT, P[2], 16, eos=None)
+    assert a in cache and b not in cache  # b, idle, made room
+    while dec.running:
+        got += dec.step()[0].token_ids
+    assert got == greedy(VARIANT, P[0], 40, eos=None)
