@@ -23,7 +23,7 @@ and favour the waves, whose late steps carry few rows).
 
 Usage::
 
-    python bench/bench_continuous.py [--agents 8] [--turns 4] [--max-turn 96] [--json out.json]
+    python bench/bench_continuous.py [--agents 8] [--turns 4] [--max-turn 96] [--runner hf] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 from agspec_gpu import DecoderConfig, SpecDecoder
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_sessions
+from tiny_llama import tiny_llama  # bench/, the script's folder
 
 DEFAULT = (Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "dev"
            / "swe_agent__claude-sonnet-4.jsonl.gz")
@@ -132,17 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-turn", type=int, default=96, help="most tokens of one turn")
     ap.add_argument("--max-prompt", type=int, default=512, help="most tokens of a prompt or "
                     "of one appended tool output")
-    ap.add_argument("--runner", choices=("hf", "paged"), default="paged")
+    ap.add_argument("--runner", choices=("hf", "paged"), default="hf")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
-    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64,
-                                   intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   initializer_range=0.1)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(tok.vocab_size)
     plans = agent_turns(Path(args.trajectories), tok, args.agents, args.turns, args.max_turn,
                         args.max_prompt)
     rows = []

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-import transformers
 
 import agspec_gpu
 from agspec_gpu import DecoderConfig, SpecDecoder
 from agspec_gpu.tokenizer import load_tokenizer
+from tiny_llama import tiny_llama  # bench/, the script's folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
-    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64,
-                                   intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   initializer_range=0.1)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(tok.vocab_size)
     text = tok.encode((Path(agspec_gpu.__file__).parent / "decoder.py").read_text())
     limits = [args.short] * 7 + [args.long]
     rows = []
