@@ -530,18 +530,22 @@ class SpecDecoder:
     def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:
         """Runs one step of the submitted requests; returns what each running one emitted.
 
-        Requests that ended leave first (their KV kept). Then, if requests wait and the
-        batch has room, they join: one forward prefills them (after their sessions' kept
-        KV) and gives every running request one token, as a plain decoding step does.
+        If requests wait and the batch has room, they join: one forward prefills them
+        (after their sessions' kept KV) and gives every running request one token, as a
+        plain decoding step does (``runner="paged"``: the running requests' KV stays in
+        place; ``"hf"``: their caches are rebuilt, two copies of their KV per join).
         Otherwise one speculative step (propose, verify, accept, commit). Greedy requests
-        stay plain greedy decoding whatever joins or leaves around them.
+        stay plain greedy decoding whatever joins or leaves around them. Requests that end
+        leave the batch before ``step`` returns (their KV kept), so their sessions take
+        ``append`` and a new ``submit`` at once.
 
         Returns:
             :class:`StepOutput` per request that ran (none when nothing is submitted).
 
         Raises:
-            What a step raises (a full KV pool, say): the running requests end there, their
-            sessions usable and in step at what they emitted; queued requests stay queued.
+            What a step raises (a full KV pool, say): the step's requests (running and
+            joining) end there, their sessions usable and in step at what they emitted;
+            requests still queued stay queued.
         """
         self._check_generator(generator)
         live = self._live

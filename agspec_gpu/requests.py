@@ -74,8 +74,8 @@ class StepOutput:
         session_id: the request's session.
         token_ids: the tokens it emitted in the step (in order; the last one may be EOS or
             complete a stop string).
-        finished: it ended in this step (EOS, a stop string, its limit, or ``cancel``); it
-            leaves the batch before the next step, its KV kept.
+        finished: it ended in this step (EOS, a stop string or its limit); it has left
+            the batch when ``step`` returns, its KV kept.
     """
 
     session_id: str
