@@ -257,3 +257,55 @@ def test_a_generate_call_never_evicts_a_running_requests_kv():
     while dec.running:
         got += dec.step()[0].token_ids
     assert got == greedy(VARIANT, P[0], 40, eos=None)
+
+
+@pytest.mark.parametrize("runner,seed", [("hf", 0), ("paged", 1)])
+def test_random_interleavings_stay_plain_greedy(runner, seed):
+    """Random submits, steps, cancels, appends and ``generate`` calls over five sessions
+    (three run at once): every token any of them emits equals plain greedy decoding of the
+    session's context at that point, and each session's context is what was appended and
+    emitted, in order."""
+    import random
+
+    rng = random.Random(seed)
+    P = [list(p) for p in prompts()]
+    tool = tok().encode("$ ls\nsetup.py  src  tests\n")
+    dec = decoder(runner)
+    sids = [dec.open_session(f"t{i % 2}", "coder", P[i]) for i in (0, 2, 3, 5, 7)]
+    ctx = {s: list(P[i]) for s, i in zip(sids, (0, 2, 3, 5, 7))}
+    start = {}  # sid -> its context when its submitted request started
+
+    def check(sid, toks):
+        base = start.get(sid, ctx[sid])
+        done = ctx[sid][len(base):] + toks
+        assert done == greedy(VARIANT, base, len(done), eos=None), sid
+        ctx[sid] += toks
+
+    for _ in range(60):
+        busy = set(dec.running) | set(dec.queued)
+        idle = [s for s in sids if s not in busy]
+        op = rng.random()
+        if op < 0.3 and idle:
+            s = rng.choice(idle)
+            start[s] = list(ctx[s])
+            dec.submit(s, max_new_tokens=rng.randint(1, 12), eos_id=None)
+        elif op < 0.4 and busy:
+            s = rng.choice(sorted(busy))
+            dec.cancel(s)
+            start.pop(s, None)
+        elif op < 0.5 and idle:
+            s = rng.choice(idle)
+            dec.append(s, tool)
+            ctx[s] += tool
+        elif op < 0.6 and idle:
+            batch = rng.sample(idle, min(len(idle), rng.randint(1, 3)))
+            for s, out in zip(batch, dec.generate(batch, max_new_tokens=5, eos_id=None)):
+                assert out == greedy(VARIANT, ctx[s], 5, eos=None), s
+                ctx[s] += out
+        else:
+            for e in dec.step():
+                check(e.session_id, e.token_ids)
+                if e.finished:
+                    start.pop(e.session_id)
+    for s in sids:
+        assert dec._sessions[s].context == ctx[s], s
