@@ -66,7 +66,8 @@ class DecoderConfig:
     """Decoder settings: tiers, drafting, the largest batch ``generate`` serves, the runner.
 
     Attributes:
-        max_batch: the most sessions of one ``generate`` call or ``propose`` step.
+        max_batch: the most sessions of one ``generate`` call or ``propose`` step, and the
+            most submitted requests that ``step`` runs at once (the rest wait).
         max_sessions: the most concurrently open sessions, idle ones included (an agent
             waiting on a tool keeps its session, its corpus and its kept KV); None: ``4 *
             max_batch``. Each open session holds a drafter state slot (a few hundred bytes)
