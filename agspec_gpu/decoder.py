@@ -645,7 +645,7 @@ class SpecDecoder:
         ``joining``'s."""
         reqs = joining[0] if live is None else live.reqs
         if live is not None:
-            live.end()
+            live.end(handover=True)
             self._live = None
             reqs.extend(joining[0])
         for q in joining[1:]:

@@ -125,9 +125,12 @@ class RunningBatch:
         self.sampling = self._sampling_rows(reqs.params)
         self.caps = None
 
-    def end(self) -> None:
-        """Keeps the KV of every request still in the batch and frees the runner."""
+    def end(self, handover: bool = False) -> None:
+        """Keeps the KV of every request still in the batch and frees the runner;
+        ``handover``: a new batch of these requests prefills next (a join), so the ``hf``
+        runner's KV is handed over as views, not copied twice."""
         reqs = self.reqs
-        self.kv.keep(self.runner, reqs.sids, [st.context for st in reqs.states])
+        self.kv.keep(self.runner, reqs.sids, [st.context for st in reqs.states],
+                     handover=handover)
         if isinstance(self.runner, PagedBatch):
             self.runner.close()

@@ -83,14 +83,17 @@ class SessionKVCache:
         return logits
 
     def keep(self, runner: HFRunner | PagedBatch, sids: list[str],
-             contexts: list[list[int]], rows: list[int] | None = None) -> None:
+             contexts: list[list[int]], rows: list[int] | None = None, *,
+             handover: bool = False) -> None:
         """After a call (finished or failed), or when requests leave its batch (``rows``:
         their rows in ``runner``'s batch; default: every row, in order): each session's KV
         holds the prompt, then the emitted stream (and, past a request's end, what the model
         went on to produce while others ran), so it is a prefix of the context up to the
         shorter of the two; the last context token stays the next root. A call that failed
         before its batch had a committed prefix keeps the sessions' earlier KV: those slots
-        are never rewritten."""
+        are never rewritten. ``handover``: a :meth:`prefill` of these sessions follows at
+        once and ``runner`` is done (a join): ``hf`` keeps views of its cache instead of
+        copies, so their KV is copied once (into the next batch), not twice."""
         for sid in sids:  # no longer the batch's: evictable again
             self._kept[sid].in_use = False
         paged = isinstance(runner, PagedBatch)
@@ -103,8 +106,9 @@ class SessionKVCache:
             k = self._kept[sid]
             k.length = min(lens[b], len(ctx) - 1)
             if not paged:
-                k.tensors = runner.session_kv(b, k.length) if k.length > 0 else None
-        if not paged:
+                k.tensors = runner.session_kv(b, k.length, copy=not handover) \
+                    if k.length > 0 else None
+        if not paged and not handover:  # (handed-over KV is the next batch's at once)
             held = sorted((k.last_used, -k.length, sid) for sid, k in self._kept.items()
                           if k.tensors is not None)
             total = sum(-neg for _, neg, _ in held)

@@ -309,3 +309,34 @@ def test_random_interleavings_stay_plain_greedy(runner, seed):
                     start.pop(e.session_id)
     for s in sids:
         assert dec._sessions[s].context == ctx[s], s
+
+
+def test_hf_join_hands_the_running_kv_over_without_a_copy(monkeypatch):
+    """On the hf runner a join rebuilds the batch's cache: the running requests' KV goes
+    to the new batch's prefill as views of the old cache (one copy, not two), even past
+    the kept-KV budget (it is the new batch's at once), and the outputs stay plain greedy."""
+    from agspec_gpu.runners.hf import HFRunner
+
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", kv_cache_tokens=64)  # a budget smaller than the running contexts
+    a, b = dec.open_session("t0", "coder", P[3]), dec.open_session("t1", "coder", P[6])
+    handed, prefill = [], HFRunner.prefill
+
+    def recorded(self, input_ids, past=None):
+        handed.append([kv is not None and kv.keys[0]._base is not None for kv in past])
+        return prefill(self, input_ids, past)
+
+    monkeypatch.setattr(HFRunner, "prefill", recorded)
+    dec.submit(a, max_new_tokens=20, eos_id=None)
+    got = {a: [], b: []}
+    for i in range(100):
+        if i == 3:
+            dec.submit(b, max_new_tokens=10, eos_id=None)
+        if i > 3 and not dec.running:
+            break
+        for e in dec.step():
+            got[e.session_id] += e.token_ids
+    assert handed[:2] == [[False], [True, False]]  # a's KV handed over as a view at the join
+    assert got[a] == greedy(VARIANT, P[3], 20, eos=None)
+    assert got[b] == greedy(VARIANT, P[6], 10, eos=None)
+    assert dec._kv.kept_tokens(a) == 0  # back under the budget once the batch ended

@@ -330,9 +330,11 @@ class HFRunner:
                 cache.update(keys, values, layer)
         return cache
 
-    def session_kv(self, b: int, length: int) -> SessionKV:
-        """A copy of request ``b``'s first ``length`` committed KV slots (``length <=
-        seq_lens[b]``), to pass to a later :meth:`prefill` of the same model."""
+    def session_kv(self, b: int, length: int, *, copy: bool = True) -> SessionKV:
+        """Request ``b``'s first ``length`` committed KV slots (``length <= seq_lens[b]``),
+        to pass to a later :meth:`prefill` of the same model: a copy, or with
+        ``copy=False`` views of this batch's cache (no copy, but they keep the whole cache
+        alive: for a prefill that follows at once, after which this batch is done)."""
         if self._seq_lens is None:
             raise ValueError("session_kv: no batch: call prefill() first")
         # a pending verify appended its tree after the committed slots: they are intact
@@ -341,7 +343,9 @@ class HFRunner:
             raise ValueError(f"length: {length} outside (0, {committed}]")
 
         def cut(x):
-            return None if x is None or x.numel() == 0 else x[b, :, :length].clone()
+            if x is None or x.numel() == 0:
+                return None
+            return x[b, :, :length].clone() if copy else x[b, :, :length]
 
         layers = self._cache.layers
         return SessionKV(tuple(cut(getattr(la, "keys", None)) for la in layers),
