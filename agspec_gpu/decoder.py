@@ -534,7 +534,7 @@ class SpecDecoder:
         If requests wait and the batch has room, they join: one forward prefills them
         (after their sessions' kept KV) and gives every running request one token, as a
         plain decoding step does (``runner="paged"``: the running requests' KV stays in
-        place; ``"hf"``: their caches are rebuilt, two copies of their KV per join).
+        place; ``"hf"``: the padded cache is rebuilt, one copy of their KV per join).
         Otherwise one speculative step (propose, verify, accept, commit). Greedy requests
         stay plain greedy decoding whatever joins or leaves around them. Requests that end
         leave the batch before ``step`` returns (their KV kept), so their sessions take
