@@ -219,16 +219,11 @@ def test_spec_decoder_step_api_on_cuda():
     dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
                                                      kv_cache_tokens=4096))
     assert dec._verify_graphs.uses_graphs, dec._verify_graphs.graph_error
+    from test_step_api import run_until_idle
+
     a, b = dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])
-    dec.submit(a, max_new_tokens=40, eos_id=None)
-    got = {a: [], b: []}
-    for i in range(200):
-        if i == 2:
-            dec.submit(b, max_new_tokens=30, eos_id=None)
-        if i > 2 and not dec.running:
-            break
-        for e in dec.step():
-            got[e.session_id] += e.token_ids
+    got = run_until_idle(dec, submit_at={0: [(a, 40, {"eos_id": None})],
+                                         2: [(b, 30, {"eos_id": None})]})
     assert [len(got[a]), len(got[b])] == [40, 30]
     for sid in (a, b):
         ctx = dec._sessions[sid].context

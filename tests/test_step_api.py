@@ -17,21 +17,24 @@ def decoder(runner: str, **kw) -> SpecDecoder:
     return SpecDecoder(model(VARIANT), tok(), DecoderConfig(**{**cfg, **kw}))
 
 
-def run_until_idle(dec: SpecDecoder, log: list, submit_at: dict | None = None,
-                   max_steps: int = 500) -> dict[str, list[int]]:
-    """Steps until nothing is running or queued (``submit_at[step]``: ``(sid, limit)``
-    pairs submitted before that step); returns each session's tokens, checks the events."""
+def run_until_idle(dec: SpecDecoder, log: list | None = None, submit_at: dict | None = None,
+                   generator=None, max_steps: int = 500) -> dict[str, list[int]]:
+    """Steps until nothing is running or queued (``submit_at[step]``: ``(sid, limit)`` or
+    ``(sid, limit, submit kwargs)`` submitted before that step); returns each session's
+    tokens, checks the events (each request ends once, every running one emits a token a
+    step)."""
     submit_at = submit_at or {}
     last = max(submit_at, default=-1)
     tokens: dict[str, list[int]] = {}
     finished: dict[str, int] = {}
     for i in range(max_steps):
-        for sid, limit in submit_at.get(i, []):
-            dec.submit(sid, max_new_tokens=limit)
+        for sid, limit, *kw in submit_at.get(i, []):
+            dec.submit(sid, max_new_tokens=limit, **(kw[0] if kw else {}))
         if i > last and not dec.running and not dec.queued:
             break
-        events = dec.step()
-        log.append((i, [e.session_id for e in events], list(dec.queued)))
+        events = dec.step(generator=generator)
+        if log is not None:
+            log.append((i, [e.session_id for e in events], list(dec.queued)))
         for e in events:
             assert isinstance(e, StepOutput) and e.session_id not in finished, e
             assert e.token_ids, e  # every running request emits at least one token a step
@@ -157,17 +160,10 @@ def test_sampled_and_greedy_requests_share_a_batch():
     for _ in range(2):
         dec = decoder("hf")
         a, b = dec.open_session("t0", "coder", P[3]), dec.open_session("t1", "coder", P[7])
-        dec.submit(a, max_new_tokens=24, eos_id=None,
-                   sampling=SamplingParams(temperature=0.9, top_k=50))
-        gen = torch.Generator().manual_seed(7)
-        out: dict[str, list[int]] = {}
-        for i in range(200):
-            if i == 3:
-                dec.submit(b, max_new_tokens=20, eos_id=None)
-            if i > 3 and not dec.running and not dec.queued:
-                break
-            for e in dec.step(generator=gen):
-                out.setdefault(e.session_id, []).extend(e.token_ids)
+        sampled = {"eos_id": None, "sampling": SamplingParams(temperature=0.9, top_k=50)}
+        out = run_until_idle(dec, submit_at={0: [(a, 24, sampled)],
+                                             3: [(b, 20, {"eos_id": None})]},
+                             generator=torch.Generator().manual_seed(7))
         assert out[b] == greedy(VARIANT, P[7], 20, eos=None)
         assert len(out[a]) == 24
         runs.append(out[a])
@@ -327,15 +323,8 @@ def test_hf_join_hands_the_running_kv_over_without_a_copy(monkeypatch):
         return prefill(self, input_ids, past)
 
     monkeypatch.setattr(HFRunner, "prefill", recorded)
-    dec.submit(a, max_new_tokens=20, eos_id=None)
-    got = {a: [], b: []}
-    for i in range(100):
-        if i == 3:
-            dec.submit(b, max_new_tokens=10, eos_id=None)
-        if i > 3 and not dec.running:
-            break
-        for e in dec.step():
-            got[e.session_id] += e.token_ids
+    got = run_until_idle(dec, submit_at={0: [(a, 20, {"eos_id": None})],
+                                         3: [(b, 10, {"eos_id": None})]})
     assert handed[:2] == [[False], [True, False]]  # a's KV handed over as a view at the join
     assert got[a] == greedy(VARIANT, P[3], 20, eos=None)
     assert got[b] == greedy(VARIANT, P[6], 10, eos=None)
