@@ -494,9 +494,8 @@ class SpecDecoder:
         reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id)
         self._check_generator(generator)
         self._proposed = None  # generate's own steps replace a pending propose()
-        outs = [[] for _ in sids]
+        outs = reqs.outs  # every session's output list; the batch keeps those that run
         run = [b for b, m in enumerate(reqs.limits) if m > 0]  # a limit of 0: not in the batch
-        reqs.outs = outs
         reqs.select(run)
         if not run:
             return outs
