@@ -411,6 +411,15 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
     return _assemble(draft, accepted, num_acc, bonus)
 
 
+def accept_tree(draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
+                generator: torch.Generator | None = None) -> AcceptResult:
+    """:func:`greedy_accept` where every row of ``sampling`` is greedy, else
+    :func:`sample_accept` (greedy rows there stay greedy); ``logits [B, 1 + N, V]``."""
+    if sampling.all_greedy:
+        return greedy_accept(draft, logits)
+    return sample_accept(draft, logits, None, sampling, generator)
+
+
 NO_TOKEN = -2  # truth padding past the end of a message: no draft token equals it
 
 

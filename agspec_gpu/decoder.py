@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Sequence
 import nvtx
 import torch
 
-from agspec_gpu.accept import AcceptResult, BatchSampling, SamplingParams
+from agspec_gpu.accept import AcceptResult, BatchSampling, SamplingParams, accept_tree
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
@@ -53,7 +53,7 @@ from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
-from agspec_gpu.running_batch import RunningBatch, accept_tree
+from agspec_gpu.running_batch import RunningBatch
 from agspec_gpu.session_kv import SessionKVCache
 from agspec_gpu.stops import StopMatcher
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus

@@ -18,8 +18,7 @@ from typing import Callable
 import nvtx
 import torch
 
-from agspec_gpu.accept import (AcceptResult, BatchSampling, greedy_accept, sample_accept,
-                               sample_tokens)
+from agspec_gpu.accept import AcceptResult, BatchSampling, accept_tree, sample_tokens
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import to_device
@@ -30,14 +29,6 @@ from agspec_gpu.session_kv import SessionKVCache
 
 # (session ids, draft, result, tokens each session took, num_output on the host)
 RecordFn = Callable[[list, DraftBatch, AcceptResult, list, list], None]
-
-
-def accept_tree(draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
-                generator: torch.Generator | None) -> AcceptResult:
-    """Greedy acceptance where every row is greedy, else multi-branch rejection sampling."""
-    if sampling.all_greedy:
-        return greedy_accept(draft, logits)
-    return sample_accept(draft, logits, None, sampling, generator)
 
 
 class RunningBatch:
