@@ -255,6 +255,7 @@ class SpecDecoder:
         files = capture_agent_writes(command) if command else []
         if text is not None:
             files += capture_tool_output(command, text)
+        self._supersede([sid])
         self.drafter.extend(sid, ids)
         st.context.extend(ids)
         st.message = []
@@ -278,8 +279,7 @@ class SpecDecoder:
         self._kv.drop(sid)
         st.closed = True
         del self._sessions[sid]
-        if self._proposed is not None and sid in self._proposed:
-            self._proposed = None
+        self._supersede([sid])
 
     def close_tenant(self, tenant: str) -> None:
         """Frees the tenant's workspace and history tiers (its sessions must be closed).
@@ -493,7 +493,7 @@ class SpecDecoder:
         self._check_idle(sids)
         reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id)
         self._check_generator(generator)
-        self._proposed = None  # generate's own steps replace a pending propose()
+        self._supersede(sids)
         outs = reqs.outs  # every session's output list; the batch keeps those that run
         run = [b for b, m in enumerate(reqs.limits) if m > 0]  # a limit of 0: not in the batch
         reqs.select(run)
@@ -525,6 +525,7 @@ class SpecDecoder:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
         self._queue.append(self._requests([sid], max_new_tokens, sampling, stop, speculate,
                                           eos_id))
+        self._supersede([sid])
 
     @torch.no_grad()
     def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:
@@ -609,6 +610,12 @@ class SpecDecoder:
         if hit:
             raise ValueError(f"{name}: session {hit[0]!r} has a submitted request (step() "
                              f"runs it; cancel() ends it)")
+
+    def _supersede(self, sids: list[str]) -> None:
+        """A pending :meth:`propose` of any of ``sids`` is stale: their context moves on
+        elsewhere (``commit`` of it then raises); one of other sessions stays valid."""
+        if self._proposed is not None and not set(sids).isdisjoint(self._proposed):
+            self._proposed = None
 
     def _check_generator(self, generator) -> None:
         if generator is not None and generator.device.type != self._device.type:

@@ -178,7 +178,9 @@ class Drafter:
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # every step's costs: B requests plus at most max_nodes nodes each
         self._cost_table = cost_table(self.cost, dev, max_batch * (1 + self.config.max_nodes))
-        self._last: tuple | None = None
+        # proposals not yet observed, by their batch's session ids: an own loop's propose /
+        # observe may interleave with a serving loop's steps of other sessions
+        self._pending: dict[tuple[str, ...], tuple] = {}
         # on a GPU (unless configured off) both device halves of a step replay as CUDA graphs
         # per batch bucket, captured now so that no step pays for a capture
         self._graphs: tuple[StepGraphs, StepGraphs] | None = None
@@ -221,6 +223,7 @@ class Drafter:
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
         """Context the model did not generate (user / tool messages)."""
         t = self.store._as_tokens(tokens, "tokens")
+        self._forget([sid])
         self.store.append_session(sid, t)
         self._push(torch.tensor([self._slot_of(sid)]), t[None, :], None)
 
@@ -228,11 +231,12 @@ class Drafter:
                          num_output: torch.Tensor) -> None:
         """Commits generated tokens that no draft proposed (e.g. the first token after a
         prefill): ``output_ids int32 [B, M]``, ``num_output int32 [B]``."""
-        self._last = None
+        self._forget(sids)
         self._observe(sids, output_ids, num_output, torch.zeros_like(num_output))
 
     def close_session(self, sid: str) -> None:
         slot = self._slot_of(sid)
+        self._forget([sid])
         self.store.close_session(sid)
         del self._slot[sid]
         del self._version[sid]
@@ -311,8 +315,15 @@ class Drafter:
             out = self._draft_tensors(**inputs, num_requests=B)
         tok, parent, num, srcs, nd, node_row = out
         draft = DraftBatch(tok, parent, num, srcs)
-        self._last = (list(sids), draft, nd, node_row)
+        self._forget(sids)  # a session's newer proposal replaces its older ones
+        self._pending[tuple(sids)] = (draft, nd, node_row)
         return draft
+
+    def _forget(self, sids: Sequence[str]) -> None:
+        """Drops the pending proposals that draft any of ``sids`` (their context moved on)."""
+        gone = set(sids)
+        for key in [k for k in self._pending if not gone.isdisjoint(k)]:
+            del self._pending[key]
 
     def _draft_example(self, rows: int) -> dict[str, torch.Tensor]:
         """One request's inputs of :meth:`_draft_tensors` with ``rows`` corpora (shapes)."""
@@ -472,8 +483,10 @@ class Drafter:
                     bool((nout > out.shape[1]).any()):
                 raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
                                  "num_output[b] columns of each row")
-        if self._last is not None and self._last[0] == list(sids):
-            _, draft, nd, calib_row = self._last
+        pending = self._pending.pop(tuple(sids), None)
+        self._forget(sids)
+        if pending is not None:
+            draft, nd, calib_row = pending
             N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1
             if path_nodes is None:  # the path the accepted tokens spell in the draft
                 cols = torch.arange(M, device=dev)[None, :]

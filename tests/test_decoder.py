@@ -834,11 +834,14 @@ def test_padded_model_vocabulary_generates():
 
 
 # ---------------------------------------------------------------- your own loop
-def own_loop(dec, runner, sids, steps, **commit_kw) -> list[list[int]]:
-    """``steps`` propose / verify / commit rounds with ``runner`` as the user's verifier."""
+def own_loop(dec, runner, sids, steps, between=None, **commit_kw) -> list[list[int]]:
+    """``steps`` propose / verify / commit rounds with ``runner`` as the user's verifier;
+    ``between(draft)``, if given, runs between each propose and its commit."""
     outs = [[] for _ in sids]
     for _ in range(steps):
         draft = dec.propose(sids)
+        if between is not None:
+            between(draft)
         logits = runner.verify_padded(draft, dec.root_ids(sids))
         res = dec.commit(sids, draft, logits, **commit_kw)
         runner.commit(res)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder, StepOutput
-from test_decoder import (VARIANTS, greedy, model, prompts, record_hf_prefills,
+from agspec_gpu.runners.hf import HFRunner
+from test_decoder import (VARIANTS, greedy, model, own_loop, prompts, record_hf_prefills,
                           record_prefills, steer, tok)
 
 VARIANT = VARIANTS[0]
@@ -311,8 +312,6 @@ def test_hf_join_hands_the_running_kv_over_without_a_copy(monkeypatch):
     """On the hf runner a join rebuilds the batch's cache: the running requests' KV goes
     to the new batch's prefill as views of the old cache (one copy, not two), even past
     the kept-KV budget (it is the new batch's at once), and the outputs stay plain greedy."""
-    from agspec_gpu.runners.hf import HFRunner
-
     P = [list(p) for p in prompts()]
     dec = decoder("hf", kv_cache_tokens=64)  # a budget smaller than the running contexts
     a, b = dec.open_session("t0", "coder", P[3]), dec.open_session("t1", "coder", P[6])
@@ -329,3 +328,58 @@ def test_hf_join_hands_the_running_kv_over_without_a_copy(monkeypatch):
     assert got[a] == greedy(VARIANT, P[3], 20, eos=None)
     assert got[b] == greedy(VARIANT, P[6], 10, eos=None)
     assert dec._kv.kept_tokens(a) == 0  # back under the budget once the batch ended
+
+
+def test_own_loop_interleaves_with_served_requests():
+    """An own loop's propose / commit of one session with the serving loop's steps and a
+    ``generate`` of other sessions in between: the own loop drafts and commits as it does
+    alone (same drafts, same controller state: its commits still feed the controller), and
+    every session's output is plain greedy. A request or message of the proposed session
+    itself supersedes its proposal: that commit raises."""
+    P = [list(p) for p in prompts()]
+    own = P[3]
+
+    def run(interleave: bool):
+        dec = decoder("hf")
+        steer(dec, "t0", own + greedy(VARIANT, own, 40))
+        a = dec.open_session("t0", "coder", own)
+        b, c = (dec.open_session(f"t{i}", "coder", P[i]) for i in (0, 2))
+        drafts, scales, served = [], [], {b: [], c: []}
+        slot = dec.drafter._slot_of(a)
+
+        def between(draft):
+            drafts.append(draft.token_ids.tolist())
+            if not interleave:
+                return
+            if len(drafts) == 1:
+                dec.submit(b, max_new_tokens=12, eos_id=None)
+            if len(drafts) == 4:
+                served[c] += dec.generate([c], max_new_tokens=5, eos_id=None)[0]
+            for e in dec.step():
+                served[e.session_id] += e.token_ids
+
+        def commit_hook(draft):  # the controller's state after the previous commit
+            scales.append(dec.drafter.scale[slot].item())
+            between(draft)
+
+        runner = HFRunner(model(VARIANT))
+        runner.prefill([own[:-1]])
+        out = own_loop(dec, runner, [a], 8, between=commit_hook)[0]
+        while dec.running:
+            for e in dec.step():
+                served[e.session_id] += e.token_ids
+        return dec, (a, b, c), out, drafts, scales, served
+
+    _, _, alone, drafts, scales, _ = run(False)
+    dec, (a, b, c), out, drafts_i, scales_i, served = run(True)
+    assert out == alone == greedy(VARIANT, own, len(out), eos=None)
+    assert drafts_i == drafts and scales_i == scales and len(set(scales)) > 1
+    assert served[b] == greedy(VARIANT, P[0], 12, eos=None)
+    assert served[c] == greedy(VARIANT, P[2], 5, eos=None)
+    for supersede in (lambda: dec.submit(a, max_new_tokens=2),
+                      lambda: dec.append(a, [5, 6])):
+        draft = dec.propose([a])
+        supersede()
+        run_until_idle(dec)
+        with pytest.raises(ValueError, match="commit\\(\\) must follow propose"):
+            dec.commit([a], draft, torch.zeros(1, 1 + draft.max_nodes, dec.vocab_size))
