@@ -201,10 +201,14 @@ class SpecDecoder:
     @property
     def stats(self) -> dict[str, int]:
         """Cumulative ``steps`` (verification steps), ``tokens`` (emitted by them),
-        ``drafted`` and ``accepted`` draft tokens (reading it syncs with the device)."""
+        ``drafted`` and ``accepted`` draft tokens, ``prefills`` (prefill forwards: one per
+        ``generate`` call and per join of :meth:`step`, each also emitting a token per
+        request) and ``prefill_tokens`` (the context tokens they ran, past each session's
+        kept KV). Reading it syncs with the device."""
         drafted, accepted = self._draft_counts.tolist()
         return {"steps": self._steps, "tokens": self._tokens, "drafted": drafted,
-                "accepted": accepted}
+                "accepted": accepted, "prefills": self._kv.num_prefills,
+                "prefill_tokens": self._kv.num_prefill_tokens}
 
     # ------------------------------------------------------------ lifecycle
     def open_session(self, tenant: str, role: str = "default",

@@ -53,6 +53,8 @@ class SessionKVCache:
         self.reserve_tokens = reserve_tokens
         self._kept: dict[str, _Kept] = {}
         self._calls = 0  # the least-recently-generated clock
+        self.num_prefills = 0        # cumulative: prefill forwards,
+        self.num_prefill_tokens = 0  # and the context tokens they ran (past the kept KV)
 
     def kept_tokens(self, sid: str) -> int:
         """Context tokens of ``sid`` whose KV is kept (0: its next call prefills it all)."""
@@ -76,6 +78,9 @@ class SessionKVCache:
             k.in_use = True
         if isinstance(runner, PagedBatch):
             self._make_room(sids, contexts, max_new_tokens)
+        self.num_prefills += 1
+        self.num_prefill_tokens += sum(len(c) - k.length for c, k in zip(contexts, kept))
+        if isinstance(runner, PagedBatch):
             return runner.prefill(contexts, seq_ids=sids, cached=[k.length for k in kept])
         logits = runner.prefill(contexts, past=[k.tensors for k in kept])
         for k in kept:  # the batch's cache holds it now; keep() cuts it anew

@@ -64,25 +64,14 @@ def agent_turns(path: Path, tok, agents: int, turns: int, max_turn: int, max_pro
     return out
 
 
-class Forwards:
-    """Counts the decoder's forwards: its verification steps plus its prefills (one per
-    ``generate`` call or join), the latter by wrapping this decoder's own KV-cache object."""
-
-    def __init__(self, dec: SpecDecoder) -> None:
-        self.dec, self.prefills, prefill = dec, 0, dec._kv.prefill
-
-        def counted(*a, **k):
-            self.prefills += 1
-            return prefill(*a, **k)
-
-        dec._kv.prefill = counted
-
-    @property
-    def count(self) -> int:
-        return self.dec.stats["steps"] + self.prefills
+def forwards(dec: SpecDecoder) -> int:
+    """The decoder's forwards so far: verification steps plus prefills (one per ``generate``
+    call or join)."""
+    s = dec.stats
+    return s["steps"] + s["prefills"]
 
 
-def waves(dec: SpecDecoder, sids, plans, fwd: Forwards) -> dict:
+def waves(dec: SpecDecoder, sids, plans) -> dict:
     """Every round, one ``generate`` over the agents with a turn left."""
     turn = [0] * len(sids)
     latencies, tokens = [], 0
@@ -90,37 +79,37 @@ def waves(dec: SpecDecoder, sids, plans, fwd: Forwards) -> dict:
         ready = [b for b in range(len(sids)) if turn[b] < len(plans[b])]
         if not ready:
             break
-        start = fwd.count
+        start = forwards(dec)
         outs = dec.generate([sids[b] for b in ready], eos_id=None,
                             max_new_tokens=[plans[b][turn[b]][0] for b in ready])
         tokens += sum(map(len, outs))
-        latencies += [fwd.count - start] * len(ready)  # every turn waits for the call
+        latencies += [forwards(dec) - start] * len(ready)  # every turn waits for the call
         for b in ready:
             dec.append(sids[b], plans[b][turn[b]][1])
             turn[b] += 1
     return {"tokens": tokens, "turn_latencies": latencies}
 
 
-def continuous(dec: SpecDecoder, sids, plans, fwd: Forwards) -> dict:
+def continuous(dec: SpecDecoder, sids, plans) -> dict:
     """``submit`` each agent's turn; as one ends, append its tool output and submit the next."""
     turn = [0] * len(sids)
     index = {s: b for b, s in enumerate(sids)}
     started, latencies, tokens = {}, [], 0
     for b, sid in enumerate(sids):
         dec.submit(sid, max_new_tokens=plans[b][0][0], eos_id=None)
-        started[sid] = fwd.count
+        started[sid] = forwards(dec)
     while dec.running or dec.queued:
         for out in dec.step():
             tokens += len(out.token_ids)
             if not out.finished:
                 continue
             b = index[out.session_id]
-            latencies.append(fwd.count - started[out.session_id])
+            latencies.append(forwards(dec) - started[out.session_id])
             dec.append(out.session_id, plans[b][turn[b]][1])
             turn[b] += 1
             if turn[b] < len(plans[b]):
                 dec.submit(out.session_id, max_new_tokens=plans[b][turn[b]][0], eos_id=None)
-                started[out.session_id] = fwd.count
+                started[out.session_id] = forwards(dec)
     return {"tokens": tokens, "turn_latencies": latencies}
 
 
@@ -145,19 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         dec = SpecDecoder(model, tok, DecoderConfig(runner=args.runner, max_batch=args.agents,
                                                     kv_cache_tokens=1 << 16))
         sids = [dec.open_session(f"agent{b}", "coder", p) for b, (p, _) in enumerate(plans)]
-        fwd = Forwards(dec)
         t0 = time.perf_counter()
-        r = policy(dec, sids, [plan for _, plan in plans], fwd)
+        r = policy(dec, sids, [plan for _, plan in plans])
         seconds = time.perf_counter() - t0
         lat = sorted(r.pop("turn_latencies"))
         s = dec.stats
-        rows.append({"policy": name, "forwards": fwd.count, "prefill_forwards": fwd.prefills,
+        rows.append({"policy": name, "forwards": forwards(dec), "prefill_forwards": s["prefills"],
+                     "prefill_tokens": s["prefill_tokens"],
                      "verification_steps": s["steps"], "tokens": r["tokens"],
                      "drafted": s["drafted"], "accepted": s["accepted"], "turns": len(lat),
                      "turn_latency_forwards_p50": lat[len(lat) // 2],
                      "turn_latency_forwards_max": lat[-1],
                      "turn_latency_forwards_mean": sum(lat) / len(lat), "cpu_seconds": seconds})
-        print(f"{name:26} {fwd.count:5d} forwards ({fwd.prefills:3d} prefills)  "
+        print(f"{name:26} {forwards(dec):5d} forwards ({s['prefills']:3d} prefills)  "
               f"{r['tokens']:6d} tokens  turn latency in forwards: p50 "
               f"{lat[len(lat) // 2]:4d}  mean {sum(lat) / len(lat):6.1f}  max {lat[-1]:4d}  "
               f"({seconds:.1f} CPU-s)")

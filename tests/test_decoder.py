@@ -233,6 +233,8 @@ def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
     again = dec.generate(sids[:1], max_new_tokens=8)
     assert again[0] == greedy(variant, full + g + more[0] + tool, 8)
     assert prefilled[-1] == [len(tool) + 1]
+    s = dec.stats  # what the runner prefilled, counted by the decoder too
+    assert (s["prefills"], s["prefill_tokens"]) == (len(prefilled), sum(map(sum, prefilled)))
     for sid in sids:
         dec.close_session(sid)
     assert cache.num_free_pages == cache.num_pages
@@ -369,6 +371,8 @@ def test_hf_runner_keeps_session_kv_between_calls(variant, monkeypatch):
     assert prefilled[-1] == [len(P[2]), 1]
     run([b])
     assert prefilled[-1] == [len(ctx[b]) - 8]  # freed: its whole context again
+    s = dec.stats
+    assert (s["prefills"], s["prefill_tokens"]) == (len(prefilled), sum(map(sum, prefilled)))
     kept = dec._kv._kept[a].tensors
     assert kept is not None and kept.nbytes > 0
     dec.close_session(a)
