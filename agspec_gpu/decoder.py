@@ -226,6 +226,9 @@ class SpecDecoder:
             raise ValueError("prompt_ids must not be empty")
         if text is not None and not isinstance(text, str):
             raise ValueError(f"text: expected a str or None, got {type(text).__name__}")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id: expected a non-empty str or None, got "
+                             f"{session_id!r}")
         sid = session_id or f"{self._sid_prefix}{self._next}"
         self._next += 1
         if sid in self._sessions:
@@ -622,6 +625,9 @@ class SpecDecoder:
             self._proposed = None
 
     def _check_generator(self, generator) -> None:
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator: expected a torch.Generator or None, got "
+                             f"{type(generator).__name__}")
         if generator is not None and generator.device.type != self._device.type:
             raise ValueError(f"generator: on {generator.device}, the model on {self._device}")
 

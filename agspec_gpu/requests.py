@@ -9,7 +9,9 @@ step's tokens it takes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -113,10 +115,16 @@ def per_session(value, n: int, name: str, kind) -> list:
     """``value`` for every session, or one per session (checked: ``n`` of type ``kind``)."""
     if isinstance(value, kind):
         return [value] * n
-    try:
-        values = list(value)
-    except TypeError:
-        raise ValueError(f"{name}: expected {kind} or one per session, got {value!r}") from None
-    if len(values) != n or not all(isinstance(v, kind) for v in values):
-        raise ValueError(f"{name}: expected one per session ({n}), got {values!r}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    what = " or ".join("an int" if k is Integral else "None" if k is type(None) else
+                       f"a {k.__name__}" for k in kinds)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}: expected {what}, or a list of one per session, got "
+                         f"{value!r}")
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name}: expected one per session ({n}), got {len(values)}")
+    bad = [v for v in values if not isinstance(v, kind)]
+    if bad:
+        raise ValueError(f"{name}: expected {what} per session, got {bad[0]!r}")
     return values

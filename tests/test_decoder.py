@@ -786,9 +786,13 @@ def test_bad_token_ids_and_survivors():
     with pytest.raises(ValueError, match="session_ids"):  # one id, not a list of them
         dec.generate(sids[0], max_new_tokens=4)
     for kw in (dict(max_new_tokens=True), dict(eos_id=VOCAB), dict(eos_id=-5),
-               dict(stop=[""]), dict(stop=["a", 3])):
+               dict(stop=[""]), dict(stop=["a", 3]), dict(speculate="yes"),
+               dict(generator="seed")):
         with pytest.raises(ValueError, match=next(iter(kw))):
             dec.generate(sids, **{"max_new_tokens": 4, **kw})
+    for bad in (3, ""):
+        with pytest.raises(ValueError, match="session_id"):
+            dec.open_session("t0", "coder", [1, 2], session_id=bad)
     assert_greedy(dec, variant, sids, P)
 
 
