@@ -33,7 +33,9 @@ from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
+from agspec_gpu.kernels.candidate_rows import candidate_rows
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
+from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.node_probs import node_probs
 from agspec_gpu.kernels.suffix_match import suffix_match
@@ -301,12 +303,8 @@ class Drafter:
                          sa_key=arena.sa_key)
         # candidate windows [B * Rs, P, K]: the K tokens after each occurrence, read here
         # because the arena's buffers move as it grows (a graph would keep the old address)
-        pos = m.positions
-        at = pos[:, :, None] + torch.arange(K, device=dev)[None, None, :]
-        inside = (pos[:, :, None] >= 0) & (at < desc.num_tokens.to(torch.int64)[:, None, None])
-        flat = torch.where(inside, desc.tok_base[:, None, None] + at, 0)
-        win = torch.where(inside, torch.take(arena.tokens, flat), PAD_ID)
-        src = torch.where(inside, torch.take(arena.src, flat), -1)
+        win, src = match_windows(arena.tokens, arena.src, desc.tok_base, desc.num_tokens,
+                                 m.positions, K)
         inputs = {"slots": slots, "tier": tier, "length": m.length.view(B, Rs),
                   "win": win.view(B, Rs, P, K), "src": src.view(B, Rs, P, K)}
         if self._graphs is not None:
@@ -343,41 +341,16 @@ class Drafter:
         rows that supply candidates, weights them, and returns :meth:`_tree_tensors`'s
         outputs; writes the next match cap of ``slots``."""
         cfg = self.config
-        B, Rs, P, K = win.shape
-        dev = win.device
-        # the longest raw match caps the next query; the longest match with the tier bonus
-        # decides which rows supply candidates
-        self.match_cap[slots] = length.max(dim=1).values
-        score = torch.where(length > 0, length + self._tier_bonus[tier.clamp(min=0)], 0)
-        best_score = score.max(dim=1).values
-        use = (score >= best_score[:, None] - cfg.candidate_slack) & (length >= cfg.min_match)
-        # the match length of the chosen rows drives depth and calibration
-        best = torch.where(use, length, 0).max(dim=1).values
-        win = torch.where(use[:, :, None, None], win, PAD_ID)
-        ok = torch.cumprod((win >= 0).to(torch.int32), dim=3).bool()  # stop at separators
-        win = torch.where(ok, win, PAD_ID)
-        src = torch.where(use[:, :, None, None], src.to(torch.int32), -1)
-        # tier weight (learned acceptance share), more recent occurrences first within a row
-        tw = (self.tier_hits / self.tier_drafts).to(torch.float32)[tier.clamp(min=0)]
-        w = torch.where(ok[:, :, :, 0], tw[:, :, None], 0.0)  # [B, Rs, P]
-        # regroup the rows that supply candidates into requests: [B, C, K], C = slots * P, a
-        # request's rows by score (then tier order), at most max_candidate_rows of them; the
-        # trie below costs O(C^2 K), and rows that supply nothing would only pad it
+        Rs = win.shape[1]
+        # the rows within candidate_slack of the best match (with the tier bonus) supply
+        # candidates, at most max_candidate_rows per request: the trie below costs
+        # O(C^2 K), and rows that supply nothing would only pad it. One kernel on a GPU.
         nslot = Rs if cfg.max_candidate_rows is None else min(Rs, cfg.max_candidate_rows)
-        r = torch.arange(Rs, device=dev)
-        key = torch.where(use, score.to(torch.int64) * Rs + (Rs - 1 - r), -1)
-        rank = (key[:, None, :] > key[:, :, None]).sum(dim=2)  # rows of the request above
-        rslot = torch.where(use & (rank < nslot), rank, nslot)  # slot nslot: dropped
-        b = torch.arange(B, device=dev)[:, None].expand(B, Rs)
-        C = nslot * P
-        W = torch.full((B, nslot + 1, P, K), PAD_ID, dtype=torch.int32, device=dev)
-        S = torch.full((B, nslot + 1, P, K), -1, dtype=torch.int32, device=dev)
-        Wt = torch.zeros(B, nslot + 1, P, device=dev)
-        W[b, rslot] = win
-        S[b, rslot] = src
-        Wt[b, rslot] = w
-        W, S = W[:, :nslot].reshape(B, C, K), S[:, :nslot].reshape(B, C, K)
-        return self._tree_tensors(slots, W, S, Wt[:, :nslot].reshape(B, C), best, num_requests)
+        W, S, Wt, best, longest = candidate_rows(
+            tier, length, win, src, self._tier_bonus, self.tier_hits, self.tier_drafts,
+            num_slots=nslot, min_match=cfg.min_match, slack=cfg.candidate_slack)
+        self.match_cap[slots] = longest  # the longest raw match caps the next query
+        return self._tree_tensors(slots, W, S, Wt, best, num_requests)
 
     def _tree_tensors(self, slots, W, S, Wt, best, num_requests) -> tuple[torch.Tensor, ...]:
         """``(token_ids, parents, num_draft_tokens, sources, node depth, node calibration
