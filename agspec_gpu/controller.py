@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from agspec_gpu.cost_model import CostModel
+from agspec_gpu.kernels.controller_commit import scale_update_torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +84,8 @@ def update_scale(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: tor
     Args: scale ``float [B]``; drafted_depth ``int [B]`` depth of the verified draft;
     accepted ``int [B]`` draft tokens accepted; cap ``int [B]`` the role caps.
     """
-    full = (accepted >= drafted_depth) & (drafted_depth > 0)
-    rejected = (accepted < drafted_depth) & (drafted_depth > 0)
-    cut_by_cap = full & (drafted_depth >= cap)
-    new = torch.where(full & ~cut_by_cap, scale * config.alpha, scale)
-    new = torch.where(rejected, scale * config.beta, new)
-    return new.clamp(config.s_min, config.s_max)
+    return scale_update_torch(scale, drafted_depth, accepted, cap, alpha=config.alpha,
+                              beta=config.beta, s_min=config.s_min, s_max=config.s_max)
 
 
 def cost_table(cost: CostModel, device: torch.device | str, max_tokens: int) -> torch.Tensor:

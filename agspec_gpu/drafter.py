@@ -28,12 +28,13 @@ import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, batch_budget,
-                                   cost_table, draft_depth, update_scale)
+                                   cost_table, draft_depth)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels.candidate_rows import candidate_rows
+from agspec_gpu.kernels.controller_commit import controller_commit
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
@@ -156,8 +157,6 @@ class Drafter:
         self._version: dict[str, int] = {}
         self.scale = torch.ones(slots, dtype=torch.float32, device=dev)
         self.cap = torch.ones(slots, dtype=torch.int32, device=dev)
-        self.tier_hits = torch.ones(_NUM_TIERS, dtype=torch.float64, device=dev)
-        self.tier_drafts = torch.full((_NUM_TIERS,), 2.0, dtype=torch.float64, device=dev)
         self._roles = {r.name: r for r in self.config.roles}
         self._slot: dict[str, int] = {}
         self._free = list(range(max_sessions - 1, -1, -1))
@@ -169,13 +168,27 @@ class Drafter:
         K = self.config.max_draft_depth
         L = torch.arange(D + 1, dtype=torch.float64, device=dev)[:, None]
         rows = 2 * _NUM_TIERS
-        self.calib_seen = torch.full((rows * (D + 1), K), 2.0, dtype=torch.float64, device=dev)
-        self.calib_hits = (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).contiguous()
+        # the decayed tables live in one buffer laid out as a commit's counts (drafted and
+        # accepted per tier, calibration cells reached and accepted): tier_drafts,
+        # tier_hits, calib_seen, calib_hits are views of it
+        T, n = _NUM_TIERS, rows * (D + 1) * K
+        self._tables = torch.cat([
+            torch.full((T,), 2.0, dtype=torch.float64, device=dev),
+            torch.ones(T, dtype=torch.float64, device=dev),
+            torch.full((n,), 2.0, dtype=torch.float64, device=dev),
+            (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).reshape(-1)])
+        self.tier_drafts, self.tier_hits = self._tables[:T], self._tables[T:2 * T]
+        self.calib_seen = self._tables[2 * T:2 * T + n].view(rows * (D + 1), K)
+        self.calib_hits = self._tables[2 * T + n:].view(rows * (D + 1), K)
+        decay = [(0.99, 2 * T, -float("inf")), (0.999, n, 2.0), (0.999, n, 1e-3)]
+        self._tables_decay = torch.cat([torch.full((m,), d, dtype=torch.float64, device=dev)
+                                        for d, m, _ in decay])
+        self._tables_floor = torch.cat([torch.full((m,), f, dtype=torch.float64, device=dev)
+                                        for _, m, f in decay])
         self.prev_full = torch.zeros(slots, dtype=torch.int64, device=dev)
         # a commit's counts (drafted and accepted per tier, calibration cells reached and
         # accepted), zeroed and folded into the decayed tables every commit
-        self._commit_counts = torch.zeros(2 * _NUM_TIERS + 2 * self.calib_seen.numel(),
-                                          dtype=torch.float64, device=dev)
+        self._commit_counts = torch.zeros_like(self._tables)
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # every step's costs: B requests plus at most max_nodes nodes each
@@ -505,8 +518,8 @@ class Drafter:
 
     def _commit_state(self) -> list[torch.Tensor]:
         """The state :meth:`_commit_tensors` updates in place."""
-        return [self.prev_full, self.scale, self.calib_seen, self.calib_hits, self.tier_hits,
-                self.tier_drafts, self.recent, self.recent_len, self.match_cap]
+        return [self.prev_full, self.scale, self._tables, self.recent, self.recent_len,
+                self.match_cap]
 
     def _commit_tensors(self, slots, out, nout, nacc, token_ids, parents, num_draft_tokens,
                         maybe_source, nd, calib_row, path, num_requests
@@ -520,13 +533,12 @@ class Drafter:
         and the recent-token ring of ``slots``. Returns the accepted tokens' source tags
         ``int64 [B, M]``."""
         del num_requests  # the commit of a padding row changes nothing
-        N, T = token_ids.shape[1], _NUM_TIERS
-        depth_drafted = torch.where(
-            torch.arange(N, device=nd.device)[None, :] < num_draft_tokens[:, None],
-            nd + 1, 0).max(dim=1).values
-        self.prev_full[slots] = ((nacc >= depth_drafted) & (depth_drafted > 0)).long()
-        self.scale[slots] = update_scale(self.scale[slots], depth_drafted, nacc,
-                                         self.cap[slots], self.config.controller)
+        T = _NUM_TIERS
+        # copy mode and the controller's scale: one kernel on a GPU
+        c = self.config.controller
+        controller_commit(slots, nd, num_draft_tokens, nacc, self.scale, self.cap,
+                          self.prev_full, alpha=c.alpha, beta=c.beta, s_min=c.s_min,
+                          s_max=c.s_max)
         # ring push, tier counts, calibration counts: one kernel on a GPU
         counts = self._commit_counts.zero_()
         n = self.calib_seen.numel()
@@ -536,14 +548,8 @@ class Drafter:
                                  num_draft_tokens, nd, calib_row, path, self.recent,
                                  self.recent_len, self.match_cap, drafted, hits, seen, accepted,
                                  calib_depth=self.calib_seen.shape[1])
-        # tier weights: drafted nodes per tier vs accepted path tokens per tier
-        self.tier_hits.mul_(0.99).add_(hits)
-        self.tier_drafts.mul_(0.99).add_(drafted)
-        # calibration, in place (the tables are the drafter's preallocated state)
-        decay = 0.999
-        self.calib_seen.mul_(decay).add_(seen.view_as(self.calib_seen))
-        self.calib_hits.mul_(decay).add_(accepted.view_as(self.calib_hits))
-        # keep the prior's weight from vanishing in cells that are rarely drafted
-        self.calib_seen.clamp_(min=2.0)
-        self.calib_hits.clamp_(min=1e-3)
+        # the decayed tables (tier weights: drafted nodes per tier vs accepted path tokens
+        # per tier; calibration cells), laid out as the counts: three ops for all four; the
+        # floors keep the calibration prior's weight from vanishing in rarely drafted cells
+        self._tables.mul_(self._tables_decay).add_(counts).clamp_(min=self._tables_floor)
         return (acc_src,)

@@ -88,8 +88,8 @@ def test_bad_arguments_are_named():
 def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
     """Two drafters on the same steps (batch budget on, calibrated, tenants with and without
     a workspace), one running its propose and commit on the kernels (match_windows,
-    candidate_rows, node_probs, best_first, emit_nodes, drafter_commit; the match has its
-    own tests): the same drafts, budget-cut ones included, and
+    candidate_rows, node_probs, best_first, emit_nodes, controller_commit, drafter_commit;
+    the match has its own tests): the same drafts, budget-cut ones included, and
     the same state after every commit, whether the verifier passes its accepted path or not."""
     tok = load_tokenizer("cl100k")
     text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
@@ -104,7 +104,7 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
         ds.append(d)
     real = {n: getattr(drafter_mod, n)
             for n in ("match_windows", "candidate_rows", "node_probs", "best_first",
-                      "emit_nodes", "drafter_commit")}
+                      "emit_nodes", "controller_commit", "drafter_commit")}
 
     def use(kernels: bool) -> None:
         for n, f in real.items():

@@ -1,0 +1,103 @@
+"""The controller-commit kernel (``kernels/controller_commit.py``) against its torch path and
+the controller's rule; and its sm_90 compile."""
+
+import random
+
+import pytest
+import torch
+
+from agspec_gpu.controller import ControllerConfig, update_scale
+from agspec_gpu.kernels.controller_commit import (_controller_commit_kernel, controller_commit,
+                                                  controller_commit_torch)
+from kernel_compile import compile_all_for_sm90
+
+CFG = ControllerConfig()
+KW = dict(alpha=CFG.alpha, beta=CFG.beta, s_min=CFG.s_min, s_max=CFG.s_max)
+
+
+def state(S: int, rng: random.Random):
+    scale = torch.tensor([rng.choice([CFG.s_min, 0.5, 4.5, 7.3, 11.0, CFG.s_max])
+                          for _ in range(S)], dtype=torch.float32)
+    cap = torch.tensor([rng.choice([1, 3, 8, 32]) for _ in range(S)], dtype=torch.int32)
+    prev = torch.tensor([rng.randint(0, 1) for _ in range(S)], dtype=torch.int64)
+    return scale, cap, prev
+
+
+def run_both(slots, nd, num, nacc, scale, cap, prev):
+    """Both paths on copies of the state; asserts they agree exactly; returns the result."""
+    outs = []
+    for use_triton in (False, True):
+        s, p = scale.clone(), prev.clone()
+        controller_commit(slots, nd, num, nacc, s, cap, p, **KW, use_triton=use_triton)
+        outs.append((s, p))
+    (s0, p0), (s1, p1) = outs
+    assert torch.equal(s0, s1) and torch.equal(p0, p1)
+    return s0, p0
+
+
+def test_rule_full_rejected_capped_and_no_draft():
+    """Four requests: accepted to its depth (x alpha), a rejection (x beta), a full
+    acceptance the cap cut (unchanged), no draft (unchanged, not full)."""
+    slots = torch.tensor([3, 0, 2, 1])
+    nd = torch.tensor([[0, 1, 2, 1], [0, 0, 1, 2], [0, 1, 2, 3], [5, 5, 5, 5]])
+    num = torch.tensor([4, 4, 4, 0], dtype=torch.int32)  # depths 3, 3, 4, 0
+    nacc = torch.tensor([3, 1, 4, 0], dtype=torch.int32)
+    scale = torch.full((5,), 8.0)
+    cap = torch.tensor([32, 32, 4, 32, 32], dtype=torch.int32)
+    prev = torch.full((5,), 7, dtype=torch.int64)
+    s, p = run_both(slots, nd, num, nacc, scale, cap, prev)
+    assert s.tolist() == [8.0 * CFG.beta, 8.0, 8.0, 8.0 * CFG.alpha, 8.0]
+    assert p.tolist() == [0, 0, 1, 1, 7]  # slot 4 untouched
+
+
+def test_matches_the_controllers_update_scale():
+    rng = random.Random(0)
+    for _ in range(40):
+        B, N, S = rng.randint(0, 6), rng.randint(0, 9), 8
+        slots = torch.tensor(rng.sample(range(S), B), dtype=torch.int64)
+        nd = torch.tensor([[rng.randint(0, 6) for _ in range(N)] for _ in range(B)],
+                          dtype=torch.int64).view(B, N)
+        num = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
+        nacc = torch.tensor([rng.randint(0, 8) for _ in range(B)], dtype=torch.int32)
+        scale, cap, prev = state(S, rng)
+        s, p = run_both(slots, nd, num, nacc, scale, cap, prev)
+        depth = [max([int(nd[b, j]) + 1 for j in range(int(num[b]))], default=0)
+                 for b in range(B)]
+        want = update_scale(scale[slots], torch.tensor(depth, dtype=torch.int64), nacc,
+                            cap[slots], CFG)
+        assert torch.equal(s[slots], want)
+        assert p[slots].tolist() == [int(a >= d > 0) for a, d in zip(nacc.tolist(), depth)]
+        rest = torch.ones(S, dtype=torch.bool)
+        rest[slots] = False
+        assert torch.equal(s[rest], scale[rest]) and torch.equal(p[rest], prev[rest])
+
+
+def test_torch_path_is_in_place():
+    slots, nd = torch.tensor([0]), torch.tensor([[0, 1]])
+    scale, cap, prev = torch.full((2,), 8.0), torch.full((2,), 32, dtype=torch.int32), \
+        torch.zeros(2, dtype=torch.int64)
+    controller_commit_torch(slots, nd, torch.tensor([2], dtype=torch.int32),
+                            torch.tensor([2], dtype=torch.int32), scale, cap, prev, **KW)
+    assert scale.tolist() == [8.0 * CFG.alpha, 8.0] and prev.tolist() == [1, 0]
+
+
+def test_rejects_bad_inputs():
+    good = dict(slots=torch.tensor([0]), nd=torch.zeros(1, 2, dtype=torch.int64),
+                num_draft_tokens=torch.ones(1, dtype=torch.int32),
+                nacc=torch.ones(1, dtype=torch.int32), scale=torch.ones(3),
+                cap=torch.ones(3, dtype=torch.int32), prev_full=torch.zeros(3, dtype=torch.int64))
+    for name, bad in (("slots", torch.tensor([0], dtype=torch.int32)), ("nd", torch.zeros(2)),
+                      ("num_draft_tokens", torch.ones(2, dtype=torch.int32)),
+                      ("nacc", torch.ones(1)), ("scale", torch.ones(3, dtype=torch.float64)),
+                      ("cap", torch.ones(2, dtype=torch.int32)),
+                      ("prev_full", torch.zeros(3, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=name):
+            controller_commit(**{**good, name: bad}, **KW, use_triton=True)
+
+
+def test_kernel_compiles_for_sm90():
+    sig = dict(slots_ptr="*i64", nd_ptr="*i64", num_ptr="*i32", nacc_ptr="*i32",
+               scale_ptr="*fp32", cap_ptr="*i32", prev_full_ptr="*i64", N="i32", alpha="fp32",
+               beta="fp32", s_min="fp32", s_max="fp32", BLOCK_N="constexpr")
+    compile_all_for_sm90([(_controller_commit_kernel, sig, dict(BLOCK_N=256)),
+                          (_controller_commit_kernel, sig, dict(BLOCK_N=1))])
