@@ -39,6 +39,7 @@ from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.node_probs import node_probs
+from agspec_gpu.kernels.ring_queries import ring_queries
 from agspec_gpu.kernels.suffix_match import suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
@@ -282,7 +283,7 @@ class Drafter:
         if not 0 < B <= self.max_batch:
             raise ValueError(f"sids: {B} requests, a step takes 1 to max_batch="
                              f"{self.max_batch}")
-        slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
+        slot_ids = [self._slot_of(s) for s in sids]
         # the rows of the match: a [B, Rs] grid of (request, corpus), Rs = the most corpora
         # of a request (host: no sync); a request with fewer repeats its session corpus as
         # tier -1 rows, whose query is empty (no match, no candidates)
@@ -294,7 +295,8 @@ class Drafter:
                 tier_r, cid = c[r] if r < len(c) else (-1, c[0][1])
                 rows_cid.append(cid)
                 rows_tier.append(int(tier_r))
-        tier = to_device(rows_tier, torch.int64, dev).view(B, Rs)
+        both = to_device(slot_ids + rows_tier, torch.int64, dev)  # one host-to-device copy
+        slots, tier = both[:B], both[B:].view(B, Rs)
         stale = [i for i, sid in enumerate(sids)
                  if self._version[sid] != store.tenant_version(sid)]
         if stale:
@@ -303,15 +305,12 @@ class Drafter:
             for i in stale:
                 self._version[sids[i]] = store.tenant_version(sids[i])
         P, K = cfg.max_positions, cfg.max_draft_depth
-        qlen = torch.minimum(self.recent_len[slots], self.match_cap[slots])
         arena = store.arena
         # the kernel directly: queries come from the validated ring, so the per-call checks
         # of IndexArena.match (host syncs) are not needed on this per-step path
         desc = arena.descriptors(rows_cid)
-        D = self.recent.shape[1]
-        queries = self.recent[slots][:, None, :].expand(B, Rs, D).reshape(B * Rs, D)
-        m = suffix_match(arena.tokens, arena.sa, desc, queries.contiguous(),
-                         torch.where(tier >= 0, qlen[:, None], 0).view(-1).to(torch.int32),
+        queries, qlen = ring_queries(slots, tier, self.recent, self.recent_len, self.match_cap)
+        m = suffix_match(arena.tokens, arena.sa, desc, queries, qlen,
                          max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
                          sa_key=arena.sa_key)
         # candidate windows [B * Rs, P, K]: the K tokens after each occurrence, read here
