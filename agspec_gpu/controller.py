@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from agspec_gpu.cost_model import CostModel
+from agspec_gpu.kernels.batch_budget import budget_count_torch
 from agspec_gpu.kernels.controller_commit import scale_update_torch
 
 
@@ -112,21 +113,16 @@ def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: C
     Returns:
         ``int64 []`` (0-d tensor) ``n*`` maximising ``(B + cumsum(scores)[n-1]) / cost(B + n)``
         over ``n in [0, M]``; ties go to the smaller ``n``. A higher cost per token never
-        yields a larger ``n*`` for the same scores.
+        yields a larger ``n*`` for the same scores. The scores are summed exactly, in units
+        of ``2**-32`` (:mod:`agspec_gpu.kernels.batch_budget`, whose kernel the drafter runs).
     """
     M = scores.numel() if max_tokens is None else min(scores.numel(), max_tokens)
-    gain = torch.cat([scores.new_zeros(1), torch.cumsum(scores[:M].double(), 0)]) + num_requests
     if isinstance(num_requests, torch.Tensor):  # a device scalar: gather, no host read
         if table is None:
             raise ValueError("table: required when num_requests is a tensor")
-        at = num_requests + torch.arange(M + 1, device=scores.device)
-        t = table.gather(0, at.clamp(max=table.numel() - 1))
-        return torch.argmax(gain / t.clamp(min=1e-9))
-    end = num_requests + M + 1
-    if table is None or table.numel() < end:
-        table = cost_table(cost, scores.device, end - 1)
-    t = table[num_requests:end]  # cost(B + n), n = 0 .. M
-    return torch.argmax(gain / t.clamp(min=1e-9))
+    elif table is None or table.numel() < num_requests + M + 1:
+        table = cost_table(cost, scores.device, num_requests + M)
+    return budget_count_torch(scores[:M], num_requests, table)
 
 
 # ---------------------------------------------------------------- offline profiling

@@ -27,12 +27,13 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
-from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, batch_budget,
-                                   cost_table, draft_depth)
+from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table,
+                                   draft_depth)
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
 from agspec_gpu.host import to_device
+from agspec_gpu.kernels.batch_budget import budget_keep
 from agspec_gpu.kernels.candidate_rows import candidate_rows
 from agspec_gpu.kernels.controller_commit import controller_commit
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
@@ -372,7 +373,6 @@ class Drafter:
         requests without candidates) is what the batch budget prices."""
         cfg = self.config
         B, C, K = W.shape
-        dev = W.device
         # the trie's nodes and their estimated acceptance (path share among candidates x
         # calibrated chance that the path survives to the depth), within the controller's
         # depth cap: one kernel on a GPU
@@ -389,17 +389,10 @@ class Drafter:
         N = min(cfg.max_nodes, C * K)
         order, ranked, keep_n = best_first(key, C, K, N, cfg.max_nodes)
         if cfg.batch_budget and cfg.controller.static_k is None:
-            rank = torch.arange(N, device=dev)[None, :]
-            flat_scores = torch.where((ranked > -1.5) & (rank < keep_n[:, None]), ranked, -1.0)
             # every request keeps at most max_nodes: the batch's best B * N scores hold all it
-            # may keep (padding scores 0: it never adds gain, only cost)
-            allv, _ = torch.sort(flat_scores.reshape(-1), descending=True)
-            nstar = batch_budget(allv.clamp(min=0), num_requests, self.cost,
-                                 table=self._cost_table)
-            # gather with a [1] index: indexing by the 0-d nstar would read it to the host
-            nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
-            thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
-            keep_n = torch.minimum(keep_n, (flat_scores >= thresh).sum(dim=1))
+            # may keep (padding rows score nothing: they never add gain, only cost). One
+            # kernel on a GPU.
+            keep_n = budget_keep(ranked, keep_n, num_requests, self._cost_table)
         # the kept nodes (topological: a parent never ranks below its child)
         tok, parent, srcs, nd, node_row = emit_nodes(order, keep_n, W, S, rep, calib_row)
         return tok, parent, keep_n.to(torch.int32), srcs, nd, node_row

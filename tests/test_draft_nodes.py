@@ -88,9 +88,10 @@ def test_bad_arguments_are_named():
 def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
     """Two drafters on the same steps (batch budget on, calibrated, tenants with and without
     a workspace), one running its propose and commit on the kernels (ring_queries,
-    match_windows, candidate_rows, node_probs, best_first, emit_nodes, controller_commit, drafter_commit;
-    the match has its own tests): the same drafts, budget-cut ones included, and
-    the same state after every commit, whether the verifier passes its accepted path or not."""
+    match_windows, candidate_rows, node_probs, best_first, budget_keep, emit_nodes,
+    controller_commit, drafter_commit; the match has its own tests): the same drafts,
+    budget-cut ones included, and the same state after every commit, whether the verifier
+    passes its accepted path or not."""
     tok = load_tokenizer("cl100k")
     text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
                       "    print(f(i))\n" * 5)
@@ -104,7 +105,8 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
         ds.append(d)
     real = {n: getattr(drafter_mod, n)
             for n in ("ring_queries", "match_windows", "candidate_rows", "node_probs",
-                      "best_first", "emit_nodes", "controller_commit", "drafter_commit")}
+                      "best_first", "budget_keep", "emit_nodes", "controller_commit",
+                      "drafter_commit")}
 
     def use(kernels: bool) -> None:
         for n, f in real.items():

@@ -121,26 +121,26 @@ def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
     """The scores handed to the batch budget are the nodes' estimated acceptance
     probabilities: X = 2/3, Y and every deeper node 1/3 (one candidate of three)."""
     seen = []
-    real = drafter_mod.batch_budget
+    real = drafter_mod.budget_keep
 
-    def spy(scores, num_requests, cost, max_tokens=None, table=None):
-        seen.append((scores.clone(), num_requests, max_tokens))
-        assert table is not None  # the drafter's cost table, built once
-        return real(scores, num_requests, cost, max_tokens, table)
+    def spy(ranked, keep_n, num_requests, table, **kw):
+        seen.append((ranked.clone(), keep_n.clone(), num_requests))
+        assert table is d._cost_table  # the drafter's cost table, built once
+        return real(ranked, keep_n, num_requests, table, **kw)
 
-    monkeypatch.setattr(drafter_mod, "batch_budget", spy)
+    monkeypatch.setattr(drafter_mod, "budget_keep", spy)
     free = CostModel(((1, 1.0), (4096, 1.0)))
     store = CorpusStore(tok, TierConfig(use_global=False))
     d = Drafter(store, DrafterConfig(**_SHARES), cost=free)
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
     draft = d.propose(["s"])
     assert len(seen) == 1
-    scores, nreq, max_tokens = seen[0]
-    # the budget sees the batch's best B * max_nodes scores, nodes first, zero padded
-    assert nreq == 1 and max_tokens is None and scores.numel() == d.config.max_nodes
+    ranked, keep_n, nreq = seen[0]
+    # the budget sees each request's best max_nodes scores, best first, -2: no node
+    assert nreq == 1 and ranked.shape == (1, d.config.max_nodes) and keep_n.tolist() == [8]
     expected = torch.tensor([2 / 3] + [1 / 3] * 7)
-    torch.testing.assert_close(scores[:8].float(), expected, atol=1e-5, rtol=0)
-    assert bool((scores[8:] == 0).all())
+    torch.testing.assert_close(ranked[0, :8], expected, atol=1e-5, rtol=0)
+    assert bool((ranked[0, 8:] < -1.5).all())
     assert int(draft.num_draft_tokens[0]) == 8  # free verification keeps every node
 
 
@@ -546,8 +546,8 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     """What the drafter's two CUDA graphs replay per step: counted on the CPU as the ops of
     the graphed functions, each Triton-backed function one launch (as on a GPU). Every
     replayed kernel costs a microsecond or two of a step that the drafter should keep under
-    2% of. Before the candidate-rows and controller-commit kernels (and the decayed
-    tables in one buffer): 86 in the propose graph, 40 in the commit's."""
+    2% of. Before the candidate-rows, batch-budget and controller-commit kernels (and the
+    decayed tables in one buffer): 86 in the propose graph, 40 in the commit's."""
     store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
     store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
     d = Drafter(store, DrafterConfig(), max_batch=16)
@@ -557,7 +557,7 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     for i, sid in enumerate(sids):
         d.open_session(sid, "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 7 * (i % 5)])
     count = _CountOps()
-    for name in ("candidate_rows", "node_probs", "best_first", "emit_nodes",
+    for name in ("candidate_rows", "node_probs", "best_first", "budget_keep", "emit_nodes",
                  "controller_commit", "drafter_commit"):
         fn = count.pause(getattr(drafter_mod, name))
 
@@ -583,7 +583,7 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
         d.observe(sids, out, n + 1, n, num_output_host=(n + 1).tolist(), validate=False,
                   path_nodes=res.path_nodes)
     assert int(draft.num_draft_tokens.sum()) > 0
-    assert max(per_graph[0]) <= 45 and max(per_graph[1]) <= 8, per_graph  # 43 and 6
+    assert max(per_graph[0]) <= 18 and max(per_graph[1]) <= 8, per_graph  # 16 and 6
 
 
 def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(tok):

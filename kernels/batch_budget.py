@@ -1,0 +1,149 @@
+"""The batch-level draft budget: which of a step's draft nodes are worth verifying.
+
+Verifying ``B`` roots plus ``n`` draft nodes costs ``cost(B + n)`` (measured per model and
+GPU) and returns ``B`` tokens plus the nodes' expected acceptances. Over the batch's node
+scores sorted descending, the budget keeps the ``n*`` that maximises ``(B + sum of the top
+n scores) / cost(B + n)`` (ties: the smaller ``n``), then cuts each request's nodes at the
+``n*``-th score.
+
+The sums are exact: scores are summed as integers in units of ``2**-32`` (a probability to
+~2e-10), so the kernel's parallel prefix sum and torch's sequential one agree bit for bit
+and so do the steps they choose. In torch the cut is ~30 small ops in the drafter's propose
+graph (a mask, a sort, the prefix sum, the objective, a gather, per-request counts); the
+kernel is one program that holds the batch's scores (up to ``MAX_SCORES``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_tensors
+
+UNIT = 2.0 ** 32  # scores are summed in units of 1 / UNIT
+MAX_SCORES = 16384  # the most scores one program sorts (padded to a power of two)
+
+
+@triton.jit
+def _budget_keep_kernel(
+    ranked_ptr,  # *float32 [B, N]  each request's node scores, best first; < -1.5: no node
+    keep_ptr,  # *int64 [B]  nodes each request may keep (before the budget)
+    out_ptr,  # *int64 [B]  out: nodes each request keeps
+    nreq_ptr,  # *int64 []  roots verified anyway (read when NREQ_FROM_PTR)
+    table_ptr,  # *float64 [T]  cost(m), m = 0 .. T - 1
+    nreq_val,
+    B,
+    N,
+    T,
+    NREQ_FROM_PTR: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid ``(1,)``: the whole batch in one program."""
+    b = tl.arange(0, BLOCK_B)[:, None]
+    j = tl.arange(0, BLOCK_N)[None, :]
+    inb = (b < B) & (j < N)
+    ranked = tl.load(ranked_ptr + b * N + j, mask=inb, other=-2.0)
+    keep = tl.load(keep_ptr + b, mask=b < B, other=0)  # [BLOCK_B, 1]
+    flat = tl.where((ranked > -1.5) & (j < keep) & inb, ranked, -1.0)
+    s = tl.sort(tl.reshape(flat, [BLOCK_B * BLOCK_N]), descending=True)
+    q = (tl.maximum(s, 0.0).to(tl.float64) * 4294967296.0).to(tl.int64)  # UNIT
+    if NREQ_FROM_PTR:
+        nreq = tl.load(nreq_ptr)
+    else:
+        nreq = nreq_val + tl.zeros([], dtype=tl.int64)
+    base = nreq * 4294967296
+    i = tl.arange(0, BLOCK_B * BLOCK_N)
+    n = i + 1  # nodes taken with the i-th score
+    t = tl.load(table_ptr + tl.minimum(nreq + n, T - 1))
+    gain = (base + tl.cumsum(q, axis=0)).to(tl.float64)
+    ratio = tl.where(n <= B * N, gain / tl.maximum(t, 1e-9), -1.0)  # ratios are >= 0
+    best, at = tl.max(ratio, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    t0 = tl.load(table_ptr + tl.minimum(nreq, T - 1))
+    ratio0 = base.to(tl.float64) / tl.maximum(t0, 1e-9)
+    nstar = tl.where(ratio0 >= best, 0, at + 1)
+    nth = tl.sum(tl.where(i == nstar - 1, s, 0.0), axis=0)
+    thresh = tl.where(nstar > 0, tl.maximum(nth, 1e-12), 2.0)
+    count = tl.sum((flat >= thresh).to(tl.int64), axis=1)  # [BLOCK_B]
+    rows = tl.arange(0, BLOCK_B)
+    tl.store(out_ptr + rows, tl.minimum(tl.reshape(keep, [BLOCK_B]), count), mask=rows < B)
+
+
+def budget_count_torch(scores: torch.Tensor, num_requests: int | torch.Tensor,
+                       table: torch.Tensor) -> torch.Tensor:
+    """``int64 []`` the ``n*`` of descending ``scores`` (``float [M]``, ``>= 0``) for
+    ``num_requests`` roots (an int or an ``int64 []`` device tensor) under ``table``
+    (``float64``, ``cost(m)`` at index ``m``; indices past its end read its last entry)."""
+    M = scores.numel()
+    q = (scores.double() * UNIT).long()
+    gain = (torch.cat([q.new_zeros(1), torch.cumsum(q, 0)]) + num_requests * (1 << 32))
+    at = torch.arange(M + 1, device=scores.device) + num_requests
+    t = table.gather(0, at.clamp(max=table.numel() - 1))
+    return torch.argmax(gain.double() / t.clamp(min=1e-9))
+
+
+def budget_keep_torch(ranked: torch.Tensor, keep_n: torch.Tensor,
+                      num_requests: int | torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Pure-torch implementation of :func:`budget_keep`."""
+    N = ranked.shape[1]
+    rank = torch.arange(N, device=ranked.device)[None, :]
+    flat = torch.where((ranked > -1.5) & (rank < keep_n[:, None]), ranked, -1.0)
+    allv, _ = torch.sort(flat.reshape(-1), descending=True)
+    nstar = budget_count_torch(allv.clamp(min=0), num_requests, table)
+    # gather with a [1] index: indexing by the 0-d nstar would read it to the host
+    nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
+    thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
+    return torch.minimum(keep_n, (flat >= thresh).sum(dim=1))
+
+
+def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | torch.Tensor,
+                table: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """Each request's nodes after the batch budget.
+
+    Parameters
+    ----------
+    ranked : ``float32 [B, N]`` each request's node scores in best-first order (values
+        ``< -1.5``: no node); ``keep_n`` : ``int64 [B]`` how many of them it may keep.
+    num_requests : the roots verified anyway (an int, or an ``int64 []`` device tensor: the
+        real batch of a padded step).
+    table : ``float64 [T]``, ``cost(m)`` at index ``m`` (``T > num_requests + B * N`` for
+        exact costs; past its end the last entry is read).
+    use_triton : Triton when True (also under ``TRITON_INTERPRET=1``), torch when False;
+        default: Triton for CUDA tensors whose batch fits one program (``MAX_SCORES``).
+
+    Returns
+    -------
+    ``int64 [B]``: ``min(keep_n, nodes scoring at least the n*-th best score of the
+    batch)``, 0 everywhere when ``n* = 0``.
+    """
+    if ranked.dim() != 2:
+        raise ValueError(f"ranked: expected float32 [B, N], got shape {tuple(ranked.shape)}")
+    B, N = ranked.shape
+    check_tensors(("ranked", ranked, torch.float32, (B, N)),
+                  ("keep_n", keep_n, torch.int64, (B,)),
+                  ("table", table, torch.float64, (max(table.numel(), 1),)))
+    tensor_n = isinstance(num_requests, torch.Tensor)
+    if tensor_n:
+        check_tensors(("num_requests", num_requests, torch.int64, ()))
+    elif isinstance(num_requests, bool) or not isinstance(num_requests, int) or \
+            num_requests < 0:
+        raise ValueError(f"num_requests: expected an int >= 0 or an int64 [] tensor, got "
+                         f"{num_requests!r}")
+    for name, t in (("keep_n", keep_n), ("table", table)) + \
+            ((("num_requests", num_requests),) if tensor_n else ()):
+        if t.device != ranked.device:
+            raise ValueError(f"{name}: on {t.device}, ranked on {ranked.device}")
+    block_b, block_n = triton.next_power_of_2(max(B, 1)), triton.next_power_of_2(max(N, 1))
+    if use_triton is None:
+        use_triton = ranked.device.type == "cuda" and block_b * block_n <= MAX_SCORES
+    if B == 0:
+        return keep_n.clone()
+    if not use_triton:
+        return budget_keep_torch(ranked, keep_n, num_requests, table)
+    out = torch.empty(B, dtype=torch.int64, device=ranked.device)
+    _budget_keep_kernel[(1,)](ranked.contiguous(), keep_n.contiguous(), out,
+                              num_requests if tensor_n else keep_n, table.contiguous(),
+                              0 if tensor_n else num_requests, B, N, table.numel(),
+                              NREQ_FROM_PTR=tensor_n, BLOCK_B=block_b, BLOCK_N=block_n)
+    return out

@@ -1,0 +1,119 @@
+"""The batch-budget kernel (``kernels/batch_budget.py``) against its torch path and against a
+brute force over the objective; and its sm_90 compile."""
+
+import random
+
+import pytest
+import torch
+
+from agspec_gpu.controller import cost_table
+from agspec_gpu.cost_model import CostModel
+from agspec_gpu.kernels.batch_budget import (_budget_keep_kernel, budget_keep,
+                                             budget_keep_torch)
+from kernel_compile import compile_all_for_sm90
+
+LINEAR = CostModel(((1, 1.0), (2, 1.5), (1000, 500.0)))  # cost(m) = 0.5 + 0.5 m
+
+
+def rows(scores: list[list[float]], N: int) -> torch.Tensor:
+    """Best-first score rows padded with -2 (no node)."""
+    return torch.tensor([sorted(r, reverse=True) + [-2.0] * (N - len(r)) for r in scores],
+                        dtype=torch.float32).view(len(scores), N)
+
+
+def both(ranked, keep, num_requests, table):
+    """The torch path and the kernel (with ``num_requests`` as an int and as a tensor)."""
+    want = budget_keep(ranked, keep, num_requests, table, use_triton=False)
+    for n in (num_requests, torch.tensor(num_requests)):
+        got = budget_keep(ranked, keep, n, table, use_triton=True)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    return want
+
+
+def brute_force(ranked, keep, B, cost: CostModel) -> list[int]:
+    """Keep per request: the smallest n maximising (B + top-n sum) / cost(B + n), applied
+    as a score threshold (the kernel's rule, on exact fractions of the scores' floats)."""
+    flat = [float(v) for b, r in enumerate(ranked.tolist()) for j, v in enumerate(r)
+            if v > -1.5 and j < int(keep[b])]
+    flat.sort(reverse=True)
+    n_all = ranked.numel()
+    flat += [0.0] * (n_all - len(flat))
+    vals = [(B + sum(flat[:n])) / cost.step_ms(B + n) for n in range(n_all + 1)]
+    nstar = vals.index(max(vals))
+    if nstar == 0:
+        return [0] * ranked.shape[0]
+    thresh = max(flat[nstar - 1], 1e-12)
+    return [min(int(keep[b]), sum(1 for j, v in enumerate(r) if v > -1.5 and
+                                  j < int(keep[b]) and v >= thresh))
+            for b, r in enumerate(ranked.tolist())]
+
+
+def test_golden_cut():
+    """B = 2 roots, linear cost: the scores 0.9, 0.8 pay, 0.2 and below do not."""
+    ranked = rows([[0.9, 0.2], [0.8, 0.1, 0.05]], 4)
+    keep = torch.tensor([2, 3])
+    table = cost_table(LINEAR, "cpu", 64)
+    assert both(ranked, keep, 2, table).tolist() == brute_force(ranked, keep, 2, LINEAR)
+    flat = CostModel(((1, 1.0), (4096, 1.0)))  # free tokens: every positive score
+    assert both(ranked, keep, 2, cost_table(flat, "cpu", 64)).tolist() == [2, 3]
+    assert both(ranked, torch.tensor([1, 0]), 2, cost_table(flat, "cpu", 64)).tolist() == [1, 0]
+
+
+def test_no_nodes_equal_scores_and_one_request():
+    table = cost_table(CostModel.default(), "cpu", 4096)
+    assert both(rows([[], []], 3), torch.tensor([0, 0]), 2, table).tolist() == [0, 0]
+    ranked = rows([[0.5] * 6, [0.5] * 6], 6)  # ties everywhere: one threshold for all
+    keep = torch.tensor([6, 4])
+    got = both(ranked, keep, 2, table)
+    assert got[0] >= got[1] and got.tolist() == brute_force(ranked, keep, 2, CostModel.default())
+    one = rows([[1.0]], 1)
+    assert both(one, torch.tensor([1]), 1, table).tolist() == [1]
+    empty = budget_keep(rows([], 4), torch.zeros(0, dtype=torch.int64), 0, table,
+                        use_triton=True)
+    assert empty.shape == (0,)
+
+
+def test_random_batches_agree_with_the_brute_force():
+    rng = random.Random(0)
+    for trial in range(20):
+        B, N = rng.randint(1, 9), rng.randint(1, 20)
+        ranked = rows([[rng.choice([1.0, 0.99, 0.5, 0.25, rng.random(), rng.random() ** 4])
+                        for _ in range(rng.randint(0, N))] for _ in range(B)], N)
+        keep = torch.tensor([rng.randint(0, N) for _ in range(B)])
+        cost = CostModel.default() if trial % 2 else LINEAR
+        table = cost_table(cost, "cpu", B + B * N + 2)
+        assert both(ranked, keep, B, table).tolist() == brute_force(ranked, keep, B, cost)
+
+
+def test_padded_batch_prices_the_real_requests_only():
+    """A padded step (num_requests < rows): padding rows have no nodes; the budget is
+    priced for the real requests, as the unpadded step of those requests is."""
+    table = cost_table(CostModel.default(), "cpu", 4096)
+    real = rows([[0.9, 0.7, 0.3], [0.6]], 4)
+    keep = torch.tensor([3, 1])
+    padded = torch.cat([real, rows([[], []], 4)])
+    a = both(real, keep, 2, table)
+    b = both(padded, torch.cat([keep, torch.zeros(2, dtype=torch.int64)]), 2, table)
+    assert torch.equal(b[:2], a) and b[2:].tolist() == [0, 0]
+    assert torch.equal(a, budget_keep_torch(real, keep, 2, table))
+
+
+def test_rejects_bad_inputs():
+    table = cost_table(LINEAR, "cpu", 16)
+    good = dict(ranked=rows([[0.5]], 2), keep_n=torch.tensor([1]), num_requests=1, table=table)
+    for name, bad in (("ranked", rows([[0.5]], 2).double()), ("ranked", torch.zeros(3)),
+                      ("keep_n", torch.tensor([1], dtype=torch.int32)),
+                      ("table", table.float()), ("table", torch.zeros(0, dtype=torch.float64)),
+                      ("num_requests", -1), ("num_requests", 1.5),
+                      ("num_requests", torch.tensor(1, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=name):
+            budget_keep(**{**good, name: bad}, use_triton=True)
+
+
+def test_kernel_compiles_for_sm90():
+    sig = dict(ranked_ptr="*fp32", keep_ptr="*i64", out_ptr="*i64", nreq_ptr="*i64",
+               table_ptr="*fp64", nreq_val="i32", B="i32", N="i32", T="i32",
+               NREQ_FROM_PTR="constexpr", BLOCK_B="constexpr", BLOCK_N="constexpr")
+    compile_all_for_sm90([
+        (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=True, BLOCK_B=64, BLOCK_N=64)),
+        (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=False, BLOCK_B=1, BLOCK_N=1))])
