@@ -145,5 +145,7 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     _budget_keep_kernel[(1,)](ranked.contiguous(), keep_n.contiguous(), out,
                               num_requests if tensor_n else keep_n, table.contiguous(),
                               0 if tensor_n else num_requests, B, N, table.numel(),
-                              NREQ_FROM_PTR=tensor_n, BLOCK_B=block_b, BLOCK_N=block_n)
+                              NREQ_FROM_PTR=tensor_n, BLOCK_B=block_b, BLOCK_N=block_n,
+                              num_warps=4 if block_b * block_n <= 1024 else
+                              8 if block_b * block_n <= 4096 else 16)
     return out
