@@ -1,13 +1,14 @@
-"""The drafter's steps as CUDA graphs: a few hundred small kernels replayed in one launch.
+"""The drafter's steps as CUDA graphs: their small kernels replayed in one launch each.
 
 A drafter step is many kernels of microseconds each, whose launches cost the host more than
 the GPU spends on them (3-4 ms per propose on an H200 when every kernel was launched from
 Python). Two parts have shapes that depend only on the batch size ``B`` and a few static
 widths, so :class:`StepGraphs` pads a step to a bucket ``S >= B`` and replays a graph
-captured per bucket:
+captured per bucket (16 kernels for a propose, 6 for a commit, most of them Triton kernels
+that each replaced dozens of torch ops: ``tests/test_drafter.py`` counts them):
 
-* propose, after the batched match: candidate windows, the choice of the rows that supply
-  them, the trie, calibrated probabilities, best-first order, the batch budget;
+* propose, after the batched match and its windows: the choice of the rows that supply
+  candidates, the trie, calibrated probabilities, best-first order, the batch budget;
 * commit, before the corpora: controller scale, copy mode, tier weights, calibration counts
   and the recent-token ring.
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 UNIT = 2.0 ** 32  # scores are summed in units of 1 / UNIT
 MAX_SCORES = 16384  # the most scores one program sorts (padded to a power of two)
@@ -130,10 +130,8 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
             num_requests < 0:
         raise ValueError(f"num_requests: expected an int >= 0 or an int64 [] tensor, got "
                          f"{num_requests!r}")
-    for name, t in (("keep_n", keep_n), ("table", table)) + \
-            ((("num_requests", num_requests),) if tensor_n else ()):
-        if t.device != ranked.device:
-            raise ValueError(f"{name}: on {t.device}, ranked on {ranked.device}")
+    check_devices(("ranked", ranked), ("keep_n", keep_n), ("table", table),
+                  *((("num_requests", num_requests),) if tensor_n else ()))
     block_b, block_n = triton.next_power_of_2(max(B, 1)), triton.next_power_of_2(max(N, 1))
     if use_triton is None:
         use_triton = ranked.device.type == "cuda" and block_b * block_n <= MAX_SCORES

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 PAD_ID = -1
 
@@ -163,10 +163,9 @@ def candidate_rows(tier: torch.Tensor, length: torch.Tensor, win: torch.Tensor,
                         ("slack", slack, 0)):
         if not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
-    for name, t in (("tier", tier), ("length", length), ("src", src), ("tier_bonus", tier_bonus),
-                    ("tier_hits", tier_hits), ("tier_drafts", tier_drafts)):
-        if t.device != win.device:
-            raise ValueError(f"{name}: on {t.device}, win on {win.device}")
+    check_devices(("win", win), ("tier", tier), ("length", length), ("src", src),
+                  ("tier_bonus", tier_bonus), ("tier_hits", tier_hits),
+                  ("tier_drafts", tier_drafts))
     if use_triton is None:
         use_triton = win.device.type == "cuda"
     if not use_triton:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 
 @triton.jit
@@ -107,10 +107,8 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
                   ("num_draft_tokens", num_draft_tokens, torch.int32, (B,)),
                   ("nacc", nacc, torch.int32, (B,)), ("scale", scale, torch.float32, (S,)),
                   ("cap", cap, torch.int32, (S,)), ("prev_full", prev_full, torch.int64, (S,)))
-    for name, t in (("slots", slots), ("num_draft_tokens", num_draft_tokens), ("nacc", nacc),
-                    ("scale", scale), ("cap", cap), ("prev_full", prev_full)):
-        if t.device != nd.device:
-            raise ValueError(f"{name}: on {t.device}, nd on {nd.device}")
+    check_devices(("nd", nd), ("slots", slots), ("num_draft_tokens", num_draft_tokens),
+                  ("nacc", nacc), ("scale", scale), ("cap", cap), ("prev_full", prev_full))
     if use_triton is None:
         use_triton = nd.device.type == "cuda"
     kw = dict(alpha=float(alpha), beta=float(beta), s_min=float(s_min), s_max=float(s_max))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 PAD_ID = -1  # window entries past a corpus's end, or of a missing position
 
@@ -97,10 +97,8 @@ def match_windows(tokens: torch.Tensor, src: torch.Tensor, tok_base: torch.Tenso
                   ("positions", positions, torch.int64, (R, P)))
     if not isinstance(K, int) or K < 0:
         raise ValueError(f"K: expected an int >= 0, got {K!r}")
-    for name, t in (("src", src), ("tok_base", tok_base), ("num_tokens", num_tokens),
-                    ("positions", positions)):
-        if t.device != tokens.device:
-            raise ValueError(f"{name}: on {t.device}, tokens on {tokens.device}")
+    check_devices(("tokens", tokens), ("src", src), ("tok_base", tok_base),
+                  ("num_tokens", num_tokens), ("positions", positions))
     if use_triton is None:
         use_triton = tokens.device.type == "cuda"
     if not use_triton:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 
 @triton.jit
@@ -76,10 +76,8 @@ def ring_queries(slots: torch.Tensor, tier: torch.Tensor, recent: torch.Tensor,
                   ("recent", recent, torch.int32, (S, D)),
                   ("recent_len", recent_len, torch.int32, (S,)),
                   ("match_cap", match_cap, torch.int32, (S,)))
-    for name, t in (("slots", slots), ("tier", tier), ("recent_len", recent_len),
-                    ("match_cap", match_cap)):
-        if t.device != recent.device:
-            raise ValueError(f"{name}: on {t.device}, recent on {recent.device}")
+    check_devices(("recent", recent), ("slots", slots), ("tier", tier),
+                  ("recent_len", recent_len), ("match_cap", match_cap))
     if use_triton is None:
         use_triton = recent.device.type == "cuda"
     if not use_triton:

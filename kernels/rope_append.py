@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels.rope import check_tables, rope_torch, rotate_halves
 
 
@@ -113,9 +113,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
     Q, D = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
     check_tables(cos, sin, Q, D, qkv)
     check_tensors(("page", page, torch.int64, (Q,)), ("offset", offset, torch.int64, (Q,)))
-    for name, t in (("page", page), ("offset", offset)):
-        if t.device != qkv.device:
-            raise ValueError(f"{name}: on {t.device}, qkv on {qkv.device}")
+    check_devices(("qkv", qkv), ("page", page), ("offset", offset))
     if cache.dim() != 5 or cache.shape[1] != 2 or tuple(cache.shape[3:]) != (Hkv, D) or \
             cache.dtype != qkv.dtype or cache.device != qkv.device:
         raise ValueError(f"cache: expected {qkv.dtype} [P, 2, page_size, {Hkv}, {D}] on "

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_devices
+
 MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
 
 
@@ -169,10 +171,8 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     dev = token_ids.device
-    for name, t in (("parents", parents), ("num_draft_tokens", num_draft_tokens),
-                    ("expected", expected)):
-        if t.device != dev:
-            raise ValueError(f"{name}: on {t.device}, token_ids on {dev}")
+    check_devices(("token_ids", token_ids), ("parents", parents),
+                  ("num_draft_tokens", num_draft_tokens), ("expected", expected))
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N:

@@ -501,39 +501,51 @@ class _CountOps:
         return run
 
 
+def _padded_drafter(tok, num_sessions: int, max_batch: int) -> tuple[Drafter, list[str]]:
+    """A drafter whose steps run the padded functions its CUDA graphs capture (eagerly), and
+    ``num_sessions`` sessions of similar code, half of them with a shared workspace."""
+    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
+    store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
+    d = Drafter(store, DrafterConfig(), max_batch=max_batch)
+    d._graphs = d._step_graphs(use_graphs=False)
+    text = tok.encode("def f(x):\n    return x + 1\n\n" * 6)
+    sids = [f"s{i}" for i in range(num_sessions)]
+    for i, sid in enumerate(sids):
+        d.open_session(sid, "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 7 * (i % 5)])
+    return d, sids
+
+
+def _verified(draft: DraftBatch) -> dict:
+    """``observe``'s arguments after a verifier accepted each draft's first two tokens where
+    they are drafted (host counts and the accepted path, as a serving loop passes them)."""
+    truth = draft.token_ids[:, :2].clamp(min=0)
+    res = teacher_forced_accept(draft, truth)
+    n = res.num_accepted.to(torch.int32)
+    return dict(output_ids=torch.cat([truth, truth[:, :1]], 1).to(torch.int32),
+                num_output=n + 1, num_accepted=n, num_output_host=(n + 1).tolist(),
+                validate=False, path_nodes=res.path_nodes)
+
+
 def test_graphed_step_launches_few_kernels_outside_its_graphs(tok, monkeypatch):
     """With the step's device halves graphed, what a GPU still launches one by one per step
     stays small: counted here on the CPU with the graphed functions, the match, its queries
     and its windows (a Triton launch each on a GPU) left out. Before the graphs: ~185 ops
     per propose, ~105 per commit; before the queries and windows kernels, ~30 per
     propose."""
-    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
-    store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
-    d = Drafter(store, DrafterConfig(), max_batch=8)
-    d._graphs = d._step_graphs(use_graphs=False)
-    text = tok.encode("def f(x):\n    return x + 1\n\n" * 6)
-    sids = [f"s{i}" for i in range(5)]
-    for i, sid in enumerate(sids):
-        d.open_session(sid, "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 7 * i])
+    d, sids = _padded_drafter(tok, 5, max_batch=8)
     count = _CountOps()
     for g in d._graphs:
         g.fn = count.pause(g.fn)
-    monkeypatch.setattr(drafter_mod, "suffix_match", count.pause(drafter_mod.suffix_match))
-    for name in ("ring_queries", "match_windows"):  # one launch each on a GPU
+    for name in ("suffix_match", "ring_queries", "match_windows"):  # one launch each
         monkeypatch.setattr(drafter_mod, name, count.pause(getattr(drafter_mod, name)))
     per_step = []
     for _ in range(4):
         with count.mode:
             draft = d.propose(sids)
             n_propose = len(count.ops)
-            truth = draft.token_ids[:, :2].clamp(min=0)
-            res = teacher_forced_accept(draft, truth)
-            out = torch.cat([truth, truth[:, :1]], 1).to(torch.int32)
-            n = res.num_accepted.to(torch.int32)
-            n_out, host = n + 1, (n + 1).tolist()
+            kw = _verified(draft)
             n_acc = len(count.ops)
-            d.observe(sids, out, n_out, n, num_output_host=host, validate=False,
-                      path_nodes=res.path_nodes)
+            d.observe(sids, **kw)
         per_step.append((n_propose, len(count.ops) - n_acc))
         count.ops.clear()
     assert int(draft.num_draft_tokens.sum()) > 0
@@ -548,14 +560,7 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     replayed kernel costs a microsecond or two of a step that the drafter should keep under
     2% of. Before the candidate-rows, batch-budget and controller-commit kernels (and the
     decayed tables in one buffer): 86 in the propose graph, 40 in the commit's."""
-    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
-    store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
-    d = Drafter(store, DrafterConfig(), max_batch=16)
-    d._graphs = d._step_graphs(use_graphs=False)
-    text = tok.encode("def f(x):\n    return x + 1\n\n" * 6)
-    sids = [f"s{i}" for i in range(12)]
-    for i, sid in enumerate(sids):
-        d.open_session(sid, "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 7 * (i % 5)])
+    d, sids = _padded_drafter(tok, 12, max_batch=16)
     count = _CountOps()
     for name in ("candidate_rows", "node_probs", "best_first", "budget_keep", "emit_nodes",
                  "controller_commit", "drafter_commit"):
@@ -576,12 +581,7 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
         g.fn = counted
     for _ in range(3):
         draft = d.propose(sids)
-        truth = draft.token_ids[:, :2].clamp(min=0)
-        res = teacher_forced_accept(draft, truth)
-        out = torch.cat([truth, truth[:, :1]], 1).to(torch.int32)
-        n = res.num_accepted.to(torch.int32)
-        d.observe(sids, out, n + 1, n, num_output_host=(n + 1).tolist(), validate=False,
-                  path_nodes=res.path_nodes)
+        d.observe(sids, **_verified(draft))
     assert int(draft.num_draft_tokens.sum()) > 0
     assert max(per_graph[0]) <= 18 and max(per_graph[1]) <= 8, per_graph  # 16 and 6
 
