@@ -132,7 +132,8 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
                          f"{num_requests!r}")
     check_devices(("ranked", ranked), ("keep_n", keep_n), ("table", table),
                   *((("num_requests", num_requests),) if tensor_n else ()))
-    block_b, block_n = triton.next_power_of_2(max(B, 1)), triton.next_power_of_2(max(N, 1))
+    # at least 16 rows: the small batch buckets share one compiled kernel
+    block_b, block_n = max(triton.next_power_of_2(B), 16), triton.next_power_of_2(max(N, 1))
     if use_triton is None:
         use_triton = ranked.device.type == "cuda" and block_b * block_n <= MAX_SCORES
     if B == 0:
