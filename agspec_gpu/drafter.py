@@ -37,8 +37,8 @@ from agspec_gpu.kernels.batch_budget import budget_keep
 from agspec_gpu.kernels.candidate_rows import candidate_rows
 from agspec_gpu.kernels.controller_commit import controller_commit
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
-from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
+from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.node_probs import node_probs
 from agspec_gpu.kernels.ring_queries import ring_queries
 from agspec_gpu.kernels.suffix_match import suffix_match

@@ -75,8 +75,8 @@ def test_no_nodes_equal_scores_and_one_request():
 
 def test_random_batches_agree_with_the_brute_force():
     rng = random.Random(0)
-    for trial in range(20):
-        B, N = rng.randint(1, 9), rng.randint(1, 20)
+    for trial in range(12):
+        B, N = rng.randint(1, 9), rng.randint(1, 16)
         ranked = rows([[rng.choice([1.0, 0.99, 0.5, 0.25, rng.random(), rng.random() ** 4])
                         for _ in range(rng.randint(0, N))] for _ in range(B)], N)
         keep = torch.tensor([rng.randint(0, N) for _ in range(B)])
