@@ -25,6 +25,7 @@ import torch
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.kernels.batch_budget import budget_count_torch
 from agspec_gpu.kernels.controller_commit import scale_update_torch
+from agspec_gpu.kernels.depth_caps import depth_rule_torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +73,7 @@ class ControllerConfig:
 def draft_depth(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Tensor,
                 config: ControllerConfig) -> torch.Tensor:
     """``int32 [B]``: ``min(cap, max(1, floor(scale * match_len)))`` (static_k if set)."""
-    if config.static_k is not None:
-        return torch.full_like(cap, config.static_k)
-    k = torch.floor(scale * match_len.to(scale.dtype)).to(torch.int32)
-    return torch.minimum(cap, k.clamp(min=1))
+    return depth_rule_torch(scale, match_len, cap, config.static_k)
 
 
 def update_scale(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: torch.Tensor,

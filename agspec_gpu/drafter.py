@@ -27,8 +27,7 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
-from agspec_gpu.controller import (BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table,
-                                   draft_depth)
+from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
@@ -36,6 +35,7 @@ from agspec_gpu.host import to_device
 from agspec_gpu.kernels.batch_budget import budget_keep
 from agspec_gpu.kernels.candidate_rows import candidate_rows
 from agspec_gpu.kernels.controller_commit import controller_commit
+from agspec_gpu.kernels.depth_caps import depth_caps
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.match_windows import match_windows
@@ -376,9 +376,10 @@ class Drafter:
         # the trie's nodes and their estimated acceptance (path share among candidates x
         # calibrated chance that the path survives to the depth), within the controller's
         # depth cap: one kernel on a GPU
-        k = draft_depth(self.scale[slots], best, self.cap[slots], cfg.controller)
+        k, mode = depth_caps(slots, best, self.scale, self.cap, self.prev_full,
+                             static_k=cfg.controller.static_k)
         key, rep, calib_row, mass = node_probs(
-            W, S, Wt, best, self.prev_full[slots], k, self.calib_hits, self.calib_seen,
+            W, S, Wt, best, mode, k, self.calib_hits, self.calib_seen,
             num_tiers=_NUM_TIERS, max_match=self.store.config.max_depth, min_prob=cfg.min_prob,
             calibrate=cfg.calibrate)  # key [B, C * K]: flat (c, d) -> c * K + d, -2: no node
         if not cfg.tree:

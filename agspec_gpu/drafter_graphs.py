@@ -4,7 +4,7 @@ A drafter step is many kernels of microseconds each, whose launches cost the hos
 the GPU spends on them (3-4 ms per propose on an H200 when every kernel was launched from
 Python). Two parts have shapes that depend only on the batch size ``B`` and a few static
 widths, so :class:`StepGraphs` pads a step to a bucket ``S >= B`` and replays a graph
-captured per bucket (16 kernels for a propose, 6 for a commit, most of them Triton kernels
+captured per bucket (8 kernels for a propose, 6 for a commit, most of them Triton kernels
 that each replaced dozens of torch ops: ``tests/test_drafter.py`` counts them):
 
 * propose, after the batched match and its windows: the choice of the rows that supply

@@ -88,8 +88,8 @@ def test_bad_arguments_are_named():
 def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
     """Two drafters on the same steps (batch budget on, calibrated, tenants with and without
     a workspace), one running its propose and commit on the kernels (ring_queries,
-    match_windows, candidate_rows, node_probs, best_first, budget_keep, emit_nodes,
-    controller_commit, drafter_commit; the match has its own tests): the same drafts,
+    match_windows, candidate_rows, depth_caps, node_probs, best_first, budget_keep,
+    emit_nodes, controller_commit, drafter_commit; the match has its own tests): the same drafts,
     budget-cut ones included, and the same state after every commit, whether the verifier
     passes its accepted path or not."""
     tok = load_tokenizer("cl100k")
@@ -104,9 +104,9 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
             d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
         ds.append(d)
     real = {n: getattr(drafter_mod, n)
-            for n in ("ring_queries", "match_windows", "candidate_rows", "node_probs",
-                      "best_first", "budget_keep", "emit_nodes", "controller_commit",
-                      "drafter_commit")}
+            for n in ("ring_queries", "match_windows", "candidate_rows", "depth_caps",
+                      "node_probs", "best_first", "budget_keep", "emit_nodes",
+                      "controller_commit", "drafter_commit")}
 
     def use(kernels: bool) -> None:
         for n, f in real.items():

@@ -1,0 +1,106 @@
+"""Each request's draft depth cap and copy mode, read from its controller state, in one kernel.
+
+The controller drafts ``k_t = min(C_role, max(1, floor(S_t * L_match)))`` tokens deep (or a
+static ``k``), with ``S_t`` the request's online scale, ``C_role`` its role's cap and
+``L_match`` its match length; the trie's estimates also read the request's copy mode (was
+its previous draft accepted whole). In torch that is nine small ops in the drafter's propose
+graph (gathers by slot, the rule); here one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agspec_gpu.kernels._checks import check_devices, check_tensors
+
+BLOCK = 128
+
+
+@triton.jit
+def _depth_caps_kernel(
+    slots_ptr,  # *int64 [B]  each request's state slot
+    best_ptr,  # *int32 [B]  match length
+    scale_ptr,  # *float32 [S]  the controller's scale per slot
+    cap_ptr,  # *int32 [S]  the role's depth cap per slot
+    prev_full_ptr,  # *int64 [S]  1 where the slot's previous draft was accepted whole
+    k_ptr,  # *int32 [B]  out: depth cap
+    mode_ptr,  # *int64 [B]  out: copy mode
+    B,
+    static_k,
+    STATIC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Grid ``(cdiv(B, BLOCK_B),)``: a block of requests."""
+    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    m = b < B
+    slot = tl.load(slots_ptr + b, mask=m, other=0)
+    if STATIC:
+        k = tl.zeros([BLOCK_B], dtype=tl.int32) + static_k
+    else:
+        s = tl.load(scale_ptr + slot, mask=m, other=0.0)
+        best = tl.load(best_ptr + b, mask=m, other=0)
+        k = tl.floor(s * best.to(tl.float32)).to(tl.int32)
+        k = tl.minimum(tl.load(cap_ptr + slot, mask=m, other=1), tl.maximum(k, 1))
+    tl.store(k_ptr + b, k, mask=m)
+    tl.store(mode_ptr + b, tl.load(prev_full_ptr + slot, mask=m, other=0), mask=m)
+
+
+def depth_rule_torch(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Tensor,
+                     static_k: int | None) -> torch.Tensor:
+    """``int32 [B]``: ``min(cap, max(1, floor(scale * match_len)))``, or ``static_k``."""
+    if static_k is not None:
+        return torch.full_like(cap, static_k)
+    k = torch.floor(scale * match_len.to(scale.dtype)).to(torch.int32)
+    return torch.minimum(cap, k.clamp(min=1))
+
+
+def depth_caps_torch(slots, best, scale, cap, prev_full, *, static_k: int | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch implementation of :func:`depth_caps`."""
+    return depth_rule_torch(scale[slots], best, cap[slots], static_k), prev_full[slots]
+
+
+def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap: torch.Tensor,
+               prev_full: torch.Tensor, *, static_k: int | None = None,
+               use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft depth caps and copy modes of ``B`` requests.
+
+    Parameters
+    ----------
+    slots : ``int64 [B]`` the requests' state slots; ``best`` : ``int32 [B]`` their match
+        lengths.
+    scale : ``float32 [S]``; ``cap`` : ``int32 [S]``; ``prev_full`` : ``int64 [S]`` the
+        controller's state per slot.
+    static_k : a fixed depth for every request (the static-k ablation), or None.
+    use_triton : Triton when True (also under ``TRITON_INTERPRET=1``), torch when False;
+        default: Triton for CUDA tensors.
+
+    Returns
+    -------
+    ``(k int32 [B], mode int64 [B])``: ``k = min(cap, max(1, floor(scale * best)))`` at each
+    request's slot (``static_k`` if given), ``mode = prev_full`` at its slot.
+    """
+    B = slots.shape[0] if slots.dim() == 1 else -1
+    S = scale.shape[0] if scale.dim() == 1 else -1
+    check_tensors(("slots", slots, torch.int64, (B,)), ("best", best, torch.int32, (B,)),
+                  ("scale", scale, torch.float32, (S,)), ("cap", cap, torch.int32, (S,)),
+                  ("prev_full", prev_full, torch.int64, (S,)))
+    check_devices(("slots", slots), ("best", best), ("scale", scale), ("cap", cap),
+                  ("prev_full", prev_full))
+    if static_k is not None and (isinstance(static_k, bool) or not isinstance(static_k, int)
+                                 or static_k < 1):
+        raise ValueError(f"static_k: expected an int >= 1 or None, got {static_k!r}")
+    if use_triton is None:
+        use_triton = slots.device.type == "cuda"
+    if not use_triton:
+        return depth_caps_torch(slots, best, scale, cap, prev_full, static_k=static_k)
+    k = torch.empty(B, dtype=torch.int32, device=slots.device)
+    mode = torch.empty(B, dtype=torch.int64, device=slots.device)
+    if B:
+        _depth_caps_kernel[(triton.cdiv(B, BLOCK),)](
+            slots.contiguous(), best.contiguous(), scale.contiguous(), cap.contiguous(),
+            prev_full.contiguous(), k, mode, B, 0 if static_k is None else static_k,
+            STATIC=static_k is not None, BLOCK_B=BLOCK)
+    return k, mode

@@ -1,0 +1,68 @@
+"""The depth-caps kernel (``kernels/depth_caps.py``) against its torch path and the
+controller's rule; and its sm_90 compile."""
+
+import random
+
+import pytest
+import torch
+
+from agspec_gpu.controller import ControllerConfig, draft_depth
+from agspec_gpu.kernels.depth_caps import _depth_caps_kernel, depth_caps
+from kernel_compile import compile_all_for_sm90
+
+
+def both(slots, best, scale, cap, prev, static_k=None):
+    args = (torch.tensor(slots, dtype=torch.int64), torch.tensor(best, dtype=torch.int32),
+            torch.tensor(scale, dtype=torch.float32), torch.tensor(cap, dtype=torch.int32),
+            torch.tensor(prev, dtype=torch.int64))
+    a = depth_caps(*args, static_k=static_k, use_triton=False)
+    b = depth_caps(*args, static_k=static_k, use_triton=True)
+    assert a[0].dtype == b[0].dtype == torch.int32 and a[1].dtype == b[1].dtype == torch.int64
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    return a[0].tolist(), a[1].tolist()
+
+
+def test_rule_and_modes():
+    # slot 2: 4.0 * 3 = 12 -> the role cap 8; slot 0: floor(4.5 * 1) = 4; slot 1: no match -> 1
+    k, mode = both([2, 0, 1], [3, 1, 0], [4.5, 16.0, 4.0], [32, 32, 8], [1, 0, 1])
+    assert k == [8, 4, 1] and mode == [1, 1, 0]
+    k, _ = both([2, 0, 1], [3, 1, 0], [4.5, 16.0, 4.0], [32, 32, 8], [1, 0, 1], static_k=16)
+    assert k == [16, 16, 16]  # static k ignores the scale and the role cap
+
+
+def test_matches_the_controllers_draft_depth():
+    rng = random.Random(0)
+    for B in (0, 1, 5, 130):  # 130: more than one program
+        S = B + 3
+        slots = rng.sample(range(S), B)
+        best = [rng.randint(0, 40) for _ in range(B)]
+        scale = [rng.choice([4.0, 5.5, 7.3, 11.25, 16.0]) for _ in range(S)]
+        cap = [rng.choice([1, 4, 16, 32]) for _ in range(S)]
+        prev = [rng.randint(0, 1) for _ in range(S)]
+        k, mode = both(slots, best, scale, cap, prev)
+        want = draft_depth(torch.tensor(scale)[slots], torch.tensor(best, dtype=torch.int32),
+                           torch.tensor(cap, dtype=torch.int32)[slots], ControllerConfig())
+        assert k == want.tolist() and mode == [prev[s] for s in slots]
+
+
+def test_rejects_bad_inputs():
+    good = dict(slots=torch.tensor([0]), best=torch.ones(1, dtype=torch.int32),
+                scale=torch.ones(2), cap=torch.ones(2, dtype=torch.int32),
+                prev_full=torch.zeros(2, dtype=torch.int64))
+    for name, bad in (("slots", torch.tensor([0.0])), ("best", torch.ones(2, dtype=torch.int32)),
+                      ("scale", torch.ones(2, dtype=torch.float64)),
+                      ("cap", torch.ones(3, dtype=torch.int32)),
+                      ("prev_full", torch.zeros(2, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=name):
+            depth_caps(**{**good, name: bad}, use_triton=True)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="static_k"):
+            depth_caps(**good, static_k=bad, use_triton=True)
+
+
+def test_kernel_compiles_for_sm90():
+    sig = dict(slots_ptr="*i64", best_ptr="*i32", scale_ptr="*fp32", cap_ptr="*i32",
+               prev_full_ptr="*i64", k_ptr="*i32", mode_ptr="*i64", B="i32", static_k="i32",
+               STATIC="constexpr", BLOCK_B="constexpr")
+    compile_all_for_sm90([(_depth_caps_kernel, sig, dict(STATIC=False, BLOCK_B=128)),
+                          (_depth_caps_kernel, sig, dict(STATIC=True, BLOCK_B=128))])
