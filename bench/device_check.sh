@@ -134,7 +134,7 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # PYTHONSAFEPATH: the workers too must not import the checkout's agspec_gpu (no kernels/ in it).
 # -v: one line per test as it finishes, so a step cut by its timeout still says what passed.
 # Two steps: the GPU-only tests (FlashInfer, graphs, the runners, the decoder) before the e2e
-# run; the Triton kernels against their torch paths (~400 cases, each already compared under
+# run; the Triton kernels against their torch paths (~450 cases, each already compared under
 # the interpreter and compiled for sm_90 in CI) after the e2e, drafter and kernel benchmarks.
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
@@ -198,6 +198,8 @@ cp /tmp/bench/layer_kernels.json "$OUT/layer_kernels.json" 2>/dev/null
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 150 "${PYTEST[@]}" \
+  tests/test_ring_queries.py tests/test_match_windows.py tests/test_candidate_rows.py \
+  tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
   tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
   tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
   tests/test_suffix_match.py

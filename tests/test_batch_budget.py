@@ -13,6 +13,7 @@ from agspec_gpu.kernels.batch_budget import (_budget_keep_kernel, budget_keep,
 from kernel_compile import compile_all_for_sm90
 
 LINEAR = CostModel(((1, 1.0), (2, 1.5), (1000, 500.0)))  # cost(m) = 0.5 + 0.5 m
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def rows(scores: list[list[float]], N: int) -> torch.Tensor:
@@ -22,12 +23,14 @@ def rows(scores: list[list[float]], N: int) -> torch.Tensor:
 
 
 def both(ranked, keep, num_requests, table):
-    """The torch path and the kernel (with ``num_requests`` as an int and as a tensor)."""
+    """The torch path and the kernel (with ``num_requests`` as an int and as a tensor; on the
+    GPU where there is one); the result on the CPU."""
+    ranked, keep, table = ranked.to(DEV), keep.to(DEV), table.to(DEV)
     want = budget_keep(ranked, keep, num_requests, table, use_triton=False)
-    for n in (num_requests, torch.tensor(num_requests)):
+    for n in (num_requests, torch.tensor(num_requests, device=DEV)):
         got = budget_keep(ranked, keep, n, table, use_triton=True)
         assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
-    return want
+    return want.cpu()
 
 
 def brute_force(ranked, keep, B, cost: CostModel) -> list[int]:

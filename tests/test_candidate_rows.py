@@ -14,18 +14,20 @@ from kernel_compile import compile_all_for_sm90
 BONUS = torch.tensor([2, 2, 1, 0], dtype=torch.int32)
 HITS = torch.tensor([3.0, 1.0, 0.5, 2.0], dtype=torch.float64)
 DRAFTS = torch.tensor([4.0, 3.0, 2.0, 7.0], dtype=torch.float64)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def both(tier, length, win, src, **kw):
     """Runs the torch path and the kernel; asserts they agree exactly; returns the result."""
-    args = (torch.tensor(tier, dtype=torch.int64), torch.tensor(length, dtype=torch.int32),
-            torch.tensor(win, dtype=torch.int32), torch.tensor(src, dtype=torch.int8),
-            BONUS, HITS, DRAFTS)
+    args = tuple(t.to(DEV) for t in (
+        torch.tensor(tier, dtype=torch.int64), torch.tensor(length, dtype=torch.int32),
+        torch.tensor(win, dtype=torch.int32), torch.tensor(src, dtype=torch.int8),
+        BONUS, HITS, DRAFTS))
     a = candidate_rows(*args, **kw, use_triton=False)
     b = candidate_rows(*args, **kw, use_triton=True)
     for x, y, name in zip(a, b, ("W", "S", "Wt", "best", "longest")):
         assert x.dtype == y.dtype and torch.equal(x, y), name
-    return a
+    return tuple(x.cpu() for x in a)
 
 
 def test_hand_checked_request():

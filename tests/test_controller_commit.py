@@ -13,6 +13,7 @@ from kernel_compile import compile_all_for_sm90
 
 CFG = ControllerConfig()
 KW = dict(alpha=CFG.alpha, beta=CFG.beta, s_min=CFG.s_min, s_max=CFG.s_max)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def state(S: int, rng: random.Random):
@@ -24,12 +25,14 @@ def state(S: int, rng: random.Random):
 
 
 def run_both(slots, nd, num, nacc, scale, cap, prev):
-    """Both paths on copies of the state; asserts they agree exactly; returns the result."""
+    """Both paths on copies of the state (on the GPU where there is one); asserts they agree
+    exactly; returns the result (on the CPU)."""
+    slots, nd, num, nacc, cap = (t.to(DEV) for t in (slots, nd, num, nacc, cap))
     outs = []
     for use_triton in (False, True):
-        s, p = scale.clone(), prev.clone()
+        s, p = scale.clone().to(DEV), prev.clone().to(DEV)
         controller_commit(slots, nd, num, nacc, s, cap, p, **KW, use_triton=use_triton)
-        outs.append((s, p))
+        outs.append((s.cpu(), p.cpu()))
     (s0, p0), (s1, p1) = outs
     assert torch.equal(s0, s1) and torch.equal(p0, p1)
     return s0, p0

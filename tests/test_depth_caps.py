@@ -10,11 +10,14 @@ from agspec_gpu.controller import ControllerConfig, draft_depth
 from agspec_gpu.kernels.depth_caps import _depth_caps_kernel, depth_caps
 from kernel_compile import compile_all_for_sm90
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def both(slots, best, scale, cap, prev, static_k=None):
-    args = (torch.tensor(slots, dtype=torch.int64), torch.tensor(best, dtype=torch.int32),
-            torch.tensor(scale, dtype=torch.float32), torch.tensor(cap, dtype=torch.int32),
-            torch.tensor(prev, dtype=torch.int64))
+    args = tuple(t.to(DEV) for t in (
+        torch.tensor(slots, dtype=torch.int64), torch.tensor(best, dtype=torch.int32),
+        torch.tensor(scale, dtype=torch.float32), torch.tensor(cap, dtype=torch.int32),
+        torch.tensor(prev, dtype=torch.int64)))
     a = depth_caps(*args, static_k=static_k, use_triton=False)
     b = depth_caps(*args, static_k=static_k, use_triton=True)
     assert a[0].dtype == b[0].dtype == torch.int32 and a[1].dtype == b[1].dtype == torch.int64

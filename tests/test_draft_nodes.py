@@ -97,9 +97,10 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
                       "    print(f(i))\n" * 5)
     ds = []
     for _ in range(2):
-        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64))
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64), device=DEV)
         store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
-        d = Drafter(store, DrafterConfig(), max_batch=8)
+        # no CUDA graphs on a GPU: the steps call the patched functions
+        d = Drafter(store, DrafterConfig(cuda_graphs=False), max_batch=8)
         for i in range(6):
             d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
         ds.append(d)

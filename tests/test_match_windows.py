@@ -11,6 +11,8 @@ from agspec_gpu.kernels.match_windows import (PAD_ID, _match_windows_kernel, mat
 from agspec_gpu.tokenizer import load_tokenizer
 from kernel_compile import compile_all_for_sm90
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def definition(tokens, src, tok_base, num_tokens, positions, K):
     """The windows, one entry at a time."""
@@ -38,17 +40,18 @@ def arena(corpora: list[list[int]]):
         src += [(i + t) % 5 - 1 for t in range(len(c))]
     tokens += [7] * 4
     src += [9] * 4
-    return (torch.tensor(tokens, dtype=torch.int32), torch.tensor(src, dtype=torch.int8),
-            bases)
+    return (torch.tensor(tokens, dtype=torch.int32, device=DEV),
+            torch.tensor(src, dtype=torch.int8, device=DEV), bases)
 
 
 def check(corpora, rows, positions, K):
     """``rows[r]``: the corpus of row ``r``; ``positions [R, P]``."""
     tokens, src, bases = arena(corpora)
-    tok_base = torch.tensor([bases[c] for c in rows], dtype=torch.int64)
-    num = torch.tensor([len(corpora[c]) for c in rows], dtype=torch.int32)
-    pos = torch.tensor(positions, dtype=torch.int64).view(len(rows), -1 if rows else 1)
-    want = definition(tokens, src, tok_base, num, pos, K)
+    tok_base = torch.tensor([bases[c] for c in rows], dtype=torch.int64, device=DEV)
+    num = torch.tensor([len(corpora[c]) for c in rows], dtype=torch.int32, device=DEV)
+    pos = torch.tensor(positions, dtype=torch.int64, device=DEV).view(len(rows),
+                                                                      -1 if rows else 1)
+    want = definition(tokens.cpu(), src.cpu(), tok_base.cpu(), num.cpu(), pos.cpu(), K)
     for use_triton in (False, True):
         win, wsrc = match_windows(tokens, src, tok_base, num, pos, K, use_triton=use_triton)
         assert win.dtype == torch.int32 and wsrc.dtype == torch.int8
@@ -101,9 +104,9 @@ def test_torch_and_triton_agree_on_random_layouts():
         rows = [rng.randrange(len(corpora)) for _ in range(R)]
         pos = [rng.randrange(-1, len(corpora[c]) + 2) for c in rows for _ in range(P)]
         tokens, src, bases = arena(corpora)
-        tok_base = torch.tensor([bases[c] for c in rows], dtype=torch.int64)
-        num = torch.tensor([len(corpora[c]) for c in rows], dtype=torch.int32)
-        p = torch.tensor(pos, dtype=torch.int64).view(R, P)
+        tok_base = torch.tensor([bases[c] for c in rows], dtype=torch.int64, device=DEV)
+        num = torch.tensor([len(corpora[c]) for c in rows], dtype=torch.int32, device=DEV)
+        p = torch.tensor(pos, dtype=torch.int64, device=DEV).view(R, P)
         a = match_windows_torch(tokens, src, tok_base, num, p, K)
         b = match_windows(tokens, src, tok_base, num, p, K, use_triton=True)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -111,9 +114,9 @@ def test_torch_and_triton_agree_on_random_layouts():
 
 def test_rejects_bad_inputs():
     tokens, src, bases = arena([[1, 2, 3]])
-    base = torch.tensor([bases[0]], dtype=torch.int64)
-    num = torch.tensor([3], dtype=torch.int32)
-    pos = torch.zeros(1, 2, dtype=torch.int64)
+    base = torch.tensor([bases[0]], dtype=torch.int64, device=DEV)
+    num = torch.tensor([3], dtype=torch.int32, device=DEV)
+    pos = torch.zeros(1, 2, dtype=torch.int64, device=DEV)
     good = dict(tokens=tokens, src=src, tok_base=base, num_tokens=num, positions=pos, K=4)
     for name, bad in (("tokens", tokens.long()), ("src", src[:-1]), ("tok_base", base.int()),
                       ("num_tokens", num.repeat(2)), ("positions", pos.int()),

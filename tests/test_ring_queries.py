@@ -10,13 +10,15 @@ from agspec_gpu.kernels.ring_queries import _ring_queries_kernel, ring_queries
 from agspec_gpu.tokenizer import load_tokenizer
 from kernel_compile import compile_all_for_sm90
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def check(slots, tier, recent, recent_len, match_cap):
-    args = (torch.tensor(slots, dtype=torch.int64),
-            torch.tensor(tier, dtype=torch.int64).view(len(slots), -1 if slots else 1),
-            torch.tensor(recent, dtype=torch.int32).view(len(recent_len), -1),
-            torch.tensor(recent_len, dtype=torch.int32),
-            torch.tensor(match_cap, dtype=torch.int32))
+    args = tuple(t.to(DEV) for t in (
+        torch.tensor(slots, dtype=torch.int64),
+        torch.tensor(tier, dtype=torch.int64).view(len(slots), -1 if slots else 1),
+        torch.tensor(recent, dtype=torch.int32).view(len(recent_len), -1),
+        torch.tensor(recent_len, dtype=torch.int32), torch.tensor(match_cap, dtype=torch.int32)))
     B, R = args[1].shape
     want_q = [recent[s] for s in slots for _ in range(R)]
     want_l = [min(recent_len[s], match_cap[s]) if t >= 0 else 0
