@@ -14,7 +14,10 @@ Usage::
         [--sessions 8] [--max-target-tokens 600] [--batch-sizes 1 16 64] [--out PREFIX]
 
 Prints a table and writes ``PREFIX.json`` / ``PREFIX.csv``: per (variant, batch size) the
-median and mean milliseconds per batched step of propose and commit, the mean batch, tau.
+median and mean milliseconds per batched step of propose and commit, the mean batch, tau,
+and what one propose + commit launches: GPU activities (kernels, copies, fills, as the
+profiler sees them, CUDA-graph replays included) or, on a CPU, torch ops, counted over
+warm-up steps.
 """
 
 from __future__ import annotations
@@ -40,15 +43,29 @@ from bench_drafter import DEV, FILES, cut
 
 
 class TimedLane(BatchedLane):
-    """The agspec lane with its commit timed too (propose: ``StepResult.draft_seconds``)."""
+    """The agspec lane with its commit timed too (propose: ``StepResult.draft_seconds``), and
+    the device's activities (kernels, copies, fills; on a CPU its ops) counted over the
+    steps ``profile = (first, count)``, which should lie in the untimed warm-up."""
 
-    def __init__(self, *args, **kw) -> None:
+    def __init__(self, *args, profile: tuple[int, int] = (0, 0), **kw) -> None:
         super().__init__(*args, **kw)
         self.propose_s: list[float] = []
         self.commit_s: list[float] = []
         self.batch: list[int] = []
+        self.profile, self._prof = profile, None
+        self.events_per_step: float | None = None
+
+    def _kind(self) -> torch.autograd.DeviceType:
+        return torch.autograd.DeviceType.CUDA if self.device.type == "cuda" else \
+            torch.autograd.DeviceType.CPU
 
     def step(self, sids, contexts, truth, remaining):
+        if self.profile[1] and len(self.propose_s) == self.profile[0]:
+            synchronize(self.device)
+            act = torch.profiler.ProfilerActivity
+            self._prof = torch.profiler.profile(
+                activities=[act.CUDA if self.device.type == "cuda" else act.CPU])
+            self._prof.__enter__()
         res = super().step(sids, contexts, truth, remaining)
         self.propose_s.append(res.draft_seconds)
         self.batch.append(len(sids))
@@ -60,6 +77,11 @@ class TimedLane(BatchedLane):
         super().observe(sids, output_ids, num_output, num_accepted, path_nodes)
         synchronize(self.device)
         self.commit_s.append(time.perf_counter() - t0)
+        if self._prof is not None and len(self.commit_s) == sum(self.profile):
+            self._prof.__exit__(None, None, None)
+            kind = self._kind()
+            n = sum(1 for e in self._prof.events() if e.device_type == kind)
+            self.events_per_step, self._prof = n / self.profile[1], None
 
 
 def main() -> None:
@@ -92,7 +114,8 @@ def main() -> None:
             def make(graphs=graphs, B=B):
                 store = CorpusStore(tok, TierConfig(), dev, global_corpus=gc)
                 d = Drafter(store, DrafterConfig(cuda_graphs=graphs), max_batch=B)
-                lanes.append(TimedLane(name, d, store, dev))
+                lanes.append(TimedLane(name, d, store, dev,
+                                       profile=(args.warmup_steps // 2, args.warmup_steps // 2)))
                 return lanes[-1]
 
             t0 = time.perf_counter()
@@ -109,13 +132,17 @@ def main() -> None:
                 "commit_ms_median": 1e3 * statistics.median(com),
                 "commit_ms_mean": 1e3 * statistics.fmean(com),
                 "tau": all_row["tau"], "wall_s": time.perf_counter() - t0,
+                # per propose + commit, counted in warm-up steps (a capture there adds some)
+                ("gpu_activities_per_step" if dev.type == "cuda" else "cpu_ops_per_step"):
+                    lane.events_per_step,
                 "graph_errors": [g.graph_error for g in lane.drafter._graphs]
                 if lane.drafter._graphs is not None else None})
             r = rows[-1]
             print(f"B={B:<3} {name:7s} steps={r['steps']:5d} mean_batch={r['mean_batch']:5.1f} "
                   f"propose {r['propose_ms_median']:7.3f} ms (mean {r['propose_ms_mean']:.3f}) "
                   f"commit {r['commit_ms_median']:7.3f} ms (mean {r['commit_ms_mean']:.3f}) "
-                  f"tau {r['tau']:.3f}", flush=True)
+                  f"tau {r['tau']:.3f}  {lane.events_per_step} "
+                  f"{'GPU activities' if dev.type == 'cuda' else 'CPU ops'} per step", flush=True)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
