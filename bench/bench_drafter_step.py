@@ -54,17 +54,16 @@ class TimedLane(BatchedLane):
         self.batch: list[int] = []
         self.profile, self._prof = profile, None
         self.events_per_step: float | None = None
-
-    def _kind(self) -> torch.autograd.DeviceType:
-        return torch.autograd.DeviceType.CUDA if self.device.type == "cuda" else \
-            torch.autograd.DeviceType.CPU
+        # what is counted: the GPU's activities, or on a CPU its ops
+        cuda = self.device.type == "cuda"
+        self._activity = torch.profiler.ProfilerActivity.CUDA if cuda else \
+            torch.profiler.ProfilerActivity.CPU
+        self._kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
 
     def step(self, sids, contexts, truth, remaining):
         if self.profile[1] and len(self.propose_s) == self.profile[0]:
             synchronize(self.device)
-            act = torch.profiler.ProfilerActivity
-            self._prof = torch.profiler.profile(
-                activities=[act.CUDA if self.device.type == "cuda" else act.CPU])
+            self._prof = torch.profiler.profile(activities=[self._activity])
             self._prof.__enter__()
         res = super().step(sids, contexts, truth, remaining)
         self.propose_s.append(res.draft_seconds)
@@ -79,8 +78,7 @@ class TimedLane(BatchedLane):
         self.commit_s.append(time.perf_counter() - t0)
         if self._prof is not None and len(self.commit_s) == sum(self.profile):
             self._prof.__exit__(None, None, None)
-            kind = self._kind()
-            n = sum(1 for e in self._prof.events() if e.device_type == kind)
+            n = sum(1 for e in self._prof.events() if e.device_type == self._kind)
             self.events_per_step, self._prof = n / self.profile[1], None
 
 
