@@ -53,6 +53,7 @@ class RunningBatch:
         self.root: torch.Tensor | None = None       # int32 [B]: last emitted token, not cached
         self.sampling: BatchSampling | None = None
         self.caps: torch.Tensor | None = None       # int32 [B] draft caps (opt-outs)
+        self.no_draft: DraftBatch | None = None     # B trees of one padding node (all opted out)
 
     def prefill(self, generator: torch.Generator | None) -> list[list[int]]:
         """Starts the runner on the requests' contexts (after each session's kept KV), picks
@@ -62,7 +63,7 @@ class RunningBatch:
         logits = self.kv.prefill(self.runner, reqs.sids, [st.context for st in reqs.states],
                                  max(reqs.remaining()))
         self.sampling = self._sampling_rows(reqs.params)
-        self.caps = None
+        self.caps = self.no_draft = None
         first = sample_tokens(logits[:, None, :], self.sampling, generator)[:, 0]
         self.root = first.to(torch.int32)
         new = reqs.emit([[int(t)] for t in first.tolist()])
@@ -76,16 +77,22 @@ class RunningBatch:
         reqs, runner = self.reqs, self.runner
         if any(reqs.done):
             self.leave()
-        with nvtx.annotate("agspec.propose"):
-            draft = self.drafter.propose(reqs.sids)
-        if not all(reqs.spec):
-            if self.caps is None:  # per request: max_nodes, or 0 (opted out)
-                self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
-                                      torch.int32, self.device)
-            draft = draft.capped(self.caps)
+        if any(reqs.spec):
+            with nvtx.annotate("agspec.propose"):
+                draft = self.drafter.propose(reqs.sids)
+            if not all(reqs.spec):
+                if self.caps is None:  # per request: max_nodes, or 0 (opted out)
+                    self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
+                                          torch.int32, self.device)
+                draft = draft.capped(self.caps)
+            num_draft = draft.checked_sizes(self.vocab_size)  # host read 1 of 2
+        else:  # every request opted out: a plain decoding step, the drafter is not asked
+            # (it still takes the emitted tokens), and its draft sizes are known here
+            if self.no_draft is None:
+                self.no_draft = DraftBatch.from_lists([[]] * len(reqs.sids), self.device)
+            draft, num_draft = self.no_draft, [0] * len(reqs.sids)
         # The HF forward's cost grows with the padded width: verify the widest tree's
         # nodes, not the drafter's static max_nodes
-        num_draft = draft.checked_sizes(self.vocab_size)  # host read 1 of 2
         width = max(max(num_draft), 1)
         if isinstance(runner, PagedBatch):
             width, num_draft, draft = runner.fit_draft(width, num_draft, draft)
@@ -114,7 +121,7 @@ class RunningBatch:
         reqs.select(stay)
         self.root = self.root[to_device(stay, torch.int64, self.root.device)]
         self.sampling = self._sampling_rows(reqs.params)
-        self.caps = None
+        self.caps = self.no_draft = None
 
     def end(self, handover: bool = False) -> None:
         """Keeps the KV of every request still in the batch and frees the runner;

@@ -574,6 +574,28 @@ def test_speculate_false_per_request():
         assert (max(sizes) > 1) == s, (sid, sizes)
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_every_request_opted_out_skips_the_drafter(runner, monkeypatch):
+    """With no request speculating, no step asks the drafter for a draft; it still takes
+    the emitted tokens (a later session of the tenant drafts them)."""
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 6)]
+    g = [greedy(variant, p) for p in P]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=1 << 12))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    drafts = record_drafts(dec, monkeypatch)
+    chunks, on_tokens = chunk_recorder()
+    assert dec.generate(sids, max_new_tokens=NEW, speculate=False, on_tokens=on_tokens) == g
+    assert drafts == [] and dec.stats["steps"] == NEW - 1 and dec.stats["drafted"] == 0
+    assert all(len(c) == 1 for sid in sids for c in chunks[sid])
+    dec.close_session(sids[0])  # its output joins the tenant's history
+    again = dec.open_session("t0", "coder", P[0])
+    chunks.clear()
+    assert dec.generate([again], max_new_tokens=NEW, on_tokens=on_tokens) == [g[0]]
+    assert drafts and max(len(c) for c in chunks[again]) > 8, chunks[again]
+
+
 @pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[2]], ids=[IDS[1], IDS[2]])
 def test_generate_continues_and_appended_tool_output(variant):
     P = [list(prompts()[i]) for i in (2, 5, 0)]
