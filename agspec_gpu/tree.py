@@ -225,21 +225,13 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
                                          (out.qo_indptr, out.kv_indptr, out.mask_indptr))
     kv_last_page_len = out.kv_last_page_len[:B]
     ancestor_bits = out.ancestor_bits.view(-1)[:B * R * (-(-R // 32))].view(B, R, -(-R // 32))
-
-    qo_lens = 1 + draft.num_draft_tokens.clamp(0, N)
-    kv_lens = prefix_lens + qo_lens
-    num_pages = (kv_lens + page_size - 1) // page_size
-    for indptr, counts in ((qo_indptr, qo_lens), (kv_indptr, num_pages),
-                           (mask_indptr, (qo_lens * kv_lens + 7) // 8)):
-        indptr[:1].zero_()
-        torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
-    kv_last_page_len.copy_(kv_lens - (num_pages - 1) * page_size)
-
-    tree_mask(*(x.to(torch.int32).contiguous() for x in (draft.token_ids, draft.parents,
-                                                          root_ids, prefix_lens, page_table)),
-              qo_indptr, kv_indptr, mask_indptr, page_size, use_triton=use_triton,
-              out=TreeMaskBuffers(out.input_ids, out.position_ids, out.kv_slots, out.kv_indices,
-                                  out.packed_mask, ancestor_bits))
+    # sizes, indptrs, rows, pages and mask: two kernels on a GPU
+    tree_mask(*(x.to(torch.int32).contiguous() for x in (
+        draft.token_ids, draft.parents, draft.num_draft_tokens, root_ids, prefix_lens,
+        page_table)), page_size, use_triton=use_triton,
+        out=TreeMaskBuffers(qo_indptr, kv_indptr, mask_indptr, kv_last_page_len, out.input_ids,
+                            out.position_ids, out.kv_slots, out.kv_indices, out.packed_mask,
+                            ancestor_bits))
     meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
                    kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
                    max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None)

@@ -12,10 +12,13 @@ the tree), flattened, bit-packed little-endian (bit ``i`` of byte ``j`` is eleme
 ``flashinfer.quantization.segment_packbits(..., bitorder="little")``), each request padded to a
 whole byte and the requests concatenated at byte offsets ``mask_indptr``.
 
-Two launches: ``_tree_rows_kernel`` (one program per request) builds the ancestor bitsets and
-fills the per-row and per-page arrays; ``_tree_mask_kernel`` packs the mask bytes in parallel,
-reading those bitsets. Inputs beyond a buffer's capacity are dropped, never written out of
-bounds: the capacities are a contract with the caller, who sizes them (no host sync here).
+Two launches and nothing else: ``_tree_rows_kernel`` (one program per request) sums the
+batch's sizes into the indptrs, builds the ancestor bitsets and fills the per-row and per-page
+arrays; ``_tree_mask_kernel`` packs the mask bytes in parallel, reading those bitsets. Both
+write the padding of their buffers' tails themselves (a step would otherwise launch a dozen
+small ops around them: sizes, prefix sums, fills). Inputs beyond a buffer's capacity are
+dropped, never written out of bounds: the capacities are a contract with the caller, who sizes
+them (no host sync here).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class TreeMaskBuffers(NamedTuple):
     """Outputs of :func:`tree_mask` (capacities ``Q``, ``P``, ``M``; tails are padding).
 
     Attributes:
+        qo_indptr: ``int32 [B + 1]`` cumulative ``qo_len = 1 + num_draft_tokens``.
+        kv_indptr: ``int32 [B + 1]`` cumulative page counts ``ceil(kv_len / page_size)``,
+            ``kv_len = prefix_len + qo_len``.
+        mask_indptr: ``int32 [B + 1]`` cumulative mask bytes ``ceil(qo_len * kv_len / 8)``.
+        kv_last_page_len: ``int32 [B]`` entries in each request's last page, in
+            ``[1, page_size]``.
         input_ids: ``int32 [Q]`` root token, then draft tokens, per request; 0 in padding.
         position_ids: ``int32 [Q]`` ``prefix_len + depth``; 0 in padding.
         kv_slots: ``int32 [Q]`` physical cache slot ``page * page_size + offset``; -1 in padding.
@@ -44,6 +53,10 @@ class TreeMaskBuffers(NamedTuple):
             an ancestor-or-self of tree row ``r`` (row 0 is the root); 0 in padding rows.
     """
 
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    mask_indptr: torch.Tensor
+    kv_last_page_len: torch.Tensor
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     kv_slots: torch.Tensor
@@ -63,19 +76,45 @@ def _popcount32(x):
 
 
 @triton.jit
+def _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size, BLOCK_B: tl.constexpr):
+    """Request ``b``'s ``(qo_start, qo_len, kv_start, num_pages, m_start, num_bytes, kv_len)``
+    and the batch's ``(total_q, total_pages, total_bytes)``: sums over one block of the
+    batch's sizes (``qo_len = 1 + clamp(num_draft, 0, N)``, ``kv_len = prefix + qo_len``),
+    as int64."""
+    i = tl.arange(0, BLOCK_B)
+    inb = i < B
+    qo = tl.where(inb, 1 + tl.minimum(tl.maximum(
+        tl.load(num_draft_ptr + i, mask=inb, other=0).to(tl.int64), 0), N), 0)
+    kv = tl.load(prefix_lens_ptr + i, mask=inb, other=0).to(tl.int64) + qo
+    pages = tl.where(inb, (kv + page_size - 1) // page_size, 0)
+    nbytes = tl.where(inb, (qo * kv + 7) // 8, 0)
+    before = i < b
+    own = i == b
+    return (tl.sum(tl.where(before, qo, 0), axis=0), tl.sum(tl.where(own, qo, 0), axis=0),
+            tl.sum(tl.where(before, pages, 0), axis=0), tl.sum(tl.where(own, pages, 0), axis=0),
+            tl.sum(tl.where(before, nbytes, 0), axis=0),
+            tl.sum(tl.where(own, nbytes, 0), axis=0), tl.sum(tl.where(own, kv, 0), axis=0),
+            tl.sum(qo, axis=0), tl.sum(pages, axis=0), tl.sum(nbytes, axis=0))
+
+
+@triton.jit
 def _tree_rows_kernel(
     token_ids_ptr,  # *int32 [B, N]  draft tokens
     parents_ptr,  # *int32 [B, N]  parent node, -1 for root children
+    num_draft_ptr,  # *int32 [B]  draft nodes per request
     root_ids_ptr,  # *int32 [B]
     prefix_lens_ptr,  # *int32 [B]  tokens already in the KV cache
     page_table_ptr,  # *int32 [B, max_pages]
-    qo_indptr_ptr,  # *int32 [B + 1]
-    kv_indptr_ptr,  # *int32 [B + 1]
+    qo_indptr_ptr,  # *int32 [B + 1]  out
+    kv_indptr_ptr,  # *int32 [B + 1]  out
+    mask_indptr_ptr,  # *int32 [B + 1]  out
+    last_page_len_ptr,  # *int32 [B]  out
     input_ids_ptr,  # *int32 [Q]  out
     position_ids_ptr,  # *int32 [Q]  out
     kv_slots_ptr,  # *int32 [Q]  out
     kv_indices_ptr,  # *int32 [P]  out
-    ancestors_ptr,  # *int32 [B, R, W]  out, zero-filled by the launcher
+    ancestors_ptr,  # *int32 [B, R, W]  out
+    B,
     N,
     max_pages,
     R,
@@ -83,46 +122,60 @@ def _tree_rows_kernel(
     Q,
     P,
     page_size,
+    BLOCK_B: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """One program per request.
 
-    Ancestor bitsets: rows are in topological order (a parent's row is smaller), so
-    ``anc[r] = anc[parent_row(r)] | {r}`` is filled by one sequential pass over the rows; the
-    depth of row ``r`` is ``popcount(anc[r]) - 1``. Row ``r`` stores the words that row
-    ``parent_row(r)`` stored in an earlier iteration; a barrier per iteration makes those
-    stores visible to every thread of the program.
-    Rows, slots and pages are then written in vectorised blocks. Memory layout: ``anc`` is
-    ``[B, R, W]`` row-major int32 words (bit ``t % 32`` of word ``t // 32``).
+    Sizes: each program sums the batch's sizes before its own (``_request_sizes``) and
+    writes its indptr entries; program 0 writes the leading zeros. Ancestor bitsets: rows are
+    in topological order (a parent's row is smaller), so ``anc[r] = anc[parent_row(r)] |
+    {r}`` is filled by one sequential pass over the rows; the depth of row ``r`` is
+    ``popcount(anc[r]) - 1``. Row ``r`` stores the words that row ``parent_row(r)`` stored
+    in an earlier iteration; a barrier per iteration makes those stores visible to every
+    thread of the program. Rows, slots and pages are then written in vectorised blocks, and
+    the tails past the batch's rows and pages (padding) in blocks strided over the programs.
+    Memory layout: ``anc`` is ``[B, R, W]`` row-major int32 words (bit ``t % 32`` of word
+    ``t // 32``).
     """
     b = tl.program_id(0).to(tl.int64)
-    qo_start = tl.load(qo_indptr_ptr + b).to(tl.int64)
-    qo_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - qo_start
+    qo_start, qo_len, kv_start, num_pages, m_start, num_bytes, kv_len, total_q, total_pages, \
+        _ = _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size, BLOCK_B)
+    tl.store(qo_indptr_ptr + b + 1, (qo_start + qo_len).to(tl.int32))
+    tl.store(kv_indptr_ptr + b + 1, (kv_start + num_pages).to(tl.int32))
+    tl.store(mask_indptr_ptr + b + 1, (m_start + num_bytes).to(tl.int32))
+    tl.store(last_page_len_ptr + b, (kv_len - (num_pages - 1) * page_size).to(tl.int32))
+    first = b == 0
+    tl.store(qo_indptr_ptr, 0, mask=first)
+    tl.store(kv_indptr_ptr, 0, mask=first)
+    tl.store(mask_indptr_ptr, 0, mask=first)
     prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
     anc_base = ancestors_ptr + b * R * W
     words = tl.arange(0, BLOCK_W)
     wmask = words < W
 
-    # root row: itself only, depth 0
-    tl.store(anc_base + words, (words == 0).to(tl.int32), mask=wmask & (qo_len > 0))
-    tl.store(position_ids_ptr + qo_start, prefix.to(tl.int32), mask=(qo_len > 0) & (qo_start < Q))
+    # root row: itself only, depth 0 (qo_len >= 1)
+    tl.store(anc_base + words, (words == 0).to(tl.int32), mask=wmask)
+    tl.store(position_ids_ptr + qo_start, prefix.to(tl.int32), mask=qo_start < Q)
     tl.debug_barrier()
     # while loops, not range(runtime bound): the interpreter cannot index with a loaded value
     r = tl.zeros((), tl.int64) + 1
-    while r < qo_len:
-        in_rows = r < R  # qo_len <= R is the planner's contract; this keeps bad input in bounds
-        parent_row = tl.load(parents_ptr + b * N + (r - 1), mask=r <= N, other=-1) + 1
+    while r < qo_len:  # qo_len <= N + 1 <= R: the clamp keeps every row in bounds
+        parent_row = tl.load(parents_ptr + b * N + (r - 1)) + 1
         parent_row = tl.minimum(tl.maximum(parent_row.to(tl.int64), 0), r - 1)
-        row = tl.load(anc_base + parent_row * W + words, mask=wmask & in_rows, other=0)
+        row = tl.load(anc_base + parent_row * W + words, mask=wmask, other=0)
         own_bit = (tl.full([BLOCK_W], 1, tl.int64) << (r % 32)).to(tl.int32)
         row = row | tl.where(words == r // 32, own_bit, 0)
-        tl.store(anc_base + r * W + words, row, mask=wmask & in_rows)
+        tl.store(anc_base + r * W + words, row, mask=wmask)
         depth = tl.sum(_popcount32(row), axis=0) - 1
         tl.store(position_ids_ptr + qo_start + r, (prefix + depth).to(tl.int32),
-                 mask=in_rows & (qo_start + r < Q))
+                 mask=qo_start + r < Q)
         tl.debug_barrier()
+        r += 1
+    while r < R:  # rows past the request's: no ancestors
+        tl.store(anc_base + r * W + words, tl.zeros([BLOCK_W], tl.int32), mask=wmask)
         r += 1
 
     root_id = tl.load(root_ids_ptr + b)
@@ -131,33 +184,50 @@ def _tree_rows_kernel(
         rows = r0 + tl.arange(0, BLOCK_R)
         logical = prefix + rows
         page_col = logical // page_size
-        valid = (rows < qo_len) & (rows < R) & (qo_start + rows < Q) & (page_col < max_pages)
+        mine = (rows < qo_len) & (qo_start + rows < Q)
+        valid = mine & (page_col < max_pages)  # a page table too short: padding rows
         tok = tl.load(token_ids_ptr + b * N + rows - 1, mask=valid & (rows > 0), other=0)
         tok = tl.where(rows == 0, root_id, tok)
         page = tl.load(page_table_ptr + b * max_pages + page_col, mask=valid, other=0)
         slot = page.to(tl.int64) * page_size + logical % page_size
-        tl.store(input_ids_ptr + qo_start + rows, tok, mask=valid)
-        tl.store(kv_slots_ptr + qo_start + rows, slot.to(tl.int32), mask=valid)
+        tl.store(input_ids_ptr + qo_start + rows, tl.where(valid, tok, 0), mask=mine)
+        tl.store(kv_slots_ptr + qo_start + rows, tl.where(valid, slot, -1).to(tl.int32),
+                 mask=mine)
         r0 += BLOCK_R
 
-    kv_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
-    num_pages = tl.load(kv_indptr_ptr + b + 1).to(tl.int64) - kv_start
     p0 = tl.zeros((), tl.int64)
     while p0 < num_pages:
         cols = p0 + tl.arange(0, BLOCK_P)
-        valid = (cols < num_pages) & (cols < max_pages) & (kv_start + cols < P)
-        page = tl.load(page_table_ptr + b * max_pages + cols, mask=valid, other=0)
-        tl.store(kv_indices_ptr + kv_start + cols, page, mask=valid)
+        mine = (cols < num_pages) & (kv_start + cols < P)
+        page = tl.load(page_table_ptr + b * max_pages + cols, mask=mine & (cols < max_pages),
+                       other=0)
+        tl.store(kv_indices_ptr + kv_start + cols, page, mask=mine)
         p0 += BLOCK_P
+
+    # the tails past the batch's rows and pages, block k by program k % B
+    t = total_q + b * BLOCK_R
+    while t < Q:
+        rows = t + tl.arange(0, BLOCK_R)
+        tail = rows < Q
+        tl.store(input_ids_ptr + rows, tl.zeros([BLOCK_R], tl.int32), mask=tail)
+        tl.store(position_ids_ptr + rows, tl.zeros([BLOCK_R], tl.int32), mask=tail)
+        tl.store(kv_slots_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=tail)
+        t += B * BLOCK_R
+    t = total_pages + b * BLOCK_P
+    while t < P:
+        cols = t + tl.arange(0, BLOCK_P)
+        tl.store(kv_indices_ptr + cols, tl.zeros([BLOCK_P], tl.int32), mask=cols < P)
+        t += B * BLOCK_P
 
 
 @triton.jit
 def _tree_mask_kernel(
     prefix_lens_ptr,  # *int32 [B]
-    qo_indptr_ptr,  # *int32 [B + 1]
-    mask_indptr_ptr,  # *int32 [B + 1]  byte offsets
+    qo_indptr_ptr,  # *int32 [B + 1]  from _tree_rows_kernel
+    mask_indptr_ptr,  # *int32 [B + 1]  byte offsets, from _tree_rows_kernel
     ancestors_ptr,  # *int32 [B, R, W]  from _tree_rows_kernel
     packed_mask_ptr,  # *uint8 [M]  out
+    B,
     R,
     W,
     M,
@@ -167,7 +237,9 @@ def _tree_mask_kernel(
 
     Element ``e = 8 * j + i`` of request ``b`` (byte ``j``, bit ``i``) is row ``e // kv_len``,
     column ``c = e % kv_len``; it is set iff ``c < prefix_len`` or tree row ``c - prefix_len``
-    is an ancestor-or-self of the row. Bits past ``qo_len * kv_len`` are 0 (byte padding).
+    is an ancestor-or-self of the row. Bits past ``qo_len * kv_len`` are 0 (byte padding), and
+    so are the bytes past the batch's (``mask_indptr[B]``), zeroed in blocks strided over all
+    programs.
     """
     blk = tl.program_id(0).to(tl.int64)  # axis 0: the large one (grid y/z are < 2**16)
     b = tl.program_id(1).to(tl.int64)
@@ -191,21 +263,38 @@ def _tree_mask_kernel(
     tl.store(packed_mask_ptr + m_start + j, byte.to(tl.uint8),
              mask=(j < num_bytes) & (m_start + j < M))
 
+    num_blocks = tl.num_programs(0)
+    t = tl.load(mask_indptr_ptr + B).to(tl.int64) + (b * num_blocks + blk) * BLOCK_BYTES
+    while t < M:
+        tail = t + tl.arange(0, BLOCK_BYTES)
+        tl.store(packed_mask_ptr + tail, tl.zeros([BLOCK_BYTES], tl.uint8), mask=tail < M)
+        t += B * num_blocks * BLOCK_BYTES
 
-def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Tensor,
-                    prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-                    mask_indptr: torch.Tensor, page_size: int,
+
+def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
+                    num_draft_tokens: torch.Tensor, root_ids: torch.Tensor,
+                    prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size: int,
                     out: TreeMaskBuffers) -> TreeMaskBuffers:
-    """Pure-torch implementation of :func:`tree_mask` (same inputs, same bits in ``out``).
-
-    ``out`` must already hold the padding values (the launcher fills them).
-    """
+    """Pure-torch implementation of :func:`tree_mask` (same inputs, same bits in ``out``)."""
     B, N = token_ids.shape
     _, R, W = out.ancestor_bits.shape
     Q, P, M = out.input_ids.numel(), out.kv_indices.numel(), out.packed_mask.numel()
     max_pages = page_table.shape[1]
     dev = token_ids.device
+    for x in (out.input_ids, out.position_ids, out.kv_indices, out.packed_mask):
+        x.zero_()
+    out.kv_slots.fill_(-1)
+    qo_indptr, kv_indptr, mask_indptr = out.qo_indptr, out.kv_indptr, out.mask_indptr
+    qo_lens = 1 + num_draft_tokens.clamp(0, N)
+    kv_lens = prefix_lens + qo_lens
+    num_pages = (kv_lens + page_size - 1) // page_size
+    for indptr, counts in ((qo_indptr, qo_lens), (kv_indptr, num_pages),
+                           (mask_indptr, (qo_lens * kv_lens + 7) // 8)):
+        indptr[:1].zero_()
+        torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
+    out.kv_last_page_len.copy_(kv_lens - (num_pages - 1) * page_size)
+    if B == 0:
+        return out
     qo_start = qo_indptr[:-1].long()
     qo_len = qo_indptr[1:].long() - qo_start
     prefix = prefix_lens.long()
@@ -279,34 +368,32 @@ def _check(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int, device: to
         raise ValueError(f"{name}: must be contiguous")
 
 
-def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Tensor,
-              prefix_lens: torch.Tensor, page_table: torch.Tensor, qo_indptr: torch.Tensor,
-              kv_indptr: torch.Tensor, mask_indptr: torch.Tensor, page_size: int, *,
-              out: TreeMaskBuffers | None = None,
+def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: torch.Tensor,
+              root_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+              page_size: int, *, out: TreeMaskBuffers | None = None,
               use_triton: bool | None = None) -> TreeMaskBuffers:
-    """Fills the per-row, per-page and packed-mask arrays of a tree-attention step.
+    """Plans a tree-attention step: indptrs, per-row and per-page arrays, the packed mask.
 
     Parameters
     ----------
     token_ids, parents : ``int32 [B, N]``
         The draft trees (topological order, ``-1`` parent for root children).
+    num_draft_tokens : ``int32 [B]``
+        Nodes per request (clamped to ``[0, N]``): ``qo_len = 1 + num_draft_tokens``.
     root_ids, prefix_lens : ``int32 [B]``
         Root token per request and the number of its tokens already in the KV cache.
     page_table : ``int32 [B, max_pages]``
         Each request's pages in logical order; must cover ``prefix_len + qo_len`` slots.
-    qo_indptr, kv_indptr, mask_indptr : ``int32 [B + 1]``
-        Cumulative ``qo_len``, page counts ``ceil(kv_len / page_size)`` and mask bytes
-        ``ceil(qo_len * kv_len / 8)``, with ``qo_len = 1 + num_draft_tokens`` and
-        ``kv_len = prefix_len + qo_len``.
     page_size : int
     out : TreeMaskBuffers, optional
-        Buffers to fill (capacities ``Q``, ``P``, ``M``; ``ancestor_bits`` of shape
-        ``[B, R, ceil(R / 32)]`` with ``R >= max qo_len``). Allocated with the static bounds
-        ``Q = B * (N + 1)``, ``P = B * max_pages``,
-        ``M = B * ceil((N + 1) * max_pages * page_size / 8)`` and ``R = N + 1`` when omitted.
+        Buffers to fill (indptrs of ``B + 1`` entries, ``kv_last_page_len`` of ``B``;
+        capacities ``Q``, ``P``, ``M``; ``ancestor_bits`` of shape ``[B, R, ceil(R / 32)]``
+        with ``R >= N + 1``). Allocated with the static bounds ``Q = B * (N + 1)``, ``P = B *
+        max_pages``, ``M = B * ceil((N + 1) * max_pages * page_size / 8)`` and ``R = N + 1``
+        when omitted.
     use_triton : bool, optional
         Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
-        Triton for CUDA tensors.
+        Triton for CUDA tensors. Triton: two kernel launches, nothing else.
 
     Returns
     -------
@@ -321,17 +408,15 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Te
     device = token_ids.device
     B, N = token_ids.shape if token_ids.dim() == 2 else (0, 0)
     for name, x, nd in (("token_ids", token_ids, 2), ("parents", parents, 2),
-                        ("root_ids", root_ids, 1), ("prefix_lens", prefix_lens, 1),
-                        ("page_table", page_table, 2), ("qo_indptr", qo_indptr, 1),
-                        ("kv_indptr", kv_indptr, 1), ("mask_indptr", mask_indptr, 1)):
+                        ("num_draft_tokens", num_draft_tokens, 1), ("root_ids", root_ids, 1),
+                        ("prefix_lens", prefix_lens, 1), ("page_table", page_table, 2)):
         _check(name, x, torch.int32, nd, device)
     if parents.shape != (B, N):
         raise ValueError(f"parents: expected shape {(B, N)}, got {tuple(parents.shape)}")
-    for name, x, n in (("root_ids", root_ids, B), ("prefix_lens", prefix_lens, B),
-                       ("qo_indptr", qo_indptr, B + 1), ("kv_indptr", kv_indptr, B + 1),
-                       ("mask_indptr", mask_indptr, B + 1)):
-        if x.shape[0] != n:
-            raise ValueError(f"{name}: expected {n} entries, got {x.shape[0]}")
+    for name, x in (("num_draft_tokens", num_draft_tokens), ("root_ids", root_ids),
+                    ("prefix_lens", prefix_lens)):
+        if x.shape[0] != B:
+            raise ValueError(f"{name}: expected {B} entries, got {x.shape[0]}")
     if page_table.shape[0] != B or page_table.shape[1] < 1:
         raise ValueError(f"page_table: expected shape ({B}, >=1), got {tuple(page_table.shape)}")
     if page_size < 1:
@@ -339,17 +424,22 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Te
     max_pages = page_table.shape[1]
     if out is None:
         R = N + 1
-        W = -(-R // 32)
+        i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
         out = TreeMaskBuffers(
-            input_ids=torch.empty(B * R, dtype=torch.int32, device=device),
-            position_ids=torch.empty(B * R, dtype=torch.int32, device=device),
-            kv_slots=torch.empty(B * R, dtype=torch.int32, device=device),
-            kv_indices=torch.empty(B * max_pages, dtype=torch.int32, device=device),
+            qo_indptr=i32(B + 1), kv_indptr=i32(B + 1), mask_indptr=i32(B + 1),
+            kv_last_page_len=i32(B), input_ids=i32(B * R), position_ids=i32(B * R),
+            kv_slots=i32(B * R), kv_indices=i32(B * max_pages),
             packed_mask=torch.empty(B * (-(-R * max_pages * page_size // 8)), dtype=torch.uint8,
                                     device=device),
-            ancestor_bits=torch.empty(B, R, W, dtype=torch.int32, device=device))
-    for name in ("input_ids", "position_ids", "kv_slots", "kv_indices"):
+            ancestor_bits=torch.empty(B, R, -(-R // 32), dtype=torch.int32, device=device))
+    for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "input_ids",
+                 "position_ids", "kv_slots", "kv_indices"):
         _check(f"out.{name}", getattr(out, name), torch.int32, 1, device)
+    for name, n in (("qo_indptr", B + 1), ("kv_indptr", B + 1), ("mask_indptr", B + 1),
+                    ("kv_last_page_len", B)):
+        if getattr(out, name).shape[0] != n:
+            raise ValueError(f"out.{name}: expected {n} entries, got "
+                             f"{getattr(out, name).shape[0]}")
     _check("out.packed_mask", out.packed_mask, torch.uint8, 1, device)
     _check("out.ancestor_bits", out.ancestor_bits, torch.int32, 3, device)
     _, R, W = out.ancestor_bits.shape
@@ -361,29 +451,22 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, root_ids: torch.Te
     if not (out.input_ids.numel() == out.position_ids.numel() == out.kv_slots.numel()):
         raise ValueError("out.input_ids, out.position_ids, out.kv_slots: capacities differ")
 
-    out.input_ids.zero_()
-    out.position_ids.zero_()
-    out.kv_slots.fill_(-1)
-    out.kv_indices.zero_()
-    out.packed_mask.zero_()
-    out.ancestor_bits.zero_()
-    if B == 0:
-        return out
     if use_triton is None:
         use_triton = device.type == "cuda"
-    if not use_triton:
-        return tree_mask_torch(token_ids, parents, root_ids, prefix_lens, page_table, qo_indptr,
-                               kv_indptr, mask_indptr, page_size, out)
+    if not use_triton or B == 0:
+        return tree_mask_torch(token_ids, parents, num_draft_tokens, root_ids, prefix_lens,
+                               page_table, page_size, out)
 
     Q, P, M = out.input_ids.numel(), out.kv_indices.numel(), out.packed_mask.numel()
     _tree_rows_kernel[(B,)](
-        token_ids, parents, root_ids, prefix_lens, page_table, qo_indptr, kv_indptr,
-        out.input_ids, out.position_ids, out.kv_slots, out.kv_indices, out.ancestor_bits,
-        N, max_pages, R, W, Q, P, page_size,
-        BLOCK_W=triton.next_power_of_2(W), BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(R)),
+        token_ids, parents, num_draft_tokens, root_ids, prefix_lens, page_table, out.qo_indptr,
+        out.kv_indptr, out.mask_indptr, out.kv_last_page_len, out.input_ids, out.position_ids,
+        out.kv_slots, out.kv_indices, out.ancestor_bits, B, N, max_pages, R, W, Q, P, page_size,
+        BLOCK_B=triton.next_power_of_2(B), BLOCK_W=triton.next_power_of_2(W),
+        BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(R)),
         BLOCK_P=min(BLOCK_PAGES, triton.next_power_of_2(max_pages)))
     max_bytes = -(-R * max_pages * page_size // 8)
     _tree_mask_kernel[(triton.cdiv(max_bytes, BLOCK_BYTES), B)](
-        prefix_lens, qo_indptr, mask_indptr, out.ancestor_bits, out.packed_mask, R, W, M,
-        BLOCK_BYTES=BLOCK_BYTES)
+        prefix_lens, out.qo_indptr, out.mask_indptr, out.ancestor_bits, out.packed_mask, B, R,
+        W, M, BLOCK_BYTES=BLOCK_BYTES)
     return out

@@ -26,6 +26,9 @@ CASES = [
     ([6, 1, 0, 3, 8], "random", [1, 0, 2, 5, 3], 1),
     ([40, 33], "chain", [3, 29], 16),  # more than 32 rows: two-word ancestor bitsets
     ([37, 0, 12], "random", [47, 48, 0], 16),
+    # a batch wider than a block of the prefix sums' smaller sizes, separators of empty trees
+    ([(7 * i) % 11 if i % 4 else 0 for i in range(37)], "random",
+     [(13 * i) % 29 for i in range(37)], 4),
 ]
 
 
@@ -129,6 +132,37 @@ def test_preallocated_buffers_are_reused(use_triton):
         assert torch.equal(getattr(reused, name).cpu(), getattr(fresh, name)), name
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("sizes,prefix_lens", [([0], [0]), ([3], [11]), ([5, 0], [2, 9])])
+def test_replanning_dirty_buffers_rewrites_every_padding_entry(use_triton, sizes, prefix_lens):
+    """The kernels write the tails themselves (no fills around them): a small plan into the
+    buffers of a larger one equals the same plan into clean buffers, entry for entry."""
+    device = DEVICE if use_triton else torch.device("cpu")
+
+    def empty():
+        return TreeMetadata.empty(max_batch_size=4, max_qo_len=9, max_pages_per_seq=8,
+                                  page_size=3, device=device)
+
+    def pad(table):
+        return torch.cat([table, torch.full((table.shape[0], 8 - table.shape[1]), 7,
+                                            dtype=torch.int32)], dim=1)
+
+    _, _, draft, roots, prefix, _, table = make_case(5, [8, 8, 7, 8], "random",
+                                                     [10, 7, 9, 8], 3)
+    dirty = empty()
+    plan_tree(*on_device(draft, roots, prefix, pad(table), device=device), 3, out=dirty,
+              use_triton=use_triton)
+    _, _, draft, roots, prefix, _, table = make_case(6, sizes, "random", prefix_lens, 3)
+    inputs = on_device(draft, roots, prefix, pad(table), device=device)
+    got = plan_tree(*inputs, 3, out=dirty, use_triton=use_triton)
+    want = plan_tree(*inputs, 3, out=empty(), use_triton=use_triton)
+    for name in FIELDS:
+        a, b = getattr(got, name).cpu(), getattr(want, name).cpu()
+        assert torch.equal(a, b), first_mismatch(name, a, b)
+    for name in ("input_ids", "position_ids", "kv_slots", "kv_indices", "packed_mask"):
+        assert torch.equal(getattr(dirty, name).cpu(), getattr(want, name).cpu()), name
+
+
 def test_rejects_bad_inputs():
     _, _, draft, roots, prefix, _, page_table = make_case(1, [2], "chain", [0], 4)
     with pytest.raises(ValueError, match="page_table"):
@@ -143,16 +177,19 @@ def test_rejects_bad_inputs():
 def test_kernels_compile_for_sm90():
     i32 = "*i32"
     rows_sig = {name: i32 for name in (
-        "token_ids_ptr", "parents_ptr", "root_ids_ptr", "prefix_lens_ptr", "page_table_ptr",
-        "qo_indptr_ptr", "kv_indptr_ptr", "input_ids_ptr", "position_ids_ptr", "kv_slots_ptr",
+        "token_ids_ptr", "parents_ptr", "num_draft_ptr", "root_ids_ptr", "prefix_lens_ptr",
+        "page_table_ptr", "qo_indptr_ptr", "kv_indptr_ptr", "mask_indptr_ptr",
+        "last_page_len_ptr", "input_ids_ptr", "position_ids_ptr", "kv_slots_ptr",
         "kv_indices_ptr", "ancestors_ptr")}
-    rows_sig.update({name: "i32" for name in ("N", "max_pages", "R", "W", "Q", "P",
+    rows_sig.update({name: "i32" for name in ("B", "N", "max_pages", "R", "W", "Q", "P",
                                                 "page_size")})
-    rows_sig.update(BLOCK_W="constexpr", BLOCK_R="constexpr", BLOCK_P="constexpr")
+    rows_sig.update(BLOCK_B="constexpr", BLOCK_W="constexpr", BLOCK_R="constexpr",
+                    BLOCK_P="constexpr")
     mask_sig = {"prefix_lens_ptr": i32, "qo_indptr_ptr": i32, "mask_indptr_ptr": i32,
-                "ancestors_ptr": i32, "packed_mask_ptr": "*u8", "R": "i32", "W": "i32",
-                "M": "i32", "BLOCK_BYTES": "constexpr"}
+                "ancestors_ptr": i32, "packed_mask_ptr": "*u8", "B": "i32", "R": "i32",
+                "W": "i32", "M": "i32", "BLOCK_BYTES": "constexpr"}
     compile_all_for_sm90([
-        (_tree_rows_kernel, rows_sig, {"BLOCK_W": 4, "BLOCK_R": 128, "BLOCK_P": 128}),
+        (_tree_rows_kernel, rows_sig,
+         {"BLOCK_B": 64, "BLOCK_W": 4, "BLOCK_R": 128, "BLOCK_P": 128}),
         (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128}),
     ])
