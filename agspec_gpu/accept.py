@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.kernels.tree_accept import tree_accept
+from agspec_gpu.kernels.tree_accept import greedy_tree_accept, path_outputs_torch, tree_accept
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,14 +222,8 @@ def _first_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _assemble(draft: DraftBatch, accepted: torch.Tensor, num_acc: torch.Tensor,
               bonus: torch.Tensor) -> AcceptResult:
     """Builds the result from the accepted path ``int64 [B, D]`` (-1 padded) and bonus ``[B]``."""
-    B = accepted.shape[0]
-    acc_tok = draft.token_ids.long().gather(1, accepted.clamp(min=0))
-    acc_tok = torch.where(accepted >= 0, acc_tok, PAD_ID)
-    out = torch.cat([acc_tok, torch.full((B, 1), PAD_ID, dtype=torch.long,
-                                         device=accepted.device)], 1)
-    out.scatter_(1, num_acc[:, None], bonus.long()[:, None])
-    num_acc32 = num_acc.to(torch.int32)
-    return AcceptResult(num_acc32, accepted.to(torch.int32), out.to(torch.int32), num_acc32 + 1)
+    out, num_out = path_outputs_torch(draft.token_ids, accepted, num_acc, bonus)
+    return AcceptResult(num_acc.to(torch.int32), accepted.to(torch.int32), out, num_out)
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -260,23 +254,21 @@ def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
         >>> greedy_accept(d, logits, tree_qo_indptr(d)).output_ids.tolist()  # 5 ok, 7 != 9
         [[5, 9, -1]]
     """
-    rows, row_start = _tree_rows(draft, logits, qo_indptr)
     B, N = draft.token_ids.shape
     D = _depth_bound(draft, max_depth)
-    dev = draft.token_ids.device
     # target[b, 0] = argmax at the root, target[b, 1+j] = argmax at node j: [B, 1+N]
-    row_idx = row_start[:, None] + torch.arange(1 + N, device=dev)
-    row_idx = row_idx.clamp(max=max(rows.shape[0] - 1, 0))  # padding columns: any valid row
-    target = rows.argmax(-1)[row_idx] if rows.shape[0] else torch.zeros_like(row_idx)
-    # the walk down each tree: one kernel on a GPU (kernels/tree_accept.py)
-    num_acc, accepted = tree_accept(draft.token_ids, draft.parents, draft.num_draft_tokens,
-                                    target, by_depth=False, max_depth=D)
-    cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # the last accepted node
-    if D:
-        last = accepted.gather(1, (num_acc - 1).clamp(min=0)[:, None])[:, 0]
-        cur = torch.where(num_acc > 0, last, cur)
-    bonus = target.gather(1, (cur + 1)[:, None])[:, 0]
-    return _assemble(draft, accepted, num_acc, bonus)
+    if logits.ndim == 3 and qo_indptr is None and logits.shape[:2] == (B, 1 + N):
+        target = logits.argmax(-1)  # padded: the rows are already [B, 1+N]
+    else:
+        rows, row_start = _tree_rows(draft, logits, qo_indptr)  # (raises for bad shapes)
+        row_idx = row_start[:, None] + torch.arange(1 + N, device=rows.device)
+        row_idx = row_idx.clamp(max=max(rows.shape[0] - 1, 0))  # padding columns: any row
+        target = rows.argmax(-1)[row_idx] if rows.shape[0] else torch.zeros_like(row_idx)
+    # the walk down each tree and its output tokens: one kernel on a GPU
+    # (kernels/tree_accept.py)
+    num_acc, accepted, out, num_out = greedy_tree_accept(
+        draft.token_ids, draft.parents, draft.num_draft_tokens, target, max_depth=D)
+    return AcceptResult(num_acc, accepted, out, num_out)
 
 
 # ----------------------------------------------------------------------------- sampling

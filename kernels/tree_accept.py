@@ -39,16 +39,21 @@ def _tree_accept_kernel(
     par_ptr,  # *int32 [B, N]  parents, -1: a child of the root
     num_ptr,  # *int32 [B]  valid nodes per request
     exp_ptr,  # *int64 [B, E]  expected tokens (see the module docstring)
-    path_ptr,  # *int64 [B, D]  accepted nodes in path order, -1 padded
-    nacc_ptr,  # *int64 [B]  accepted nodes
+    path_ptr,  # *int64 or *int32 [B, D]  accepted nodes in path order, -1 padded
+    nacc_ptr,  # *int64 or *int32 [B]  accepted nodes
+    out_ptr,  # *int32 [B, D + 1]  EMIT: accepted tokens, then the bonus, -1 padded
+    nout_ptr,  # *int32 [B]  EMIT: accepted nodes + 1
     N,
     E,
     D,
     NO_MATCH,  # a token no draft node carries
     BLOCK_N: tl.constexpr,
     BY_DEPTH: tl.constexpr,
+    EMIT: tl.constexpr,
 ):
-    """Grid ``(B,)``: the walk of one request, ``D`` levels at most."""
+    """Grid ``(B,)``: the walk of one request, ``D`` levels at most; with ``EMIT`` (greedy)
+    also the tokens it outputs: the accepted nodes' tokens, then the bonus token (the target
+    at the last accepted node, or at the root)."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_N)
     inb = j < N
@@ -75,11 +80,20 @@ def _tree_accept_kernel(
         child = tl.min(tl.where(hit & (alive != 0), j, BLOCK_N), axis=0)
         has = (child < BLOCK_N).to(tl.int32)
         tl.store(path_ptr + b * D + d, tl.where(has != 0, child, -1).to(tl.int64))
+        if EMIT:  # the child's token; at the first miss the bonus; then padding
+            bonus = tl.load(exp_ptr + b * E + cur + 1)
+            out = tl.where(alive != 0, bonus, -1)
+            out = tl.where(has != 0, tl.sum(tl.where(j == child, tok, 0), axis=0), out)
+            tl.store(out_ptr + b * (D + 1) + d, out.to(tl.int32))
         cur = tl.where(has != 0, child, cur)
         num += has
         alive = alive * has
         d += 1
     tl.store(nacc_ptr + b, num)
+    if EMIT:  # every level accepted: the bonus is the last column
+        bonus = tl.load(exp_ptr + b * E + cur + 1)
+        tl.store(out_ptr + b * (D + 1) + D, tl.where(alive != 0, bonus, -1).to(tl.int32))
+        tl.store(nout_ptr + b, (num + 1).to(tl.int32))
 
 
 def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
@@ -134,6 +148,28 @@ def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     return num, path
 
 
+def _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth: bool,
+                max_depth: int, name: str = "expected") -> None:
+    """The launchers' argument checks (ValueError naming the argument)."""
+    if token_ids.dim() != 2 or parents.shape != token_ids.shape:
+        raise ValueError(f"token_ids, parents: expected the same [B, N], got "
+                         f"{tuple(token_ids.shape)}, {tuple(parents.shape)}")
+    B, N = token_ids.shape
+    if num_draft_tokens.shape != (B,):
+        raise ValueError(f"num_draft_tokens: expected shape ({B},), got "
+                         f"{tuple(num_draft_tokens.shape)}")
+    if expected.dim() != 2 or expected.shape[0] != B or expected.dtype != torch.int64:
+        raise ValueError(f"{name}: expected int64 [{B}, E], got {expected.dtype} "
+                         f"{tuple(expected.shape)}")
+    if not by_depth and expected.shape[1] != N + 1:
+        raise ValueError(f"{name}: [B, N + 1 = {N + 1}] targets (root, then each node), got "
+                         f"{tuple(expected.shape)}")
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    check_devices(("token_ids", token_ids), ("parents", parents),
+                  ("num_draft_tokens", num_draft_tokens), (name, expected))
+
+
 def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: torch.Tensor,
                 expected: torch.Tensor, *, by_depth: bool, max_depth: int,
                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,24 +191,9 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     ``(num_accepted int64 [B], path int64 [B, D])``: ``path[b, :num_accepted[b]]`` are the
     accepted nodes from the root down, ``-1`` after them.
     """
-    if token_ids.dim() != 2 or parents.shape != token_ids.shape:
-        raise ValueError(f"token_ids, parents: expected the same [B, N], got "
-                         f"{tuple(token_ids.shape)}, {tuple(parents.shape)}")
+    _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth, max_depth)
     B, N = token_ids.shape
-    if num_draft_tokens.shape != (B,):
-        raise ValueError(f"num_draft_tokens: expected shape ({B},), got "
-                         f"{tuple(num_draft_tokens.shape)}")
-    if expected.dim() != 2 or expected.shape[0] != B or expected.dtype != torch.int64:
-        raise ValueError(f"expected: expected int64 [{B}, E], got {expected.dtype} "
-                         f"{tuple(expected.shape)}")
-    if not by_depth and expected.shape[1] != N + 1:
-        raise ValueError(f"expected: [B, N + 1 = {N + 1}] targets (root, then each node), got "
-                         f"{tuple(expected.shape)}")
-    if max_depth < 0:
-        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     dev = token_ids.device
-    check_devices(("token_ids", token_ids), ("parents", parents),
-                  ("num_draft_tokens", num_draft_tokens), ("expected", expected))
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N:
@@ -184,6 +205,55 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
         _tree_accept_kernel[(B,)](
             token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
             num_draft_tokens.to(torch.int32).contiguous(), expected.contiguous(), path, num,
-            N, expected.shape[1], max_depth, -2, BLOCK_N=max(triton.next_power_of_2(N), 1),
-            BY_DEPTH=by_depth)
+            num, num, N, expected.shape[1], max_depth, -2,
+            BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=by_depth, EMIT=False)
     return num, path
+
+
+def path_outputs_torch(token_ids: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
+                       bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output_ids int32 [B, D + 1], num_output int32 [B])`` of accepted paths ``path
+    [B, D]`` (-1 padded, ``num_accepted [B]`` long) and bonus tokens ``[B]``: the path's
+    tokens, then the bonus, then -1."""
+    B = path.shape[0]
+    path = path.long()
+    tok = token_ids.long().gather(1, path.clamp(min=0))
+    out = torch.cat([torch.where(path >= 0, tok, -1),
+                     torch.full((B, 1), -1, dtype=torch.long, device=path.device)], 1)
+    out.scatter_(1, num_accepted.long()[:, None], bonus.long()[:, None])
+    return out.to(torch.int32), (num_accepted + 1).to(torch.int32)
+
+
+def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
+                       num_draft_tokens: torch.Tensor, target: torch.Tensor, *, max_depth: int,
+                       use_triton: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification's walk and what it outputs, in one kernel on a GPU.
+
+    ``target int64 [B, N + 1]``: the target's token at the root and at each node (its
+    argmax). Returns ``(num_accepted [B], path [B, D], output_ids [B, D + 1], num_output
+    [B])``, all int32: :func:`tree_accept`'s path (``by_depth=False``), the accepted tokens
+    followed by the bonus token (the target at the last accepted node; -1 after it), and
+    ``num_accepted + 1``.
+    """
+    _check_walk(token_ids, parents, num_draft_tokens, target, False, max_depth, "target")
+    B, N = token_ids.shape
+    dev = token_ids.device
+    if use_triton is None:
+        use_triton = dev.type == "cuda"
+    if not use_triton or N > MAX_BLOCK_N or B == 0 or max_depth == 0:
+        num, path = tree_accept_torch(token_ids, parents, num_draft_tokens, target,
+                                      by_depth=False, max_depth=max_depth)
+        last = path.gather(1, (num - 1).clamp(min=0)[:, None])[:, 0] if max_depth else num
+        cur = torch.where(num > 0, last, -1)
+        bonus = target.gather(1, (cur + 1)[:, None])[:, 0]
+        out, nout = path_outputs_torch(token_ids, path, num, bonus)
+        return num.to(torch.int32), path.to(torch.int32), out, nout
+    i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+    num, path, out, nout = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B)
+    _tree_accept_kernel[(B,)](
+        token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
+        num_draft_tokens.to(torch.int32).contiguous(), target.contiguous(), path, num, out,
+        nout, N, N + 1, max_depth, -2, BLOCK_N=max(triton.next_power_of_2(N), 1),
+        BY_DEPTH=False, EMIT=True)
+    return num, path, out, nout

@@ -1,13 +1,14 @@
 """The tree-acceptance walk: the Triton kernel (interpreted on CPU) and the torch path equal a
 plain Python walk on random trees, duplicate sibling tokens, depth and width bounds, empty and
-one-node drafts, in both modes (greedy targets at the parent; true tokens by depth); the
-kernel compiles for sm_90."""
+one-node drafts, in both modes (greedy targets at the parent; true tokens by depth), and
+greedy's output tokens (the path's, then the bonus); the kernel compiles for sm_90."""
 
 import numpy as np
 import pytest
 import torch
 
-from agspec_gpu.kernels.tree_accept import _tree_accept_kernel, tree_accept, tree_accept_torch
+from agspec_gpu.kernels.tree_accept import (_tree_accept_kernel, greedy_tree_accept, tree_accept,
+                                             tree_accept_torch)
 from kernel_compile import compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,6 +65,18 @@ def check(tok, par, num, exp, by_depth, D):
         for name, (n, p) in (("triton", got), ("torch", ref)):
             assert int(n[b]) == len(want), (name, b, want, p[b].tolist())
             assert p[b].tolist() == want + [-1] * (D - len(want)), (name, b)
+    if by_depth:
+        return
+    for use_triton in (True, False):  # greedy: the walk and its output tokens
+        n, p, out, nout = greedy_tree_accept(*t, max_depth=D, use_triton=use_triton)
+        assert all(x.dtype == torch.int32 for x in (n, p, out, nout))
+        assert torch.equal(n.long().cpu(), ref[0].cpu()) and torch.equal(p.long(), ref[1])
+        assert torch.equal(nout, n + 1)
+        for b in range(tok.shape[0]):
+            path = ref[1][b, :int(ref[0][b])].tolist()
+            bonus = int(exp[b, 1 + (path[-1] if path else -1)])
+            want = [int(tok[b, j]) for j in path] + [bonus]
+            assert out[b].tolist() == want + [-1] * (D + 1 - len(want)), (use_triton, b)
 
 
 @pytest.mark.parametrize("by_depth", [False, True])
@@ -92,6 +105,10 @@ def test_chains_and_empty_batches(by_depth):
     n, p = tree_accept(*[torch.from_numpy(x).to(DEV) for x in empty], by_depth=by_depth,
                        max_depth=3, use_triton=True)
     assert n.shape == (0,) and p.shape == (0, 3)
+    if not by_depth:
+        n, p, out, nout = greedy_tree_accept(*[torch.from_numpy(x).to(DEV) for x in empty],
+                                             max_depth=3, use_triton=True)
+        assert n.shape == nout.shape == (0,) and p.shape == (0, 3) and out.shape == (0, 4)
 
 
 def test_rejects_bad_inputs():
@@ -111,9 +128,21 @@ def test_rejects_bad_inputs():
                     max_depth=-1)
 
 
+def test_rejects_bad_greedy_targets():
+    t = torch.zeros(2, 3, dtype=torch.int32)
+    num = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="target: expected int64"):
+        greedy_tree_accept(t, t, num, torch.zeros(2, 4, dtype=torch.int32), max_depth=3)
+    with pytest.raises(ValueError, match="target: \\[B, N \\+ 1"):
+        greedy_tree_accept(t, t, num, torch.zeros(2, 3, dtype=torch.int64), max_depth=3)
+
+
 def test_kernel_compiles_for_sm90():
     sig = dict(tok_ptr="*i32", par_ptr="*i32", num_ptr="*i32", exp_ptr="*i64", path_ptr="*i64",
-               nacc_ptr="*i64", N="i32", E="i32", D="i32", NO_MATCH="i64",
-               BLOCK_N="constexpr", BY_DEPTH="constexpr")
-    compile_all_for_sm90([(_tree_accept_kernel, sig, dict(BLOCK_N=64, BY_DEPTH=False)),
-                          (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True))])
+               nacc_ptr="*i64", out_ptr="*i32", nout_ptr="*i32", N="i32", E="i32", D="i32",
+               NO_MATCH="i64", BLOCK_N="constexpr", BY_DEPTH="constexpr", EMIT="constexpr")
+    greedy = dict(sig, path_ptr="*i32", nacc_ptr="*i32")
+    compile_all_for_sm90([
+        (_tree_accept_kernel, sig, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=False)),
+        (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True, EMIT=False)),
+        (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True))])
