@@ -193,10 +193,9 @@ class SpecDecoder:
         # a per-instance prefix: one decoder never takes another decoder's session id for
         # one of its own (possibly another tenant's session)
         self._sid_prefix = f"d{uuid.uuid4().hex[:8]}-s"
-        # cumulative counters: verification steps, tokens emitted (host); draft tokens
-        # drafted and accepted (on the device: summed without a read per step)
-        self._steps = self._tokens = 0
-        self._draft_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        # cumulative counters (host): verification steps, tokens emitted, draft tokens
+        # drafted and accepted
+        self._steps = self._tokens = self._drafted = self._accepted = 0
 
     @property
     def stats(self) -> dict[str, int]:
@@ -204,10 +203,9 @@ class SpecDecoder:
         ``drafted`` and ``accepted`` draft tokens, ``prefills`` (prefill forwards: one per
         ``generate`` call and per join of :meth:`step`, each also emitting a token per
         request) and ``prefill_tokens`` (the context tokens they ran, past each session's
-        kept KV). Reading it syncs with the device."""
-        drafted, accepted = self._draft_counts.tolist()
-        return {"steps": self._steps, "tokens": self._tokens, "drafted": drafted,
-                "accepted": accepted, "prefills": self._kv.num_prefills,
+        kept KV)."""
+        return {"steps": self._steps, "tokens": self._tokens, "drafted": self._drafted,
+                "accepted": self._accepted, "prefills": self._kv.num_prefills,
                 "prefill_tokens": self._kv.num_prefill_tokens}
 
     # ------------------------------------------------------------ lifecycle
@@ -400,11 +398,11 @@ class SpecDecoder:
             raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
         if logits.device != draft.token_ids.device:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
-        draft.checked_sizes(self.vocab_size)
+        num_draft = draft.checked_sizes(self.vocab_size)
         with nvtx.annotate("agspec.commit"):
             res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator)
             rows, n_out = read_output(res)
-            self._record(sids, draft, res, n_out, n_out)
+            self._record(sids, draft, res, n_out, n_out, num_draft)
             _extend_contexts([self._sessions[s] for s in sids],
                              [r[:n] for r, n in zip(rows, n_out)])
         self._proposed = None
@@ -442,15 +440,14 @@ class SpecDecoder:
         return self._last_sampling[1]
 
     def _record(self, sids: list[str], draft: DraftBatch, res: AcceptResult,
-                taken: list[int], num_output: list[int]) -> None:
+                taken: list[int], num_output: list[int], num_draft: list[int]) -> None:
         """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
         controller) and the counters; ``taken`` is ``num_output`` (host) cut where a
-        request ended."""
+        request ended; ``num_draft``: the verified draft sizes (host)."""
         self._steps += 1
         self._tokens += sum(taken)
-        counts = self._draft_counts
-        counts[0] += draft.num_draft_tokens.to(counts.device).sum()
-        counts[1] += res.num_accepted.to(counts.device).sum()
+        self._drafted += sum(num_draft)
+        self._accepted += sum(num_output) - len(num_output)
         # the ids are the model's own and the counts are on the host: no read back; the
         # device counts are the step's own unless a request ended inside it
         cut = res.num_output if taken == num_output else \
@@ -653,7 +650,7 @@ class SpecDecoder:
     def _running_batch(self, reqs: Requests) -> RunningBatch:
         runner = HFRunner(self.model) if self._paged is None else \
             PagedBatch(self._paged, self._verify_graphs)
-        return RunningBatch(reqs, runner, self.drafter, self._kv, self.vocab_size,
+        return RunningBatch(reqs, runner, self.drafter, self._kv,
                             lambda params: self._sampling(params, len(params)), self._record)
 
     def _join(self, live: RunningBatch | None, joining: list[Requests]) -> RunningBatch:

@@ -27,8 +27,9 @@ from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.session_kv import SessionKVCache
 
-# (session ids, draft, result, tokens each session took, num_output on the host)
-RecordFn = Callable[[list, DraftBatch, AcceptResult, list, list], None]
+# (session ids, draft, result, tokens each session took, num_output and the verified draft
+# sizes on the host)
+RecordFn = Callable[[list, DraftBatch, AcceptResult, list, list, list], None]
 
 
 class RunningBatch:
@@ -39,16 +40,15 @@ class RunningBatch:
         runner: a fresh ``HFRunner`` or ``PagedBatch``; :meth:`prefill` starts it.
         drafter: proposes the trees and takes the emitted tokens.
         kv: the sessions' kept KV (prefill continues it; leaving and :meth:`end` keep it).
-        vocab_size: the model's vocabulary (draft tokens are checked against it).
         sampling_rows: ``params -> BatchSampling`` (the decoder's cached device rows).
         record: commits a step's emitted tokens to the drafter and the decoder's counters.
     """
 
     def __init__(self, reqs: Requests, runner: HFRunner | PagedBatch, drafter: Drafter,
-                 kv: SessionKVCache, vocab_size: int,
-                 sampling_rows: Callable[[list], BatchSampling], record: RecordFn) -> None:
+                 kv: SessionKVCache, sampling_rows: Callable[[list], BatchSampling],
+                 record: RecordFn) -> None:
         self.reqs, self.runner, self.drafter, self.kv = reqs, runner, drafter, kv
-        self.vocab_size, self._sampling_rows, self._record = vocab_size, sampling_rows, record
+        self._sampling_rows, self._record = sampling_rows, record
         self.device = drafter.recent.device
         self.root: torch.Tensor | None = None       # int32 [B]: last emitted token, not cached
         self.sampling: BatchSampling | None = None
@@ -85,7 +85,9 @@ class RunningBatch:
                     self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
                                           torch.int32, self.device)
                 draft = draft.capped(self.caps)
-            num_draft = draft.checked_sizes(self.vocab_size)  # host read 1 of 2
+            # host read 1 of 2 (the drafter's tokens come from the store's corpora, which
+            # hold ids of the model's vocabulary only: no check of the ids here)
+            num_draft = draft.num_draft_tokens.tolist()
         else:  # every request opted out: a plain decoding step, the drafter is not asked
             # (it still takes the emitted tokens), and its draft sizes are known here
             if self.no_draft is None:
@@ -107,7 +109,7 @@ class RunningBatch:
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
             # the session tier gets what the session emitted: nothing past EOS, a stop
             # string or the limit
-            self._record(reqs.sids, draft, res, list(map(len, new)), n_out)
+            self._record(reqs.sids, draft, res, list(map(len, new)), n_out, num_draft)
         return new
 
     def leave(self) -> None:
