@@ -163,7 +163,7 @@ class TreeMetadata:
 def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tensor,
               page_table: torch.Tensor, page_size: int, *, max_total_q: int | None = None,
               out: TreeMetadata | None = None, with_dense_mask: bool = False,
-              use_triton: bool | None = None) -> TreeMetadata:
+              sink_page: int | None = None, use_triton: bool | None = None) -> TreeMetadata:
     """Plans one tree-verification step for a batch, entirely on the device.
 
     Parameters
@@ -184,6 +184,11 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         Buffers from :meth:`TreeMetadata.empty` to reuse; the result holds views of them.
     with_dense_mask : bool
         Also unpack the mask into ``maybe_tree_mask`` (debugging; allocates).
+    sink_page : int, optional
+        Plan a *sink* as request ``B`` (``out`` must hold ``B + 1`` requests): the rows
+        past the batch's, up to ``out``'s capacity, over one KV entry on page ``sink_page``
+        (see :func:`agspec_gpu.kernels.tree_mask.tree_mask`); the result then describes
+        ``B + 1`` requests. A CUDA graph of a fixed row count needs it.
     use_triton : bool, optional
         Forwarded to :func:`agspec_gpu.kernels.tree_mask.tree_mask`.
 
@@ -220,18 +225,23 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
                          f"{out.max_kv_len}")
     if max_total_q is not None and out.capacity_q < max_total_q:
         raise ValueError(f"out holds {out.capacity_q} rows < max_total_q={max_total_q}")
+    nb = B + (sink_page is not None)  # requests planned, the sink included
+    if out.batch_size < nb:
+        raise ValueError(f"out: buffers for batch {out.batch_size} cannot plan {B} requests "
+                         f"and a sink")
 
-    qo_indptr, kv_indptr, mask_indptr = (x[:B + 1] for x in
+    qo_indptr, kv_indptr, mask_indptr = (x[:nb + 1] for x in
                                          (out.qo_indptr, out.kv_indptr, out.mask_indptr))
-    kv_last_page_len = out.kv_last_page_len[:B]
-    ancestor_bits = out.ancestor_bits.view(-1)[:B * R * (-(-R // 32))].view(B, R, -(-R // 32))
-    # sizes, indptrs, rows, pages and mask: two kernels on a GPU
+    kv_last_page_len = out.kv_last_page_len[:nb]
+    W = -(-R // 32)
+    ancestor_bits = out.ancestor_bits.view(-1)[:nb * R * W].view(nb, R, W)
+    # sizes, indptrs, rows, pages and mask (and the sink): two kernels on a GPU
     tree_mask(*(x.to(torch.int32).contiguous() for x in (
         draft.token_ids, draft.parents, draft.num_draft_tokens, root_ids, prefix_lens,
-        page_table)), page_size, use_triton=use_triton,
+        page_table)), page_size, use_triton=use_triton, sink_page=sink_page,
         out=TreeMaskBuffers(qo_indptr, kv_indptr, mask_indptr, kv_last_page_len, out.input_ids,
                             out.position_ids, out.kv_slots, out.kv_indices, out.packed_mask,
-                            ancestor_bits))
+                            ancestor_bits[:B]))
     meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
                    kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
                    max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None)

@@ -122,10 +122,12 @@ def _tree_rows_kernel(
     Q,
     P,
     page_size,
+    sink_page,  # HAS_SINK: the page of the sink's one KV entry
     BLOCK_B: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """One program per request.
 
@@ -137,12 +139,14 @@ def _tree_rows_kernel(
     in an earlier iteration; a barrier per iteration makes those stores visible to every
     thread of the program. Rows, slots and pages are then written in vectorised blocks, and
     the tails past the batch's rows and pages (padding) in blocks strided over the programs.
+    ``HAS_SINK``: the last program also plans the sink, request ``B``.
     Memory layout: ``anc`` is ``[B, R, W]`` row-major int32 words (bit ``t % 32`` of word
     ``t // 32``).
     """
     b = tl.program_id(0).to(tl.int64)
     qo_start, qo_len, kv_start, num_pages, m_start, num_bytes, kv_len, total_q, total_pages, \
-        _ = _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size, BLOCK_B)
+        total_bytes = _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size,
+                                     BLOCK_B)
     tl.store(qo_indptr_ptr + b + 1, (qo_start + qo_len).to(tl.int32))
     tl.store(kv_indptr_ptr + b + 1, (kv_start + num_pages).to(tl.int32))
     tl.store(mask_indptr_ptr + b + 1, (m_start + num_bytes).to(tl.int32))
@@ -151,6 +155,15 @@ def _tree_rows_kernel(
     tl.store(qo_indptr_ptr, 0, mask=first)
     tl.store(kv_indptr_ptr, 0, mask=first)
     tl.store(mask_indptr_ptr, 0, mask=first)
+    if HAS_SINK:  # request B: the rows past the batch's over one KV entry (the last program)
+        last = b == B - 1
+        tl.store(qo_indptr_ptr + B + 1, (total_q * 0 + Q).to(tl.int32), mask=last)
+        tl.store(kv_indptr_ptr + B + 1, (total_pages + 1).to(tl.int32), mask=last)
+        tl.store(kv_indices_ptr + total_pages, (total_pages * 0 + sink_page).to(tl.int32),
+                 mask=last & (total_pages < P))
+        tl.store(last_page_len_ptr + B, 1, mask=last)
+        sink_bytes = (tl.maximum(Q - total_q, 0) + 7) // 8
+        tl.store(mask_indptr_ptr + B + 1, (total_bytes + sink_bytes).to(tl.int32), mask=last)
     prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
     anc_base = ancestors_ptr + b * R * W
     words = tl.arange(0, BLOCK_W)
@@ -214,6 +227,8 @@ def _tree_rows_kernel(
         tl.store(kv_slots_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=tail)
         t += B * BLOCK_R
     t = total_pages + b * BLOCK_P
+    if HAS_SINK:  # the sink's page
+        t += 1
     while t < P:
         cols = t + tl.arange(0, BLOCK_P)
         tl.store(kv_indices_ptr + cols, tl.zeros([BLOCK_P], tl.int32), mask=cols < P)
@@ -232,6 +247,7 @@ def _tree_mask_kernel(
     W,
     M,
     BLOCK_BYTES: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     """Grid ``(byte blocks, B)``: each program packs ``BLOCK_BYTES`` bytes of one request.
 
@@ -239,7 +255,7 @@ def _tree_mask_kernel(
     column ``c = e % kv_len``; it is set iff ``c < prefix_len`` or tree row ``c - prefix_len``
     is an ancestor-or-self of the row. Bits past ``qo_len * kv_len`` are 0 (byte padding), and
     so are the bytes past the batch's (``mask_indptr[B]``), zeroed in blocks strided over all
-    programs.
+    programs, but for the sink's (``HAS_SINK``: up to ``mask_indptr[B + 1]``), all ones.
     """
     blk = tl.program_id(0).to(tl.int64)  # axis 0: the large one (grid y/z are < 2**16)
     b = tl.program_id(1).to(tl.int64)
@@ -264,17 +280,22 @@ def _tree_mask_kernel(
              mask=(j < num_bytes) & (m_start + j < M))
 
     num_blocks = tl.num_programs(0)
-    t = tl.load(mask_indptr_ptr + B).to(tl.int64) + (b * num_blocks + blk) * BLOCK_BYTES
+    total = tl.load(mask_indptr_ptr + B).to(tl.int64)
+    ones_end = total
+    if HAS_SINK:
+        ones_end = tl.load(mask_indptr_ptr + B + 1).to(tl.int64)
+    t = total + (b * num_blocks + blk) * BLOCK_BYTES
     while t < M:
         tail = t + tl.arange(0, BLOCK_BYTES)
-        tl.store(packed_mask_ptr + tail, tl.zeros([BLOCK_BYTES], tl.uint8), mask=tail < M)
+        tl.store(packed_mask_ptr + tail, tl.where(tail < ones_end, 255, 0).to(tl.uint8),
+                 mask=tail < M)
         t += B * num_blocks * BLOCK_BYTES
 
 
 def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
                     num_draft_tokens: torch.Tensor, root_ids: torch.Tensor,
                     prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                    out: TreeMaskBuffers) -> TreeMaskBuffers:
+                    out: TreeMaskBuffers, sink_page: int | None = None) -> TreeMaskBuffers:
     """Pure-torch implementation of :func:`tree_mask` (same inputs, same bits in ``out``)."""
     B, N = token_ids.shape
     _, R, W = out.ancestor_bits.shape
@@ -284,7 +305,8 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     for x in (out.input_ids, out.position_ids, out.kv_indices, out.packed_mask):
         x.zero_()
     out.kv_slots.fill_(-1)
-    qo_indptr, kv_indptr, mask_indptr = out.qo_indptr, out.kv_indptr, out.mask_indptr
+    qo_indptr, kv_indptr, mask_indptr = (x[:B + 1] for x in (out.qo_indptr, out.kv_indptr,
+                                                               out.mask_indptr))
     qo_lens = 1 + num_draft_tokens.clamp(0, N)
     kv_lens = prefix_lens + qo_lens
     num_pages = (kv_lens + page_size - 1) // page_size
@@ -292,7 +314,17 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
                            (mask_indptr, (qo_lens * kv_lens + 7) // 8)):
         indptr[:1].zero_()
         torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
-    out.kv_last_page_len.copy_(kv_lens - (num_pages - 1) * page_size)
+    out.kv_last_page_len[:B].copy_(kv_lens - (num_pages - 1) * page_size)
+    if sink_page is not None:  # request B: the rows past the batch's over one KV entry
+        out.qo_indptr[B + 1:].fill_(Q)
+        torch.add(kv_indptr[B:], 1, out=out.kv_indptr[B + 1:])
+        out.kv_indices.masked_fill_(torch.arange(P, device=dev) == kv_indptr[B], sink_page)
+        out.kv_last_page_len[B:].fill_(1)
+        sink_bytes = ((Q - qo_indptr[B:]).clamp(min=0) + 7) // 8
+        torch.add(mask_indptr[B:], sink_bytes, out=out.mask_indptr[B + 1:])
+        at = torch.arange(M, device=dev)
+        out.packed_mask.masked_fill_((at >= mask_indptr[B]) & (at < out.mask_indptr[B + 1]),
+                                     255)
     if B == 0:
         return out
     qo_start = qo_indptr[:-1].long()
@@ -371,7 +403,7 @@ def _check(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int, device: to
 def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: torch.Tensor,
               root_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
               page_size: int, *, out: TreeMaskBuffers | None = None,
-              use_triton: bool | None = None) -> TreeMaskBuffers:
+              sink_page: int | None = None, use_triton: bool | None = None) -> TreeMaskBuffers:
     """Plans a tree-attention step: indptrs, per-row and per-page arrays, the packed mask.
 
     Parameters
@@ -391,6 +423,13 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
         with ``R >= N + 1``). Allocated with the static bounds ``Q = B * (N + 1)``, ``P = B *
         max_pages``, ``M = B * ceil((N + 1) * max_pages * page_size / 8)`` and ``R = N + 1``
         when omitted.
+    sink_page : int, optional
+        Plan one more request ``B`` (a *sink*): the rows past the batch's, up to the
+        capacity ``Q``, over one KV entry (slot 0 of page ``sink_page``) that each of them
+        sees (its mask bytes all ones; its rows stay padding). A CUDA graph replays a fixed
+        row count: the sink takes what a step leaves over. ``out``'s indptrs then hold ``B +
+        2`` entries and ``kv_last_page_len`` ``B + 1``; the caller keeps ``Q`` above the
+        batch's rows (a sink of no rows is planned as such).
     use_triton : bool, optional
         Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
         Triton for CUDA tensors. Triton: two kernel launches, nothing else.
@@ -435,8 +474,9 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "input_ids",
                  "position_ids", "kv_slots", "kv_indices"):
         _check(f"out.{name}", getattr(out, name), torch.int32, 1, device)
-    for name, n in (("qo_indptr", B + 1), ("kv_indptr", B + 1), ("mask_indptr", B + 1),
-                    ("kv_last_page_len", B)):
+    k = int(sink_page is not None)  # the sink's entries
+    for name, n in (("qo_indptr", B + 1 + k), ("kv_indptr", B + 1 + k),
+                    ("mask_indptr", B + 1 + k), ("kv_last_page_len", B + k)):
         if getattr(out, name).shape[0] != n:
             raise ValueError(f"out.{name}: expected {n} entries, got "
                              f"{getattr(out, name).shape[0]}")
@@ -455,18 +495,18 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
         use_triton = device.type == "cuda"
     if not use_triton or B == 0:
         return tree_mask_torch(token_ids, parents, num_draft_tokens, root_ids, prefix_lens,
-                               page_table, page_size, out)
+                               page_table, page_size, out, sink_page)
 
     Q, P, M = out.input_ids.numel(), out.kv_indices.numel(), out.packed_mask.numel()
     _tree_rows_kernel[(B,)](
         token_ids, parents, num_draft_tokens, root_ids, prefix_lens, page_table, out.qo_indptr,
         out.kv_indptr, out.mask_indptr, out.kv_last_page_len, out.input_ids, out.position_ids,
         out.kv_slots, out.kv_indices, out.ancestor_bits, B, N, max_pages, R, W, Q, P, page_size,
-        BLOCK_B=triton.next_power_of_2(B), BLOCK_W=triton.next_power_of_2(W),
-        BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(R)),
-        BLOCK_P=min(BLOCK_PAGES, triton.next_power_of_2(max_pages)))
+        0 if sink_page is None else sink_page, BLOCK_B=triton.next_power_of_2(B),
+        BLOCK_W=triton.next_power_of_2(W), BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(R)),
+        BLOCK_P=min(BLOCK_PAGES, triton.next_power_of_2(max_pages)), HAS_SINK=bool(k))
     max_bytes = -(-R * max_pages * page_size // 8)
     _tree_mask_kernel[(triton.cdiv(max_bytes, BLOCK_BYTES), B)](
         prefix_lens, out.qo_indptr, out.mask_indptr, out.ancestor_bits, out.packed_mask, B, R,
-        W, M, BLOCK_BYTES=BLOCK_BYTES)
+        W, M, BLOCK_BYTES=BLOCK_BYTES, HAS_SINK=bool(k))
     return out

@@ -163,6 +163,61 @@ def test_replanning_dirty_buffers_rewrites_every_padding_entry(use_triton, sizes
         assert torch.equal(getattr(dirty, name).cpu(), getattr(want, name).cpu()), name
 
 
+@pytest.mark.parametrize("sizes,prefix_lens", [([0], [0]), ([4, 0, 7], [9, 0, 3]),
+                                                ([(5 * i) % 9 for i in range(21)],
+                                                 [(11 * i) % 23 for i in range(21)])])
+def test_sink_takes_the_rows_left_over(sizes, prefix_lens):
+    """``sink_page``: request ``B`` over the rows past the batch's (a CUDA graph's fixed row
+    count), one KV entry on the sink page that every one of its rows sees; Triton == torch,
+    into clean and into dirty buffers."""
+    B, ps, null = len(sizes), 4, 3
+    _, _, draft, roots, prefix, _, table = make_case(7, sizes, "random", prefix_lens, ps)
+    pages = table.shape[1]
+
+    def empty(device):
+        return TreeMetadata.empty(B + 1, draft.max_nodes + 1, pages, ps, device,
+                                  max_total_q=sum(sizes) + B + 13,
+                                  max_total_pages=B * pages + 5,
+                                  max_mask_bytes=(sum(sizes) + B + 13) * pages * ps // 8 + B + 2)
+
+    got = {}
+    for use_triton in (False, True):
+        device = DEVICE if use_triton else torch.device("cpu")
+        dirty = empty(device)
+        dirty.packed_mask.fill_(7)
+        dirty.kv_indices.fill_(9)
+        dirty.input_ids.fill_(5)
+        dirty.kv_slots.fill_(5)
+        inputs = on_device(draft, roots, prefix, table, device=device)
+        for out in (empty(device), dirty):
+            m = plan_tree(*inputs, ps, out=out, sink_page=null, use_triton=use_triton)
+            got.setdefault(use_triton, []).append(
+                {name: getattr(m, name).cpu().clone() for name in FIELDS})
+    want = got[False][0]
+    for run in got[False][1:] + got[True]:
+        for name in FIELDS:
+            if name == "ancestor_bits":  # the sink has no tree: its bits are unspecified
+                assert torch.equal(run[name][:B], want[name][:B]), name
+            else:
+                assert torch.equal(run[name], want[name]), first_mismatch(name, run[name],
+                                                                          want[name])
+    plain = plan_tree(draft, roots, prefix, table, ps, use_triton=False)
+    total_q, total_pages = int(plain.qo_indptr[-1]), int(plain.kv_indptr[-1])
+    total_bytes, Q = int(plain.mask_indptr[-1]), sum(sizes) + B + 13
+    assert want["qo_indptr"].tolist() == plain.qo_indptr.tolist() + [Q]
+    assert want["kv_indptr"].tolist() == plain.kv_indptr.tolist() + [total_pages + 1]
+    sink_bytes = -(-(Q - total_q) // 8)
+    assert want["mask_indptr"].tolist() == plain.mask_indptr.tolist() + [
+        total_bytes + sink_bytes]
+    assert want["kv_last_page_len"].tolist() == plain.kv_last_page_len.tolist() + [1]
+    assert want["kv_indices"][total_pages] == null
+    assert want["kv_indices"][total_pages + 1:].eq(0).all()
+    mask = want["packed_mask"]
+    assert mask[total_bytes:total_bytes + sink_bytes].eq(255).all()
+    assert mask[total_bytes + sink_bytes:].eq(0).all()
+    assert want["kv_slots"][total_q:].eq(-1).all() and want["input_ids"][total_q:].eq(0).all()
+
+
 def test_rejects_bad_inputs():
     _, _, draft, roots, prefix, _, page_table = make_case(1, [2], "chain", [0], 4)
     with pytest.raises(ValueError, match="page_table"):
@@ -182,14 +237,16 @@ def test_kernels_compile_for_sm90():
         "last_page_len_ptr", "input_ids_ptr", "position_ids_ptr", "kv_slots_ptr",
         "kv_indices_ptr", "ancestors_ptr")}
     rows_sig.update({name: "i32" for name in ("B", "N", "max_pages", "R", "W", "Q", "P",
-                                                "page_size")})
+                                                "page_size", "sink_page")})
     rows_sig.update(BLOCK_B="constexpr", BLOCK_W="constexpr", BLOCK_R="constexpr",
-                    BLOCK_P="constexpr")
+                    BLOCK_P="constexpr", HAS_SINK="constexpr")
     mask_sig = {"prefix_lens_ptr": i32, "qo_indptr_ptr": i32, "mask_indptr_ptr": i32,
                 "ancestors_ptr": i32, "packed_mask_ptr": "*u8", "B": "i32", "R": "i32",
-                "W": "i32", "M": "i32", "BLOCK_BYTES": "constexpr"}
+                "W": "i32", "M": "i32", "BLOCK_BYTES": "constexpr", "HAS_SINK": "constexpr"}
+    blocks = {"BLOCK_B": 64, "BLOCK_W": 4, "BLOCK_R": 128, "BLOCK_P": 128}
     compile_all_for_sm90([
-        (_tree_rows_kernel, rows_sig,
-         {"BLOCK_B": 64, "BLOCK_W": 4, "BLOCK_R": 128, "BLOCK_P": 128}),
-        (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128}),
+        (_tree_rows_kernel, rows_sig, dict(blocks, HAS_SINK=False)),
+        (_tree_rows_kernel, rows_sig, dict(blocks, HAS_SINK=True)),
+        (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128, "HAS_SINK": False}),
+        (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128, "HAS_SINK": True}),
     ])

@@ -26,7 +26,6 @@ attention output buffer and the logits the graph writes. Graphs share one memory
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -101,10 +100,6 @@ class VerifyGraphs(GraphSteps):
         self._inputs = {S: _StepInputs(i32(S, P), i32(S), i32(S),
                                        DraftBatch(i32(S, max_nodes), i32(S, max_nodes), i32(S)))
                         for S in self.sizes}
-        sink_bytes = -(-self.buckets[self.sizes[-1]][-1] // 8)  # the most a sink's mask takes
-        self._ones = torch.full((sink_bytes,), 255, dtype=torch.uint8, device=dev)
-        self._byte_offsets = torch.arange(sink_bytes, dtype=torch.int64, device=dev)
-        self._sink_at = torch.empty_like(self._byte_offsets)  # the sink's mask bytes, per step
         self._start(use_graphs, warmup)
 
     def bucket(self, num_requests: int, num_rows: int) -> tuple[int, int]:
@@ -164,31 +159,13 @@ class VerifyGraphs(GraphSteps):
     def _plan_padded(self, S: int, Q: int, draft: DraftBatch, root: torch.Tensor,
                      prefix: torch.Tensor, page_table: torch.Tensor, used_rows: int
                      ) -> TreeMetadata:
-        """plan_tree over the ``S`` requests, then the sink request ``S`` over rows
+        """plan_tree over the ``S`` requests and the sink request ``S`` over rows
         ``[used_rows, Q)``: one KV entry (null page, slot 0) that each of its rows sees."""
-        out = self._meta[S, Q]
-        null = self.runner.kv_cache.null_page
-        base = plan_tree(draft, root, prefix, page_table.contiguous(),
-                         self.runner.kv_cache.page_size, out=out)
-        r = Q - used_rows
-        if r < 1:
+        if Q - used_rows < 1:
             raise ValueError(f"bucket ({S}, {Q}) has no row left for the sink")
-        nbytes = -(-r // 8)
-        qi, ki, mi = out.qo_indptr, out.kv_indptr, out.mask_indptr
-        qi[S + 1:S + 2].fill_(Q)
-        torch.add(ki[S:S + 1], 1, out=ki[S + 1:S + 2])
-        out.kv_indices.index_fill_(0, ki[S:S + 1].long(), null)
-        out.kv_last_page_len[S:S + 1].fill_(1)
-        torch.add(mi[S:S + 1], nbytes, out=mi[S + 1:S + 2])
-        at = torch.add(self._byte_offsets[:nbytes], mi[S:S + 1], out=self._sink_at[:nbytes])
-        out.packed_mask.index_copy_(0, at, self._ones[:nbytes])
-        # rows past the S requests: plan_tree left them padding (token 0, KV slot -1); the
-        # sink's ancestor bits are unused (no tree)
-        R, W = base.ancestor_bits.shape[1:]
-        bits = out.ancestor_bits.view(-1)[:(S + 1) * R * W].view(S + 1, R, W)
-        return replace(base, qo_indptr=qi[:S + 2], kv_indptr=ki[:S + 2],
-                       mask_indptr=mi[:S + 2], kv_last_page_len=out.kv_last_page_len[:S + 1],
-                       ancestor_bits=bits)
+        return plan_tree(draft, root, prefix, page_table.contiguous(),
+                         self.runner.kv_cache.page_size, out=self._meta[S, Q],
+                         sink_page=self.runner.kv_cache.null_page)
 
     @torch.inference_mode()
     def verify(self, seq_ids: Sequence[Hashable], draft: DraftBatch, roots: torch.Tensor,
