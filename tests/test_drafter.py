@@ -27,6 +27,7 @@ from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.forms import EmissionForm
 from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig, build_global_corpus
 from agspec_gpu.tokenizer import load_tokenizer
+from op_count import CountOps
 
 A, B, C, X, Y = 10, 11, 12, 13, 14
 F0, F1, F2, F3, F4 = 20, 21, 22, 23, 24
@@ -467,40 +468,6 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
     assert ds[1].calib_seen.ne(2.0).any()  # commits calibrated something
 
 
-class _CountOps:
-    """Counts the kernel-launching ops the dispatcher sees (views and allocations aside)."""
-
-    _FREE = {"view", "_unsafe_view", "expand", "permute", "select", "slice", "as_strided",
-             "unsqueeze", "squeeze", "t", "transpose", "detach", "alias", "reshape",
-             "_reshape_alias", "empty", "empty_strided", "lift_fresh", "scalar_tensor"}
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        outer = self
-        self.ops: list[str] = []
-        self.paused = 0
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if not outer.paused and name not in outer._FREE:
-                    outer.ops.append(name)
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-    def pause(self, fn):
-        """``fn`` with counting off: what runs inside a graph or a single kernel."""
-        def run(*a, **k):
-            self.paused += 1
-            try:
-                return fn(*a, **k)
-            finally:
-                self.paused -= 1
-        return run
-
-
 def _padded_drafter(tok, num_sessions: int, max_batch: int) -> tuple[Drafter, list[str]]:
     """A drafter whose steps run the padded functions its CUDA graphs capture (eagerly), and
     ``num_sessions`` sessions of similar code, half of them with a shared workspace."""
@@ -533,7 +500,7 @@ def test_graphed_step_launches_few_kernels_outside_its_graphs(tok, monkeypatch):
     per propose, ~105 per commit; before the queries and windows kernels, ~30 per
     propose."""
     d, sids = _padded_drafter(tok, 5, max_batch=8)
-    count = _CountOps()
+    count = CountOps()
     for g in d._graphs:
         g.fn = count.pause(g.fn)
     for name in ("suffix_match", "ring_queries", "match_windows"):  # one launch each
@@ -562,15 +529,11 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     kernels (and the decayed tables in one buffer): 86 in the propose graph, 40 in the
     commit's."""
     d, sids = _padded_drafter(tok, 12, max_batch=16)
-    count = _CountOps()
+    count = CountOps()
     for name in ("candidate_rows", "depth_caps", "node_probs", "best_first", "budget_keep",
                  "emit_nodes", "controller_commit", "drafter_commit"):
-        fn = count.pause(getattr(drafter_mod, name))
-
-        def one_launch(*a, _fn=fn, _name=name, **k):
-            count.ops.append(_name)
-            return _fn(*a, **k)
-        monkeypatch.setattr(drafter_mod, name, one_launch)
+        monkeypatch.setattr(drafter_mod, name,
+                            count.launches(getattr(drafter_mod, name), name))
     per_graph = [[], []]
     for g, log in zip(d._graphs, per_graph):
         def counted(*a, _fn=g.fn, _log=log, **k):
