@@ -175,11 +175,10 @@ class PagedBatch:
                                     prefix_lens_host=self._prefix_host)
             flat = self.runner.forward(meta)                           # [capacity_q, V]
             qo = meta.qo_indptr
-        start, end = qo[:-1].long(), qo[1:].long()
-        rows = torch.minimum(start[:, None] + torch.arange(1 + N, device=self.device)[None, :],
-                             end[:, None] - 1)                          # [B, 1 + N]
+        cols = torch.arange(1 + N, dtype=torch.int32, device=self.device)
+        rows = torch.minimum(qo[:-1, None] + cols[None, :], qo[1:, None] - 1)  # int32 [B, 1 + N]
         self._pending = self._prefix
-        return flat[rows.reshape(-1)].view(B, 1 + N, -1)
+        return flat.index_select(0, rows.view(-1)).view(B, 1 + N, -1)
 
     @torch.no_grad()
     def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:

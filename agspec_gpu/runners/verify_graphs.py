@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.host import synchronize, to_device
+from agspec_gpu.host import synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
 from agspec_gpu.tree import TreeMetadata, plan_tree
 
@@ -133,21 +133,22 @@ class VerifyGraphs(GraphSteps):
         if N > self.max_nodes:
             raise ValueError(f"draft: {N} nodes per request exceed max_nodes={self.max_nodes}")
         S, Q = self.bucket(b, b + num_draft_host)
-        cache, dev = self.runner.kv_cache, self.runner.device
+        cache = self.runner.kv_cache
         for sid, n in zip(seq_ids, prefix_lens_host):
             cache.allocate(sid, n + 1 + N)
         # the bucket's step inputs, rewritten in place: padding requests have no nodes, a
         # zero prefix and the null page; node columns past N are PAD_ID
         inp = self._inputs[S]
         inp.page_table[b:].fill_(cache.null_page)
-        inp.prefix[b:].zero_()
+        # the prefix lengths, padding's zeros included: one host-to-device copy
+        inp.prefix.copy_(torch.tensor(list(prefix_lens_host) + [0] * (S - b),
+                                      dtype=torch.int32), non_blocking=True)
         inp.root[b:].zero_()
         inp.draft.token_ids.fill_(PAD_ID)
         inp.draft.parents.fill_(PAD_ID)
         inp.draft.num_draft_tokens[b:].zero_()
         if b:
             cache.page_table(seq_ids, out=inp.page_table[:b])
-            inp.prefix[:b].copy_(to_device(list(prefix_lens_host), torch.int32, dev))
             inp.root[:b].copy_(roots)
             inp.draft.token_ids[:b, :N].copy_(draft.token_ids)
             inp.draft.parents[:b, :N].copy_(draft.parents)
