@@ -318,13 +318,13 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     if sink_page is not None:  # request B: the rows past the batch's over one KV entry
         out.qo_indptr[B + 1:].fill_(Q)
         torch.add(kv_indptr[B:], 1, out=out.kv_indptr[B + 1:])
-        out.kv_indices.masked_fill_(torch.arange(P, device=dev) == kv_indptr[B], sink_page)
+        page_at = kv_indptr[B:].long()
+        out.kv_indices[page_at[page_at < P]] = sink_page
         out.kv_last_page_len[B:].fill_(1)
         sink_bytes = ((Q - qo_indptr[B:]).clamp(min=0) + 7) // 8
         torch.add(mask_indptr[B:], sink_bytes, out=out.mask_indptr[B + 1:])
-        at = torch.arange(M, device=dev)
-        out.packed_mask.masked_fill_((at >= mask_indptr[B]) & (at < out.mask_indptr[B + 1]),
-                                     255)
+        at = mask_indptr[B].long() + torch.arange(-(-Q // 8), device=dev)  # a sink's most
+        out.packed_mask[at[(at < out.mask_indptr[B + 1]) & (at < M)]] = 255
     if B == 0:
         return out
     qo_start = qo_indptr[:-1].long()
