@@ -272,12 +272,15 @@ class Drafter:
         ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, num)
 
     # ------------------------------------------------------------ propose
-    def propose(self, sids: list[str]) -> DraftBatch:
-        """Draft trees for ``sids`` (in that order)."""
+    def propose(self, sids: list[str], *, stable: bool = True) -> DraftBatch:
+        """Draft trees for ``sids`` (in that order). ``stable=False``, for a loop that
+        verifies and commits a draft before it proposes again: with CUDA graphs the draft's
+        tensors are views of the graph's buffers (no clones), overwritten by the next
+        propose of a batch of the same bucket."""
         with nvtx.annotate("agspec.propose", color="green"):
-            return self._propose(sids)
+            return self._propose(sids, stable)
 
-    def _propose(self, sids: list[str]) -> DraftBatch:
+    def _propose(self, sids: list[str], stable: bool = True) -> DraftBatch:
         cfg, store = self.config, self.store
         dev = self.recent.device
         B = len(sids)
@@ -321,7 +324,7 @@ class Drafter:
         inputs = {"slots": slots, "tier": tier, "length": m.length.view(B, Rs),
                   "win": win.view(B, Rs, P, K), "src": src.view(B, Rs, P, K)}
         if self._graphs is not None:
-            out = self._graphs[0].run(inputs)
+            out = self._graphs[0].run(inputs, clone=stable)
         else:
             out = self._draft_tensors(**inputs, num_requests=B)
         tok, parent, num, srcs, nd, node_row = out

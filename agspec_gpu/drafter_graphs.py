@@ -18,7 +18,8 @@ session's state; the real request count reaches the batch budget as a device sca
 padding does not change it.
 
 Inputs are copied into each bucket's static buffers before a replay; outputs are cloned out
-of the graph's, so a result outlives the next step. The drafter state a step reads and
+of the graph's, so a result outlives the next step (a loop that is done with a step's result
+before the next one skips the clones). The drafter state a step reads and
 writes is updated in place, at fixed addresses; buffers that move (the corpus arena grows
 and compacts) are read before the graph, so they are never baked into one. Without graphs
 (CPU, or a failed capture) the same padded step runs eagerly, which the tests compare with
@@ -83,9 +84,11 @@ class StepGraphs:
                 if not self._captured(self._buffers(S, ex)):
                     return
 
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def run(self, inputs: Mapping[str, torch.Tensor], clone: bool = True
+            ) -> tuple[torch.Tensor, ...]:
         """The step of ``B`` requests (every input has ``B`` rows) through its bucket:
-        outputs with ``B`` rows (clones)."""
+        outputs with ``B`` rows, clones; ``clone=False``: views of the graph's buffers, valid
+        until the bucket's next replay."""
         B = next(iter(inputs.values())).shape[0]
         if self.graph_error is not None:  # capture failed once: eager, unpadded
             return self.fn(**inputs, num_requests=B)
@@ -107,7 +110,7 @@ class StepGraphs:
         else:
             out = self._call(buf)
         assert out[0].shape[0] == S
-        return tuple(o[:B].clone() for o in out)
+        return tuple(o[:B].clone() if clone else o[:B] for o in out)
 
     def _buffers(self, S: int, like: Mapping[str, torch.Tensor]) -> dict:
         key = (S,) + tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in like.items())

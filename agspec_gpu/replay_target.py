@@ -130,7 +130,7 @@ class AgspecProposer(BatchedLane):
 
     def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
                 ) -> DraftBatch:
-        return self.drafter.propose(sids)
+        return self.drafter.propose(sids, stable=False)  # verified, committed, then the next
 
 
 class OracleProposer(OracleLane):

@@ -79,7 +79,8 @@ class RunningBatch:
             self.leave()
         if any(reqs.spec):
             with nvtx.annotate("agspec.propose"):
-                draft = self.drafter.propose(reqs.sids)
+                # verified and committed before the next propose: no clones
+                draft = self.drafter.propose(reqs.sids, stable=False)
             if not all(reqs.spec):
                 if self.caps is None:  # per request: max_nodes, or 0 (opted out)
                     self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
