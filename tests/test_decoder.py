@@ -96,7 +96,7 @@ def record_drafts(dec: SpecDecoder, monkeypatch) -> list:
     """Keeps every DraftBatch the drafter proposes (before per-request masking)."""
     drafts, propose = [], dec.drafter.propose
 
-    def wrapped(sids):
+    def wrapped(sids, **kw):  # kept past the step: stable drafts (clones under graphs)
         drafts.append(propose(sids))
         return drafts[-1]
 

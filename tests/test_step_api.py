@@ -135,7 +135,7 @@ def test_a_failed_step_ends_the_running_requests_and_keeps_sessions_in_step(monk
     dec.step()
     dec.step()
     propose = dec.drafter.propose
-    monkeypatch.setattr(dec.drafter, "propose", lambda sids: 1 / 0)
+    monkeypatch.setattr(dec.drafter, "propose", lambda sids, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         dec.step()
     monkeypatch.setattr(dec.drafter, "propose", propose)
