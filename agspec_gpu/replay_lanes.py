@@ -219,7 +219,7 @@ class BatchedLane:
              remaining: np.ndarray) -> StepResult:
         synchronize(self.device)
         t0 = time.perf_counter()
-        draft = self.drafter.propose(sids, stable=False)  # accepted and observed first
+        draft = self.drafter.propose(sids)
         synchronize(self.device)
         seconds = time.perf_counter() - t0
         num_acc, sources, path = accept_on_host(draft, truth)
