@@ -404,12 +404,14 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
 
 
 def accept_tree(draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
-                generator: torch.Generator | None = None) -> AcceptResult:
+                generator: torch.Generator | None = None,
+                qo_indptr: torch.Tensor | None = None) -> AcceptResult:
     """:func:`greedy_accept` where every row of ``sampling`` is greedy, else
-    :func:`sample_accept` (greedy rows there stay greedy); ``logits [B, 1 + N, V]``."""
+    :func:`sample_accept` (greedy rows there stay greedy); ``logits [B, 1 + N, V]``, or
+    ``[total_q, V]`` with ``qo_indptr``."""
     if sampling.all_greedy:
-        return greedy_accept(draft, logits)
-    return sample_accept(draft, logits, None, sampling, generator)
+        return greedy_accept(draft, logits, qo_indptr)
+    return sample_accept(draft, logits, qo_indptr, sampling, generator)
 
 
 NO_TOKEN = -2  # truth padding past the end of a message: no draft token equals it

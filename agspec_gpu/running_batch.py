@@ -101,8 +101,10 @@ class RunningBatch:
             width, num_draft, draft = runner.fit_draft(width, num_draft, draft)
         draft = draft.narrowed(width)
         with nvtx.annotate("agspec.verify"):
-            logits = runner.verify_padded(draft, self.root, num_draft_host=sum(num_draft))
-            res = accept_tree(draft, logits, self.sampling, generator)
+            # the paged runner's flat rows (no [B, 1 + N, V] copy), the hf runner's padded
+            logits, qo_indptr = runner.verify_rows(draft, self.root,
+                                                   num_draft_host=sum(num_draft))
+            res = accept_tree(draft, logits, self.sampling, generator, qo_indptr)
         with nvtx.annotate("agspec.commit"):
             rows, n_out = read_output(res)  # host read 2 of 2
             runner.commit(res, num_accepted_host=[n - 1 for n in n_out])

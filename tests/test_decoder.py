@@ -797,7 +797,7 @@ def test_finished_requests_leave_the_batch(runner, monkeypatch):
                                                            kv_cache_tokens=4096))
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     cls = HFRunner if runner == "hf" else PagedBatch
-    sizes, verify, select = [], cls.verify_padded, cls.select_rows
+    sizes, verify, select = [], cls.verify_rows, cls.select_rows
     held = {}
 
     def recorded(self, draft, root, **kw):
@@ -810,7 +810,7 @@ def test_finished_requests_leave_the_batch(runner, monkeypatch):
                          for b, sid in enumerate(self._seq_ids) if b not in rows})
         return select(self, rows)
 
-    monkeypatch.setattr(cls, "verify_padded", recorded)
+    monkeypatch.setattr(cls, "verify_rows", recorded)
     monkeypatch.setattr(cls, "select_rows", selected)
     prefilled = record_hf_prefills(monkeypatch) if runner == "hf" else \
         record_prefills(dec, monkeypatch)

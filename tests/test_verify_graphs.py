@@ -94,9 +94,11 @@ def test_rejects_what_no_bucket_holds():
 
 
 def test_paged_batch_through_verify_graphs_equals_exact_steps():
-    """SpecDecoder's paged batch (``DecoderConfig.cuda_graphs`` on a GPU): verify_padded
-    through the padded buckets gives the exact-size step's logits, and commits the same KV."""
-    from agspec_gpu.accept import greedy_accept
+    """SpecDecoder's paged batch (``DecoderConfig.cuda_graphs`` on a GPU): verify_rows /
+    verify_padded through the padded buckets give the exact-size step's logits, and commit
+    the same KV. The flat rows are exactly the step's (``B`` roots + the draft's nodes, at
+    ``tree_qo_indptr``), and acceptance on them equals acceptance on the padded layout."""
+    from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
     from agspec_gpu.runners.paged_batch import PagedBatch
 
     rng = np.random.default_rng(7)
@@ -109,16 +111,28 @@ def test_paged_batch_through_verify_graphs_equals_exact_steps():
         roots = batch.prefill(prompts).argmax(-1).to(torch.int32)
         rng_t = np.random.default_rng(3)
         steps = []
-        for _ in range(3):
+        for step in range(4):
             sizes = [int(rng_t.integers(0, 7)) for _ in range(3)]
             draft = _draft(random_trees(rng_t, sizes, "random", vocab=1000), max(sizes + [1]))
-            logits = batch.verify_padded(draft, roots)
-            res = greedy_accept(draft, logits)
-            batch.commit(res)
-            roots = res.bonus_ids().to(torch.int32)
-            steps.append(logits.clone())
+            if step % 2:
+                logits = batch.verify_padded(draft, roots)
+            else:
+                flat, qo = batch.verify_rows(draft, roots, sum(sizes) if step else None)
+                assert flat.shape[0] == 3 + sum(sizes)
+                assert qo.tolist() == tree_qo_indptr(draft).tolist()
+                res = greedy_accept(draft, flat, qo)
+                logits = pad_tree_logits(flat, qo, draft.max_nodes)
+            ref = greedy_accept(draft, logits)
+            if step % 2 == 0:
+                for f in ("num_accepted", "accepted_nodes", "output_ids", "num_output"):
+                    assert torch.equal(getattr(res, f), getattr(ref, f)), f
+            batch.commit(ref)
+            roots = ref.bonus_ids().to(torch.int32)
+            # padding nodes' rows are unspecified: compare each request's real rows
+            steps.append([logits[b, :1 + n].clone() for b, n in enumerate(sizes)])
         got.append(steps)
         batch.close()
     for a, b in zip(*got):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
     assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages

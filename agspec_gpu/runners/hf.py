@@ -411,6 +411,12 @@ class HFRunner:
         self._pending, self._width = (T, q), T + q
         return logits
 
+    def verify_rows(self, draft: DraftBatch, root_ids: torch.Tensor,
+                    num_draft_host: int | None = None) -> tuple[torch.Tensor, None]:
+        """:meth:`verify_padded` in the shape of ``PagedBatch.verify_rows``: ``(logits
+        [B, 1+N, V], None)`` (the padded layout needs no ``qo_indptr``)."""
+        return self.verify_padded(draft, root_ids, num_draft_host), None
+
     def verify(self, draft: DraftBatch, root_ids: torch.Tensor) -> torch.Tensor:
         """As :meth:`verify_padded`, flattened to ``[total_q, V]`` in request order.
 

@@ -1,8 +1,9 @@
 """A batch of requests on the paged runner, behind the interface :class:`HFRunner` offers.
 
 :class:`agspec_gpu.decoder.SpecDecoder` drives a verifier through three calls: ``prefill``
-(cache the prompts, return the first logits), ``verify_padded`` (one forward over every
-request's root and draft tree, logits as ``[B, 1 + N, V]``) and ``commit`` (keep the accepted
+(cache the prompts, return the first logits), ``verify_rows`` (one forward over every
+request's root and draft tree, its logits in the runner's own layout: flat rows and their
+``qo_indptr`` here, ``[B, 1 + N, V]`` there) and ``commit`` (keep the accepted
 path's KV). :class:`PagedBatch` implements them on a :class:`PagedLlamaRunner` (paged KV,
 tree attention through FlashInfer on a GPU, the torch backend elsewhere) so the same loop
 runs on the fast runner.
@@ -42,8 +43,8 @@ class PagedBatch:
 
         batch = PagedBatch(runner)
         root = batch.prefill([[1, 2, 3], [4, 5]]).argmax(-1)
-        logits = batch.verify_padded(draft, root)               # [B, 1 + N, V]
-        batch.commit(greedy_accept(draft, logits))
+        logits, qo_indptr = batch.verify_rows(draft, root)      # [total_q, V], [B + 1]
+        batch.commit(greedy_accept(draft, logits, qo_indptr))
         batch.close()
     """
 
@@ -153,31 +154,42 @@ class PagedBatch:
         return fit, [min(n, fit) for n in num_draft], draft.capped(fit)
 
     @torch.no_grad()
-    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
-                      num_draft_host: int | None = None) -> torch.Tensor:
-        """``[B, 1 + N, V]`` logits of each request's root (row 0) and draft nodes; rows of
-        padding nodes repeat the request's last row. ``num_draft_host``: the draft's total
-        node count if the caller holds it (else read from the device: it picks the
-        bucket)."""
+    def verify_rows(self, draft: DraftBatch, root_ids: torch.Tensor,
+                    num_draft_host: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over each request's root and draft nodes, logits in the flat layout.
+
+        Returns ``(logits [total_q, V], qo_indptr int32 [B + 1])``: row ``qo_indptr[b] + r``
+        holds request ``b``'s root (``r = 0``) or node ``r - 1``; ``total_q = B + the draft's
+        nodes``. ``num_draft_host``: the draft's total node count if the caller holds it (else
+        read from the device: it picks the bucket and ``total_q``). The logits are views of
+        the step's buffers, valid until the next verify.
+        """
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._prefix is not None,
                                  pending=self._pending is not None)
+        if num_draft_host is None:
+            num_draft_host = int(draft.num_draft_tokens.sum())
         vg = self.verify_graphs
         if vg is not None and N <= vg.max_nodes and B <= vg.sizes[-1]:
             # the padded bucket (CUDA graph on a GPU); its first B requests are these
-            if num_draft_host is None:
-                num_draft_host = int(draft.num_draft_tokens.sum())  # picks the bucket
             meta, flat = vg.verify(self._seq_ids, draft, root_ids, self._prefix_host,
                                    num_draft_host)
-            qo = meta.qo_indptr[:B + 1]
         else:
             meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
                                     prefix_lens_host=self._prefix_host)
             flat = self.runner.forward(meta)                           # [capacity_q, V]
-            qo = meta.qo_indptr
+        self._pending = self._prefix
+        return flat[:B + num_draft_host], meta.qo_indptr[:B + 1]
+
+    def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
+                      num_draft_host: int | None = None) -> torch.Tensor:
+        """:meth:`verify_rows` gathered to ``[B, 1 + N, V]``: row 0 each request's root, row
+        ``1 + j`` node ``j``; rows of padding nodes repeat the request's last row. (A copy of
+        every row: acceptance takes the flat layout directly.)"""
+        flat, qo = self.verify_rows(draft, root_ids, num_draft_host)
+        B, N = draft.token_ids.shape
         cols = torch.arange(1 + N, dtype=torch.int32, device=self.device)
         rows = torch.minimum(qo[:-1, None] + cols[None, :], qo[1:, None] - 1)  # int32 [B, 1 + N]
-        self._pending = self._prefix
         return flat.index_select(0, rows.view(-1)).view(B, 1 + N, -1)
 
     @torch.no_grad()
