@@ -28,7 +28,8 @@
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), layer_kernels.json, e2e-<date>-h200-eager-verify.json,
+# trace of agspec at B=64), kernels.json (bench_layer_kernels and bench_verify_kernels),
+# e2e-<date>-h200-eager-verify.json,
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
@@ -194,7 +195,16 @@ cp /tmp/bench/drafter_step.json "$OUT/drafter_step.json" 2>/dev/null
 # ---------------------------------------------------------------- kernel benchmarks
 step bench_layer_kernels 40 python3 bench/bench_layer_kernels.py --device cuda \
   --out /tmp/bench/layer_kernels
-cp /tmp/bench/layer_kernels.json "$OUT/layer_kernels.json" 2>/dev/null
+# planning, greedy acceptance on flat vs padded logits, the KV commit: Triton vs torch
+step bench_verify_kernels 60 python3 bench/bench_verify_kernels.py --device cuda \
+  --out /tmp/bench/verify_kernels
+# one file for both (at most 8 files come back): {"layer_kernels": ..., "verify_kernels": ...}
+python3 -c "
+import json, os, sys
+out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
+       if os.path.exists(f'/tmp/bench/{n}.json')}
+json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
+" layer_kernels verify_kernels
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 150 "${PYTEST[@]}" \

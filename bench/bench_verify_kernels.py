@@ -1,0 +1,165 @@
+"""What a verification step does besides the model's forward: planning (``kernels/tree_mask.py``),
+greedy acceptance (``kernels/tree_accept.py`` after the argmax) and the KV commit
+(``kernels/kv_compact.py``), each against its torch path.
+
+Shapes: ``B`` requests (``--batch-sizes``) of ``--context`` tokens of KV, each with a draft
+tree of ``--nodes`` nodes (a chain of half of them, the rest branching off it; the target's
+argmax follows the chain for ``--accept`` nodes), a ``--vocab`` LM head (Llama-3: 128,256)
+in bf16 on CUDA, fp32 on CPU; the KV commit on a Llama-3-8B cache (``--layers`` layers of
+8 KV heads of 128, pages of 16).
+
+Acceptance is timed on the two logits layouts ``SpecDecoder`` has used: ``flat`` (the
+verification's ``[total_q, V]`` rows with ``qo_indptr``, what ``PagedBatch.verify_rows``
+returns) and ``padded`` (those rows first copied to ``[B, 1 + N, V]``, what the paged batch
+handed to acceptance until 2026-12-02); on CUDA also the peak memory each allocates.
+
+Usage::
+
+    python bench/bench_verify_kernels.py --device cuda               # B = 1, 16, 64
+    python bench/bench_verify_kernels.py --device cpu --layers 4     # torch paths only
+
+Prints a table; writes ``<out>.json`` (default ``bench/results/verify_kernels-<date>-<dev>``).
+Microseconds are medians (``triton.testing.do_bench`` on CUDA, ``time.perf_counter`` on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.kernels.kv_compact import kv_compact
+from agspec_gpu.tree import TreeMetadata, plan_tree
+from bench_layer_kernels import timer  # bench/, the script's folder
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = 16
+
+
+def trees(rng: np.random.Generator, batch: int, nodes: int, vocab: int) -> list[list]:
+    """``batch`` trees of ``nodes`` nodes: a chain of ``nodes // 2``, then nodes branching off
+    a random earlier node (parents precede children); tokens below ``vocab - 1``."""
+    out = []
+    for _ in range(batch):
+        chain = max(nodes // 2, 1)
+        parents = [i - 1 for i in range(min(chain, nodes))]
+        parents += [int(rng.integers(-1, i)) for i in range(len(parents), nodes)]
+        out.append([(int(t), p) for t, p in zip(rng.integers(0, vocab - 1, nodes), parents)])
+    return out
+
+
+def step_inputs(B: int, args, dev: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A batch's draft, roots, prefix lengths, page table and flat logits whose argmax
+    accepts exactly the chain's first ``args.accept`` nodes (then token ``vocab - 1``, which
+    no node carries)."""
+    rng = np.random.default_rng(seed)
+    draft = DraftBatch.from_lists(trees(rng, B, args.nodes, args.vocab), dev)
+    qo = tree_qo_indptr(draft)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    logits = torch.randn(int(qo[-1]), args.vocab, device=dev, generator=g).to(dtype)
+    tokens = draft.token_ids.long()
+    accept = min(args.accept, args.nodes // 2)
+    for d in range(accept):  # row d: node d - 1's (the root's at d = 0)
+        logits[qo[:-1].long() + d, tokens[:, d]] = 100.0
+    logits[qo[:-1].long() + accept, args.vocab - 1] = 100.0
+    pages = -(-(args.context + 1 + args.nodes) // PAGE)
+    prefix = torch.full((B,), args.context, dtype=torch.int32, device=dev)
+    roots = torch.zeros(B, dtype=torch.int32, device=dev)
+    # the tail pages of each request are its own, the rest one shared page (the commit
+    # touches only the slots after the prefix; the planner reads every page id)
+    table = torch.zeros(B, pages, dtype=torch.int32, device=dev)
+    own = pages - args.context // PAGE
+    table[:, -own:] = 1 + torch.arange(B * own, dtype=torch.int32, device=dev).view(B, own)
+    return draft, roots, prefix, table, logits, qo, 1 + B * own
+
+
+def peak_bytes(fn, dev: torch.device) -> int | None:
+    """Peak memory ``fn`` allocates beyond what is allocated before it (CUDA only)."""
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--nodes", type=int, default=16, help="draft nodes per request")
+    ap.add_argument("--accept", type=int, default=4, help="chain nodes the argmax accepts")
+    ap.add_argument("--context", type=int, default=4096, help="KV tokens per request")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=100, help="ms of timing per measurement")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gpu = dev.type == "cuda"
+    bench = timer(dev, args.repeats)
+    rows = []
+
+    def add(op: str, B: int, torch_us: float, triton_us: float | None, **extra) -> None:
+        row = {"op": op, "batch_size": B, "torch_us": torch_us, "triton_us": triton_us,
+               "speedup": torch_us / triton_us if triton_us else None, **extra}
+        rows.append(row)
+        tri = f"{triton_us:9.1f}" if triton_us else "        -"
+        more = "  ".join(f"{k} {v}" for k, v in extra.items() if v is not None)
+        print(f"{op:15s} B={B:<4d} torch {torch_us:9.1f} us  triton {tri} us  {more}",
+              flush=True)
+
+    for B in (int(b) for b in args.batch_sizes.split(",")):
+        draft, roots, prefix, table, flat, qo, num_pages = step_inputs(B, args, dev, dtype)
+        N = args.nodes
+        out = TreeMetadata.empty(B, N + 1, table.shape[1], PAGE, dev)
+        plan = {t: (lambda t=t: plan_tree(draft, roots, prefix, table, PAGE, out=out,
+                                          use_triton=t)) for t in (False, True)}
+        add("plan", B, bench(plan[False]), bench(plan[True]) if gpu else None)
+
+        def accept_flat():
+            return greedy_accept(draft, flat, qo)
+
+        def accept_padded():
+            return greedy_accept(draft, pad_tree_logits(flat, qo, N))
+        res = accept_flat()
+        for f in ("num_accepted", "accepted_nodes", "output_ids", "num_output"):
+            assert torch.equal(getattr(res, f), getattr(accept_padded(), f)), f
+        # the library runs the walk's kernel on CUDA, its torch path elsewhere
+        for name, fn in (("accept-flat", accept_flat), ("accept-padded", accept_padded)):
+            us = bench(fn)
+            add(name, B, us, None, peak_mb=None if not gpu else
+                round(peak_bytes(fn, dev) / 2**20, 1),
+                mean_accepted=round(float(res.num_accepted.float().mean()), 2))
+
+        kv = torch.zeros(args.layers, num_pages, 2, PAGE, 8, 128, device=dev, dtype=dtype)
+        nodes = res.accepted_nodes.contiguous()
+        commit = {t: (lambda t=t: kv_compact(kv, table, prefix, nodes, use_triton=t))
+                  for t in (False, True)}
+        add("kv_compact", B, bench(commit[False]), bench(commit[True]) if gpu else None)
+
+    name = "cpu" if not gpu else torch.cuda.get_device_name(dev).split()[-1].lower()
+    path = Path(args.out) if args.out else \
+        ROOT / "bench" / "results" / f"verify_kernels-{_dt.date.today():%Y%m%d}-{name}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
+              "machine": platform.machine(),
+              "gpu": torch.cuda.get_device_name(dev) if gpu else None}
+    path.with_suffix(".json").write_text(json.dumps({"config": config, "results": rows},
+                                                    indent=2) + "\n")
+    print(f"wrote {path.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
