@@ -365,14 +365,20 @@ class SpecDecoder:
 
     def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-               generator: torch.Generator | None = None) -> AcceptResult:
+               generator: torch.Generator | None = None, *,
+               qo_indptr: torch.Tensor | None = None) -> AcceptResult:
         """Accepts a verified step of the last :meth:`propose` of ``session_ids``.
 
         Args:
             draft: the proposed trees (or a narrowed / masked copy of them).
             logits: ``[B, 1 + N, V]`` the target's logits at each root (row 0) and node ``j``
                 (row ``1 + j``), ``N = draft.max_nodes``, ``V >= `` the tokenizer's vocabulary;
-                rows of padding nodes are ignored.
+                rows of padding nodes are ignored. With ``qo_indptr``: the flat rows
+                ``[total_q, V]`` of a ragged batch (FlashInfer's layout, as
+                :func:`agspec_gpu.tree.plan_tree` plans it), request ``b``'s root at row
+                ``qo_indptr[b]`` and node ``j`` at ``qo_indptr[b] + 1 + j``.
+            qo_indptr: ``int32 [B + 1]`` (or int64), with ``qo_indptr[b + 1] - qo_indptr[b]
+                = 1 + draft.num_draft_tokens[b]``; read once to check it.
             sampling: None or temperature 0 = greedy (the output is the target's greedy
                 tokens); else multi-branch rejection sampling (the target distribution).
                 One :class:`SamplingParams` for all, or one per session.
@@ -390,17 +396,23 @@ class SpecDecoder:
         B, N = draft.token_ids.shape
         if B != len(sids):
             raise ValueError(f"draft: batch {B} != {len(sids)} session_ids")
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or \
-                tuple(logits.shape[:2]) != (B, 1 + N) or logits.shape[2] < self.vocab_size:
-            raise ValueError(f"logits: expected [{B}, {1 + N}, >= {self.vocab_size}], got "
+        lead = "total_q" if qo_indptr is not None else f"{B}, {1 + N}"
+        if not isinstance(logits, torch.Tensor) or \
+                logits.dim() != (2 if qo_indptr is not None else 3) or \
+                (qo_indptr is None and tuple(logits.shape[:2]) != (B, 1 + N)) or \
+                logits.shape[-1] < self.vocab_size:
+            raise ValueError(f"logits: expected [{lead}, >= {self.vocab_size}], got "
                              f"{list(getattr(logits, 'shape', ()))}")
         if not logits.is_floating_point():
             raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
         if logits.device != draft.token_ids.device:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
         num_draft = draft.checked_sizes(self.vocab_size)
+        if qo_indptr is not None:
+            _check_qo_indptr(qo_indptr, num_draft, logits)
         with nvtx.annotate("agspec.commit"):
-            res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator)
+            res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator,
+                              qo_indptr)
             rows, n_out = read_output(res)
             self._record(sids, draft, res, n_out, n_out, num_draft)
             _extend_contexts([self._sessions[s] for s in sids],
@@ -681,3 +693,22 @@ def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:
     for st, toks in zip(states, new):
         st.context.extend(toks)
         st.message.extend(toks)
+
+
+def _check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> None:
+    """``qo_indptr`` of a flat commit: ``int [B + 1]`` on the logits' device, each request's
+    rows its root and nodes, inside ``logits``."""
+    B = len(num_draft)
+    if not isinstance(qo_indptr, torch.Tensor) or qo_indptr.shape != (B + 1,) or \
+            qo_indptr.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qo_indptr: expected int32 [{B + 1}], got "
+                         f"{getattr(qo_indptr, 'dtype', type(qo_indptr).__name__)} "
+                         f"{list(getattr(qo_indptr, 'shape', ()))}")
+    if qo_indptr.device != logits.device:
+        raise ValueError(f"qo_indptr: on {qo_indptr.device}, logits on {logits.device}")
+    qo = qo_indptr.tolist()
+    sizes = [b - a for a, b in zip(qo, qo[1:])]
+    if qo[0] < 0 or qo[-1] > logits.shape[0] or sizes != [1 + n for n in num_draft]:
+        raise ValueError(f"qo_indptr: {qo} must start at >= 0, end at <= {logits.shape[0]} "
+                         f"logits rows and give each request 1 + its draft's nodes "
+                         f"{[1 + n for n in num_draft]}")

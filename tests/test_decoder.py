@@ -922,16 +922,22 @@ def test_padded_model_vocabulary_generates():
 
 
 # ---------------------------------------------------------------- your own loop
-def own_loop(dec, runner, sids, steps, between=None, **commit_kw) -> list[list[int]]:
+def own_loop(dec, runner, sids, steps, between=None, flat=False,
+             **commit_kw) -> list[list[int]]:
     """``steps`` propose / verify / commit rounds with ``runner`` as the user's verifier;
-    ``between(draft)``, if given, runs between each propose and its commit."""
+    ``between(draft)``, if given, runs between each propose and its commit; ``flat``: commit
+    the verifier's flat rows with their ``qo_indptr`` (a ``PagedBatch``'s ``verify_rows``)."""
     outs = [[] for _ in sids]
     for _ in range(steps):
         draft = dec.propose(sids)
         if between is not None:
             between(draft)
-        logits = runner.verify_padded(draft, dec.root_ids(sids))
-        res = dec.commit(sids, draft, logits, **commit_kw)
+        if flat:
+            logits, qo = runner.verify_rows(draft, dec.root_ids(sids).to(torch.int32))
+            res = dec.commit(sids, draft, logits, qo_indptr=qo, **commit_kw)
+        else:
+            logits = runner.verify_padded(draft, dec.root_ids(sids))
+            res = dec.commit(sids, draft, logits, **commit_kw)
         runner.commit(res)
         for b, (row, n) in enumerate(zip(res.output_ids.tolist(), res.num_output.tolist())):
             outs[b] += row[:n]
@@ -960,6 +966,72 @@ def test_own_loop_propose_commit_is_lossless(variant):
     more = dec.generate(sids[:2], max_new_tokens=6)
     for p, o, m in zip(P, outs, more):
         assert m == greedy(variant, p + o, 6)
+
+
+def paged_verifier(variant, contexts) -> PagedBatch:
+    """The user's verifier on the paged runner: each context but its last token cached."""
+    from agspec_gpu.runners.paged import PagedLlamaRunner
+
+    batch = PagedBatch(PagedLlamaRunner.from_hf_model(model(variant), num_pages=256,
+                                                      page_size=8))
+    batch.prefill([c[:-1] for c in contexts])
+    return batch
+
+
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
+def test_own_loop_commits_flat_rows(variant):
+    """A verifier with FlashInfer's flat layout (the paged runner's ``verify_rows``: ragged
+    rows and ``qo_indptr``) commits its rows as they are: plain greedy decoding's tokens,
+    the steered draft accepted whole; sampled, the same tokens as committing the same rows
+    padded (same generator)."""
+    P = [list(prompts()[i]) for i in (3, 1, 2)]
+    g0 = greedy(variant, P[0], 45, eos=None)
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + g0)
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    outs = own_loop(dec, paged_verifier(variant, P), sids, 10, flat=True)
+    for p, o in zip(P, outs):
+        assert len(o) >= 10 and o == greedy(variant, p, len(o), eos=None)
+    assert len(outs[0]) > 45 and outs[0][:45] == g0
+    assert dec.stats["steps"] == 10 and dec.stats["accepted"] >= 20
+    sampled = []
+    for flat in (True, False):
+        d = SpecDecoder(model(variant), tok())
+        steer(d, "t0", P[0] + g0)
+        s = [d.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+        sampled.append(own_loop(d, paged_verifier(variant, P), s, 6, flat=flat,
+                                sampling=SamplingParams(temperature=0.8, top_k=20),
+                                generator=torch.Generator().manual_seed(5)))
+    assert sampled[0] == sampled[1] and all(len(o) >= 6 for o in sampled[0])
+
+
+def test_flat_commit_bad_qo_indptr_raises_and_commits_nothing():
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(model(variant), tok())
+    steer(dec, "t0", P[0] + greedy(variant, P[0], 30, eos=None))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    batch = paged_verifier(variant, P)
+    draft = dec.propose(sids)
+    logits, qo = batch.verify_rows(draft, dec.root_ids(sids).to(torch.int32))
+    n = draft.num_draft_tokens.tolist()
+    assert n[0] > 0  # the steered session drafts
+    swapped = torch.tensor([0, 1 + n[1], 2 + n[0] + n[1]], dtype=torch.int32)
+    for bad in (qo.float(), qo[:-1], qo[None], [0, 1 + n[0], 2 + sum(n)], swapped, qo + 1,
+                qo - 1):
+        with pytest.raises(ValueError, match="qo_indptr"):
+            dec.commit(sids, draft, logits, qo_indptr=bad)
+    with pytest.raises(ValueError, match="qo_indptr"):  # rows past the logits
+        dec.commit(sids, draft, logits[:-1], qo_indptr=qo)
+    for bad in (logits[None], logits[:, :VOCAB - 1]):
+        with pytest.raises(ValueError, match="logits"):
+            dec.commit(sids, draft, bad, qo_indptr=qo)
+    assert dec.stats["steps"] == 0  # nothing was committed
+    res = dec.commit(sids, draft, logits, qo_indptr=qo.long())  # int64 is fine
+    batch.commit(res)
+    got = [r[:k] for r, k in zip(res.output_ids.tolist(), res.num_output.tolist())]
+    assert got[0] == greedy(variant, P[0], len(got[0]), eos=None) and len(got[0]) > 1
+    assert got[1] == greedy(variant, P[1], len(got[1]), eos=None)
 
 
 def test_own_loop_with_the_models_own_forward_and_cache():
