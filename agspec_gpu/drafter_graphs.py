@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from agspec_gpu.cuda_graph import capture
+from agspec_gpu.host import copy_grouped
 
 # fn(**inputs with S rows, num_requests=int64 []) -> output tensors with S rows
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -94,9 +95,10 @@ class StepGraphs:
             return self.fn(**inputs, num_requests=B)
         S = self.bucket(B)
         buf = self._buffers(S, inputs)
-        for name, x in inputs.items():
-            buf[name][:B].copy_(x)
-            if B < buf["clean_from"]:  # rows a larger batch wrote: padding again
+        # the inputs into the bucket's buffers: one copy launch per dtype, not per input
+        copy_grouped([buf[name][:B] for name in inputs], list(inputs.values()))
+        if B < buf["clean_from"]:  # rows a larger batch wrote: padding again
+            for name in inputs:
                 buf[name][B:buf["clean_from"]].fill_(self.pads[name])
         buf["clean_from"] = B
         if buf["last_b"] != B:
