@@ -123,24 +123,15 @@ class FlashInferPagedAttention:
         self._capacity_q = 0
 
     def plan(self, meta: TreeMetadata) -> None:
-        """Plans FlashInfer's batch prefill for one step (host sync inside FlashInfer)."""
+        """Plans FlashInfer's batch prefill for one step (a host sync inside FlashInfer
+        unless ``meta.maybe_host`` holds the sizes)."""
         if meta.page_size != self.page_size:
             raise ValueError(f"meta.page_size={meta.page_size}, backend page_size="
                              f"{self.page_size}")
-        self._wrapper.plan(
-            meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            packed_custom_mask=meta.packed_mask, sm_scale=self.sm_scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype)
-        # flashinfer 0.7.2 (prefill.py, BatchPrefillWithPagedKVCacheWrapper.plan): given only
-        # `packed_custom_mask`, plan() keeps mask_indptr from _compute_page_mask_indptr, which
-        # counts mask *elements* (cumsum of qo_len * kv_len); the kernel adds it to a uint8
-        # pointer (include/flashinfer/attention/variants.cuh: `maybe_custom_mask +
-        # maybe_mask_indptr[batch_idx]`), i.e. needs *byte* offsets, as segment_packbits
-        # returns on the `custom_mask` path (flashinfer-ai/flashinfer#2201). Our byte offsets
-        # are right for both the buggy and a fixed plan().
-        self._wrapper._mask_indptr_buf.copy_(meta.mask_indptr)
-        self._num_q = int(meta.qo_indptr[-1])
+        flashinfer_plan(self._wrapper, meta, self.num_qo_heads, self.num_kv_heads,
+                        self.head_dim, self.sm_scale, self.dtype)
+        host = meta.maybe_host
+        self._num_q = int((meta.qo_indptr if host is None else host.qo_indptr)[-1])
         self._capacity_q = meta.capacity_q
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -157,6 +148,35 @@ class FlashInferPagedAttention:
         self._wrapper.run(q[:n], kv_cache, out=out[:n])
         out[n:].zero_()
         return out
+
+
+def flashinfer_plan(wrapper, meta: TreeMetadata, num_qo_heads: int, num_kv_heads: int,
+                    head_dim: int, sm_scale: float, dtype: torch.dtype) -> None:
+    """``wrapper.plan`` (a ``BatchPrefillWithPagedKVCacheWrapper``) for ``meta``'s step.
+
+    FlashInfer plans on the host: it copies ``qo_indptr``, ``kv_indptr`` and
+    ``kv_last_page_len`` there, which for device tensors waits for every kernel queued before
+    (the drafter's, the planner's). With ``meta.maybe_host`` it gets them from the host and
+    copies them into its device buffers without waiting; they equal what the planner wrote.
+    """
+    host = meta.maybe_host
+    if host is None:
+        qo, kv, last, indices = (meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len,
+                                 meta.kv_indices)
+    else:
+        qo, kv, last = host
+        indices = meta.kv_indices[:int(kv[-1])]
+    wrapper.plan(qo, kv, indices, last, num_qo_heads, num_kv_heads, head_dim, meta.page_size,
+                 packed_custom_mask=meta.packed_mask, sm_scale=sm_scale, q_data_type=dtype,
+                 kv_data_type=dtype)
+    # flashinfer 0.7.2 (prefill.py, BatchPrefillWithPagedKVCacheWrapper.plan): given only
+    # `packed_custom_mask`, plan() keeps mask_indptr from _compute_page_mask_indptr, which
+    # counts mask *elements* (cumsum of qo_len * kv_len); the kernel adds it to a uint8
+    # pointer (include/flashinfer/attention/variants.cuh: `maybe_custom_mask +
+    # maybe_mask_indptr[batch_idx]`), i.e. needs *byte* offsets, as segment_packbits returns
+    # on the `custom_mask` path (flashinfer-ai/flashinfer#2201). Our byte offsets are right
+    # for both the buggy and a fixed plan(); a CUDA graph reads them from this buffer.
+    wrapper._mask_indptr_buf.copy_(meta.mask_indptr)
 
 
 def make_attention_backend(device: torch.device | str, num_qo_heads: int, num_kv_heads: int,

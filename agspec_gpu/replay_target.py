@@ -463,10 +463,10 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     prefix_t = to_device(prefix_host, torch.int32, dev)
                     if verify_graphs is not None:
                         _, logits = verify_graphs.verify(kv_ids, draft, roots, prefix_host,
-                                                         n_total)
+                                                         num_draft)
                     else:
                         meta = runner.plan(kv_ids, draft, roots, prefix_t,
-                                           prefix_lens_host=prefix_host,
+                                           prefix_lens_host=prefix_host, num_draft_host=num_draft,
                                            out=pool.rows(n_active + n_total))
                         logits = runner.forward(meta)
                 # the target's own greedy choice, paid for as an engine would, then replaced
@@ -605,10 +605,10 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
                     if n == 0 and graphs is not None:
                         logits = graphs.decode(ids, roots, prefix)
                     elif n and fits:
-                        _, logits = verify_graphs.verify(ids, draft, roots, prefix, n)
+                        _, logits = verify_graphs.verify(ids, draft, roots, prefix, per)
                     else:
                         meta = runner.plan(ids, draft, roots, prefix_t, prefix_lens_host=prefix,
-                                           out=out)
+                                           num_draft_host=per, out=out)
                         logits = runner.forward(meta)
                     logits.argmax(dim=-1)
                     timer.stop()

@@ -102,8 +102,7 @@ class RunningBatch:
         draft = draft.narrowed(width)
         with nvtx.annotate("agspec.verify"):
             # the paged runner's flat rows (no [B, 1 + N, V] copy), the hf runner's padded
-            logits, qo_indptr = runner.verify_rows(draft, self.root,
-                                                   num_draft_host=sum(num_draft))
+            logits, qo_indptr = runner.verify_rows(draft, self.root, num_draft_host=num_draft)
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr)
         with nvtx.annotate("agspec.commit"):
             rows, n_out = read_output(res)  # host read 2 of 2

@@ -22,12 +22,50 @@ are padding (see :class:`TreeMetadata`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.tree_mask import TreeMaskBuffers, tree_mask
+
+
+class HostSizes(NamedTuple):
+    """A planned step's sizes on the host, as :func:`plan_tree` writes them on the device
+    (``int32`` CPU tensors; a sink request included). FlashInfer's ``plan`` reads its indptrs
+    on the host: handed these, it does not copy them back from the device, which would wait
+    for every kernel queued before it."""
+
+    qo_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indptr: torch.Tensor  # int32 [B + 1]
+    kv_last_page_len: torch.Tensor  # int32 [B]
+
+
+def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: int, *,
+               sink_rows: int | None = None) -> HostSizes:
+    """The sizes :func:`plan_tree` computes for drafts of ``num_draft[b]`` nodes after
+    ``prefix_lens[b]`` cached tokens (``qo_len = 1 + num_draft``, ``kv_len = prefix_len +
+    qo_len``), from host numbers; ``sink_rows``: a last request of that many rows over one
+    KV entry (``plan_tree(sink_page=...)``)."""
+    n = np.asarray(num_draft, dtype=np.int64)
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    if n.shape != prefix.shape or n.ndim != 1 or (n < 0).any() or (prefix < 0).any():
+        raise ValueError(f"num_draft, prefix_lens: expected as many non-negative sizes, got "
+                         f"{len(n)} and {len(prefix)}")
+    qo_len = 1 + n
+    kv_len = prefix + qo_len
+    pages = -(-kv_len // page_size)
+    last = kv_len - (pages - 1) * page_size
+    if sink_rows is not None:
+        qo_len, pages, last = (np.append(x, v) for x, v in
+                               ((qo_len, sink_rows), (pages, 1), (last, 1)))
+
+    def indptr(x):
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(x)]).astype(np.int32))
+    return HostSizes(indptr(qo_len), indptr(pages), torch.from_numpy(last.astype(np.int32)))
 
 
 @dataclass
@@ -59,6 +97,8 @@ class TreeMetadata:
         max_kv_len: static bound on ``kv_len`` (page-table width times ``page_size``).
         maybe_tree_mask: ``bool [Q, max_kv_len]`` or None: the unpacked mask, row ``i`` holding
             its request's columns ``0 .. kv_len - 1`` (debugging and tests only).
+        maybe_host: :class:`HostSizes` or None: ``qo_indptr``, ``kv_indptr`` and
+            ``kv_last_page_len`` on the host, when the planner's caller knew them.
     """
 
     input_ids: torch.Tensor
@@ -75,6 +115,7 @@ class TreeMetadata:
     max_qo_len: int
     max_kv_len: int
     maybe_tree_mask: torch.Tensor | None = None
+    maybe_host: HostSizes | None = None
 
     def __post_init__(self) -> None:
         B = self.kv_last_page_len.shape[0]
@@ -107,6 +148,11 @@ class TreeMetadata:
                 self.maybe_tree_mask.dtype != torch.bool
                 or self.maybe_tree_mask.shape != (Q, self.max_kv_len)):
             raise ValueError(f"maybe_tree_mask: expected bool [{Q}, {self.max_kv_len}]")
+        h = self.maybe_host
+        if h is not None and (h.qo_indptr.shape != (B + 1,) or h.kv_indptr.shape != (B + 1,)
+                              or h.kv_last_page_len.shape != (B,)):
+            raise ValueError(f"maybe_host: sizes of {h.kv_last_page_len.shape[0]} requests "
+                             f"for a step of {B}")
 
     @property
     def batch_size(self) -> int:
@@ -163,7 +209,8 @@ class TreeMetadata:
 def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tensor,
               page_table: torch.Tensor, page_size: int, *, max_total_q: int | None = None,
               out: TreeMetadata | None = None, with_dense_mask: bool = False,
-              sink_page: int | None = None, use_triton: bool | None = None) -> TreeMetadata:
+              sink_page: int | None = None, host: HostSizes | None = None,
+              use_triton: bool | None = None) -> TreeMetadata:
     """Plans one tree-verification step for a batch, entirely on the device.
 
     Parameters
@@ -189,6 +236,9 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         past the batch's, up to ``out``'s capacity, over one KV entry on page ``sink_page``
         (see :func:`agspec_gpu.kernels.tree_mask.tree_mask`); the result then describes
         ``B + 1`` requests. A CUDA graph of a fixed row count needs it.
+    host : HostSizes, optional
+        The step's sizes on the host (:func:`host_sizes` of the same sizes), kept as
+        ``maybe_host`` for FlashInfer's plan; they must equal what this plans.
     use_triton : bool, optional
         Forwarded to :func:`agspec_gpu.kernels.tree_mask.tree_mask`.
 
@@ -244,7 +294,8 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
                             ancestor_bits[:B]))
     meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
                    kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
-                   max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None)
+                   max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None,
+                   maybe_host=host)
     if with_dense_mask:
         dense = unpack_mask(meta)  # [B, R, max_kv_len]
         rows = meta.qo_indptr[:-1, None].long() + torch.arange(R, device=device)[None, :]

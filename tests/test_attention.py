@@ -1,13 +1,14 @@
 """Paged tree attention: mask round trip and the torch backend against a dense recompute."""
 
 import importlib.util
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from agspec_gpu.attention import TorchPagedAttention, make_attention_backend
-from agspec_gpu.tree import plan_tree, unpack_mask
+from agspec_gpu.tree import host_sizes, plan_tree, unpack_mask
 from tree_reference import dense_mask, make_case, on_device
 
 # (sizes, tree kind, prefix lengths, page size)
@@ -116,5 +117,9 @@ def test_flashinfer_matches_torch_backend(dtype, page_size):
                         device="cuda").to(dtype)
         ref.plan(meta)
         fi.plan(meta)
-        torch.testing.assert_close(fi.run(q, cache).float(), ref.run(q, cache).float(),
-                                   atol=2e-2, rtol=2e-2)
+        want = ref.run(q, cache).float()
+        torch.testing.assert_close(fi.run(q, cache).float(), want, atol=2e-2, rtol=2e-2)
+        # the sizes from the host (TreeMetadata.maybe_host): FlashInfer plans without
+        # reading the device, the same attention
+        fi.plan(replace(meta, maybe_host=host_sizes(sizes, prefix_lens, page_size)))
+        torch.testing.assert_close(fi.run(q, cache).float(), want, atol=2e-2, rtol=2e-2)

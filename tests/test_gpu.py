@@ -162,7 +162,7 @@ def test_verify_graph_equals_eager_step():
         want = runner.forward(meta).float()
         want_kv = cache.data.clone()
         cache.data.copy_(before)
-        pmeta, got = vg.verify(ids[:b], draft, roots[:b], lens[:b], sum(sizes))
+        pmeta, got = vg.verify(ids[:b], draft, roots[:b], lens[:b], sizes)
         rows = b + sum(sizes)
         assert pmeta.qo_indptr[:b + 1].tolist() == meta.qo_indptr[:b + 1].tolist()
         scale = want[:rows].abs().max().item()
@@ -359,8 +359,7 @@ def test_greedy_tree_verification_is_lossless(graphed_verify):
                                prefix_lens_host=prefix)
             res = greedy_accept(draft, runner.forward(meta), meta.qo_indptr)
         else:  # the padded bucket's graph: the real requests' rows come first
-            n = sum(len(t) for t in trees)
-            meta, logits = verify.verify(ids, draft, roots, prefix, n)
+            meta, logits = verify.verify(ids, draft, roots, prefix, [len(t) for t in trees])
             res = greedy_accept(draft, logits, meta.qo_indptr[:4])
         kv_compact(runner.kv_cache.data, runner.kv_cache.page_table(ids),
                    torch.tensor(prefix, dtype=torch.int32, device=DEV),

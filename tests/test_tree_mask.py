@@ -8,7 +8,7 @@ import torch
 
 from agspec_gpu import DraftBatch
 from agspec_gpu.kernels.tree_mask import _tree_mask_kernel, _tree_rows_kernel
-from agspec_gpu.tree import TreeMetadata, plan_tree, unpack_mask
+from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree, unpack_mask
 from kernel_compile import compile_all_for_sm90
 from tree_reference import DEVICE, dense_mask, make_case, on_device, reference_plan
 
@@ -56,6 +56,10 @@ def test_triton_matches_torch_and_reference(sizes, kind, prefix_lens, page_size)
     m = got_torch
     for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len"):
         assert getattr(m, name).tolist() == ref[name], name
+    host = host_sizes(sizes, prefix_lens, page_size)  # what FlashInfer plans with
+    for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
+        assert getattr(host, name).dtype == torch.int32
+        assert getattr(host, name).tolist() == ref[name], name
     assert m.input_ids[:total_q].tolist() == ref["input_ids"]
     assert m.position_ids[:total_q].tolist() == ref["position_ids"]
     assert m.kv_slots[:total_q].tolist() == ref["kv_slots"]
@@ -210,6 +214,9 @@ def test_sink_takes_the_rows_left_over(sizes, prefix_lens):
     assert want["mask_indptr"].tolist() == plain.mask_indptr.tolist() + [
         total_bytes + sink_bytes]
     assert want["kv_last_page_len"].tolist() == plain.kv_last_page_len.tolist() + [1]
+    host = host_sizes(sizes, prefix_lens, ps, sink_rows=Q - total_q)
+    for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
+        assert getattr(host, name).tolist() == want[name].tolist(), name
     assert want["kv_indices"][total_pages] == null
     assert want["kv_indices"][total_pages + 1:].eq(0).all()
     mask = want["packed_mask"]
@@ -227,6 +234,13 @@ def test_rejects_bad_inputs():
     small = TreeMetadata.empty(1, 2, 4, 4, "cpu")
     with pytest.raises(ValueError, match="out"):
         plan_tree(draft, roots, prefix, page_table, 4, out=small)
+    with pytest.raises(ValueError, match="maybe_host"):  # sizes of another batch
+        plan_tree(draft, roots, prefix, page_table, 4, host=host_sizes([2, 0], [0, 0], 4))
+    assert plan_tree(draft, roots, prefix, page_table, 4,
+                     host=host_sizes([2], [0], 4)).maybe_host.qo_indptr.tolist() == [0, 3]
+    for bad in (([1, 2], [0]), ([-1], [0]), ([1], [-3])):
+        with pytest.raises(ValueError, match="num_draft, prefix_lens"):
+            host_sizes(*bad, 4)
 
 
 def test_kernels_compile_for_sm90():

@@ -59,13 +59,18 @@ def test_padded_step_equals_unpadded(seed):
         sids, r, pre = ids[:b], roots[:b], lens[:b]
         before = runner.kv_cache.data.clone()
         meta = runner.plan(sids, draft, r, torch.tensor(pre, dtype=torch.int32),
-                           prefix_lens_host=pre)
+                           prefix_lens_host=pre, num_draft_host=sizes if step % 2 else None)
+        assert (meta.maybe_host is None) == (step % 2 == 0)
         want = runner.forward(meta).clone()
         want_kv = runner.kv_cache.data.clone()
         runner.kv_cache.data.copy_(before)
 
-        pmeta, got = vg.verify(sids, draft, r, pre, num_draft_host=n)
+        pmeta, got = vg.verify(sids, draft, r, pre, num_draft_host=sizes)
         S, Q = vg.bucket(b, b + n)
+        # the sizes FlashInfer plans with, from the host, are those planned on the device
+        for m in (pmeta, meta) if meta.maybe_host is not None else (pmeta,):
+            for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
+                assert getattr(m.maybe_host, name).tolist() == getattr(m, name).tolist(), name
         assert pmeta.batch_size == S + 1 and pmeta.capacity_q == Q
         assert int(pmeta.qo_indptr[-1]) == Q  # every bucket row belongs to a request
         rows = b + n
@@ -88,7 +93,7 @@ def test_rejects_what_no_bucket_holds():
         vg.bucket(2, 2 + 9)  # 2 requests of 3 nodes: 8 rows at most
     d = _draft([[(5, -1), (6, 0), (7, 1), (8, 2)]], 4)
     with pytest.raises(ValueError, match="max_nodes"):
-        vg.verify(["a"], d, torch.zeros(1, dtype=torch.int32), [0], num_draft_host=4)
+        vg.verify(["a"], d, torch.zeros(1, dtype=torch.int32), [0], num_draft_host=[4])
     with pytest.raises(ValueError, match="max_nodes must be"):
         VerifyGraphs(runner, [1], max_nodes=0)
 
@@ -117,7 +122,7 @@ def test_paged_batch_through_verify_graphs_equals_exact_steps():
             if step % 2:
                 logits = batch.verify_padded(draft, roots)
             else:
-                flat, qo = batch.verify_rows(draft, roots, sum(sizes) if step else None)
+                flat, qo = batch.verify_rows(draft, roots, sizes if step else None)
                 assert flat.shape[0] == 3 + sum(sizes)
                 assert qo.tolist() == tree_qo_indptr(draft).tolist()
                 res = greedy_accept(draft, flat, qo)

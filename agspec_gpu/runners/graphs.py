@@ -18,7 +18,7 @@ import torch
 from agspec_gpu.cuda_graph import capture
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize, to_device
-from agspec_gpu.tree import TreeMetadata, plan_tree
+from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
 class GraphAttention:
@@ -140,14 +140,17 @@ class DecodeGraphs(GraphSteps):
         width = -(-(max(prefix_lens_host) + 1) // cache.page_size)
         dev = self.runner.device
         page_table = cache.page_table(seq_ids)[:, :width]
-        prefix = to_device(list(prefix_lens_host) + [0] * (S - b), torch.int32, dev)
+        prefix_host = list(prefix_lens_host) + [0] * (S - b)
+        prefix = to_device(prefix_host, torch.int32, dev)
         root = torch.zeros(S, dtype=torch.int32, device=dev)
         root[:b] = roots.to(dev, torch.int32)
         if S > b:  # padding requests: one token on the null page
             pad = torch.full((S - b, width), cache.null_page, dtype=torch.int32, device=dev)
             page_table = torch.cat([page_table, pad])
+        # the sizes on the host too: FlashInfer's plan reads them there
         meta = plan_tree(self._empty[S], root, prefix, page_table.contiguous(),
-                         cache.page_size, out=self._meta[S])
+                         cache.page_size, out=self._meta[S],
+                         host=host_sizes([0] * S, prefix_host, cache.page_size))
         return S, meta
 
     @torch.inference_mode()
@@ -205,8 +208,12 @@ class DecodeGraphs(GraphSteps):
 
     # ------------------------------------------------------------------ capture
     def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
-        s = self.runner.shape
-        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, s.num_qo_heads,
+        s, host = self.runner.shape, meta.maybe_host
+        # BatchDecode's plan copies the indptrs to the host too: from the host, no wait
+        kv, indices, last = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len) \
+            if host is None else (host.kv_indptr, meta.kv_indices[:int(host.kv_indptr[-1])],
+                                  host.kv_last_page_len)
+        wrapper.plan(kv, indices, last, s.num_qo_heads,
                      s.num_kv_heads, s.head_dim, self.runner.page_size, pos_encoding_mode="NONE",
                      q_data_type=self.runner.dtype, kv_data_type=self.runner.dtype,
                      sm_scale=s.head_dim ** -0.5)

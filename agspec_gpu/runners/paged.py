@@ -34,7 +34,7 @@ from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kernels.silu_mul import silu_mul
 from agspec_gpu.kv_cache import PagedKVCache
-from agspec_gpu.tree import TreeMetadata, plan_tree
+from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +224,7 @@ class PagedLlamaRunner:
     def plan(self, seq_ids: Sequence[Hashable], draft: DraftBatch, root_ids: torch.Tensor,
              prefix_lens: torch.Tensor, *, prefix_lens_host: Sequence[int] | None = None,
              num_slots_host: Sequence[int] | None = None,
+             num_draft_host: Sequence[int] | None = None,
              out: TreeMetadata | None = None,
              max_total_q: int | None = None) -> TreeMetadata:
         """Allocates pages for a step of ``seq_ids`` and plans it (:func:`plan_tree`).
@@ -233,6 +234,8 @@ class PagedLlamaRunner:
         read of the draft); the host lengths come from ``prefix_lens_host`` (or, with a
         sync, from ``prefix_lens``). ``max_total_q``: the step's query rows when the caller
         knows them (the forward then runs on those rows, not on ``B * (1 + max_nodes)``).
+        ``num_draft_host``: ``draft.num_draft_tokens`` as host ints, if the caller holds them:
+        FlashInfer then plans without reading the device (``TreeMetadata.maybe_host``).
         """
         if prefix_lens_host is None:
             prefix_lens_host = prefix_lens.tolist()
@@ -243,9 +246,11 @@ class PagedLlamaRunner:
         # only the pages this step can touch: the width bounds the mask buffer and the grid
         width = -(-(max(prefix_lens_host) + 1 + draft.max_nodes) // self.page_size)
         page_table = self.kv_cache.page_table(seq_ids)[:, :width].contiguous()
+        host = None if num_draft_host is None else \
+            host_sizes(num_draft_host, prefix_lens_host, self.page_size)
         return plan_tree(draft, root_ids.to(self.device, torch.int32),
                          prefix_lens.to(self.device, torch.int32), page_table, self.page_size,
-                         out=out, max_total_q=max_total_q)
+                         out=out, max_total_q=max_total_q, host=host)
 
     @torch.inference_mode()
     def forward(self, meta: TreeMetadata, *,
@@ -336,6 +341,7 @@ class PagedLlamaRunner:
             meta = self.plan([seq_ids[b] for b in active], draft, roots,
                              torch.tensor(pre, dtype=torch.int32), prefix_lens_host=pre,
                              num_slots_host=[p + len(c) for p, c in zip(pre, chunks)],
+                             num_draft_host=[len(c) - 1 for c in chunks],
                              max_total_q=sum(map(len, chunks)))
             last[torch.tensor(active, device=self.device)] = self.forward(
                 meta, logit_rows=meta.qo_indptr[1:] - 1)

@@ -21,6 +21,7 @@ with a session's KV from one ``generate`` to the next.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -155,20 +156,24 @@ class PagedBatch:
 
     @torch.no_grad()
     def verify_rows(self, draft: DraftBatch, root_ids: torch.Tensor,
-                    num_draft_host: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_draft_host: Sequence[int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over each request's root and draft nodes, logits in the flat layout.
 
         Returns ``(logits [total_q, V], qo_indptr int32 [B + 1])``: row ``qo_indptr[b] + r``
         holds request ``b``'s root (``r = 0``) or node ``r - 1``; ``total_q = B + the draft's
-        nodes``. ``num_draft_host``: the draft's total node count if the caller holds it (else
-        read from the device: it picks the bucket and ``total_q``). The logits are views of
+        nodes``. ``num_draft_host``: ``draft.num_draft_tokens`` as host ints if the caller
+        holds them (else read from the device): they pick the bucket and ``total_q``, and
+        FlashInfer plans with them instead of reading the device. The logits are views of
         the step's buffers, valid until the next verify.
         """
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._prefix is not None,
                                  pending=self._pending is not None)
         if num_draft_host is None:
-            num_draft_host = int(draft.num_draft_tokens.sum())
+            num_draft_host = draft.num_draft_tokens.tolist()
+        elif len(num_draft_host) != B:
+            raise ValueError(f"num_draft_host: {len(num_draft_host)} sizes for {B} requests")
         vg = self.verify_graphs
         if vg is not None and N <= vg.max_nodes and B <= vg.sizes[-1]:
             # the padded bucket (CUDA graph on a GPU); its first B requests are these
@@ -176,13 +181,14 @@ class PagedBatch:
                                    num_draft_host)
         else:
             meta = self.runner.plan(self._seq_ids, draft, root_ids, self._prefix,
-                                    prefix_lens_host=self._prefix_host)
+                                    prefix_lens_host=self._prefix_host,
+                                    num_draft_host=num_draft_host)
             flat = self.runner.forward(meta)                           # [capacity_q, V]
         self._pending = self._prefix
-        return flat[:B + num_draft_host], meta.qo_indptr[:B + 1]
+        return flat[:B + int(sum(num_draft_host))], meta.qo_indptr[:B + 1]
 
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
-                      num_draft_host: int | None = None) -> torch.Tensor:
+                      num_draft_host: Sequence[int] | None = None) -> torch.Tensor:
         """:meth:`verify_rows` gathered to ``[B, 1 + N, V]``: row 0 each request's root, row
         ``1 + j`` node ``j``; rows of padding nodes repeat the request's last row. (A copy of
         every row: acceptance takes the flat layout directly.)"""

@@ -30,10 +30,11 @@ from typing import NamedTuple
 
 import torch
 
+from agspec_gpu.attention import flashinfer_plan
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
-from agspec_gpu.tree import TreeMetadata, plan_tree
+from agspec_gpu.tree import HostSizes, TreeMetadata, host_sizes, plan_tree
 
 
 class _StepInputs(NamedTuple):
@@ -73,7 +74,7 @@ class VerifyGraphs(GraphSteps):
     Example
     -------
     >>> vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=16)
-    >>> meta, logits = vg.verify(["s0"], draft, roots, [17], num_draft_host=5)
+    >>> meta, logits = vg.verify(["s0"], draft, roots, [17], num_draft_host=[5])
     >>> logits[:6]          # the root's and the 5 nodes' rows, as meta.qo_indptr[:2] says
     """
 
@@ -117,22 +118,25 @@ class VerifyGraphs(GraphSteps):
         return S, Q
 
     def plan(self, seq_ids: Sequence[Hashable], draft: DraftBatch, roots: torch.Tensor,
-             prefix_lens_host: Sequence[int], num_draft_host: int
+             prefix_lens_host: Sequence[int], num_draft_host: Sequence[int]
              ) -> tuple[tuple[int, int], TreeMetadata]:
         """Allocates pages and plans the padded step into its bucket's buffers.
 
         ``draft``: ``B`` trees on the runner's device; ``roots``: ``int32 [B]``;
-        ``num_draft_host``: ``draft.num_draft_tokens.sum()`` as a host int (it picks the
-        bucket). Returns the bucket and the step's metadata over ``S + 1`` requests, the
-        real ones first (their rows as in the unpadded plan).
+        ``num_draft_host``: ``draft.num_draft_tokens`` as host ints (their sum picks the
+        bucket; with them FlashInfer plans without reading the device). Returns the bucket
+        and the step's metadata over ``S + 1`` requests, the real ones first (their rows as
+        in the unpadded plan).
         """
         b, N = draft.token_ids.shape
-        if b != len(seq_ids) or len(prefix_lens_host) != b:
-            raise ValueError(f"draft: {b} rows for {len(seq_ids)} seq_ids and "
-                             f"{len(prefix_lens_host)} prefix lengths")
+        if b != len(seq_ids) or len(prefix_lens_host) != b or len(num_draft_host) != b:
+            raise ValueError(f"draft: {b} rows for {len(seq_ids)} seq_ids, "
+                             f"{len(prefix_lens_host)} prefix lengths and "
+                             f"{len(num_draft_host)} draft sizes")
         if N > self.max_nodes:
             raise ValueError(f"draft: {N} nodes per request exceed max_nodes={self.max_nodes}")
-        S, Q = self.bucket(b, b + num_draft_host)
+        total = int(sum(num_draft_host))
+        S, Q = self.bucket(b, b + total)
         cache = self.runner.kv_cache
         for sid, n in zip(seq_ids, prefix_lens_host):
             cache.allocate(sid, n + 1 + N)
@@ -153,24 +157,27 @@ class VerifyGraphs(GraphSteps):
             inp.draft.token_ids[:b, :N].copy_(draft.token_ids)
             inp.draft.parents[:b, :N].copy_(draft.parents)
             inp.draft.num_draft_tokens[:b].copy_(draft.num_draft_tokens)
+        pad = [0] * (S - b)
+        host = host_sizes([int(n) for n in num_draft_host] + pad, list(prefix_lens_host) + pad,
+                          cache.page_size, sink_rows=Q - S - total)
         meta = self._plan_padded(S, Q, inp.draft, inp.root, inp.prefix, inp.page_table,
-                                 used_rows=b + num_draft_host + (S - b))
+                                 used_rows=S + total, host=host)
         return (S, Q), meta
 
     def _plan_padded(self, S: int, Q: int, draft: DraftBatch, root: torch.Tensor,
-                     prefix: torch.Tensor, page_table: torch.Tensor, used_rows: int
-                     ) -> TreeMetadata:
+                     prefix: torch.Tensor, page_table: torch.Tensor, used_rows: int,
+                     host: HostSizes | None = None) -> TreeMetadata:
         """plan_tree over the ``S`` requests and the sink request ``S`` over rows
         ``[used_rows, Q)``: one KV entry (null page, slot 0) that each of its rows sees."""
         if Q - used_rows < 1:
             raise ValueError(f"bucket ({S}, {Q}) has no row left for the sink")
         return plan_tree(draft, root, prefix, page_table.contiguous(),
                          self.runner.kv_cache.page_size, out=self._meta[S, Q],
-                         sink_page=self.runner.kv_cache.null_page)
+                         sink_page=self.runner.kv_cache.null_page, host=host)
 
     @torch.inference_mode()
     def verify(self, seq_ids: Sequence[Hashable], draft: DraftBatch, roots: torch.Tensor,
-               prefix_lens_host: Sequence[int], num_draft_host: int
+               prefix_lens_host: Sequence[int], num_draft_host: Sequence[int]
                ) -> tuple[TreeMetadata, torch.Tensor]:
         """One verification forward: ``(meta, logits [Q, vocab])``; request ``i < b``'s rows
         are ``meta.qo_indptr[i]:meta.qo_indptr[i + 1]``. With graphs ``logits`` is the
@@ -185,14 +192,9 @@ class VerifyGraphs(GraphSteps):
 
     # ------------------------------------------------------------------ capture (GPU)
     def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
-        r, s = self.runner, self.runner.shape
-        wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                     s.num_qo_heads, s.num_kv_heads, s.head_dim, r.page_size,
-                     packed_custom_mask=meta.packed_mask, sm_scale=s.head_dim ** -0.5,
-                     q_data_type=r.dtype, kv_data_type=r.dtype)
-        # FlashInfer's plan writes mask offsets in elements where its kernel reads bytes
-        # (see FlashInferPagedAttention.plan): the graph reads our byte offsets
-        wrapper._mask_indptr_buf.copy_(meta.mask_indptr)
+        s = self.runner.shape
+        flashinfer_plan(wrapper, meta, s.num_qo_heads, s.num_kv_heads, s.head_dim,
+                        s.head_dim ** -0.5, self.runner.dtype)
 
     def _capture(self, warmup: int) -> None:
         import flashinfer
