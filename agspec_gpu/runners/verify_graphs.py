@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 
 from agspec_gpu.attention import flashinfer_plan
-from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.host import synchronize
+from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.host import copy_grouped, synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
 from agspec_gpu.tree import HostSizes, TreeMetadata, host_sizes, plan_tree
 
@@ -98,9 +98,12 @@ class VerifyGraphs(GraphSteps):
                     S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
                     max_total_pages=S * P + 1, max_mask_bytes=Q * P * ps // 8 + S + 2)
         i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
-        self._inputs = {S: _StepInputs(i32(S, P), i32(S), i32(S),
+        self._inputs = {S: _StepInputs(i32(S, P).fill_(cache.null_page), i32(S), i32(S),
                                        DraftBatch(i32(S, max_nodes), i32(S, max_nodes), i32(S)))
                         for S in self.sizes}
+        # per bucket: rows [used, S) of its inputs are padding (a smaller step re-pads the
+        # rows a larger one wrote, not every row every step)
+        self._used = dict.fromkeys(self.sizes, 0)
         self._start(use_graphs, warmup)
 
     def bucket(self, num_requests: int, num_rows: int) -> tuple[int, int]:
@@ -141,22 +144,23 @@ class VerifyGraphs(GraphSteps):
         for sid, n in zip(seq_ids, prefix_lens_host):
             cache.allocate(sid, n + 1 + N)
         # the bucket's step inputs, rewritten in place: padding requests have no nodes, a
-        # zero prefix and the null page; node columns past N are PAD_ID
+        # zero prefix and the null page (their roots are any earlier token). The planner
+        # reads a request's first num_draft_tokens node columns only, so the columns past
+        # them keep whatever an earlier step left.
         inp = self._inputs[S]
-        inp.page_table[b:].fill_(cache.null_page)
+        if b < self._used[S]:  # rows a larger step wrote: padding again
+            inp.page_table[b:self._used[S]].fill_(cache.null_page)
+            inp.draft.num_draft_tokens[b:self._used[S]].zero_()
+        self._used[S] = b
         # the prefix lengths, padding's zeros included: one host-to-device copy
         inp.prefix.copy_(torch.tensor(list(prefix_lens_host) + [0] * (S - b),
                                       dtype=torch.int32), non_blocking=True)
-        inp.root[b:].zero_()
-        inp.draft.token_ids.fill_(PAD_ID)
-        inp.draft.parents.fill_(PAD_ID)
-        inp.draft.num_draft_tokens[b:].zero_()
         if b:
             cache.page_table(seq_ids, out=inp.page_table[:b])
-            inp.root[:b].copy_(roots)
-            inp.draft.token_ids[:b, :N].copy_(draft.token_ids)
-            inp.draft.parents[:b, :N].copy_(draft.parents)
-            inp.draft.num_draft_tokens[:b].copy_(draft.num_draft_tokens)
+            copy_grouped([inp.root[:b], inp.draft.num_draft_tokens[:b],
+                          inp.draft.token_ids[:b, :N], inp.draft.parents[:b, :N]],
+                         [x.to(torch.int32) for x in (roots, draft.num_draft_tokens,
+                                                      draft.token_ids, draft.parents)])
         pad = [0] * (S - b)
         host = host_sizes([int(n) for n in num_draft_host] + pad, list(prefix_lens_host) + pad,
                           cache.page_size, sink_rows=Q - S - total)
