@@ -116,12 +116,15 @@ class AcceptResult:
         output_ids: ``int32 [B, D+1]`` the accepted tokens then the bonus token,
             ``PAD_ID`` padded.
         num_output: ``int32 [B]`` valid entries of ``output_ids`` (``num_accepted + 1``).
+        maybe_bonus: ``int32 [B]`` or None: the bonus tokens, when the walk wrote them
+            (:meth:`bonus_ids` reads them from ``output_ids`` otherwise).
     """
 
     num_accepted: torch.Tensor
     accepted_nodes: torch.Tensor
     output_ids: torch.Tensor
     num_output: torch.Tensor
+    maybe_bonus: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.accepted_nodes.ndim != 2:
@@ -131,7 +134,10 @@ class AcceptResult:
         for name, t, shape in (("num_accepted", self.num_accepted, (B,)),
                                ("accepted_nodes", self.accepted_nodes, (B, D)),
                                ("output_ids", self.output_ids, (B, D + 1)),
-                               ("num_output", self.num_output, (B,))):
+                               ("num_output", self.num_output, (B,)),
+                               ("maybe_bonus", self.maybe_bonus, (B,))):
+            if t is None:
+                continue
             if t.dtype != torch.int32 or tuple(t.shape) != shape:
                 raise ValueError(f"{name}: expected int32 {list(shape)}, "
                                  f"got {t.dtype} {list(t.shape)}")
@@ -142,6 +148,8 @@ class AcceptResult:
 
     def bonus_ids(self) -> torch.Tensor:
         """``int32 [B]``: each request's bonus token, i.e. the next root."""
+        if self.maybe_bonus is not None:
+            return self.maybe_bonus
         return self.output_ids.gather(1, self.num_accepted.long()[:, None])[:, 0]
 
 
@@ -181,7 +189,8 @@ def flatten_tree_logits(logits: torch.Tensor, num_draft_tokens: torch.Tensor) ->
 
 def _tree_rows(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``rows [R, V]`` and ``row_start int64 [B]`` (row of each request's root)."""
+    """Returns ``rows [R, V]`` and ``row_start [B]`` (row of each request's root; int64, or
+    ``qo_indptr``'s dtype)."""
     B, N = draft.token_ids.shape
     if logits.ndim == 3:
         if qo_indptr is not None:
@@ -197,7 +206,7 @@ def _tree_rows(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor 
                          f"{None if qo_indptr is None else list(qo_indptr.shape)}")
     if qo_indptr.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"qo_indptr: expected int32 (or int64), got {qo_indptr.dtype}")
-    return logits, qo_indptr[:-1].long()
+    return logits, qo_indptr[:-1]
 
 
 def _depth_bound(draft: DraftBatch, max_depth: int | None) -> int:
@@ -256,19 +265,22 @@ def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
     """
     B, N = draft.token_ids.shape
     D = _depth_bound(draft, max_depth)
-    # target[b, 0] = argmax at the root, target[b, 1+j] = argmax at node j: [B, 1+N]
+    # the target's argmax at the root and at each node: padded [B, 1+N], or the flat rows'
+    # [total_q] that the walk reads at qo_indptr[b] + 1 + j
+    row_start = None
     if logits.ndim == 3 and qo_indptr is None and logits.shape[:2] == (B, 1 + N):
-        target = logits.argmax(-1)  # padded: the rows are already [B, 1+N]
+        target = logits.argmax(-1)
     else:
-        rows, row_start = _tree_rows(draft, logits, qo_indptr)  # (raises for bad shapes)
-        row_idx = row_start[:, None] + torch.arange(1 + N, device=rows.device)
-        row_idx = row_idx.clamp(max=max(rows.shape[0] - 1, 0))  # padding columns: any row
-        target = rows.argmax(-1)[row_idx] if rows.shape[0] else torch.zeros_like(row_idx)
-    # the walk down each tree and its output tokens: one kernel on a GPU
+        rows, _ = _tree_rows(draft, logits, qo_indptr)  # (raises for bad shapes)
+        if rows.shape[0] == 0:  # (an empty batch)
+            rows = rows.new_zeros(1, rows.shape[1])
+        target, row_start = rows.argmax(-1), qo_indptr[:-1]
+    # the walk down each tree, its output tokens and the bonus: one kernel on a GPU
     # (kernels/tree_accept.py)
-    num_acc, accepted, out, num_out = greedy_tree_accept(
-        draft.token_ids, draft.parents, draft.num_draft_tokens, target, max_depth=D)
-    return AcceptResult(num_acc, accepted, out, num_out)
+    num_acc, accepted, out, num_out, bonus = greedy_tree_accept(
+        draft.token_ids, draft.parents, draft.num_draft_tokens, target, max_depth=D,
+        row_start=row_start)
+    return AcceptResult(num_acc, accepted, out, num_out, bonus)
 
 
 # ----------------------------------------------------------------------------- sampling

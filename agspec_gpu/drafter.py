@@ -191,6 +191,7 @@ class Drafter:
         # a commit's counts (drafted and accepted per tier, calibration cells reached and
         # accepted), zeroed and folded into the decayed tables every commit
         self._commit_counts = torch.zeros_like(self._tables)
+        # the last observe's accepted nodes' sources (a view: valid until the next observe)
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # every step's costs: B requests plus at most max_nodes nodes each
@@ -486,7 +487,8 @@ class Drafter:
             if self._graphs is not None:  # one width: a draft accepts at most its depth
                 inputs["out"] = out[:, :K1] if M >= K1 else \
                     torch.nn.functional.pad(out, (0, K1 - M), value=0)
-                (acc_src,) = self._graphs[1].run(inputs)
+                # a view of the graph's buffer (last_accepted_sources: until the next observe)
+                (acc_src,) = self._graphs[1].run(inputs, clone=False)
                 W = max(M, 1)  # the eager step's width: one column per output token
                 acc_src = acc_src[:, :W] if W <= K1 else \
                     torch.nn.functional.pad(acc_src, (0, W - K1), value=-1)

@@ -87,7 +87,7 @@ class StepOutput:
 
 def read_output(res: AcceptResult) -> tuple[list[list[int]], list[int]]:
     """``(output_ids rows, num_output)`` on the host, in one read."""
-    both = torch.cat([res.num_output[:, None].long(), res.output_ids.long()], 1).tolist()
+    both = torch.cat([res.num_output[:, None], res.output_ids], 1).tolist()  # int32 both
     return [r[1:] for r in both], [r[0] for r in both]
 
 

@@ -38,11 +38,13 @@ def _tree_accept_kernel(
     tok_ptr,  # *int32 [B, N]  draft tokens, topological order (parents[b, j] < j)
     par_ptr,  # *int32 [B, N]  parents, -1: a child of the root
     num_ptr,  # *int32 [B]  valid nodes per request
-    exp_ptr,  # *int64 [B, E]  expected tokens (see the module docstring)
+    exp_ptr,  # *int64 [B, E]  expected tokens (see the module docstring); ROWS: [E] rows
+    row_ptr,  # *int32 [B]  ROWS: request b's expected tokens start at exp_ptr + row_ptr[b]
     path_ptr,  # *int64 or *int32 [B, D]  accepted nodes in path order, -1 padded
     nacc_ptr,  # *int64 or *int32 [B]  accepted nodes
     out_ptr,  # *int32 [B, D + 1]  EMIT: accepted tokens, then the bonus, -1 padded
     nout_ptr,  # *int32 [B]  EMIT: accepted nodes + 1
+    bonus_ptr,  # *int32 [B]  EMIT: the bonus token
     N,
     E,
     D,
@@ -50,18 +52,29 @@ def _tree_accept_kernel(
     BLOCK_N: tl.constexpr,
     BY_DEPTH: tl.constexpr,
     EMIT: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Grid ``(B,)``: the walk of one request, ``D`` levels at most; with ``EMIT`` (greedy)
     also the tokens it outputs: the accepted nodes' tokens, then the bonus token (the target
-    at the last accepted node, or at the root)."""
+    at the last accepted node, or at the root). ``ROWS``: the expected tokens are the flat
+    rows of a ragged batch (its ``qo_indptr[:-1]`` in ``row_ptr``), not ``[B, E]``; reads
+    outside the ``E`` rows (an inconsistent ``row_ptr``) load ``NO_MATCH``, never fault."""
     b = tl.program_id(0).to(tl.int64)
+    if ROWS:  # the valid offsets from the request's first row: inside the E rows
+        base = tl.load(row_ptr + b).to(tl.int64)
+        lo, hi = -base, E - base
+    else:  # inside the request's row of E
+        base = b * E
+        lo, hi = base * 0, base * 0 + E
+    exp_ptr += base
     j = tl.arange(0, BLOCK_N)
     inb = j < N
     valid = inb & (j < tl.load(num_ptr + b))
     tok = tl.load(tok_ptr + b * N + j, mask=inb, other=0).to(tl.int64)
     par = tl.load(par_ptr + b * N + j, mask=inb, other=-1)
     if not BY_DEPTH:  # the target at the node's parent: expected column parents + 1
-        want = tl.load(exp_ptr + b * E + par + 1, mask=valid, other=NO_MATCH)
+        want = tl.load(exp_ptr + par + 1, mask=valid & (par + 1 >= lo) & (par + 1 < hi),
+                       other=NO_MATCH)
         match = valid & (tok == want)
     cur = tl.zeros((), tl.int32) - 1  # greedy: the walk's current node
     level = par == -1  # by depth: the nodes whose ancestors all matched, one level at a time
@@ -70,7 +83,7 @@ def _tree_accept_kernel(
     d = tl.zeros((), tl.int32)
     while d < D:  # no break: compiled loops cannot; `alive` stops the walk instead
         if BY_DEPTH:
-            want_d = tl.load(exp_ptr + b * E + d, mask=d < E, other=NO_MATCH)
+            want_d = tl.load(exp_ptr + d, mask=d < hi, other=NO_MATCH)
             hit = level & valid & (tok == want_d)
             # the next level: children of this level's matched nodes
             level = tl.max(((par[:, None] == j[None, :]) & hit[None, :]).to(tl.int32),
@@ -81,7 +94,8 @@ def _tree_accept_kernel(
         has = (child < BLOCK_N).to(tl.int32)
         tl.store(path_ptr + b * D + d, tl.where(has != 0, child, -1).to(tl.int64))
         if EMIT:  # the child's token; at the first miss the bonus; then padding
-            bonus = tl.load(exp_ptr + b * E + cur + 1)
+            bonus = tl.load(exp_ptr + cur + 1, mask=(cur + 1 >= lo) & (cur + 1 < hi),
+                            other=NO_MATCH)
             out = tl.where(alive != 0, bonus, -1)
             out = tl.where(has != 0, tl.sum(tl.where(j == child, tok, 0), axis=0), out)
             tl.store(out_ptr + b * (D + 1) + d, out.to(tl.int32))
@@ -91,9 +105,11 @@ def _tree_accept_kernel(
         d += 1
     tl.store(nacc_ptr + b, num)
     if EMIT:  # every level accepted: the bonus is the last column
-        bonus = tl.load(exp_ptr + b * E + cur + 1)
+        bonus = tl.load(exp_ptr + cur + 1, mask=(cur + 1 >= lo) & (cur + 1 < hi),
+                        other=NO_MATCH)
         tl.store(out_ptr + b * (D + 1) + D, tl.where(alive != 0, bonus, -1).to(tl.int32))
         tl.store(nout_ptr + b, (num + 1).to(tl.int32))
+        tl.store(bonus_ptr + b, bonus.to(tl.int32))
 
 
 def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
@@ -149,8 +165,9 @@ def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
 
 
 def _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth: bool,
-                max_depth: int, name: str = "expected") -> None:
-    """The launchers' argument checks (ValueError naming the argument)."""
+                max_depth: int, name: str = "expected", flat: bool = False) -> None:
+    """The launchers' argument checks (ValueError naming the argument); ``flat``: the
+    expected tokens are a ragged batch's rows, ``int64 [T]``."""
     if token_ids.dim() != 2 or parents.shape != token_ids.shape:
         raise ValueError(f"token_ids, parents: expected the same [B, N], got "
                          f"{tuple(token_ids.shape)}, {tuple(parents.shape)}")
@@ -158,10 +175,14 @@ def _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth: bool,
     if num_draft_tokens.shape != (B,):
         raise ValueError(f"num_draft_tokens: expected shape ({B},), got "
                          f"{tuple(num_draft_tokens.shape)}")
-    if expected.dim() != 2 or expected.shape[0] != B or expected.dtype != torch.int64:
+    if flat and (expected.dim() != 1 or expected.dtype != torch.int64):
+        raise ValueError(f"{name}: expected int64 [T] (flat rows), got {expected.dtype} "
+                         f"{tuple(expected.shape)}")
+    if not flat and (expected.dim() != 2 or expected.shape[0] != B
+                     or expected.dtype != torch.int64):
         raise ValueError(f"{name}: expected int64 [{B}, E], got {expected.dtype} "
                          f"{tuple(expected.shape)}")
-    if not by_depth and expected.shape[1] != N + 1:
+    if not flat and not by_depth and expected.shape[1] != N + 1:
         raise ValueError(f"{name}: [B, N + 1 = {N + 1}] targets (root, then each node), got "
                          f"{tuple(expected.shape)}")
     if max_depth < 0:
@@ -202,11 +223,13 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     num = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.empty(B, max_depth, dtype=torch.long, device=dev)
     if B and max_depth:
+        num_draft_tokens = num_draft_tokens.to(torch.int32).contiguous()
         _tree_accept_kernel[(B,)](
             token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
-            num_draft_tokens.to(torch.int32).contiguous(), expected.contiguous(), path, num,
-            num, num, N, expected.shape[1], max_depth, -2,
-            BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=by_depth, EMIT=False)
+            num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num, num,
+            num, N, expected.shape[1], max_depth, -2,
+            BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=by_depth, EMIT=False,
+            ROWS=False)
     return num, path
 
 
@@ -226,34 +249,50 @@ def path_outputs_torch(token_ids: torch.Tensor, path: torch.Tensor, num_accepted
 
 def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
                        num_draft_tokens: torch.Tensor, target: torch.Tensor, *, max_depth: int,
-                       use_triton: bool | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       row_start: torch.Tensor | None = None, use_triton: bool | None = None
+                       ) -> tuple[torch.Tensor, ...]:
     """Greedy verification's walk and what it outputs, in one kernel on a GPU.
 
-    ``target int64 [B, N + 1]``: the target's token at the root and at each node (its
-    argmax). Returns ``(num_accepted [B], path [B, D], output_ids [B, D + 1], num_output
-    [B])``, all int32: :func:`tree_accept`'s path (``by_depth=False``), the accepted tokens
-    followed by the bonus token (the target at the last accepted node; -1 after it), and
-    ``num_accepted + 1``.
+    ``target``: the target's token (its argmax) at the root and at each node, ``int64 [B,
+    N + 1]``; or, with ``row_start`` (``int32 [B]``, a ragged batch's ``qo_indptr[:-1]``),
+    the flat ``int64 [T]`` over the batch's rows, request ``b``'s root at ``row_start[b]``
+    and node ``j`` at ``row_start[b] + 1 + j``. Returns ``(num_accepted [B], path [B, D],
+    output_ids [B, D + 1], num_output [B], bonus [B])``, all int32: :func:`tree_accept`'s
+    path (``by_depth=False``), the accepted tokens followed by the bonus token (the target
+    at the last accepted node; -1 after it), ``num_accepted + 1`` and the bonus token.
     """
-    _check_walk(token_ids, parents, num_draft_tokens, target, False, max_depth, "target")
+    flat = row_start is not None
+    _check_walk(token_ids, parents, num_draft_tokens, target, False, max_depth, "target",
+                flat=flat)
     B, N = token_ids.shape
+    if flat:
+        if row_start.shape != (B,) or row_start.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"row_start: expected int32 [{B}], got {row_start.dtype} "
+                             f"{tuple(row_start.shape)}")
+        check_devices(("target", target), ("row_start", row_start))
     dev = token_ids.device
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N or B == 0 or max_depth == 0:
+        if flat:  # the padded [B, N + 1] targets (columns past a request: any row)
+            cols = row_start.long()[:, None] + torch.arange(N + 1, device=dev)
+            target = target[cols.clamp(max=max(target.shape[0] - 1, 0))] if target.numel() \
+                else torch.zeros(B, N + 1, dtype=torch.int64, device=dev)
         num, path = tree_accept_torch(token_ids, parents, num_draft_tokens, target,
                                       by_depth=False, max_depth=max_depth)
         last = path.gather(1, (num - 1).clamp(min=0)[:, None])[:, 0] if max_depth else num
         cur = torch.where(num > 0, last, -1)
         bonus = target.gather(1, (cur + 1)[:, None])[:, 0]
         out, nout = path_outputs_torch(token_ids, path, num, bonus)
-        return num.to(torch.int32), path.to(torch.int32), out, nout
+        return num.to(torch.int32), path.to(torch.int32), out, nout, bonus.to(torch.int32)
     i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
-    num, path, out, nout = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B)
+    num, path, out, nout, bonus = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B), \
+        i32(B)
+    num_draft_tokens = num_draft_tokens.to(torch.int32).contiguous()
     _tree_accept_kernel[(B,)](
         token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
-        num_draft_tokens.to(torch.int32).contiguous(), target.contiguous(), path, num, out,
-        nout, N, N + 1, max_depth, -2, BLOCK_N=max(triton.next_power_of_2(N), 1),
-        BY_DEPTH=False, EMIT=True)
-    return num, path, out, nout
+        num_draft_tokens, target.contiguous(),
+        num_draft_tokens if row_start is None else row_start.contiguous(), path, num, out,
+        nout, bonus, N, target.shape[0] if flat else N + 1, max_depth, -2,
+        BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat)
+    return num, path, out, nout, bonus

@@ -602,9 +602,10 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     here on the CPU: every torch op, with the verification forward and the drafter's two
     halves as the graph replays they are there (VerifyGraphs and the drafter's StepGraphs
     run their padded steps eagerly here) and each Triton-backed function as its launches.
-    Now 42-48 at B = 1 and 4 (60-64 before the drafter's graph inputs were copied one
-    launch per dtype and the verification step's inputs staged without re-padding every
-    row). Before the two-kernel planning (the sink included), the greedy
+    Now 31-37 at B = 1 and 4 (60-64 before the drafter's graph inputs were copied one
+    launch per dtype, the verification step's inputs staged without re-padding every row,
+    and the greedy walk read the flat logits rows' argmax and wrote the bonus tokens
+    itself). Before the two-kernel planning (the sink included), the greedy
     acceptance in one launch, host-counted stats, no vocabulary check of the decoder's own
     drafts and no clones of them: 143-147 (counted the same way, the planner's fills as the
     launches they were)."""
@@ -653,7 +654,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     # the first step of a batch size also fills its buckets' new buffers
     again = [n for i, (b, n) in enumerate(per_step)
              if any(b == c for c, _ in per_step[:i])]
-    assert again and max(again) <= 50, per_step
+    assert again and max(again) <= 40, per_step
 
 
 @pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[2]], ids=[IDS[1], IDS[2]])

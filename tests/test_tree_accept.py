@@ -67,16 +67,27 @@ def check(tok, par, num, exp, by_depth, D):
             assert p[b].tolist() == want + [-1] * (D - len(want)), (name, b)
     if by_depth:
         return
-    for use_triton in (True, False):  # greedy: the walk and its output tokens
-        n, p, out, nout = greedy_tree_accept(*t, max_depth=D, use_triton=use_triton)
-        assert all(x.dtype == torch.int32 for x in (n, p, out, nout))
-        assert torch.equal(n.long().cpu(), ref[0].cpu()) and torch.equal(p.long(), ref[1])
-        assert torch.equal(nout, n + 1)
-        for b in range(tok.shape[0]):
-            path = ref[1][b, :int(ref[0][b])].tolist()
-            bonus = int(exp[b, 1 + (path[-1] if path else -1)])
-            want = [int(tok[b, j]) for j in path] + [bonus]
-            assert out[b].tolist() == want + [-1] * (D + 1 - len(want)), (use_triton, b)
+    # the flat layout of a ragged batch: request b's 1 + num[b] rows at row_start[b]
+    qo = np.concatenate([[0], np.cumsum(1 + num)])
+    flat = np.concatenate([exp[b, :1 + num[b]] for b in range(len(num))] + [
+        np.zeros(0, np.int64)])
+    flat_t = (torch.from_numpy(flat).to(DEV), torch.from_numpy(qo[:-1].astype(np.int32)).to(DEV))
+    for use_triton in (True, False):  # greedy: the walk, its output tokens, the bonus
+        for rows in (None, flat_t):
+            target, row_start = (t[3], None) if rows is None else rows
+            n, p, out, nout, bonus = greedy_tree_accept(*t[:3], target, max_depth=D,
+                                                        row_start=row_start,
+                                                        use_triton=use_triton)
+            assert all(x.dtype == torch.int32 for x in (n, p, out, nout, bonus))
+            assert torch.equal(n.long().cpu(), ref[0].cpu()) and torch.equal(p.long(), ref[1])
+            assert torch.equal(nout, n + 1)
+            for b in range(tok.shape[0]):
+                path = ref[1][b, :int(ref[0][b])].tolist()
+                want_bonus = int(exp[b, 1 + (path[-1] if path else -1)])
+                want = [int(tok[b, j]) for j in path] + [want_bonus]
+                assert out[b].tolist() == want + [-1] * (D + 1 - len(want)), \
+                    (use_triton, rows is None, b)
+                assert int(bonus[b]) == want_bonus
 
 
 @pytest.mark.parametrize("by_depth", [False, True])
@@ -106,9 +117,10 @@ def test_chains_and_empty_batches(by_depth):
                        max_depth=3, use_triton=True)
     assert n.shape == (0,) and p.shape == (0, 3)
     if not by_depth:
-        n, p, out, nout = greedy_tree_accept(*[torch.from_numpy(x).to(DEV) for x in empty],
-                                             max_depth=3, use_triton=True)
-        assert n.shape == nout.shape == (0,) and p.shape == (0, 3) and out.shape == (0, 4)
+        n, p, out, nout, bonus = greedy_tree_accept(
+            *[torch.from_numpy(x).to(DEV) for x in empty], max_depth=3, use_triton=True)
+        assert n.shape == nout.shape == bonus.shape == (0,) and p.shape == (0, 3)
+        assert out.shape == (0, 4)
 
 
 def test_rejects_bad_inputs():
@@ -135,14 +147,36 @@ def test_rejects_bad_greedy_targets():
         greedy_tree_accept(t, t, num, torch.zeros(2, 4, dtype=torch.int32), max_depth=3)
     with pytest.raises(ValueError, match="target: \\[B, N \\+ 1"):
         greedy_tree_accept(t, t, num, torch.zeros(2, 3, dtype=torch.int64), max_depth=3)
+    rows, start = torch.zeros(5, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="target: expected int64 \\[T\\]"):
+        greedy_tree_accept(t, t, num, rows[None], max_depth=3, row_start=start)
+    for bad in (start[:1], start.float(), start[None]):
+        with pytest.raises(ValueError, match="row_start"):
+            greedy_tree_accept(t, t, num, rows, max_depth=3, row_start=bad)
+
+
+def test_flat_rows_outside_the_batch_read_no_memory():
+    """Row starts past the flat targets (an inconsistent qo_indptr) match nothing, in the
+    kernel too: no read outside the rows."""
+    tok = torch.tensor([[5, 6], [5, 6]], dtype=torch.int32, device=DEV)
+    par = torch.tensor([[-1, 0], [-1, 0]], dtype=torch.int32, device=DEV)
+    num = torch.tensor([2, 2], dtype=torch.int32, device=DEV)
+    rows = torch.tensor([5, 6, 9], dtype=torch.int64, device=DEV)
+    start = torch.tensor([0, 1000], dtype=torch.int32, device=DEV)
+    n, p, out, nout, bonus = greedy_tree_accept(tok, par, num, rows, max_depth=2,
+                                                row_start=start, use_triton=True)
+    assert n.tolist() == [2, 0] and out[0].tolist() == [5, 6, 9]
 
 
 def test_kernel_compiles_for_sm90():
-    sig = dict(tok_ptr="*i32", par_ptr="*i32", num_ptr="*i32", exp_ptr="*i64", path_ptr="*i64",
-               nacc_ptr="*i64", out_ptr="*i32", nout_ptr="*i32", N="i32", E="i32", D="i32",
-               NO_MATCH="i64", BLOCK_N="constexpr", BY_DEPTH="constexpr", EMIT="constexpr")
+    sig = dict(tok_ptr="*i32", par_ptr="*i32", num_ptr="*i32", exp_ptr="*i64", row_ptr="*i32",
+               path_ptr="*i64", nacc_ptr="*i64", out_ptr="*i32", nout_ptr="*i32",
+               bonus_ptr="*i32", N="i32", E="i32", D="i32", NO_MATCH="i64",
+               BLOCK_N="constexpr", BY_DEPTH="constexpr", EMIT="constexpr", ROWS="constexpr")
     greedy = dict(sig, path_ptr="*i32", nacc_ptr="*i32")
     compile_all_for_sm90([
-        (_tree_accept_kernel, sig, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=False)),
-        (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True, EMIT=False)),
-        (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True))])
+        (_tree_accept_kernel, sig, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=False, ROWS=False)),
+        (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True, EMIT=False, ROWS=False)),
+        (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True,
+                                           ROWS=False)),
+        (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True, ROWS=True))])

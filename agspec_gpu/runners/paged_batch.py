@@ -208,7 +208,8 @@ class PagedBatch:
         if result.max_depth:
             kv_compact(cache.data, cache.page_table(self._seq_ids), self._pending,
                        result.accepted_nodes.to(self.device, torch.int32).contiguous())
-        self._prefix = self._pending + 1 + result.num_accepted.to(self.device, torch.int32)
+        # the root and the accepted nodes: num_output (= num_accepted + 1) slots
+        self._prefix = self._pending + result.num_output.to(self.device, torch.int32)
         # the planner sizes pages on the host
         self._prefix_host = self._prefix.tolist() if num_accepted_host is None else \
             [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
