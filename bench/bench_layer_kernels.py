@@ -55,6 +55,24 @@ def timer(device: torch.device, repeats: int):
     return cpu
 
 
+def write_results(stem: str, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype,
+                  rows: list[dict]) -> Path:
+    """``{"config", "results"}`` as ``<args.out>.json`` (default
+    ``bench/results/<stem>-<date>-<cpu or the GPU's short name>.json``)."""
+    gpu = dev.type == "cuda"
+    name = torch.cuda.get_device_name(dev).split()[-1].lower() if gpu else "cpu"
+    out = Path(args.out) if args.out else \
+        ROOT / "bench" / "results" / f"{stem}-{_dt.date.today():%Y%m%d}-{name}"
+    out = out.with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
+              "machine": platform.machine(),
+              "gpu": torch.cuda.get_device_name(dev) if gpu else None}
+    out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,17 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             sp = f"{row['speedup']:6.2f}x" if row["speedup"] else "      -"
             print(f"{name:12s} rows={Q:<5d} torch {row['torch_us']:9.1f} us  triton {tri} us  "
                   f"{sp}  ({replaced} kernels -> {row['triton_kernels']})", flush=True)
-    name = f"{dev.type}" if dev.type == "cpu" else \
-        torch.cuda.get_device_name(dev).split()[-1].lower()
-    out = Path(args.out) if args.out else \
-        ROOT / "bench" / "results" / f"layer_kernels-{_dt.date.today():%Y%m%d}-{name}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
-              "machine": platform.machine(),
-              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None}
-    out.with_suffix(".json").write_text(json.dumps({"config": config, "results": rows},
-                                                   indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.json')}")
+    write_results("layer_kernels", args, dev, dtype, rows)
     return 0
 
 

@@ -25,10 +25,6 @@ Microseconds are medians (``triton.testing.do_bench`` on CUDA, ``time.perf_count
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import platform
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,9 +33,8 @@ from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.tree import TreeMetadata, plan_tree
-from bench_layer_kernels import timer  # bench/, the script's folder
+from bench_layer_kernels import timer, write_results  # bench/, the script's folder
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGE = 16
 
 
@@ -148,16 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                   for t in (False, True)}
         add("kv_compact", B, bench(commit[False]), bench(commit[True]) if gpu else None)
 
-    name = "cpu" if not gpu else torch.cuda.get_device_name(dev).split()[-1].lower()
-    path = Path(args.out) if args.out else \
-        ROOT / "bench" / "results" / f"verify_kernels-{_dt.date.today():%Y%m%d}-{name}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
-              "machine": platform.machine(),
-              "gpu": torch.cuda.get_device_name(dev) if gpu else None}
-    path.with_suffix(".json").write_text(json.dumps({"config": config, "results": rows},
-                                                    indent=2) + "\n")
-    print(f"wrote {path.with_suffix('.json')}")
+    write_results("verify_kernels", args, dev, dtype, rows)
     return 0
 
 
