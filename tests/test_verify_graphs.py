@@ -143,3 +143,33 @@ def test_paged_batch_through_verify_graphs_equals_exact_steps():
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
     assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages
+
+
+def test_decode_graphs_pad_the_rows_a_larger_step_wrote():
+    """DecodeGraphs (the plain decode steps of the e2e benchmark) rewrite their inputs in
+    place: a step of 2 requests after one of 3 in the same size re-pads the third row, so its
+    padding request writes to the null page, not to the third sequence's first slot; each
+    step's logits are the unpadded step's."""
+    from agspec_gpu.runners.graphs import DecodeGraphs
+
+    rng = np.random.default_rng(5)
+    runner = _runner()
+    cache = runner.kv_cache
+    dg = DecodeGraphs(runner, [1, 4])
+    ids = ["a", "b", "c"]
+    prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 6, 13)]
+    roots = runner.prefill(ids, prompts).argmax(-1).to(torch.int32)
+    lens = [len(p) for p in prompts]
+    for b in (3, 2, 1, 2):  # sizes 4, 4 (one row left over from 3), 1, 4
+        before = cache.data.clone()
+        meta = runner.plan(ids[:b], DraftBatch.from_lists([[]] * b), roots[:b],
+                           torch.tensor(lens[:b], dtype=torch.int32), prefix_lens_host=lens[:b])
+        want = runner.forward(meta)[:b].clone()
+        want_kv = cache.data.clone()
+        cache.data.copy_(before)
+        got = dg.decode(ids[:b], roots[:b], lens[:b])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        null = cache.null_page  # padding KV goes there, nowhere else
+        torch.testing.assert_close(cache.data[:, :null], want_kv[:, :null])
+        roots = torch.cat([got.argmax(-1).to(torch.int32), roots[b:]])
+        lens = [x + 1 if i < b else x for i, x in enumerate(lens)]

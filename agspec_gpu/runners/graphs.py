@@ -17,7 +17,7 @@ import torch
 
 from agspec_gpu.cuda_graph import capture
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.host import synchronize, to_device
+from agspec_gpu.host import synchronize
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
@@ -120,6 +120,13 @@ class DecodeGraphs(GraphSteps):
                                      torch.zeros(S, 0, dtype=torch.int32, device=dev),
                                      torch.zeros(S, dtype=torch.int32, device=dev))
                        for S in self.sizes}
+        # each size's step inputs (page table, prefix lengths, roots), rewritten in place;
+        # rows [used, S) are padding: one token on the null page
+        self._inputs = {S: (torch.full((S, P), cache.null_page, dtype=torch.int32, device=dev),
+                            torch.zeros(S, dtype=torch.int32, device=dev),
+                            torch.zeros(S, dtype=torch.int32, device=dev))
+                        for S in self.sizes}
+        self._used = dict.fromkeys(self.sizes, 0)
         self._start(use_graphs, warmup)
 
     def size_for(self, num_requests: int) -> int:
@@ -137,19 +144,17 @@ class DecodeGraphs(GraphSteps):
         cache = self.runner.kv_cache
         for sid, n in zip(seq_ids, prefix_lens_host):
             cache.allocate(sid, n + 1)
-        width = -(-(max(prefix_lens_host) + 1) // cache.page_size)
-        dev = self.runner.device
-        page_table = cache.page_table(seq_ids)[:, :width]
+        page_table, prefix, root = self._inputs[S]
+        if b < self._used[S]:  # rows a larger step wrote: padding again (roots: any token)
+            page_table[b:self._used[S]].fill_(cache.null_page)
+        self._used[S] = b
         prefix_host = list(prefix_lens_host) + [0] * (S - b)
-        prefix = to_device(prefix_host, torch.int32, dev)
-        root = torch.zeros(S, dtype=torch.int32, device=dev)
-        root[:b] = roots.to(dev, torch.int32)
-        if S > b:  # padding requests: one token on the null page
-            pad = torch.full((S - b, width), cache.null_page, dtype=torch.int32, device=dev)
-            page_table = torch.cat([page_table, pad])
+        prefix.copy_(torch.tensor(prefix_host, dtype=torch.int32), non_blocking=True)
+        cache.page_table(seq_ids, out=page_table[:b])
+        root[:b].copy_(roots)
         # the sizes on the host too: FlashInfer's plan reads them there
-        meta = plan_tree(self._empty[S], root, prefix, page_table.contiguous(),
-                         cache.page_size, out=self._meta[S],
+        meta = plan_tree(self._empty[S], root, prefix, page_table, cache.page_size,
+                         out=self._meta[S],
                          host=host_sizes([0] * S, prefix_host, cache.page_size))
         return S, meta
 
