@@ -28,7 +28,8 @@
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), kernels.json (bench_layer_kernels and bench_verify_kernels),
+# trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels and
+# bench_decoder_step),
 # e2e-<date>-h200-eager-verify.json,
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
@@ -192,19 +193,25 @@ step bench_drafter_step 60 python3 bench/bench_drafter_step.py --device cuda \
   --out /tmp/bench/drafter_step
 cp /tmp/bench/drafter_step.json "$OUT/drafter_step.json" 2>/dev/null
 
+# ---------------------------------------------------------------- a SpecDecoder step's host cost
+# time, CUDA runtime calls (launches, syncs) and GPU activities per submit/step step, paged
+# runner with its graphs, speculative and plain (a small random Llama: the host's work)
+step bench_decoder_step 90 python3 bench/bench_decoder_step.py --device cuda \
+  --batch-sizes 1,4,16 --out /tmp/bench/decoder_step
+
 # ---------------------------------------------------------------- kernel benchmarks
 step bench_layer_kernels 40 python3 bench/bench_layer_kernels.py --device cuda \
   --out /tmp/bench/layer_kernels
 # planning, greedy acceptance on flat vs padded logits, the KV commit: Triton vs torch
 step bench_verify_kernels 60 python3 bench/bench_verify_kernels.py --device cuda \
   --out /tmp/bench/verify_kernels
-# one file for both (at most 8 files come back): {"layer_kernels": ..., "verify_kernels": ...}
+# one file for the three (at most 8 files come back): {"layer_kernels": ..., ...}
 python3 -c "
 import json, os, sys
 out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
-" layer_kernels verify_kernels
+" layer_kernels verify_kernels decoder_step
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 150 "${PYTEST[@]}" \
