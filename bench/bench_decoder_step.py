@@ -78,7 +78,9 @@ def run(dec: SpecDecoder, prompts: list[list[int]], B: int, speculate: bool, arg
            "tokens_per_request_step": (end["tokens"] - start["tokens"]) / B
            / max(end["steps"] - start["steps"], 1)}
     if cuda:
-        runtime = collections.Counter(e.name for e in events if e.name.startswith("cuda"))
+        # the runtime's and the driver's calls (Triton launches through cuLaunchKernel)
+        runtime = collections.Counter(e.name for e in events if e.name.startswith("cu")
+                                      and e.device_type == torch.autograd.DeviceType.CPU)
         row["runtime_calls_per_step"] = {k: v / n for k, v in runtime.most_common()}
         row["launches_per_step"] = sum(v for k, v in runtime.items()
                                        if "Launch" in k or "Memcpy" in k or "Memset" in k) / n
