@@ -1,0 +1,46 @@
+"""The bench/ scripts without a test of their own, on CPU at toy sizes: each completes and
+writes every field it promises (the CPU figures themselves say nothing of a GPU's).
+
+* ``bench_verify_kernels``: a row per operation and batch size, acceptance on the flat and the
+  padded layouts agreeing (the script asserts it);
+* ``bench_decoder_step``: speculative and plain steps for each batch size.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_decoder_step  # noqa: E402  (bench/ is not a package)
+import bench_verify_kernels  # noqa: E402
+
+
+def test_bench_verify_kernels_smoke(tmp_path):
+    out = tmp_path / "vk"
+    assert bench_verify_kernels.main([
+        "--device", "cpu", "--batch-sizes", "1,3", "--nodes", "5", "--accept", "2",
+        "--context", "37", "--vocab", "101", "--layers", "2", "--repeats", "1",
+        "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    ops = ("plan", "accept-flat", "accept-padded", "kv_compact")
+    assert [(r["op"], r["batch_size"]) for r in rows] == [(o, b) for b in (1, 3) for o in ops]
+    assert all(r["torch_us"] > 0 and r["triton_us"] is None for r in rows)
+    # the argmax follows each chain for 2 nodes (no random row outbids the planted 100.0)
+    assert all(r["mean_accepted"] == 2.0 for r in rows if r["op"].startswith("accept"))
+
+
+def test_bench_decoder_step_smoke(tmp_path):
+    out = tmp_path / "ds"
+    assert bench_decoder_step.main([
+        "--device", "cpu", "--batch-sizes", "1,2", "--layers", "1", "--hidden", "128",
+        "--prompt-tokens", "120", "--warmup", "1", "--steps", "2", "--profile-steps", "1",
+        "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["batch_size"], r["speculate"]) for r in rows] == [
+        (1, True), (1, False), (2, True), (2, False)]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["cpu_ops_per_step"] > 0
+        # a plain step emits one token per request, a speculative one at least one
+        assert r["tokens_per_request_step"] >= 1.0
+        assert r["speculate"] or r["tokens_per_request_step"] == 1.0
