@@ -414,7 +414,7 @@ class SpecDecoder:
             res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator,
                               qo_indptr)
             rows, n_out = read_output(res)
-            self._record(sids, draft, res, n_out, n_out, num_draft)
+            self._record(sids, res, n_out, n_out, num_draft)
             _extend_contexts([self._sessions[s] for s in sids],
                              [r[:n] for r, n in zip(rows, n_out)])
         self._proposed = None
@@ -451,7 +451,7 @@ class SpecDecoder:
             self._last_sampling = (rows, BatchSampling.of(list(rows), self._device))
         return self._last_sampling[1]
 
-    def _record(self, sids: list[str], draft: DraftBatch, res: AcceptResult,
+    def _record(self, sids: list[str], res: AcceptResult,
                 taken: list[int], num_output: list[int], num_draft: list[int]) -> None:
         """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
         controller) and the counters; ``taken`` is ``num_output`` (host) cut where a

@@ -27,9 +27,9 @@ from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.session_kv import SessionKVCache
 
-# (session ids, draft, result, tokens each session took, num_output and the verified draft
-# sizes on the host)
-RecordFn = Callable[[list, DraftBatch, AcceptResult, list, list, list], None]
+# (session ids, result, tokens each session took, num_output and the verified draft sizes on
+# the host)
+RecordFn = Callable[[list, AcceptResult, list, list, list], None]
 
 
 class RunningBatch:
@@ -111,7 +111,7 @@ class RunningBatch:
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
             # the session tier gets what the session emitted: nothing past EOS, a stop
             # string or the limit
-            self._record(reqs.sids, draft, res, list(map(len, new)), n_out, num_draft)
+            self._record(reqs.sids, res, list(map(len, new)), n_out, num_draft)
         return new
 
     def leave(self) -> None:
