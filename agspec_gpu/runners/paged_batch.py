@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from agspec_gpu.accept import AcceptResult
+from agspec_gpu.accept import AcceptResult, pad_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
@@ -189,14 +189,12 @@ class PagedBatch:
 
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
                       num_draft_host: Sequence[int] | None = None) -> torch.Tensor:
-        """:meth:`verify_rows` gathered to ``[B, 1 + N, V]``: row 0 each request's root, row
-        ``1 + j`` node ``j``; rows of padding nodes repeat the request's last row. (A copy of
-        every row: acceptance takes the flat layout directly.)"""
+        """:meth:`verify_rows` gathered to ``[B, 1 + N, V]``
+        (:func:`~agspec_gpu.accept.pad_tree_logits`): row 0 each request's root, row ``1 +
+        j`` node ``j``; rows of padding nodes are unspecified. (A copy of every row:
+        acceptance takes the flat layout directly.)"""
         flat, qo = self.verify_rows(draft, root_ids, num_draft_host)
-        B, N = draft.token_ids.shape
-        cols = torch.arange(1 + N, dtype=torch.int32, device=self.device)
-        rows = torch.minimum(qo[:-1, None] + cols[None, :], qo[1:, None] - 1)  # int32 [B, 1 + N]
-        return flat.index_select(0, rows.view(-1)).view(B, 1 + N, -1)
+        return pad_tree_logits(flat, qo, draft.max_nodes)
 
     @torch.no_grad()
     def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:
