@@ -20,7 +20,6 @@ with a session's KV from one ``generate`` to the next.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -33,8 +32,6 @@ from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.common import check_verify_call
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
-
-_batch_ids = itertools.count()
 
 
 class PagedBatch:
@@ -54,7 +51,9 @@ class PagedBatch:
         self.runner = runner
         self.verify_graphs = verify_graphs  # steps that fit its buckets replay its graphs
         self.device = runner.device
-        self._tag = next(_batch_ids)
+        # the batch's own sequence ids are (tag, row): unique while any of them lives
+        # (they hold the tag), with no counter shared between batches
+        self._tag = object()
         self._seq_ids: list = []
         self._owns_seqs = True  # close() frees the sequences (False: the caller's)
         self._prefix: torch.Tensor | None = None     # int32 [B] committed slots, on device
