@@ -462,8 +462,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                                        draft.num_draft_tokens.to(dev))
                     prefix_t = to_device(prefix_host, torch.int32, dev)
                     if verify_graphs is not None:
-                        _, logits = verify_graphs.verify(kv_ids, draft, roots, prefix_host,
-                                                         num_draft)
+                        meta, logits = verify_graphs.verify(kv_ids, draft, roots, prefix_host,
+                                                            num_draft)
                     else:
                         meta = runner.plan(kv_ids, draft, roots, prefix_t,
                                            prefix_lens_host=prefix_host, num_draft_host=num_draft,
@@ -483,8 +483,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     num_acc = paths.num_accepted.cpu().numpy().astype(np.int64)
                     A = int(num_acc.max())
                     if A:
-                        kv_compact(cache.data, cache.page_table(kv_ids),
-                                   prefix_t,
+                        kv_compact(cache.data, meta.kv_indptr, meta.kv_indices, prefix_t,
                                    paths.path_nodes[:, :A].to(torch.int32).contiguous())
                 accepted = np.minimum(num_acc, remaining)
                 produced = np.minimum(accepted + 1, remaining)

@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
         kv = torch.zeros(args.layers, num_pages, 2, PAGE, 8, 128, device=dev, dtype=dtype)
         nodes = res.accepted_nodes.contiguous()
-        commit = {t: (lambda t=t: kv_compact(kv, table, prefix, nodes, use_triton=t))
-                  for t in (False, True)}
+        meta = plan[False]()  # the commit moves KV within the pages the plan covers
+        commit = {t: (lambda t=t: kv_compact(kv, meta.kv_indptr, meta.kv_indices, prefix, nodes,
+                                             use_triton=t)) for t in (False, True)}
         add("kv_compact", B, bench(commit[False]), bench(commit[True]) if gpu else None)
 
     write_results("verify_kernels", args, dev, dtype, rows)

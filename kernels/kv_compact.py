@@ -12,6 +12,10 @@ with ``a_k >= k > i``: no move ``i`` overwrites a later move's source. Moves are
 one after another in increasing ``i``. In the kernel one program streams a fixed column block of
 the row through every ``i`` with the same register layout, so each element is read and
 written by the same thread in program order.
+
+Pages come in the verification plan's own layout (FlashInfer's paged-KV ``kv_indptr`` /
+``kv_indices``, :class:`~agspec_gpu.tree.TreeMetadata`): the commit moves KV within the pages
+the step just wrote, with no page table rebuilt for it.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ MAX_BLOCK_COLS = 1024
 @triton.jit
 def _kv_compact_kernel(
     kv_ptr,  # *T [L, num_pages, 2, page_size, ROW]  paged cache of every layer (NHD)
-    page_table_ptr,  # *int32 [B, max_pages]
+    kv_indptr_ptr,  # *int32 [>= B + 1]  request b's pages: kv_indices[kv_indptr[b]:[b + 1]]
+    kv_indices_ptr,  # *int32 [num_indices]  page ids in logical order, requests concatenated
     prefix_lens_ptr,  # *int32 [B]
     accepted_ptr,  # *int32 [B, A]  accepted node indices in path order, -1 padded
     stride_layer,  # elements between layers
     stride_page,  # elements between pages
-    max_pages,
+    num_indices,
     A,
     page_size,
     ROW,  # num_kv_heads * head_dim
@@ -42,8 +47,9 @@ def _kv_compact_kernel(
     For ``i = 0 .. A - 1`` with ``node = accepted[b, i] >= 0`` and ``node != i``, copies
     columns ``[blk * BLOCK_COLS, ...)`` of the row at logical slot ``prefix + 1 + node`` to
     logical slot ``prefix + 1 + i``. A row of ``ROW`` elements is contiguous (NHD); the row of
-    logical slot ``s`` of layer ``l`` starts at ``l * stride_layer + page_table[b, s //
-    page_size] * stride_page + kv * page_size * ROW + (s % page_size) * ROW``.
+    logical slot ``s`` of layer ``l`` starts at ``l * stride_layer + kv_indices[kv_indptr[b] +
+    s // page_size] * stride_page + kv * page_size * ROW + (s % page_size) * ROW``. A move
+    whose source page is not among request ``b``'s (or not in ``kv_indices``) is skipped.
     """
     pid = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -52,16 +58,20 @@ def _kv_compact_kernel(
     cols = (pid // 2) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     cmask = cols < ROW
     prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
+    first = tl.load(kv_indptr_ptr + b).to(tl.int64)
+    num_pages = tl.load(kv_indptr_ptr + b + 1).to(tl.int64) - first
     base = kv_ptr + layer * stride_layer + kv * page_size * ROW
     i = tl.zeros((), tl.int64)
     while i < A:
         node = tl.load(accepted_ptr + b * A + i).to(tl.int64)
         src = prefix + 1 + node
         dst = prefix + 1 + i
-        active = (node >= 0) & (node != i) & (src // page_size < max_pages)
-        src_page = tl.load(page_table_ptr + b * max_pages + src // page_size, mask=active,
+        # dst < src: a source page among the request's means the destination's is too
+        active = (node >= 0) & (node != i) & (src // page_size < num_pages) & \
+            (first + src // page_size < num_indices) & (first >= 0)
+        src_page = tl.load(kv_indices_ptr + first + src // page_size, mask=active,
                            other=0).to(tl.int64)
-        dst_page = tl.load(page_table_ptr + b * max_pages + dst // page_size, mask=active,
+        dst_page = tl.load(kv_indices_ptr + first + dst // page_size, mask=active,
                            other=0).to(tl.int64)
         row = tl.load(base + src_page * stride_page + (src % page_size) * ROW + cols,
                       mask=cmask & active)
@@ -70,31 +80,40 @@ def _kv_compact_kernel(
         i += 1
 
 
-def kv_compact_torch(kv_data: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
-                     accepted_nodes: torch.Tensor) -> None:
+def kv_compact_torch(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     prefix_lens: torch.Tensor, accepted_nodes: torch.Tensor) -> None:
     """Pure-torch implementation of :func:`kv_compact` (same moves, same order, in place)."""
     B, A = accepted_nodes.shape
-    page_size, max_pages = kv_data.shape[3], page_table.shape[1]
+    page_size = kv_data.shape[3]
     prefix = prefix_lens.long()
+    first = kv_indptr[:B].long()
+    num_pages = kv_indptr[1:B + 1].long() - first
     for i in range(A):  # sequential in i: see the module docstring
         node = accepted_nodes[:, i].long()
         src, dst = prefix + 1 + node, prefix + 1 + i
-        active = (node >= 0) & (node != i) & (src // page_size < max_pages)
+        active = (node >= 0) & (node != i) & (src // page_size < num_pages) & \
+            (first + src // page_size < kv_indices.numel()) & (first >= 0)
         b = torch.nonzero(active)[:, 0]
-        src_page = page_table[b, src[b] // page_size].long()
-        dst_page = page_table[b, dst[b] // page_size].long()
+        src_page = kv_indices[first[b] + src[b] // page_size].long()
+        dst_page = kv_indices[first[b] + dst[b] // page_size].long()
         kv_data[:, dst_page, :, dst[b] % page_size] = kv_data[:, src_page, :, src[b] % page_size]
 
 
-def kv_compact(kv_data: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
-               accepted_nodes: torch.Tensor, *, use_triton: bool | None = None) -> None:
+def kv_compact(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+               prefix_lens: torch.Tensor, accepted_nodes: torch.Tensor, *,
+               use_triton: bool | None = None) -> None:
     """Moves the KV of each request's accepted draft nodes to consecutive slots, in place.
 
     Parameters
     ----------
     kv_data : ``[L, num_pages, 2, page_size, H_kv, D]``
         The paged cache of every layer (``PagedKVCache.data``), modified in place.
-    page_table : ``int32 [B, max_pages]``
+    kv_indptr : ``int32 [>= B + 1]``
+        Request ``b``'s pages are ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, in logical
+        order: the verification plan's (``TreeMetadata.kv_indptr``; a padded plan's extra
+        requests are not read). A move whose source lies past them is skipped.
+    kv_indices : ``int32 [num_indices]``
+        Page ids (``TreeMetadata.kv_indices``).
     prefix_lens : ``int32 [B]``
         Slots before the root (the root's KV is at slot ``prefix_len`` and stays).
     accepted_nodes : ``int32 [B, A]``
@@ -115,8 +134,8 @@ def kv_compact(kv_data: torch.Tensor, page_table: torch.Tensor, prefix_lens: tor
                          f"{tuple(kv_data.shape)}")
     if not kv_data.is_contiguous():
         raise ValueError("kv_data: must be contiguous")
-    for name, x, nd in (("page_table", page_table, 2), ("prefix_lens", prefix_lens, 1),
-                        ("accepted_nodes", accepted_nodes, 2)):
+    for name, x, nd in (("kv_indptr", kv_indptr, 1), ("kv_indices", kv_indices, 1),
+                        ("prefix_lens", prefix_lens, 1), ("accepted_nodes", accepted_nodes, 2)):
         if x.dtype != torch.int32:
             raise ValueError(f"{name}: expected dtype torch.int32, got {x.dtype}")
         if x.dim() != nd:
@@ -126,19 +145,21 @@ def kv_compact(kv_data: torch.Tensor, page_table: torch.Tensor, prefix_lens: tor
         if not x.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
     B, A = accepted_nodes.shape
-    if page_table.shape[0] != B or prefix_lens.shape[0] != B:
-        raise ValueError(f"page_table, prefix_lens: expected {B} rows, got "
-                         f"{page_table.shape[0]}, {prefix_lens.shape[0]}")
+    if prefix_lens.shape[0] != B:
+        raise ValueError(f"prefix_lens: expected {B} entries, got {prefix_lens.shape[0]}")
+    if kv_indptr.shape[0] < B + 1:
+        raise ValueError(f"kv_indptr: expected at least {B + 1} entries, got "
+                         f"{kv_indptr.shape[0]}")
     if B == 0 or A == 0:
         return
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton:
-        kv_compact_torch(kv_data, page_table, prefix_lens, accepted_nodes)
+        kv_compact_torch(kv_data, kv_indptr, kv_indices, prefix_lens, accepted_nodes)
         return
     L, _, _, page_size, H, D = kv_data.shape
     row = H * D
     block = min(MAX_BLOCK_COLS, triton.next_power_of_2(row))
     _kv_compact_kernel[(2 * triton.cdiv(row, block), L, B)](
-        kv_data, page_table, prefix_lens, accepted_nodes, kv_data.stride(0), kv_data.stride(1),
-        page_table.shape[1], A, page_size, row, BLOCK_COLS=block)
+        kv_data, kv_indptr, kv_indices, prefix_lens, accepted_nodes, kv_data.stride(0),
+        kv_data.stride(1), kv_indices.shape[0], A, page_size, row, BLOCK_COLS=block)

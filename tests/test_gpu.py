@@ -361,7 +361,7 @@ def test_greedy_tree_verification_is_lossless(graphed_verify):
         else:  # the padded bucket's graph: the real requests' rows come first
             meta, logits = verify.verify(ids, draft, roots, prefix, [len(t) for t in trees])
             res = greedy_accept(draft, logits, meta.qo_indptr[:4])
-        kv_compact(runner.kv_cache.data, runner.kv_cache.page_table(ids),
+        kv_compact(runner.kv_cache.data, meta.kv_indptr, meta.kv_indices,
                    torch.tensor(prefix, dtype=torch.int32, device=DEV),
                    res.accepted_nodes.contiguous())
         out = res.output_ids.tolist()

@@ -7,7 +7,7 @@ from agspec_gpu import DraftBatch
 from agspec_gpu.kernels.kv_compact import _kv_compact_kernel, kv_compact
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kv_cache import KVCacheFull, PagedKVCache
-from agspec_gpu.tree import plan_tree
+from agspec_gpu.tree import TreeMetadata, plan_tree
 from kernel_compile import compile_for_sm90
 from tree_reference import DEVICE
 
@@ -20,6 +20,13 @@ def make_cache(seed, B, page_size, max_len, num_layers=2, heads=2, head_dim=4,
     data = torch.randn(num_layers, num_pages, 2, page_size, heads, head_dim, generator=g)
     pages = torch.randperm(num_pages, generator=g)[:B * width].view(B, width).to(torch.int32)
     return data.to(dtype), pages
+
+
+def ragged(page_table):
+    """``(kv_indptr, kv_indices)``: a padded page table in the plan's layout."""
+    B, W = page_table.shape
+    indptr = torch.arange(B + 1, dtype=torch.int32, device=page_table.device) * W
+    return indptr, page_table.reshape(-1).contiguous()
 
 
 def logical_rows(data, page_table, b, slots):
@@ -59,8 +66,8 @@ def test_triton_matches_torch_and_reference(accepted, prefix_lens, page_size, dt
             expected[:, pages, :, [s % ps for s in dst]] = src.permute(2, 0, 1, 3, 4)
 
     got_torch, got_triton = data.clone(), data.clone().to(DEVICE)
-    kv_compact(got_torch, page_table, prefix, acc, use_triton=False)
-    kv_compact(got_triton, page_table.to(DEVICE), prefix.to(DEVICE), acc.to(DEVICE),
+    kv_compact(got_torch, *ragged(page_table), prefix, acc, use_triton=False)
+    kv_compact(got_triton, *ragged(page_table.to(DEVICE)), prefix.to(DEVICE), acc.to(DEVICE),
                use_triton=True)
     got_triton = got_triton.cpu()
     assert torch.equal(got_triton, got_torch), (got_triton != got_torch).nonzero()[:5]
@@ -76,18 +83,23 @@ def test_rejects_bad_inputs():
     data, page_table = make_cache(0, 1, 4, 8)
     acc = torch.tensor([[0]], dtype=torch.int32)
     prefix = torch.tensor([1], dtype=torch.int32)
+    indptr, indices = ragged(page_table)
     with pytest.raises(ValueError, match="kv_data"):
-        kv_compact(data[0], page_table, prefix, acc)
+        kv_compact(data[0], indptr, indices, prefix, acc)
     with pytest.raises(ValueError, match="accepted_nodes"):
-        kv_compact(data, page_table, prefix, acc.long())
-    with pytest.raises(ValueError, match="page_table"):
-        kv_compact(data, page_table.repeat(2, 1), prefix, acc)
+        kv_compact(data, indptr, indices, prefix, acc.long())
+    with pytest.raises(ValueError, match="kv_indptr"):
+        kv_compact(data, indptr[:1], indices, prefix, acc)
+    with pytest.raises(ValueError, match="kv_indices"):
+        kv_compact(data, indptr, page_table, prefix, acc)
+    with pytest.raises(ValueError, match="prefix_lens"):
+        kv_compact(data, indptr, indices, prefix.repeat(2), acc)
 
 
 def test_kernel_compiles_for_sm90():
-    sig = {"kv_ptr": "*bf16", "page_table_ptr": "*i32", "prefix_lens_ptr": "*i32",
-           "accepted_ptr": "*i32", "stride_layer": "i64", "stride_page": "i64",
-           "max_pages": "i32", "A": "i32", "page_size": "i32", "ROW": "i32",
+    sig = {"kv_ptr": "*bf16", "kv_indptr_ptr": "*i32", "kv_indices_ptr": "*i32",
+           "prefix_lens_ptr": "*i32", "accepted_ptr": "*i32", "stride_layer": "i64",
+           "stride_page": "i64", "num_indices": "i32", "A": "i32", "page_size": "i32", "ROW": "i32",
            "BLOCK_COLS": "constexpr"}
     compile_for_sm90(_kv_compact_kernel, sig, {"BLOCK_COLS": 1024})
 
@@ -159,6 +171,65 @@ def test_step_kv_goes_to_node_order_slots():
 def test_compact_moves_nothing_for_empty_batches():
     data, page_table = make_cache(0, 1, 4, 8)
     before = data.clone()
-    kv_compact(data, page_table, torch.tensor([0], dtype=torch.int32),
+    kv_compact(data, *ragged(page_table), torch.tensor([0], dtype=torch.int32),
                torch.zeros(1, 0, dtype=torch.int32))
     assert torch.equal(data, before)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+def test_compact_within_a_plans_pages_equals_the_page_table(use_triton, sink):
+    """The commit reads the verification plan's ragged pages (``meta.kv_indptr`` /
+    ``kv_indices``: each request only the pages its step covers, a padded plan's sink after
+    them): the same moves as over each request's full page table."""
+    ps = 3
+    cache = PagedKVCache(2, num_pages=40, page_size=ps, num_kv_heads=2, head_dim=4,
+                         dtype=torch.float32, device=DEVICE, max_pages_per_seq=12)
+    prefix = [0, 7, 2, 13]
+    trees = [[(1, -1), (2, 0), (3, 1)], [(4, -1), (5, -1), (6, 1), (7, 2), (8, 3)], [],
+             [(9, -1), (9, 0), (9, 1), (9, 0), (9, 3), (9, 4), (9, 5)]]
+    accepted = [[0, 1, 2], [1, 3, 4], [], [3, 4, 5, 6]]
+    ids = [f"s{b}" for b in range(4)]
+    for sid, p, t in zip(ids, prefix, trees):
+        cache.allocate(sid, p + 1 + len(t) + 5)  # more pages than the step covers
+    g = torch.Generator().manual_seed(3)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    draft = DraftBatch.from_lists(trees, device=DEVICE)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    table = cache.page_table(ids)
+    meta = plan_tree(draft, i32([5] * 4), i32(prefix), table, ps, max_total_q=32,
+                     sink_page=cache.null_page if sink else None,
+                     out=TreeMetadata.empty(5, 8, 12, ps, DEVICE, max_total_q=32) if sink
+                     else None)
+    assert meta.kv_indptr[1:5].tolist() != (torch.arange(1, 5) * 12).tolist()
+    acc = i32([a + [-1] * (4 - len(a)) for a in accepted])
+    want, got = cache.data.clone(), cache.data.clone()
+    kv_compact(want, *ragged(table), i32(prefix), acc, use_triton=False)
+    kv_compact(got, meta.kv_indptr, meta.kv_indices, i32(prefix), acc, use_triton=use_triton)
+    assert not torch.equal(want, cache.data)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_compact_skips_moves_from_pages_the_request_does_not_have(use_triton):
+    """An inconsistent ``kv_indptr`` (a source slot past the request's pages, or past
+    ``kv_indices``) moves nothing for that node: no read of another request's pages."""
+    data, page_table = make_cache(1, 2, 4, 16)
+    data = data.to(DEVICE)
+    indptr, indices = ragged(page_table.to(DEVICE))
+    acc = torch.tensor([[5], [5]], dtype=torch.int32, device=DEVICE)  # slot 7: page 1
+    prefix = torch.tensor([1, 1], dtype=torch.int32, device=DEVICE)
+    short = torch.tensor([0, 4, 5], dtype=torch.int32, device=DEVICE)  # request 1: one page
+    got = data.clone()
+    kv_compact(got, short, indices, prefix, acc, use_triton=use_triton)
+    want = data.clone()
+    kv_compact(want, indptr, indices, prefix, acc, use_triton=False)  # both requests whole
+    p0, p1 = page_table[0, 0].item(), page_table[1, 0].item()
+    assert torch.equal(got[:, p0], want[:, p0]) and not torch.equal(got[:, p0], data[:, p0])
+    assert torch.equal(got, data.index_copy(1, torch.tensor([p0], device=DEVICE),
+                                            want[:, [p0]]))  # request 1: skipped
+    past = torch.tensor([0, 4, 100], dtype=torch.int32, device=DEVICE)
+    got = data.clone()
+    kv_compact(got, past, indices[:5], prefix, acc, use_triton=use_triton)
+    assert torch.equal(got[:, p0], want[:, p0])
+    assert torch.equal(got[:, p1], data[:, p1])       # request 1's pages past kv_indices

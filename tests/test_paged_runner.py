@@ -87,7 +87,7 @@ def test_prefill_tree_step_and_commit_match_hf(kind):
     trees = [random_trees(rng, [7], "random")[0], random_trees(rng, [3], "chain")[0], []]
     roots = [int(t) for t in last.argmax(-1)]
     prefix = [len(p) for p in prompts]
-    check_step(model, runner, seq_ids, prompts, trees, roots, prefix)
+    meta = check_step(model, runner, seq_ids, prompts, trees, roots, prefix)
 
     # commit the deepest path of each tree: compact its KV behind the root
     accepted = []
@@ -99,7 +99,7 @@ def test_prefill_tree_step_and_commit_match_hf(kind):
             node = tree[node][1]
         accepted.append(nodes[::-1])
     width = max(len(a) for a in accepted)
-    kv_compact(runner.kv_cache.data, runner.kv_cache.page_table(seq_ids),
+    kv_compact(runner.kv_cache.data, meta.kv_indptr, meta.kv_indices,  # the step's pages
                torch.tensor(prefix, dtype=torch.int32),
                torch.tensor([a + [-1] * (width - len(a)) for a in accepted], dtype=torch.int32))
     histories = [p + [roots[b]] + [trees[b][j][0] for j in accepted[b]]
