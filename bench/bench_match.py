@@ -17,6 +17,9 @@ Methods (same queries, same corpus):
 * ``agspec-launch-scan``: the same launch with ``max_scan`` (``--max-scan``, the drafter's
   default 256): positions from the first ``max_scan`` entries of each level's range, which
   bounds a row's work when a short match has a range of ~10^5 entries.
+* ``agspec-launch-binary`` (CUDA only): ``agspec-launch-scan`` with the kernel's searches
+  binary (``fan=1``) instead of ``FAN``-ary: what the multi-pivot rounds save (same results,
+  checked).
 * ``agspec-torch`` (CUDA only): the torch path on the GPU.
 * ``unfold``: ``match_baselines.unfold_match``, the brute-force torch implementation one
   writes first; configurations predicted to exceed ``--baseline-budget-s`` per call are
@@ -240,6 +243,19 @@ def main(argv: list[str] | None = None) -> int:
                 max_scan=args.max_scan, use_triton=use_triton, sa_key=idx.arena.sa_key),
                 device, args.repeats),
                 mean_match_len=mean_len, max_range=int((ref.sa_hi - ref.sa_lo).max()))
+            if use_triton:  # the same launch with binary searches: what the fan-out saves
+                from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
+
+                def binary():
+                    return suffix_match_triton(idx.arena.tokens, idx.arena.sa, desc, q, lens,
+                                               max_depth=D, max_positions=P,
+                                               max_scan=args.max_scan, fan=1)
+                ok = same(binary(), suffix_match(idx.arena.tokens, idx.arena.sa, desc, q, lens,
+                                                 max_depth=D, max_positions=P,
+                                                 max_scan=args.max_scan, use_triton=True))
+                mismatches += not ok
+                record("agspec-launch-binary", measure(binary, device, args.repeats),
+                       mean_match_len=mean_len, equal_to_agspec=ok)
             if device.type == "cuda":
                 record("agspec-torch", measure(lambda: idx.match(q, lens, max_positions=P,
                                                                use_triton=False),
@@ -283,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                  "max_range": res["agspec-launch-scan"]["max_range"]}
             if "agspec-torch" in res:
                 w["torch_med"] = res["agspec-torch"]["median_ms"]
+            if "agspec-launch-binary" in res:
+                w["binary_med"] = res["agspec-launch-binary"]["median_ms"]
+                w["x_binary"] = w["binary_med"] / w["scan_med"]
             u = res.get("unfold")
             if u is not None:
                 w["unfold_med"] = u.get("median_ms")
@@ -311,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             ("launch only", "launch_med", ".2f"),
             (f"launch, max_scan {args.max_scan}", "scan_med", ".2f"),
             ("widest range", "max_range", "d")]
+    if use_triton:
+        cols += [("binary search", "binary_med", ".2f"), ("x binary", "x_binary", ".3g")]
     if device.type == "cuda":
         cols.append(("torch path", "torch_med", ".2f"))
     if not args.no_unfold:
@@ -326,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print("suffix-decoding: arctic-inference not installed "
               "(bench/install_arctic_inference.sh); column omitted")
     if mismatches:
-        print(f"WARNING: agspec and unfold disagree on {mismatches} configuration(s)")
+        print(f"WARNING: agspec disagrees with unfold or with its binary search on "
+              f"{mismatches} configuration(s)")
     config = {"argv": sys.argv[1:] if argv is None else argv, "sizes": sizes,
               "batches": batches, "repeats": args.repeats, "max_depth": D,
               "max_positions": P, "max_scan": args.max_scan, "query_len": L,

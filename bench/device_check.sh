@@ -2,7 +2,7 @@
 # The H200 device check of issues 6 and 7: the GPU tests, the layer-kernel benchmark and a
 # reduced end-to-end run (Llama-3-8B architecture, B = 1, 16, 64; then B = 1, 16 with eager
 # verification steps, for the CUDA graphs' share), everything under $OUT, < 8 minutes.
-# (The match and index-build benchmarks ran on 2026-11-30: bench/results/*-20261130-h200.json.)
+# (The index-build benchmark ran on 2026-11-30: bench/results/index_build-20261130-h200.json.)
 #
 # How to call it (device tool, from the repository root; it needs the carried wheels):
 #
@@ -28,8 +28,8 @@
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
-# trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels and
-# bench_decoder_step),
+# trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
+# bench_decoder_step and bench_match),
 # e2e-<date>-h200-eager-verify.json,
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
@@ -205,13 +205,17 @@ step bench_layer_kernels 40 python3 bench/bench_layer_kernels.py --device cuda \
 # planning, greedy acceptance on flat vs padded logits, the KV commit: Triton vs torch
 step bench_verify_kernels 60 python3 bench/bench_verify_kernels.py --device cuda \
   --out /tmp/bench/verify_kernels
-# one file for the three (at most 8 files come back): {"layer_kernels": ..., ...}
+# the batched suffix match, FAN-ary searches against binary ones (same launch, same results;
+# real code tokens, 1M and 4M: the size of the dev global tier)
+step bench_match 60 python3 bench/bench_match.py --device cuda --sizes 1M,4M --batch 1,16,64 \
+  --repeats 10 --max-depth 32 --no-unfold --no-suffix-decoding --out /tmp/bench/match
+# one file for the four (at most 8 files come back): {"layer_kernels": ..., ...}
 python3 -c "
 import json, os, sys
 out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
-" layer_kernels verify_kernels decoder_step
+" layer_kernels verify_kernels decoder_step match
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 150 "${PYTEST[@]}" \
@@ -223,7 +227,7 @@ step pytest-kernels 150 "${PYTEST[@]}" \
 
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
-# H200 on 2026-11-30, bench/results/index_build-20261130-h200.json, as was bench_match)
+# H200 on 2026-11-30, bench/results/index_build-20261130-h200.json)
 step e2e-eager-verify 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16 \
   --methods none,agspec,suffix-decoding --sessions-per-slot 1 --min-sessions 4 \
   --messages-per-session 2 --max-message-tokens 128 --context 4096 --prefill skip \

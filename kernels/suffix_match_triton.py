@@ -23,7 +23,11 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    them. ``best`` = the maximum over the levels and the tail. A compare of ``key(c)`` with the
    pattern over ``l`` tokens loads ``BLOCK_D`` tokens backwards from ``c - 1`` (``END`` below
    position 0) and takes the first mismatch index ``j < l``: ``key < pattern`` iff there is
-   one and the key's token is below the pattern's there.
+   one and the key's token is below the pattern's there. Searches are ``FAN``-ary: a round
+   compares ``FAN`` pivots at once (a ``[FAN, BLOCK_D]`` tile), so a level of ``n`` entries
+   takes ``ceil(log_{FAN + 1}(n + 1))`` rounds, not ``log2``: a round is two dependent
+   memory reads (the pivots' entries, then their keys), whose latency, not the width of the
+   read, sets a program's time (5 rounds instead of 22 on a 4M-entry level).
 3. Ranges at ``best``: per level the lower bound (first entry with ``key[:best]`` not below
    ``qvec[:best]``) and the upper bound (first entry with ``key[:best]`` above it, searched
    from the lower bound) -> ``sa_lo/sa_hi``, ``count`` (+ the tail hits ``m(c) >= best``). At
@@ -40,7 +44,8 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
 
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
-tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``.
+tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``, ``FAN = clamp(2048 // BLOCK_D,
+1, 32)`` (search pivots per round).
 
 Loops with runtime bounds are ``while`` loops with conditions (no ``break``/``continue``/early
 ``return``, which the sm_90 compiler rejects; and the interpreter cannot use a loaded scalar
@@ -57,43 +62,54 @@ from agspec_gpu.kernels.suffix_match import END, MatchDescriptors, MatchResult
 
 _END = tl.constexpr(END)  # int32 value of positions before the start of a corpus
 _BLOCK_C = 32  # level-range entries merged into the top-P per step
+_MAX_FAN = 32  # search pivots per round
 
 
 @triton.jit
 def _compare(tokens_ptr, tb, c, qvec, l, jd, BLOCK_D: tl.constexpr):
-    """``key(c)`` (tokens ``c - 1, c - 2, ...``, ``END`` below 0) vs the pattern ``qvec[:l]``.
+    """``key(c)`` (tokens ``c - 1, c - 2, ...``, ``END`` below 0) vs the pattern ``qvec[:l]``
+    for a vector of positions ``c`` (``int64 [F]``), all loaded at once.
 
-    Returns (lcp, lt): the common prefix length, capped at ``l``, and whether the key is below
-    the pattern at the first mismatch (False when ``lcp == l``).
+    Returns (lcp, lt), ``[F]`` each: the common prefix length, capped at ``l``, and whether
+    the key is below the pattern at the first mismatch (False when ``lcp == l``).
     """
-    off = c - 1 - jd  # int64 [BLOCK_D]
+    off = c[:, None] - 1 - jd[None, :]  # int64 [F, BLOCK_D]
     inside = off >= 0
-    vals = tl.load(tokens_ptr + tb + off, mask=inside & (jd < l), other=0)
+    use = jd[None, :] < l
+    vals = tl.load(tokens_ptr + tb + off, mask=inside & use, other=0)
     vals = tl.where(inside, vals, _END)
-    diff = (vals != qvec) & (jd < l)
-    first = tl.min(tl.where(diff, jd, BLOCK_D), axis=0)
-    has = first < l
-    v_first = tl.sum(tl.where(jd == first, vals, 0), axis=0)
-    p_first = tl.sum(tl.where(jd == first, qvec, 0), axis=0)
-    lcp = tl.minimum(first, l)
-    return lcp, has & (v_first < p_first)
+    diff = (vals != qvec[None, :]) & use
+    first = tl.min(tl.where(diff, jd[None, :], BLOCK_D), axis=1)  # [F]
+    at = jd[None, :] == first[:, None]
+    v_first = tl.sum(tl.where(at, vals, 0), axis=1)
+    p_first = tl.sum(tl.where(at, qvec[None, :], 0), axis=1)
+    return tl.minimum(first, l), (first < l) & (v_first < p_first)
 
 
 @triton.jit
 def _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, hi, qvec, l, jd, UPPER: tl.constexpr,
-           BLOCK_D: tl.constexpr):
+           BLOCK_D: tl.constexpr, FAN: tl.constexpr):
     """First index in ``[lo, hi)`` of the level whose key fails ``key[:l] < qvec[:l]``
-    (lower bound) or ``key[:l] <= qvec[:l]`` (``UPPER``); ``hi`` if none does."""
+    (lower bound) or ``key[:l] <= qvec[:l]`` (``UPPER``); ``hi`` if none does.
+
+    A ``FAN``-ary search: each round compares ``FAN`` pivots ``lo + m * (i + 1) // (FAN +
+    1)`` (``m = hi - lo``) at once and keeps the gap between the last pivot that passes and
+    the first that fails, so a level of ``n`` entries takes ``ceil(log_{FAN + 1}(n + 1))``
+    rounds of two dependent reads (the pivots' entries, then their keys) instead of
+    ``log2`` rounds: on a GPU a round costs a memory latency, whatever its width. The
+    predicate is monotone along the level, so the pivots that pass are a prefix of them
+    (``FAN = 1`` is the binary search)."""
+    f = tl.arange(0, FAN).to(tl.int64)
     while lo < hi:
-        mid = (lo + hi) // 2
-        c = tl.load(sa_ptr + sa_base + mid).to(tl.int64)
+        piv = lo + (hi - lo) * (f + 1) // (FAN + 1)  # [FAN] in [lo, hi), non-decreasing
+        c = tl.load(sa_ptr + sa_base + piv).to(tl.int64)
         lcp, lt = _compare(tokens_ptr, tb, c, qvec, l, jd, BLOCK_D)
         if UPPER:
             pred = lt | (lcp >= l)
         else:
             pred = lt
-        lo = tl.where(pred, mid + 1, lo)
-        hi = tl.where(pred, hi, mid)
+        lo = tl.maximum(lo, tl.max(tl.where(pred, piv + 1, lo), axis=0))
+        hi = tl.minimum(hi, tl.min(tl.where(pred, hi, piv), axis=0))
     return lo
 
 
@@ -159,6 +175,7 @@ def _suffix_match_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    FAN: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tb = tl.load(tok_base_ptr + b)
@@ -188,15 +205,13 @@ def _suffix_match_kernel(
         sa_base = tl.load(level_base_ptr + k)
         sa_len = tl.load(level_len_ptr + k).to(tl.int64)
         idx = _bound(tokens_ptr, sa_ptr, tb, sa_base, sa_len * 0, sa_len, qvec, qlen, jd, False,
-                     BLOCK_D)
-        has_prev = idx > 0
-        c = tl.load(sa_ptr + sa_base + idx - 1, mask=has_prev, other=0).to(tl.int64)
+                     BLOCK_D, FAN)
+        # entries idx - 1 and idx, when inside the level: compared in one round
+        nb = idx - 1 + tl.arange(0, 2).to(tl.int64)
+        inl = (nb >= 0) & (nb < sa_len)
+        c = tl.load(sa_ptr + sa_base + nb, mask=inl, other=0).to(tl.int64)
         lcp, _ = _compare(tokens_ptr, tb, c, qvec, qlen, jd, BLOCK_D)
-        best = tl.maximum(best, tl.where(has_prev, lcp, 0))
-        has_next = idx < sa_len
-        c = tl.load(sa_ptr + sa_base + idx, mask=has_next, other=0).to(tl.int64)
-        lcp, _ = _compare(tokens_ptr, tb, c, qvec, qlen, jd, BLOCK_D)
-        best = tl.maximum(best, tl.where(has_next, lcp, 0))
+        best = tl.maximum(best, tl.max(tl.where(inl, lcp, 0), axis=0))
         k += 1
 
     # (3) ranges at best, (4) the P largest continuation positions
@@ -222,9 +237,9 @@ def _suffix_match_kernel(
         sa_len = tl.load(level_len_ptr + k).to(tl.int64)
         n_search = tl.where(best > 0, sa_len, 0)  # best 0: empty range at the level base
         lo = _bound(tokens_ptr, sa_ptr, tb, sa_base, n_search * 0, n_search, qvec, best, jd,
-                    False, BLOCK_D)
+                    False, BLOCK_D, FAN)
         hi = _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, n_search, qvec, best, jd, True,
-                    BLOCK_D)
+                    BLOCK_D, FAN)
         tl.store(sa_lo_ptr + b * max_levels + (k - k0), sa_base + lo)
         tl.store(sa_hi_ptr + b * max_levels + (k - k0), sa_base + hi)
         count += hi - lo
@@ -251,16 +266,23 @@ def _suffix_match_kernel(
         tl.store(positions_ptr + b * P + r, top, mask=r < P)
 
 
-def block_sizes(max_depth: int, max_positions: int) -> dict[str, int]:
-    """The deterministic block-size rule (see the module docstring)."""
+def block_sizes(max_depth: int, max_positions: int, fan: int | None = None) -> dict[str, int]:
+    """The deterministic block-size rule (see the module docstring); ``fan``: the search's
+    pivots per round instead of the rule's (a power of two; 1 is the binary search)."""
     block_d = triton.next_power_of_2(max(max_depth, 1))
+    if fan is None:
+        fan = max(1, min(_MAX_FAN, 2048 // block_d))
+    elif fan < 1 or fan & (fan - 1):
+        raise ValueError(f"fan must be a power of two >= 1, got {fan}")
     return dict(BLOCK_D=block_d, BLOCK_T=max(1, min(32, 4096 // block_d)),
-                BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C)
+                BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C,
+                FAN=fan)
 
 
 def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                         queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
-                        max_positions: int, max_scan: int | None = None) -> MatchResult:
+                        max_positions: int, max_scan: int | None = None,
+                        fan: int | None = None) -> MatchResult:
     """Batched longest-suffix match, one Triton program per row (see the module docstring).
 
     Args:
@@ -268,6 +290,8 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         queries: ``int32 [B, L]`` right-aligned. lengths: ``int32 [B]`` in ``[0, L]``.
         max_depth: longest match searched. max_positions: ``P``.
         max_scan: entries of each level's range read for positions (None: all).
+        fan: search pivots per round (:func:`block_sizes`; None: the rule's; benchmarks
+            compare it with 1, the binary search). Results do not depend on it.
 
     Returns:
         :class:`MatchResult` with ``length int32 [B]``, ``count int64 [B]``,
@@ -324,5 +348,5 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         nz(desc.level_sa_base), nz(desc.level_sa_len), nz(queries), lengths, length, count,
         nz(positions), nz(sa_lo), nz(sa_hi), L, K, max_depth,
         sa.numel() if max_scan is None else max_scan, P=P,
-        **block_sizes(max_depth, P))
+        **block_sizes(max_depth, P, fan))
     return MatchResult(length, count, positions, sa_lo, sa_hi)

@@ -409,6 +409,51 @@ def test_tails_and_keys_at_both_ends_of_a_tight_buffer():
                 [p for p in got[0].positions[b].tolist() if p >= 0]) == exp, b
 
 
+@pytest.mark.parametrize("fan", [1, 4, 32])
+def test_searches_of_any_fan_out_equal_the_torch_path(fan):
+    """Levels of thousands of entries (the corpora above stay under 300 tokens: one or two
+    rounds of a 32-way search): the kernel's ``FAN``-ary searches (``FAN = 1`` the binary
+    search) take several rounds there, on keys that tie for long stretches (a 2-token and a
+    periodic vocabulary); every field equals the torch path's whatever the fan-out."""
+    from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
+
+    g = torch.Generator().manual_seed(fan)
+    ar = IndexArena(IndexConfig(max_depth=16, tail_tokens=64), DEV)
+    texts = [torch.randint(0, 2, (6000,), generator=g, dtype=torch.int32),
+             torch.arange(5000, dtype=torch.int32) % 7 + (torch.arange(5000) % 97 == 0),
+             torch.randint(0, 50, (4000,), generator=g, dtype=torch.int32)]
+    cids = []
+    for t in texts:
+        cids.append(ar.new_corpus())
+        for i in range(0, t.numel(), 1500):  # one large level per corpus, then smaller ones
+            ar.append(cids[-1], t[i:i + 1500].to(DEV))
+    desc0 = ar.descriptors(cids)
+    assert int(desc0.level_sa_len.max()) >= 4000  # ceil(log_33(4001)) = 3 rounds
+    rows, q, lengths = [], torch.full((15, 20), PAD, dtype=torch.int32), []
+    for b in range(15):
+        c, t = b % 3, texts[b % 3]
+        n = (0, 1, 3, 9, 20)[b % 5]
+        end = int(torch.randint(n, t.numel() + 1, (1,), generator=g))
+        seg = t[end - n:end] if b % 4 else torch.randint(0, 3, (n,), generator=g,
+                                                         dtype=torch.int32)
+        if n:
+            q[b, 20 - n:] = seg
+        rows.append(cids[c])
+        lengths.append(n)
+    desc = ar.descriptors(rows)
+    q, lengths = q.to(DEV), t32(lengths).to(DEV)
+    for max_scan in (None, 3) if fan == 32 else (None,):
+        ref = suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=16, max_positions=6,
+                           max_scan=max_scan, use_triton=False)
+        got = suffix_match_triton(ar.tokens, ar.sa, desc, q, lengths, max_depth=16,
+                                  max_positions=6, max_scan=max_scan, fan=fan)
+        assert_same(ref, got)
+        assert int(ref.count.max()) > 1000  # ranges that span many pivots
+    with pytest.raises(ValueError, match="fan"):
+        suffix_match_triton(ar.tokens, ar.sa, desc, q, lengths, max_depth=16,
+                            max_positions=6, fan=3)
+
+
 def test_launcher_rejects_bad_descriptors():
     ar, ids = arena(4, 3)
     desc = ar.descriptors([ids["random"]])
@@ -435,10 +480,11 @@ _SIGNATURE = dict(
 
 def test_compiles_for_sm90():
     """``triton.compile`` to a cubin for sm_90 (in a child process without the interpreter,
-    see ``kernel_compile.py``) for the default depth, depth 1 and ``P = 0``."""
+    see ``kernel_compile.py``) for the default depth, depth 1, ``P = 0`` and the binary
+    search (``FAN = 1``)."""
     specs = []
-    for max_depth, P in ((64, 8), (1, 1), (16, 0)):
-        const = dict(P=P, **block_sizes(max_depth, P))
+    for max_depth, P, fan in ((64, 8, None), (1, 1, None), (16, 0, None), (32, 8, 1)):
+        const = dict(P=P, **block_sizes(max_depth, P, fan))
         specs.append((_suffix_match_kernel, dict(_SIGNATURE, **{k: "constexpr" for k in const}),
                       const))
     compile_all_for_sm90(specs)
