@@ -25,6 +25,15 @@ UNIT = 2.0 ** 32  # scores are summed in units of 1 / UNIT
 MAX_SCORES = 16384  # the most scores one program sorts (padded to a power of two)
 
 
+def num_warps(block: int) -> int:
+    """Warps of the one program that sorts ``block`` (a power of two) scores: no register
+    spills up to 4,096 scores (64 requests x 64 nodes; ``ptxas -v`` for sm_90,
+    ``tests/test_batch_budget.py``); 8,192 and 16,384 (128 and 256 requests) spill a few
+    hundred bytes per thread even at 16 warps: a larger batch needs a sort across
+    programs."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
 @triton.jit
 def _budget_keep_kernel(
     ranked_ptr,  # *float32 [B, N]  each request's node scores, best first; < -1.5: no node
@@ -145,6 +154,5 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
                               num_requests if tensor_n else keep_n, table.contiguous(),
                               0 if tensor_n else num_requests, B, N, table.numel(),
                               NREQ_FROM_PTR=tensor_n, BLOCK_B=block_b, BLOCK_N=block_n,
-                              num_warps=4 if block_b * block_n <= 1024 else
-                              8 if block_b * block_n <= 4096 else 16)
+                              num_warps=num_warps(block_b * block_n))
     return out

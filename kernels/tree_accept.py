@@ -33,6 +33,13 @@ from agspec_gpu.kernels._checks import check_devices
 MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
 
 
+def num_warps(N: int, by_depth: bool) -> int:
+    """Warps of the walk's program: 8 where the by-depth walk's ``[BLOCK_N, BLOCK_N]``
+    compare of 128 nodes would spill registers with 4 (``ptxas -v`` for sm_90: 255
+    registers and a spill at 4 warps, none at 8; ``tests/test_tree_accept.py``)."""
+    return 8 if by_depth and triton.next_power_of_2(max(N, 1)) >= 128 else 4
+
+
 @triton.jit
 def _tree_accept_kernel(
     tok_ptr,  # *int32 [B, N]  draft tokens, topological order (parents[b, j] < j)
@@ -229,7 +236,7 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
             num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num, num,
             num, N, expected.shape[1], max_depth, -2,
             BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=by_depth, EMIT=False,
-            ROWS=False)
+            ROWS=False, num_warps=num_warps(N, by_depth))
     return num, path
 
 
@@ -294,5 +301,6 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
         num_draft_tokens, target.contiguous(),
         num_draft_tokens if row_start is None else row_start.contiguous(), path, num, out,
         nout, bonus, N, target.shape[0] if flat else N + 1, max_depth, -2,
-        BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat)
+        BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat,
+        num_warps=num_warps(N, False))
     return num, path, out, nout, bonus

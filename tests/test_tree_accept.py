@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from agspec_gpu.kernels.tree_accept import (_tree_accept_kernel, greedy_tree_accept, tree_accept,
-                                             tree_accept_torch)
+from agspec_gpu.kernels.tree_accept import (_tree_accept_kernel, greedy_tree_accept, num_warps,
+                                             tree_accept, tree_accept_torch)
 from kernel_compile import compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,7 +176,8 @@ def test_kernel_compiles_for_sm90():
     greedy = dict(sig, path_ptr="*i32", nacc_ptr="*i32")
     compile_all_for_sm90([
         (_tree_accept_kernel, sig, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=False, ROWS=False)),
-        (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True, EMIT=False, ROWS=False)),
+        (_tree_accept_kernel, sig, dict(BLOCK_N=128, BY_DEPTH=True, EMIT=False, ROWS=False),
+         dict(num_warps=num_warps(128, True))),  # 4 warps spill here
         (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True,
                                            ROWS=False)),
         (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True, ROWS=True))])
