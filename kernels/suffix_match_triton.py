@@ -10,42 +10,44 @@ over a sorted level, so the index it returns does not depend on the midpoints vi
 Per program (row ``b``, ``qlen = min(lengths[b], max_depth)``, ``qvec`` = the query read
 backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
 
-1. Tail scan. For continuation positions ``c`` in ``[tail_start, n)`` with ``c >= 1`` and
-   ``tokens[c]``, ``tokens[c - 1]`` tokens (``>= 0``), ``m(c)`` = common prefix length of
+1. Longest length over the levels (skipped when ``qlen == 0``). Per level: a lower-bound
+   search of the whole reversed query (first entry whose ``key[:qlen]`` is not below
+   ``qvec[:qlen]``), then the common prefix lengths of its two neighbours (entries ``idx -
+   1`` and ``idx``, when inside the level, in one compare) with ``qvec``: the longest prefix
+   shared with the query is at one of them. A compare of ``key(c)`` with the pattern over
+   ``l`` tokens loads ``BLOCK_D`` tokens backwards from ``c - 1`` (``END`` below position 0)
+   and takes the first mismatch index ``j < l``: ``key < pattern`` iff there is one and the
+   key's token is below the pattern's there. Searches are ``FAN``-ary: a round compares
+   ``FAN`` pivots at once (a ``[FAN, BLOCK_D]`` tile), so a level of ``n`` entries takes
+   ``ceil(log_{FAN + 1}(n + 1))`` rounds, not ``log2``: a round is two dependent memory
+   reads (the pivots' entries, then their keys), whose latency, not the width of the read,
+   sets a program's time (5 rounds instead of 22 on a 4M-entry level).
+2. Tail, one pass. For continuation positions ``c`` in ``[tail_start, n)`` with ``c >= 1``
+   and ``tokens[c]``, ``tokens[c - 1]`` tokens (``>= 0``), ``m(c)`` = common prefix length of
    ``key(c)`` and ``qvec``, capped at ``qlen``; the key reads back freely into the indexed
    positions. Blocks of ``BLOCK_T`` candidates x ``BLOCK_D`` depths: one vector compare, then
-   the first mismatch index (a ``tl.min`` over masked aranges) is ``m(c)``.
-   ``best = max m(c)``.
-2. Longest length (skipped when ``qlen == 0``). Per level: a lower-bound binary search of the
-   whole reversed query (first entry whose ``key[:qlen]`` is not below ``qvec[:qlen]``), then
-   the common prefix lengths of its two neighbours (entries ``idx - 1`` and ``idx``, when
-   inside the level) with ``qvec``: the longest prefix shared with the query is at one of
-   them. ``best`` = the maximum over the levels and the tail. A compare of ``key(c)`` with the
-   pattern over ``l`` tokens loads ``BLOCK_D`` tokens backwards from ``c - 1`` (``END`` below
-   position 0) and takes the first mismatch index ``j < l``: ``key < pattern`` iff there is
-   one and the key's token is below the pattern's there. Searches are ``FAN``-ary: a round
-   compares ``FAN`` pivots at once (a ``[FAN, BLOCK_D]`` tile), so a level of ``n`` entries
-   takes ``ceil(log_{FAN + 1}(n + 1))`` rounds, not ``log2``: a round is two dependent
-   memory reads (the pivots' entries, then their keys), whose latency, not the width of the
-   read, sets a program's time (5 rounds instead of 22 on a 4M-entry level).
-3. Ranges at ``best``: per level the lower bound (first entry with ``key[:best]`` not below
-   ``qvec[:best]``) and the upper bound (first entry with ``key[:best]`` above it, searched
-   from the lower bound) -> ``sa_lo/sa_hi``, ``count`` (+ the tail hits ``m(c) >= best``). At
+   the first mismatch index (a ``tl.min`` over masked aranges) is ``m(c)``. ``best`` is the
+   running maximum over the levels and the blocks read; the hits ``m(c) >= best`` are
+   counted and their positions kept (step 4) as the blocks go, and a block that raises
+   ``best`` drops the hits held first (no earlier position matched that much).
+3. Ranges at the final ``best``: per level the lower bound (first entry with ``key[:best]``
+   not below ``qvec[:best]``) and the upper bound (first entry with ``key[:best]`` above
+   it, searched from the lower bound) -> ``sa_lo/sa_hi``, ``count`` (+ the tail's hits). At
    ``best = 0`` a level's range is empty at its base (``sa_lo = sa_hi = level base``); slots
    past the row's levels stay ``(0, 0)``, as in the torch path.
-4. Positions: the ``P`` largest continuation positions among the tail hits (tail rescanned)
-   and the level ranges (the ``sa`` entries themselves, the first ``max_scan`` of each
-   range, ``BLOCK_C`` at a time), kept in a descending ``BLOCK_P`` register vector. Sources
-   are read newest first (tail, then levels newest to oldest): a newer source's positions
-   are all larger, so a level met with ``P`` positions already held is not read (steps 3
-   and 4 run together, level by level). A block merges by ranks (every valid position is
-   distinct): an entry's new rank is the number of larger values in both; blocks with
-   nothing above the current ``P``-th value are skipped.
+4. Positions: the ``P`` largest continuation positions among the tail hits and the level
+   ranges (the ``sa`` entries themselves, the first ``max_scan`` of each range, ``BLOCK_C``
+   at a time), kept in a descending ``BLOCK_P`` register vector. Sources are read newest
+   first (tail, then levels newest to oldest): a newer source's positions are all larger,
+   so a level met with ``P`` positions already held is not read (steps 3 and 4 run
+   together, level by level). A block merges by ranks (every valid position is distinct):
+   an entry's new rank is the number of larger values in both; blocks with nothing above
+   the current ``P``-th value are skipped.
 
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
 tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``, ``FAN = clamp(2048 // BLOCK_D,
-1, 32)`` (search pivots per round).
+1, 32)`` (search pivots per round); launched with up to 255 registers (``LAUNCH_OPTIONS``).
 
 Loops with runtime bounds are ``while`` loops with conditions (no ``break``/``continue``/early
 ``return``, which the sm_90 compiler rejects; and the interpreter cannot use a loaded scalar
@@ -63,6 +65,10 @@ from agspec_gpu.kernels.suffix_match import END, MatchDescriptors, MatchResult
 _END = tl.constexpr(END)  # int32 value of positions before the start of a corpus
 _BLOCK_C = 32  # level-range entries merged into the top-P per step
 _MAX_FAN = 32  # search pivots per round
+# A program is one row's chain of dependent reads (few programs, latency-bound): registers
+# matter more than occupancy. Left to itself ptxas caps the kernel below what it needs and
+# spills (sm_90: 128 registers and 12 bytes of spills at depth 64; 48 and 4 at depth 16)
+LAUNCH_OPTIONS = dict(maxnreg=255)
 
 
 @triton.jit
@@ -189,16 +195,9 @@ def _suffix_match_kernel(
     # query read backwards: qvec[i] = query[L - 1 - i]
     qvec = tl.load(q_row_ptr + tl.maximum(L - 1 - jd, 0), mask=(jd < qlen) & (L > 0), other=-1)
 
-    # (1) tail: the longest match at an unindexed continuation position
+    # (1) per level: insertion point of the whole reversed query, then its two neighbours
     # runtime-bounded loops are while-loops: the interpreter cannot index a loaded scalar
     best = qlen * 0
-    t0 = qlen * 0
-    while t0 < n - tail:
-        c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T, BLOCK_D)
-        best = tl.maximum(best, tl.max(m, axis=0))
-        t0 += BLOCK_T
-
-    # (2) per level: insertion point of the whole reversed query, then its two neighbours
     k = k0
     k_end = tl.where(qlen > 0, k1, k0)
     while k < k_end:
@@ -214,16 +213,24 @@ def _suffix_match_kernel(
         best = tl.maximum(best, tl.max(tl.where(inl, lcp, 0), axis=0))
         k += 1
 
-    # (3) ranges at best, (4) the P largest continuation positions
+    # (2) the tail in one pass: the longest match there and its hits, with best the running
+    # maximum over the levels and the blocks read so far. A block that raises it drops the
+    # hits held (they matched less than the new best: no earlier position reached it).
+    # Then (3) ranges at best, (4) the P largest continuation positions: the tail first,
+    # then the levels newest first: every position of a newer source is larger than every
+    # position of an older one, so a level met with P positions already held only adds to
+    # count (its range is not read)
     count = best * 0
     top = tl.full([BLOCK_P], -1, tl.int64)
-    # the tail first, then the levels newest first: every position of a newer source is
-    # larger than every position of an older one, so a level met with P positions already
-    # held only adds to count (its range is not read)
     t0 = qlen * 0
-    while (t0 < n - tail) & (best > 0):
+    while t0 < n - tail:
         c, m = _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T, BLOCK_D)
-        hit = m >= best  # m is 0 off the candidates, and best > 0 here
+        block_best = tl.max(m, axis=0)
+        if block_best > best:
+            best = block_best
+            count = count * 0
+            top = tl.full([BLOCK_P], -1, tl.int64)
+        hit = m >= tl.maximum(best, 1)  # m is 0 off the candidates
         count += tl.sum(hit.to(tl.int64), axis=0)
         if P > 0:
             cand = tl.where(hit, c, -1)
@@ -348,5 +355,5 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         nz(desc.level_sa_base), nz(desc.level_sa_len), nz(queries), lengths, length, count,
         nz(positions), nz(sa_lo), nz(sa_hi), L, K, max_depth,
         sa.numel() if max_scan is None else max_scan, P=P,
-        **block_sizes(max_depth, P, fan))
+        **block_sizes(max_depth, P, fan), **LAUNCH_OPTIONS)
     return MatchResult(length, count, positions, sa_lo, sa_hi)

@@ -17,7 +17,7 @@ import torch
 
 from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
-from agspec_gpu.kernels.suffix_match_triton import _suffix_match_kernel, block_sizes
+from agspec_gpu.kernels.suffix_match_triton import LAUNCH_OPTIONS, _suffix_match_kernel, block_sizes
 from index_reference import match_reference
 from kernel_compile import compile_all_for_sm90
 
@@ -409,6 +409,37 @@ def test_tails_and_keys_at_both_ends_of_a_tight_buffer():
                 [p for p in got[0].positions[b].tolist() if p >= 0]) == exp, b
 
 
+@pytest.mark.parametrize("P", [0, 2, 8])
+def test_tail_blocks_that_raise_the_best_length_drop_the_shorter_hits(P):
+    """The kernel reads the tail once, keeping the hits of the longest match so far: short
+    matches in the first blocks (and in a level), a longer one only in a later block (then
+    shorter ones after it), so the hits held must be dropped when a block raises the
+    length. Kernel == torch == brute force."""
+    g = torch.Generator().manual_seed(5)
+    filler = torch.randint(10, 13, (250,), generator=g, dtype=torch.int32)
+    text = filler.clone()
+    query = [7, 8, 9]
+    for at in (5, 140, 170):      # "9" (length 1) in a level and the first tail blocks
+        text[at] = 9
+    text[228:231] = t32(query)    # the whole query, in the tail's 4th block of 32
+    text[245] = 9                 # and a short one after it
+    for tail_tokens, chunks in ((1000, (250,)), (128, (130, 120))):  # all tail / level + tail
+        ar = IndexArena(IndexConfig(max_depth=8, tail_tokens=tail_tokens), DEV)
+        cid = ar.new_corpus()
+        for i, k in zip((0, chunks[0]), chunks):
+            ar.append(cid, text[i:i + k].to(DEV))
+        desc = ar.descriptors([cid])
+        assert int(desc.num_tokens[0] - desc.tail_start[0]) > 96  # several tail blocks
+        q, lengths = t32(query).view(1, 3).to(DEV), t32([3]).to(DEV)
+        got = [suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=8, max_positions=P,
+                            use_triton=u) for u in (False, True)]
+        assert_same(*got)
+        exp = match_reference(text.tolist(), query, 8, P)
+        assert (int(got[1].length[0]), int(got[1].count[0]),
+                [p for p in got[1].positions[0].tolist() if p >= 0]) == exp
+        assert exp[0] == 3 and exp[1] == 1
+
+
 @pytest.mark.parametrize("fan", [1, 4, 32])
 def test_searches_of_any_fan_out_equal_the_torch_path(fan):
     """Levels of thousands of entries (the corpora above stay under 300 tokens: one or two
@@ -487,5 +518,5 @@ def test_compiles_for_sm90():
                               (32, 8, 1)):
         const = dict(P=P, **block_sizes(max_depth, P, fan))
         specs.append((_suffix_match_kernel, dict(_SIGNATURE, **{k: "constexpr" for k in const}),
-                      const))
+                      const, LAUNCH_OPTIONS))
     compile_all_for_sm90(specs)
