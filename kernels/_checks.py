@@ -18,6 +18,20 @@ def check_tensors(*specs: tuple[str, torch.Tensor, torch.dtype, Sequence[int]],
                              f"{list(shape)}, got {t.dtype} {list(t.shape)}")
 
 
+def check_array(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int,
+                device: torch.device) -> None:
+    """Raises ValueError naming ``name`` unless ``x`` is a contiguous ``ndim``-dimensional
+    ``dtype`` tensor on ``device`` (a launcher whose shapes are checked afterwards)."""
+    if x.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
 def check_devices(*named: tuple[str, torch.Tensor]) -> None:
     """Raises ValueError naming the first of ``(name, tensor)`` that is not on the first
     one's device."""

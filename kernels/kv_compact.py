@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_array
+
 MAX_BLOCK_COLS = 1024
 
 
@@ -136,14 +138,7 @@ def kv_compact(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch
         raise ValueError("kv_data: must be contiguous")
     for name, x, nd in (("kv_indptr", kv_indptr, 1), ("kv_indices", kv_indices, 1),
                         ("prefix_lens", prefix_lens, 1), ("accepted_nodes", accepted_nodes, 2)):
-        if x.dtype != torch.int32:
-            raise ValueError(f"{name}: expected dtype torch.int32, got {x.dtype}")
-        if x.dim() != nd:
-            raise ValueError(f"{name}: expected {nd} dims, got shape {tuple(x.shape)}")
-        if x.device != device:
-            raise ValueError(f"{name}: on {x.device}, kv_data on {device}")
-        if not x.is_contiguous():
-            raise ValueError(f"{name}: must be contiguous")
+        check_array(name, x, torch.int32, nd, device)
     B, A = accepted_nodes.shape
     if prefix_lens.shape[0] != B:
         raise ValueError(f"prefix_lens: expected {B} entries, got {prefix_lens.shape[0]}")

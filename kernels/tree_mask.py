@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._checks import check_array
+
 BLOCK_ROWS = 128
 BLOCK_PAGES = 128
 BLOCK_BYTES = 128
@@ -389,17 +391,6 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     return out
 
 
-def _check(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int, device: torch.device):
-    if x.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {x.device}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous")
-
-
 def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: torch.Tensor,
               root_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
               page_size: int, *, out: TreeMaskBuffers | None = None,
@@ -449,7 +440,7 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     for name, x, nd in (("token_ids", token_ids, 2), ("parents", parents, 2),
                         ("num_draft_tokens", num_draft_tokens, 1), ("root_ids", root_ids, 1),
                         ("prefix_lens", prefix_lens, 1), ("page_table", page_table, 2)):
-        _check(name, x, torch.int32, nd, device)
+        check_array(name, x, torch.int32, nd, device)
     if parents.shape != (B, N):
         raise ValueError(f"parents: expected shape {(B, N)}, got {tuple(parents.shape)}")
     for name, x in (("num_draft_tokens", num_draft_tokens), ("root_ids", root_ids),
@@ -473,15 +464,15 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
             ancestor_bits=torch.empty(B, R, -(-R // 32), dtype=torch.int32, device=device))
     for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "input_ids",
                  "position_ids", "kv_slots", "kv_indices"):
-        _check(f"out.{name}", getattr(out, name), torch.int32, 1, device)
+        check_array(f"out.{name}", getattr(out, name), torch.int32, 1, device)
     k = int(sink_page is not None)  # the sink's entries
     for name, n in (("qo_indptr", B + 1 + k), ("kv_indptr", B + 1 + k),
                     ("mask_indptr", B + 1 + k), ("kv_last_page_len", B + k)):
         if getattr(out, name).shape[0] != n:
             raise ValueError(f"out.{name}: expected {n} entries, got "
                              f"{getattr(out, name).shape[0]}")
-    _check("out.packed_mask", out.packed_mask, torch.uint8, 1, device)
-    _check("out.ancestor_bits", out.ancestor_bits, torch.int32, 3, device)
+    check_array("out.packed_mask", out.packed_mask, torch.uint8, 1, device)
+    check_array("out.ancestor_bits", out.ancestor_bits, torch.int32, 3, device)
     _, R, W = out.ancestor_bits.shape
     if out.ancestor_bits.shape[0] != B or R < 1 or W * 32 < R:
         raise ValueError(f"out.ancestor_bits: expected shape ({B}, R, ceil(R / 32)), "
