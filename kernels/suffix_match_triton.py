@@ -36,8 +36,9 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    ``best = 0`` a level's range is empty at its base (``sa_lo = sa_hi = level base``); slots
    past the row's levels stay ``(0, 0)``, as in the torch path.
 4. Positions: the ``P`` largest continuation positions among the tail hits and the level
-   ranges (the ``sa`` entries themselves, the first ``max_scan`` of each range, ``BLOCK_C``
-   at a time), kept in a descending ``BLOCK_P`` register vector. Sources are read newest
+   ranges (the ``sa`` entries themselves, the first ``max_scan`` of each range: a round
+   loads ``SCAN_BLOCKS`` blocks of ``BLOCK_C`` at once and merges them one by one), kept in
+   a descending ``BLOCK_P`` register vector. Sources are read newest
    first (tail, then levels newest to oldest): a newer source's positions are all larger,
    so a level met with ``P`` positions already held is not read (steps 3 and 4 run
    together, level by level). A block merges by ranks (every valid position is distinct):
@@ -46,8 +47,8 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
 
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
-tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``, ``FAN = clamp(2048 // BLOCK_D,
-1, 32)`` (search pivots per round); launched with up to 255 registers (``LAUNCH_OPTIONS``).
+tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``, ``SCAN_BLOCKS = 4``, ``FAN =
+clamp(2048 // BLOCK_D, 1, 32)`` (search pivots per round); launched with up to 255 registers (``LAUNCH_OPTIONS``).
 
 Loops with runtime bounds are ``while`` loops with conditions (no ``break``/``continue``/early
 ``return``, which the sm_90 compiler rejects; and the interpreter cannot use a loaded scalar
@@ -64,10 +65,11 @@ from agspec_gpu.kernels.suffix_match import END, MatchDescriptors, MatchResult
 
 _END = tl.constexpr(END)  # int32 value of positions before the start of a corpus
 _BLOCK_C = 32  # level-range entries merged into the top-P per step
+_SCAN_BLOCKS = 4  # BLOCK_C blocks of a level's range loaded per round
 _MAX_FAN = 32  # search pivots per round
 # A program is one row's chain of dependent reads (few programs, latency-bound): registers
-# matter more than occupancy. Left to itself ptxas caps the kernel below what it needs and
-# spills (sm_90: 128 registers and 12 bytes of spills at depth 64; 48 and 4 at depth 16)
+# matter more than occupancy. Left to itself ptxas may cap the kernel below what it needs
+# and spill (sm_90, depth 16 without positions: 48 registers and 4 bytes of spills)
 LAUNCH_OPTIONS = dict(maxnreg=255)
 
 
@@ -182,6 +184,7 @@ def _suffix_match_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
     FAN: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tb = tl.load(tok_base_ptr + b)
@@ -255,15 +258,20 @@ def _suffix_match_kernel(
             thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
             hi_scan = tl.minimum(hi, lo + max_scan)
             i0 = tl.where(thr < 0, lo, hi_scan)
+            # SCAN_BLOCKS blocks of BLOCK_C entries per round: one load of the tile, then
+            # the blocks merged one by one (the loads of a round wait on one latency)
+            u = tl.arange(0, SCAN_BLOCKS)[:, None]
             while i0 < hi_scan:
-                ii = i0 + tl.arange(0, BLOCK_C)
+                ii = i0 + u * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
                 inr = ii < hi_scan
-                cand = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64)
-                cand = tl.where(inr, cand, -1)
-                thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
-                if tl.max(cand, axis=0) > thr:
-                    top = _merge_top(top, cand, P, BLOCK_P)
-                i0 += BLOCK_C
+                tile = tl.load(sa_ptr + sa_base + ii, mask=inr, other=0).to(tl.int64)
+                tile = tl.where(inr, tile, -1)
+                for v in tl.static_range(SCAN_BLOCKS):
+                    cand = tl.max(tl.where(u == v, tile, -1), axis=0)  # block v, [BLOCK_C]
+                    thr = tl.min(tl.where(tl.arange(0, BLOCK_P) < P, top, 1 << 62), axis=0)
+                    if tl.max(cand, axis=0) > thr:
+                        top = _merge_top(top, cand, P, BLOCK_P)
+                i0 += SCAN_BLOCKS * BLOCK_C
         k -= 1
 
     tl.store(length_ptr + b, best.to(tl.int32))
@@ -283,7 +291,7 @@ def block_sizes(max_depth: int, max_positions: int, fan: int | None = None) -> d
         raise ValueError(f"fan must be a power of two >= 1, got {fan}")
     return dict(BLOCK_D=block_d, BLOCK_T=max(1, min(32, 4096 // block_d)),
                 BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C,
-                FAN=fan)
+                FAN=fan, SCAN_BLOCKS=_SCAN_BLOCKS)
 
 
 def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
