@@ -125,14 +125,16 @@ def _bound(tokens_ptr, sa_ptr, tb, sa_base, lo, hi, qvec, l, jd, UPPER: tl.const
 def _tail_block(tokens_ptr, tb, n, tail, qlen, qvec, t0, jd, BLOCK_T: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """Continuation positions ``c`` (``int64 [BLOCK_T]``) of one tail block and ``m(c)``
-    (0 where ``c`` is not a candidate)."""
+    (0 where ``c`` is not a candidate). The keys' tile is read for every position inside
+    the corpus, candidate or not: its load does not wait for the candidates' tokens, so a
+    block costs one memory latency, not two."""
     c = tail + t0 + tl.arange(0, BLOCK_T).to(tl.int64)
     valid = (c < n) & (c >= 1)
     cur = tl.load(tokens_ptr + tb + c, mask=valid, other=-1)
     prv = tl.load(tokens_ptr + tb + c - 1, mask=valid, other=-1)
     cand = valid & (cur >= 0) & (prv >= 0) & (qlen > 0)
     off = c[:, None] - 1 - jd[None, :]  # [BLOCK_T, BLOCK_D]
-    okp = (jd[None, :] < qlen) & cand[:, None] & (off >= 0)
+    okp = (jd[None, :] < qlen) & valid[:, None] & (off >= 0)
     tv = tl.load(tokens_ptr + tb + off, mask=okp, other=0)
     eq = okp & (tv == qvec[None, :])  # END (off < 0) never equals a query token
     m = tl.min(tl.where(eq, BLOCK_D, jd[None, :]), axis=1)  # first mismatch = match length
