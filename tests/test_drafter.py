@@ -546,6 +546,27 @@ def test_copy_grouped_copies_each_pair_in_one_launch_per_dtype():
         copy_grouped([bufs[0][:2]], [srcs[0]])
 
 
+def test_to_device_equals_torch_tensor_and_copies():
+    """``host.to_device`` (through numpy since session 20): the same values and dtype as
+    ``torch.tensor`` for lists, ranges, numpy arrays and empty input; a copy, never a view
+    of the caller's array; an out-of-range value is an error, not a wrapped number."""
+    import numpy as np
+
+    from agspec_gpu.host import to_device
+
+    for values in ([3, -1, 2**31 - 1], range(5), [], [True, False], np.arange(4) * 7):
+        for dtype in (torch.int64, torch.int32, torch.float32, torch.bool, torch.bfloat16):
+            got = to_device(values, dtype, "cpu")
+            want = torch.tensor(list(values), dtype=dtype)
+            assert got.dtype == dtype and torch.equal(got, want), (values, dtype)
+    arr = np.arange(3)
+    t = to_device(arr, torch.int64, "cpu")
+    arr[0] = 99
+    assert t.tolist() == [0, 1, 2]
+    with pytest.raises((OverflowError, RuntimeError)):
+        to_device([2**40], torch.int32, "cpu")
+
+
 def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     """What the drafter's two CUDA graphs replay per step: counted on the CPU as the ops of
     the graphed functions, each Triton-backed function one launch (as on a GPU). Every
