@@ -48,7 +48,8 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
 tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``, ``SCAN_BLOCKS = 4``, ``FAN =
-clamp(2048 // BLOCK_D, 1, 32)`` (search pivots per round); launched with up to 255 registers (``LAUNCH_OPTIONS``).
+clamp(2048 // BLOCK_D, 1, 32)`` (search pivots per round); launched with up to 255
+registers (``LAUNCH_OPTIONS``).
 
 Loops with runtime bounds are ``while`` loops with conditions (no ``break``/``continue``/early
 ``return``, which the sm_90 compiler rejects; and the interpreter cannot use a loaded scalar
