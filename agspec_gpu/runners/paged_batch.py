@@ -58,9 +58,9 @@ class PagedBatch:
         self._owns_seqs = True  # close() frees the sequences (False: the caller's)
         self._prefix: torch.Tensor | None = None     # int32 [B] committed slots, on device
         self._prefix_host: list[int] = []
-        self._pending: torch.Tensor | None = None    # int32 [B] prefix lens of the last verify
-        # its plan's pages (kv_indptr, kv_indices): the commit compacts KV within them
-        self._pending_pages: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the last verify's prefix lengths (int32 [B]) and its plan's pages (kv_indptr,
+        # kv_indices): the commit compacts KV within them
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -185,7 +185,7 @@ class PagedBatch:
                                     prefix_lens_host=self._prefix_host,
                                     num_draft_host=num_draft_host)
             flat = self.runner.forward(meta)                           # [capacity_q, V]
-        self._pending, self._pending_pages = self._prefix, (meta.kv_indptr, meta.kv_indices)
+        self._pending = (self._prefix, meta.kv_indptr, meta.kv_indices)
         return flat[:B + int(sum(num_draft_host))], meta.qo_indptr[:B + 1]
 
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
@@ -203,15 +203,16 @@ class PagedBatch:
         (``num_accepted_host``: ``result.num_accepted`` if the caller read it already)."""
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
+        prefix, kv_indptr, kv_indices = self._pending
         if result.max_depth:  # within the pages the verification planned (views of its plan)
-            kv_compact(self.runner.kv_cache.data, *self._pending_pages, self._pending,
+            kv_compact(self.runner.kv_cache.data, kv_indptr, kv_indices, prefix,
                        result.accepted_nodes.to(self.device, torch.int32).contiguous())
         # the root and the accepted nodes: num_output (= num_accepted + 1) slots
-        self._prefix = self._pending + result.num_output.to(self.device, torch.int32)
+        self._prefix = prefix + result.num_output.to(self.device, torch.int32)
         # the planner sizes pages on the host
         self._prefix_host = self._prefix.tolist() if num_accepted_host is None else \
             [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
-        self._pending = self._pending_pages = None
+        self._pending = None
 
     def close(self) -> None:
         """Ends the batch (idempotent): frees its own KV sequences' pages; the caller's
@@ -220,4 +221,3 @@ class PagedBatch:
             for sid in self._seq_ids:
                 self.runner.kv_cache.free(sid)
         self._seq_ids, self._prefix, self._prefix_host, self._pending = [], None, [], None
-        self._pending_pages = None
