@@ -38,16 +38,21 @@ _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.i
                  torch.float64: np.float64, torch.float32: np.float32}
 
 
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``values`` (host numbers) as a 1-D ``dtype`` tensor on ``device``; no stream sync.
-
-    Through a numpy copy: ``torch.tensor`` of a list converts element by element (174 us
-    for 1,400 ints on the development machine, 52 us through numpy), and the per-step path
-    hands over lists of that size (the match descriptors of 64 requests)."""
+def host_tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (host numbers) as a new 1-D ``dtype`` CPU tensor, through a numpy copy:
+    ``torch.tensor`` of a list converts element by element (174 us for 1,400 ints on the
+    development machine, 52 us through numpy), and the per-step path hands over lists of
+    that size (the match descriptors of 64 requests)."""
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-    return torch.from_numpy(np.array(values, dtype=np_dtype)).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=np_dtype))
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (host numbers) as a 1-D ``dtype`` tensor on ``device``
+    (:func:`host_tensor`); no stream sync."""
+    return host_tensor(values, dtype).to(device, non_blocking=True)
 
 
 def copy_grouped(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from agspec_gpu.cuda_graph import capture
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.host import synchronize
+from agspec_gpu.host import host_tensor, synchronize
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
@@ -149,7 +149,7 @@ class DecodeGraphs(GraphSteps):
             page_table[b:self._used[S]].fill_(cache.null_page)
         self._used[S] = b
         prefix_host = list(prefix_lens_host) + [0] * (S - b)
-        prefix.copy_(torch.tensor(prefix_host, dtype=torch.int32), non_blocking=True)
+        prefix.copy_(host_tensor(prefix_host, torch.int32), non_blocking=True)
         cache.page_table(seq_ids, out=page_table[:b])
         root[:b].copy_(roots)
         # the sizes on the host too: FlashInfer's plan reads them there

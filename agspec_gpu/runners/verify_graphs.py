@@ -32,7 +32,7 @@ import torch
 
 from agspec_gpu.attention import flashinfer_plan
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.host import copy_grouped, synchronize
+from agspec_gpu.host import copy_grouped, host_tensor, synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
 from agspec_gpu.tree import HostSizes, TreeMetadata, host_sizes, plan_tree
 
@@ -153,8 +153,8 @@ class VerifyGraphs(GraphSteps):
             inp.draft.num_draft_tokens[b:self._used[S]].zero_()
         self._used[S] = b
         # the prefix lengths, padding's zeros included: one host-to-device copy
-        inp.prefix.copy_(torch.tensor(list(prefix_lens_host) + [0] * (S - b),
-                                      dtype=torch.int32), non_blocking=True)
+        inp.prefix.copy_(host_tensor(list(prefix_lens_host) + [0] * (S - b), torch.int32),
+                         non_blocking=True)
         if b:
             cache.page_table(seq_ids, out=inp.page_table[:b])
             copy_grouped([inp.root[:b], inp.draft.num_draft_tokens[:b],
