@@ -46,7 +46,7 @@ from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
-from agspec_gpu.host import to_device
+from agspec_gpu.host import HostReader, to_device
 from agspec_gpu.requests import (Requests, StepOutput, per_session, read_output,
                                  stop_lists)
 from agspec_gpu.runners.hf import HFRunner
@@ -180,6 +180,8 @@ class SpecDecoder:
             sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
             self._verify_graphs = VerifyGraphs(self._paged, sizes + [self.config.max_batch],
                                                drafter_cfg.max_nodes)
+        # a step's host reads (draft sizes; output tokens and counts), sized for the largest
+        self._reader = HostReader(self.config.max_batch * (drafter_cfg.max_nodes + 2), device)
         self._sessions: dict[str, _SessionState] = {}
         # continuous batching (submit / step): the requests waiting for room, the running batch
         self._queue: list[Requests] = []
@@ -413,7 +415,7 @@ class SpecDecoder:
         with nvtx.annotate("agspec.commit"):
             res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator,
                               qo_indptr)
-            rows, n_out = read_output(res)
+            rows, n_out = read_output(res, self._reader)
             self._record(sids, res, n_out, n_out, num_draft)
             _extend_contexts([self._sessions[s] for s in sids],
                              [r[:n] for r, n in zip(rows, n_out)])
@@ -663,7 +665,8 @@ class SpecDecoder:
         runner = HFRunner(self.model) if self._paged is None else \
             PagedBatch(self._paged, self._verify_graphs)
         return RunningBatch(reqs, runner, self.drafter, self._kv,
-                            lambda params: self._sampling(params, len(params)), self._record)
+                            lambda params: self._sampling(params, len(params)), self._record,
+                            self._reader)
 
     def _join(self, live: RunningBatch | None, joining: list[Requests]) -> RunningBatch:
         """A new batch: the running requests (their KV kept, to be continued), then

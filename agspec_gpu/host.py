@@ -77,3 +77,63 @@ def copy_grouped(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
             d[0].copy_(s[0])
         else:
             torch._foreach_copy_(d, s)
+
+
+class HostReader:
+    """A step's small device results read to the host through one buffer made once.
+
+    ``tensor.tolist()`` (or ``.cpu()``) of a CUDA tensor allocates a pageable host tensor
+    and copies into it synchronously, the driver staging the bytes through its own pinned
+    buffer. A serving step reads twice (the draft sizes, then the accepted tokens): the
+    reader copies them, non-blocking, into a page-locked buffer sized when the loop is built
+    and waits on one event (no host allocation on the device side, one wait per read). On a
+    CPU the tensors are host memory already and are read in place.
+
+    Parameters
+    ----------
+    numel : the most elements one :meth:`read` takes (all its tensors together); a larger
+        read grows the buffer
+    device : where the tensors it reads live
+    dtype : the buffer's dtype (a tensor of another is converted on its device first)
+    """
+
+    def __init__(self, numel: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.int32) -> None:
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        self.device = canonical_device(device)
+        self.dtype = dtype
+        cuda = self.device.type == "cuda"
+        self._buf = torch.empty(numel, dtype=dtype, pin_memory=cuda) if cuda else None
+        self._np = self._buf.numpy() if cuda else None
+        self._event = torch.cuda.Event() if cuda else None
+
+    @property
+    def numel(self) -> int:
+        return 0 if self._buf is None else self._buf.numel()
+
+    def read(self, *tensors: torch.Tensor) -> list[list]:
+        """Each of ``tensors`` (on :attr:`device`, or on the CPU: read in place) as nested
+        host lists, like ``tolist()``, after one wait for the stream."""
+        on_device = [t for t in tensors if t.device.type != "cpu"]
+        for t in on_device:
+            if t.device != self.device:
+                raise ValueError(f"tensors: on {t.device}, the reader reads {self.device}")
+        if not on_device:
+            return [t.tolist() for t in tensors]
+        total = sum(t.numel() for t in on_device)
+        if total > self._buf.numel():  # larger than sized for: grows, once
+            self._buf = torch.empty(total, dtype=self.dtype, pin_memory=True)
+            self._np = self._buf.numpy()
+        views, at = [], 0
+        for t in tensors:
+            if t.device.type == "cpu":
+                views.append(t)
+                continue
+            n = t.numel()
+            self._buf[at:at + n].view(t.shape).copy_(t.to(self.dtype), non_blocking=True)
+            views.append(self._np[at:at + n].reshape(t.shape))
+            at += n
+        self._event.record(torch.cuda.current_stream(self.device))
+        self._event.synchronize()
+        return [v.tolist() for v in views]

@@ -40,7 +40,7 @@ import torch
 
 from agspec_gpu.cost_model import CostModel, StepTokenCounts
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.host import synchronize, to_device
+from agspec_gpu.host import HostReader, synchronize, to_device
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
@@ -380,6 +380,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
     active: list[_Request] = []
     stream = corpus.stream
     verify_timer = _Timer(dev)
+    reader = HostReader(B, dev)  # the draft sizes, then the accepted counts: one wait each
     cache = runner.kv_cache
 
     def close(req: _Request) -> None:
@@ -445,7 +446,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             t0 = time.perf_counter()
             with nvtx.annotate("e2e.propose", color="green"):
                 draft = proposer.propose(sids, [r.s.tokens[:r.pos] for r in active], truth)
-                num_draft = draft.num_draft_tokens.cpu().numpy().astype(np.int64)
+                num_draft = np.array(reader.read(draft.num_draft_tokens)[0], dtype=np.int64)
             t1 = time.perf_counter()
             n_total = int(num_draft.sum())
             if n_total and draft.max_nodes > pool.max_nodes:
@@ -480,7 +481,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             with nvtx.annotate("e2e.commit", color="red"):
                 num_acc = np.zeros(n_active, dtype=np.int64)
                 if paths is not None:
-                    num_acc = paths.num_accepted.cpu().numpy().astype(np.int64)
+                    num_acc = np.array(reader.read(paths.num_accepted)[0], dtype=np.int64)
                     A = int(num_acc.max())
                     if A:
                         kv_compact(cache.data, meta.kv_indptr, meta.kv_indices, prefix_t,

@@ -14,9 +14,8 @@ from dataclasses import dataclass, fields
 from numbers import Integral
 from typing import Any
 
-import torch
-
 from agspec_gpu.accept import AcceptResult, SamplingParams
+from agspec_gpu.host import HostReader
 from agspec_gpu.stops import StopMatcher
 
 
@@ -85,10 +84,10 @@ class StepOutput:
     finished: bool
 
 
-def read_output(res: AcceptResult) -> tuple[list[list[int]], list[int]]:
+def read_output(res: AcceptResult, reader: HostReader) -> tuple[list[list[int]], list[int]]:
     """``(output_ids rows, num_output)`` on the host, in one read."""
-    both = torch.cat([res.num_output[:, None], res.output_ids], 1).tolist()  # int32 both
-    return [r[1:] for r in both], [r[0] for r in both]
+    num_output, rows = reader.read(res.num_output, res.output_ids)
+    return rows, num_output
 
 
 def stop_lists(stop, n: int) -> list[list[str]]:

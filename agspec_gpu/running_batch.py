@@ -21,7 +21,7 @@ import torch
 from agspec_gpu.accept import AcceptResult, BatchSampling, accept_tree, sample_tokens
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.drafter import Drafter
-from agspec_gpu.host import to_device
+from agspec_gpu.host import HostReader, to_device
 from agspec_gpu.requests import Requests, read_output
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -42,13 +42,14 @@ class RunningBatch:
         kv: the sessions' kept KV (prefill continues it; leaving and :meth:`end` keep it).
         sampling_rows: ``params -> BatchSampling`` (the decoder's cached device rows).
         record: commits a step's emitted tokens to the drafter and the decoder's counters.
+        reader: the host reads of a step (the decoder's, sized for its largest batch).
     """
 
     def __init__(self, reqs: Requests, runner: HFRunner | PagedBatch, drafter: Drafter,
                  kv: SessionKVCache, sampling_rows: Callable[[list], BatchSampling],
-                 record: RecordFn) -> None:
+                 record: RecordFn, reader: HostReader) -> None:
         self.reqs, self.runner, self.drafter, self.kv = reqs, runner, drafter, kv
-        self._sampling_rows, self._record = sampling_rows, record
+        self._sampling_rows, self._record, self.reader = sampling_rows, record, reader
         self.device = drafter.recent.device
         self.root: torch.Tensor | None = None       # int32 [B]: last emitted token, not cached
         self.sampling: BatchSampling | None = None
@@ -66,7 +67,7 @@ class RunningBatch:
         self.caps = self.no_draft = None
         first = sample_tokens(logits[:, None, :], self.sampling, generator)[:, 0]
         self.root = first.to(torch.int32)
-        new = reqs.emit([[int(t)] for t in first.tolist()])
+        new = reqs.emit([[t] for t in self.reader.read(self.root)[0]])
         self.drafter.append_generated(reqs.sids, self.root[:, None],
                                       to_device(list(map(len, new)), torch.int32, self.device))
         return new
@@ -88,7 +89,7 @@ class RunningBatch:
                 draft = draft.capped(self.caps)
             # host read 1 of 2 (the drafter's tokens come from the store's corpora, which
             # hold ids of the model's vocabulary only: no check of the ids here)
-            num_draft = draft.num_draft_tokens.tolist()
+            (num_draft,) = self.reader.read(draft.num_draft_tokens)
         else:  # every request opted out: a plain decoding step, the drafter is not asked
             # (it still takes the emitted tokens), and its draft sizes are known here
             if self.no_draft is None:
@@ -105,7 +106,7 @@ class RunningBatch:
             logits, qo_indptr = runner.verify_rows(draft, self.root, num_draft_host=num_draft)
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr)
         with nvtx.annotate("agspec.commit"):
-            rows, n_out = read_output(res)  # host read 2 of 2
+            rows, n_out = read_output(res, self.reader)  # host read 2 of 2
             runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
             self.root = res.bonus_ids().to(torch.int32)
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])

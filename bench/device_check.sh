@@ -144,7 +144,7 @@ PYTEST=(env PYTHONSAFEPATH=1 python3 -P -m pytest -v --tb=short --durations=8
         -p no:cacheprovider "${XDIST[@]}")
 step pytest 120 "${PYTEST[@]}" \
   tests/test_gpu.py tests/test_attention.py tests/test_verify_graphs.py \
-  tests/test_layer_kernels.py \
+  tests/test_layer_kernels.py tests/test_host.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda" \

@@ -522,51 +522,6 @@ def test_graphed_step_launches_few_kernels_outside_its_graphs(tok, monkeypatch):
         assert n_commit <= 8, per_step  # 7
 
 
-def test_copy_grouped_copies_each_pair_in_one_launch_per_dtype():
-    """The graphs' input copies: every pair copied (mixed dtypes and shapes), one op per
-    dtype for contiguous pairs, strided views apart (a GPU's fused copy takes dense tensors
-    only), and a dtype or shape mismatch named."""
-    from agspec_gpu.host import copy_grouped
-
-    g = torch.Generator().manual_seed(0)
-    srcs = [torch.randint(0, 99, (3,), generator=g), torch.randint(0, 99, (2, 5), generator=g),
-            torch.randint(0, 99, (4,), generator=g, dtype=torch.int32),
-            torch.randint(0, 99, (2, 3), generator=g, dtype=torch.int32),
-            torch.rand(7, generator=g), torch.randint(0, 99, (3, 8), generator=g)[:, :2]]
-    bufs = [torch.zeros(6 + x.shape[0], *x.shape[1:], dtype=x.dtype) for x in srcs]
-    count = CountOps()
-    with count.mode:
-        copy_grouped([b[:x.shape[0]] for b, x in zip(bufs, srcs)], srcs)
-    assert sorted(count.ops) == ["_foreach_copy_", "_foreach_copy_", "copy_", "copy_"]
-    for b, x in zip(bufs, srcs):
-        assert torch.equal(b[:x.shape[0]], x) and not b[x.shape[0]:].any()
-    with pytest.raises(ValueError, match="copy_grouped"):
-        copy_grouped([bufs[0][:3]], [srcs[0].int()])
-    with pytest.raises(ValueError, match="copy_grouped"):
-        copy_grouped([bufs[0][:2]], [srcs[0]])
-
-
-def test_to_device_equals_torch_tensor_and_copies():
-    """``host.to_device`` (through numpy since session 20): the same values and dtype as
-    ``torch.tensor`` for lists, ranges, numpy arrays and empty input; a copy, never a view
-    of the caller's array; an out-of-range value is an error, not a wrapped number."""
-    import numpy as np
-
-    from agspec_gpu.host import to_device
-
-    for values in ([3, -1, 2**31 - 1], range(5), [], [True, False], np.arange(4) * 7):
-        for dtype in (torch.int64, torch.int32, torch.float32, torch.bool, torch.bfloat16):
-            got = to_device(values, dtype, "cpu")
-            want = torch.tensor(list(values), dtype=dtype)
-            assert got.dtype == dtype and torch.equal(got, want), (values, dtype)
-    arr = np.arange(3)
-    t = to_device(arr, torch.int64, "cpu")
-    arr[0] = 99
-    assert t.tolist() == [0, 1, 2]
-    with pytest.raises((OverflowError, RuntimeError)):
-        to_device([2**40], torch.int32, "cpu")
-
-
 def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     """What the drafter's two CUDA graphs replay per step: counted on the CPU as the ops of
     the graphed functions, each Triton-backed function one launch (as on a GPU). Every
