@@ -344,6 +344,8 @@ class SpecDecoder:
             :class:`DraftBatch` of device tensors (``PAD_ID`` padded).
         """
         sids = self._batch(session_ids)
+        if not sids:
+            raise ValueError("session_ids: propose() drafts for at least one session")
         self._check_idle(sids)
         with nvtx.annotate("agspec.propose"):
             draft = self.drafter.propose(sids)
@@ -352,14 +354,15 @@ class SpecDecoder:
 
     def root_ids(self, session_ids: Sequence[str]) -> torch.Tensor:
         """``int32 [B]`` each session's last token: row 0 of its verification."""
-        states = [self._session(s) for s in session_ids]
+        states = [self._session(s) for s in self._batch(session_ids)]
         return to_device([st.context[-1] for st in states], torch.int32, self._device)
 
     def tree_inputs(self, session_ids: Sequence[str], draft: DraftBatch) -> TreeInputs:
         """The verification forward's inputs for ``draft`` (:meth:`DraftBatch.tree_inputs`):
         ``[root, nodes]`` ids, positions from each session's cached length
         ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask."""
-        states = [self._session(s) for s in session_ids]
+        states = [self._session(s) for s in self._batch(session_ids)]
+        _check_draft(draft, len(states))
         dev = draft.token_ids.device
         return draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64, dev),
                                  to_device([len(st.context) - 1 for st in states],
@@ -395,9 +398,8 @@ class SpecDecoder:
         if self._proposed != sids:
             raise ValueError("session_ids: commit() must follow propose() of the same "
                              f"sessions in the same order (last propose: {self._proposed})")
+        _check_draft(draft, len(sids))
         B, N = draft.token_ids.shape
-        if B != len(sids):
-            raise ValueError(f"draft: batch {B} != {len(sids)} session_ids")
         lead = "total_q" if qo_indptr is not None else f"{B}, {1 + N}"
         if not isinstance(logits, torch.Tensor) or \
                 logits.dim() != (2 if qo_indptr is not None else 3) or \
@@ -696,6 +698,16 @@ def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:
     for st, toks in zip(states, new):
         st.context.extend(toks)
         st.message.extend(toks)
+
+
+def _check_draft(draft, num_sessions: int) -> None:
+    """``draft``: a :class:`DraftBatch` of one tree per session."""
+    if not isinstance(draft, DraftBatch):
+        raise ValueError(f"draft: expected the DraftBatch of propose(), got "
+                         f"{type(draft).__name__}")
+    if draft.token_ids.shape[0] != num_sessions:
+        raise ValueError(f"draft: batch {draft.token_ids.shape[0]} != {num_sessions} "
+                         f"session_ids")
 
 
 def _check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> None:

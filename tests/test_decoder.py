@@ -1105,6 +1105,17 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
         dec.commit(sids, DraftBatch(bad_tok, draft.parents, num), logits)
     with pytest.raises(KeyError):
         dec.root_ids([sids[0], "nope"])
+    with pytest.raises(ValueError, match="session_ids: expected a list"):  # not its letters
+        dec.root_ids(sids[0])
+    for bad_draft in (None, draft.token_ids):  # not a DraftBatch: named, no AttributeError
+        with pytest.raises(ValueError, match="draft: expected the DraftBatch"):
+            dec.commit(sids, bad_draft, logits)
+        with pytest.raises(ValueError, match="draft: expected the DraftBatch"):
+            dec.tree_inputs(sids, bad_draft)
+    with pytest.raises(ValueError, match="draft: batch 2 != 1"):
+        dec.tree_inputs(sids[:1], draft)
+    with pytest.raises(ValueError, match="session_ids: propose"):
+        dec.propose([])
     with pytest.raises(ValueError, match="sampling"):  # one SamplingParams per session
         dec.commit(sids, draft, logits, sampling=[SamplingParams()])
     assert dec.stats["steps"] == 0  # nothing was committed
