@@ -60,7 +60,6 @@ from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
 
-
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
     """Decoder settings: tiers, drafting, the largest batch ``generate`` serves, the runner.
@@ -107,6 +106,10 @@ class DecoderConfig:
     profiles: str | None = None
 
     def __post_init__(self) -> None:
+        for name, cls in (("tiers", TierConfig), ("drafter", DrafterConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name}: expected a {cls.__name__}, got "
+                                 f"{type(getattr(self, name)).__name__}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_sessions is not None and self.max_sessions < self.max_batch:
@@ -145,6 +148,10 @@ class SpecDecoder:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: DecoderConfig | None = None,
                  global_corpus: GlobalCorpus | str | Path | None = None) -> None:
+        if not isinstance(model, torch.nn.Module) or \
+                next(model.parameters(), None) is None:
+            raise ValueError(f"model: expected a causal LM (a torch.nn.Module with "
+                             f"parameters), got {type(model).__name__}")
         self.model = model
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         if isinstance(global_corpus, (str, Path)):

@@ -240,6 +240,10 @@ def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
     assert cache.num_free_pages == cache.num_pages
     with pytest.raises(ValueError, match="runner"):
         DecoderConfig(runner="vllm")
+    with pytest.raises(ValueError, match="drafter: expected a DrafterConfig"):
+        DecoderConfig(drafter=dict(max_nodes=8))
+    with pytest.raises(ValueError, match="model: expected a causal LM"):
+        SpecDecoder("meta-llama/Llama-3-8B", tok())  # a name, not a loaded model
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(ValueError, match="model: runner='paged'"):
