@@ -78,14 +78,26 @@ class DraftBatch:
                           None if src is None else torch.where(valid, src, -1).to(src.dtype))
 
     def checked_sizes(self, vocab_size: int) -> list[int]:
-        """``num_draft_tokens`` on the host, in one read that also checks every draft token
-        is in ``[0, vocab_size)`` (ValueError naming ``draft.token_ids`` if not)."""
-        valid = torch.arange(self.max_nodes, device=self.token_ids.device)[None, :] < \
-            self.num_draft_tokens[:, None]
-        bad = (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any()
-        *num, bad = torch.cat([self.num_draft_tokens.long(), bad.long()[None]]).tolist()
-        if bad:
+        """``num_draft_tokens`` on the host, in one read that also checks the trees: every
+        size in ``[0, N]``, every draft token in ``[0, vocab_size)`` and every parent an
+        earlier node or the root (``-1 <= parents[b, j] < j``); ValueError naming
+        ``draft.num_draft_tokens``, ``draft.token_ids`` or ``draft.parents`` if not."""
+        cols = torch.arange(self.max_nodes, device=self.token_ids.device)[None, :]
+        valid = cols < self.num_draft_tokens[:, None]
+        flags = torch.stack([
+            ((self.num_draft_tokens < 0) | (self.num_draft_tokens > self.max_nodes)).any(),
+            (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any(),
+            (valid & ((self.parents < -1) | (self.parents >= cols))).any()]).long()
+        *num, bad_num, bad_tok, bad_par = torch.cat(
+            [self.num_draft_tokens.long(), flags]).tolist()
+        if bad_num:
+            raise ValueError(f"draft.num_draft_tokens: sizes must be in [0, {self.max_nodes}]"
+                             f", got {num}")
+        if bad_tok:
             raise ValueError("draft.token_ids: a draft token is outside the model's vocabulary")
+        if bad_par:
+            raise ValueError("draft.parents: a node's parent must be an earlier node or -1 "
+                             "(the root): parents[b, j] in [-1, j)")
         return num
 
     def depths(self) -> torch.Tensor:

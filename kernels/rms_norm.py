@@ -90,6 +90,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     """
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, N], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
     M, N = x.shape
     if weight.shape != (N,):
         raise ValueError(f"weight: expected shape ({N},), got {tuple(weight.shape)}")

@@ -58,6 +58,8 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: expected [M, 2 * I], got shape {tuple(gate_up.shape)}")
+    if not gate_up.is_floating_point():
+        raise ValueError(f"gate_up: expected a floating dtype, got {gate_up.dtype}")
     if use_triton is None:
         use_triton = gate_up.device.type == "cuda"
     if not use_triton:

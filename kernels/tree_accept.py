@@ -179,6 +179,10 @@ def _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth: bool,
         raise ValueError(f"token_ids, parents: expected the same [B, N], got "
                          f"{tuple(token_ids.shape)}, {tuple(parents.shape)}")
     B, N = token_ids.shape
+    for nm, t in (("token_ids", token_ids), ("parents", parents),
+                  ("num_draft_tokens", num_draft_tokens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{nm}: expected int32 (or int64), got {t.dtype}")
     if num_draft_tokens.shape != (B,):
         raise ValueError(f"num_draft_tokens: expected shape ({B},), got "
                          f"{tuple(num_draft_tokens.shape)}")

@@ -1107,6 +1107,15 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
     bad_tok[0, 0], num = VOCAB + 5, draft.num_draft_tokens.clamp(min=1)
     with pytest.raises(ValueError, match="draft.token_ids"):
         dec.commit(sids, DraftBatch(bad_tok, draft.parents, num), logits)
+    for p in (0, N, -2):  # node 0's parent: itself, a later node, below the root
+        bad_par = draft.parents.clone()
+        bad_par[1, 0] = p
+        with pytest.raises(ValueError, match="draft.parents"):
+            dec.commit(sids, DraftBatch(draft.token_ids, bad_par, num), logits)
+    for n in (-1, N + 1):
+        with pytest.raises(ValueError, match="draft.num_draft_tokens"):
+            dec.commit(sids, DraftBatch(draft.token_ids, draft.parents,
+                                        torch.tensor([1, n], dtype=torch.int32)), logits)
     with pytest.raises(KeyError):
         dec.root_ids([sids[0], "nope"])
     with pytest.raises(ValueError, match="session_ids: expected a list"):  # not its letters

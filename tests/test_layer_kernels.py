@@ -105,6 +105,8 @@ def test_silu_mul_matches_torch(dtype, M, I, kind):
     assert torch.equal(silu_mul(gate_up.cpu()), silu_mul_torch(gate_up.cpu()))  # CPU: torch
     with pytest.raises(ValueError, match="gate_up"):
         silu_mul(torch.zeros(2, 3, device=DEV))
+    with pytest.raises(ValueError, match="gate_up: expected a floating dtype"):
+        silu_mul(torch.zeros(2, 4, dtype=torch.int64, device=DEV))
 
 
 def test_rms_norm_strided_rows_and_default_path():
@@ -122,6 +124,8 @@ def test_rms_norm_rejects_bad_inputs():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="x: expected"):
         rms_norm(torch.zeros(8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="x: expected a floating dtype"):
+        rms_norm(x.long(), torch.ones(8).long(), 1e-5)
     with pytest.raises(ValueError, match="weight: expected shape"):
         rms_norm(x, torch.ones(7), 1e-5)
     with pytest.raises(ValueError, match="weight: expected"):

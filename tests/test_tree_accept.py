@@ -138,6 +138,10 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="max_depth"):
         tree_accept(t, t, num, torch.zeros(2, 4, dtype=torch.int64), by_depth=False,
                     max_depth=-1)
+    for bad in ((t.float(), t, num), (t, t.float(), num), (t, t, num.float())):
+        with pytest.raises(ValueError, match="expected int32"):  # float ids: named
+            tree_accept(*bad, torch.zeros(2, 4, dtype=torch.int64), by_depth=False,
+                        max_depth=3)
 
 
 def test_rejects_bad_greedy_targets():
