@@ -28,10 +28,10 @@ MAX_SCORES = 16384  # the most scores one program sorts (padded to a power of tw
 def num_warps(block: int) -> int:
     """Warps of the one program that sorts ``block`` (a power of two) scores: no register
     spills up to 4,096 scores (64 requests x 64 nodes; ``ptxas -v`` for sm_90,
-    ``tests/test_batch_budget.py``); 8,192 and 16,384 (128 and 256 requests) spill 524
-    and 960 bytes per thread even at 16 warps: a larger batch needs a sort across
-    programs."""
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+    ``tests/test_batch_budget.py``). Past that the most threads a program has: 8,192
+    scores (128 requests) spill 40 bytes per thread at 32 warps (524 at 16), 16,384 (256
+    requests) 544 (960 at 16): a larger batch would need a sort across programs."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 32
 
 
 @triton.jit
