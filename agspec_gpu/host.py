@@ -86,8 +86,9 @@ class HostReader:
     and copies into it synchronously, the driver staging the bytes through its own pinned
     buffer. A serving step reads twice (the draft sizes, then the accepted tokens): the
     reader copies them, non-blocking, into a page-locked buffer sized when the loop is built
-    and waits on one event (no host allocation on the device side, one wait per read). On a
-    CPU the tensors are host memory already and are read in place.
+    and waits on one event: no host tensor allocated per read, one wait per read however
+    many tensors it takes. On a CPU the tensors are host memory already and are read in
+    place.
 
     Parameters
     ----------
@@ -107,10 +108,6 @@ class HostReader:
         self._buf = torch.empty(numel, dtype=dtype, pin_memory=cuda) if cuda else None
         self._np = self._buf.numpy() if cuda else None
         self._event = torch.cuda.Event() if cuda else None
-
-    @property
-    def numel(self) -> int:
-        return 0 if self._buf is None else self._buf.numel()
 
     def read(self, *tensors: torch.Tensor) -> list[list]:
         """Each of ``tensors`` (on :attr:`device`, or on the CPU: read in place) as nested
