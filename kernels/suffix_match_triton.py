@@ -276,6 +276,11 @@ def _suffix_match_kernel(
                         top = _merge_top(top, cand, P, BLOCK_P)
                 i0 += SCAN_BLOCKS * BLOCK_C
         k -= 1
+    k = k1 - k0  # the row's slots past its levels: (0, 0)
+    while k < max_levels:
+        tl.store(sa_lo_ptr + b * max_levels + k, k * 0)
+        tl.store(sa_hi_ptr + b * max_levels + k, k * 0)
+        k += 1
 
     tl.store(length_ptr + b, best.to(tl.int32))
     tl.store(count_ptr + b, count)
@@ -342,12 +347,13 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, queries on {dev}")
     P, K = max_positions, desc.max_levels
-    # every program writes its length, count and all P positions; unused level slots stay 0
+    # every program writes its length, count, all P positions and all K level slots (0
+    # past its levels): no fills before the launch
     length = torch.empty(B, dtype=torch.int32, device=dev)
     count = torch.empty(B, dtype=torch.int64, device=dev)
     positions = torch.empty((B, P), dtype=torch.int64, device=dev)
-    sa_lo = torch.zeros(B, K, dtype=torch.int64, device=dev)
-    sa_hi = torch.zeros(B, K, dtype=torch.int64, device=dev)
+    sa_lo = torch.empty(B, K, dtype=torch.int64, device=dev)
+    sa_hi = torch.empty(B, K, dtype=torch.int64, device=dev)
     if B == 0:
         return MatchResult(length, count, positions, sa_lo, sa_hi)
     # zero-size tensors (no levels, P = 0, L = 0) are never read or written by the kernel,
