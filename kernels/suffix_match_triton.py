@@ -34,7 +34,8 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    not below ``qvec[:best]``) and the upper bound (first entry with ``key[:best]`` above
    it, searched from the lower bound) -> ``sa_lo/sa_hi``, ``count`` (+ the tail's hits). At
    ``best = 0`` a level's range is empty at its base (``sa_lo = sa_hi = level base``); slots
-   past the row's levels stay ``(0, 0)``, as in the torch path.
+   past the row's levels are written ``(0, 0)``, as in the torch path (no fill before the
+   launch).
 4. Positions: the ``P`` largest continuation positions among the tail hits and the level
    ranges (the ``sa`` entries themselves, the first ``max_scan`` of each range: a round
    loads ``SCAN_BLOCKS`` blocks of ``BLOCK_C`` at once and merges them one by one), kept in
