@@ -1,0 +1,103 @@
+"""``bench/device_check.sh`` runs once per lent H200, in a budget of minutes: a benchmark
+flag renamed or a test id moved here would cost that run. Without a GPU these check what
+the script asks for: every benchmark command's arguments parse (its script stops right
+after parsing), every test file and test id it names exists, and its inline Python
+compiles and imports names that exist."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (ROOT / "bench" / "device_check.sh").read_text()
+
+# the script's shell variables, as its steps expand them (paths need not exist: parsing
+# does not open them)
+GLOBAL = "--global /tmp/global.agspec --half 1"
+EXPAND = [('"${GLOBAL[@]}"', "--global-corpus /tmp/global.agspec --half 1"),
+          ("${GLOBAL:+" + GLOBAL + "}", GLOBAL),
+          ('"$TRAJ_DIR"', "/tmp/traj"), ("$TRAJ", "/tmp/traj/a.jsonl.gz"),
+          ('"$OUT', '"/tmp/out'), ("$DATE", "20261202")]
+
+
+def _logical_lines() -> list[str]:
+    """The script's lines with backslash continuations joined."""
+    return SCRIPT.replace("\\\n", " ").splitlines()
+
+
+def _bench_commands() -> list[tuple[str, list[str]]]:
+    """``(script, argv)`` of every ``python3 bench/<name>.py ...`` the script runs."""
+    out = []
+    for line in _logical_lines():
+        m = re.search(r"python3 (bench/\w+\.py)(.*)$", line)
+        if m is None or line.lstrip().startswith("#"):
+            continue
+        args = m.group(2)
+        for var, value in EXPAND:
+            args = args.replace(var, value)
+        assert "$" not in args, f"unexpanded variable in: {line}"
+        out.append((m.group(1), shlex.split(args)))
+    return out
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script, argv", _bench_commands(),
+                         ids=lambda x: x if isinstance(x, str) else None)
+def test_benchmark_arguments_parse(script, argv, monkeypatch):
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise _Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    with pytest.raises(_Parsed):  # a bad flag is SystemExit(2) with argparse's message
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+
+
+def test_benchmark_commands_found():
+    names = {Path(s).stem for s, _ in _bench_commands()}
+    assert {"bench_e2e", "bench_drafter_step", "bench_decoder_step", "bench_layer_kernels",
+            "bench_verify_kernels", "bench_match"} <= names, names
+
+
+def test_named_tests_exist():
+    """Test files, ``file::test`` ids and ``--deselect`` ids of the script's pytest steps
+    (a parametrized id's test function must exist)."""
+    named = set(re.findall(r"tests/test_\w+\.py(?:::[\w\[\]\-.]+)?", SCRIPT))
+    assert len(named) > 20, named
+    for ref in sorted(named):
+        path, _, test = ref.partition("::")
+        assert (ROOT / path).is_file(), ref
+        if test:
+            func = test.split("[")[0]
+            tree = ast.parse((ROOT / path).read_text())
+            assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, ref
+
+
+def test_inline_python_compiles_and_its_imports_exist():
+    """The heredoc and ``-c`` programs: valid Python whose ``from agspec_gpu... import``
+    names exist (the GPU-only calls themselves run on the device)."""
+    programs = re.findall(r"<<'EOF'\n(.*?)\nEOF", SCRIPT, re.S)
+    programs += re.findall(r'python3 (?:-P )?-c "(.*?)"', SCRIPT, re.S)
+    assert len(programs) >= 3
+    for src in programs:
+        tree = ast.parse(src.replace("$OUT", "/tmp/out"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("agspec_gpu"):
+                mod = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(mod, alias.name), f"{node.module}.{alias.name}"
