@@ -3,7 +3,9 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
 
 * ``bench_verify_kernels``: a row per operation and batch size, acceptance on the flat and the
   padded layouts agreeing (the script asserts it);
-* ``bench_decoder_step``: speculative and plain steps for each batch size.
+* ``bench_decoder_step``: speculative and plain steps for each batch size;
+* ``bench_layer_kernels``, ``bench_match``: a row per kernel (torch only on a CPU), per size,
+  batch and method (the device script runs both on the H200).
 """
 
 import json
@@ -13,6 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
+import bench_layer_kernels  # noqa: E402
+import bench_match  # noqa: E402
 import bench_verify_kernels  # noqa: E402
 
 
@@ -44,3 +48,20 @@ def test_bench_decoder_step_smoke(tmp_path):
         # a plain step emits one token per request, a speculative one at least one
         assert r["tokens_per_request_step"] >= 1.0
         assert r["speculate"] or r["tokens_per_request_step"] == 1.0
+
+
+def test_bench_layer_kernels_and_match_smoke(tmp_path):
+    assert bench_layer_kernels.main([
+        "--device", "cpu", "--rows", "4", "--hidden", "256", "--heads", "4,2",
+        "--head-dim", "64", "--intermediate", "512", "--repeats", "2",
+        "--out", str(tmp_path / "lk")]) == 0
+    rows = json.loads((tmp_path / "lk.json").read_text())["results"]
+    assert {r["op"] for r in rows} == {"add_rms_norm", "rope_qk", "rope_append", "silu_mul"}
+    assert all(r["torch_us"] > 0 and r["triton_kernels"] < r["torch_kernels"] for r in rows)
+    assert bench_match.main([
+        "--device", "cpu", "--sizes", "32K", "--batch", "1,4", "--repeats", "2",
+        "--max-depth", "32", "--no-unfold", "--no-suffix-decoding",
+        "--out", str(tmp_path / "m")]) == 0
+    rows = json.loads((tmp_path / "m.json").read_text())["results"]
+    assert {(r["batch"], r["method"]) for r in rows} >= {(1, "agspec"), (4, "agspec")}
+    assert all(r["median_ms"] > 0 and r["size"] == 32768 for r in rows)
