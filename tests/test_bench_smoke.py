@@ -5,16 +5,20 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   padded layouts agreeing (the script asserts it);
 * ``bench_decoder_step``: speculative and plain steps for each batch size;
 * ``bench_layer_kernels``, ``bench_match``: a row per kernel (torch only on a CPU), per size,
-  batch and method (the device script runs both on the H200).
+  batch and method; ``bench_drafter_step``: a row per batch size (eager on a CPU). The
+  device script runs all of them on the H200.
 """
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
+import bench_drafter_step  # noqa: E402
 import bench_layer_kernels  # noqa: E402
 import bench_match  # noqa: E402
 import bench_verify_kernels  # noqa: E402
@@ -65,3 +69,18 @@ def test_bench_layer_kernels_and_match_smoke(tmp_path):
     rows = json.loads((tmp_path / "m.json").read_text())["results"]
     assert {(r["batch"], r["method"]) for r in rows} >= {(1, "agspec"), (4, "agspec")}
     assert all(r["median_ms"] > 0 and r["size"] == 32768 for r in rows)
+
+
+@pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
+def test_bench_drafter_step_smoke(tmp_path, monkeypatch):
+    out = tmp_path / "dstep"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_drafter_step.py", "--device", "cpu", "--sessions", "1",
+        "--max-target-tokens", "40", "--batch-sizes", "1", "2", "--warmup-steps", "2",
+        "--out", str(out)])
+    bench_drafter_step.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["variant"], r["batch_size"]) for r in rows] == [("eager", 1), ("eager", 2)]
+    for r in rows:
+        assert r["steps"] > 0 and r["propose_ms_median"] > 0 and r["commit_ms_median"] > 0
+        assert r["tau"] >= 1.0 and r["cpu_ops_per_step"] > 0
