@@ -68,6 +68,19 @@ def test_benchmark_arguments_parse(script, argv, monkeypatch):
         runpy.run_path(str(ROOT / script), run_name="__main__")
 
 
+def test_e2e_methods_exist(monkeypatch):
+    """The e2e steps' ``--methods`` (checked after parsing, when the run is minutes in)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_e2e
+
+    runs = [argv for script, argv in _bench_commands() if script.endswith("bench_e2e.py")]
+    assert len(runs) >= 2
+    for argv in runs:
+        args = bench_e2e.parse_args(argv)
+        assert set(args.methods.split(",")) <= set(bench_e2e.METHOD_NAMES), args.methods
+        assert all(int(b) >= 1 for b in args.batch_sizes.split(","))
+
+
 def test_benchmark_commands_found():
     names = {Path(s).stem for s, _ in _bench_commands()}
     assert {"bench_e2e", "bench_drafter_step", "bench_decoder_step", "bench_layer_kernels",
