@@ -418,7 +418,7 @@ class SpecDecoder:
             raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
         if logits.device != draft.token_ids.device:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
-        num_draft = draft.checked_sizes(self.vocab_size)
+        num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
             _check_qo_indptr(qo_indptr, num_draft, logits)
         with nvtx.annotate("agspec.commit"):

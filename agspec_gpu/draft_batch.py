@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from agspec_gpu.host import HostReader
+
 PAD_ID = -1
 
 
@@ -77,19 +79,21 @@ class DraftBatch:
                           torch.where(valid, self.parents, PAD_ID), num,
                           None if src is None else torch.where(valid, src, -1).to(src.dtype))
 
-    def checked_sizes(self, vocab_size: int) -> list[int]:
-        """``num_draft_tokens`` on the host, in one read that also checks the trees: every
-        size in ``[0, N]``, every draft token in ``[0, vocab_size)`` and every parent an
-        earlier node or the root (``-1 <= parents[b, j] < j``); ValueError naming
-        ``draft.num_draft_tokens``, ``draft.token_ids`` or ``draft.parents`` if not."""
+    def checked_sizes(self, vocab_size: int, reader: HostReader | None = None) -> list[int]:
+        """``num_draft_tokens`` on the host, in one read (through ``reader`` when given) that
+        also checks the trees: every size in ``[0, N]``, every draft token in ``[0,
+        vocab_size)`` and every parent an earlier node or the root (``-1 <= parents[b, j] <
+        j``); ValueError naming ``draft.num_draft_tokens``, ``draft.token_ids`` or
+        ``draft.parents`` if not."""
         cols = torch.arange(self.max_nodes, device=self.token_ids.device)[None, :]
         valid = cols < self.num_draft_tokens[:, None]
         flags = torch.stack([
             ((self.num_draft_tokens < 0) | (self.num_draft_tokens > self.max_nodes)).any(),
             (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any(),
             (valid & ((self.parents < -1) | (self.parents >= cols))).any()]).long()
-        *num, bad_num, bad_tok, bad_par = torch.cat(
-            [self.num_draft_tokens.long(), flags]).tolist()
+        both = torch.cat([self.num_draft_tokens.long(), flags])
+        *num, bad_num, bad_tok, bad_par = both.tolist() if reader is None else \
+            reader.read(both)[0]
         if bad_num:
             raise ValueError(f"draft.num_draft_tokens: sizes must be in [0, {self.max_nodes}]"
                              f", got {num}")
