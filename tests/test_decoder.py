@@ -611,8 +611,9 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     uncounted here as the host-to-device copies; 30-36 in session 20, 31-37 in session
     19; 60-64 before the drafter's graph inputs were copied one launch per dtype, the
     verification step's inputs staged without re-padding every row, and the greedy walk
-    read the flat logits rows' argmax and wrote the bonus tokens itself). Before the two-kernel planning (the sink included), the greedy
-    acceptance in one launch, host-counted stats, no vocabulary check of the decoder's own
+    read the flat logits rows' argmax and wrote the bonus tokens itself). Before the
+    two-kernel planning (the sink included), the greedy acceptance in one launch,
+    host-counted stats, no vocabulary check of the decoder's own
     drafts and no clones of them: 143-147 (counted the same way, the planner's fills as the
     launches they were)."""
     import agspec_gpu.accept as accept_mod
