@@ -90,8 +90,9 @@ class DraftBatch:
         flags = torch.stack([
             ((self.num_draft_tokens < 0) | (self.num_draft_tokens > self.max_nodes)).any(),
             (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any(),
-            (valid & ((self.parents < -1) | (self.parents >= cols))).any()]).long()
-        both = torch.cat([self.num_draft_tokens.long(), flags])
+            (valid & ((self.parents < -1) | (self.parents >= cols))).any()]).int()
+        # int32, the sizes' contract dtype and the reader's: no conversion on the way
+        both = torch.cat([self.num_draft_tokens.to(torch.int32), flags])
         *num, bad_num, bad_tok, bad_par = both.tolist() if reader is None else \
             reader.read(both)[0]
         if bad_num:
