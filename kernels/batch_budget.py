@@ -34,7 +34,8 @@ def num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 32
 
 
-@triton.jit
+# the batch size and request count are not specialized (one compile per block shape)
+@triton.jit(do_not_specialize=["nreq_val", "B"])
 def _budget_keep_kernel(
     ranked_ptr,  # *float32 [B, N]  each request's node scores, best first; < -1.5: no node
     keep_ptr,  # *int64 [B]  nodes each request may keep (before the budget)

@@ -18,7 +18,8 @@ import triton.language as tl
 from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 
-@triton.jit
+# N: the draft width, not specialized (one compile per BLOCK_N)
+@triton.jit(do_not_specialize=["N"])
 def _controller_commit_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     nd_ptr,  # *int64 [B, N]  depth - 1 of each drafted node

@@ -18,7 +18,8 @@ from agspec_gpu.kernels._checks import check_devices, check_tensors
 BLOCK = 128
 
 
-@triton.jit
+# B: the batch size, not specialized (one compile for every batch)
+@triton.jit(do_not_specialize=["B"])
 def _depth_caps_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     best_ptr,  # *int32 [B]  match length

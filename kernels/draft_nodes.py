@@ -33,7 +33,8 @@ _PAD = tl.constexpr(PAD_ID)  # what a kernel may read of it
 _TIE_BITS = 20  # the tie-break (depth * C + candidate) fits below the key's bits
 
 
-@triton.jit
+# C (candidates) and N (kept nodes) follow the batch's corpora: not specialized
+@triton.jit(do_not_specialize=["C", "N"])
 def _best_first_kernel(
     key_ptr,  # *float32 [B, CK]  node keys, -2: no node
     order_ptr,  # *int64 [B, N]  out: flat indices c * K + d, best first
@@ -66,7 +67,7 @@ def _best_first_kernel(
     tl.store(keep_ptr + b, tl.minimum(tl.sum(node.to(tl.int64), axis=0), MAX_NODES))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "N"])  # as _best_first_kernel's
 def _emit_nodes_kernel(
     order_ptr,  # *int64 [B, N]  flat indices c * K + d, best first
     num_ptr,  # *int64 [B]  nodes kept

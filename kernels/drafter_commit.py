@@ -35,7 +35,8 @@ import triton.language as tl
 from agspec_gpu.kernels._checks import check_tensors
 
 
-@triton.jit
+# the output and draft widths follow the batch: not specialized
+@triton.jit(do_not_specialize=["M", "N"])
 def _drafter_commit_kernel(
     slot_ptr,  # *int64 [B]  state slot of each request
     out_ptr,  # *int32 [B, M]  accepted tokens then the bonus

@@ -29,7 +29,9 @@ from agspec_gpu.kernels._checks import check_array
 MAX_BLOCK_COLS = 1024
 
 
-@triton.jit
+# the batch's page count and accepted width change every step: not specialized (the
+# strides and the row width, the cache's layout, are)
+@triton.jit(do_not_specialize=["num_indices", "A"])
 def _kv_compact_kernel(
     kv_ptr,  # *T [L, num_pages, 2, page_size, ROW]  paged cache of every layer (NHD)
     kv_indptr_ptr,  # *int32 [>= B + 1]  request b's pages: kv_indices[kv_indptr[b]:[b + 1]]

@@ -34,7 +34,8 @@ import triton.language as tl
 from agspec_gpu.kernels._checks import check_tensors
 
 
-@triton.jit
+# C (candidates) follows the batch's corpora: not specialized
+@triton.jit(do_not_specialize=["C"])
 def _node_probs_kernel(
     w_ptr,  # *int32 [B, C, K]  candidate windows, -1: no token
     s_ptr,  # *int32 [B, C, K]  source tags (only depth 0 is read), -1: none

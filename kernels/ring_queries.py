@@ -17,7 +17,8 @@ import triton.language as tl
 from agspec_gpu.kernels._checks import check_devices, check_tensors
 
 
-@triton.jit
+# R follows the batch's corpora: not specialized, one compile for every batch
+@triton.jit(do_not_specialize=["R"])
 def _ring_queries_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     tier_ptr,  # *int64 [B, R]  each row's tier, -1: no corpus

@@ -161,7 +161,9 @@ def _merge_top(top, cand, P: tl.constexpr, BLOCK_P: tl.constexpr):
     return tl.where(r < P, new, -1)
 
 
-@triton.jit
+# the rows' level count and the scan bound follow the corpora: not specialized, one
+# compile per block config
+@triton.jit(do_not_specialize=["max_levels", "max_scan"])
 def _suffix_match_kernel(
     tokens_ptr,      # *int32 [T]     arena tokens
     sa_ptr,          # *int32 [S]     arena levels: continuation positions sorted by key

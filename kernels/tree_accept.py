@@ -40,7 +40,9 @@ def num_warps(N: int, by_depth: bool) -> int:
     return 8 if by_depth and triton.next_power_of_2(max(N, 1)) >= 128 else 4
 
 
-@triton.jit
+# the draft width, logit rows and depth bound change every step: not specialized, one
+# compile per mode and BLOCK_N
+@triton.jit(do_not_specialize=["N", "E", "D"])
 def _tree_accept_kernel(
     tok_ptr,  # *int32 [B, N]  draft tokens, topological order (parents[b, j] < j)
     par_ptr,  # *int32 [B, N]  parents, -1: a child of the root

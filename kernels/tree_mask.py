@@ -99,7 +99,9 @@ def _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size, BLOCK_B: 
             tl.sum(qo, axis=0), tl.sum(pages, axis=0), tl.sum(nbytes, axis=0))
 
 
-@triton.jit
+# every int below but page_size follows the step (batch, widths, totals): not specialized,
+# so a plan compiles once per block config however the sizes fall
+@triton.jit(do_not_specialize=["B", "N", "max_pages", "R", "W", "Q", "P", "sink_page"])
 def _tree_rows_kernel(
     token_ids_ptr,  # *int32 [B, N]  draft tokens
     parents_ptr,  # *int32 [B, N]  parent node, -1 for root children
@@ -237,7 +239,7 @@ def _tree_rows_kernel(
         t += B * BLOCK_P
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "R", "W", "M"])  # as _tree_rows_kernel's
 def _tree_mask_kernel(
     prefix_lens_ptr,  # *int32 [B]
     qo_indptr_ptr,  # *int32 [B + 1]  from _tree_rows_kernel

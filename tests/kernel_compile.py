@@ -7,22 +7,30 @@ returns an ``InterpretedFunction``, which ``triton.compile`` cannot take (triton
 the module is imported. So the kernels' modules are re-imported in one child process without
 the variable and compiled there; where a kernel is already a real ``JITFunction`` (a GPU
 machine) it is compiled in process.
+
+And how many compiles a kernel's launches would need on a GPU (:func:`num_compiles`): the
+per-step kernels must not compile again when only the batch's sizes change.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import triton
 
 _CHILD = """
 import importlib, json, sys
 import triton
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from triton.backends.compiler import GPUTarget
 sys.path.insert(0, sys.argv[2])
 from kernel_compile import ptxas_usage
@@ -107,3 +115,85 @@ def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, ob
     """
     return compile_all_for_sm90([(kernel, signature, constexprs, options or {})],
                                 max_spill_bytes=max_spill_bytes)[0]
+
+
+# ------------------------------------------------------------------ compiles per launch shape
+# Triton compiles a kernel once per *specialization* of its arguments: besides the
+# constexprs, every int argument not marked ``do_not_specialize`` is classed as 1 (then folded
+# in as a constant), divisible by 16, or neither, and each class is a compile of its own. An
+# int that follows the batch (its size, its widths, its row counts) would compile the kernel
+# again in the middle of a serving run whenever the batch crosses a class, each a second or
+# so of JIT in a step on a GPU. The checks below run a kernel's launches (interpreted on a
+# CPU) and say which specializations they would compile.
+
+def _int_params(kernel) -> tuple[list[str], set[str], set[str]]:
+    """``(argument names, constexpr names, do_not_specialize names)`` of a ``JITFunction``
+    or (under ``TRITON_INTERPRET=1``) an ``InterpretedFunction``."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    names = [p.name for p in params]
+    constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
+    if isinstance(kernel, triton.runtime.jit.JITFunction):
+        dns = {p.name for p in kernel.params if p.do_not_specialize}
+    else:
+        dns = {names[d] if isinstance(d, int) else d
+               for d in kernel.kwargs.get("do_not_specialize") or ()}
+    return names, constexprs, dns
+
+
+def specialization(kernel, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """``(constexprs and launch options, int arguments' classes)`` of one launch of
+    ``kernel``: two launches with equal results share one compiled kernel (pointer
+    alignment aside: the checks launch on fresh, aligned tensors)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    names, constexprs, dns = _int_params(kernel)
+    bound = dict(zip(names, args)) | kwargs
+    consts = tuple(sorted((n, v) for n, v in bound.items()
+                          if n in constexprs or n not in names))  # num_warps, ...
+    ints = tuple((n, native_specialize_impl(BaseBackend, v, False, n not in dns, True))
+                 for n, v in bound.items()
+                 if n in names and n not in constexprs and isinstance(v, int)
+                 and not isinstance(v, bool))
+    return consts, ints
+
+
+@contextmanager
+def recorded_specializations(*kernels) -> Iterator[dict[str, list[tuple[tuple, tuple]]]]:
+    """While open, the :func:`specialization` of every launch of ``kernels``, by kernel
+    name (recorded by pre-run hooks, Triton's own, removed on exit)."""
+    seen: dict[str, list] = {k.fn.__name__: [] for k in kernels}
+    hooks = []
+    for kernel in kernels:
+        def hook(*args, _kernel=kernel, **kwargs):
+            seen[_kernel.fn.__name__].append(specialization(_kernel, args, kwargs))
+
+        kernel.add_pre_run_hook(hook)
+        hooks.append((kernel, hook))
+    try:
+        yield seen
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+
+
+def num_compiles(kernel, specs: Sequence[tuple[tuple, tuple]]) -> int:
+    """How many compiles of ``kernel`` the launches ``specs`` need (one per constexpr
+    config, asserted: no int argument that follows the batch is specialized)."""
+    assert specs, f"{kernel.fn.__name__} was not launched"
+    by_consts: dict[tuple, set[tuple]] = {}
+    for consts, ints in specs:
+        by_consts.setdefault(consts, set()).add(ints)
+    split = {c: s for c, s in by_consts.items() if len(s) > 1}
+    assert not split, (f"{kernel.fn.__name__}: one config compiled per int class "
+                       f"(mark the ints do_not_specialize): {split}")
+    return len(by_consts)
+
+
+def assert_one_compile_per_config(kernel, launches: Sequence[Callable[[], object]]) -> int:
+    """Runs each of ``launches`` (the same kernel over batches of other sizes) and returns
+    :func:`num_compiles` of their launches."""
+    with recorded_specializations(kernel) as seen:
+        for launch in launches:
+            launch()
+    return num_compiles(kernel, seen[kernel.fn.__name__])

@@ -10,7 +10,7 @@ from agspec_gpu.controller import cost_table
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.kernels.batch_budget import (_budget_keep_kernel, budget_keep,
                                              budget_keep_torch, num_warps)
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 LINEAR = CostModel(((1, 1.0), (2, 1.5), (1000, 500.0)))  # cost(m) = 0.5 + 0.5 m
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,6 +111,20 @@ def test_rejects_bad_inputs():
                       ("num_requests", torch.tensor(1, dtype=torch.int32))):
         with pytest.raises(ValueError, match=name):
             budget_keep(**{**good, name: bad}, use_triton=True)
+
+
+def test_one_compile_per_batch_block():
+    """The batch size and the request count are not specialized: batches within one
+    power-of-two block share a compile."""
+    table = cost_table(LINEAR, DEV, 64 * 9)
+
+    def launch(B, n):
+        ranked = rows([[0.5, 0.25]] * B, 8).to(DEV)
+        keep = torch.full((B,), 2, dtype=torch.int64, device=DEV)
+        return lambda: budget_keep(ranked, keep, n, table, use_triton=True)
+
+    assert assert_one_compile_per_config(
+        _budget_keep_kernel, [launch(B, n) for B, n in ((9, 1), (16, 16), (13, 9))]) == 1
 
 
 def test_kernel_compiles_for_sm90():

@@ -9,7 +9,7 @@ import torch
 from agspec_gpu.kernels.candidate_rows import (PAD_ID, _candidate_rows_kernel, candidate_rows,
                                                candidate_rows_torch)
 from agspec_gpu.tokenizer import load_tokenizer
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 BONUS = torch.tensor([2, 2, 1, 0], dtype=torch.int32)
 HITS = torch.tensor([3.0, 1.0, 0.5, 2.0], dtype=torch.float64)
@@ -123,6 +123,21 @@ def test_rejects_bad_inputs():
                       ("num_slots", 0), ("min_match", 0), ("slack", -1), ("num_slots", 1.5)):
         with pytest.raises(ValueError, match=name):
             candidate_rows(**{**good, name: bad}, use_triton=True)
+
+
+def test_one_compile_per_corpus_count_block():
+    """Batch size and corpus count are not specialized past their power-of-two blocks."""
+    def launch(B, R, P=8, K=4):
+        return lambda: candidate_rows(
+            torch.zeros(B, R, dtype=torch.int64, device=DEV),
+            torch.ones(B, R, dtype=torch.int32, device=DEV),
+            torch.zeros(B, R, P, K, dtype=torch.int32, device=DEV),
+            torch.zeros(B, R, P, K, dtype=torch.int8, device=DEV), BONUS.to(DEV),
+            HITS.to(DEV), DRAFTS.to(DEV), num_slots=2, min_match=1, slack=0, use_triton=True)
+
+    assert assert_one_compile_per_config(
+        _candidate_rows_kernel,
+        [launch(B, R) for B, R in ((1, 3), (2, 4), (16, 3), (64, 4), (5, 4))]) == 1
 
 
 def test_kernel_compiles_for_sm90():

@@ -9,7 +9,7 @@ import torch
 from agspec_gpu.controller import ControllerConfig, update_scale
 from agspec_gpu.kernels.controller_commit import (_controller_commit_kernel, controller_commit,
                                                   controller_commit_torch)
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 CFG = ControllerConfig()
 KW = dict(alpha=CFG.alpha, beta=CFG.beta, s_min=CFG.s_min, s_max=CFG.s_max)
@@ -96,6 +96,23 @@ def test_rejects_bad_inputs():
                       ("prev_full", torch.zeros(3, dtype=torch.int32))):
         with pytest.raises(ValueError, match=name):
             controller_commit(**{**good, name: bad}, **KW, use_triton=True)
+
+
+def test_one_compile_per_draft_width_block():
+    """Batch size and draft width are not specialized: one compile per power-of-two block
+    of the width."""
+    def launch(B, N):
+        S = B + 1
+        return lambda: controller_commit(
+            torch.arange(B, device=DEV), torch.zeros(B, N, dtype=torch.int64, device=DEV),
+            torch.ones(B, dtype=torch.int32, device=DEV),
+            torch.ones(B, dtype=torch.int32, device=DEV), torch.ones(S, device=DEV),
+            torch.ones(S, dtype=torch.int32, device=DEV),
+            torch.zeros(S, dtype=torch.int64, device=DEV), **KW, use_triton=True)
+
+    assert assert_one_compile_per_config(
+        _controller_commit_kernel,
+        [launch(B, N) for B, N in ((1, 1), (2, 1), (1, 17), (16, 32), (64, 20))]) == 2
 
 
 def test_kernel_compiles_for_sm90():

@@ -8,7 +8,7 @@ import torch
 
 from agspec_gpu.controller import ControllerConfig, draft_depth
 from agspec_gpu.kernels.depth_caps import _depth_caps_kernel, depth_caps
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -61,6 +61,21 @@ def test_rejects_bad_inputs():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="static_k"):
             depth_caps(**good, static_k=bad, use_triton=True)
+
+
+def test_one_compile_for_every_batch():
+    """The batch size is not specialized (a graph bucket, or any size eagerly): one compile
+    per static mode."""
+    def launch(B):
+        S = B + 1
+        return lambda: depth_caps(
+            torch.zeros(B, dtype=torch.int64, device=DEV), torch.ones(B, dtype=torch.int32,
+                                                                      device=DEV),
+            torch.ones(S, device=DEV), torch.ones(S, dtype=torch.int32, device=DEV),
+            torch.zeros(S, dtype=torch.int64, device=DEV), use_triton=True)
+
+    assert assert_one_compile_per_config(_depth_caps_kernel,
+                                         [launch(B) for B in (1, 2, 16, 64, 65)]) == 1
 
 
 def test_kernel_compiles_for_sm90():

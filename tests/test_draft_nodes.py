@@ -19,7 +19,7 @@ from agspec_gpu.kernels.draft_nodes import (_best_first_kernel, _emit_nodes_kern
 from agspec_gpu.kernels.node_probs import node_probs_torch
 from agspec_gpu.tiers import CorpusStore, TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import compile_all_for_sm90, num_compiles, recorded_specializations
 from test_node_probs import L, T, random_case
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +135,55 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
                      "last_accepted_sources"):
             assert torch.equal(getattr(ds[0], name), getattr(ds[1], name)), (step, name)
     assert drafted > 0 and ds[0].calib_seen.ne(2.0).any()
+
+
+def test_drafter_steps_compile_each_kernel_once_per_block_shape(monkeypatch):
+    """On a GPU a Triton kernel compiles once per specialization of its arguments, and an
+    int argument is specialized by value class (1, a multiple of 16, other) unless marked
+    ``do_not_specialize``. A drafter's steps at batch sizes 1 to 8, eager and padded to the
+    graph buckets, with sessions of one to three corpora, launch each of its kernels (the
+    match among them) with one specialization per constexpr config: the batch size, its
+    corpus count and its draft widths never are, so a serving run whose batch changes
+    compiles nothing once its block shapes have run (each compile is a second or so of a
+    step)."""
+    from agspec_gpu.kernels import (batch_budget, candidate_rows, controller_commit,
+                                    depth_caps, drafter_commit, match_windows, node_probs,
+                                    ring_queries, suffix_match_triton)
+
+    tok = load_tokenizer("cl100k")
+    text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
+                      "    print(f(i))\n" * 5)
+    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=64), device=DEV)
+    store.add_workspace_file("w", "w.py", "def f(x):\n    return x + 2\n" * 4)
+    d = Drafter(store, DrafterConfig(cuda_graphs=False), max_batch=8)
+    for i in range(8):
+        d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 9 * i])
+    for n in ("ring_queries", "suffix_match", "match_windows", "candidate_rows",
+              "depth_caps", "node_probs", "best_first", "budget_keep", "emit_nodes",
+              "controller_commit", "drafter_commit"):
+        monkeypatch.setattr(drafter_mod, n, functools.partial(getattr(drafter_mod, n),
+                                                              use_triton=True))
+    kernels = (ring_queries._ring_queries_kernel, suffix_match_triton._suffix_match_kernel,
+               match_windows._match_windows_kernel, candidate_rows._candidate_rows_kernel,
+               depth_caps._depth_caps_kernel, node_probs._node_probs_kernel,
+               _best_first_kernel, batch_budget._budget_keep_kernel, _emit_nodes_kernel,
+               controller_commit._controller_commit_kernel,
+               drafter_commit._drafter_commit_kernel)
+    batches = [1, 2, 5, 8, 3, 1, 7, 4]
+    with recorded_specializations(*kernels) as seen:
+        for step, b in enumerate(batches):
+            if step == len(batches) // 2:  # the rest padded to the graphs' buckets
+                d._graphs = d._step_graphs(use_graphs=False)
+            sids = [f"s{i}" for i in range(b)]
+            draft = d.propose(sids)
+            truth = draft.token_ids[:, :2].clamp(min=0)
+            res = teacher_forced_accept(draft, truth)
+            n = res.num_accepted.to(torch.int32)
+            d.observe(sids, torch.cat([truth, truth[:, :1]], 1).to(torch.int32), n + 1, n,
+                      path_nodes=res.path_nodes if step % 2 else None)
+    counts = {k.fn.__name__: num_compiles(k, seen[k.fn.__name__]) for k in kernels}
+    # the block shapes: a handful per kernel at most (powers of two of the widths)
+    assert all(1 <= c <= 4 for c in counts.values()), counts
 
 
 def test_kernels_compile_for_sm90():

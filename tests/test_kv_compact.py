@@ -8,7 +8,7 @@ from agspec_gpu.kernels.kv_compact import _kv_compact_kernel, kv_compact
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kv_cache import KVCacheFull, PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
-from kernel_compile import compile_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_for_sm90
 from tree_reference import DEVICE
 
 
@@ -94,6 +94,22 @@ def test_rejects_bad_inputs():
         kv_compact(data, indptr, page_table, prefix, acc)
     with pytest.raises(ValueError, match="prefix_lens"):
         kv_compact(data, indptr, indices, prefix.repeat(2), acc)
+
+
+def test_commits_of_any_batch_share_the_compiled_kernel():
+    """The batch's page count and accepted width change every step and are not
+    specialized: one compile per cache layout."""
+    data, pages = make_cache(0, 16, 4, 32)  # one cache, 16 x 8 pages
+    data = data.to(DEVICE)
+
+    def launch(B, A, width):
+        acc = torch.full((B, A), -1, dtype=torch.int32)
+        acc[:, 0] = 0
+        args = (*ragged(pages[:B, :width]), torch.zeros(B, dtype=torch.int32), acc)
+        return lambda: kv_compact(data, *(t.to(DEVICE) for t in args), use_triton=True)
+
+    assert assert_one_compile_per_config(_kv_compact_kernel, [
+        launch(B, A, w) for B, A, w in ((1, 1, 1), (2, 3, 5), (16, 16, 1), (4, 5, 8))]) == 1
 
 
 def test_kernel_compiles_for_sm90():

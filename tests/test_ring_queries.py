@@ -8,7 +8,7 @@ import torch
 
 from agspec_gpu.kernels.ring_queries import _ring_queries_kernel, ring_queries
 from agspec_gpu.tokenizer import load_tokenizer
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -62,6 +62,18 @@ def test_rejects_bad_inputs():
                       ("match_cap", torch.zeros(3, dtype=torch.int64)), ("tier", torch.zeros(2))):
         with pytest.raises(ValueError, match=name):
             ring_queries(**{**good, name: bad}, use_triton=True)
+
+
+def test_one_compile_for_every_batch_and_corpus_count():
+    """A request's corpus count (1 to 5 rows) is not specialized: the match's queries of
+    any batch reuse one compiled kernel."""
+    def launch(B, R):
+        z = lambda *shape, dt=torch.int32: torch.zeros(*shape, dtype=dt, device=DEV)  # noqa
+        return lambda: ring_queries(z(B, dt=torch.int64), z(B, R, dt=torch.int64),
+                                    z(B + 1, 32), z(B + 1), z(B + 1), use_triton=True)
+
+    assert assert_one_compile_per_config(
+        _ring_queries_kernel, [launch(B, R) for B, R in ((1, 1), (2, 3), (16, 4), (64, 5))]) == 1
 
 
 def test_kernel_compiles_for_sm90():

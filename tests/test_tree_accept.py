@@ -9,7 +9,8 @@ import torch
 
 from agspec_gpu.kernels.tree_accept import (_tree_accept_kernel, greedy_tree_accept, num_warps,
                                              tree_accept, tree_accept_torch)
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import (compile_all_for_sm90, num_compiles,
+                            recorded_specializations)
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NO = -2
@@ -170,6 +171,28 @@ def test_flat_rows_outside_the_batch_read_no_memory():
     n, p, out, nout, bonus = greedy_tree_accept(tok, par, num, rows, max_depth=2,
                                                 row_start=start, use_triton=True)
     assert n.tolist() == [2, 0] and out[0].tolist() == [5, 6, 9]
+
+
+def test_steps_of_any_batch_share_the_compiled_kernel():
+    """Batch size, draft width, logit rows and depth bound change every step and are not
+    specialized: acceptance compiles once per mode and power-of-two block of the width."""
+    rng = np.random.default_rng(5)
+    with recorded_specializations(_tree_accept_kernel) as seen:
+        for B, N, D in ((1, 5, 3), (2, 6, 16), (16, 7, 1), (3, 8, 8), (64, 15, 17),
+                        (5, 16, 16), (1, 1, 1), (4, 1, 2)):
+            tok, par, num, exp = (torch.from_numpy(x).to(DEV)
+                                  for x in random_case(rng, B, N, 7, False, 0))
+            greedy_tree_accept(tok, par, num, exp, max_depth=D, use_triton=True)
+            start = torch.cumsum(num + 1, 0).to(torch.int32) - num - 1  # flat rows
+            rows = torch.zeros(int((num + 1).sum()) + (B % 3), dtype=torch.int64, device=DEV)
+            greedy_tree_accept(tok, par, num, rows, max_depth=D, row_start=start,
+                               use_triton=True)
+            for by_depth in (False, True):
+                tok, par, num, exp = (torch.from_numpy(x).to(DEV)
+                                      for x in random_case(rng, B, N, 7, by_depth, D + 1))
+                tree_accept(tok, par, num, exp, by_depth=by_depth, max_depth=D,
+                            use_triton=True)
+    assert num_compiles(_tree_accept_kernel, seen["_tree_accept_kernel"]) <= 4 * 5
 
 
 def test_kernel_compiles_for_sm90():

@@ -9,7 +9,8 @@ import torch
 from agspec_gpu import DraftBatch
 from agspec_gpu.kernels.tree_mask import _tree_mask_kernel, _tree_rows_kernel
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree, unpack_mask
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import (compile_all_for_sm90, num_compiles,
+                            recorded_specializations)
 from tree_reference import DEVICE, dense_mask, make_case, on_device, reference_plan
 
 FIELDS = ("input_ids", "position_ids", "kv_slots", "qo_indptr", "kv_indptr", "kv_indices",
@@ -241,6 +242,29 @@ def test_rejects_bad_inputs():
     for bad in (([1, 2], [0]), ([-1], [0]), ([1], [-3])):
         with pytest.raises(ValueError, match="num_draft, prefix_lens"):
             host_sizes(*bad, 4)
+
+
+def test_plans_of_any_batch_share_the_compiled_kernels():
+    """Batch size, draft width, prefix lengths, row and page totals change every step and
+    are not specialized: plans compile once per block config (powers of two of the batch,
+    its width, rows and pages), however their sizes fall between the blocks' bounds."""
+    kernels = (_tree_rows_kernel, _tree_mask_kernel)
+    with recorded_specializations(*kernels) as seen:
+        for seed, (sizes, prefix) in enumerate([
+                ([3], [17]), ([4], [32]), ([15], [0]), ([14], [0]), ([16], [32]), ([1], [0]),
+                ([5, 0, 2], [40, 1, 16]), ([6, 4, 1, 0], [47, 1, 15, 32]),
+                ([4, 4, 4, 16], [64, 15, 3, 200]), ([9] * 9, list(range(0, 90, 10))),
+                ([2] * 16, [16 * i for i in range(16)]), ([16, 1], [100, 255])]):
+            _, _, draft, roots, prefix_lens, _, page_table = make_case(
+                seed, sizes, "random", prefix, 16)
+            B, pages, rows = len(sizes), page_table.shape[1], sum(sizes) + len(sizes) + 9
+            inputs = on_device(draft, roots, prefix_lens, page_table)
+            plan_tree(*inputs, 16, use_triton=True)
+            out = TreeMetadata.empty(B + 1, draft.max_nodes + 1, pages, 16, DEVICE,
+                                     max_total_q=rows, max_total_pages=B * pages + 1,
+                                     max_mask_bytes=rows * pages * 16 // 8 + B + 2)
+            plan_tree(*inputs, 16, out=out, sink_page=0, use_triton=True)  # a graph's plan
+    assert all(num_compiles(k, seen[k.fn.__name__]) >= 1 for k in kernels)
 
 
 def test_kernels_compile_for_sm90():
