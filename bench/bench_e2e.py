@@ -68,6 +68,7 @@ from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
+from triton_compiles import TritonCompiles
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "trajectories" / "dev"
@@ -503,12 +504,19 @@ def main(argv: list[str] | None = None) -> int:
             drafter_graphs[method] = [g.graph_error or "captured" for g in step_graphs]
         return res
 
-    # warm-up: Triton kernels compile, allocator pools fill (results discarded)
+    # warm-up: Triton kernels compile, allocator pools fill (results discarded). Plain
+    # decoding and agspec at every batch size of the sweep (their kernels' block shapes
+    # follow the batch: the verification steps, acceptance and the KV commit are every
+    # method's), the others at one small batch; what still compiles in a timed run is
+    # counted in its row (jit_compiles)
     t0 = time.perf_counter()
-    for m in dict.fromkeys(["none", "agspec"] + methods):
-        run(m, min(2, max_b), corpus.sessions[:2], steps=4)
-    print(f"[e2e] warm-up {time.perf_counter() - t0:.1f} s; agspec drafter graphs "
-          f"(propose, commit): {drafter_graphs.get('agspec', 'off')}", flush=True)
+    with TritonCompiles() as warm_jit:
+        for m in dict.fromkeys(["none", "agspec"] + methods):
+            for b in batch_sizes if m in ("none", "agspec") else [min(2, max_b)]:
+                run(m, b, corpus.sessions[:max(b, 2)], steps=4)
+    print(f"[e2e] warm-up {time.perf_counter() - t0:.1f} s ({warm_jit.count} Triton "
+          f"compiles, {warm_jit.seconds:.1f} s); agspec drafter graphs (propose, commit): "
+          f"{drafter_graphs.get('agspec', 'off')}", flush=True)
 
     results_by = {}
     trace_path = None
@@ -518,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         """Writes the JSON and CSV of the rows measured so far (after every run, so a
         run cut short by a time limit still leaves its finished rows)."""
         rows = []
-        for (m, b), (r, peak) in results_by.items():
+        for (m, b), (r, peak, jit) in results_by.items():
             base = results_by.get(("none", b), (None,))[0]
             steps = max(r.steps, 1)
             mean_batch = r.request_steps / steps
@@ -552,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": r.steps, "tokens": r.tokens, "messages": r.messages,
                 "sessions": r.sessions, "prefill_s": r.prefill_s,
                 "prefill_tokens": r.prefill_tokens,
+                # Triton compiles inside the timed run (0 once warm: else it timed some JIT)
+                "jit_compiles": jit.count, "jit_s": jit.seconds,
             })
         none_b1 = results_by.get(("none", 1))
         loop_bw = None
@@ -623,15 +633,19 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            r = run(m, b, sessions, hook=hook)
+            with TritonCompiles() as jit:
+                r = run(m, b, sessions, hook=hook)
             if prof is not None:
                 prof.close()
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            results_by[(m, b)] = (r, peak)
+            results_by[(m, b)] = (r, peak, jit)
             save()
             print(f"[e2e] {m:>16} B={b:<3} {r.tokens_per_s:9.1f} tok/s  tau {r.tau:5.2f}  "
                   f"{r.steps} steps, {r.tokens} tokens, {r.messages} messages "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                  f"({time.perf_counter() - t0:.1f} s)"
+                  + (f"; {jit.count} Triton compiles in the timed run ({jit.seconds:.2f} s: "
+                     f"{', '.join(dict.fromkeys(jit.kernels))})" if jit.count else ""),
+                  flush=True)
 
     report = save()
     print_table(report)

@@ -37,7 +37,7 @@ import bench_e2e  # noqa: E402  (bench/ is not a package)
 DEV = Path("/work/shared/data/trajectories/dev")
 ROW_FIELDS = ("method", "batch_size", "tokens_per_s", "speedup", "tau", "draft_ms_per_step",
               "verify_ms_per_step", "peak_mem_gb", "modelled_replay_speedup",
-              "modelled_verify_ms_per_step")
+              "modelled_verify_ms_per_step", "jit_compiles", "jit_s")
 
 
 def data_args() -> list[str]:
@@ -106,6 +106,7 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
         for f in ROW_FIELDS:
             assert f in row and row[f] is not None, (row["method"], f)
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
+        assert row["jit_compiles"] == 0  # the torch paths: nothing for Triton to compile
         if row["method"] == "none":
             assert row["speedup"] == pytest.approx(1.0) and row["tau"] == pytest.approx(1.0)
             assert row["modelled_replay_speedup"] == pytest.approx(1.0)
@@ -124,6 +125,34 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
     assert kernels["by_kind"]["matmul"]["ms"] > 0 and kernels["calls"] > 0
     assert kernels["busy_ms"] == pytest.approx(sum(k["ms"] for k in kernels["by_kind"].values()))
     assert kernels["top"] and kernels["top"][0]["ms"] >= kernels["top"][-1]["ms"]
+
+
+def test_triton_compiles_counts_and_chains_the_hooks():
+    """The counter of compiles in a timed run: counts each compile Triton reports through
+    its hooks, still calls hooks set before it (and passes on their answer: True skips a
+    compile), and restores them on exit."""
+    import triton
+    from types import SimpleNamespace
+
+    from triton_compiles import TritonCompiles
+
+    rt = triton.knobs.runtime
+    calls = []
+    rt.jit_cache_hook = lambda **kw: calls.append(("before", kw["fn"].name)) or False
+    rt.jit_post_compile_hook = lambda **kw: calls.append(("after", kw["fn"].name))
+    saved = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+    try:
+        with TritonCompiles() as jit:
+            for name in ("_a_kernel", "_b_kernel"):  # what JITFunction._do_compile calls
+                assert not rt.jit_cache_hook(fn=SimpleNamespace(name=name))
+                rt.jit_post_compile_hook(fn=SimpleNamespace(name=name))
+        assert (jit.count, jit.kernels) == (2, ["_a_kernel", "_b_kernel"])
+        assert jit.seconds >= 0.0
+        assert calls == [("before", "_a_kernel"), ("after", "_a_kernel"),
+                         ("before", "_b_kernel"), ("after", "_b_kernel")]
+        assert (rt.jit_cache_hook, rt.jit_post_compile_hook) == saved
+    finally:
+        rt.jit_cache_hook = rt.jit_post_compile_hook = None
 
 
 @pytest.mark.parametrize("batch_size", [3])

@@ -10,16 +10,21 @@
   reference's top-2 logits are closer than the measured kernel noise end the comparison, since
   there the greedy token itself is a bf16 coin flip);
 * ``SpecDecoder`` on both runners: the paged one through its verification graphs, the default
-  hf one (fp32) with per-session sampling and its kept KV on the device, freed at close.
+  hf one (fp32) with per-session sampling and its kept KV on the device, freed at close;
+* the e2e benchmark's count of Triton compiles in a timed run sees a first launch.
 
 Every model here has head_dim 128 and bf16, so FlashInfer JIT-compiles one module.
 """
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from agspec_gpu import DraftBatch
 from agspec_gpu.accept import greedy_accept
@@ -372,3 +377,27 @@ def test_greedy_tree_verification_is_lossless(graphed_verify):
     for b, (tokens, _, _) in enumerate(refs):
         k = compare[b]
         assert emitted[b][:k] == tokens[:k], f"sequence {b}: diverged within its first {k} tokens"
+
+
+@triton.jit
+def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):  # *fp32 [n], doubled in place
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, 2 * tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+
+def test_triton_compiles_sees_a_first_launch_only():
+    """The e2e benchmark's count of Triton compiles in a timed run sees a kernel's first
+    launch at a new block size (compiled, or loaded from Triton's disk cache) and nothing
+    on later launches of the same specialization."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from triton_compiles import TritonCompiles
+
+    x = torch.ones(5, device=DEV)
+    with TritonCompiles() as first:
+        _double_kernel[(1,)](x, 5, BLOCK=8)
+    with TritonCompiles() as again:
+        _double_kernel[(1,)](x, 5, BLOCK=8)
+        _double_kernel[(1,)](x, 5, BLOCK=8)
+    torch.cuda.synchronize()
+    assert first.count == 1 and first.kernels == ["_double_kernel"] and first.seconds > 0
+    assert again.count == 0 and x.tolist() == [8.0] * 5
