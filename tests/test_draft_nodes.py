@@ -19,7 +19,8 @@ from agspec_gpu.kernels.draft_nodes import (_best_first_kernel, _emit_nodes_kern
 from agspec_gpu.kernels.node_probs import node_probs_torch
 from agspec_gpu.tiers import CorpusStore, TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
-from kernel_compile import compile_all_for_sm90, num_compiles, recorded_specializations
+from kernel_compile import (assert_one_compile_per_config, compile_all_for_sm90, num_compiles,
+                            recorded_specializations)
 from test_node_probs import L, T, random_case
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +136,15 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
                      "last_accepted_sources"):
             assert torch.equal(getattr(ds[0], name), getattr(ds[1], name)), (step, name)
     assert drafted > 0 and ds[0].calib_seen.ne(2.0).any()
+
+
+def test_best_first_compiles_once_per_block_of_candidates():
+    """Three or four corpora of 8 candidates each (C = 24 or 32, K = 32) share one block of
+    1,024 scores: one compile, whichever C a batch has."""
+    g = torch.Generator().manual_seed(3)
+    launches = [lambda C=C: best_first(random_keys(g, 2, C * 32, "mixed").to(DEV), C, 32,
+                                       64, 64, use_triton=True) for C in (24, 32)]
+    assert assert_one_compile_per_config(_best_first_kernel, launches) == 1
 
 
 def test_drafter_steps_compile_each_kernel_once_per_block_shape(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 
 from agspec_gpu.kernels.drafter_commit import (_drafter_commit_kernel, drafter_commit,
                                                drafter_commit_torch)
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 T = 4
@@ -141,6 +141,15 @@ def test_bad_arguments_are_named():
         drafter_commit(**{**c, "path": c["path"][:, :2].contiguous()}, calib_depth=3)
     with pytest.raises(ValueError, match="recent_len"):
         drafter_commit(**{**c, "recent_len": c["recent_len"][:2]}, calib_depth=3)
+
+
+def test_one_compile_per_block_of_draft_width():
+    """The accepted outputs' width (1 to the draft's depth + 1) and the draft width within
+    its power-of-two block change every step: one compile."""
+    rng = random.Random(5)
+    launches = [lambda N=N, M=M: run_both(random_case(rng, 3, N, M, 8, 5, 5, 6), 6)
+                for N, M in ((9, 1), (16, 5), (13, 16), (16, 17))]
+    assert assert_one_compile_per_config(_drafter_commit_kernel, launches) == 1
 
 
 def test_kernel_compiles_for_sm90():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agspec_gpu.kernels.node_probs import _node_probs_kernel, node_probs, node_probs_torch
-from kernel_compile import compile_all_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 T, L = 4, 6  # tiers, longest match (calibration rows: 2 * T * (L + 1))
@@ -96,6 +96,15 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="calib_seen"):
         node_probs(**{**c, "calib_seen": c["calib_seen"][:3], "calib_hits": c["calib_hits"][:3]},
                    **kw)
+
+
+def test_one_compile_per_block_of_candidates():
+    """Three or four corpora of 8 candidates (C = 24 or 32) share one block of 32: one
+    compile, whichever C a batch has."""
+    rng = random.Random(4)
+    launches = [lambda C=C: both(random_case(rng, 2, C, 5, 3, True), min_prob=0.0,
+                                 calibrate=True) for C in (24, 32)]
+    assert assert_one_compile_per_config(_node_probs_kernel, launches) == 1
 
 
 def test_kernel_compiles_for_sm90():
