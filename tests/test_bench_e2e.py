@@ -137,6 +137,7 @@ def test_triton_compiles_counts_and_chains_the_hooks():
     from triton_compiles import TritonCompiles
 
     rt = triton.knobs.runtime
+    before_test = (rt.jit_cache_hook, rt.jit_post_compile_hook)
     calls = []
     rt.jit_cache_hook = lambda **kw: calls.append(("before", kw["fn"].name)) or False
     rt.jit_post_compile_hook = lambda **kw: calls.append(("after", kw["fn"].name))
@@ -152,7 +153,7 @@ def test_triton_compiles_counts_and_chains_the_hooks():
                          ("before", "_b_kernel"), ("after", "_b_kernel")]
         assert (rt.jit_cache_hook, rt.jit_post_compile_hook) == saved
     finally:
-        rt.jit_cache_hook = rt.jit_post_compile_hook = None
+        rt.jit_cache_hook, rt.jit_post_compile_hook = before_test
 
 
 @pytest.mark.parametrize("batch_size", [3])
