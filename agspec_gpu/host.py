@@ -3,8 +3,12 @@
 ``torch.tensor(values, device="cuda")`` copies with ``non_blocking=False``, which waits for
 every kernel queued on the stream before it returns: one such call in a step makes the host
 wait for the GPU, so the next launches cannot overlap the running ones. A non-blocking copy
-from pageable memory does not wait (the runtime stages the host buffer before it returns, so
-the buffer may be freed at once).
+from pageable memory (:func:`to_device`) does not wait for the stream in practice, but CUDA
+promises no more than "might be synchronous with respect to the host" for it (the driver
+stages pageable bytes through pinned memory of its own, and may wait for the stream to do
+so), and it allocates a host and a device tensor per call. :class:`HostWriter` is the step
+path's form: one page-locked staging buffer made once, one copy per write however many
+lists it carries, the device values views of a buffer made once too.
 """
 
 from __future__ import annotations
@@ -53,6 +57,115 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
     """``values`` (host numbers) as a 1-D ``dtype`` tensor on ``device``
     (:func:`host_tensor`); no stream sync."""
     return host_tensor(values, dtype).to(device, non_blocking=True)
+
+
+_ALIGN = 8  # bytes: every list of a write starts at a multiple (the widest dtype's size)
+
+
+class HostWriter:
+    """Host lists to the device through page-locked staging, on a ring made once.
+
+    :meth:`write` packs several lists (each its own dtype) into the pinned ring, copies them
+    to the device ring in one non-blocking copy and returns views of it; :meth:`copy_to`
+    stages a list and copies it into a device tensor of the caller's (a graph's input). No
+    tensor is allocated per call and nothing waits for the stream: the ring is two halves,
+    filled in turn, and before the host writes over a half it waits for the copies made
+    from it the last time round, which a half of writes ago (many steps, each with its host
+    reads) have long finished.
+
+    The returned views are for the kernels the caller launches next on the current stream
+    (every write of a writer goes on one stream): a later write reuses their bytes once
+    the ring comes round, ordered after those kernels by the stream. Never keep them:
+    values that outlive the call (a cached tensor, a user's result) take :func:`to_device`.
+    On a CPU the views are of the host ring itself (no copy), with the same lifetime, so the
+    CPU tests check the same contract.
+
+    Parameters
+    ----------
+    nbytes : the ring's size (two halves); a write larger than a half grows the ring to
+        four times the write (the larger size stays; views of the old ring stay valid)
+    device : where the values go
+    """
+
+    def __init__(self, nbytes: int, device: torch.device | str) -> None:
+        if nbytes < 2 * _ALIGN:
+            raise ValueError(f"nbytes must be >= {2 * _ALIGN}, got {nbytes}")
+        self.device = canonical_device(device)
+        self._cuda = self.device.type == "cuda"
+        # each half's last use: recorded when the writes leave it, waited for on return
+        self._left = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
+        self._alloc(nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.numel()
+
+    def _alloc(self, nbytes: int) -> None:
+        nbytes = -(-nbytes // (2 * _ALIGN)) * 2 * _ALIGN
+        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        self._np = self._host.numpy()
+        self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device) \
+            if self._cuda else self._host
+        self._half, self._at = 0, 0
+        self._recorded = [False, False]
+
+    def _place(self, nbytes: int) -> int:
+        """The ring offset of the next ``nbytes``: after the last write in this half, or at
+        the start of the other half (once its last copies finished), or of a larger ring."""
+        half = self.nbytes // 2
+        if self._at + nbytes <= (self._half + 1) * half:
+            at = self._at
+        elif nbytes > half:  # a new ring: the old one's bytes stay with their views
+            self._alloc(4 * nbytes)
+            at = 0
+        else:
+            if self._cuda:
+                self._left[self._half].record(torch.cuda.current_stream(self.device))
+                self._recorded[self._half] = True
+            self._half ^= 1
+            if self._cuda and self._recorded[self._half]:
+                self._left[self._half].synchronize()
+            at = self._half * half
+        self._at = at + nbytes
+        return at
+
+    def _stage(self, groups) -> tuple[int, int, list[tuple[int, int, torch.dtype]]]:
+        """Packs ``(values, dtype)`` groups into the pinned ring; ``(start, end, [(offset,
+        numel, dtype)])``."""
+        spans, size = [], 0
+        for values, dtype in groups:
+            if dtype not in _NUMPY_DTYPES:
+                raise ValueError(f"HostWriter: no staging for {dtype}")
+            n = len(values)
+            spans.append((size, n, dtype))
+            size += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
+        at = self._place(size)
+        for (off, n, dtype), (values, _) in zip(spans, groups):
+            if n:
+                np_dtype = _NUMPY_DTYPES[dtype]
+                self._np[at + off:at + off + n * dtype.itemsize].view(np_dtype)[:] = values
+        return at, at + size, spans
+
+    def write(self, *groups: tuple[Sequence, torch.dtype]) -> list[torch.Tensor]:
+        """Each ``(values, dtype)`` group as a 1-D ``dtype`` tensor on :attr:`device` (a view
+        of the ring: see the class's lifetime), all in one host-to-device copy."""
+        at, end, spans = self._stage(groups)
+        if self._cuda and end > at:
+            self._dev[at:end].copy_(self._host[at:end], non_blocking=True)
+        return [self._dev[at + off:at + off + n * dtype.itemsize].view(dtype)
+                for off, n, dtype in spans]
+
+    def copy_to(self, dst: torch.Tensor, values: Sequence) -> None:
+        """``dst`` (1-D, contiguous, on :attr:`device`) takes ``values`` in its dtype,
+        copied from the pinned ring without a stream sync."""
+        if dst.dim() != 1 or not dst.is_contiguous() or dst.numel() != len(values):
+            raise ValueError(f"dst: expected a contiguous 1-D tensor of {len(values)} "
+                             f"elements, got {list(dst.shape)}")
+        if dst.device != self.device:
+            raise ValueError(f"dst: on {dst.device}, the writer writes {self.device}")
+        at, _, ((off, n, dtype),) = self._stage([(values, dst.dtype)])
+        dst.copy_(self._host[at + off:at + off + n * dtype.itemsize].view(dtype),
+                  non_blocking=self._cuda)
 
 
 def copy_grouped(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:

@@ -1,11 +1,12 @@
-"""The per-step host helpers: grouped copies into graph buffers, host lists to the device,
-and the step's reads back to the host (``host.HostReader``)."""
+"""The per-step host helpers: grouped copies into graph buffers, host lists to the device
+(``to_device``; ``host.HostWriter``'s pinned ring), and the step's reads back to the host
+(``host.HostReader``)."""
 
 import numpy as np
 import pytest
 import torch
 
-from agspec_gpu.host import HostReader, copy_grouped, to_device
+from agspec_gpu.host import HostReader, HostWriter, copy_grouped, to_device
 from op_count import CountOps
 
 CUDA = torch.cuda.is_available()
@@ -88,3 +89,101 @@ def test_reader_names_a_tensor_on_another_device():
         reader.read(meta)
     with pytest.raises(ValueError, match="numel"):
         HostReader(-1, "cpu")
+
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+_GROUPS = [([3, -1, 2**40], torch.int64), ([7], torch.int32), ([], torch.int64),
+           ([1, 2, 3], torch.int32), ([0.5, -2.0], torch.float32), ([True, False], torch.bool),
+           ([2**31 - 1], torch.int32), (range(5), torch.int64)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_writer_writes_what_to_device_writes(device):
+    """``HostWriter.write``: each group's values in its dtype, as ``to_device`` gives them,
+    whatever the mix of dtypes, odd lengths (int32 then int64: alignment), empty and
+    length-1 groups; one copy per write (none on a CPU: the views are the ring's)."""
+    w = HostWriter(1 << 12, device)
+    for k in range(1, len(_GROUPS) + 1):
+        groups = _GROUPS[:k][::-1] if k % 2 else _GROUPS[:k]
+        count = CountOps()
+        with count.mode:
+            got = w.write(*groups)
+        assert count.ops == (["copy_"] if device == "cuda" else [])
+        for t, (values, dtype) in zip(got, groups):
+            want = to_device(values, dtype, device)
+            assert t.dtype == dtype and t.device == want.device and torch.equal(t, want)
+    assert w.write() == [] and w.nbytes == 1 << 12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_writer_ring_wraps_grows_and_views_live_until_reused(device):
+    """The ring's two halves: writes follow one another in a half until one does not fit,
+    which starts the other half; coming back to a half reuses its bytes (the documented
+    lifetime of a view); a write larger than a half grows the ring, earlier views intact
+    (they hold the old buffer)."""
+    w = HostWriter(64, device)
+    a, = w.write(([1, 2, 3], torch.int32))        # bytes [0, 12), then [12, 16) alignment
+    b, = w.write(([4, 5], torch.int64))           # [16, 32): the first half is full
+    doubled = a * 2  # a kernel that reads the view before the ring comes round
+    c, = w.write(([6, 7, 8], torch.int64))        # the second half: [32, 56)
+    d, = w.write(([9, 10], torch.int64))          # not in [56, 64): the first half again
+    assert [a.tolist(), b.tolist(), c.tolist(), d.tolist()] == \
+        [[9, 0, 10], [4, 5], [6, 7, 8], [9, 10]]  # a's bytes were reused
+    assert doubled.tolist() == [2, 4, 6] and w.nbytes == 64
+    big, = w.write((list(range(20)), torch.int64))  # 160 bytes > a half: a new ring
+    assert big.tolist() == list(range(20)) and w.nbytes == 640
+    e, = w.write(([11], torch.int32))
+    assert e.tolist() == [11] and big.tolist() == list(range(20))
+    assert [b.tolist(), c.tolist(), d.tolist()] == [[4, 5], [6, 7, 8], [9, 10]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_writer_copy_to_fills_a_callers_tensor(device):
+    """``HostWriter.copy_to``: the values in ``dst``'s dtype (an int64 list into an int32
+    graph input), empty included; a wrong shape, a strided view, another device or a dtype
+    it cannot stage named; nothing written then."""
+    w = HostWriter(64, device)
+    dst = torch.zeros(6, dtype=torch.int32, device=device)
+    for values in ([5, 4, 3, 2, 1, 0], range(6), [7] * 6):
+        w.copy_to(dst, values)
+        assert dst.tolist() == list(values)
+    w.copy_to(dst[:0], [])
+    with pytest.raises(ValueError, match="dst: expected a contiguous 1-D tensor of 5"):
+        w.copy_to(dst, [1] * 5)
+    with pytest.raises(ValueError, match="dst: expected a contiguous 1-D"):
+        w.copy_to(dst[::2], [1, 2, 3])
+    with pytest.raises(ValueError, match="dst: expected a contiguous 1-D"):
+        w.copy_to(dst.view(2, 3), [1] * 6)
+    with pytest.raises(ValueError, match="no staging for torch.bfloat16"):
+        w.copy_to(torch.zeros(2, dtype=torch.bfloat16, device=device), [1, 2])
+    assert dst.tolist() == [7] * 6
+    if device == "cuda":
+        with pytest.raises(ValueError, match="dst: on cpu, the writer writes cuda:"):
+            w.copy_to(torch.zeros(6, dtype=torch.int32), [1] * 6)
+    with pytest.raises(ValueError, match="nbytes must be >= 16"):
+        HostWriter(8, device)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_writer_on_cuda_waits_only_when_the_ring_comes_round():
+    """On a GPU: no write synchronizes the stream before the ring comes round
+    (``set_sync_debug_mode("error")`` raises on a sync), a kernel queued behind a long one
+    reads the values of its own write, not the next one's, and after many rounds every
+    value is still right."""
+    w = HostWriter(1 << 16, "cuda")
+    x = torch.zeros(1 << 24, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = []
+        for k in range(64):
+            x.mul_(1.0)  # a slow kernel ahead of the copy
+            v, = w.write(([k] * 32, torch.int64))
+            outs.append(v + 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [o.tolist() for o in outs] == [[k] * 32 for k in range(64)]
+    for k in range(4096):  # 256 bytes a write: a half every 128 writes
+        v, = w.write(([k] * 32, torch.int64))
+        outs.append(v + 0)
+    assert [o[0].item() for o in outs[64:]] == list(range(4096))
