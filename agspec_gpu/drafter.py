@@ -31,7 +31,7 @@ from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, 
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs
-from agspec_gpu.host import to_device
+from agspec_gpu.host import HostWriter, to_device
 from agspec_gpu.kernels.batch_budget import budget_keep
 from agspec_gpu.kernels.candidate_rows import candidate_rows
 from agspec_gpu.kernels.controller_commit import controller_commit
@@ -156,6 +156,9 @@ class Drafter:
         # since (an occurrence of l tokens now implies one of l - a before a appended
         # tokens); reset to max_depth when other text joins the request's corpora
         self.match_cap = torch.zeros(slots, dtype=torch.int32, device=dev)
+        # a step's host lists (slots, tiers, the match's corpus descriptors): pinned staging,
+        # one copy each; a half of 512 KiB holds ~20 steps' lists at 64 requests
+        self._writer = HostWriter(1 << 20, dev)
         self._version: dict[str, int] = {}
         self.scale = torch.ones(slots, dtype=torch.float32, device=dev)
         self.cap = torch.ones(slots, dtype=torch.int32, device=dev)
@@ -300,8 +303,9 @@ class Drafter:
                 tier_r, cid = c[r] if r < len(c) else (-1, c[0][1])
                 rows_cid.append(cid)
                 rows_tier.append(int(tier_r))
-        both = to_device(slot_ids + rows_tier, torch.int64, dev)  # one host-to-device copy
-        slots, tier = both[:B], both[B:].view(B, Rs)
+        # one host-to-device copy; views of the writer's ring, consumed by this propose
+        slots, tier = self._writer.write((slot_ids, torch.int64), (rows_tier, torch.int64))
+        tier = tier.view(B, Rs)
         stale = [i for i, sid in enumerate(sids)
                  if self._version[sid] != store.tenant_version(sid)]
         if stale:
@@ -313,7 +317,7 @@ class Drafter:
         arena = store.arena
         # the kernel directly: queries come from the validated ring, so the per-call checks
         # of IndexArena.match (host syncs) are not needed on this per-step path
-        desc = arena.descriptors(rows_cid)
+        desc = arena.descriptors(rows_cid, writer=self._writer)
         queries, qlen = ring_queries(slots, tier, self.recent, self.recent_len, self.match_cap)
         m = suffix_match(arena.tokens, arena.sa, desc, queries, qlen,
                          max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
@@ -450,7 +454,7 @@ class Drafter:
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
                  validate=True, path_nodes=None) -> None:
         dev = self.recent.device
-        slots = to_device([self._slot_of(s) for s in sids], torch.int64, dev)
+        slots, = self._writer.write(([self._slot_of(s) for s in sids], torch.int64))
         out = output_ids.to(dev, torch.int32)
         nout = num_output.to(dev)
         nacc = num_accepted.to(dev)

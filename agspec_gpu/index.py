@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agspec_gpu.host import canonical_device, to_device
+from agspec_gpu.host import HostWriter, canonical_device, to_device
 from agspec_gpu.kernels.suffix_match import (KEY_SEQ_SHIFT, MatchDescriptors, MatchResult,
                                              prefix_keys, suffix_match)
 from agspec_gpu.suffix_array import build_context_array
@@ -114,6 +114,7 @@ class IndexArena:
         self._tok_garbage = 0
         self._sa_garbage = 0
         self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
+        self._writer = HostWriter(1 << 18, self.device)  # append_rows' scatter indices
 
     # ---------------------------------------------------------------- lifecycle
     def new_corpus(self, capacity: int = 256) -> int:
@@ -242,10 +243,9 @@ class IndexArena:
             start = self._corpora[cid].tok_base + self._corpora[cid].n
             dst.extend(range(start, start + m))
             flat.extend(range(i * M, i * M + m))
-        if dst:
-            at = to_device(dst, torch.int64, self.device)
-            self.tokens.index_copy_(0, at, tokens.reshape(-1).index_select(
-                0, to_device(flat, torch.int64, self.device)))
+        if dst:  # one copy from pinned memory, consumed here
+            at, take = self._writer.write((dst, torch.int64), (flat, torch.int64))
+            self.tokens.index_copy_(0, at, tokens.reshape(-1).index_select(0, take))
             self.src.index_fill_(0, at, src)
         for cid, m in zip(cids, counts):  # every corpus holds its rows before any level
             self._corpora[cid].n += m        # build: a build may compact the token arena
@@ -375,10 +375,13 @@ class IndexArena:
         self._tok_garbage = self._sa_garbage = 0
 
     # ---------------------------------------------------------------- queries
-    def descriptors(self, corpus_ids: list[int]) -> MatchDescriptors:
-        """Per-row corpus descriptors for :func:`suffix_match` (host metadata -> device, in
-        two copies: the int64 fields in one buffer, the int32 fields in another, each field
-        a slice of it)."""
+    def descriptors(self, corpus_ids: list[int], writer: HostWriter | None = None
+                    ) -> MatchDescriptors:
+        """Per-row corpus descriptors for :func:`suffix_match` (host metadata -> device: the
+        int64 fields in one buffer, the int32 fields in another, each field a slice of it).
+
+        ``writer``: both buffers in one copy through it, as views of its ring (for a match
+        launched at once, as a propose does); None: two new tensors the caller may keep."""
         tok_base, n, tail, lv_ptr = [], [], [], [0]
         lv_base, lv_len, lv_key = [], [], []
         for cid in corpus_ids:
@@ -392,8 +395,12 @@ class IndexArena:
                 lv_key.append(lv.seq << KEY_SEQ_SHIFT)
             lv_ptr.append(len(lv_base))
         R, K = len(corpus_ids), len(lv_base)
-        i64 = to_device(tok_base + lv_base + lv_key, torch.int64, self.device)
-        i32 = to_device(n + tail + lv_ptr + lv_len, torch.int32, self.device)
+        if writer is None:
+            i64 = to_device(tok_base + lv_base + lv_key, torch.int64, self.device)
+            i32 = to_device(n + tail + lv_ptr + lv_len, torch.int32, self.device)
+        else:
+            i64, i32 = writer.write((tok_base + lv_base + lv_key, torch.int64),
+                                    (n + tail + lv_ptr + lv_len, torch.int32))
         return MatchDescriptors(
             tok_base=i64[:R], num_tokens=i32[:R], tail_start=i32[R:2 * R],
             level_indptr=i32[2 * R:3 * R + 1], level_sa_base=i64[R:R + K],

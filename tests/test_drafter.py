@@ -25,6 +25,7 @@ from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.forms import EmissionForm
+from agspec_gpu.host import HostWriter
 from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig, build_global_corpus
 from agspec_gpu.tokenizer import load_tokenizer
 from op_count import CountOps
@@ -425,15 +426,9 @@ def assert_same_state(d0: Drafter, d1: Drafter, where) -> None:
         assert torch.equal(a, c), (where, name)
 
 
-@pytest.mark.parametrize("batch_budget,spelled", [(True, False), (False, False), (True, True)])
-def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
-    """Both device halves of a step padded to a batch bucket (what StepGraphs replays as CUDA
-    graphs on a GPU; here eagerly) do exactly what the unpadded step does: the same drafts,
-    the same state after every commit. Padding requests add no nodes, the batch budget prices
-    the real requests only, and their writes land in the spare slot. Tenants with and
-    without a workspace make the (request, corpus) grid ragged; commits pass the verifier's
-    accepted nodes, or (``spelled``) leave the drafter to find them. More sessions are open
-    than a step takes (``max_sessions`` 12, ``max_batch`` 8), and steps pick any of them."""
+def _lockstep_drafters(tok, batch_budget: bool) -> list[Drafter]:
+    """Two equal drafters (max_sessions 12, max_batch 8; a shared workspace tenant and
+    tenants without one: a ragged (request, corpus) grid)."""
     ds = []
     for _ in range(2):
         store = CorpusStore(tok, TierConfig(use_global=False))
@@ -441,7 +436,13 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
                     max_batch=8, max_sessions=12)
         store.add_workspace_file("w", "w.txt", "".join(chr(97 + i % 7) * 3 for i in range(60)))
         ds.append(d)
-    ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
+    return ds
+
+
+def _run_lockstep(ds: list[Drafter], spelled: bool) -> None:
+    """Ten sessions, then steps of any of them (buckets 1, 4, 8, 8, 2, 8) through both
+    drafters: the same drafts, the same state after every commit. Commits pass the
+    verifier's accepted nodes, or (``spelled``) leave the drafter to find them."""
     sids = [f"s{i}" for i in range(10)]
     for d in ds:
         for i, sid in enumerate(sids):
@@ -449,7 +450,7 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
                            prompt_ids=(CASE_A * 3)[i:])
     rng = random.Random(2)
     batches = [[9], [2, 8, 0], [3, 4, 5, 6, 7, 8], [9, 1, 4, 7, 5], [6, 3], list(range(8))]
-    for step, rows in enumerate(batches):  # buckets 1, 4, 8, 8, 2, 8
+    for step, rows in enumerate(batches):
         batch, b = [sids[i] for i in rows], len(rows)
         drafts = [d.propose(batch) for d in ds]
         for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
@@ -466,6 +467,31 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
                       path_nodes=None if spelled else res.path_nodes)
         assert_same_state(*ds, step)
     assert ds[1].calib_seen.ne(2.0).any()  # commits calibrated something
+
+
+@pytest.mark.parametrize("batch_budget,spelled", [(True, False), (False, False), (True, True)])
+def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
+    """Both device halves of a step padded to a batch bucket (what StepGraphs replays as CUDA
+    graphs on a GPU; here eagerly) do exactly what the unpadded step does: the same drafts,
+    the same state after every commit. Padding requests add no nodes, the batch budget prices
+    the real requests only, and their writes land in the spare slot. More sessions are open
+    than a step takes, and steps pick any of them."""
+    ds = _lockstep_drafters(tok, batch_budget)
+    ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
+    _run_lockstep(ds, spelled)
+
+
+@pytest.mark.parametrize("spelled", [False, True])
+def test_host_rings_coming_round_change_no_draft(tok, spelled):
+    """The step's host lists go through ``HostWriter`` rings whose views live until the
+    ring comes round: with rings of 64 bytes (every write fills a half or grows it, so the
+    bytes of a write are reused within a few writes) a drafter drafts and commits exactly
+    what one with the default rings does, so no step keeps a view past its launches."""
+    ds = _lockstep_drafters(tok, batch_budget=True)
+    ds[1]._writer = HostWriter(64, ds[1].recent.device)
+    ds[1].store.arena._writer = HostWriter(64, ds[1].recent.device)
+    _run_lockstep(ds, spelled)
+    assert ds[1]._writer.nbytes < 1 << 12 and ds[1].store.arena._writer.nbytes < 1 << 12
 
 
 def _padded_drafter(tok, num_sessions: int, max_batch: int) -> tuple[Drafter, list[str]]:
