@@ -10,7 +10,8 @@ never given to a sequence.
 
 A sequence's logical slot ``s`` lives at page ``page_table[row, s // page_size]``, offset
 ``s % page_size``. Page tables are rows of a device tensor sized for ``max_seqs`` sequences;
-they change only when :meth:`allocate` adds pages (one small host-to-device copy).
+they change only when :meth:`allocate_many` adds pages (a step's new entries in one small
+host-to-device copy from pinned memory).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from agspec_gpu.host import canonical_device, to_device
+from agspec_gpu.host import HostWriter, canonical_device
 from agspec_gpu.tree import TreeMetadata
 
 
@@ -72,6 +73,8 @@ class PagedKVCache:
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[Hashable, list[int]] = {}
         self._rows: dict[Hashable, int] = {}
+        # the per-step host lists (new page-table entries, a step's rows): pinned staging
+        self._writer = HostWriter(1 << 16, self.device)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._pages
@@ -93,34 +96,55 @@ class PagedKVCache:
         return max(-(-num_tokens // self.page_size) - len(self._pages.get(seq_id, ())), 0)
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Makes ``seq_id`` hold at least ``num_tokens`` slots, adding pages as needed.
+        """Makes ``seq_id`` hold at least ``num_tokens`` slots (:meth:`allocate_many` of one)."""
+        self.allocate_many([seq_id], [num_tokens])
 
-        Creates the sequence on first use. Raises :class:`KVCacheFull` when the free pages
-        or the sequence rows run out, ValueError when ``num_tokens`` exceeds the page-table
-        width (nothing is changed then).
+    def allocate_many(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> None:
+        """Makes each ``seq_ids[i]`` hold at least ``num_tokens[i]`` slots, adding pages as
+        needed, for a whole step at once: the new page-table entries go to the device in
+        one copy (from pinned memory, no stream sync) and one scatter.
+
+        Creates a sequence on first use. All or nothing: raises :class:`KVCacheFull` when
+        the free pages or the sequence rows run out, ValueError when a ``num_tokens``
+        exceeds the page-table width or a sequence comes twice, before anything changes.
         """
-        need = -(-num_tokens // self.page_size)
-        pages = self._pages.get(seq_id)
-        have = 0 if pages is None else len(pages)
-        if need <= have:
-            return
-        if need > self.max_pages_per_seq:
-            raise ValueError(f"allocate({seq_id!r}, {num_tokens}): {need} pages exceed "
-                             f"max_pages_per_seq={self.max_pages_per_seq}")
-        if need - have > len(self._free_pages):
-            raise KVCacheFull(f"allocate({seq_id!r}, {num_tokens}): {need - have} pages "
-                              f"needed, {len(self._free_pages)} free")
-        if pages is None:
-            if not self._free_rows:
-                raise KVCacheFull(f"allocate({seq_id!r}): all {len(self._rows)} sequence "
-                                  f"rows are in use")
-            pages = self._pages[seq_id] = []
-            self._rows[seq_id] = self._free_rows.pop()
-        new = [self._free_pages.pop() for _ in range(need - have)]
-        pages.extend(new)
-        if new:  # a host list assigned into a device tensor would wait for the stream
-            self._page_table[self._rows[seq_id], have:need] = to_device(new, torch.int32,
-                                                                        self.device)
+        if len(num_tokens) != len(seq_ids):
+            raise ValueError(f"num_tokens: {len(num_tokens)} counts for {len(seq_ids)} seq_ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: each sequence at most once per call")
+        grow, new_pages, new_rows = [], 0, 0
+        for sid, n in zip(seq_ids, num_tokens):
+            need = -(-n // self.page_size)
+            have = len(self._pages.get(sid, ()))
+            if need <= have:
+                continue
+            if need > self.max_pages_per_seq:
+                raise ValueError(f"allocate({sid!r}, {n}): {need} pages exceed "
+                                 f"max_pages_per_seq={self.max_pages_per_seq}")
+            grow.append((sid, have, need))
+            new_pages += need - have
+            new_rows += sid not in self._pages
+        what = f"allocate({grow[0][0]!r}, ...)" if len(grow) == 1 else \
+            f"allocate_many({len(grow)} sequences)"
+        if new_pages > len(self._free_pages):
+            raise KVCacheFull(f"{what}: {new_pages} pages needed, {len(self._free_pages)} "
+                              f"free")
+        if new_rows > len(self._free_rows):
+            raise KVCacheFull(f"{what}: all {len(self._rows)} sequence rows are in use")
+        entries, pages = [], []  # flat page-table index -> page
+        W = self.max_pages_per_seq
+        for sid, have, need in grow:
+            if sid not in self._pages:
+                self._pages[sid] = []
+                self._rows[sid] = self._free_rows.pop()
+            new = [self._free_pages.pop() for _ in range(need - have)]
+            self._pages[sid].extend(new)
+            at = self._rows[sid] * W
+            entries.extend(range(at + have, at + need))
+            pages.extend(new)
+        if entries:  # a host list assigned into a device tensor would wait for the stream
+            idx, val = self._writer.write((entries, torch.int64), (pages, torch.int32))
+            self._page_table.view(-1).index_copy_(0, idx, val)
 
     def free(self, seq_id: Hashable) -> None:
         """Returns every page of ``seq_id`` to the pool."""
@@ -139,7 +163,7 @@ class PagedKVCache:
         missing = [s for s in seq_ids if s not in self._rows]
         if missing:
             raise ValueError(f"page_table: unknown sequences {missing}")
-        rows = to_device([self._rows[s] for s in seq_ids], torch.long, self.device)
+        rows, = self._writer.write(([self._rows[s] for s in seq_ids], torch.int64))
         if out is None:
             return self._page_table.index_select(0, rows)
         return torch.index_select(self._page_table, 0, rows, out=out)

@@ -400,8 +400,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 runner.prefill([r.kv_id for r, _ in real], [c for _, c in real],
                                chunk_size=config.prefill_chunk)
             else:
-                for r, ctx in real:
-                    cache.allocate(r.kv_id, len(ctx))
+                cache.allocate_many([r.kv_id for r, _ in real], [len(c) for _, c in real])
             synchronize(dev)
             res.prefill_s += time.perf_counter() - t0
             res.prefill_tokens += sum(len(c) for _, c in real)
@@ -570,8 +569,7 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     B = batch_size
     room = cache.max_pages_per_seq * cache.page_size - context_tokens
     ids = [f"__calibrate{b}" for b in range(B)]
-    for sid in ids:
-        cache.allocate(sid, context_tokens)
+    cache.allocate_many(ids, [context_tokens] * B)
     prefix = [context_tokens - 1] * B  # the root sits at the last context slot
     prefix_t = torch.tensor(prefix, dtype=torch.int32)
     roots = torch.zeros(B, dtype=torch.int32, device=dev)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import agspec_gpu
+import agspec_gpu.host
 from agspec_gpu import CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SpecDecoder
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
@@ -340,6 +341,33 @@ def record_hf_prefills(monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(HFRunner, "prefill", wrapped)
     return calls
+
+
+def test_paged_loop_with_host_rings_coming_round_is_lossless(monkeypatch):
+    """Every ``HostWriter`` of the loop (the drafter's, its arena's, the KV cache's) made
+    with 64 bytes, so that each write reuses the bytes of a write a few before it: the
+    paged loop still equals greedy decoding on a ragged batch, its sessions continued in a
+    second call. No step keeps a view of a ring past its own launches."""
+    made, init = [], agspec_gpu.host.HostWriter.__init__
+
+    def tiny(self, nbytes, device):
+        init(self, 64, device)
+        made.append(self)
+
+    monkeypatch.setattr(agspec_gpu.host.HostWriter, "__init__", tiny)
+    variant, P = VARIANTS[2], prompts()
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
+                                                           kv_cache_tokens=4096))
+    part = [1, 3, 4, 6, 7]
+    sids = [dec.open_session(f"t{i % 2}", "coder", list(P[i])) for i in part]
+    out = dec.generate(sids, max_new_tokens=24)
+    for i, o in zip(part, out):
+        assert o == greedy(variant, P[i], 24), i
+    more = dec.generate(sids[1:4], max_new_tokens=8)
+    for i, o, m in zip(part[1:4], out[1:4], more):
+        assert m == greedy(variant, list(P[i]) + o, 8), i
+    assert dec.stats["drafted"] > 0 and len(made) == 3
+    assert all(w.nbytes < 1 << 12 for w in made)  # small rings: they came round often
 
 
 @pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[3]], ids=[IDS[1], IDS[3]])

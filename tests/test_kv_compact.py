@@ -9,6 +9,7 @@ from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kv_cache import KVCacheFull, PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
 from kernel_compile import assert_one_compile_per_config, compile_for_sm90
+from op_count import CountOps
 from tree_reference import DEVICE
 
 
@@ -155,6 +156,44 @@ def test_cache_allocator_lifecycle():
         cache.free("b")
     with pytest.raises(ValueError, match="unknown"):
         cache.page_table(["b"])
+
+
+def test_allocate_many_is_one_scatter_and_all_or_nothing():
+    """A step's allocations at once: the same page tables as one ``allocate`` per sequence
+    (new and growing sequences, some needing nothing), written with one copy and one
+    scatter; a step that does not fit (pages or rows), a sequence given twice or counts
+    that do not match raise before any sequence changes."""
+    def cache():
+        return PagedKVCache(1, num_pages=12, page_size=4, num_kv_heads=1, head_dim=2,
+                            dtype=torch.float32, device="cpu", max_seqs=4,
+                            max_pages_per_seq=6)
+    one, many = cache(), cache()
+    steps = [(["a", "b"], [5, 1]), (["b", "c", "a"], [9, 4, 8]), (["c", "a"], [4, 0]),
+             (["a", "b", "c"], [13, 17, 6])]
+    for seq_ids, counts in steps:
+        free = one.num_free_pages
+        for sid, n in zip(seq_ids, counts):
+            one.allocate(sid, n)
+        count = CountOps()
+        with count.mode:  # the ring's views and numpy writes launch nothing
+            many.allocate_many(seq_ids, counts)
+        assert count.ops == (["index_copy_"] if one.num_free_pages < free else [])
+        ids = sorted(one._rows)
+        assert torch.equal(one.page_table(ids), many.page_table(ids))
+        assert one.num_free_pages == many.num_free_pages
+    assert many.num_free_pages == 1
+    table = many.page_table(["a", "b", "c"])
+    for exc, match, seq_ids, counts in (
+            (KVCacheFull, r"allocate_many\(2 sequences\): 3 pages needed, 1 free",
+             ["a", "c"], [17, 13]),
+            (ValueError, r"allocate\('d', 25\): 7 pages exceed max_pages_per_seq=6",
+             ["a", "d"], [16, 25]),
+            (ValueError, "seq_ids: each sequence at most once", ["a", "a"], [16, 17]),
+            (ValueError, "num_tokens: 1 counts for 2 seq_ids", ["a", "b"], [16])):
+        with pytest.raises(exc, match=match):
+            many.allocate_many(seq_ids, counts)
+        assert torch.equal(many.page_table(["a", "b", "c"]), table)
+        assert many.num_free_pages == 1 and "d" not in many
 
 
 def test_step_kv_goes_to_node_order_slots():

@@ -17,7 +17,7 @@ import torch
 
 from agspec_gpu.cuda_graph import capture
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.host import host_tensor, synchronize
+from agspec_gpu.host import HostWriter, synchronize
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
@@ -127,6 +127,7 @@ class DecodeGraphs(GraphSteps):
                             torch.zeros(S, dtype=torch.int32, device=dev))
                         for S in self.sizes}
         self._used = dict.fromkeys(self.sizes, 0)
+        self._writer = HostWriter(1 << 14, dev)  # the prefix lengths, staged pinned
         self._start(use_graphs, warmup)
 
     def size_for(self, num_requests: int) -> int:
@@ -142,14 +143,13 @@ class DecodeGraphs(GraphSteps):
         b = len(seq_ids)
         S = self.size_for(b)
         cache = self.runner.kv_cache
-        for sid, n in zip(seq_ids, prefix_lens_host):
-            cache.allocate(sid, n + 1)
+        cache.allocate_many(seq_ids, [n + 1 for n in prefix_lens_host])
         page_table, prefix, root = self._inputs[S]
         if b < self._used[S]:  # rows a larger step wrote: padding again (roots: any token)
             page_table[b:self._used[S]].fill_(cache.null_page)
         self._used[S] = b
         prefix_host = list(prefix_lens_host) + [0] * (S - b)
-        prefix.copy_(host_tensor(prefix_host, torch.int32), non_blocking=True)
+        self._writer.copy_to(prefix, prefix_host)
         cache.page_table(seq_ids, out=page_table[:b])
         root[:b].copy_(roots)
         # the sizes on the host too: FlashInfer's plan reads them there

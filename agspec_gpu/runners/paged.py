@@ -241,8 +241,7 @@ class PagedLlamaRunner:
             prefix_lens_host = prefix_lens.tolist()
         if num_slots_host is None:
             num_slots_host = [n + 1 + draft.max_nodes for n in prefix_lens_host]
-        for sid, n in zip(seq_ids, num_slots_host):
-            self.kv_cache.allocate(sid, n)
+        self.kv_cache.allocate_many(seq_ids, num_slots_host)
         # only the pages this step can touch: the width bounds the mask buffer and the grid
         width = -(-(max(prefix_lens_host) + 1 + draft.max_nodes) // self.page_size)
         page_table = self.kv_cache.page_table(seq_ids)[:, :width].contiguous()

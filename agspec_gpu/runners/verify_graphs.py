@@ -32,7 +32,7 @@ import torch
 
 from agspec_gpu.attention import flashinfer_plan
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.host import copy_grouped, host_tensor, synchronize
+from agspec_gpu.host import HostWriter, copy_grouped, synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
 from agspec_gpu.tree import HostSizes, TreeMetadata, host_sizes, plan_tree
 
@@ -104,6 +104,7 @@ class VerifyGraphs(GraphSteps):
         # per bucket: rows [used, S) of its inputs are padding (a smaller step re-pads the
         # rows a larger one wrote, not every row every step)
         self._used = dict.fromkeys(self.sizes, 0)
+        self._writer = HostWriter(1 << 14, dev)  # the prefix lengths, staged pinned
         self._start(use_graphs, warmup)
 
     def bucket(self, num_requests: int, num_rows: int) -> tuple[int, int]:
@@ -141,8 +142,7 @@ class VerifyGraphs(GraphSteps):
         total = int(sum(num_draft_host))
         S, Q = self.bucket(b, b + total)
         cache = self.runner.kv_cache
-        for sid, n in zip(seq_ids, prefix_lens_host):
-            cache.allocate(sid, n + 1 + N)
+        cache.allocate_many(seq_ids, [n + 1 + N for n in prefix_lens_host])
         # the bucket's step inputs, rewritten in place: padding requests have no nodes, a
         # zero prefix and the null page (their roots are any earlier token). The planner
         # reads a request's first num_draft_tokens node columns only, so the columns past
@@ -153,8 +153,7 @@ class VerifyGraphs(GraphSteps):
             inp.draft.num_draft_tokens[b:self._used[S]].zero_()
         self._used[S] = b
         # the prefix lengths, padding's zeros included: one host-to-device copy
-        inp.prefix.copy_(host_tensor(list(prefix_lens_host) + [0] * (S - b), torch.int32),
-                         non_blocking=True)
+        self._writer.copy_to(inp.prefix, list(prefix_lens_host) + [0] * (S - b))
         if b:
             cache.page_table(seq_ids, out=inp.page_table[:b])
             copy_grouped([inp.root[:b], inp.draft.num_draft_tokens[:b],
