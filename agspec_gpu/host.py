@@ -103,47 +103,54 @@ class HostWriter:
     def _alloc(self, nbytes: int) -> None:
         nbytes = -(-nbytes // (2 * _ALIGN)) * 2 * _ALIGN
         self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
-        self._np = self._host.numpy()
         self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device) \
             if self._cuda else self._host
-        self._half, self._at = 0, 0
+        # the ring as each dtype (numpy host, torch host, torch device): one slice per list
+        self._typed: dict[torch.dtype, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
+        self._half, self._at, self._end = 0, 0, nbytes // 2  # the half written, its end
         self._recorded = [False, False]
 
-    def _place(self, nbytes: int) -> int:
-        """The ring offset of the next ``nbytes``: after the last write in this half, or at
-        the start of the other half (once its last copies finished), or of a larger ring."""
-        half = self.nbytes // 2
-        if self._at + nbytes <= (self._half + 1) * half:
-            at = self._at
-        elif nbytes > half:  # a new ring: the old one's bytes stay with their views
-            self._alloc(4 * nbytes)
-            at = 0
-        else:
-            if self._cuda:
-                self._left[self._half].record(torch.cuda.current_stream(self.device))
-                self._recorded[self._half] = True
-            self._half ^= 1
-            if self._cuda and self._recorded[self._half]:
-                self._left[self._half].synchronize()
-            at = self._half * half
-        self._at = at + nbytes
-        return at
+    def _views(self, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        v = self._typed.get(dtype)
+        if v is None:
+            v = self._typed[dtype] = (self._host.numpy().view(_NUMPY_DTYPES[dtype]),
+                                      self._host.view(dtype), self._dev.view(dtype))
+        return v
 
-    def _stage(self, groups) -> tuple[int, int, list[tuple[int, int, torch.dtype]]]:
-        """Packs ``(values, dtype)`` groups into the pinned ring; ``(start, end, [(offset,
-        numel, dtype)])``."""
-        spans, size = [], 0
+    def _turn(self, nbytes: int) -> int:
+        """Where ``nbytes`` that do not fit in this half go: the start of the other half
+        (once its last copies finished), or of a larger ring."""
+        half = self.nbytes // 2
+        if nbytes > half:  # a new ring: the old one's bytes stay with their views
+            self._alloc(4 * nbytes)
+            return 0
+        if self._cuda:
+            self._left[self._half].record(torch.cuda.current_stream(self.device))
+            self._recorded[self._half] = True
+        self._half ^= 1
+        if self._cuda and self._recorded[self._half]:
+            self._left[self._half].synchronize()
+        self._end = (self._half + 1) * half
+        return self._half * half
+
+    def _stage(self, groups) -> tuple[int, int, list]:
+        """Packs ``(values, dtype)`` groups into the pinned ring; ``(start byte, end byte,
+        [(start element, numel, the ring's views as the dtype)])``."""
+        offsets, size = [], 0
         for values, dtype in groups:
             if dtype not in _NUMPY_DTYPES:
                 raise ValueError(f"HostWriter: no staging for {dtype}")
-            n = len(values)
-            spans.append((size, n, dtype))
-            size += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
-        at = self._place(size)
-        for (off, n, dtype), (values, _) in zip(spans, groups):
+            offsets.append(size)
+            size += -(-len(values) * dtype.itemsize // _ALIGN) * _ALIGN
+        at = self._at if self._at + size <= self._end else self._turn(size)
+        self._at = at + size
+        spans = []
+        for off, (values, dtype) in zip(offsets, groups):
+            views = self._typed.get(dtype) or self._views(dtype)
+            start, n = (at + off) // dtype.itemsize, len(values)
             if n:
-                np_dtype = _NUMPY_DTYPES[dtype]
-                self._np[at + off:at + off + n * dtype.itemsize].view(np_dtype)[:] = values
+                views[0][start:start + n] = values
+            spans.append((start, n, views))
         return at, at + size, spans
 
     def write(self, *groups: tuple[Sequence, torch.dtype]) -> list[torch.Tensor]:
@@ -152,8 +159,7 @@ class HostWriter:
         at, end, spans = self._stage(groups)
         if self._cuda and end > at:
             self._dev[at:end].copy_(self._host[at:end], non_blocking=True)
-        return [self._dev[at + off:at + off + n * dtype.itemsize].view(dtype)
-                for off, n, dtype in spans]
+        return [views[2][start:start + n] for start, n, views in spans]
 
     def copy_to(self, dst: torch.Tensor, values: Sequence) -> None:
         """``dst`` (1-D, contiguous, on :attr:`device`) takes ``values`` in its dtype,
@@ -163,9 +169,8 @@ class HostWriter:
                              f"elements, got {list(dst.shape)}")
         if dst.device != self.device:
             raise ValueError(f"dst: on {dst.device}, the writer writes {self.device}")
-        at, _, ((off, n, dtype),) = self._stage([(values, dst.dtype)])
-        dst.copy_(self._host[at + off:at + off + n * dtype.itemsize].view(dtype),
-                  non_blocking=self._cuda)
+        _, _, ((start, n, views),) = self._stage([(values, dst.dtype)])
+        dst.copy_(views[1][start:start + n], non_blocking=self._cuda)
 
 
 def copy_grouped(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
