@@ -5,8 +5,9 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   padded layouts agreeing (the script asserts it);
 * ``bench_decoder_step``: speculative and plain steps for each batch size;
 * ``bench_layer_kernels``, ``bench_match``: a row per kernel (torch only on a CPU), per size,
-  batch and method; ``bench_drafter_step``: a row per batch size (eager on a CPU). The
-  device script runs all of them on the H200.
+  batch and method; ``bench_drafter_step``: a row per batch size (eager on a CPU);
+* ``bench_host_staging``: a row per case and batch size, old and new timed. The device
+  script runs all of them on the H200.
 """
 
 import json
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
 import bench_drafter_step  # noqa: E402
+import bench_host_staging  # noqa: E402
 import bench_layer_kernels  # noqa: E402
 import bench_match  # noqa: E402
 import bench_verify_kernels  # noqa: E402
@@ -69,6 +71,16 @@ def test_bench_layer_kernels_and_match_smoke(tmp_path):
     rows = json.loads((tmp_path / "m.json").read_text())["results"]
     assert {(r["batch"], r["method"]) for r in rows} >= {(1, "agspec"), (4, "agspec")}
     assert all(r["median_ms"] > 0 and r["size"] == 32768 for r in rows)
+
+
+def test_bench_host_staging_smoke(tmp_path):
+    assert bench_host_staging.main(["--device", "cpu", "--batch-sizes", "1,3", "--steps", "8",
+                                    "--out", str(tmp_path / "hs")]) == 0
+    rows = json.loads((tmp_path / "hs.json").read_text())["results"]
+    assert {(r["case"], r["batch_size"]) for r in rows} == {
+        (c, b) for c in ("match_lists", "observe_lists", "page_alloc") for b in (1, 3)}
+    assert all(r[k] > 0 for r in rows for k in ("old_host_us", "new_host_us",
+                                                 "old_synced_us", "new_synced_us"))
 
 
 @pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
