@@ -40,7 +40,7 @@ import torch
 
 from agspec_gpu.cost_model import CostModel, StepTokenCounts
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.host import HostReader, synchronize, to_device
+from agspec_gpu.host import HostReader, HostWriter, synchronize
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
@@ -108,6 +108,17 @@ def host_drafts_to_batch(drafts: Sequence[tuple[list[int], list[int]]],
                          device: torch.device | str) -> DraftBatch:
     """``(tokens, parents)`` host lists, one per request, as a padded :class:`DraftBatch`."""
     return DraftBatch.from_host(list(drafts), device)
+
+
+def _on_device(draft: DraftBatch, writer: HostWriter) -> DraftBatch:
+    """``draft`` on ``writer``'s device: a host drafter's tree in one staged copy (views of
+    the writer's ring: verified and committed before they are reused), a device one as is."""
+    if draft.token_ids.device == writer.device:
+        return draft
+    B, N = draft.token_ids.shape
+    tok, par, num = writer.write(*((t.numpy().ravel(), torch.int32) for t in (
+        draft.token_ids, draft.parents, draft.num_draft_tokens)))
+    return DraftBatch(tok.view(B, N), par.view(B, N), num)
 
 
 class HostProposer(HostLane):
@@ -381,6 +392,9 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
     stream = corpus.stream
     verify_timer = _Timer(dev)
     reader = HostReader(B, dev)  # the draft sizes, then the accepted counts: one wait each
+    # a step's host lists (roots, prefix lengths, a CPU drafter's trees, the trajectory's
+    # tokens) through one pinned ring, as an engine stages its inputs
+    writer = HostWriter(1 << 20, dev)
     cache = runner.kv_cache
 
     def close(req: _Request) -> None:
@@ -454,13 +468,12 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             prefix_host = [r.prefix_len for r in active]
             with nvtx.annotate("e2e.verify", color="yellow"):
                 verify_timer.start()
-                roots = to_device([r.root for r in active], torch.int32, dev)
+                roots, prefix_t = writer.write(([r.root for r in active], torch.int32),
+                                               (prefix_host, torch.int32))
                 if n_total == 0 and graphs is not None:
                     logits = graphs.decode(kv_ids, roots, prefix_host)
                 else:
-                    draft = DraftBatch(draft.token_ids.to(dev), draft.parents.to(dev),
-                                       draft.num_draft_tokens.to(dev))
-                    prefix_t = to_device(prefix_host, torch.int32, dev)
+                    draft = _on_device(draft, writer)
                     if verify_graphs is not None:
                         meta, logits = verify_graphs.verify(kv_ids, draft, roots, prefix_host,
                                                             num_draft)
@@ -474,7 +487,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 logits.argmax(dim=-1)
                 paths = None
                 if n_total:
-                    true_t = torch.from_numpy(truth(draft.max_nodes, NO_TOKEN)).to(dev)
+                    true_np = truth(draft.max_nodes, NO_TOKEN)
+                    true_t = writer.write((true_np.ravel(), torch.int32))[0].view(true_np.shape)
                     paths = teacher_forced_accept(draft, true_t)
                 verify_timer.stop()
             with nvtx.annotate("e2e.commit", color="red"):

@@ -21,8 +21,9 @@ import torch
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.host import HostWriter
 from agspec_gpu.replay_target import (
-    DecodeGraphs, MetadataPool, OracleProposer, ReplayTargetConfig, make_proposer,
+    DecodeGraphs, MetadataPool, OracleProposer, ReplayTargetConfig, _on_device, make_proposer,
     run_replay_target,
 )
 from agspec_gpu.runners.paged import PagedLlamaRunner
@@ -237,6 +238,26 @@ def test_kv_cache_holds_exactly_the_replayed_prefix(short_corpus, tok, method, p
     assert res.steps == 10 and len(checked) >= 10
     if method != "pld-hf":  # drafts were accepted and compacted, not only plain steps
         assert res.accepted > 0
+
+
+def test_host_drafts_reach_the_device_in_one_staged_copy(monkeypatch):
+    """The replay loop moves a host drafter's tree (PLD, SuffixDecoding) to the verifier's
+    device through the step's ``HostWriter``: the same trees (ragged, empty, padded), one
+    write of the three tensors; a draft already there is passed as is. On the CPU the
+    writer's device is set to another's so that the staging runs (on a GPU:
+    ``tests/test_gpu.py``)."""
+    draft = DraftBatch.from_lists([[(5, -1), (7, 0), (9, -1)], [], [(3, -1)]])
+    writer = HostWriter(1 << 10, "cpu")
+    assert _on_device(draft, writer) is draft
+    monkeypatch.setattr(writer, "device", torch.device("meta"))
+    writes = []
+    write = writer.write
+    monkeypatch.setattr(writer, "write", lambda *g: writes.append(len(g)) or write(*g))
+    moved = _on_device(draft, writer)
+    assert writes == [3]
+    for f in ("token_ids", "parents", "num_draft_tokens"):
+        a, b = getattr(moved, f), getattr(draft, f)
+        assert a.dtype == torch.int32 and torch.equal(a, b), f
 
 
 def test_metadata_pool_trims_rows_and_rejects_oversized_steps():

@@ -119,6 +119,23 @@ def test_unindexed_cuda_device_is_the_tensors_device():
     assert tiny_runner().device == cache.device
 
 
+def test_host_drafts_reach_the_device_in_one_staged_copy():
+    """The e2e replay's staging of a host drafter's tree (``replay_target._on_device``) on a
+    GPU: the trees equal the host ones after the pinned copy, also after the ring came
+    round many times (each step's tree verified before its bytes are reused)."""
+    from agspec_gpu.host import HostWriter
+    from agspec_gpu.replay_target import _on_device
+
+    writer = HostWriter(1 << 10, "cuda")
+    for k in range(200):
+        draft = DraftBatch.from_lists([[(k, -1), (k + 1, 0)], [],
+                                       [(3 * k + j, -1) for j in range(k % 4)]])
+        moved = _on_device(draft, writer)
+        for f in ("token_ids", "parents", "num_draft_tokens"):
+            a, b = getattr(moved, f), getattr(draft, f)
+            assert a.is_cuda and torch.equal(a.cpu(), b), (k, f)
+
+
 def _prefill(runner, ids, prompts):
     last = runner.prefill(ids, prompts)
     return last.float().argmax(-1).to(torch.int32)
