@@ -41,7 +41,7 @@ from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.node_probs import node_probs
 from agspec_gpu.kernels.ring_queries import ring_queries
-from agspec_gpu.kernels.suffix_match import suffix_match
+from agspec_gpu.kernels.suffix_match import MatchDescriptors, suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
@@ -303,9 +303,15 @@ class Drafter:
                 tier_r, cid = c[r] if r < len(c) else (-1, c[0][1])
                 rows_cid.append(cid)
                 rows_tier.append(int(tier_r))
-        # one host-to-device copy; views of the writer's ring, consumed by this propose
-        slots, tier = self._writer.write((slot_ids, torch.int64), (rows_tier, torch.int64))
+        # the step's lists (slots, tiers, the match's corpus descriptors) in one
+        # host-to-device copy: views of the writer's ring, consumed by this propose
+        arena = store.arena
+        i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
+        slots, tier, i64, i32 = self._writer.write(
+            (slot_ids, torch.int64), (rows_tier, torch.int64), (i64, torch.int64),
+            (i32, torch.int32))
         tier = tier.view(B, Rs)
+        desc = MatchDescriptors.packed(i64, i32, len(rows_cid), max_levels, max_tail)
         stale = [i for i, sid in enumerate(sids)
                  if self._version[sid] != store.tenant_version(sid)]
         if stale:
@@ -314,10 +320,8 @@ class Drafter:
             for i in stale:
                 self._version[sids[i]] = store.tenant_version(sids[i])
         P, K = cfg.max_positions, cfg.max_draft_depth
-        arena = store.arena
         # the kernel directly: queries come from the validated ring, so the per-call checks
         # of IndexArena.match (host syncs) are not needed on this per-step path
-        desc = arena.descriptors(rows_cid, writer=self._writer)
         queries, qlen = ring_queries(slots, tier, self.recent, self.recent_len, self.match_cap)
         m = suffix_match(arena.tokens, arena.sa, desc, queries, qlen,
                          max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,

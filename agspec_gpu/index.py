@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from agspec_gpu.descriptor_table import DescriptorTable
 from agspec_gpu.host import HostWriter, canonical_device, to_device
 from agspec_gpu.kernels.suffix_match import (KEY_SEQ_SHIFT, MatchDescriptors, MatchResult,
                                              prefix_keys, suffix_match)
@@ -115,6 +117,8 @@ class IndexArena:
         self._sa_garbage = 0
         self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
         self._writer = HostWriter(1 << 18, self.device)  # append_rows' scatter indices
+        # every live corpus's descriptor fields, kept in step with _corpora by _sync
+        self._table = DescriptorTable()
 
     # ---------------------------------------------------------------- lifecycle
     def new_corpus(self, capacity: int = 256) -> int:
@@ -123,6 +127,7 @@ class IndexArena:
         self._next_id += 1
         cap = max(int(capacity), 16)
         self._corpora[cid] = _Corpus(tok_base=self._alloc_tokens(cap), tok_cap=cap)
+        self._sync(cid)
         return cid
 
     def add_prebuilt(self, tokens: torch.Tensor, sa: torch.Tensor, indexed_end: int,
@@ -142,6 +147,7 @@ class IndexArena:
         c = self._corpora[cid]
         self.sa[base:base + sa.numel()] = sa.to(self.device, torch.int32)
         c.levels.append(self._new_level(c, base, sa.numel(), 0, indexed_end))
+        self._sync(cid)
         return cid
 
     def free(self, cid: int) -> None:
@@ -153,6 +159,7 @@ class IndexArena:
         self.tokens[c.tok_base:c.tok_base + c.tok_cap] = 0  # its levels hold positions only
         self.src[c.tok_base:c.tok_base + c.tok_cap] = 0
         del self._corpora[cid]
+        self._table.drop(cid)
         self._doc_ends.pop(cid, None)
         live_tok, live_sa = self._live()
         if self.tokens.numel() > 2 * live_tok + 16 or self.sa.numel() > 2 * live_sa + 16:
@@ -216,6 +223,7 @@ class IndexArena:
         self.tokens[start:start + m] = tokens
         self.src[start:start + m] = src
         c.n += m
+        self._table.add_tokens([cid], [m])
         self._maybe_index(cid)
 
     def append_rows(self, cids: Sequence[int], tokens: torch.Tensor, counts: Sequence[int],
@@ -249,6 +257,7 @@ class IndexArena:
             self.src.index_fill_(0, at, src)
         for cid, m in zip(cids, counts):  # every corpus holds its rows before any level
             self._corpora[cid].n += m        # build: a build may compact the token arena
+        self._table.add_tokens(cids, counts)
         for cid, m in zip(cids, counts):
             if m:
                 self._maybe_index(cid)
@@ -269,6 +278,7 @@ class IndexArena:
             del c.levels[-2:]
             self._add_level(cid, lo, hi)
             c = self._corpora[cid]
+        self._sync(cid)
 
     def _add_level(self, cid: int, lo: int, hi: int) -> None:
         c = self._corpora[cid]
@@ -324,6 +334,7 @@ class IndexArena:
         self.tokens[base:base + c.n] = old
         self.src[base:base + c.n] = old_src
         c.tok_base, c.tok_cap = base, new_cap
+        self._sync(cid)
 
     def _live(self) -> tuple[int, int]:
         """(token slots, suffix-array entries) held by live corpora."""
@@ -373,41 +384,35 @@ class IndexArena:
         self.tokens, self.sa, self.src, self.sa_key = tokens, sa, src, sa_key
         self._tok_top, self._sa_top = tt, st
         self._tok_garbage = self._sa_garbage = 0
+        for cid in self._corpora:  # every base and sequence number may have moved
+            self._sync(cid)
 
     # ---------------------------------------------------------------- queries
-    def descriptors(self, corpus_ids: list[int], writer: HostWriter | None = None
-                    ) -> MatchDescriptors:
-        """Per-row corpus descriptors for :func:`suffix_match` (host metadata -> device: the
-        int64 fields in one buffer, the int32 fields in another, each field a slice of it).
+    def descriptor_fields(self, corpus_ids: Sequence[int]
+                          ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """The descriptors of rows ``corpus_ids`` on the host, packed as
+        :meth:`MatchDescriptors.packed` takes them: ``(int64 fields, int32 fields, max
+        levels, max tail)`` (gathered from the descriptor table; the int32 fields in an
+        int64 array, converted where they are copied)."""
+        try:
+            return self._table.gather(corpus_ids)
+        except KeyError as e:
+            raise KeyError(f"corpus id {e.args[0]} is unknown or freed") from None
 
-        ``writer``: both buffers in one copy through it, as views of its ring (for a match
-        launched at once, as a propose does); None: two new tensors the caller may keep."""
-        tok_base, n, tail, lv_ptr = [], [], [], [0]
-        lv_base, lv_len, lv_key = [], [], []
-        for cid in corpus_ids:
-            c = self._get(cid)
-            tok_base.append(c.tok_base)
-            n.append(c.n)
-            tail.append(c.tail_start)
-            for lv in c.levels:
-                lv_base.append(lv.sa_base)
-                lv_len.append(lv.sa_len)
-                lv_key.append(lv.seq << KEY_SEQ_SHIFT)
-            lv_ptr.append(len(lv_base))
-        R, K = len(corpus_ids), len(lv_base)
-        if writer is None:
-            i64 = to_device(tok_base + lv_base + lv_key, torch.int64, self.device)
-            i32 = to_device(n + tail + lv_ptr + lv_len, torch.int32, self.device)
-        else:
-            i64, i32 = writer.write((tok_base + lv_base + lv_key, torch.int64),
-                                    (n + tail + lv_ptr + lv_len, torch.int32))
-        return MatchDescriptors(
-            tok_base=i64[:R], num_tokens=i32[:R], tail_start=i32[R:2 * R],
-            level_indptr=i32[2 * R:3 * R + 1], level_sa_base=i64[R:R + K],
-            level_sa_len=i32[3 * R + 1:], level_key=i64[R + K:],
-            max_levels=max([lv_ptr[i + 1] - lv_ptr[i] for i in range(R)] + [0]),
-            max_tail=max([a - b for a, b in zip(n, tail)] + [0]),
-        )
+    def descriptors(self, corpus_ids: Sequence[int]) -> MatchDescriptors:
+        """Per-row corpus descriptors for :func:`suffix_match`, two new device tensors the
+        caller may keep (a propose stages :meth:`descriptor_fields` itself)."""
+        i64, i32, max_levels, max_tail = self.descriptor_fields(corpus_ids)
+        return MatchDescriptors.packed(to_device(i64, torch.int64, self.device),
+                                       to_device(i32, torch.int32, self.device),
+                                       len(corpus_ids), max_levels, max_tail)
+
+    def _sync(self, cid: int) -> None:
+        """The descriptor table's row of ``cid`` from its corpus (after any change but a
+        plain append, which adds to the row's ``n`` itself)."""
+        c = self._corpora[cid]
+        self._table.set(cid, c.tok_base, c.n, c.tail_start,
+                        [(lv.sa_base, lv.sa_len, lv.seq << KEY_SEQ_SHIFT) for lv in c.levels])
 
     def match(self, queries: torch.Tensor, lengths: torch.Tensor, corpus_ids: list[int],
               max_positions: int = 8, use_triton: bool | None = None, *,

@@ -76,6 +76,20 @@ class MatchDescriptors:
     max_tail: int
     level_key: torch.Tensor | None = None
 
+    @staticmethod
+    def packed(i64: torch.Tensor, i32: torch.Tensor, num_rows: int, max_levels: int,
+               max_tail: int) -> "MatchDescriptors":
+        """The descriptors as views of two buffers: ``i64 [B + 2 K]`` = ``tok_base |
+        level_sa_base | level_key``, ``i32 [3 B + 1 + K]`` = ``num_tokens | tail_start |
+        level_indptr | level_sa_len`` (one host-to-device copy each, or both in one)."""
+        B = num_rows
+        K = (i64.shape[0] - B) // 2
+        return MatchDescriptors(
+            tok_base=i64[:B], num_tokens=i32[:B], tail_start=i32[B:2 * B],
+            level_indptr=i32[2 * B:3 * B + 1], level_sa_base=i64[B:B + K],
+            level_sa_len=i32[3 * B + 1:], level_key=i64[B + K:], max_levels=max_levels,
+            max_tail=max_tail)
+
 
 KEY_TOKEN_BITS = 20  # bits of one packed key token (vocabularies up to ~1M ids exactly)
 KEY_SEQ_SHIFT = 2 * KEY_TOKEN_BITS  # a level's sequence number sits above two tokens

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from agspec_gpu.index import IndexArena, IndexConfig, SuffixIndex
 from agspec_gpu.suffix_array import build_context_array, build_suffix_array
-from index_reference import match_reference
+from index_reference import descriptors_reference, match_reference
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -669,6 +669,59 @@ def test_search_hints_are_exact_for_any_token_ids(base_id):
     for row, qr, cid in zip(rows_of(hinted, 8), queries, ids):
         assert row == match_reference(corpora[cid], qr, 12, 8)
     assert_keys_in_step(arena)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_descriptor_table_follows_every_change_of_the_corpora(seed):
+    """``descriptors`` gathers from the arena's descriptor table: after every operation of a
+    random run (new and prebuilt corpora, appends one by one and in rows, levels built and
+    merged, relocations on growth, compactions in place and shrinking, level renumbering,
+    frees) it equals the fields read from the corpora themselves, for every live corpus,
+    repeated and in any order; a freed id raises KeyError naming it."""
+    rng = random.Random(seed)
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=rng.choice([4, 16])),
+                       initial_tokens=64)
+    live: list[int] = []
+
+    def check(where):
+        ids = [rng.choice(live) for _ in range(rng.randrange(0, 12))] + live if live else []
+        rng.shuffle(ids)
+        d = arena.descriptors(ids)
+        i64, i32, max_levels, max_tail = descriptors_reference(arena, ids)
+        R = len(ids)
+        K = len(i64) - R >> 1
+        got64 = torch.cat([d.tok_base, d.level_sa_base, d.level_key]).tolist()
+        got32 = torch.cat([d.num_tokens, d.tail_start, d.level_indptr,
+                           d.level_sa_len]).tolist()
+        assert (got64, got32, d.max_levels, d.max_tail) == (i64, i32, max_levels, max_tail), \
+            where
+        assert d.level_sa_base.numel() == K
+
+    for step in range(120):
+        op = rng.random()
+        if op < 0.15 or not live:
+            live.append(arena.new_corpus(rng.choice([16, 40, 200])))
+        elif op < 0.2:
+            toks = t32([rng.randrange(20) for _ in range(rng.randrange(1, 60))])
+            end = rng.randrange(toks.numel() + 1)
+            live.append(arena.add_prebuilt(toks, build_context_array(toks, 0, end, 8), end))
+        elif op < 0.45:
+            arena.append(rng.choice(live), t32([rng.randrange(-1, 20)
+                                                for _ in range(rng.randrange(0, 40))]))
+        elif op < 0.75:
+            cids = rng.sample(live, rng.randrange(1, len(live) + 1))
+            M = rng.randrange(1, 9)
+            arena.append_rows(cids, t32([rng.randrange(20) for _ in range(len(cids) * M)])
+                              .view(len(cids), M), [rng.randrange(M + 1) for _ in cids])
+        elif op < 0.8 and len(live) > 1:
+            gone = live.pop(rng.randrange(len(live)))
+            arena.free(gone)
+            with pytest.raises(KeyError, match=f"corpus id {gone} is unknown or freed"):
+                arena.descriptors(live[:1] + [gone])
+        elif op < 0.85:
+            arena._compact(renumber=rng.random() < 0.5)
+        check((seed, step, op))
+    assert max(arena.num_levels(c) for c in live) >= 2  # levels were built, and merged
 
 
 def test_relocation_on_growth_keeps_results():
