@@ -1,11 +1,14 @@
-"""A step's host lists to the device: pageable ``to_device`` copies against ``HostWriter``'s
-pinned ring, and page allocation one sequence at a time against ``allocate_many``.
+"""A step's host lists to the device, as session 22 built them and as now: pageable
+``to_device`` copies against ``HostWriter``'s pinned ring, the match descriptors read row by
+row from the corpora against gathered from the arena's ``DescriptorTable``, and page
+allocation one sequence at a time against ``allocate_many``.
 
 Three cases per batch size ``B`` (the lists a serving step really builds):
 
 * ``match_lists``: a propose's slots and tiers, then the match descriptors of ``3 B`` (request,
-  corpus) rows of an arena of 128 corpora (100-2,000 tokens each): ``to_device`` + two
-  descriptor copies, against two ``HostWriter`` writes (what the drafter does now);
+  corpus) rows of an arena of 128 corpora (100-2,000 tokens each): ``to_device`` + the
+  descriptors read row by row and copied in two, against the descriptors gathered from the
+  table and everything in one ``HostWriter`` write (what the drafter does now);
 * ``observe_lists``: a commit's slots and the scatter indices of ``append_rows`` (8 tokens a
   row): three pageable copies against two writes;
 * ``page_alloc``: ``B`` sequences growing by 3 tokens a step on 16-token pages (a few cross
@@ -37,10 +40,13 @@ import torch
 
 from agspec_gpu.host import HostWriter, synchronize, to_device
 from agspec_gpu.index import IndexArena, IndexConfig
+from agspec_gpu.kernels.suffix_match import MatchDescriptors
 from agspec_gpu.kv_cache import PagedKVCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 from bench_layer_kernels import write_results  # noqa: E402
+from index_reference import descriptors_reference  # noqa: E402  (the loop it replaced)
 
 
 def timed(fns, steps: int, dev: torch.device) -> list[tuple[float, float]]:
@@ -77,19 +83,23 @@ def arena(dev: torch.device) -> tuple[IndexArena, list[int]]:
     return ar, cids
 
 
-def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int]) -> dict:
+def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int], steps: int) -> dict:
     """name -> (old fn(step), new fn(step)), each fresh state of its own."""
     rows = [cids[(7 * i) % len(cids)] for i in range(3 * B)]
     slots, tiers = list(range(B)), [i % 3 for i in range(3 * B)]
     writer = HostWriter(1 << 20, dev)
 
-    def match_old(_):
+    def match_old(_):  # as session 22's propose: three copies, the fields row by row
         to_device(slots + tiers, torch.int64, dev)
-        ar.descriptors(rows)
+        i64, i32, max_levels, max_tail = descriptors_reference(ar, rows)
+        MatchDescriptors.packed(to_device(i64, torch.int64, dev), to_device(i32, torch.int32, dev),
+                                len(rows), max_levels, max_tail)
 
-    def match_new(_):
-        writer.write((slots, torch.int64), (tiers, torch.int64))
-        ar.descriptors(rows, writer=writer)
+    def match_new(_):  # as Drafter.propose: one write of the lists and the descriptors
+        i64, i32, max_levels, max_tail = ar.descriptor_fields(rows)
+        _, _, i64, i32 = writer.write((slots, torch.int64), (tiers, torch.int64),
+                                      (i64, torch.int64), (i32, torch.int32))
+        MatchDescriptors.packed(i64, i32, len(rows), max_levels, max_tail)
 
     M = 8  # append_rows' lists: a row's destination and source indices
     dst = [i * 4096 + j for i in range(B) for j in range(M)]
@@ -105,8 +115,9 @@ def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int]) -> dict:
         writer.write((dst, torch.int64), (src, torch.int64))
 
     def pages(many: bool):
-        cache = PagedKVCache(1, num_pages=B * 320, page_size=16, num_kv_heads=1, head_dim=8,
-                             dtype=torch.float16, device=dev, max_seqs=B, max_pages_per_seq=320)
+        P = (100 + 7 * B + 3 * (steps + steps // 4)) // 16 + 1  # the longest sequence's pages
+        cache = PagedKVCache(1, num_pages=B * P, page_size=16, num_kv_heads=1, head_dim=8,
+                             dtype=torch.float16, device=dev, max_seqs=B, max_pages_per_seq=P)
         ids = [f"s{b}" for b in range(B)]
         base = [100 + 7 * b for b in range(B)]
 
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':14s} {'B':>3s} {'old host us':>12s} {'new host us':>12s} "
           f"{'old synced':>11s} {'new synced':>11s} {'host ratio':>10s}")
     for B in (int(b) for b in args.batch_sizes.split(",")):
-        for name, (old, new) in cases(B, dev, ar, cids).items():
+        for name, (old, new) in cases(B, dev, ar, cids, args.steps).items():
             (oh, os_), (nh, ns) = timed([old, new], args.steps, dev)
             rows.append({"case": name, "batch_size": B, "old_host_us": oh, "new_host_us": nh,
                          "old_synced_us": os_, "new_synced_us": ns, "host_ratio": oh / nh})
