@@ -109,6 +109,9 @@ class CorpusStore:
                                 device, initial_tokens=1 << 16)
         self._tenants: dict[str, _Tenant] = {}
         self._sessions: dict[str, _Session] = {}
+        # changes whenever any session's corpora or any tenant's text (its version) change:
+        # a caller's copy of corpora_of rows is current while it is unchanged
+        self.epoch = 0
         self.global_cid: int | None = None
         if global_corpus is not None and self.config.use_global:
             global_corpus.check(tokenizer, self.config.max_depth)
@@ -129,6 +132,7 @@ class CorpusStore:
         self.arena.append(cid, ids, source_code(CorpusTier.SESSION))
         self._sessions[sid] = _Session(tenant, cid)
         t.sessions.add(sid)
+        self.epoch += 1
 
     def append_session(self, sid: str, tokens: torch.Tensor | list[int], *,
                        checked: bool = False) -> None:
@@ -160,6 +164,7 @@ class CorpusStore:
         s.closed = True
         t.sessions.discard(sid)
         del self._sessions[sid]
+        self.epoch += 1
 
     def close_tenant(self, tenant: str) -> None:
         """Closes the tenant's sessions and frees its workspace and history."""
@@ -173,6 +178,7 @@ class CorpusStore:
             if docs is not None:
                 docs.free()
         del self._tenants[tenant]
+        self.epoch += 1
 
     def session(self, sid: str) -> _Session:
         s = self._sessions.get(sid)
@@ -216,6 +222,7 @@ class CorpusStore:
         added = t.ws.add(key, [(toks, source_code(CorpusTier.WORKSPACE, f))
                                for f, toks in zip(forms, ids)])
         t.version += 1
+        self.epoch += 1
         return added
 
     # ------------------------------------------------------------ history
@@ -224,6 +231,7 @@ class CorpusStore:
             t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru", 1.0)
         t.hist.add(sid, [(tokens, source_code(CorpusTier.HISTORY))])
         t.version += 1
+        self.epoch += 1
 
     # ------------------------------------------------------------ queries
     def corpora_of(self, sid: str) -> list[tuple[CorpusTier, int]]:

@@ -693,6 +693,64 @@ def test_batch_budget_is_off_under_static_k(tok):
 
 
 # ---------------------------------------------------------------- batches
+def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
+    """A propose reuses the last (request, corpus) grid while the batch and the store's
+    epoch stay; every change of the corpora a session may search (a session opened or
+    closed, a workspace created or rebuilt on eviction, a history created, a tenant
+    closed) bumps the epoch, so the grid used always equals a fresh one, and the tenant
+    versions it checks are current."""
+    store = CorpusStore(tok, TierConfig(use_global=False, workspace_budget_tokens=300))
+    d = Drafter(store, DrafterConfig(**_SHARES), max_batch=8, max_sessions=8)
+    for i in range(4):
+        d.open_session(f"s{i}", f"t{i % 2}", role="coder", prompt_ids=CASE_A[i:])
+    batch = ["s0", "s1", "s2"]
+    built = []
+    grid = d._match_grid
+
+    def counted(sids):
+        built.append(list(sids))
+        return grid(sids)
+
+    d._match_grid = counted
+
+    def propose(sids, rebuilt: bool):
+        n = len(built)
+        d.propose(sids)
+        assert len(built) == n + rebuilt and d._grid == grid(sids)
+        assert d._grid_key == (store.epoch, tuple(sids))
+        assert all(d._version[s] == store.tenant_version(s) for s in sids)
+
+    propose(batch, True)
+    propose(batch, False)  # a running batch's next step
+    propose(batch[::-1], True)  # another batch (order matters: rows follow it)
+    store.add_workspace_file("t0", "a.py", "def f(x):\n    return x + 1\n")
+    propose(batch, True)  # t0's sessions gain a workspace row
+    before = store.corpora_of("s0")
+    for k in range(12):  # past the 300-token budget: evicted, rebuilt under a new id
+        store.add_workspace_file("t0", f"b{k}.py", f"x{k} = {k} * 7  # {'pad ' * 10}\n")
+    assert store.corpora_of("s0") != before
+    propose(batch, True)
+    d.close_session("s3")  # t1 gains a history corpus
+    propose(batch, True)
+    assert len(store.corpora_of("s1")) == 2
+    d.open_session("s4", "t2", prompt_ids=CASE_B)
+    propose(batch + ["s4"], True)
+    propose(batch + ["s4"], False)
+    propose(["s1", "s0"], True)
+    store.close_tenant("t1")  # s1's corpora are gone: the grid is not reused
+    with pytest.raises(KeyError, match="s1"):
+        d.propose(["s1", "s0"])
+    # without a history, closing a session changes no other corpus: the epoch still moves
+    store = CorpusStore(tok, TierConfig(use_global=False, use_history=False))
+    d = Drafter(store, DrafterConfig(**_SHARES), max_batch=8, max_sessions=8)
+    for i in range(3):
+        d.open_session(f"s{i}", "t0", role="coder", prompt_ids=CASE_A[i:])
+    d.propose(batch)
+    d.close_session("s2")
+    with pytest.raises(KeyError, match="s2"):
+        d.propose(batch)
+
+
 def test_batch_of_five_ragged_equals_one_at_a_time(tok):
     rng = random.Random(7)
     prompts = {
