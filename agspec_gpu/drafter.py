@@ -472,7 +472,10 @@ class Drafter:
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
                  validate=True, path_nodes=None) -> None:
         dev = self.recent.device
-        slots, = self._writer.write(([self._slot_of(s) for s in sids], torch.int64))
+        # the batch's grid from its propose, while current: its slots and session corpora
+        grid = self._grid if self._grid_key == (self.store.epoch, tuple(sids)) else None
+        slot_ids = [self._slot_of(s) for s in sids] if grid is None else grid[0]
+        slots, = self._writer.write((slot_ids, torch.int64))
         out = output_ids.to(dev, torch.int32)
         nout = num_output.to(dev)
         nacc = num_accepted.to(dev)
@@ -521,7 +524,8 @@ class Drafter:
             self._push(slots, out.clamp(min=0), nout)
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
         # validated above, or the caller vouches for the ids; one scatter for every session
-        self.store.append_sessions(sids, out.to(torch.int32).contiguous(), counts)
+        self.store.append_sessions(sids, out.to(torch.int32).contiguous(), counts,
+                                   corpus_ids=None if grid is None else grid[1][::grid[3]])
 
     def _commit_example(self) -> dict[str, torch.Tensor]:
         """One request's inputs of :meth:`_commit_tensors` (shapes and dtypes)."""

@@ -146,11 +146,14 @@ class CorpusStore:
         self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION))
 
     def append_sessions(self, sids: Sequence[str], tokens: torch.Tensor,
-                        counts: Sequence[int]) -> None:
+                        counts: Sequence[int], *,
+                        corpus_ids: Sequence[int] | None = None) -> None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``int32 [len(sids), M]`` to
         session ``sids[i]`` (distinct sessions), all rows in one scatter. The caller vouches
-        for the ids (the drafter's per-step commit: validated, or the model's own)."""
-        cids = [self.session(sid).corpus for sid in sids]
+        for the ids (the drafter's per-step commit: validated, or the model's own), and for
+        ``corpus_ids``, the sessions' corpora when it holds them (from ``corpora_of`` at
+        this :attr:`epoch`)."""
+        cids = [self.session(sid).corpus for sid in sids] if corpus_ids is None else corpus_ids
         self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION))
 
     def close_session(self, sid: str) -> None:

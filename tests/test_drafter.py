@@ -698,7 +698,8 @@ def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
     epoch stay; every change of the corpora a session may search (a session opened or
     closed, a workspace created or rebuilt on eviction, a history created, a tenant
     closed) bumps the epoch, so the grid used always equals a fresh one, and the tenant
-    versions it checks are current."""
+    versions it checks are current. The commit after it appends each session's tokens to
+    that session's corpus, taken from the grid (rows of 1-2 corpora: ragged)."""
     store = CorpusStore(tok, TierConfig(use_global=False, workspace_budget_tokens=300))
     d = Drafter(store, DrafterConfig(**_SHARES), max_batch=8, max_sessions=8)
     for i in range(4):
@@ -714,11 +715,21 @@ def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
     d._match_grid = counted
 
     def propose(sids, rebuilt: bool):
+        """A step: propose (the grid rebuilt or not), then commit one token to each session
+        (the commit takes the sessions' corpora from the grid), and where it landed."""
         n = len(built)
         d.propose(sids)
         assert len(built) == n + rebuilt and d._grid == grid(sids)
         assert d._grid_key == (store.epoch, tuple(sids))
         assert all(d._version[s] == store.tenant_version(s) for s in sids)
+        cids = [store.session(s).corpus for s in sids]
+        sizes = [store.arena.num_tokens(c) for c in cids]
+        B, tok = len(sids), 11 + len(built)
+        d.observe(sids, torch.full((B, 1), tok, dtype=torch.int32),
+                  torch.ones(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+        for c, n in zip(cids, sizes):
+            assert store.arena.num_tokens(c) == n + 1
+            assert store.arena.corpus_tokens(c)[-1].item() == tok
 
     propose(batch, True)
     propose(batch, False)  # a running batch's next step
