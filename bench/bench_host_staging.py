@@ -13,7 +13,10 @@ Three cases per batch size ``B`` (the lists a serving step really builds):
   row): three pageable copies against two writes;
 * ``page_alloc``: ``B`` sequences growing by 3 tokens a step on 16-token pages (a few cross
   a page each step): ``allocate`` per sequence (one copy and one write each) against one
-  ``allocate_many`` (one copy and one scatter).
+  ``allocate_many`` (one copy and one scatter);
+* ``match_grid``: a propose's (request, corpus) grid for ``B`` sessions of ``B / 4`` tenants
+  with workspaces: built every step (slots, ``corpora_of``, rows, the tenant-version check)
+  against the drafter's reuse while the batch and the store's epoch stay.
 
 Per case the median microseconds of host time (the call returns; nothing waits for the
 device) and of the synchronized call (the copies done), over ``--steps`` calls after a
@@ -38,10 +41,13 @@ from pathlib import Path
 
 import torch
 
+from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import HostWriter, synchronize, to_device
 from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.kernels.suffix_match import MatchDescriptors
 from agspec_gpu.kv_cache import PagedKVCache
+from agspec_gpu.tiers import CorpusStore, TierConfig
+from agspec_gpu.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
@@ -83,7 +89,20 @@ def arena(dev: torch.device) -> tuple[IndexArena, list[int]]:
     return ar, cids
 
 
-def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int], steps: int) -> dict:
+def drafter(B: int, dev: torch.device, tok) -> tuple[Drafter, list[str]]:
+    """A drafter with ``B`` open sessions of ``B / 4`` tenants, each with a workspace file."""
+    store = CorpusStore(tok, TierConfig(use_global=False), dev)
+    d = Drafter(store, DrafterConfig(), max_batch=B)
+    for t in range(max(B // 4, 1)):
+        store.add_workspace_file(f"t{t}", "a.py", "def f(x):\n    return x + 1\n" * 20)
+    sids = [f"s{i}" for i in range(B)]
+    for i, sid in enumerate(sids):
+        d.open_session(sid, f"t{i % max(B // 4, 1)}", prompt_ids=list(range(100 + i)))
+    return d, sids
+
+
+def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int], steps: int,
+          tok) -> dict:
     """name -> (old fn(step), new fn(step)), each fresh state of its own."""
     rows = [cids[(7 * i) % len(cids)] for i in range(3 * B)]
     slots, tiers = list(range(B)), [i % 3 for i in range(3 * B)]
@@ -130,8 +149,18 @@ def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int], steps: int
                     cache.allocate(sid, n)
         return step
 
+    d, sids = drafter(B, dev, tok)
+    d.propose(sids)  # the grid of this batch, as a running batch's last step left it
+
+    def grid_old(_):  # as session 22's propose, every step
+        d._match_grid(sids)
+        [i for i, s in enumerate(sids) if d._version[s] != d.store.tenant_version(s)]
+
+    def grid_new(_):  # as Drafter.propose now: reused while batch and epoch stay
+        assert (d.store.epoch, tuple(sids)) == d._grid_key
+
     return {"match_lists": (match_old, match_new), "observe_lists": (observe_old, observe_new),
-            "page_alloc": (pages(False), pages(True))}
+            "page_alloc": (pages(False), pages(True)), "match_grid": (grid_old, grid_new)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     ar, cids = arena(dev)
+    tok = load_tokenizer("cl100k")
     rows = []
     print(f"{'case':14s} {'B':>3s} {'old host us':>12s} {'new host us':>12s} "
           f"{'old synced':>11s} {'new synced':>11s} {'host ratio':>10s}")
     for B in (int(b) for b in args.batch_sizes.split(",")):
-        for name, (old, new) in cases(B, dev, ar, cids, args.steps).items():
+        for name, (old, new) in cases(B, dev, ar, cids, args.steps, tok).items():
             (oh, os_), (nh, ns) = timed([old, new], args.steps, dev)
             rows.append({"case": name, "batch_size": B, "old_host_us": oh, "new_host_us": nh,
                          "old_synced_us": os_, "new_synced_us": ns, "host_ratio": oh / nh})

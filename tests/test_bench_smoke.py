@@ -78,7 +78,8 @@ def test_bench_host_staging_smoke(tmp_path):
                                     "--out", str(tmp_path / "hs")]) == 0
     rows = json.loads((tmp_path / "hs.json").read_text())["results"]
     assert {(r["case"], r["batch_size"]) for r in rows} == {
-        (c, b) for c in ("match_lists", "observe_lists", "page_alloc") for b in (1, 3)}
+        (c, b) for c in ("match_lists", "observe_lists", "page_alloc", "match_grid")
+        for b in (1, 3)}
     assert all(r[k] > 0 for r in rows for k in ("old_host_us", "new_host_us",
                                                  "old_synced_us", "new_synced_us"))
 
