@@ -242,25 +242,26 @@ class IndexArena:
         M = tokens.shape[1]
         if any(m < 0 or m > M for m in counts):
             raise ValueError(f"counts: each in [0, {M}], got {list(counts)}")
-        for cid, m in zip(cids, counts):  # grow first: relocation moves corpora
-            c = self._get(cid)
+        corpora = [self._get(cid) for cid in cids]  # relocation and compaction keep them
+        for cid, c, m in zip(cids, corpora, counts):  # grow first: relocation moves corpora
             if c.n + m > c.tok_cap:
                 self._relocate(cid, max(2 * c.tok_cap, c.n + m))
-        dst, flat = [], []
-        for i, (cid, m) in enumerate(zip(cids, counts)):
-            start = self._corpora[cid].tok_base + self._corpora[cid].n
+        dst, flat, due = [], [], []  # due: the corpora whose tail becomes a level
+        for i, (cid, c, m) in enumerate(zip(cids, corpora, counts)):
+            start = c.tok_base + c.n
             dst.extend(range(start, start + m))
             flat.extend(range(i * M, i * M + m))
+            if m and c.n + m - c.tail_start >= self.config.tail_tokens:
+                due.append(cid)
         if dst:  # one copy from pinned memory, consumed here
             at, take = self._writer.write((dst, torch.int64), (flat, torch.int64))
             self.tokens.index_copy_(0, at, tokens.reshape(-1).index_select(0, take))
             self.src.index_fill_(0, at, src)
-        for cid, m in zip(cids, counts):  # every corpus holds its rows before any level
-            self._corpora[cid].n += m        # build: a build may compact the token arena
+        for c, m in zip(corpora, counts):  # every corpus holds its rows before any level
+            c.n += m                        # build: a build may compact the token arena
         self._table.add_tokens(cids, counts)
-        for cid, m in zip(cids, counts):
-            if m:
-                self._maybe_index(cid)
+        for cid in due:
+            self._maybe_index(cid)
 
     def _maybe_index(self, cid: int) -> None:
         c = self._corpora[cid]
