@@ -20,8 +20,8 @@ Three cases per batch size ``B`` (the lists a serving step really builds):
 
 Per case the median microseconds of host time (the call returns; nothing waits for the
 device) and of the synchronized call (the copies done), over ``--steps`` calls after a
-warm-up, old and new taking turns. On a CPU the copies are no-ops: the host work only (numpy packing, the Python
-loops); the device script runs it on the GPU.
+warm-up, old and new taking turns. On a CPU the copies are no-ops: the host work only
+(numpy packing, the Python loops); the device script runs it on the GPU.
 
 Usage::
 
@@ -92,7 +92,7 @@ def arena(dev: torch.device) -> tuple[IndexArena, list[int]]:
 def drafter(B: int, dev: torch.device, tok) -> tuple[Drafter, list[str]]:
     """A drafter with ``B`` open sessions of ``B / 4`` tenants, each with a workspace file."""
     store = CorpusStore(tok, TierConfig(use_global=False), dev)
-    d = Drafter(store, DrafterConfig(), max_batch=B)
+    d = Drafter(store, DrafterConfig(cuda_graphs=False), max_batch=B)  # no capture: host work
     for t in range(max(B // 4, 1)):
         store.add_workspace_file(f"t{t}", "a.py", "def f(x):\n    return x + 1\n" * 20)
     sids = [f"s{i}" for i in range(B)]

@@ -211,7 +211,7 @@ step bench_match 60 python3 bench/bench_match.py --device cuda --sizes 1M,4M --b
   --repeats 10 --max-depth 32 --no-unfold --no-suffix-decoding --out /tmp/bench/match
 # a step's host lists to the device: pageable to_device copies against HostWriter's pinned
 # ring, per-sequence page allocation against allocate_many (host and synchronized us)
-step bench_host_staging 40 python3 bench/bench_host_staging.py --device cuda \
+step bench_host_staging 60 python3 bench/bench_host_staging.py --device cuda \
   --batch-sizes 1,16,64 --out /tmp/bench/host_staging
 # one file for the five (at most 8 files come back): {"layer_kernels": ..., ...}
 python3 -c "
