@@ -157,7 +157,7 @@ class Drafter:
         # tokens); reset to max_depth when other text joins the request's corpora
         self.match_cap = torch.zeros(slots, dtype=torch.int32, device=dev)
         # a step's host lists (slots, tiers, the match's corpus descriptors): pinned staging,
-        # one copy each; a half of 512 KiB holds ~20 steps' lists at 64 requests
+        # one copy each; a half of 512 KiB holds ~50 steps' lists (~10 KB each) at 64 requests
         self._writer = HostWriter(1 << 20, dev)
         self._version: dict[str, int] = {}
         self._grid_key: tuple | None = None  # (store epoch, sids) of _grid, the last grid
