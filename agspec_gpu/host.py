@@ -92,7 +92,8 @@ class HostWriter:
             raise ValueError(f"nbytes must be >= {2 * _ALIGN}, got {nbytes}")
         self.device = canonical_device(device)
         self._cuda = self.device.type == "cuda"
-        # each half's last use: recorded when the writes leave it, waited for on return
+        # each half's last use: recorded when the writes leave it, waited for on return (a
+        # CUDA event never recorded is waited for as done)
         self._left = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
         self._alloc(nbytes)
 
@@ -108,7 +109,6 @@ class HostWriter:
         # the ring as each dtype (numpy host, torch host, torch device): one slice per list
         self._typed: dict[torch.dtype, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
         self._half, self._at, self._end = 0, 0, nbytes // 2  # the half written, its end
-        self._recorded = [False, False]
 
     def _views(self, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         v = self._typed.get(dtype)
@@ -126,9 +126,8 @@ class HostWriter:
             return 0
         if self._cuda:
             self._left[self._half].record(torch.cuda.current_stream(self.device))
-            self._recorded[self._half] = True
         self._half ^= 1
-        if self._cuda and self._recorded[self._half]:
+        if self._cuda:
             self._left[self._half].synchronize()
         self._end = (self._half + 1) * half
         return self._half * half
@@ -146,7 +145,7 @@ class HostWriter:
         self._at = at + size
         spans = []
         for off, (values, dtype) in zip(offsets, groups):
-            views = self._typed.get(dtype) or self._views(dtype)
+            views = self._views(dtype)
             start, n = (at + off) // dtype.itemsize, len(values)
             if n:
                 views[0][start:start + n] = values
