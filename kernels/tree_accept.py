@@ -40,12 +40,12 @@ def num_warps(N: int, by_depth: bool) -> int:
     return 8 if by_depth and triton.next_power_of_2(max(N, 1)) >= 128 else 4
 
 
-# the draft width, logit rows and depth bound change every step: not specialized, one
-# compile per mode and BLOCK_N
-@triton.jit(do_not_specialize=["N", "E", "D"])
+# the draft width, row strides, logit rows and depth bound change every step: not
+# specialized, one compile per mode and BLOCK_N
+@triton.jit(do_not_specialize=["N", "stride_tok", "stride_par", "E", "D"])
 def _tree_accept_kernel(
-    tok_ptr,  # *int32 [B, N]  draft tokens, topological order (parents[b, j] < j)
-    par_ptr,  # *int32 [B, N]  parents, -1: a child of the root
+    tok_ptr,  # *int32 [B, N] (row stride stride_tok)  draft tokens, topological order
+    par_ptr,  # *int32 [B, N] (row stride stride_par)  parents (< j), -1: a child of the root
     num_ptr,  # *int32 [B]  valid nodes per request
     exp_ptr,  # *int64 [B, E]  expected tokens (see the module docstring); ROWS: [E] rows
     row_ptr,  # *int32 [B]  ROWS: request b's expected tokens start at exp_ptr + row_ptr[b]
@@ -55,6 +55,8 @@ def _tree_accept_kernel(
     nout_ptr,  # *int32 [B]  EMIT: accepted nodes + 1
     bonus_ptr,  # *int32 [B]  EMIT: the bonus token
     N,
+    stride_tok,
+    stride_par,
     E,
     D,
     NO_MATCH,  # a token no draft node carries
@@ -79,8 +81,8 @@ def _tree_accept_kernel(
     j = tl.arange(0, BLOCK_N)
     inb = j < N
     valid = inb & (j < tl.load(num_ptr + b))
-    tok = tl.load(tok_ptr + b * N + j, mask=inb, other=0).to(tl.int64)
-    par = tl.load(par_ptr + b * N + j, mask=inb, other=-1)
+    tok = tl.load(tok_ptr + b * stride_tok + j, mask=inb, other=0).to(tl.int64)
+    par = tl.load(par_ptr + b * stride_par + j, mask=inb, other=-1)
     if not BY_DEPTH:  # the target at the node's parent: expected column parents + 1
         want = tl.load(exp_ptr + par + 1, mask=valid & (par + 1 >= lo) & (par + 1 < hi),
                        other=NO_MATCH)
@@ -237,13 +239,20 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     path = torch.empty(B, max_depth, dtype=torch.long, device=dev)
     if B and max_depth:
         num_draft_tokens = num_draft_tokens.to(torch.int32).contiguous()
+        tok, par = _rows(token_ids), _rows(parents)
         _tree_accept_kernel[(B,)](
-            token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
-            num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num, num,
-            num, N, expected.shape[1], max_depth, -2,
+            tok, par, num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num,
+            num, num, N, tok.stride(0), par.stride(0), expected.shape[1], max_depth, -2,
             BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=by_depth, EMIT=False,
             ROWS=False, num_warps=num_warps(N, by_depth))
     return num, path
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel reads it: int32 with unit column stride, rows at any stride (a
+    draft narrowed to a step's width is read in place, not copied)."""
+    x = x.to(torch.int32)
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
 def path_outputs_torch(token_ids: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
@@ -302,11 +311,12 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     num, path, out, nout, bonus = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B), \
         i32(B)
     num_draft_tokens = num_draft_tokens.to(torch.int32).contiguous()
+    tok, par = _rows(token_ids), _rows(parents)
     _tree_accept_kernel[(B,)](
-        token_ids.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
-        num_draft_tokens, target.contiguous(),
+        tok, par, num_draft_tokens, target.contiguous(),
         num_draft_tokens if row_start is None else row_start.contiguous(), path, num, out,
-        nout, bonus, N, target.shape[0] if flat else N + 1, max_depth, -2,
+        nout, bonus, N, tok.stride(0), par.stride(0), target.shape[0] if flat else N + 1,
+        max_depth, -2,
         BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat,
         num_warps=num_warps(N, False))
     return num, path, out, nout, bonus

@@ -124,6 +124,31 @@ def test_chains_and_empty_batches(by_depth):
         assert out.shape == (0, 4)
 
 
+@pytest.mark.parametrize("by_depth", [False, True])
+def test_drafts_narrowed_to_a_width_are_read_in_place(by_depth):
+    """A serving step narrows its drafts to the step's width (column views of wider
+    buffers, other rows' garbage past the width): the kernel reads them at their row stride,
+    without a copy, and equals the torch path and the walk on the same trees."""
+    rng = np.random.default_rng(7 + by_depth)
+    tok, par, num, exp = random_case(rng, 5, 24, 2, by_depth, W=20)
+    tok[:, 20:], par[:, 20:] = 1, 0  # never read: past num (narrowed below)
+    num = np.minimum(num, 20)
+    wide = [torch.from_numpy(x).to(DEV) for x in (tok, par)]
+    narrow = [x[:, :20] for x in wide]
+    assert not narrow[0].is_contiguous()
+    e = torch.from_numpy(exp if by_depth else exp[:, :21].copy()).to(DEV)
+    n = torch.from_numpy(num).to(DEV)
+    ref = tree_accept_torch(*[x.contiguous() for x in narrow], n, e, by_depth=by_depth,
+                            max_depth=20)
+    got = tree_accept(*narrow, n, e, by_depth=by_depth, max_depth=20, use_triton=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    if not by_depth:
+        outs = [greedy_tree_accept(*narrow, n, e, max_depth=20, use_triton=u)
+                for u in (True, False)]
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+        assert torch.equal(outs[0][1].long(), ref[1])
+
+
 def test_rejects_bad_inputs():
     t = torch.zeros(2, 3, dtype=torch.int32)
     num = torch.zeros(2, dtype=torch.int32)
@@ -198,7 +223,8 @@ def test_steps_of_any_batch_share_the_compiled_kernel():
 def test_kernel_compiles_for_sm90():
     sig = dict(tok_ptr="*i32", par_ptr="*i32", num_ptr="*i32", exp_ptr="*i64", row_ptr="*i32",
                path_ptr="*i64", nacc_ptr="*i64", out_ptr="*i32", nout_ptr="*i32",
-               bonus_ptr="*i32", N="i32", E="i32", D="i32", NO_MATCH="i64",
+               bonus_ptr="*i32", N="i32", stride_tok="i32", stride_par="i32", E="i32",
+               D="i32", NO_MATCH="i64",
                BLOCK_N="constexpr", BY_DEPTH="constexpr", EMIT="constexpr", ROWS="constexpr")
     greedy = dict(sig, path_ptr="*i32", nacc_ptr="*i32")
     compile_all_for_sm90([
