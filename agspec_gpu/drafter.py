@@ -38,9 +38,7 @@ from agspec_gpu.kernels.controller_commit import controller_commit
 from agspec_gpu.kernels.depth_caps import depth_caps
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
-from agspec_gpu.kernels.match_windows import match_windows
 from agspec_gpu.kernels.node_probs import node_probs
-from agspec_gpu.kernels.ring_queries import ring_queries
 from agspec_gpu.kernels.suffix_match import MatchDescriptors, suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
@@ -302,14 +300,15 @@ class Drafter:
                      if self._version[sid] != store.tenant_version(sid)]
         else:  # no tenant's text changed since the grid was built and checked
             stale = []
-        slot_ids, rows_cid, rows_tier, Rs = self._grid
-        # the step's lists (slots, tiers, the match's corpus descriptors) in one
-        # host-to-device copy: views of the writer's ring, consumed by this propose
+        slot_ids, rows_cid, rows_tier, Rs, rows_slot = self._grid
+        # the step's lists (slots, tiers, each row's query slot, the match's corpus
+        # descriptors) in one host-to-device copy: views of the writer's ring, consumed by
+        # this propose
         arena = store.arena
         i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
-        slots, tier, i64, i32 = self._writer.write(
-            (slot_ids, torch.int64), (rows_tier, torch.int64), (i64, torch.int64),
-            (i32, torch.int32))
+        slots, tier, query_rows, i64, i32 = self._writer.write(
+            (slot_ids, torch.int64), (rows_tier, torch.int64), (rows_slot, torch.int64),
+            (i64, torch.int64), (i32, torch.int32))
         tier = tier.view(B, Rs)
         desc = MatchDescriptors.packed(i64, i32, len(rows_cid), max_levels, max_tail)
         if stale:
@@ -319,17 +318,17 @@ class Drafter:
                 self._version[sids[i]] = store.tenant_version(sids[i])
         P, K = cfg.max_positions, cfg.max_draft_depth
         # the kernel directly: queries come from the validated ring, so the per-call checks
-        # of IndexArena.match (host syncs) are not needed on this per-step path
-        queries, qlen = ring_queries(slots, tier, self.recent, self.recent_len, self.match_cap)
-        m = suffix_match(arena.tokens, arena.sa, desc, queries, qlen,
+        # of IndexArena.match (host syncs) are not needed on this per-step path. One launch
+        # on a GPU: each row reads its request's ring row in place (length capped by
+        # match_cap) and writes its candidate windows [P, K], the K tokens after each
+        # occurrence, read here because the arena's buffers move as it grows (a graph would
+        # keep the old address)
+        m = suffix_match(arena.tokens, arena.sa, desc, self.recent, self.recent_len,
                          max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
-                         sa_key=arena.sa_key)
-        # candidate windows [B * Rs, P, K]: the K tokens after each occurrence, read here
-        # because the arena's buffers move as it grows (a graph would keep the old address)
-        win, src = match_windows(arena.tokens, arena.src, desc.tok_base, desc.num_tokens,
-                                 m.positions, K)
+                         sa_key=arena.sa_key, query_rows=query_rows, max_lengths=self.match_cap,
+                         window=K, src=arena.src)
         inputs = {"slots": slots, "tier": tier, "length": m.length.view(B, Rs),
-                  "win": win.view(B, Rs, P, K), "src": src.view(B, Rs, P, K)}
+                  "win": m.windows.view(B, Rs, P, K), "src": m.window_sources.view(B, Rs, P, K)}
         if self._graphs is not None:
             out = self._graphs[0].run(inputs, clone=stable)
         else:
@@ -340,21 +339,23 @@ class Drafter:
         self._pending[tuple(sids)] = (draft, nd, node_row)
         return draft
 
-    def _match_grid(self, sids: list[str]) -> tuple[list[int], list[int], list[int], int]:
-        """``(slot ids, corpus id per row, tier per row, Rs)`` of the match's ``[B, Rs]`` grid
-        of (request, corpus) rows, ``Rs`` the most corpora of a request; a request with
-        fewer repeats its session corpus as tier -1 rows, whose query is empty (no match, no
-        candidates)."""
+    def _match_grid(self, sids: list[str]
+                    ) -> tuple[list[int], list[int], list[int], int, list[int]]:
+        """``(slot ids, corpus id per row, tier per row, Rs, query slot per row)`` of the
+        match's ``[B, Rs]`` grid of (request, corpus) rows, ``Rs`` the most corpora of a
+        request; a request with fewer repeats its session corpus as tier -1 rows, which have
+        no query (slot -1: no match, no candidates)."""
         slot_ids = [self._slot_of(s) for s in sids]
         corpora = [self.store.corpora_of(s) for s in sids]
         Rs = max(len(c) for c in corpora)
-        rows_cid, rows_tier = [], []
-        for c in corpora:
+        rows_cid, rows_tier, rows_slot = [], [], []
+        for slot, c in zip(slot_ids, corpora):
             for r in range(Rs):
                 tier_r, cid = c[r] if r < len(c) else (-1, c[0][1])
                 rows_cid.append(cid)
                 rows_tier.append(int(tier_r))
-        return slot_ids, rows_cid, rows_tier, Rs
+                rows_slot.append(slot if tier_r >= 0 else -1)
+        return slot_ids, rows_cid, rows_tier, Rs, rows_slot
 
     def _forget(self, sids: Sequence[str]) -> None:
         """Drops the pending proposals that draft any of ``sids`` (their context moved on)."""

@@ -223,7 +223,7 @@ json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 150 "${PYTEST[@]}" \
-  tests/test_ring_queries.py tests/test_match_windows.py tests/test_candidate_rows.py \
+  tests/test_candidate_rows.py \
   tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
   tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
   tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \

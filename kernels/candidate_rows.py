@@ -130,7 +130,8 @@ def candidate_rows(tier: torch.Tensor, length: torch.Tensor, win: torch.Tensor,
     tier : ``int64 [B, R]`` each row's tier (``-1``: no corpus, length 0);
         ``length`` : ``int32 [B, R]`` its match length.
     win : ``int32 [B, R, P, K]`` the windows after each row's continuation positions;
-        ``src`` : ``int8 [B, R, P, K]`` their sources (:func:`match_windows`).
+        ``src`` : ``int8 [B, R, P, K]`` their sources (``MatchResult.windows``,
+        ``window_sources``).
     tier_bonus : ``int32 [T]`` tokens added to a tier's match length when rows compete;
         ``tier_hits``, ``tier_drafts`` : ``float64 [T]`` a tier's weight is their ratio.
     num_slots : rows kept per request (``>= 1``); ``min_match`` (``>= 1``): shortest match

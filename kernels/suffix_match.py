@@ -17,6 +17,15 @@ find
 * ``sa_lo[b, k], sa_hi[b, k]``: the range of level ``k`` (oldest first) holding those
   occurrences, as absolute indices into ``sa`` (``sa_lo == sa_hi ==`` the level's base when
   ``length`` is 0; ``(0, 0)`` for slots past the row's levels).
+* optionally (``window = W > 0``) ``windows[b, i]``: the ``W`` tokens from
+  ``positions[b, i]`` on (the draft candidates that follow the match), ``PAD_ID`` past the
+  corpus end or for a missing position, and their source codes in ``window_sources`` (-1
+  there), read in the same launch.
+
+The queries are ``queries[b]`` with length ``lengths[b]``; or, with ``query_rows``, row ``b``
+reads query row ``query_rows[b]`` of a shared table (a drafter's ring of recent tokens: one
+row per request, read by each of its corpora's rows) with length ``min(lengths,
+max_lengths)`` of that row, and no query (length 0) where ``query_rows[b] < 0``.
 
 The index is a suffix array of the *reversed* text, keyed by continuation position: a level
 holds the positions ``c`` of a position range whose token ``tokens[c]`` and predecessor
@@ -52,6 +61,7 @@ from typing import NamedTuple
 import torch
 
 END = -(2**31)  # value of positions past the end of a corpus; below every separator
+PAD_ID = -1  # window entries past a corpus's end, or of a missing position
 
 
 @dataclass
@@ -129,6 +139,10 @@ class MatchResult:
         count: ``int64 [B]`` occurrences of that suffix followed by a token.
         positions: ``int64 [B, P]`` continuation positions, most recent first, -1 padded.
         sa_lo, sa_hi: ``int64 [B, K]`` per-level suffix-array ranges (absolute, empty = equal).
+        windows: ``int32 [B, P, W]`` or None: the ``W`` tokens from each position on,
+            ``PAD_ID`` past the corpus end or where the position is -1 (``window=W``).
+        window_sources: ``int8 [B, P, W]`` or None: their source codes, -1 where
+            ``windows`` is ``PAD_ID``.
     """
 
     length: torch.Tensor
@@ -136,24 +150,35 @@ class MatchResult:
     positions: torch.Tensor
     sa_lo: torch.Tensor
     sa_hi: torch.Tensor
+    windows: torch.Tensor | None = None
+    window_sources: torch.Tensor | None = None
 
 
 def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
                  max_positions: int, max_scan: int | None = None,
-                 use_triton: bool | None = None, sa_key: torch.Tensor | None = None
-                 ) -> MatchResult:
+                 use_triton: bool | None = None, sa_key: torch.Tensor | None = None,
+                 query_rows: torch.Tensor | None = None,
+                 max_lengths: torch.Tensor | None = None, window: int = 0,
+                 src: torch.Tensor | None = None) -> MatchResult:
     """Launcher: validates and runs the Triton kernel on CUDA, the torch path otherwise.
 
     Args:
         tokens: ``int32 [T]`` arena tokens. sa: ``int32 [S]`` arena suffix arrays.
-        desc: per-row descriptors. queries: ``int32 [B, L]`` right-aligned.
-        lengths: ``int32 [B]``. max_depth: longest match searched.
-        max_positions: ``P``. max_scan: entries of a level's range read for positions
-        (None: all). use_triton: force a path (None: Triton iff on CUDA).
+        desc: per-row descriptors (``B`` rows). queries: ``int32 [Q, L]`` right-aligned.
+        lengths: ``int32 [Q]``. ``Q = B`` without ``query_rows``.
+        max_depth: longest match searched. max_positions: ``P``. max_scan: entries of a
+        level's range read for positions (None: all). use_triton: force a path (None:
+        Triton iff on CUDA).
         sa_key: ``int64 [S]`` search keys of every ``sa`` entry (:func:`prefix_keys`, with
         ``desc.level_key``), or None: the torch path starts its searches inside the entries
         sharing the query's last one or two tokens (same results, fewer rounds).
+        query_rows: ``int64 [B]`` or None: row ``b``'s query is ``queries[query_rows[b]]``
+        (in ``[0, Q)``; none, length 0, where it is negative).
+        max_lengths: ``int32 [Q]`` or None: caps ``lengths`` (a query's length is the
+        minimum of the two).
+        window: ``W >= 0``; with ``W > 0`` the result also holds the ``W`` tokens from each
+        position on and their sources (``src``: ``int8 [T]``, the arena's source codes).
     """
     if sa_key is not None and (sa_key.dtype != torch.int64 or sa_key.shape != sa.shape
                                or desc.level_key is None):
@@ -161,28 +186,89 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
     if max_scan is not None and max_scan < 1:
         raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
     for name, t, dt in (("tokens", tokens, torch.int32), ("sa", sa, torch.int32),
-                        ("queries", queries, torch.int32), ("lengths", lengths, torch.int32)):
+                        ("queries", queries, torch.int32), ("lengths", lengths, torch.int32),
+                        ("query_rows", query_rows, torch.int64),
+                        ("max_lengths", max_lengths, torch.int32), ("src", src, torch.int8)):
+        if t is None:
+            continue
         if t.dtype != dt:
             raise ValueError(f"{name} must be {dt}, got {t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+        if t.device != tokens.device:
+            raise ValueError(f"{name} is on {t.device}, tokens on {tokens.device}")
     if queries.dim() != 2 or lengths.shape != (queries.shape[0],):
-        raise ValueError(f"queries must be [B, L] and lengths [B], got {tuple(queries.shape)} "
+        raise ValueError(f"queries must be [Q, L] and lengths [Q], got {tuple(queries.shape)} "
                          f"and {tuple(lengths.shape)}")
-    if desc.tok_base.shape[0] != queries.shape[0]:
+    if max_lengths is not None and max_lengths.shape != lengths.shape:
+        raise ValueError(f"max_lengths must be shaped like lengths {tuple(lengths.shape)}, "
+                         f"got {tuple(max_lengths.shape)}")
+    B = desc.tok_base.shape[0]
+    if query_rows is not None and query_rows.shape != (B,):
+        raise ValueError(f"query_rows must be [B={B}] (one per descriptor row), got "
+                         f"{tuple(query_rows.shape)}")
+    if query_rows is None and queries.shape[0] != B:
         raise ValueError("desc has a different number of rows than queries")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if window and (src is None or src.shape != tokens.shape):
+        raise ValueError(f"src: window={window} needs the int8 [T={tokens.numel()}] source "
+                         f"codes of tokens, got {None if src is None else tuple(src.shape)}")
     if use_triton is None:
         use_triton = tokens.is_cuda
     if use_triton:
         from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
 
         return suffix_match_triton(tokens, sa, desc, queries, lengths, max_depth=max_depth,
-                                   max_positions=max_positions, max_scan=max_scan)
-    return suffix_match_torch(tokens, sa, desc, queries, lengths, max_depth=max_depth,
-                              max_positions=max_positions, max_scan=max_scan, sa_key=sa_key)
+                                   max_positions=max_positions, max_scan=max_scan,
+                                   query_rows=query_rows, max_lengths=max_lengths,
+                                   window=window, src=src)
+    if query_rows is not None or max_lengths is not None:
+        queries, lengths = gather_queries(queries, lengths, query_rows, max_lengths)
+    m = suffix_match_torch(tokens, sa, desc, queries, lengths, max_depth=max_depth,
+                           max_positions=max_positions, max_scan=max_scan, sa_key=sa_key)
+    if window:
+        m.windows, m.window_sources = match_windows_torch(tokens, src, desc.tok_base,
+                                                          desc.num_tokens, m.positions, window)
+    return m
 
 
 # ------------------------------------------------------------------------ torch path
+def gather_queries(queries: torch.Tensor, lengths: torch.Tensor,
+                   query_rows: torch.Tensor | None, max_lengths: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row ``(queries int32 [B, L], lengths int32 [B])`` that ``query_rows`` and
+    ``max_lengths`` describe (see :func:`suffix_match`): what the kernel reads in place."""
+    if max_lengths is not None:
+        lengths = torch.minimum(lengths, max_lengths)
+    if query_rows is None:
+        return queries, lengths
+    at = query_rows.clamp(min=0)
+    if queries.shape[0] == 0:  # every row without a query
+        return (queries.new_zeros(query_rows.shape[0], queries.shape[1]),
+                lengths.new_zeros(query_rows.shape[0]))
+    return queries[at], torch.where(query_rows >= 0, lengths[at], 0).to(torch.int32)
+
+
+def match_windows_torch(tokens: torch.Tensor, src: torch.Tensor, tok_base: torch.Tensor,
+                        num_tokens: torch.Tensor, positions: torch.Tensor, W: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(windows int32 [B, P, W], window_sources int8 [B, P, W])`` of
+    :class:`MatchResult`: ``tokens[tok_base[b] + positions[b, i] + j]`` while inside row
+    ``b``'s corpus (``positions[b, i] + j < num_tokens[b]``), else ``PAD_ID``; sources alike,
+    -1 outside."""
+    if tokens.numel() == 0:  # (no corpus holds a token: every window is padding)
+        shape = (*positions.shape, W)
+        return (torch.full(shape, PAD_ID, dtype=torch.int32, device=positions.device),
+                torch.full(shape, -1, dtype=torch.int8, device=positions.device))
+    at = positions[:, :, None] + torch.arange(W, device=positions.device)[None, None, :]
+    inside = (positions[:, :, None] >= 0) & (at < num_tokens.to(torch.int64)[:, None, None])
+    flat = torch.where(inside, tok_base[:, None, None] + at, 0)
+    win = torch.where(inside, torch.take(tokens, flat), PAD_ID).to(torch.int32)
+    win_src = torch.where(inside, torch.take(src, flat), -1).to(torch.int8)
+    return win, win_src
+
+
 def _windows(buf: torch.Tensor, start: torch.Tensor, width: int, *, inside: bool = False
              ) -> torch.Tensor:
     """``[R, width]``: ``buf[start[r] : start[r] + width]`` per row. One ``index_select`` on

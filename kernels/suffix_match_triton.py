@@ -46,6 +46,14 @@ backwards, ``qvec[i] = queries[b, L - 1 - i]`` for ``i < qlen``, ``-1`` after):
    an entry's new rank is the number of larger values in both; blocks with nothing above
    the current ``P``-th value are skipped.
 
+5. Windows (``WINDOWS``): the ``W`` tokens and source codes from each of the ``P``
+   positions on, one ``[BLOCK_P, BLOCK_W]`` tile: the draft candidates, read in the same
+   launch (on a GPU a separate kernel cost the step a launch and its outputs' allocations).
+
+Queries (``QUERY_ROWS``): row ``b`` reads row ``query_rows[b]`` of the query table (a
+drafter's ring, one row per request for each of its corpora), length ``min(lengths,
+max_lengths)`` there, none where the row is negative: no per-row copy of the queries.
+
 Block sizes: ``BLOCK_D = next_pow2(max(max_depth, 1))`` (the pattern; no continuation token
 in the window), ``BLOCK_T = clamp(4096 // BLOCK_D, 1, 32)`` (bounds the ``[BLOCK_T, BLOCK_D]``
 tile), ``BLOCK_P = next_pow2(max(P, 1))``, ``BLOCK_C = 32``, ``SCAN_BLOCKS = 4``, ``FAN =
@@ -166,6 +174,7 @@ def _merge_top(top, cand, P: tl.constexpr, BLOCK_P: tl.constexpr):
 @triton.jit(do_not_specialize=["max_levels", "max_scan"])
 def _suffix_match_kernel(
     tokens_ptr,      # *int32 [T]     arena tokens
+    src_ptr,         # *int8 [T]      WINDOWS: the tokens' source codes
     sa_ptr,          # *int32 [S]     arena levels: continuation positions sorted by key
     tok_base_ptr,    # *int64 [B]     corpus start in tokens
     num_tokens_ptr,  # *int32 [B]     corpus length n
@@ -173,24 +182,32 @@ def _suffix_match_kernel(
     level_indptr_ptr,  # *int32 [B + 1] row b's levels
     level_base_ptr,  # *int64 [K]     level start in sa
     level_len_ptr,   # *int32 [K]     level length
-    queries_ptr,     # *int32 [B, L]  right-aligned queries
-    lengths_ptr,     # *int32 [B]
+    queries_ptr,     # *int32 [Q, L]  right-aligned queries (Q = B without QUERY_ROWS)
+    lengths_ptr,     # *int32 [Q]
+    max_lengths_ptr,  # *int32 [Q]    caps of lengths (lengths itself when none)
+    query_rows_ptr,  # *int64 [B]     QUERY_ROWS: row b's query row, < 0: none
     length_ptr,      # *int32 [B]     out: best length
     count_ptr,       # *int64 [B]     out: occurrences
     positions_ptr,   # *int64 [B, P]  out: continuation positions, descending, -1 padded
     sa_lo_ptr,       # *int64 [B, max_levels] out
     sa_hi_ptr,       # *int64 [B, max_levels] out
+    win_ptr,         # *int32 [B, P, W]  out (WINDOWS): tokens from each position, PAD_ID after
+    win_src_ptr,     # *int8 [B, P, W]   out (WINDOWS): their sources, -1 after
     L,               # query width
     max_levels,      # row stride of sa_lo / sa_hi
     max_depth,
     max_scan,        # entries of a level's range read for positions
     P: tl.constexpr,
+    W: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     FAN: tl.constexpr,
     SCAN_BLOCKS: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
+    WINDOWS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tb = tl.load(tok_base_ptr + b)
@@ -198,8 +215,17 @@ def _suffix_match_kernel(
     tail = tl.load(tail_start_ptr + b).to(tl.int64)
     k0 = tl.load(level_indptr_ptr + b).to(tl.int64)
     k1 = tl.load(level_indptr_ptr + b + 1).to(tl.int64)
-    qlen = tl.minimum(tl.load(lengths_ptr + b).to(tl.int64), max_depth)
-    q_row_ptr = queries_ptr + b * L
+    if QUERY_ROWS:
+        qr = tl.load(query_rows_ptr + b)
+        qi = tl.maximum(qr, 0)
+        has_query = qr >= 0
+    else:
+        qi = b
+        has_query = b >= 0
+    qmax = tl.minimum(tl.load(lengths_ptr + qi, mask=has_query, other=0),
+                      tl.load(max_lengths_ptr + qi, mask=has_query, other=0))
+    qlen = tl.minimum(qmax.to(tl.int64), max_depth)
+    q_row_ptr = queries_ptr + qi * L
     jd = tl.arange(0, BLOCK_D)
     # query read backwards: qvec[i] = query[L - 1 - i]
     qvec = tl.load(q_row_ptr + tl.maximum(L - 1 - jd, 0), mask=(jd < qlen) & (L > 0), other=-1)
@@ -290,6 +316,16 @@ def _suffix_match_kernel(
     if P > 0:
         r = tl.arange(0, BLOCK_P)
         tl.store(positions_ptr + b * P + r, top, mask=r < P)
+        if WINDOWS:  # (5) the W tokens from each position on: the draft candidates
+            w = tl.arange(0, BLOCK_W)
+            at = top[:, None] + w[None, :]  # [BLOCK_P, BLOCK_W]
+            live = (r[:, None] < P) & (w[None, :] < W)
+            inside = live & (top[:, None] >= 0) & (at < n)
+            o = b * P * W + r[:, None] * W + w[None, :]
+            tl.store(win_ptr + o, tl.load(tokens_ptr + tb + at, mask=inside, other=-1),
+                     mask=live)
+            tl.store(win_src_ptr + o, tl.load(src_ptr + tb + at, mask=inside, other=-1),
+                     mask=live)
 
 
 def block_sizes(max_depth: int, max_positions: int, fan: int | None = None) -> dict[str, int]:
@@ -308,20 +344,26 @@ def block_sizes(max_depth: int, max_positions: int, fan: int | None = None) -> d
 def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                         queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
                         max_positions: int, max_scan: int | None = None,
-                        fan: int | None = None) -> MatchResult:
+                        fan: int | None = None, query_rows: torch.Tensor | None = None,
+                        max_lengths: torch.Tensor | None = None, window: int = 0,
+                        src: torch.Tensor | None = None) -> MatchResult:
     """Batched longest-suffix match, one Triton program per row (see the module docstring).
 
     Args:
-        tokens: ``int32 [T]``. sa: ``int32 [S]``. desc: per-row descriptors.
-        queries: ``int32 [B, L]`` right-aligned. lengths: ``int32 [B]`` in ``[0, L]``.
+        tokens: ``int32 [T]``. sa: ``int32 [S]``. desc: per-row descriptors (``B`` rows).
+        queries: ``int32 [Q, L]`` right-aligned. lengths: ``int32 [Q]`` in ``[0, L]``.
         max_depth: longest match searched. max_positions: ``P``.
         max_scan: entries of each level's range read for positions (None: all).
         fan: search pivots per round (:func:`block_sizes`; None: the rule's; benchmarks
             compare it with 1, the binary search). Results do not depend on it.
+        query_rows, max_lengths, window, src: as in
+            :func:`~agspec_gpu.kernels.suffix_match.suffix_match` (``Q = B`` without
+            ``query_rows``).
 
     Returns:
         :class:`MatchResult` with ``length int32 [B]``, ``count int64 [B]``,
-        ``positions int64 [B, P]``, ``sa_lo / sa_hi int64 [B, desc.max_levels]``.
+        ``positions int64 [B, P]``, ``sa_lo / sa_hi int64 [B, desc.max_levels]`` (and
+        ``windows int32 / window_sources int8 [B, P, window]`` with a window).
     """
     if max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
@@ -329,10 +371,15 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         raise ValueError(f"max_positions must be >= 0, got {max_positions}")
     if max_scan is not None and max_scan < 1:
         raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
-    B, L = queries.shape
+    if window < 0 or (window and src is None):
+        raise ValueError(f"window must be >= 0 (> 0 with src), got {window}")
+    B = desc.tok_base.shape[0]
+    Q, L = queries.shape
+    if query_rows is None and Q != B:
+        raise ValueError(f"queries: expected [B={B}, L] without query_rows, got {(Q, L)}")
     dev = queries.device
     checks = (("tokens", tokens, torch.int32, None), ("sa", sa, torch.int32, None),
-              ("queries", queries, torch.int32, None), ("lengths", lengths, torch.int32, (B,)),
+              ("queries", queries, torch.int32, None), ("lengths", lengths, torch.int32, (Q,)),
               ("desc.tok_base", desc.tok_base, torch.int64, (B,)),
               ("desc.num_tokens", desc.num_tokens, torch.int32, (B,)),
               ("desc.tail_start", desc.tail_start, torch.int32, (B,)),
@@ -340,6 +387,12 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
               ("desc.level_sa_base", desc.level_sa_base, torch.int64, None),
               ("desc.level_sa_len", desc.level_sa_len, torch.int32,
                tuple(desc.level_sa_base.shape)))
+    if query_rows is not None:
+        checks += (("query_rows", query_rows, torch.int64, (B,)),)
+    if max_lengths is not None:
+        checks += (("max_lengths", max_lengths, torch.int32, (Q,)),)
+    if window:
+        checks += (("src", src, torch.int8, tuple(tokens.shape)),)
     for name, t, dt, shape in checks:
         if t.dtype != dt:
             raise ValueError(f"{name} must be {dt}, got {t.dtype}")
@@ -351,29 +404,42 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
             raise ValueError(f"{name} is on {t.device}, queries on {dev}")
     P, K = max_positions, desc.max_levels
     # every program writes its length, count, all P positions and all K level slots (0
-    # past its levels): no fills before the launch
+    # past its levels), and every window entry: no fills before the launch
     length = torch.empty(B, dtype=torch.int32, device=dev)
     count = torch.empty(B, dtype=torch.int64, device=dev)
     positions = torch.empty((B, P), dtype=torch.int64, device=dev)
     sa_lo = torch.empty(B, K, dtype=torch.int64, device=dev)
     sa_hi = torch.empty(B, K, dtype=torch.int64, device=dev)
+    win = win_src = None
+    if window:
+        win = torch.empty((B, P, window), dtype=torch.int32, device=dev)
+        win_src = torch.empty((B, P, window), dtype=torch.int8, device=dev)
     if B == 0:
-        return MatchResult(length, count, positions, sa_lo, sa_hi)
-    # zero-size tensors (no levels, P = 0, L = 0) are never read or written by the kernel,
-    # but get a valid pointer all the same
-    dummy: dict[torch.dtype, torch.Tensor] = {}
+        return MatchResult(length, count, positions, sa_lo, sa_hi, win, win_src)
+    windows = bool(window and P)
+    # zero-size tensors (no levels, P = 0, L = 0, no tokens) and the pointers of a mode that
+    # is off are never read or written by the kernel, but need a valid pointer of their
+    # dtype all the same: a tensor of the launch stands in (no allocation)
+    stand_in = {torch.int64: desc.tok_base, torch.int32: length,
+                torch.int8: win_src if windows else
+                tokens.view(torch.int8) if tokens.numel() else None}
 
-    def nz(t: torch.Tensor) -> torch.Tensor:
-        if t.numel():
+    def nz(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if t is not None and t.numel():
             return t
-        if t.dtype not in dummy:
-            dummy[t.dtype] = torch.zeros(1, dtype=t.dtype, device=dev)
-        return dummy[t.dtype]
+        if stand_in[dtype] is None:
+            stand_in[dtype] = torch.zeros(1, dtype=dtype, device=dev)
+        return stand_in[dtype]
 
+    i32, i64, i8 = torch.int32, torch.int64, torch.int8
     _suffix_match_kernel[(B,)](
-        nz(tokens), nz(sa), desc.tok_base, desc.num_tokens, desc.tail_start, desc.level_indptr,
-        nz(desc.level_sa_base), nz(desc.level_sa_len), nz(queries), lengths, length, count,
-        nz(positions), nz(sa_lo), nz(sa_hi), L, K, max_depth,
-        sa.numel() if max_scan is None else max_scan, P=P,
-        **block_sizes(max_depth, P, fan), **LAUNCH_OPTIONS)
-    return MatchResult(length, count, positions, sa_lo, sa_hi)
+        nz(tokens, i32), nz(src if windows else None, i8), nz(sa, i32), desc.tok_base,
+        desc.num_tokens, desc.tail_start, desc.level_indptr, nz(desc.level_sa_base, i64),
+        nz(desc.level_sa_len, i32), nz(queries, i32), nz(lengths, i32),
+        nz(lengths if max_lengths is None else max_lengths, i32), nz(query_rows, i64),
+        length, count, nz(positions, i64), nz(sa_lo, i64), nz(sa_hi, i64),
+        nz(win if windows else None, i32), nz(win_src if windows else None, i8), L, K,
+        max_depth, sa.numel() if max_scan is None else max_scan, P=P, W=window,
+        BLOCK_W=triton.next_power_of_2(max(window, 1)), QUERY_ROWS=query_rows is not None,
+        WINDOWS=windows, **block_sizes(max_depth, P, fan), **LAUNCH_OPTIONS)
+    return MatchResult(length, count, positions, sa_lo, sa_hi, win, win_src)

@@ -634,7 +634,9 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     here on the CPU: every torch op, with the verification forward and the drafter's two
     halves as the graph replays they are there (VerifyGraphs and the drafter's StepGraphs
     run their padded steps eagerly here) and each Triton-backed function as its launches.
-    Now 27-33 at B = 1 and 4 (session 21: the match kernel writes every level slot, so
+    Now 25-28 at B = 1 and 4 (session 24: the match reads its queries from the drafter's
+    ring and writes the candidate windows in its own launch, two launches fewer; 27-33 in
+    session 21: the match kernel writes every level slot, so
     its two output fills went, and the step's host reads copy into a pinned buffer, as
     uncounted here as the host-to-device copies; 30-36 in session 20, 31-37 in session
     19; 60-64 before the drafter's graph inputs were copied one launch per dtype, the
@@ -665,8 +667,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     d._graphs = d._step_graphs(use_graphs=False)
     for graph, name in zip(d._graphs, ("propose graph", "commit graph")):
         graph.fn = count.launches(graph.fn, name)
-    for mod, name, n in ((drafter_mod, "suffix_match", 1), (drafter_mod, "ring_queries", 1),
-                         (drafter_mod, "match_windows", 1), (tree_mod, "tree_mask", 2),
+    for mod, name, n in ((drafter_mod, "suffix_match", 1), (tree_mod, "tree_mask", 2),
                          (accept_mod, "greedy_tree_accept", 1),
                          (paged_batch_mod, "kv_compact", 1)):
         monkeypatch.setattr(mod, name, count.launches(getattr(mod, name), name, n))
@@ -689,7 +690,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     # the first step of a batch size also fills its buckets' new buffers
     again = [n for i, (b, n) in enumerate(per_step)
              if any(b == c for c, _ in per_step[:i])]
-    assert again and max(again) <= 36, per_step
+    assert again and max(again) <= 31, per_step
 
 
 @pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[2]], ids=[IDS[1], IDS[2]])

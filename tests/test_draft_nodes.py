@@ -88,11 +88,11 @@ def test_bad_arguments_are_named():
 
 def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
     """Two drafters on the same steps (batch budget on, calibrated, tenants with and without
-    a workspace), one running its propose and commit on the kernels (ring_queries,
-    match_windows, candidate_rows, depth_caps, node_probs, best_first, budget_keep,
-    emit_nodes, controller_commit, drafter_commit; the match has its own tests): the same drafts,
-    budget-cut ones included, and the same state after every commit, whether the verifier
-    passes its accepted path or not."""
+    a workspace), one running its propose and commit on the kernels (suffix_match with its
+    queries read from the ring and its windows, candidate_rows, depth_caps, node_probs,
+    best_first, budget_keep, emit_nodes, controller_commit, drafter_commit; the match has
+    its own tests too): the same drafts, budget-cut ones included, and the same state after
+    every commit, whether the verifier passes its accepted path or not."""
     tok = load_tokenizer("cl100k")
     text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
                       "    print(f(i))\n" * 5)
@@ -106,9 +106,9 @@ def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
             d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 30 + 9 * i])
         ds.append(d)
     real = {n: getattr(drafter_mod, n)
-            for n in ("ring_queries", "match_windows", "candidate_rows", "depth_caps",
-                      "node_probs", "best_first", "budget_keep", "emit_nodes",
-                      "controller_commit", "drafter_commit")}
+            for n in ("suffix_match", "candidate_rows", "depth_caps", "node_probs",
+                      "best_first", "budget_keep", "emit_nodes", "controller_commit",
+                      "drafter_commit")}
 
     def use(kernels: bool) -> None:
         for n, f in real.items():
@@ -157,8 +157,8 @@ def test_drafter_steps_compile_each_kernel_once_per_block_shape(monkeypatch):
     compiles nothing once its block shapes have run (a compile takes 0.1-1.2 s, a step
     5-30 ms)."""
     from agspec_gpu.kernels import (batch_budget, candidate_rows, controller_commit,
-                                    depth_caps, drafter_commit, match_windows, node_probs,
-                                    ring_queries, suffix_match_triton)
+                                    depth_caps, drafter_commit, node_probs,
+                                    suffix_match_triton)
 
     tok = load_tokenizer("cl100k")
     text = tok.encode("def f(x):\n    return x + 1\n\nprint(f(2))\nfor i in range(3):\n"
@@ -168,13 +168,11 @@ def test_drafter_steps_compile_each_kernel_once_per_block_shape(monkeypatch):
     d = Drafter(store, DrafterConfig(cuda_graphs=False), max_batch=8)
     for i in range(8):
         d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", prompt_ids=text[: 20 + 9 * i])
-    for n in ("ring_queries", "suffix_match", "match_windows", "candidate_rows",
-              "depth_caps", "node_probs", "best_first", "budget_keep", "emit_nodes",
-              "controller_commit", "drafter_commit"):
+    for n in ("suffix_match", "candidate_rows", "depth_caps", "node_probs", "best_first",
+              "budget_keep", "emit_nodes", "controller_commit", "drafter_commit"):
         monkeypatch.setattr(drafter_mod, n, functools.partial(getattr(drafter_mod, n),
                                                               use_triton=True))
-    kernels = (ring_queries._ring_queries_kernel, suffix_match_triton._suffix_match_kernel,
-               match_windows._match_windows_kernel, candidate_rows._candidate_rows_kernel,
+    kernels = (suffix_match_triton._suffix_match_kernel, candidate_rows._candidate_rows_kernel,
                depth_caps._depth_caps_kernel, node_probs._node_probs_kernel,
                _best_first_kernel, batch_budget._budget_keep_kernel, _emit_nodes_kernel,
                controller_commit._controller_commit_kernel,

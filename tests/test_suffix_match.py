@@ -18,6 +18,7 @@ import torch
 from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
 from agspec_gpu.kernels.suffix_match_triton import LAUNCH_OPTIONS, _suffix_match_kernel, block_sizes
+from agspec_gpu.tokenizer import load_tokenizer
 from index_reference import match_reference
 from kernel_compile import compile_all_for_sm90
 
@@ -500,23 +501,153 @@ def test_launcher_rejects_bad_descriptors():
                      use_triton=True)
 
 
+# ------------------------------------------------------------------------------ the drafter's launch
+def src_arena(max_depth: int, tail_tokens: int, texts: dict[str, list[int]]):
+    """``texts`` in one arena, appended in chunks of 7 with a source code per chunk (so
+    windows cross source changes): ``(arena, ids)``."""
+    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=tail_tokens), DEV,
+                    initial_tokens=64)
+    ids = {}
+    for i, (name, toks) in enumerate(texts.items()):
+        cid = ids[name] = ar.new_corpus(16)
+        for j in range(0, len(toks), 7):
+            ar.append(cid, t32(toks[j:j + 7]).to(DEV), src=(i + j // 7) % 5)
+    return ar, ids
+
+
+def window_definition(ar: IndexArena, desc: MatchDescriptors, positions: torch.Tensor, W: int):
+    """The windows and their sources, entry by entry, from the arena's buffers."""
+    tokens, src = ar.tokens.tolist(), ar.src.tolist()
+    B, P = positions.shape
+    win = [[[-1] * W for _ in range(P)] for _ in range(B)]
+    wsrc = [[[-1] * W for _ in range(P)] for _ in range(B)]
+    for b in range(B):
+        base, n = int(desc.tok_base[b]), int(desc.num_tokens[b])
+        for i, c in enumerate(positions[b].tolist()):
+            for j in range(W):
+                if c >= 0 and c + j < n:
+                    win[b][i][j], wsrc[b][i][j] = tokens[base + c + j], src[base + c + j]
+    return win, wsrc
+
+
+def drafter_launch(ar, cids, table, lengths, rows, caps, P, W, use_triton, max_scan=None):
+    """The match as the drafter launches it: queries read from a shared table by row."""
+    return suffix_match(ar.tokens, ar.sa, ar.descriptors(cids), table.to(DEV), lengths.to(DEV),
+                        max_depth=ar.config.max_depth, max_positions=P, max_scan=max_scan,
+                        use_triton=use_triton, query_rows=rows.to(DEV),
+                        max_lengths=None if caps is None else caps.to(DEV), window=W,
+                        src=ar.src if W else None)
+
+
+@pytest.mark.parametrize("max_depth,tail_tokens,P,W", [(4, 3, 3, 5), (16, 1, 8, 32),
+                                                      (64, 16, 1, 1), (8, 100, 8, 8),
+                                                      (16, 7, 0, 4)])
+def test_query_rows_caps_and_windows_equal_the_separate_steps(max_depth, tail_tokens, P, W):
+    """Queries read from a table by row (repeated rows, rows without a query, lengths
+    capped per table row) and the windows after each position, in the match's launch:
+    kernel == torch path == the match of the gathered queries, and the windows equal the
+    definition (real cl100k text, repeated tokens, periods, separators)."""
+    tok = load_tokenizer("cl100k")
+    texts = {"code": tok.encode("def f(x):\n    return x + 1\n" * 3),
+             "diff": tok.encode("$ git diff src/loss.py\n-    return a\n+    return b\n"),
+             "one": tok.encode("x"), "repeat": [5] * 40, "period3": [1, 2, 3] * 15,
+             "seps": [1, -1, 2, -3, 3, 4, 1, -1, 2, 3, 4, 1, 2]}
+    ar, ids = src_arena(max_depth, tail_tokens, texts)
+    names = list(texts)
+    L = max_depth + 3
+    table = torch.full((5, L), PAD, dtype=torch.int32)  # a ring of 5 slots, right-aligned
+    table_len = torch.zeros(5, dtype=torch.int32)
+    for q in range(5):
+        t = texts[names[q]]
+        n = min(len(t), L - 2 * q)  # (the first row: the whole query)
+        if n:
+            table[q, L - n:] = t32(t[len(t) - n:]).clamp(min=0)
+        table_len[q] = n
+    caps = t32([L, 1, 0, 3, L + 4])
+    # 4 corpora per request (its own text first), rows of absent corpora have no query (-1)
+    rows, labels = [], []
+    for b in range(12):
+        rows.append(b // 4 if b % 4 != 3 or b < 4 else -1)
+        labels.append(names[b // 4] if b % 4 == 0 else names[(b * 5) % len(names)])
+    cids = [ids[name] for name in labels]
+    rows = torch.tensor(rows, dtype=torch.int64)
+    want_q, want_len = table[rows.clamp(min=0)], torch.where(
+        rows >= 0, torch.minimum(table_len, caps)[rows.clamp(min=0)], 0).to(torch.int32)
+    ref, _ = run_both(ar, cids, want_q, want_len, P)
+    got = [drafter_launch(ar, cids, table, table_len, rows, caps, P, W, u)
+           for u in (False, True)]
+    for m in got:
+        assert_same(ref, m, labels)
+        assert m.windows.dtype == torch.int32 and m.window_sources.dtype == torch.int8
+        assert tuple(m.windows.shape) == tuple(m.window_sources.shape) == (12, P, W)
+        assert (m.windows.tolist(), m.window_sources.tolist()) == \
+            window_definition(ar, ar.descriptors(cids), m.positions.cpu(), W)
+    assert int(ref.length.max()) > 1 and (ref.length[rows < 0] == 0).all()
+
+
+@pytest.mark.parametrize("W", [1, 6])
+def test_windows_at_corpus_ends_without_queries_and_of_empty_batches(W):
+    """Windows that run past the corpus end (a one-token and an empty corpus), rows with no
+    query at all (an empty table), and no rows: kernel == torch == the definition."""
+    ar, ids = src_arena(4, 2, {"one": [7], "empty": [], "pair": [7, 7, 7, 7]})
+    table, lengths = t32([3, 7, 7, 7]).view(1, 4), t32([4])
+    for cids, rows in (([ids["one"], ids["pair"], ids["empty"]], [0, 0, 0]),
+                       ([ids["pair"]], [-1]), ([], [])):
+        rows = torch.tensor(rows, dtype=torch.int64)
+        got = [drafter_launch(ar, cids, table, lengths, rows, None, 3, W, u)
+               for u in (False, True)]
+        assert_same(*got)
+        for m in got:
+            assert m.windows.shape == (len(cids), 3, W)
+            assert (m.windows.tolist(), m.window_sources.tolist()) == \
+                window_definition(ar, ar.descriptors(cids), m.positions.cpu(), W)
+    empty = torch.zeros(0, 4, dtype=torch.int32)
+    got = [suffix_match(ar.tokens, ar.sa, ar.descriptors([ids["pair"]] * 2), empty,
+                        torch.zeros(0, dtype=torch.int32), max_depth=4, max_positions=2,
+                        query_rows=torch.tensor([-1, -1]), window=W, src=ar.src,
+                        use_triton=u) for u in (False, True)]
+    assert_same(*got)
+    assert (got[1].length == 0).all() and (got[1].windows == -1).all()
+
+
+def test_launcher_rejects_bad_query_rows_caps_and_windows():
+    ar, ids = arena(4, 3)
+    desc = ar.descriptors([ids["random"], ids["one"]])
+    table, lengths = t32([1, 2]).view(1, 2).to(DEV), t32([2]).to(DEV)
+    rows = torch.tensor([0, -1], device=DEV)
+    good = dict(query_rows=rows, max_lengths=lengths, window=3, src=ar.src)
+    for name, bad in (("query_rows", rows.int()), ("query_rows", rows[:1]),
+                      ("max_lengths", lengths.long()), ("max_lengths", lengths.repeat(2)),
+                      ("window", -1), ("src", None), ("src", ar.src[:-1]),
+                      ("src", ar.src.int())):
+        for u in (False, True):
+            with pytest.raises(ValueError, match=name):
+                suffix_match(ar.tokens, ar.sa, desc, table, lengths, max_depth=4,
+                             max_positions=2, use_triton=u, **{**good, name: bad})
+
+
 # ------------------------------------------------------------------------------ sm_90 compile
 _SIGNATURE = dict(
-    tokens_ptr="*i32", sa_ptr="*i32", tok_base_ptr="*i64", num_tokens_ptr="*i32",
+    tokens_ptr="*i32", src_ptr="*i8", sa_ptr="*i32", tok_base_ptr="*i64", num_tokens_ptr="*i32",
     tail_start_ptr="*i32", level_indptr_ptr="*i32", level_base_ptr="*i64", level_len_ptr="*i32",
-    queries_ptr="*i32", lengths_ptr="*i32", length_ptr="*i32", count_ptr="*i64",
-    positions_ptr="*i64", sa_lo_ptr="*i64", sa_hi_ptr="*i64", L="i32", max_levels="i32",
+    queries_ptr="*i32", lengths_ptr="*i32", max_lengths_ptr="*i32", query_rows_ptr="*i64",
+    length_ptr="*i32", count_ptr="*i64", positions_ptr="*i64", sa_lo_ptr="*i64",
+    sa_hi_ptr="*i64", win_ptr="*i32", win_src_ptr="*i8", L="i32", max_levels="i32",
     max_depth="i32", max_scan="i32")
 
 
 def test_compiles_for_sm90():
     """``triton.compile`` to a cubin for sm_90 (in a child process without the interpreter,
     see ``kernel_compile.py``, which also fails on register spills) for depths 64 and 32 (the
-    store's), depth 1, ``P = 0`` and the binary search (``FAN = 1``)."""
+    store's), depth 1, ``P = 0`` and the binary search (``FAN = 1``); the drafter's launch
+    (queries from its ring, windows of its depth 32) at the store's depths."""
     specs = []
-    for max_depth, P, fan in ((64, 8, None), (32, 8, None), (1, 1, None), (16, 0, None),
-                              (32, 8, 1)):
-        const = dict(P=P, **block_sizes(max_depth, P, fan))
+    for max_depth, P, fan, W, rows in ((64, 8, None, 0, False), (32, 8, None, 0, False),
+                                       (1, 1, None, 0, False), (16, 0, None, 0, False),
+                                       (32, 8, 1, 0, False), (64, 8, None, 32, True),
+                                       (32, 8, None, 32, True), (16, 4, None, 1, True)):
+        const = dict(P=P, W=W, BLOCK_W=max(1, 1 << (W - 1).bit_length()) if W else 1,
+                     QUERY_ROWS=rows, WINDOWS=bool(W and P), **block_sizes(max_depth, P, fan))
         specs.append((_suffix_match_kernel, dict(_SIGNATURE, **{k: "constexpr" for k in const}),
                       const, LAUNCH_OPTIONS))
     compile_all_for_sm90(specs)
