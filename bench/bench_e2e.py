@@ -56,8 +56,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import triton
 
+from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.cost_model import CostModel
+from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.replay import tokenize_sessions
 from agspec_gpu.replay_target import (
@@ -511,6 +514,13 @@ def main(argv: list[str] | None = None) -> int:
     # counted in its row (jit_compiles)
     t0 = time.perf_counter()
     with TritonCompiles() as warm_jit:
+        # the acceptance walk compiles once per power-of-two draft width, and the baselines'
+        # drafts change width from step to step: every width up to the planner's, once
+        widths = range(1, args.max_draft_nodes + 1)
+        for n in sorted({triton.next_power_of_2(w) for w in widths}):
+            z = torch.zeros(1, n, dtype=torch.int32, device=device)
+            teacher_forced_accept(DraftBatch(z, z - 1, torch.full((1,), n, dtype=torch.int32,
+                                                                  device=device)), z)
         for m in dict.fromkeys(["none", "agspec"] + methods):
             for b in batch_sizes if m in ("none", "agspec") else [min(2, max_b)]:
                 run(m, b, corpus.sessions[:max(b, 2)], steps=4)
