@@ -22,6 +22,7 @@ are padding (see :class:`TreeMetadata`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.kernels.tree_mask import TreeMaskBuffers, tree_mask
+from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs,
+                                         check_tree_out, launch_tree_mask)
 
 
 class HostSizes(NamedTuple):
@@ -118,6 +120,8 @@ class TreeMetadata:
     maybe_host: HostSizes | None = None
 
     def __post_init__(self) -> None:
+        # plan_tree's views of these buffers by step shape (not a field: filled as planned)
+        self._plans: dict[tuple, tuple] = {}
         B = self.kv_last_page_len.shape[0]
         Q = self.input_ids.shape[0]
         for f in fields(self):
@@ -153,6 +157,18 @@ class TreeMetadata:
                               or h.kv_last_page_len.shape != (B,)):
             raise ValueError(f"maybe_host: sizes of {h.kv_last_page_len.shape[0]} requests "
                              f"for a step of {B}")
+
+    def with_host(self, host: HostSizes) -> "TreeMetadata":
+        """A copy (the same buffers) with ``maybe_host = host``, checked against the batch
+        size only (``__post_init__``'s other checks hold for the copy of a checked plan)."""
+        B = self.batch_size
+        if host.qo_indptr.shape != (B + 1,) or host.kv_indptr.shape != (B + 1,) \
+                or host.kv_last_page_len.shape != (B,):
+            raise ValueError(f"maybe_host: sizes of {host.kv_last_page_len.shape[0]} requests "
+                             f"for a step of {B}")
+        meta = copy.copy(self)
+        meta.maybe_host = host
+        return meta
 
     @property
     def batch_size(self) -> int:
@@ -280,22 +296,22 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         raise ValueError(f"out: buffers for batch {out.batch_size} cannot plan {B} requests "
                          f"and a sink")
 
-    qo_indptr, kv_indptr, mask_indptr = (x[:nb + 1] for x in
-                                         (out.qo_indptr, out.kv_indptr, out.mask_indptr))
-    kv_last_page_len = out.kv_last_page_len[:nb]
-    W = -(-R // 32)
-    ancestor_bits = out.ancestor_bits.view(-1)[:nb * R * W].view(nb, R, W)
-    # sizes, indptrs, rows, pages and mask (and the sink): two kernels on a GPU
-    tree_mask(*(x.to(torch.int32).contiguous() for x in (
+    # the step's views of out, and out's checks, made once per shape: a planner reusing its
+    # buffers pays a step only for the checks of its inputs and the launch (the views, the
+    # result's checks and out's took ~35 us of a step's host time when rebuilt every step)
+    key = (nb, B, R, max_pages, page_size)
+    views = out._plans.get(key)
+    if views is None:
+        views = out._plans[key] = _plan_views(out, nb, B, N, max_pages, page_size, sink_page)
+    buffers, planned = views
+    tok, par, num, root, prefix, table = (_int32(x) for x in (
         draft.token_ids, draft.parents, draft.num_draft_tokens, root_ids, prefix_lens,
-        page_table)), page_size, use_triton=use_triton, sink_page=sink_page,
-        out=TreeMaskBuffers(qo_indptr, kv_indptr, mask_indptr, kv_last_page_len, out.input_ids,
-                            out.position_ids, out.kv_slots, out.kv_indices, out.packed_mask,
-                            ancestor_bits[:B]))
-    meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
-                   kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
-                   max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None,
-                   maybe_host=host)
+        page_table))
+    check_tree_inputs(tok, par, num, root, prefix, table, page_size)
+    # sizes, indptrs, rows, pages and mask (and the sink): two kernels on a GPU
+    launch_tree_mask(tok, par, num, root, prefix, table, page_size, buffers,
+                     sink_page=sink_page, use_triton=use_triton)
+    meta = planned if host is None else planned.with_host(host)
     if with_dense_mask:
         dense = unpack_mask(meta)  # [B, R, max_kv_len]
         rows = meta.qo_indptr[:-1, None].long() + torch.arange(R, device=device)[None, :]
@@ -304,6 +320,34 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         tree[rows[valid]] = dense[valid]
         meta = replace(meta, maybe_tree_mask=tree)
     return meta
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as int32 and contiguous (no op, and none of a no-op's host time, when it is)."""
+    if x.dtype != torch.int32:
+        x = x.to(torch.int32)
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _plan_views(out: TreeMetadata, nb: int, B: int, N: int, max_pages: int, page_size: int,
+                sink_page: int | None) -> tuple[TreeMaskBuffers, TreeMetadata]:
+    """The buffers :func:`plan_tree` hands the kernels and the metadata it returns for a
+    step of ``nb`` planned requests (``B`` and the sink) of ``N``-node drafts: views of
+    ``out``, checked once."""
+    R, W = N + 1, -(-(N + 1) // 32)
+    qo_indptr, kv_indptr, mask_indptr = (x[:nb + 1] for x in
+                                         (out.qo_indptr, out.kv_indptr, out.mask_indptr))
+    kv_last_page_len = out.kv_last_page_len[:nb]
+    ancestor_bits = out.ancestor_bits.view(-1)[:nb * R * W].view(nb, R, W)
+    buffers = TreeMaskBuffers(qo_indptr, kv_indptr, mask_indptr, kv_last_page_len,
+                              out.input_ids, out.position_ids, out.kv_slots, out.kv_indices,
+                              out.packed_mask, ancestor_bits[:B])
+    check_tree_out(buffers, B, N, out.device, sink_page)
+    meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
+                   kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
+                   max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None,
+                   maybe_host=None)
+    return buffers, meta
 
 
 def unpack_mask(meta: TreeMetadata) -> torch.Tensor:

@@ -29,7 +29,7 @@
 # status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
 # trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
-# bench_decoder_step, bench_match and bench_host_staging),
+# bench_decoder_step, bench_match, bench_host_staging and bench_launch_overhead),
 # e2e-<date>-h200-eager-verify.json,
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
@@ -213,13 +213,17 @@ step bench_match 60 python3 bench/bench_match.py --device cuda --sizes 1M,4M --b
 # ring, per-sequence page allocation against allocate_many (host and synchronized us)
 step bench_host_staging 60 python3 bench/bench_host_staging.py --device cuda \
   --batch-sizes 1,16,64 --out /tmp/bench/host_staging
-# one file for the five (at most 8 files come back): {"layer_kernels": ..., ...}
+# the host time of each launch a serving step makes outside its graphs (the match, the
+# greedy walk, the planner, the KV commit), real launches
+step bench_launch_overhead 30 python3 bench/bench_launch_overhead.py --device cuda \
+  --batch-sizes 1,16,64 --out /tmp/bench/launch_overhead
+# one file for the six (at most 8 files come back): {"layer_kernels": ..., ...}
 python3 -c "
 import json, os, sys
 out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
-" layer_kernels verify_kernels decoder_step match host_staging
+" layer_kernels verify_kernels decoder_step match host_staging launch_overhead
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 150 "${PYTEST[@]}" \

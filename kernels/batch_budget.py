@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._launch import next_pow2
 
 UNIT = 2.0 ** 32  # scores are summed in units of 1 / UNIT
 MAX_SCORES = 16384  # the most scores one program sorts (padded to a power of two)
@@ -143,7 +144,7 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     check_devices(("ranked", ranked), ("keep_n", keep_n), ("table", table),
                   *((("num_requests", num_requests),) if tensor_n else ()))
     # at least 16 rows: the small batch buckets share one compiled kernel
-    block_b, block_n = max(triton.next_power_of_2(B), 16), triton.next_power_of_2(max(N, 1))
+    block_b, block_n = max(next_pow2(B), 16), next_pow2(max(N, 1))
     if use_triton is None:
         use_triton = ranked.device.type == "cuda" and block_b * block_n <= MAX_SCORES
     if B == 0:

@@ -19,11 +19,14 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
 
 
-@triton.jit
+# tier: a view of the drafter's staging ring when its step runs without a graph (any
+# alignment; read a scalar at a time)
+@triton.jit(do_not_specialize_on_alignment=["tier_ptr"])
 def _candidate_rows_kernel(
     tier_ptr,  # *int64 [B, R]  each row's tier, -1: no corpus (its length is 0)
     length_ptr,  # *int32 [B, R]  match length per row
@@ -184,6 +187,6 @@ def candidate_rows(tier: torch.Tensor, length: torch.Tensor, win: torch.Tensor,
             tier.contiguous(), length.contiguous(), win.contiguous(), src.contiguous(),
             tier_bonus.contiguous(), tier_hits.contiguous(), tier_drafts.contiguous(),
             W, S, Wt, best, longest, R, P, K, min_match, slack, NSLOT=num_slots,
-            BLOCK_R=triton.next_power_of_2(R), BLOCK_P=triton.next_power_of_2(P),
-            BLOCK_K=triton.next_power_of_2(K))
+            BLOCK_R=next_pow2(R), BLOCK_P=next_pow2(P),
+            BLOCK_K=next_pow2(K))
     return W, S, Wt, best, longest

@@ -16,10 +16,12 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._launch import next_pow2
 
 
 # N: the draft width, not specialized (one compile per BLOCK_N)
-@triton.jit(do_not_specialize=["N"])
+# slots: a view of the drafter's staging ring without a graph (any alignment)
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["slots_ptr"])
 def _controller_commit_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     nd_ptr,  # *int64 [B, N]  depth - 1 of each drafted node
@@ -122,4 +124,4 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
         _controller_commit_kernel[(B,)](slots.contiguous(), nd.contiguous(),
                                         num_draft_tokens.contiguous(), nacc.contiguous(),
                                         scale, cap, prev_full, N, **kw,
-                                        BLOCK_N=triton.next_power_of_2(max(N, 1)))
+                                        BLOCK_N=next_pow2(max(N, 1)))

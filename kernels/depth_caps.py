@@ -14,12 +14,14 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._launch import cdiv
 
 BLOCK = 128
 
 
 # B: the batch size, not specialized (one compile for every batch)
-@triton.jit(do_not_specialize=["B"])
+# slots: a view of the drafter's staging ring without a graph (any alignment)
+@triton.jit(do_not_specialize=["B"], do_not_specialize_on_alignment=["slots_ptr"])
 def _depth_caps_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     best_ptr,  # *int32 [B]  match length
@@ -100,7 +102,7 @@ def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap
     k = torch.empty(B, dtype=torch.int32, device=slots.device)
     mode = torch.empty(B, dtype=torch.int64, device=slots.device)
     if B:
-        _depth_caps_kernel[(triton.cdiv(B, BLOCK),)](
+        _depth_caps_kernel[(cdiv(B, BLOCK),)](
             slots.contiguous(), best.contiguous(), scale.contiguous(), cap.contiguous(),
             prev_full.contiguous(), k, mode, B, 0 if static_k is None else static_k,
             STATIC=static_k is not None, BLOCK_B=BLOCK)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
 _PAD = tl.constexpr(PAD_ID)  # what a kernel may read of it
@@ -130,7 +131,7 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
     keep = torch.zeros(B, dtype=torch.int64, device=key.device)
     if B and C * K:
         _best_first_kernel[(B,)](key.contiguous(), order, ranked, keep, C, K, N, max_nodes,
-                                 BLOCK=triton.next_power_of_2(C * K))
+                                 BLOCK=next_pow2(C * K))
     return order, ranked, keep
 
 
@@ -160,7 +161,7 @@ def emit_nodes(order: torch.Tensor, num: torch.Tensor, W: torch.Tensor, S: torch
         _emit_nodes_kernel[(B,)](order.contiguous(), num.contiguous(), W.contiguous(),
                                  S.contiguous(), rep.contiguous(), calib_row.contiguous(),
                                  tok, par, src, nd, nrow, C, K, N,
-                                 BLOCK_N=triton.next_power_of_2(N))
+                                 BLOCK_N=next_pow2(N))
     return tok, par, src, nd, nrow
 
 

@@ -33,10 +33,12 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._launch import next_pow2
 
 
 # the output and draft widths follow the batch: not specialized
-@triton.jit(do_not_specialize=["M", "N"])
+# slots: a view of the drafter's staging ring without a graph (any alignment)
+@triton.jit(do_not_specialize=["M", "N"], do_not_specialize_on_alignment=["slot_ptr"])
 def _drafter_commit_kernel(
     slot_ptr,  # *int64 [B]  state slot of each request
     out_ptr,  # *int32 [B, M]  accepted tokens then the bonus
@@ -140,8 +142,8 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
             slots, out, nout, nacc, src, parents, num, depth, calib_row, path, recent,
             recent_len, match_cap, acc_src, drafted, hits, seen, accepted, M, N, D,
             calib_depth, NUM_TIERS=drafted.shape[0],
-            BLOCK_N=triton.next_power_of_2(max(N, 1)),
-            BLOCK_D=triton.next_power_of_2(max(D, 1)))
+            BLOCK_N=next_pow2(max(N, 1)),
+            BLOCK_D=next_pow2(max(D, 1)))
     return acc_src
 
 

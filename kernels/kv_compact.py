@@ -25,13 +25,18 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_array
+from agspec_gpu.kernels._launch import cdiv, next_pow2
 
 MAX_BLOCK_COLS = 1024
 
 
 # the batch's page count and accepted width change every step: not specialized (the
 # strides and the row width, the cache's layout, are)
-@triton.jit(do_not_specialize=["num_indices", "A"])
+# the plan's and the step's arrays may be views (of a plan's buffers, of a staging ring):
+# their alignment is not specialized
+@triton.jit(do_not_specialize=["num_indices", "A"],
+            do_not_specialize_on_alignment=["kv_indptr_ptr", "kv_indices_ptr", "prefix_lens_ptr",
+                                            "accepted_ptr"])
 def _kv_compact_kernel(
     kv_ptr,  # *T [L, num_pages, 2, page_size, ROW]  paged cache of every layer (NHD)
     kv_indptr_ptr,  # *int32 [>= B + 1]  request b's pages: kv_indices[kv_indptr[b]:[b + 1]]
@@ -156,7 +161,7 @@ def kv_compact(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch
         return
     L, _, _, page_size, H, D = kv_data.shape
     row = H * D
-    block = min(MAX_BLOCK_COLS, triton.next_power_of_2(row))
-    _kv_compact_kernel[(2 * triton.cdiv(row, block), L, B)](
+    block = min(MAX_BLOCK_COLS, next_pow2(row))
+    _kv_compact_kernel[(2 * cdiv(row, block), L, B)](
         kv_data, kv_indptr, kv_indices, prefix_lens, accepted_nodes, kv_data.stride(0),
         kv_data.stride(1), kv_indices.shape[0], A, page_size, row, BLOCK_COLS=block)

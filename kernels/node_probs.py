@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._launch import next_pow2
 
 
 # C (candidates) follows the batch's corpora: not specialized
@@ -161,8 +162,8 @@ def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.T
         _node_probs_kernel[(B,)](
             W, S, Wt, best, mode, k, calib_hits, calib_seen, key, rep, row, mass, C, K,
             calib_seen.shape[1], max_match, float(min_prob), NUM_TIERS=num_tiers,
-            CALIBRATE=calibrate, BLOCK_C=triton.next_power_of_2(C),
-            BLOCK_K=triton.next_power_of_2(K))
+            CALIBRATE=calibrate, BLOCK_C=next_pow2(C),
+            BLOCK_K=next_pow2(K))
     else:
         key.fill_(-2.0)
         rep.fill_(C)

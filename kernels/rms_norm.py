@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._launch import next_pow2
+
 MAX_BLOCK_N = 16384
 
 
@@ -112,6 +114,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     res = residual.contiguous() if residual is not None else out
     if M:
         _rms_norm_kernel[(M,)](x, res, weight, out, total, x.stride(0), N, float(eps),
-                               BLOCK_N=triton.next_power_of_2(N),
+                               BLOCK_N=next_pow2(N),
                                HAS_RESIDUAL=residual is not None)
     return out if residual is None else (out, total)

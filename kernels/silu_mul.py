@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._launch import cdiv, next_pow2
+
 BLOCK = 1024
 
 
@@ -69,7 +71,7 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
     if M and I:
-        block = min(BLOCK, triton.next_power_of_2(I))
-        _silu_mul_kernel[(M, triton.cdiv(I, block))](gate_up, out, gate_up.stride(0), I,
-                                                     BLOCK_I=block)
+        block = min(BLOCK, next_pow2(I))
+        _silu_mul_kernel[(M, cdiv(I, block))](gate_up, out, gate_up.stride(0), I,
+                                              BLOCK_I=block)
     return out

@@ -161,7 +161,8 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  query_rows: torch.Tensor | None = None,
                  max_lengths: torch.Tensor | None = None, window: int = 0,
                  src: torch.Tensor | None = None) -> MatchResult:
-    """Launcher: validates and runs the Triton kernel on CUDA, the torch path otherwise.
+    """Launcher: validates (:func:`check_match_args`) and runs the Triton kernel on CUDA,
+    the torch path otherwise.
 
     Args:
         tokens: ``int32 [T]`` arena tokens. sa: ``int32 [S]`` arena suffix arrays.
@@ -180,46 +181,15 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         window: ``W >= 0``; with ``W > 0`` the result also holds the ``W`` tokens from each
         position on and their sources (``src``: ``int8 [T]``, the arena's source codes).
     """
-    if sa_key is not None and (sa_key.dtype != torch.int64 or sa_key.shape != sa.shape
-                               or desc.level_key is None):
-        raise ValueError("sa_key must be int64 shaped like sa, with desc.level_key set")
-    if max_scan is not None and max_scan < 1:
-        raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
-    for name, t, dt in (("tokens", tokens, torch.int32), ("sa", sa, torch.int32),
-                        ("queries", queries, torch.int32), ("lengths", lengths, torch.int32),
-                        ("query_rows", query_rows, torch.int64),
-                        ("max_lengths", max_lengths, torch.int32), ("src", src, torch.int8)):
-        if t is None:
-            continue
-        if t.dtype != dt:
-            raise ValueError(f"{name} must be {dt}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.device != tokens.device:
-            raise ValueError(f"{name} is on {t.device}, tokens on {tokens.device}")
-    if queries.dim() != 2 or lengths.shape != (queries.shape[0],):
-        raise ValueError(f"queries must be [Q, L] and lengths [Q], got {tuple(queries.shape)} "
-                         f"and {tuple(lengths.shape)}")
-    if max_lengths is not None and max_lengths.shape != lengths.shape:
-        raise ValueError(f"max_lengths must be shaped like lengths {tuple(lengths.shape)}, "
-                         f"got {tuple(max_lengths.shape)}")
-    B = desc.tok_base.shape[0]
-    if query_rows is not None and query_rows.shape != (B,):
-        raise ValueError(f"query_rows must be [B={B}] (one per descriptor row), got "
-                         f"{tuple(query_rows.shape)}")
-    if query_rows is None and queries.shape[0] != B:
-        raise ValueError("desc has a different number of rows than queries")
-    if not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be an int >= 0, got {window!r}")
-    if window and (src is None or src.shape != tokens.shape):
-        raise ValueError(f"src: window={window} needs the int8 [T={tokens.numel()}] source "
-                         f"codes of tokens, got {None if src is None else tuple(src.shape)}")
+    check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
+                     max_positions=max_positions, max_scan=max_scan, sa_key=sa_key,
+                     query_rows=query_rows, max_lengths=max_lengths, window=window, src=src)
     if use_triton is None:
         use_triton = tokens.is_cuda
     if use_triton:
-        from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
+        from agspec_gpu.kernels.suffix_match_triton import launch_suffix_match
 
-        return suffix_match_triton(tokens, sa, desc, queries, lengths, max_depth=max_depth,
+        return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                                    max_positions=max_positions, max_scan=max_scan,
                                    query_rows=query_rows, max_lengths=max_lengths,
                                    window=window, src=src)
@@ -231,6 +201,62 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         m.windows, m.window_sources = match_windows_torch(tokens, src, desc.tok_base,
                                                           desc.num_tokens, m.positions, window)
     return m
+
+
+def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
+                     queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
+                     max_positions: int, max_scan: int | None = None,
+                     sa_key: torch.Tensor | None = None, query_rows: torch.Tensor | None = None,
+                     max_lengths: torch.Tensor | None = None, window: int = 0,
+                     src: torch.Tensor | None = None) -> None:
+    """Raises ValueError naming the first argument of :func:`suffix_match` with a wrong
+    dtype, shape, layout (every tensor contiguous), device (``tokens``'s) or value. Reads
+    nothing from the device: a few microseconds of the host's time, once per launch."""
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    if max_positions < 0:
+        raise ValueError(f"max_positions must be >= 0, got {max_positions}")
+    if max_scan is not None and max_scan < 1:
+        raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if queries.dim() != 2:
+        raise ValueError(f"queries must be [Q, L], got {tuple(queries.shape)}")
+    B, Q = desc.tok_base.shape[0], queries.shape[0]
+    if query_rows is None and Q != B:
+        raise ValueError(f"queries: [{Q}, L] for {B} descriptor rows (without query_rows, "
+                         f"one query per row)")
+    if window and src is None:
+        raise ValueError(f"src: window={window} needs the arena's int8 source codes")
+    K = desc.level_sa_base.shape[0]
+    i32, i64 = torch.int32, torch.int64
+    specs = [("tokens", tokens, i32, None), ("sa", sa, i32, None), ("queries", queries, i32, None),
+             ("lengths", lengths, i32, (Q,)), ("desc.tok_base", desc.tok_base, i64, (B,)),
+             ("desc.num_tokens", desc.num_tokens, i32, (B,)),
+             ("desc.tail_start", desc.tail_start, i32, (B,)),
+             ("desc.level_indptr", desc.level_indptr, i32, (B + 1,)),
+             ("desc.level_sa_base", desc.level_sa_base, i64, (K,)),
+             ("desc.level_sa_len", desc.level_sa_len, i32, (K,))]
+    if query_rows is not None:
+        specs.append(("query_rows", query_rows, i64, (B,)))
+    if max_lengths is not None:
+        specs.append(("max_lengths", max_lengths, i32, (Q,)))
+    if window:
+        specs.append(("src", src, torch.int8, (tokens.numel(),)))
+    if sa_key is not None:
+        if desc.level_key is None:
+            raise ValueError("sa_key needs desc.level_key")
+        specs.append(("sa_key", sa_key, i64, tuple(sa.shape)))
+    dev = tokens.device
+    for name, t, dtype, shape in specs:
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+        if shape is not None and t.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, tokens on {dev}")
 
 
 # ------------------------------------------------------------------------ torch path

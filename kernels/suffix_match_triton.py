@@ -67,11 +67,15 @@ as a ``range`` bound).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels.suffix_match import END, MatchDescriptors, MatchResult
+from agspec_gpu.kernels._launch import next_pow2
+from agspec_gpu.kernels.suffix_match import (END, MatchDescriptors, MatchResult,
+                                             check_match_args)
 
 _END = tl.constexpr(END)  # int32 value of positions before the start of a corpus
 _BLOCK_C = 32  # level-range entries merged into the top-P per step
@@ -169,9 +173,15 @@ def _merge_top(top, cand, P: tl.constexpr, BLOCK_P: tl.constexpr):
     return tl.where(r < P, new, -1)
 
 
-# the rows' level count and the scan bound follow the corpora: not specialized, one
-# compile per block config
-@triton.jit(do_not_specialize=["max_levels", "max_scan"])
+# the rows' level count and the scan bound follow the corpora: not specialized; the
+# per-row arrays are views of a staging ring (a drafter's descriptors and query rows start
+# anywhere in it) or of each other, read a scalar at a time: their alignment is not
+# specialized either. One compile per block config
+@triton.jit(do_not_specialize=["max_levels", "max_scan"],
+            do_not_specialize_on_alignment=[
+                "tok_base_ptr", "num_tokens_ptr", "tail_start_ptr", "level_indptr_ptr",
+                "level_base_ptr", "level_len_ptr", "lengths_ptr", "max_lengths_ptr",
+                "query_rows_ptr", "length_ptr", "count_ptr", "sa_lo_ptr", "sa_hi_ptr"])
 def _suffix_match_kernel(
     tokens_ptr,      # *int32 [T]     arena tokens
     src_ptr,         # *int8 [T]      WINDOWS: the tokens' source codes
@@ -328,16 +338,18 @@ def _suffix_match_kernel(
                      mask=live)
 
 
+@functools.cache
 def block_sizes(max_depth: int, max_positions: int, fan: int | None = None) -> dict[str, int]:
     """The deterministic block-size rule (see the module docstring); ``fan``: the search's
-    pivots per round instead of the rule's (a power of two; 1 is the binary search)."""
-    block_d = triton.next_power_of_2(max(max_depth, 1))
+    pivots per round instead of the rule's (a power of two; 1 is the binary search).
+    Cached: a launch's host time matters (callers copy before changing it)."""
+    block_d = next_pow2(max(max_depth, 1))
     if fan is None:
         fan = max(1, min(_MAX_FAN, 2048 // block_d))
     elif fan < 1 or fan & (fan - 1):
         raise ValueError(f"fan must be a power of two >= 1, got {fan}")
     return dict(BLOCK_D=block_d, BLOCK_T=max(1, min(32, 4096 // block_d)),
-                BLOCK_P=triton.next_power_of_2(max(max_positions, 1)), BLOCK_C=_BLOCK_C,
+                BLOCK_P=next_pow2(max(max_positions, 1)), BLOCK_C=_BLOCK_C,
                 FAN=fan, SCAN_BLOCKS=_SCAN_BLOCKS)
 
 
@@ -365,44 +377,24 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         ``positions int64 [B, P]``, ``sa_lo / sa_hi int64 [B, desc.max_levels]`` (and
         ``windows int32 / window_sources int8 [B, P, window]`` with a window).
     """
-    if max_depth < 0:
-        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-    if max_positions < 0:
-        raise ValueError(f"max_positions must be >= 0, got {max_positions}")
-    if max_scan is not None and max_scan < 1:
-        raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
-    if window < 0 or (window and src is None):
-        raise ValueError(f"window must be >= 0 (> 0 with src), got {window}")
-    B = desc.tok_base.shape[0]
-    Q, L = queries.shape
-    if query_rows is None and Q != B:
-        raise ValueError(f"queries: expected [B={B}, L] without query_rows, got {(Q, L)}")
-    dev = queries.device
-    checks = (("tokens", tokens, torch.int32, None), ("sa", sa, torch.int32, None),
-              ("queries", queries, torch.int32, None), ("lengths", lengths, torch.int32, (Q,)),
-              ("desc.tok_base", desc.tok_base, torch.int64, (B,)),
-              ("desc.num_tokens", desc.num_tokens, torch.int32, (B,)),
-              ("desc.tail_start", desc.tail_start, torch.int32, (B,)),
-              ("desc.level_indptr", desc.level_indptr, torch.int32, (B + 1,)),
-              ("desc.level_sa_base", desc.level_sa_base, torch.int64, None),
-              ("desc.level_sa_len", desc.level_sa_len, torch.int32,
-               tuple(desc.level_sa_base.shape)))
-    if query_rows is not None:
-        checks += (("query_rows", query_rows, torch.int64, (B,)),)
-    if max_lengths is not None:
-        checks += (("max_lengths", max_lengths, torch.int32, (Q,)),)
-    if window:
-        checks += (("src", src, torch.int8, tuple(tokens.shape)),)
-    for name, t, dt, shape in checks:
-        if t.dtype != dt:
-            raise ValueError(f"{name} must be {dt}, got {t.dtype}")
-        if shape is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, queries on {dev}")
+    check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
+                     max_positions=max_positions, max_scan=max_scan, query_rows=query_rows,
+                     max_lengths=max_lengths, window=window, src=src)
+    return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
+                               max_positions=max_positions, max_scan=max_scan, fan=fan,
+                               query_rows=query_rows, max_lengths=max_lengths, window=window,
+                               src=src)
+
+
+def launch_suffix_match(tokens, sa, desc, queries, lengths, *, max_depth, max_positions,
+                        max_scan=None, fan=None, query_rows=None, max_lengths=None, window=0,
+                        src=None) -> MatchResult:
+    """:func:`suffix_match_triton` without the checks: for a caller that ran
+    :func:`~agspec_gpu.kernels.suffix_match.check_match_args` (the launcher)."""
+    B, L = desc.tok_base.shape[0], queries.shape[1]
+    dev = tokens.device
     P, K = max_positions, desc.max_levels
+    blocks = block_sizes(max_depth, P, fan)
     # every program writes its length, count, all P positions and all K level slots (0
     # past its levels), and every window entry: no fills before the launch
     length = torch.empty(B, dtype=torch.int32, device=dev)
@@ -420,9 +412,9 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
     # zero-size tensors (no levels, P = 0, L = 0, no tokens) and the pointers of a mode that
     # is off are never read or written by the kernel, but need a valid pointer of their
     # dtype all the same: a tensor of the launch stands in (no allocation)
-    stand_in = {torch.int64: desc.tok_base, torch.int32: length,
-                torch.int8: win_src if windows else
-                tokens.view(torch.int8) if tokens.numel() else None}
+    i32, i64, i8 = torch.int32, torch.int64, torch.int8
+    stand_in = {i64: desc.tok_base, i32: length,
+                i8: win_src if windows else tokens.view(i8) if tokens.numel() else None}
 
     def nz(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if t is not None and t.numel():
@@ -431,7 +423,6 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
             stand_in[dtype] = torch.zeros(1, dtype=dtype, device=dev)
         return stand_in[dtype]
 
-    i32, i64, i8 = torch.int32, torch.int64, torch.int8
     _suffix_match_kernel[(B,)](
         nz(tokens, i32), nz(src if windows else None, i8), nz(sa, i32), desc.tok_base,
         desc.num_tokens, desc.tail_start, desc.level_indptr, nz(desc.level_sa_base, i64),
@@ -440,6 +431,6 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         length, count, nz(positions, i64), nz(sa_lo, i64), nz(sa_hi, i64),
         nz(win if windows else None, i32), nz(win_src if windows else None, i8), L, K,
         max_depth, sa.numel() if max_scan is None else max_scan, P=P, W=window,
-        BLOCK_W=triton.next_power_of_2(max(window, 1)), QUERY_ROWS=query_rows is not None,
-        WINDOWS=windows, **block_sizes(max_depth, P, fan), **LAUNCH_OPTIONS)
+        BLOCK_W=next_pow2(max(window, 1)), QUERY_ROWS=query_rows is not None,
+        WINDOWS=windows, **blocks, **LAUNCH_OPTIONS)
     return MatchResult(length, count, positions, sa_lo, sa_hi, win, win_src)

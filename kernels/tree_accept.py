@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices
+from agspec_gpu.kernels._launch import next_pow2
 
 MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
 
@@ -37,12 +38,16 @@ def num_warps(N: int, by_depth: bool) -> int:
     """Warps of the walk's program: 8 where the by-depth walk's ``[BLOCK_N, BLOCK_N]``
     compare of 128 nodes would spill registers with 4 (``ptxas -v`` for sm_90: 255
     registers and a spill at 4 warps, none at 8; ``tests/test_tree_accept.py``)."""
-    return 8 if by_depth and triton.next_power_of_2(max(N, 1)) >= 128 else 4
+    return 8 if by_depth and next_pow2(max(N, 1)) >= 128 else 4
 
 
 # the draft width, row strides, logit rows and depth bound change every step: not
 # specialized, one compile per mode and BLOCK_N
-@triton.jit(do_not_specialize=["N", "stride_tok", "stride_par", "E", "D"])
+@triton.jit(do_not_specialize=["N", "stride_tok", "stride_par", "E", "D"],
+            # drafts, sizes, targets and row offsets may be views of a staging ring or of a
+            # plan (an e2e replay step's): their alignment is not specialized
+            do_not_specialize_on_alignment=["tok_ptr", "par_ptr", "num_ptr", "exp_ptr",
+                                            "row_ptr"])
 def _tree_accept_kernel(
     tok_ptr,  # *int32 [B, N] (row stride stride_tok)  draft tokens, topological order
     par_ptr,  # *int32 [B, N] (row stride stride_par)  parents (< j), -1: a child of the root
@@ -238,20 +243,25 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     num = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.empty(B, max_depth, dtype=torch.long, device=dev)
     if B and max_depth:
-        num_draft_tokens = num_draft_tokens.to(torch.int32).contiguous()
+        num_draft_tokens = _int32(num_draft_tokens).contiguous()
         tok, par = _rows(token_ids), _rows(parents)
         _tree_accept_kernel[(B,)](
             tok, par, num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num,
             num, num, N, tok.stride(0), par.stride(0), expected.shape[1], max_depth, -2,
-            BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=by_depth, EMIT=False,
+            BLOCK_N=max(next_pow2(N), 1), BY_DEPTH=by_depth, EMIT=False,
             ROWS=False, num_warps=num_warps(N, by_depth))
     return num, path
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    # (a no-op .to() still costs ~2 us of a launch's host time)
+    return x if x.dtype == torch.int32 else x.to(torch.int32)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the kernel reads it: int32 with unit column stride, rows at any stride (a
     draft narrowed to a step's width is read in place, not copied)."""
-    x = x.to(torch.int32)
+    x = _int32(x)
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
@@ -310,13 +320,13 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
     num, path, out, nout, bonus = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B), \
         i32(B)
-    num_draft_tokens = num_draft_tokens.to(torch.int32).contiguous()
+    num_draft_tokens = _int32(num_draft_tokens).contiguous()
     tok, par = _rows(token_ids), _rows(parents)
     _tree_accept_kernel[(B,)](
         tok, par, num_draft_tokens, target.contiguous(),
         num_draft_tokens if row_start is None else row_start.contiguous(), path, num, out,
         nout, bonus, N, tok.stride(0), par.stride(0), target.shape[0] if flat else N + 1,
         max_depth, -2,
-        BLOCK_N=max(triton.next_power_of_2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat,
+        BLOCK_N=max(next_pow2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat,
         num_warps=num_warps(N, False))
     return num, path, out, nout, bonus

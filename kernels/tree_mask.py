@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_array
+from agspec_gpu.kernels._launch import cdiv, next_pow2
 
 BLOCK_ROWS = 128
 BLOCK_PAGES = 128
@@ -101,7 +102,12 @@ def _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size, BLOCK_B: 
 
 # every int below but page_size follows the step (batch, widths, totals): not specialized,
 # so a plan compiles once per block config however the sizes fall
-@triton.jit(do_not_specialize=["B", "N", "max_pages", "R", "W", "Q", "P", "sink_page"])
+# the step's inputs may be views of a staging ring (an e2e replay step's drafts, roots and
+# prefix lengths start anywhere in it): their alignment is not specialized either
+@triton.jit(do_not_specialize=["B", "N", "max_pages", "R", "W", "Q", "P", "sink_page"],
+            do_not_specialize_on_alignment=[
+                "token_ids_ptr", "parents_ptr", "num_draft_ptr", "root_ids_ptr", "prefix_lens_ptr",
+                "page_table_ptr"])
 def _tree_rows_kernel(
     token_ids_ptr,  # *int32 [B, N]  draft tokens
     parents_ptr,  # *int32 [B, N]  parent node, -1 for root children
@@ -239,7 +245,8 @@ def _tree_rows_kernel(
         t += B * BLOCK_P
 
 
-@triton.jit(do_not_specialize=["B", "R", "W", "M"])  # as _tree_rows_kernel's
+@triton.jit(do_not_specialize=["B", "R", "W", "M"],  # as _tree_rows_kernel's
+            do_not_specialize_on_alignment=["prefix_lens_ptr"])
 def _tree_mask_kernel(
     prefix_lens_ptr,  # *int32 [B]
     qo_indptr_ptr,  # *int32 [B + 1]  from _tree_rows_kernel
@@ -437,6 +444,33 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     One request, prefix 2, a root and one child: ``kv_len = 4``, mask rows ``1110`` and
     ``1111``, elements ``1,1,1,0,1,1,1,1`` -> one byte ``0b11110111 = 0xF7``.
     """
+    check_tree_inputs(token_ids, parents, num_draft_tokens, root_ids, prefix_lens, page_table,
+                      page_size)
+    device = token_ids.device
+    B, N = token_ids.shape
+    max_pages = page_table.shape[1]
+    if out is None:
+        R = N + 1
+        i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
+        out = TreeMaskBuffers(
+            qo_indptr=i32(B + 1), kv_indptr=i32(B + 1), mask_indptr=i32(B + 1),
+            kv_last_page_len=i32(B), input_ids=i32(B * R), position_ids=i32(B * R),
+            kv_slots=i32(B * R), kv_indices=i32(B * max_pages),
+            packed_mask=torch.empty(B * (-(-R * max_pages * page_size // 8)), dtype=torch.uint8,
+                                    device=device),
+            ancestor_bits=torch.empty(B, R, -(-R // 32), dtype=torch.int32, device=device))
+    check_tree_out(out, B, N, device, sink_page)
+    return launch_tree_mask(token_ids, parents, num_draft_tokens, root_ids, prefix_lens,
+                            page_table, page_size, out, sink_page=sink_page,
+                            use_triton=use_triton)
+
+
+def check_tree_inputs(token_ids: torch.Tensor, parents: torch.Tensor,
+                      num_draft_tokens: torch.Tensor, root_ids: torch.Tensor,
+                      prefix_lens: torch.Tensor, page_table: torch.Tensor,
+                      page_size: int) -> None:
+    """Raises ValueError naming the first of :func:`tree_mask`'s inputs with a wrong dtype
+    (int32), layout (contiguous), device, or shape."""
     device = token_ids.device
     B, N = token_ids.shape if token_ids.dim() == 2 else (0, 0)
     for name, x, nd in (("token_ids", token_ids, 2), ("parents", parents, 2),
@@ -453,17 +487,12 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
         raise ValueError(f"page_table: expected shape ({B}, >=1), got {tuple(page_table.shape)}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    max_pages = page_table.shape[1]
-    if out is None:
-        R = N + 1
-        i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
-        out = TreeMaskBuffers(
-            qo_indptr=i32(B + 1), kv_indptr=i32(B + 1), mask_indptr=i32(B + 1),
-            kv_last_page_len=i32(B), input_ids=i32(B * R), position_ids=i32(B * R),
-            kv_slots=i32(B * R), kv_indices=i32(B * max_pages),
-            packed_mask=torch.empty(B * (-(-R * max_pages * page_size // 8)), dtype=torch.uint8,
-                                    device=device),
-            ancestor_bits=torch.empty(B, R, -(-R // 32), dtype=torch.int32, device=device))
+
+
+def check_tree_out(out: TreeMaskBuffers, B: int, N: int, device: torch.device,
+                   sink_page: int | None = None) -> None:
+    """Raises ValueError naming the first of ``out``'s buffers that cannot take a plan of
+    ``B`` requests of ``N`` nodes (and a sink): dtype, layout, device, capacity."""
     for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "input_ids",
                  "position_ids", "kv_slots", "kv_indices"):
         check_array(f"out.{name}", getattr(out, name), torch.int32, 1, device)
@@ -484,6 +513,20 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     if not (out.input_ids.numel() == out.position_ids.numel() == out.kv_slots.numel()):
         raise ValueError("out.input_ids, out.position_ids, out.kv_slots: capacities differ")
 
+
+def launch_tree_mask(token_ids: torch.Tensor, parents: torch.Tensor,
+                     num_draft_tokens: torch.Tensor, root_ids: torch.Tensor,
+                     prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                     out: TreeMaskBuffers, *, sink_page: int | None = None,
+                     use_triton: bool | None = None) -> TreeMaskBuffers:
+    """:func:`tree_mask` without its checks, for a caller that ran
+    :func:`check_tree_inputs` on these inputs and :func:`check_tree_out` on ``out`` (a
+    planner reusing its buffers step after step checks them once)."""
+    device = token_ids.device
+    B, N = token_ids.shape
+    max_pages = page_table.shape[1]
+    k = int(sink_page is not None)
+    _, R, W = out.ancestor_bits.shape
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton or B == 0:
@@ -495,11 +538,11 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
         token_ids, parents, num_draft_tokens, root_ids, prefix_lens, page_table, out.qo_indptr,
         out.kv_indptr, out.mask_indptr, out.kv_last_page_len, out.input_ids, out.position_ids,
         out.kv_slots, out.kv_indices, out.ancestor_bits, B, N, max_pages, R, W, Q, P, page_size,
-        0 if sink_page is None else sink_page, BLOCK_B=triton.next_power_of_2(B),
-        BLOCK_W=triton.next_power_of_2(W), BLOCK_R=min(BLOCK_ROWS, triton.next_power_of_2(R)),
-        BLOCK_P=min(BLOCK_PAGES, triton.next_power_of_2(max_pages)), HAS_SINK=bool(k))
+        0 if sink_page is None else sink_page, BLOCK_B=next_pow2(B),
+        BLOCK_W=next_pow2(W), BLOCK_R=min(BLOCK_ROWS, next_pow2(R)),
+        BLOCK_P=min(BLOCK_PAGES, next_pow2(max_pages)), HAS_SINK=bool(k))
     max_bytes = -(-R * max_pages * page_size // 8)
-    _tree_mask_kernel[(triton.cdiv(max_bytes, BLOCK_BYTES), B)](
+    _tree_mask_kernel[(cdiv(max_bytes, BLOCK_BYTES), B)](
         prefix_lens, out.qo_indptr, out.mask_indptr, out.ancestor_bits, out.packed_mask, B, R,
         W, M, BLOCK_BYTES=BLOCK_BYTES, HAS_SINK=bool(k))
     return out

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 import triton
 
 _CHILD = """
@@ -118,42 +119,48 @@ def compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, ob
 # ------------------------------------------------------------------ compiles per launch shape
 # Triton compiles a kernel once per *specialization* of its arguments: besides the
 # constexprs, every int argument not marked ``do_not_specialize`` is classed as 1 (then folded
-# in as a constant), divisible by 16, or neither, and each class is a compile of its own. An
-# int that follows the batch (its size, its widths, its row counts) would compile the kernel
-# again in the middle of a serving run whenever the batch crosses a class (0.1-1.2 s per
-# compile for sm_90 on the development machine, against 5-30 ms steps). The checks below run a kernel's launches (interpreted on a
-# CPU) and say which specializations they would compile.
+# in as a constant), divisible by 16, or neither, and every pointer not marked
+# ``do_not_specialize_on_alignment`` as 16-byte aligned or not; each class is a compile of its
+# own. An int that follows the batch (its size, its widths, its row counts), or a pointer into
+# a staging ring whose lists start anywhere, would compile the kernel again in the middle of
+# a serving run whenever the batch crosses a class (0.1-1.2 s per compile for sm_90 on the
+# development machine, against 5-30 ms steps). The checks below run a kernel's launches
+# (interpreted on a CPU) and say which specializations they would compile.
 
-def _int_params(kernel) -> tuple[list[str], set[str], set[str]]:
-    """``(argument names, constexpr names, do_not_specialize names)`` of a ``JITFunction``
-    or (under ``TRITON_INTERPRET=1``) an ``InterpretedFunction``."""
+def _int_params(kernel) -> tuple[list[str], set[str], set[str], set[str]]:
+    """``(argument names, constexpr names, do_not_specialize names,
+    do_not_specialize_on_alignment names)`` of a ``JITFunction`` or (under
+    ``TRITON_INTERPRET=1``) an ``InterpretedFunction``."""
     params = list(inspect.signature(kernel.fn).parameters.values())
     names = [p.name for p in params]
     constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
     if isinstance(kernel, triton.runtime.jit.JITFunction):
         dns = {p.name for p in kernel.params if p.do_not_specialize}
+        dnsoa = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
     else:
-        dns = {names[d] if isinstance(d, int) else d
-               for d in kernel.kwargs.get("do_not_specialize") or ()}
-    return names, constexprs, dns
+        dns, dnsoa = ({names[d] if isinstance(d, int) else d
+                       for d in kernel.kwargs.get(key) or ()}
+                      for key in ("do_not_specialize", "do_not_specialize_on_alignment"))
+    return names, constexprs, dns, dnsoa
 
 
 def specialization(kernel, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-    """``(constexprs and launch options, int arguments' classes)`` of one launch of
-    ``kernel``: two launches with equal results share one compiled kernel (pointer
-    alignment aside: the checks launch on fresh, aligned tensors)."""
+    """``(constexprs and launch options, int arguments' classes and pointer arguments'
+    alignments)`` of one launch of ``kernel``: two launches with equal results share one
+    compiled kernel."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    names, constexprs, dns = _int_params(kernel)
+    names, constexprs, dns, dnsoa = _int_params(kernel)
     bound = dict(zip(names, args)) | kwargs
     consts = tuple(sorted((n, v) for n, v in bound.items()
                           if n in constexprs or n not in names))  # num_warps, ...
-    ints = tuple((n, native_specialize_impl(BaseBackend, v, False, n not in dns, True))
-                 for n, v in bound.items()
-                 if n in names and n not in constexprs and isinstance(v, int)
-                 and not isinstance(v, bool))
-    return consts, ints
+    classes = tuple(
+        (n, native_specialize_impl(BaseBackend, v, False, n not in dns, n not in dnsoa))
+        for n, v in bound.items()
+        if n in names and n not in constexprs and (
+            isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool))))
+    return consts, classes
 
 
 @contextmanager
@@ -183,8 +190,9 @@ def num_compiles(kernel, specs: Sequence[tuple[tuple, tuple]]) -> int:
     for consts, ints in specs:
         by_consts.setdefault(consts, set()).add(ints)
     split = {c: s for c, s in by_consts.items() if len(s) > 1}
-    assert not split, (f"{kernel.fn.__name__}: one config compiled per int class "
-                       f"(mark the ints do_not_specialize): {split}")
+    assert not split, (f"{kernel.fn.__name__}: one config compiled per int class or pointer "
+                       f"alignment (mark the ints do_not_specialize, the pointers "
+                       f"do_not_specialize_on_alignment): {split}")
     return len(by_consts)
 
 

@@ -6,8 +6,9 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
 * ``bench_decoder_step``: speculative and plain steps for each batch size;
 * ``bench_layer_kernels``, ``bench_match``: a row per kernel (torch only on a CPU), per size,
   batch and method; ``bench_drafter_step``: a row per batch size (eager on a CPU);
-* ``bench_host_staging``: a row per case and batch size, old and new timed. The device
-  script runs all of them on the H200.
+* ``bench_host_staging``: a row per case and batch size, old and new timed;
+* ``bench_launch_overhead``: a row per launch and batch size, the kernels stubbed (and put
+  back after). The device script runs all of them on the H200.
 """
 
 import json
@@ -21,6 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
 import bench_drafter_step  # noqa: E402
 import bench_host_staging  # noqa: E402
+import bench_launch_overhead  # noqa: E402
 import bench_layer_kernels  # noqa: E402
 import bench_match  # noqa: E402
 import bench_verify_kernels  # noqa: E402
@@ -82,6 +84,20 @@ def test_bench_host_staging_smoke(tmp_path):
         for b in (1, 3)}
     assert all(r[k] > 0 for r in rows for k in ("old_host_us", "new_host_us",
                                                  "old_synced_us", "new_synced_us"))
+
+
+def test_bench_launch_overhead_smoke(tmp_path):
+    from agspec_gpu.kernels import suffix_match_triton
+
+    kernel = suffix_match_triton._suffix_match_kernel
+    assert bench_launch_overhead.main(["--device", "cpu", "--batch-sizes", "1,2", "--rounds",
+                                       "2", "--calls", "3", "--out", str(tmp_path / "lo")]) == 0
+    rows = json.loads((tmp_path / "lo.json").read_text())["results"]
+    assert {(r["launch"], r["batch_size"]) for r in rows} == {
+        (c, b) for c in ("suffix_match", "greedy_tree_accept", "plan_tree", "kv_compact")
+        for b in (1, 2)}
+    assert all(r["host_us"] > 0 and r["kernel"].startswith("no-op") for r in rows)
+    assert suffix_match_triton._suffix_match_kernel is kernel  # the kernels are put back
 
 
 @pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")

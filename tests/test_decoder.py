@@ -667,7 +667,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     d._graphs = d._step_graphs(use_graphs=False)
     for graph, name in zip(d._graphs, ("propose graph", "commit graph")):
         graph.fn = count.launches(graph.fn, name)
-    for mod, name, n in ((drafter_mod, "suffix_match", 1), (tree_mod, "tree_mask", 2),
+    for mod, name, n in ((drafter_mod, "suffix_match", 1), (tree_mod, "launch_tree_mask", 2),
                          (accept_mod, "greedy_tree_accept", 1),
                          (paged_batch_mod, "kv_compact", 1)):
         monkeypatch.setattr(mod, name, count.launches(getattr(mod, name), name, n))
