@@ -23,3 +23,15 @@ def capture(fn: Callable[[], Any], device: torch.device, warmup: int, pool) -> t
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+def capture_error(exc: BaseException) -> str:
+    """What a failed capture reports: ``exc`` and the errors it was raised while handling.
+    A failure inside ``torch.cuda.graph`` makes its exit end the capture too, which raises
+    an error of its own (the capture was invalidated): the first cause is the one to read."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return " <- while handling: ".join(parts)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from agspec_gpu.cuda_graph import capture
+from agspec_gpu.cuda_graph import capture, capture_error
 from agspec_gpu.host import copy_grouped
 
 # fn(**inputs with S rows, num_requests=int64 []) -> output tensors with S rows
@@ -145,7 +145,7 @@ class StepGraphs:
                                                self.warmup, self._pool)
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager
-            self.graph_error = f"{type(exc).__name__}: {exc}"
+            self.graph_error = capture_error(exc)
             self._buckets.clear()
             return False
         finally:

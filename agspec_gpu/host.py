@@ -59,7 +59,8 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
     return host_tensor(values, dtype).to(device, non_blocking=True)
 
 
-_ALIGN = 8  # bytes: every list of a write starts at a multiple (the widest dtype's size)
+_ALIGN = 16  # bytes: every list of a write starts at a multiple (the widest dtype's size,
+# and the alignment Triton specializes pointers on: a kernel fed a view compiles once)
 
 
 class HostWriter:
@@ -103,9 +104,12 @@ class HostWriter:
 
     def _alloc(self, nbytes: int) -> None:
         nbytes = -(-nbytes // (2 * _ALIGN)) * 2 * _ALIGN
-        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
-        self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device) \
-            if self._cuda else self._host
+        # normal tensors even when the ring grows inside inference mode (an inference
+        # tensor takes no in-place write outside it: the next write would raise)
+        with torch.inference_mode(False):
+            self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+            self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device) \
+                if self._cuda else self._host
         # the ring as each dtype (numpy host, torch host, torch device): one slice per list
         self._typed: dict[torch.dtype, tuple[np.ndarray, torch.Tensor, torch.Tensor]] = {}
         self._half, self._at, self._end = 0, 0, nbytes // 2  # the half written, its end
@@ -222,7 +226,8 @@ class HostReader:
         self.device = canonical_device(device)
         self.dtype = dtype
         cuda = self.device.type == "cuda"
-        self._buf = torch.empty(numel, dtype=dtype, pin_memory=cuda) if cuda else None
+        with torch.inference_mode(False):
+            self._buf = torch.empty(numel, dtype=dtype, pin_memory=cuda) if cuda else None
         self._np = self._buf.numpy() if cuda else None
         self._event = torch.cuda.Event() if cuda else None
 
@@ -237,7 +242,8 @@ class HostReader:
             return [t.tolist() for t in tensors]
         total = sum(t.numel() for t in on_device)
         if total > self._buf.numel():  # larger than sized for: grows, once
-            self._buf = torch.empty(total, dtype=self.dtype, pin_memory=True)
+            with torch.inference_mode(False):  # (a normal tensor, as the writer's ring)
+                self._buf = torch.empty(total, dtype=self.dtype, pin_memory=True)
             self._np = self._buf.numpy()
         views, at = [], 0
         for t in tensors:

@@ -160,8 +160,27 @@ def test_writer_copy_to_fills_a_callers_tensor(device):
     if device == "cuda":
         with pytest.raises(ValueError, match="dst: on cpu, the writer writes cuda:"):
             w.copy_to(torch.zeros(6, dtype=torch.int32), [1] * 6)
-    with pytest.raises(ValueError, match="nbytes must be >= 16"):
+    with pytest.raises(ValueError, match="nbytes must be >= 32"):
         HostWriter(8, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ring_and_reader_grown_in_inference_mode_take_writes_outside_it(device):
+    """A ring (or a reader's buffer) that grows inside ``torch.inference_mode`` (a graphed
+    verification step's page allocation) stays a normal tensor: the next write outside
+    inference mode (a drafter's propose) would raise on an inference tensor."""
+    w = HostWriter(64, device)
+    r = HostReader(2, device)
+    with torch.inference_mode():
+        big, = w.write((list(range(40)), torch.int64))  # grows the ring
+        assert r.read(torch.arange(9, device=device)) == [list(range(9))]  # grows the buffer
+    assert big.tolist() == list(range(40)) and w.nbytes > 64
+    assert not w._host.is_inference() and not w._dev.is_inference()
+    assert r._buf is None or not r._buf.is_inference()
+    v, = w.write(([3, 4], torch.int32))
+    v.add_(1)  # an in-place write outside inference mode, as a step's kernels make
+    assert v.tolist() == [4, 5]
+    assert r.read(torch.arange(3, device=device)) == [[0, 1, 2]]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")

@@ -173,3 +173,22 @@ def test_decode_graphs_pad_the_rows_a_larger_step_wrote():
         torch.testing.assert_close(cache.data[:, :null], want_kv[:, :null])
         roots = torch.cat([got.argmax(-1).to(torch.int32), roots[b:]])
         lens = [x + 1 if i < b else x for i, x in enumerate(lens)]
+
+
+def test_a_failed_capture_reports_its_first_cause():
+    """A failure inside ``torch.cuda.graph`` makes its exit end the capture, which raises an
+    error of its own: ``graph_error`` (what the device script prints) names both, the
+    first cause included."""
+    from agspec_gpu.cuda_graph import capture_error
+
+    try:
+        try:
+            raise ValueError("operation not permitted when stream is capturing")
+        except ValueError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error "
+                               "during capture")
+    except RuntimeError as exc:
+        msg = capture_error(exc)
+    assert msg.startswith("RuntimeError: CUDA error") and \
+        msg.endswith("ValueError: operation not permitted when stream is capturing")
+    assert capture_error(KeyError("x")) == "KeyError: 'x'"

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from agspec_gpu.cuda_graph import capture
+from agspec_gpu.cuda_graph import capture, capture_error
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, synchronize
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
@@ -74,7 +74,7 @@ class GraphSteps:
                 self._capture(warmup)
             except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
                 self._graphs.clear()
-                self.graph_error = f"{type(exc).__name__}: {exc}"
+                self.graph_error = capture_error(exc)
 
     @property
     def uses_graphs(self) -> bool:
