@@ -85,16 +85,22 @@ class MetadataPool:
         self.max_nodes = max_nodes
         self._buf = TreeMetadata.empty(max_batch, max_nodes + 1, max_pages_per_seq, page_size,
                                        device)
+        self._rows: dict[int, TreeMetadata] = {}  # by capacity: plan_tree keeps its views
 
     def rows(self, num_rows: int) -> TreeMetadata:
-        """Buffers whose query-row capacity is ``num_rows`` rounded up to a multiple of 8."""
+        """Buffers whose query-row capacity is ``num_rows`` rounded up to a multiple of 8
+        (the same object for the same capacity: the planner's views of it are made once)."""
         cap = self._buf.capacity_q
         if num_rows > cap:
             raise ValueError(f"a step of {num_rows} rows exceeds the pool's {cap}")
         q = min(cap, -(-num_rows // 8) * 8)
-        b = self._buf
-        return replace(b, input_ids=b.input_ids[:q], position_ids=b.position_ids[:q],
-                       kv_slots=b.kv_slots[:q])
+        out = self._rows.get(q)
+        if out is None:
+            b = self._buf
+            out = self._rows[q] = replace(b, input_ids=b.input_ids[:q],
+                                          position_ids=b.position_ids[:q],
+                                          kv_slots=b.kv_slots[:q])
+        return out
 
 
 # ----------------------------------------------------------------------------- drafters

@@ -264,6 +264,7 @@ def test_metadata_pool_trims_rows_and_rejects_oversized_steps():
     pool = MetadataPool(4, 8, 5, 16, "cpu")
     assert pool.rows(5).capacity_q == 8 and pool.rows(16).capacity_q == 16
     assert pool.rows(36).capacity_q == 36  # the whole pool: 4 * (8 + 1)
+    assert pool.rows(3) is pool.rows(8)  # one object per capacity: the planner keeps its views
     with pytest.raises(ValueError, match="exceeds"):
         pool.rows(37)
 
