@@ -302,6 +302,8 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
     key = (nb, B, R, max_pages, page_size)
     views = out._plans.get(key)
     if views is None:
+        if len(out._plans) >= _MAX_PLAN_SHAPES:  # a pool planned at page-table widths that
+            out._plans.clear()                   # keep growing: start over, stay bounded
         views = out._plans[key] = _plan_views(out, nb, B, N, max_pages, page_size, sink_page)
     buffers, planned = views
     tok, par, num, root, prefix, table = (_int32(x) for x in (
@@ -320,6 +322,9 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         tree[rows[valid]] = dense[valid]
         meta = replace(meta, maybe_tree_mask=tree)
     return meta
+
+
+_MAX_PLAN_SHAPES = 256  # step shapes whose views a buffer pool keeps (a few KB each)
 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:

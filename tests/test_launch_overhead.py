@@ -123,3 +123,24 @@ def test_step_kernels_fed_staging_ring_views_compile_once_per_config():
     for kernel in kernels:
         specs = seen[kernel.fn.__name__]
         assert num_compiles(kernel, specs) == len({c for c, _ in specs}), kernel.fn.__name__
+
+
+def test_a_pool_keeps_the_views_of_a_bounded_number_of_step_shapes(monkeypatch):
+    """Page tables widen as contexts grow: a pool planned at ever new widths keeps the
+    views of at most ``_MAX_PLAN_SHAPES`` shapes, and plans right after starting over."""
+    import agspec_gpu.tree as tree_mod
+
+    monkeypatch.setattr(tree_mod, "_MAX_PLAN_SHAPES", 3)
+    pool = TreeMetadata.empty(max_batch_size=2, max_qo_len=5, max_pages_per_seq=12,
+                              page_size=3, device="cpu")
+    _, _, draft, roots, prefix, _, table = make_case(3, [4, 1], "random", [2, 5], 3)
+    for width in range(table.shape[1], 12):
+        wide = torch.cat([table, torch.full((2, width - table.shape[1]), 7,
+                                            dtype=torch.int32)], dim=1)
+        got = plan_tree(draft, roots, prefix, wide, 3, out=pool)
+        fresh = TreeMetadata.empty(max_batch_size=2, max_qo_len=5, max_pages_per_seq=12,
+                                   page_size=3, device="cpu")
+        want = plan_tree(draft, roots, prefix, wide, 3, out=fresh)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (width, name)
+        assert len(pool._plans) <= 3
