@@ -95,12 +95,22 @@ class StepGraphs:
             return self.fn(**inputs, num_requests=B)
         S = self.bucket(B)
         buf = self._buffers(S, inputs)
-        # the inputs into the bucket's buffers: one copy launch per dtype, not per input
-        # (their first B rows' views made once per B: a step's host time)
-        dst = buf.get(("rows", B))
-        if dst is None:
-            dst = buf[("rows", B)] = [buf[name][:B] for name in inputs]
-        copy_grouped(dst, list(inputs.values()))
+        # the inputs into the bucket's buffers: one copy launch per dtype, not per input.
+        # The bucket's key holds the inputs' trailing shapes and dtypes, so their first B
+        # rows' views, grouped by dtype, are made (and checked, by copy_grouped) once per B
+        copies = buf.get(("rows", B))
+        srcs = list(inputs.values())
+        if copies is None:
+            copy_grouped([buf[name][:B] for name in inputs], srcs)
+            by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+            for i, name in enumerate(inputs):
+                dsts, at = by_dtype.setdefault(buf[name].dtype, ([], []))
+                dsts.append(buf[name][:B])
+                at.append(i)
+            buf[("rows", B)] = list(by_dtype.values())
+        else:
+            for dsts, at in copies:
+                torch._foreach_copy_(dsts, [srcs[i] for i in at])
         if B < buf["clean_from"]:  # rows a larger batch wrote: padding again
             for name in inputs:
                 buf[name][B:buf["clean_from"]].fill_(self.pads[name])

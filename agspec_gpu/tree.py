@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs,
                                          check_tree_out, launch_tree_mask)
 
@@ -329,8 +330,7 @@ _MAX_PLAN_SHAPES = 256  # step shapes whose views a buffer pool keeps (a few KB 
 
 def _int32(x: torch.Tensor) -> torch.Tensor:
     """``x`` as int32 and contiguous (no op, and none of a no-op's host time, when it is)."""
-    if x.dtype != torch.int32:
-        x = x.to(torch.int32)
+    x = cast(x, torch.int32)
     return x if x.is_contiguous() else x.contiguous()
 
 

@@ -1,13 +1,16 @@
-"""Host-side block arithmetic the launchers share.
+"""Host-side helpers the launchers (and their callers) share: block arithmetic, casts.
 
 In Triton 3.x ``triton.next_power_of_2`` and ``triton.cdiv`` are constexpr functions: called
 from host code, each goes through Triton's JIT wrapper (an import and two comprehensions per
 call, ~3-6 us on this project's CPUs), a cost a launcher paid up to four times per launch,
 on every step. These are the plain-Python equivalents (equal for every int ``>= 0``;
-``tests/test_launch_overhead.py``).
+``tests/test_launch_overhead.py``). A ``.to()`` that converts nothing still costs ~1.5-2 us
+of host time; :func:`cast` skips it.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def next_pow2(n: int) -> int:
@@ -18,3 +21,12 @@ def next_pow2(n: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ``b > 0`` (``triton.cdiv``)."""
     return -(-a // b)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None
+         ) -> torch.Tensor:
+    """``x.to(device, dtype)`` (``device`` None: ``x``'s), and ``x`` itself, without a call,
+    when it already is."""
+    if x.dtype == dtype and (device is None or x.device == device):
+        return x
+    return x.to(x.device if device is None else device, dtype)

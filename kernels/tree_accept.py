@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices
-from agspec_gpu.kernels._launch import next_pow2
+from agspec_gpu.kernels._launch import cast, next_pow2
 
 MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
 
@@ -243,7 +243,7 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     num = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.empty(B, max_depth, dtype=torch.long, device=dev)
     if B and max_depth:
-        num_draft_tokens = _int32(num_draft_tokens).contiguous()
+        num_draft_tokens = cast(num_draft_tokens, torch.int32).contiguous()
         tok, par = _rows(token_ids), _rows(parents)
         _tree_accept_kernel[(B,)](
             tok, par, num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num,
@@ -253,15 +253,10 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     return num, path
 
 
-def _int32(x: torch.Tensor) -> torch.Tensor:
-    # (a no-op .to() still costs ~2 us of a launch's host time)
-    return x if x.dtype == torch.int32 else x.to(torch.int32)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the kernel reads it: int32 with unit column stride, rows at any stride (a
     draft narrowed to a step's width is read in place, not copied)."""
-    x = _int32(x)
+    x = cast(x, torch.int32)
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
@@ -320,7 +315,7 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
     num, path, out, nout, bonus = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B), \
         i32(B)
-    num_draft_tokens = _int32(num_draft_tokens).contiguous()
+    num_draft_tokens = cast(num_draft_tokens, torch.int32).contiguous()
     tok, par = _rows(token_ids), _rows(parents)
     _tree_accept_kernel[(B,)](
         tok, par, num_draft_tokens, target.contiguous(),

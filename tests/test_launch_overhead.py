@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from agspec_gpu.kernels._launch import cdiv, next_pow2
+from agspec_gpu.kernels._launch import cast, cdiv, next_pow2
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 from tree_reference import DEVICE, make_case, on_device
 
@@ -25,6 +25,15 @@ def test_block_arithmetic_equals_tritons():
     for a in range(0, 300):
         for b in (1, 2, 3, 16, 128, 1024):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_cast_is_to_without_the_no_op_call():
+    x = torch.arange(6, dtype=torch.int32)
+    assert cast(x, torch.int32) is x and cast(x, torch.int32, x.device) is x
+    for dtype in (torch.int64, torch.int8, torch.float32):
+        y = cast(x, dtype)
+        assert y.dtype == dtype and torch.equal(y, x.to(dtype))
+    assert cast(x[::2], torch.int64).tolist() == [0, 2, 4]
 
 
 def test_launchers_do_not_call_tritons_constexpr_helpers():
