@@ -56,8 +56,15 @@ class DescriptorTable:
 
     def add_tokens(self, cids: Sequence[int], counts: Sequence[int]) -> None:
         """``n += counts[i]`` for each (distinct) corpus ``cids[i]``."""
-        if cids:
-            self._t[[self._row[c] for c in cids], 1] += counts
+        # (numpy's fancy-indexed add costs ~4 us even for one row; item by item ~0.4 us a
+        # row, np.add.at 2.5-8 us: the cheaper per batch size)
+        if len(cids) <= 16:
+            n = self._t[:, 1]
+            for c, k in zip(cids, counts):
+                n[self._row[c]] += k
+        else:
+            np.add.at(self._t[:, 1], np.fromiter(map(self._row.__getitem__, cids), np.int64,
+                                                 len(cids)), counts)
 
     def drop(self, cid: int) -> None:
         self._free.append(self._row.pop(cid))
