@@ -288,3 +288,32 @@ def test_kernels_compile_for_sm90():
         (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128, "HAS_SINK": False}),
         (_tree_mask_kernel, mask_sig, {"BLOCK_BYTES": 128, "HAS_SINK": True}),
     ])
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_the_launcher_alone_allocates_checks_and_plans_what_plan_tree_plans(use_triton):
+    """``tree_mask`` (the kernels' one-call launcher: checks, allocates its buffers, launches)
+    fills what ``plan_tree`` returns for the same step, and names a bad input or buffer."""
+    from agspec_gpu.kernels.tree_mask import TreeMaskBuffers, tree_mask
+
+    device = DEVICE if use_triton else torch.device("cpu")
+    _, _, draft, roots, prefix, _, table = make_case(7, [5, 0, 3], "random", [4, 9, 0], 3)
+    draft, roots, prefix, table = on_device(draft, roots, prefix, table, device=device)
+    args = (draft.token_ids, draft.parents, draft.num_draft_tokens, roots, prefix, table, 3)
+    got = tree_mask(*args, use_triton=use_triton)
+    want = plan_tree(draft, roots, prefix, table, 3, use_triton=use_triton)
+    n, nnz, nbytes = (int(want.qo_indptr[-1]), int(want.kv_indptr[-1]),
+                      int(want.mask_indptr[-1]))
+    for name, k in (("input_ids", n), ("position_ids", n), ("kv_slots", n),
+                    ("kv_indices", nnz), ("packed_mask", nbytes)):
+        assert torch.equal(getattr(got, name)[:k], getattr(want, name)[:k]), name
+    for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "ancestor_bits"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with pytest.raises(ValueError, match="parents"):
+        tree_mask(args[0], args[1][:, :-1].contiguous(), *args[2:])
+    with pytest.raises(ValueError, match="prefix_lens"):
+        tree_mask(*args[:4], args[4].long(), *args[5:])
+    small = TreeMaskBuffers(*(x[:1] if name == "qo_indptr" else x
+                              for name, x in zip(TreeMaskBuffers._fields, got)))
+    with pytest.raises(ValueError, match="out.qo_indptr"):
+        tree_mask(*args, out=small)
