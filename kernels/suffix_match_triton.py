@@ -386,9 +386,12 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
                                src=src)
 
 
-def launch_suffix_match(tokens, sa, desc, queries, lengths, *, max_depth, max_positions,
-                        max_scan=None, fan=None, query_rows=None, max_lengths=None, window=0,
-                        src=None) -> MatchResult:
+def launch_suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
+                        queries: torch.Tensor, lengths: torch.Tensor, *, max_depth: int,
+                        max_positions: int, max_scan: int | None = None,
+                        fan: int | None = None, query_rows: torch.Tensor | None = None,
+                        max_lengths: torch.Tensor | None = None, window: int = 0,
+                        src: torch.Tensor | None = None) -> MatchResult:
     """:func:`suffix_match_triton` without the checks: for a caller that ran
     :func:`~agspec_gpu.kernels.suffix_match.check_match_args` (the launcher)."""
     B, L = desc.tok_base.shape[0], queries.shape[1]
