@@ -57,13 +57,30 @@ class Tokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._impl.decode(list(ids)) if not isinstance(self._impl, _TiktokenImpl) \
-            else self._impl.enc.decode(list(ids))
+        """The text of ``ids``. An id in ``[0, vocab_size)`` that holds no text (cl100k's
+        unused ids 100256 and 100261-100275, which a model's output layer covers and a
+        random or fine-tuned model may emit) decodes as nothing, as Hugging Face tokenizers
+        decode ids they have no token for: stop strings and captured commands read the
+        output around it."""
+        ids = list(ids)
+        if not isinstance(self._impl, _TiktokenImpl):
+            return self._impl.decode(ids)
+        try:
+            return self._impl.enc.decode(ids)
+        except KeyError:  # (the fast path raises on the first id without text)
+            return self._impl.enc.decode([i for i in ids if self._impl.has_text(i)])
 
 
 @dataclass(frozen=True)
 class _TiktokenImpl:
     enc: Any
+
+    def has_text(self, token_id: int) -> bool:
+        try:
+            self.enc.decode_single_token_bytes(token_id)
+            return True
+        except KeyError:
+            return False
 
 
 def _load_cl100k() -> Tokenizer:

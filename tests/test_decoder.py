@@ -735,6 +735,31 @@ def test_eos_inside_accepted_draft(at, monkeypatch):
         assert accepted_with_more_after(steps, 0, j)
 
 
+# cl100k ids the model's vocabulary covers that hold no text
+TEXTLESS = {100256} | set(range(100261, 100276))
+
+
+def test_output_with_ids_that_hold_no_text():
+    """A model may emit an id its tokenizer has no text for (a hole of cl100k's id range,
+    which the output layer covers; this tiny model does at the 13th token): stop strings
+    are matched on the text around it, and the output, with the id, appended to and
+    captured from, as with any other token (tiktoken's decode raised KeyError there)."""
+    variant = VARIANTS[1]
+    P = tok().encode("useSignalEvaluation.ts")
+    g = greedy(variant, P, 24, eos=None)
+    hole = next(j for j, t in enumerate(g) if t in TEXTLESS)  # (StopIteration: no hole)
+    after = tok().decode(g[hole + 1:hole + 3])
+    assert after.strip() and after not in tok().decode(g[:hole + 1])
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session("t0", "coder", P) for _ in range(2)]
+    out = dec.generate(sids, max_new_tokens=24, eos_id=None, stop=[[after], ["never"]])
+    assert out[1] == g and hole + 1 < len(out[0]) <= hole + 3
+    assert out[0] == g[:len(out[0])] and after in tok().decode(out[0])
+    dec.append(sids[1], tok().encode("\n$ ls\n"))
+    ctx = P + g + tok().encode("\n$ ls\n")
+    assert dec.generate([sids[1]], max_new_tokens=8, eos_id=None) == \
+        [greedy(variant, ctx, 8, eos=None)]
+
 def test_stop_string_inside_accepted_draft(monkeypatch):
     variant = VARIANTS[1]
     P = list(prompts()[3])

@@ -119,6 +119,17 @@ def test_window_decodes_stay_short():
     assert max(lengths) == len("\x00".encode()) + 8
 
 
+def test_ids_without_text():
+    """cl100k's ids without text (100256, 100261-100275: a model's output layer covers
+    them) decode as nothing, as a Hugging Face tokenizer decodes ids it has no token for;
+    stop strings are matched across them."""
+    hello, world = tok().encode("hello"), tok().encode(" world")
+    assert tok().decode(hello + [100256] + world + [100264, 100275]) == "hello world"
+    assert tok().decode([100257]) == "<|endoftext|>"
+    tokens = tok().encode("x = 1\n") + [100261] + tok().encode("y = 2\n") + [100256] * 3
+    check(tokens, [["1\ny"], ["= 2"], ["\n"], ["never"]])
+
+
 def test_no_stops_and_bad_stops():
     m = StopMatcher(tok().decode, [])
     assert not any(m.push(t) for t in tok().encode("anything at all"))
