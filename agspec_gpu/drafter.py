@@ -40,12 +40,14 @@ from agspec_gpu.kernels.depth_caps import depth_caps
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.node_probs import node_probs
-from agspec_gpu.kernels.suffix_match import MatchDescriptors, suffix_match
+from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
 # the values that make a padding row of a graphed step inert (its slot: the spare one)
 _DRAFT_PADS = {"tier": -1, "length": 0, "win": PAD_ID, "src": -1}
+# the propose step's inputs the match writes in place (StepGraphs.staging), in its order
+_MATCHED = ("length", "win", "src")
 _COMMIT_PADS = {"out": 0, "nout": 0, "nacc": 0, "token_ids": PAD_ID, "parents": PAD_ID,
                 "num_draft_tokens": 0, "maybe_source": -1, "nd": 0, "calib_row": 0,
                 "path": -1}
@@ -206,6 +208,9 @@ class Drafter:
         # on a GPU (unless configured off) both device halves of a step replay as CUDA graphs
         # per batch bucket, captured now so that no step pays for a capture
         self._graphs: tuple[StepGraphs, StepGraphs] | None = None
+        # the match's outputs by (B, Rs): see _match_out
+        self._match_outs: dict[tuple[int, int], tuple] = {}
+        self._match_scratch: MatchResult | None = None
         if self.config.cuda_graphs and dev.type == "cuda":
             self._graphs = self._step_graphs()
 
@@ -324,14 +329,14 @@ class Drafter:
         # match_cap) and writes its candidate windows [P, K], the K tokens after each
         # occurrence, read here because the arena's buffers move as it grows (a graph would
         # keep the old address)
-        m = suffix_match(arena.tokens, arena.sa, desc, self.recent, self.recent_len,
-                         max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
-                         sa_key=arena.sa_key, query_rows=query_rows, max_lengths=self.match_cap,
-                         window=K, src=arena.src)
-        inputs = {"slots": slots, "tier": tier, "length": m.length.view(B, Rs),
-                  "win": m.windows.view(B, Rs, P, K), "src": m.window_sources.view(B, Rs, P, K)}
+        out, inputs = self._match_out(B, Rs, max_levels)
+        suffix_match(arena.tokens, arena.sa, desc, self.recent, self.recent_len,
+                     max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
+                     sa_key=arena.sa_key, query_rows=query_rows, max_lengths=self.match_cap,
+                     window=K, src=arena.src, out=out)
+        inputs = {"slots": slots, "tier": tier, **inputs}
         if self._graphs is not None:
-            out = self._graphs[0].run(inputs, clone=stable)
+            out = self._graphs[0].run(inputs, clone=stable, staged=_MATCHED)
         else:
             out = self._draft_tensors(**inputs, num_requests=B)
         tok, parent, num, srcs, nd, node_row = out
@@ -339,6 +344,45 @@ class Drafter:
         self._forget(sids)  # a session's newer proposal replaces its older ones
         self._pending[tuple(sids)] = (draft, nd, node_row)
         return draft
+
+    def _match_out(self, B: int, Rs: int, max_levels: int
+                   ) -> tuple[MatchResult, dict[str, torch.Tensor]]:
+        """Where a step's match of ``B`` requests x ``Rs`` corpora writes, so that a step
+        allocates nothing: ``(out, inputs)``, ``out`` the match's outputs and ``inputs`` the
+        propose step's ``length [B, Rs]``, ``win``, ``src [B, Rs, P, K]``, views of the same
+        memory. With graphs that memory is the propose graph's input buffers (the match
+        writes them in place); without, the drafter's own. Counts, positions and level
+        ranges go to scratch rows for the largest batch, whose level columns grow (doubling)
+        with the corpora's levels. Views made once per ``(B, Rs)`` and level width."""
+        cached = self._match_outs.get((B, Rs))
+        if cached is not None and cached[2] is self._graphs and \
+                cached[0].sa_lo.shape[1] >= max_levels:
+            return cached[0], cached[1]
+        dev, P, K = self.recent.device, self.config.max_positions, self.config.max_draft_depth
+        rows = self.max_batch * _NUM_TIERS
+        scratch = self._match_scratch
+        if scratch is None or scratch.sa_lo.shape[1] < max_levels:
+            levels = max(max_levels, 2 * (0 if scratch is None else scratch.sa_lo.shape[1]), 4)
+            i64 = lambda *shape: torch.empty(shape, dtype=torch.int64, device=dev)  # noqa: E731
+            scratch = self._match_scratch = MatchResult(
+                torch.empty(rows, dtype=torch.int32, device=dev), i64(rows), i64(rows, P),
+                i64(rows, levels), i64(rows, levels),
+                torch.empty(rows, P, K, dtype=torch.int32, device=dev),
+                torch.empty(rows, P, K, dtype=torch.int8, device=dev))
+            self._match_outs.clear()
+        Q = B * Rs
+        if self._graphs is not None:
+            inputs = self._graphs[0].staging(B, self._draft_example(Rs))
+            inputs = {name: inputs[name] for name in _MATCHED}
+        else:
+            inputs = {"length": scratch.length[:Q].view(B, Rs),
+                      "win": scratch.windows[:Q].view(B, Rs, P, K),
+                      "src": scratch.window_sources[:Q].view(B, Rs, P, K)}
+        out = MatchResult(inputs["length"].view(Q), scratch.count[:Q], scratch.positions[:Q],
+                          scratch.sa_lo[:Q], scratch.sa_hi[:Q], inputs["win"].view(Q, P, K),
+                          inputs["src"].view(Q, P, K))
+        self._match_outs[(B, Rs)] = (out, inputs, self._graphs)
+        return out, inputs
 
     def _match_grid(self, sids: list[str]
                     ) -> tuple[list[int], list[int], list[int], int, list[int]]:

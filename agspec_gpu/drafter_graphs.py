@@ -85,29 +85,44 @@ class StepGraphs:
                 if not self._captured(self._buffers(S, ex)):
                     return
 
-    def run(self, inputs: Mapping[str, torch.Tensor], clone: bool = True
-            ) -> tuple[torch.Tensor, ...]:
+    def staging(self, B: int, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The first ``B`` rows of ``B``'s bucket buffers for a step's inputs shaped like
+        ``like`` (every input of the step, any number of rows), by name, the same views
+        every call: a producer writes an input there in place (the drafter's match writes
+        its outputs), and :meth:`run` with that name in ``staged`` copies nothing for it."""
+        buf = self._buffers(self.bucket(B), like)
+        views = buf.get(("staging", B))
+        if views is None:
+            views = buf[("staging", B)] = {name: buf[name][:B] for name in like}
+        return views
+
+    def run(self, inputs: Mapping[str, torch.Tensor], clone: bool = True,
+            staged: tuple[str, ...] = ()) -> tuple[torch.Tensor, ...]:
         """The step of ``B`` requests (every input has ``B`` rows) through its bucket:
         outputs with ``B`` rows, clones; ``clone=False``: views of the graph's buffers, valid
-        until the bucket's next replay."""
+        until the bucket's next replay. ``staged``: the inputs that are :meth:`staging`'s
+        views, written in place (not copied)."""
         B = next(iter(inputs.values())).shape[0]
         if self.graph_error is not None:  # capture failed once: eager, unpadded
             return self.fn(**inputs, num_requests=B)
         S = self.bucket(B)
         buf = self._buffers(S, inputs)
-        # the inputs into the bucket's buffers: one copy launch per dtype, not per input.
-        # The bucket's key holds the inputs' trailing shapes and dtypes, so their first B
-        # rows' views, grouped by dtype, are made (and checked, by copy_grouped) once per B
-        copies = buf.get(("rows", B))
+        # the other inputs into the bucket's buffers: one copy launch per dtype, not per
+        # input. The bucket's key holds the inputs' trailing shapes and dtypes, so their
+        # first B rows' views, grouped by dtype, are made (and checked, by copy_grouped)
+        # once per B
+        copies = buf.get(("rows", B, staged))
         srcs = list(inputs.values())
         if copies is None:
-            copy_grouped([buf[name][:B] for name in inputs], srcs)
+            names = [name for name in inputs if name not in staged]
+            copy_grouped([buf[name][:B] for name in names], [inputs[n] for n in names])
             by_dtype: dict[torch.dtype, tuple[list, list]] = {}
             for i, name in enumerate(inputs):
-                dsts, at = by_dtype.setdefault(buf[name].dtype, ([], []))
-                dsts.append(buf[name][:B])
-                at.append(i)
-            buf[("rows", B)] = list(by_dtype.values())
+                if name not in staged:
+                    dsts, at = by_dtype.setdefault(buf[name].dtype, ([], []))
+                    dsts.append(buf[name][:B])
+                    at.append(i)
+            buf[("rows", B, staged)] = list(by_dtype.values())
         else:
             for dsts, at in copies:
                 torch._foreach_copy_(dsts, [srcs[i] for i in at])

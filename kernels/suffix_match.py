@@ -160,7 +160,8 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  use_triton: bool | None = None, sa_key: torch.Tensor | None = None,
                  query_rows: torch.Tensor | None = None,
                  max_lengths: torch.Tensor | None = None, window: int = 0,
-                 src: torch.Tensor | None = None) -> MatchResult:
+                 src: torch.Tensor | None = None, out: MatchResult | None = None
+                 ) -> MatchResult:
     """Launcher: validates (:func:`check_match_args`) and runs the Triton kernel on CUDA,
     the torch path otherwise.
 
@@ -180,10 +181,16 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         minimum of the two).
         window: ``W >= 0``; with ``W > 0`` the result also holds the ``W`` tokens from each
         position on and their sources (``src``: ``int8 [T]``, the arena's source codes).
+        out: where the result goes (a caller that matches every step keeps one, so that a
+        step allocates nothing), returned: its tensors shaped and typed as the result's,
+        contiguous, except that ``sa_lo``/``sa_hi`` may be wider than the rows' levels (the
+        columns past a row's levels hold 0, as they do up to ``K``); ``windows`` and
+        ``window_sources`` given iff ``window``. None: a new result.
     """
     check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                      max_positions=max_positions, max_scan=max_scan, sa_key=sa_key,
-                     query_rows=query_rows, max_lengths=max_lengths, window=window, src=src)
+                     query_rows=query_rows, max_lengths=max_lengths, window=window, src=src,
+                     out=out)
     if use_triton is None:
         use_triton = tokens.is_cuda
     if use_triton:
@@ -192,7 +199,7 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                                    max_positions=max_positions, max_scan=max_scan,
                                    query_rows=query_rows, max_lengths=max_lengths,
-                                   window=window, src=src)
+                                   window=window, src=src, out=out)
     if query_rows is not None or max_lengths is not None:
         queries, lengths = gather_queries(queries, lengths, query_rows, max_lengths)
     m = suffix_match_torch(tokens, sa, desc, queries, lengths, max_depth=max_depth,
@@ -200,7 +207,20 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
     if window:
         m.windows, m.window_sources = match_windows_torch(tokens, src, desc.tok_base,
                                                           desc.num_tokens, m.positions, window)
-    return m
+    return m if out is None else copy_result(m, out)
+
+
+def copy_result(m: MatchResult, out: MatchResult) -> MatchResult:
+    """``m`` written into ``out`` (checked by :func:`check_match_args`), its level columns
+    past ``m``'s zeroed; returns ``out``."""
+    K = m.sa_lo.shape[1]
+    for name in ("length", "count", "positions", "windows", "window_sources"):
+        if getattr(m, name) is not None:
+            getattr(out, name).copy_(getattr(m, name))
+    for name in ("sa_lo", "sa_hi"):
+        getattr(out, name)[:, :K].copy_(getattr(m, name))
+        getattr(out, name)[:, K:].zero_()
+    return out
 
 
 def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
@@ -208,7 +228,7 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
                      max_positions: int, max_scan: int | None = None,
                      sa_key: torch.Tensor | None = None, query_rows: torch.Tensor | None = None,
                      max_lengths: torch.Tensor | None = None, window: int = 0,
-                     src: torch.Tensor | None = None) -> None:
+                     src: torch.Tensor | None = None, out: MatchResult | None = None) -> None:
     """Raises ValueError naming the first argument of :func:`suffix_match` with a wrong
     dtype, shape, layout (every tensor contiguous), device (``tokens``'s) or value. Reads
     nothing from the device: a few microseconds of the host's time, once per launch."""
@@ -247,6 +267,8 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
         if desc.level_key is None:
             raise ValueError("sa_key needs desc.level_key")
         specs.append(("sa_key", sa_key, i64, tuple(sa.shape)))
+    if out is not None:
+        specs += _out_specs(out, B, max_positions, desc.max_levels, window)
     dev = tokens.device
     for name, t, dtype, shape in specs:
         if t.dtype != dtype:
@@ -257,6 +279,22 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
             raise ValueError(f"{name} must be contiguous")
         if t.device != dev:
             raise ValueError(f"{name} is on {t.device}, tokens on {dev}")
+
+
+def _out_specs(out: MatchResult, B: int, P: int, K: int, W: int) -> list[tuple]:
+    """``check_match_args``'s specs of ``out`` (``(name, tensor, dtype, shape)``)."""
+    if (out.windows is None) != (W == 0) or (out.window_sources is None) != (W == 0):
+        raise ValueError(f"out: windows and window_sources must be given iff window > 0 "
+                         f"(window={W})")
+    i64 = torch.int64
+    width = out.sa_lo.shape[1] if out.sa_lo.dim() == 2 and out.sa_lo.shape[1] >= K else K
+    specs = [("out.length", out.length, torch.int32, (B,)), ("out.count", out.count, i64, (B,)),
+             ("out.positions", out.positions, i64, (B, P)),
+             ("out.sa_lo", out.sa_lo, i64, (B, width)), ("out.sa_hi", out.sa_hi, i64, (B, width))]
+    if W:
+        specs += [("out.windows", out.windows, torch.int32, (B, P, W)),
+                  ("out.window_sources", out.window_sources, torch.int8, (B, P, W))]
+    return specs
 
 
 # ------------------------------------------------------------------------ torch path

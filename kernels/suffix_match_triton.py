@@ -358,7 +358,8 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
                         max_positions: int, max_scan: int | None = None,
                         fan: int | None = None, query_rows: torch.Tensor | None = None,
                         max_lengths: torch.Tensor | None = None, window: int = 0,
-                        src: torch.Tensor | None = None) -> MatchResult:
+                        src: torch.Tensor | None = None, out: MatchResult | None = None
+                        ) -> MatchResult:
     """Batched longest-suffix match, one Triton program per row (see the module docstring).
 
     Args:
@@ -368,7 +369,7 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         max_scan: entries of each level's range read for positions (None: all).
         fan: search pivots per round (:func:`block_sizes`; None: the rule's; benchmarks
             compare it with 1, the binary search). Results do not depend on it.
-        query_rows, max_lengths, window, src: as in
+        query_rows, max_lengths, window, src, out: as in
             :func:`~agspec_gpu.kernels.suffix_match.suffix_match` (``Q = B`` without
             ``query_rows``).
 
@@ -379,11 +380,11 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
     """
     check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                      max_positions=max_positions, max_scan=max_scan, query_rows=query_rows,
-                     max_lengths=max_lengths, window=window, src=src)
+                     max_lengths=max_lengths, window=window, src=src, out=out)
     return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                                max_positions=max_positions, max_scan=max_scan, fan=fan,
                                query_rows=query_rows, max_lengths=max_lengths, window=window,
-                               src=src)
+                               src=src, out=out)
 
 
 def launch_suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
@@ -391,26 +392,24 @@ def launch_suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
                         max_positions: int, max_scan: int | None = None,
                         fan: int | None = None, query_rows: torch.Tensor | None = None,
                         max_lengths: torch.Tensor | None = None, window: int = 0,
-                        src: torch.Tensor | None = None) -> MatchResult:
+                        src: torch.Tensor | None = None, out: MatchResult | None = None
+                        ) -> MatchResult:
     """:func:`suffix_match_triton` without the checks: for a caller that ran
     :func:`~agspec_gpu.kernels.suffix_match.check_match_args` (the launcher)."""
     B, L = desc.tok_base.shape[0], queries.shape[1]
     dev = tokens.device
-    P, K = max_positions, desc.max_levels
+    P = max_positions
     blocks = block_sizes(max_depth, P, fan)
-    # every program writes its length, count, all P positions and all K level slots (0
-    # past its levels), and every window entry: no fills before the launch
-    length = torch.empty(B, dtype=torch.int32, device=dev)
-    count = torch.empty(B, dtype=torch.int64, device=dev)
-    positions = torch.empty((B, P), dtype=torch.int64, device=dev)
-    sa_lo = torch.empty(B, K, dtype=torch.int64, device=dev)
-    sa_hi = torch.empty(B, K, dtype=torch.int64, device=dev)
-    win = win_src = None
-    if window:
-        win = torch.empty((B, P, window), dtype=torch.int32, device=dev)
-        win_src = torch.empty((B, P, window), dtype=torch.int8, device=dev)
+    # every program writes its length, count, all P positions and every level slot (0 past
+    # its levels), and every window entry: no fills before the launch
+    if out is None:
+        out = _empty_result(B, P, desc.max_levels, window, dev)
+    length, count, positions, sa_lo, sa_hi, win, win_src = (
+        out.length, out.count, out.positions, out.sa_lo, out.sa_hi, out.windows,
+        out.window_sources)
+    K = sa_lo.shape[1]  # >= desc.max_levels: the row stride of sa_lo / sa_hi
     if B == 0:
-        return MatchResult(length, count, positions, sa_lo, sa_hi, win, win_src)
+        return out
     windows = bool(window and P)
     # zero-size tensors (no levels, P = 0, L = 0, no tokens) and the pointers of a mode that
     # is off are never read or written by the kernel, but need a valid pointer of their
@@ -436,4 +435,13 @@ def launch_suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
         max_depth, sa.numel() if max_scan is None else max_scan, P=P, W=window,
         BLOCK_W=next_pow2(max(window, 1)), QUERY_ROWS=query_rows is not None,
         WINDOWS=windows, **blocks, **LAUNCH_OPTIONS)
-    return MatchResult(length, count, positions, sa_lo, sa_hi, win, win_src)
+    return out
+
+
+def _empty_result(B: int, P: int, K: int, W: int, dev: torch.device) -> MatchResult:
+    """Uninitialized outputs of a match of ``B`` rows (windows iff ``W``)."""
+    def new(*shape, dtype=torch.int64):
+        return torch.empty(shape, dtype=dtype, device=dev)
+    return MatchResult(new(B, dtype=torch.int32), new(B), new(B, P), new(B, K), new(B, K),
+                       new(B, P, W, dtype=torch.int32) if W else None,
+                       new(B, P, W, dtype=torch.int8) if W else None)

@@ -626,6 +626,75 @@ def test_launcher_rejects_bad_query_rows_caps_and_windows():
                              max_positions=2, use_triton=u, **{**good, name: bad})
 
 
+
+def new_out(B: int, P: int, K: int, W: int, fill: int = 77) -> MatchResult:
+    """A caller's output buffers, filled with garbage (the match writes every entry)."""
+    def new(*shape, dtype=torch.int64):
+        return torch.full(shape, fill, dtype=dtype, device=DEV)
+    return MatchResult(new(B, dtype=torch.int32), new(B), new(B, P), new(B, K), new(B, K),
+                       new(B, P, W, dtype=torch.int32) if W else None,
+                       new(B, P, W, dtype=torch.int8) if W else None)
+
+
+@pytest.mark.parametrize("W", [0, 5])
+def test_match_into_the_callers_buffers(W):
+    """``out=``: the result lands in the caller's tensors (returned), equal to a new
+    result on both paths, level columns wider than the rows' levels written 0, and the
+    same buffers reused by a second match of other rows (a drafter's step after step)."""
+    ar, ids = src_arena(8, 3, {"period3": [1, 2, 3] * 20, "one": [4], "repeat": [5] * 30,
+                               "empty": []})
+    table = t32([0, 1, 2, 3, 1, 2, 3, 1]).view(2, 4)
+    lengths = t32([4, 2])
+    for u in (False, True):
+        for cids, rows in (([ids["period3"], ids["repeat"], ids["one"]], [0, 1, -1]),
+                           ([ids["empty"], ids["period3"], ids["period3"]], [1, 0, 0])):
+            rows = torch.tensor(rows, dtype=torch.int64)
+            ref = drafter_launch(ar, cids, table, lengths, rows, None, 3, W, u)
+            K = ref.sa_lo.shape[1]
+            out = new_out(3, 3, K + 2, W)
+            got = suffix_match(ar.tokens, ar.sa, ar.descriptors(cids), table.to(DEV),
+                               lengths.to(DEV), max_depth=8, max_positions=3,
+                               use_triton=u, query_rows=rows.to(DEV), window=W,
+                               src=ar.src if W else None, out=out)
+            assert got is out
+            wide = MatchResult(ref.length, ref.count, ref.positions,
+                               torch.nn.functional.pad(ref.sa_lo, (0, 2)),
+                               torch.nn.functional.pad(ref.sa_hi, (0, 2)),
+                               ref.windows, ref.window_sources)
+            assert_same(wide, got)
+            if W:
+                assert torch.equal(got.windows, ref.windows)
+                assert torch.equal(got.window_sources, ref.window_sources)
+
+
+def test_launcher_rejects_bad_output_buffers():
+    """Every ``out`` tensor of the wrong dtype, shape (too few level columns included) or
+    layout, and windows given without a window (or missing with one), is named."""
+    ar, ids = arena(4, 3)
+    desc = ar.descriptors([ids["random"], ids["one"]])
+    table, lengths = t32([1, 2]).view(1, 2).to(DEV), t32([2]).to(DEV)
+    kw = dict(max_depth=4, max_positions=2, query_rows=torch.tensor([0, -1], device=DEV),
+              window=3, src=ar.src)
+    K = max(desc.max_levels, 1)
+    good = new_out(2, 2, K, 3)
+    cases = [("out.length", dict(length=good.length.long())),
+             ("out.count", dict(count=good.count[:1])),
+             ("out.positions", dict(positions=good.positions.t())),
+             ("out.sa_lo", dict(sa_lo=good.sa_lo[:, :K - 1] if K > 1 else good.sa_lo[:1])),
+             ("out.sa_hi", dict(sa_hi=torch.zeros(2, K + 1, dtype=torch.int64, device=DEV))),
+             ("out.windows", dict(windows=good.windows[:, :, :2])),
+             ("out.window_sources", dict(window_sources=good.windows)),
+             ("out: windows", dict(windows=None))]
+    for name, change in cases:
+        bad = MatchResult(**{**vars(good), **change})
+        for u in (False, True):
+            with pytest.raises(ValueError, match=name):
+                suffix_match(ar.tokens, ar.sa, desc, table, lengths, use_triton=u, out=bad,
+                             **kw)
+    with pytest.raises(ValueError, match="out: windows"):
+        suffix_match(ar.tokens, ar.sa, desc, table, lengths, out=good,
+                     **{**kw, "window": 0, "src": None})
+
 # ------------------------------------------------------------------------------ sm_90 compile
 _SIGNATURE = dict(
     tokens_ptr="*i32", src_ptr="*i8", sa_ptr="*i32", tok_base_ptr="*i64", num_tokens_ptr="*i32",
