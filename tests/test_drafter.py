@@ -12,6 +12,7 @@ Documented tie-break of the best-first expansion: higher probability first, then
 shallower node, then the lower candidate index (= the more recent occurrence).
 """
 
+import functools
 import json
 import random
 
@@ -26,6 +27,7 @@ from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.forms import EmissionForm
 from agspec_gpu.host import HostWriter
+from agspec_gpu.kernels.suffix_match import MatchResult
 from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig, build_global_corpus
 from agspec_gpu.tokenizer import load_tokenizer
 from op_count import CountOps
@@ -480,6 +482,54 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
     ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
     _run_lockstep(ds, spelled)
 
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_match_buffers_grow_with_the_levels(tok, graphed):
+    """The match writes into buffers the drafter keeps (in the propose graph's inputs when
+    graphed): corpora indexed in many levels (tail_tokens=2) grow their level columns
+    past the first width, and every draft equals one whose match allocated a new result
+    of the exact width (what the drafter did before it kept buffers; unpadded)."""
+    ds = []
+    for keep in (True, False):
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=2))
+        d = Drafter(store, DrafterConfig(**_SHARES), max_batch=4, max_sessions=6)
+        if keep and graphed:
+            d._graphs = d._step_graphs(use_graphs=False)
+        if not keep:
+            d._match_out = functools.partial(_fresh_match_out, d)
+        store.add_workspace_file("w", "w.txt", "".join(chr(97 + i % 5) * 2 for i in range(40)))
+        for i in range(4):
+            d.open_session(f"s{i}", "w" if i % 2 else f"t{i}", role="coder",
+                           prompt_ids=(CASE_A * 12)[i * 7:])
+            for chunk in (CASE_A * 3, CASE_A, CASE_A[:8], CASE_A[i:i + 3]):  # a level each
+                d.extend(f"s{i}", chunk)
+        ds.append(d)
+    for step, rows in enumerate([[0], [1, 2, 3], [3, 0], [0, 1, 2, 3]]):
+        sids = [f"s{i}" for i in rows]
+        drafts = [d.propose(sids) for d in ds]
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        for d in ds:  # more tokens each: more levels
+            n = torch.full((len(sids),), 2, dtype=torch.int32)
+            d.append_generated(sids, torch.tensor([CASE_A[step:step + 2]] * len(sids),
+                                                  dtype=torch.int32), n)
+    assert ds[0]._match_scratch.sa_lo.shape[1] > 4
+    if graphed:  # written in place: the propose graph's input buffers
+        out, inputs = ds[0]._match_out(2, 3, 1)
+        staged = ds[0]._graphs[0].staging(2, ds[0]._draft_example(3))
+        assert all(inputs[n] is staged[n] for n in ("length", "win", "src"))
+        assert out.windows.data_ptr() == staged["win"].data_ptr()
+
+
+def _fresh_match_out(d: Drafter, B: int, Rs: int, max_levels: int):
+    P, K, Q = d.config.max_positions, d.config.max_draft_depth, B * Rs
+    i64 = functools.partial(torch.empty, dtype=torch.int64)
+    out = MatchResult(torch.empty(Q, dtype=torch.int32), i64(Q), i64(Q, P), i64(Q, max_levels),
+                      i64(Q, max_levels), torch.empty(Q, P, K, dtype=torch.int32),
+                      torch.empty(Q, P, K, dtype=torch.int8))
+    return out, {"length": out.length.view(B, Rs), "win": out.windows.view(B, Rs, P, K),
+                 "src": out.window_sources.view(B, Rs, P, K)}
 
 @pytest.mark.parametrize("spelled", [False, True])
 def test_host_rings_coming_round_change_no_draft(tok, spelled):
