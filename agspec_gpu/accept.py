@@ -153,6 +153,46 @@ class AcceptResult:
         return self.output_ids.gather(1, self.num_accepted.long()[:, None])[:, 0]
 
 
+class AcceptBuffers:
+    """Greedy acceptance's outputs preallocated for up to ``max_batch`` requests of up to
+    ``max_nodes`` nodes (a serving loop's, so that its steps allocate nothing): the
+    target's argmax rows and the walk's five outputs. A result made in them is valid until
+    the next acceptance into them; views are made once per step shape."""
+
+    def __init__(self, max_batch: int, max_nodes: int, device: torch.device | str) -> None:
+        if max_batch < 1 or max_nodes < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_nodes >= 0, got {max_batch} "
+                             f"and {max_nodes}")
+        self.max_batch, self.max_nodes = max_batch, max_nodes
+        B, N = max_batch, max_nodes
+        self.target = torch.empty(B * (1 + N), dtype=torch.int64, device=device)
+        # num_accepted, path, output_ids, num_output, bonus: one int32 buffer
+        self._walk = torch.empty(B * (2 * N + 4), dtype=torch.int32, device=device)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._targets: dict[int, torch.Tensor] = {}
+
+    def fits(self, B: int, D: int) -> bool:
+        return B <= self.max_batch and D <= self.max_nodes
+
+    def walk(self, B: int, D: int) -> tuple[torch.Tensor, ...]:
+        """``(num_accepted [B], path [B, D], output_ids [B, D + 1], num_output [B], bonus
+        [B])``, int32, contiguous: :func:`greedy_tree_accept`'s ``out``."""
+        views = self._views.get((B, D))
+        if views is None:
+            sizes = [B, B * D, B * (D + 1), B, B]
+            parts = self._walk[:sum(sizes)].split(sizes)
+            views = self._views[(B, D)] = (parts[0], parts[1].view(B, D),
+                                           parts[2].view(B, D + 1), parts[3], parts[4])
+        return views
+
+    def argmax(self, T: int) -> torch.Tensor:
+        """``int64 [T]``: the target's argmax over ``T`` logits rows."""
+        t = self._targets.get(T)
+        if t is None:
+            t = self._targets[T] = self.target[:T]
+        return t
+
+
 # ----------------------------------------------------------------------------- layouts
 
 
@@ -239,8 +279,8 @@ def _assemble(draft: DraftBatch, accepted: torch.Tensor, num_acc: torch.Tensor,
 
 
 def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
-                  qo_indptr: torch.Tensor | None = None, *, max_depth: int | None = None
-                  ) -> AcceptResult:
+                  qo_indptr: torch.Tensor | None = None, *, max_depth: int | None = None,
+                  out: AcceptBuffers | None = None) -> AcceptResult:
     """Longest path of target-argmax tokens, plus the bonus token.
 
     Parameters:
@@ -249,6 +289,8 @@ def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
         qo_indptr: ``int32 [B+1]`` (see :func:`tree_qo_indptr`).
         max_depth: walk at most this many levels (default ``N``); the result has
             ``D = min(max_depth, N)`` path columns.
+        out: buffers the result is written in (valid until their next use), when the step
+            fits them; None: new tensors.
 
     Returns:
         :class:`AcceptResult`. Node ``j`` is accepted iff its parent was and
@@ -268,19 +310,25 @@ def greedy_accept(draft: DraftBatch, logits: torch.Tensor,
     # the target's argmax at the root and at each node: padded [B, 1+N], or the flat rows'
     # [total_q] that the walk reads at qo_indptr[b] + 1 + j
     row_start = None
+    if out is not None and not out.fits(B, D):
+        out = None
     if logits.ndim == 3 and qo_indptr is None and logits.shape[:2] == (B, 1 + N):
         target = logits.argmax(-1)
     else:
         rows, _ = _tree_rows(draft, logits, qo_indptr)  # (raises for bad shapes)
         if rows.shape[0] == 0:  # (an empty batch)
             rows = rows.new_zeros(1, rows.shape[1])
-        target, row_start = rows.argmax(-1), qo_indptr[:-1]
+        row_start = qo_indptr[:-1]
+        if out is not None and rows.shape[0] <= out.target.shape[0]:
+            target = torch.argmax(rows, -1, out=out.argmax(rows.shape[0]))
+        else:
+            target = rows.argmax(-1)
     # the walk down each tree, its output tokens and the bonus: one kernel on a GPU
     # (kernels/tree_accept.py)
-    num_acc, accepted, out, num_out, bonus = greedy_tree_accept(
+    num_acc, accepted, ids, num_out, bonus = greedy_tree_accept(
         draft.token_ids, draft.parents, draft.num_draft_tokens, target, max_depth=D,
-        row_start=row_start)
-    return AcceptResult(num_acc, accepted, out, num_out, bonus)
+        row_start=row_start, out=None if out is None else out.walk(B, D))
+    return AcceptResult(num_acc, accepted, ids, num_out, bonus)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -417,12 +465,13 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
 
 def accept_tree(draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
                 generator: torch.Generator | None = None,
-                qo_indptr: torch.Tensor | None = None) -> AcceptResult:
-    """:func:`greedy_accept` where every row of ``sampling`` is greedy, else
-    :func:`sample_accept` (greedy rows there stay greedy); ``logits [B, 1 + N, V]``, or
-    ``[total_q, V]`` with ``qo_indptr``."""
+                qo_indptr: torch.Tensor | None = None, out: AcceptBuffers | None = None
+                ) -> AcceptResult:
+    """:func:`greedy_accept` where every row of ``sampling`` is greedy (into ``out``),
+    else :func:`sample_accept` (greedy rows there stay greedy); ``logits [B, 1 + N, V]``,
+    or ``[total_q, V]`` with ``qo_indptr``."""
     if sampling.all_greedy:
-        return greedy_accept(draft, logits, qo_indptr)
+        return greedy_accept(draft, logits, qo_indptr, out=out)
     return sample_accept(draft, logits, qo_indptr, sampling, generator)
 
 

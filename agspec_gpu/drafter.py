@@ -46,8 +46,10 @@ from agspec_gpu.tiers import CorpusStore, CorpusTier
 _NUM_TIERS = len(CorpusTier)
 # the values that make a padding row of a graphed step inert (its slot: the spare one)
 _DRAFT_PADS = {"tier": -1, "length": 0, "win": PAD_ID, "src": -1}
-# the propose step's inputs the match writes in place (StepGraphs.staging), in its order
+# the propose step's inputs the match writes in place (StepGraphs.staging), in its order,
+# and the commit step's that observe writes in place
 _MATCHED = ("length", "win", "src")
+_COMMIT_STAGED = ("out", "path")
 _COMMIT_PADS = {"out": 0, "nout": 0, "nacc": 0, "token_ids": PAD_ID, "parents": PAD_ID,
                 "num_draft_tokens": 0, "maybe_source": -1, "nd": 0, "calib_row": 0,
                 "path": -1}
@@ -211,6 +213,7 @@ class Drafter:
         # the match's outputs by (B, Rs): see _match_out
         self._match_outs: dict[tuple[int, int], tuple] = {}
         self._match_scratch: MatchResult | None = None
+        self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
             self._graphs = self._step_graphs()
 
@@ -223,7 +226,7 @@ class Drafter:
                   StepGraphs(self._commit_tensors, B, dev, _COMMIT_PADS | {"slots": pad},
                              state=self._commit_state(), use_graphs=use_graphs))
         graphs[0].prepare([self._draft_example(r) for r in range(1, _NUM_TIERS + 1)])
-        graphs[1].prepare([self._commit_example()])
+        graphs[1].prepare([self._commit_like])
         return graphs
 
     # ------------------------------------------------------------ lifecycle
@@ -544,11 +547,12 @@ class Drafter:
         if pending is not None:
             draft, nd, calib_row = pending
             N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1
+            path = None
             if path_nodes is None:  # the path the accepted tokens spell in the draft
                 cols = torch.arange(M, device=dev)[None, :]
                 spelled = torch.where(cols < nacc.to(torch.int64)[:, None], out, NO_TOKEN)
                 path = teacher_forced_accept(draft, spelled).path_nodes
-            else:  # entries past num_accepted (<= N) are ignored
+            elif self._graphs is None:  # entries past num_accepted (<= N) are ignored
                 path = path_nodes.to(dev, torch.int64)[:, :N]
                 if path.shape[1] < N:
                     path = torch.nn.functional.pad(path, (0, N - path.shape[1]), value=-1)
@@ -556,12 +560,15 @@ class Drafter:
                       "nacc": cast(nacc, torch.int32), "token_ids": draft.token_ids,
                       "parents": draft.parents, "num_draft_tokens": draft.num_draft_tokens,
                       "maybe_source": draft.maybe_source, "nd": nd, "calib_row": calib_row,
-                      "path": path}
+                      "path": path_nodes if path is None else path}
             if self._graphs is not None:  # one width: a draft accepts at most its depth
-                inputs["out"] = out[:, :K1] if M >= K1 else \
-                    torch.nn.functional.pad(out, (0, K1 - M), value=0)
+                # the accepted tokens and path nodes straight into the graph's input
+                # buffers (K1 and N columns), padded there: no padded copies of them
+                staged = self._graphs[1].staging(len(sids), self._commit_like)
+                for name, pad in (("out", 0), ("path", -1)):
+                    inputs[name] = _fill_columns(staged[name], inputs[name], pad)
                 # a view of the graph's buffer (last_accepted_sources: until the next observe)
-                (acc_src,) = self._graphs[1].run(inputs, clone=False)
+                (acc_src,) = self._graphs[1].run(inputs, clone=False, staged=_COMMIT_STAGED)
                 W = max(M, 1)  # the eager step's width: one column per output token
                 acc_src = acc_src[:, :W] if W <= K1 else \
                     torch.nn.functional.pad(acc_src, (0, W - K1), value=-1)
@@ -625,3 +632,15 @@ class Drafter:
         # floors keep the calibration prior's weight from vanishing in rarely drafted cells
         self._tables.mul_(self._tables_decay).add_(counts).clamp_(min=self._tables_floor)
         return (acc_src,)
+
+
+def _fill_columns(dst: torch.Tensor, src: torch.Tensor, pad: int) -> torch.Tensor:
+    """``dst [B, W]`` holding ``src [B, A]``'s first ``min(A, W)`` columns (converted to
+    ``dst``'s dtype), ``pad`` after them; returns ``dst``."""
+    A, W = src.shape[1], dst.shape[1]
+    if A >= W:
+        dst.copy_(src[:, :W])
+    else:
+        dst[:, :A].copy_(src)
+        dst[:, A:].fill_(pad)
+    return dst

@@ -117,6 +117,7 @@ class IndexArena:
         self._sa_garbage = 0
         self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
         self._writer = HostWriter(1 << 18, self.device)  # append_rows' scatter indices
+        self._gathered = torch.empty(0, dtype=torch.int32, device=self.device)  # their tokens
         # every live corpus's descriptor fields, kept in step with _corpora by _sync
         self._table = DescriptorTable()
 
@@ -255,7 +256,12 @@ class IndexArena:
                 due.append(cid)
         if dst:  # one copy from pinned memory, consumed here
             at, take = self._writer.write((dst, torch.int64), (flat, torch.int64))
-            self.tokens.index_copy_(0, at, tokens.reshape(-1).index_select(0, take))
+            if self._gathered.numel() < len(dst):  # grows (doubling): a step allocates none
+                self._gathered = torch.empty(max(len(dst), 2 * self._gathered.numel()),
+                                             dtype=torch.int32, device=self.device)
+            rows = self._gathered[:len(dst)]
+            torch.index_select(tokens.reshape(-1), 0, take, out=rows)
+            self.tokens.index_copy_(0, at, rows)
             self.src.index_fill_(0, at, src)
         for c, m in zip(corpora, counts):  # every corpus holds its rows before any level
             c.n += m                        # build: a build may compact the token arena

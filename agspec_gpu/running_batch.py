@@ -18,7 +18,7 @@ from typing import Callable
 import nvtx
 import torch
 
-from agspec_gpu.accept import AcceptResult, BatchSampling, accept_tree, sample_tokens
+from agspec_gpu.accept import AcceptBuffers, AcceptResult, BatchSampling, accept_tree, sample_tokens
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, to_device
@@ -51,6 +51,11 @@ class RunningBatch:
         self.reqs, self.runner, self.drafter, self.kv = reqs, runner, drafter, kv
         self._sampling_rows, self._record, self.reader = sampling_rows, record, reader
         self.device = drafter.recent.device
+        # greedy acceptance's outputs, the batch's own (its requests only leave): a step's
+        # result lives there until the next step's, and the root a step leaves is a view
+        # of them (read by the next verification before its acceptance writes them); a
+        # batch of another call, suspended or not, never writes them
+        self.accept_out = AcceptBuffers(len(reqs.sids), drafter.config.max_nodes, self.device)
         self.root: torch.Tensor | None = None       # int32 [B]: last emitted token, not cached
         self.sampling: BatchSampling | None = None
         self.caps: torch.Tensor | None = None       # int32 [B] draft caps (opt-outs)
@@ -104,7 +109,8 @@ class RunningBatch:
         with nvtx.annotate("agspec.verify"):
             # the paged runner's flat rows (no [B, 1 + N, V] copy), the hf runner's padded
             logits, qo_indptr = runner.verify_rows(draft, self.root, num_draft_host=num_draft)
-            res = accept_tree(draft, logits, self.sampling, generator, qo_indptr)
+            res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
+                              out=self.accept_out)
         with nvtx.annotate("agspec.commit"):
             rows, n_out = read_output(res, self.reader)  # host read 2 of 2
             runner.commit(res, num_accepted_host=[n - 1 for n in n_out])

@@ -24,6 +24,8 @@ each depth (the replay's measurement: a duplicate never costs acceptance).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -276,8 +278,8 @@ def path_outputs_torch(token_ids: torch.Tensor, path: torch.Tensor, num_accepted
 
 def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
                        num_draft_tokens: torch.Tensor, target: torch.Tensor, *, max_depth: int,
-                       row_start: torch.Tensor | None = None, use_triton: bool | None = None
-                       ) -> tuple[torch.Tensor, ...]:
+                       row_start: torch.Tensor | None = None, use_triton: bool | None = None,
+                       out: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """Greedy verification's walk and what it outputs, in one kernel on a GPU.
 
     ``target``: the target's token (its argmax) at the root and at each node, ``int64 [B,
@@ -287,11 +289,15 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     output_ids [B, D + 1], num_output [B], bonus [B])``, all int32: :func:`tree_accept`'s
     path (``by_depth=False``), the accepted tokens followed by the bonus token (the target
     at the last accepted node; -1 after it), ``num_accepted + 1`` and the bonus token.
+    ``out``: those five tensors (int32, contiguous, of those shapes) to write and return,
+    a serving loop's preallocated buffers; None: new ones.
     """
     flat = row_start is not None
     _check_walk(token_ids, parents, num_draft_tokens, target, False, max_depth, "target",
                 flat=flat)
     B, N = token_ids.shape
+    if out is not None:
+        _check_outputs(out, B, max_depth, token_ids.device)
     if flat:
         if row_start.shape != (B,) or row_start.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"row_start: expected int32 [{B}], got {row_start.dtype} "
@@ -310,18 +316,38 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
         last = path.gather(1, (num - 1).clamp(min=0)[:, None])[:, 0] if max_depth else num
         cur = torch.where(num > 0, last, -1)
         bonus = target.gather(1, (cur + 1)[:, None])[:, 0]
-        out, nout = path_outputs_torch(token_ids, path, num, bonus)
-        return num.to(torch.int32), path.to(torch.int32), out, nout, bonus.to(torch.int32)
-    i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
-    num, path, out, nout, bonus = i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B), \
-        i32(B)
+        ids, nout = path_outputs_torch(token_ids, path, num, bonus)
+        result = (num.to(torch.int32), path.to(torch.int32), ids, nout, bonus.to(torch.int32))
+        if out is None:
+            return result
+        for o, r in zip(out, result):
+            o.copy_(r)
+        return tuple(out)
+    if out is None:
+        i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+        out = (i32(B), i32(B, max_depth), i32(B, max_depth + 1), i32(B), i32(B))
+    num, path, ids, nout, bonus = out
     num_draft_tokens = cast(num_draft_tokens, torch.int32).contiguous()
     tok, par = _rows(token_ids), _rows(parents)
     _tree_accept_kernel[(B,)](
         tok, par, num_draft_tokens, target.contiguous(),
-        num_draft_tokens if row_start is None else row_start.contiguous(), path, num, out,
+        num_draft_tokens if row_start is None else row_start.contiguous(), path, num, ids,
         nout, bonus, N, tok.stride(0), par.stride(0), target.shape[0] if flat else N + 1,
         max_depth, -2,
         BLOCK_N=max(next_pow2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat,
         num_warps=num_warps(N, False))
-    return num, path, out, nout, bonus
+    return num, path, ids, nout, bonus
+
+
+def _check_outputs(out: Sequence[torch.Tensor], B: int, D: int, device: torch.device) -> None:
+    """Raises ValueError naming the first of :func:`greedy_tree_accept`'s ``out`` tensors
+    that is not int32, contiguous, on ``device`` and of its shape."""
+    names = ("num_accepted", "path", "output_ids", "num_output", "bonus")
+    if len(out) != len(names):
+        raise ValueError(f"out: expected {len(names)} tensors ({', '.join(names)}), got "
+                         f"{len(out)}")
+    for name, t, shape in zip(names, out, ((B,), (B, D), (B, D + 1), (B,), (B,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous() or \
+                t.device != device:
+            raise ValueError(f"out: {name} must be a contiguous int32 {list(shape)} on "
+                             f"{device}, got {t.dtype} {list(t.shape)} on {t.device}")

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 
 class CountOps:
-    """``with count.mode:`` appends each kernel-launching op's name to ``count.ops``."""
+    """``with count.mode:`` appends each kernel-launching op's name to ``count.ops``, and
+    the name of each op whose output is new memory (an allocation: no input's storage)
+    to ``count.allocs``."""
 
     FREE = {"view", "_unsafe_view", "expand", "permute", "select", "slice", "as_strided",
             "unsqueeze", "squeeze", "t", "transpose", "detach", "detach_", "alias", "reshape",
@@ -20,6 +24,7 @@ class CountOps:
 
         outer = self
         self.ops: list[str] = []
+        self.allocs: list[str] = []
         self.paused = 0
 
         class Mode(TorchDispatchMode):
@@ -27,7 +32,10 @@ class CountOps:
                 name = func.overloadpacket.__name__
                 if not outer.paused and name not in outer.FREE:
                     outer.ops.append(name)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                if not outer.paused:
+                    outer.allocs.extend([name] * _new_storages(out, (args, kwargs)))
+                return out
 
         self.mode = Mode()
 
@@ -51,3 +59,22 @@ class CountOps:
                 self.ops.extend([name] * n)
             return paused(*a, **k)
         return run
+
+
+def _storages(x, into: set[int]) -> set[int]:
+    if isinstance(x, torch.Tensor):
+        into.add(x.untyped_storage().data_ptr())
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _storages(y, into)
+    elif isinstance(x, dict):
+        _storages(list(x.values()), into)
+    return into
+
+
+def _new_storages(out, inputs) -> int:
+    """Output tensors of nonzero size whose storage no input shares."""
+    seen = _storages(inputs, set())
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    return sum(1 for o in outs if isinstance(o, torch.Tensor) and
+               o.untyped_storage().nbytes() > 0 and o.untyped_storage().data_ptr() not in seen)

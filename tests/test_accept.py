@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, flatten_tree_logits,
-                               greedy_accept, pad_tree_logits, sample_accept, target_probs,
-                               tree_qo_indptr)
+from agspec_gpu.accept import (AcceptBuffers, AcceptResult, BatchSampling, SamplingParams,
+                               flatten_tree_logits, greedy_accept, pad_tree_logits,
+                               sample_accept, target_probs, tree_qo_indptr)
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 
 V = 16
@@ -135,6 +135,9 @@ def batches(draw):
     return trees, targets
 
 
+_BUFFERS = AcceptBuffers(4, 7, "cpu")  # what batches() draws fits
+
+
 @settings(max_examples=40, deadline=None)
 @given(batches())
 def test_greedy_matches_reference_walk(case):
@@ -145,6 +148,15 @@ def test_greedy_matches_reference_walk(case):
     nodes, outs = [w[0] for w in walks], [w[1] for w in walks]
     check(greedy_accept(d, flat, indptr), nodes, outs)
     check(greedy_accept(d, pad_tree_logits(flat, indptr, d.max_nodes)), nodes, outs)
+    # into a serving loop's buffers (reused: a step after another shape's), and past
+    # buffers too small for the step (new tensors)
+    for buf in (_BUFFERS, AcceptBuffers(1, 0, "cpu")):
+        for args in ((flat, indptr), (pad_tree_logits(flat, indptr, d.max_nodes),)):
+            res = greedy_accept(d, *args, out=buf)
+            check(res, nodes, outs)
+            inside = res.output_ids.untyped_storage().data_ptr() == \
+                buf._walk.untyped_storage().data_ptr()
+            assert inside == buf.fits(len(trees), d.max_nodes)
     # a one-hot target makes sampling deterministic: it must agree with greedy
     g = torch.Generator().manual_seed(0)
     check(sample_accept(d, flat, indptr, SamplingParams(top_k=1), g), nodes, outs)

@@ -81,6 +81,12 @@ def check(tok, par, num, exp, by_depth, D):
                                                         use_triton=use_triton)
             assert all(x.dtype == torch.int32 for x in (n, p, out, nout, bonus))
             assert torch.equal(n.long().cpu(), ref[0].cpu()) and torch.equal(p.long(), ref[1])
+            # into a caller's buffers (garbage-filled): the same, in them
+            bufs = garbage_outputs(tok.shape[0], D)
+            got = greedy_tree_accept(*t[:3], target, max_depth=D, row_start=row_start,
+                                     use_triton=use_triton, out=bufs)
+            assert all(g is o and torch.equal(g, x)
+                       for g, o, x in zip(got, bufs, (n, p, out, nout, bonus)))
             assert torch.equal(nout, n + 1)
             for b in range(tok.shape[0]):
                 path = ref[1][b, :int(ref[0][b])].tolist()
@@ -89,6 +95,32 @@ def check(tok, par, num, exp, by_depth, D):
                 assert out[b].tolist() == want + [-1] * (D + 1 - len(want)), \
                     (use_triton, rows is None, b)
                 assert int(bonus[b]) == want_bonus
+
+
+def garbage_outputs(B: int, D: int) -> tuple[torch.Tensor, ...]:
+    """``greedy_tree_accept``'s five outputs as a caller keeps them: views of one buffer
+    (a serving loop's, used by earlier steps), filled with garbage."""
+    sizes = [B, B * D, B * (D + 1), B, B]
+    parts = torch.full((sum(sizes) + 3,), 99, dtype=torch.int32, device=DEV)[3:].split(sizes)
+    return parts[0], parts[1].view(B, D), parts[2].view(B, D + 1), parts[3], parts[4]
+
+
+def test_greedy_walk_rejects_bad_output_buffers():
+    tok = torch.tensor([[3, 4]], dtype=torch.int32, device=DEV)
+    par = torch.tensor([[-1, 0]], dtype=torch.int32, device=DEV)
+    num = torch.tensor([2], dtype=torch.int32, device=DEV)
+    target = torch.tensor([[3, 4, 5]], dtype=torch.int64, device=DEV)
+    good = garbage_outputs(1, 2)
+    bad = [("out: expected 5", good[:4]), ("num_accepted", (good[0].long(),) + good[1:]),
+           ("path", good[:1] + (good[1].view(2, 1),) + good[2:]),
+           ("output_ids", good[:2] + (good[1],) + good[3:]),
+           ("bonus", good[:4] + (torch.zeros(2, dtype=torch.int32, device=DEV),))]
+    for match, out in bad:
+        for u in (True, False):
+            with pytest.raises(ValueError, match=match):
+                greedy_tree_accept(tok, par, num, target, max_depth=2, use_triton=u, out=out)
+    n, _, ids, _, _ = greedy_tree_accept(tok, par, num, target, max_depth=2, out=good)
+    assert int(n[0]) == 2 and ids.tolist() == [[3, 4, 5]]
 
 
 @pytest.mark.parametrize("by_depth", [False, True])

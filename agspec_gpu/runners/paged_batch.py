@@ -27,6 +27,7 @@ import torch
 from agspec_gpu.accept import AcceptResult, pad_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
+from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.common import check_verify_call
@@ -207,10 +208,11 @@ class PagedBatch:
         if result.max_depth:  # within the pages the verification planned (views of its plan)
             kv_compact(self.runner.kv_cache.data, kv_indptr, kv_indices, prefix,
                        result.accepted_nodes.to(self.device, torch.int32).contiguous())
-        # the root and the accepted nodes: num_output (= num_accepted + 1) slots
-        self._prefix = prefix + result.num_output.to(self.device, torch.int32)
+        # the root and the accepted nodes: num_output (= num_accepted + 1) slots, in place
+        # (the batch's own tensor; the compaction above read it first, in stream order)
+        prefix.add_(cast(result.num_output, torch.int32, self.device))
         # the planner sizes pages on the host
-        self._prefix_host = self._prefix.tolist() if num_accepted_host is None else \
+        self._prefix_host = prefix.tolist() if num_accepted_host is None else \
             [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
         self._pending = None
 
