@@ -7,7 +7,8 @@ output allocations) and Triton's own launch. This times, per call, what
 drafter calls it: queries read from its ring, windows written; before 2026-12-03 three
 launches, which this times on a checkout of that age), the greedy walk
 (``greedy_tree_accept`` on flat rows), the planner (``plan_tree``: two kernels) and the
-KV commit (``kv_compact``).
+KV commit (``kv_compact``). The match and the walk write into outputs kept across calls, as
+the drafter and the running batch keep them (a checkout before that allocates them).
 
 On a GPU the launches are real (asynchronous: the host time per call, the device
 synchronized between rounds, not inside them). On a CPU the Triton kernels are replaced by
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import inspect
 import statistics
@@ -43,7 +45,7 @@ from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.kernels import kv_compact as kv_compact_mod
 from agspec_gpu.kernels import suffix_match_triton, tree_accept, tree_mask
 from agspec_gpu.kernels.kv_compact import kv_compact
-from agspec_gpu.kernels.suffix_match import suffix_match
+from agspec_gpu.kernels.suffix_match import MatchResult, suffix_match
 from agspec_gpu.kernels.tree_accept import greedy_tree_accept
 from agspec_gpu.tree import TreeMetadata, plan_tree
 from bench_layer_kernels import write_results  # bench/, the script's folder
@@ -93,11 +95,21 @@ def cases(B: int, dev: torch.device, nodes: int) -> dict:
     ring_len = torch.full((B + 1,), 32, dtype=torch.int32, device=dev)
     rows = torch.arange(B * NUM_TIERS, device=dev) // NUM_TIERS
 
+    # the outputs the drafter keeps (from 2026-12-03 afternoon; before, each call allocated)
+    kept = {}
+    if "out" in inspect.signature(suffix_match).parameters:
+        Q, i64 = B * NUM_TIERS, functools.partial(torch.empty, dtype=torch.int64, device=dev)
+        kept["out"] = MatchResult(
+            torch.empty(Q, dtype=torch.int32, device=dev), i64(Q), i64(Q, 8),
+            i64(Q, max(desc.max_levels, 4)), i64(Q, max(desc.max_levels, 4)),
+            torch.empty(Q, 8, 32, dtype=torch.int32, device=dev),
+            torch.empty(Q, 8, 32, dtype=torch.int8, device=dev))
     if "query_rows" in inspect.signature(suffix_match).parameters:
         def match():
             return suffix_match(ar.tokens, ar.sa, desc, ring, ring_len, max_depth=32,
                                 max_positions=8, max_scan=256, use_triton=True,
-                                query_rows=rows, max_lengths=ring_len, window=32, src=ar.src)
+                                query_rows=rows, max_lengths=ring_len, window=32, src=ar.src,
+                                **kept)
     else:  # before 2026-12-03: the drafter's three launches
         from agspec_gpu.kernels.match_windows import match_windows
         from agspec_gpu.kernels.ring_queries import ring_queries
@@ -121,9 +133,17 @@ def cases(B: int, dev: torch.device, nodes: int) -> dict:
     qo = tree_qo_indptr(draft)
     target = torch.randint(0, 9, (int(qo[-1]),), generator=g).to(dev)
 
+    walk_out = {}
+    if "out" in inspect.signature(greedy_tree_accept).parameters:  # the running batch's
+        from agspec_gpu.accept import AcceptBuffers
+
+        walk_out["out"] = AcceptBuffers(B, nodes, dev).walk(B, nodes)
+    row_start = qo[:-1]
+
     def accept():
         return greedy_tree_accept(draft.token_ids, draft.parents, draft.num_draft_tokens, target,
-                                  max_depth=nodes, row_start=qo[:-1], use_triton=True)
+                                  max_depth=nodes, row_start=row_start, use_triton=True,
+                                  **walk_out)
 
     pages, ps = 64, 16
     table = torch.arange(B * pages, dtype=torch.int32, device=dev).view(B, pages)
