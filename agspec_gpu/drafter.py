@@ -563,8 +563,11 @@ class Drafter:
                       "path": path_nodes if path is None else path}
             if self._graphs is not None:  # one width: a draft accepts at most its depth
                 # the accepted tokens and path nodes straight into the graph's input
-                # buffers (K1 and N columns), padded there: no padded copies of them
-                staged = self._graphs[1].staging(len(sids), self._commit_like)
+                # buffers (K1 and N columns), padded there: no padded copies of them. The
+                # bucket is keyed by every input's width (N: this draft's, the path's as
+                # the nodes'), as the run below finds it
+                staged = self._graphs[1].staging(
+                    len(sids), {**inputs, "out": self._commit_like["out"], "path": nd})
                 for name, pad in (("out", 0), ("path", -1)):
                     inputs[name] = _fill_columns(staged[name], inputs[name], pad)
                 # a view of the graph's buffer (last_accepted_sources: until the next observe)

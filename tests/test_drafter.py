@@ -428,13 +428,13 @@ def assert_same_state(d0: Drafter, d1: Drafter, where) -> None:
         assert torch.equal(a, c), (where, name)
 
 
-def _lockstep_drafters(tok, batch_budget: bool) -> list[Drafter]:
+def _lockstep_drafters(tok, batch_budget: bool, **cfg) -> list[Drafter]:
     """Two equal drafters (max_sessions 12, max_batch 8; a shared workspace tenant and
     tenants without one: a ragged (request, corpus) grid)."""
     ds = []
     for _ in range(2):
         store = CorpusStore(tok, TierConfig(use_global=False))
-        d = Drafter(store, DrafterConfig(**{**_SHARES, "batch_budget": batch_budget}),
+        d = Drafter(store, DrafterConfig(**{**_SHARES, "batch_budget": batch_budget, **cfg}),
                     max_batch=8, max_sessions=12)
         store.add_workspace_file("w", "w.txt", "".join(chr(97 + i % 7) * 3 for i in range(60)))
         ds.append(d)
@@ -479,6 +479,17 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
     the real requests only, and their writes land in the spare slot. More sessions are open
     than a step takes, and steps pick any of them."""
     ds = _lockstep_drafters(tok, batch_budget)
+    ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
+    _run_lockstep(ds, spelled)
+
+
+@pytest.mark.parametrize("spelled", [False, True])
+def test_padded_steps_equal_unpadded_with_few_candidates(tok, spelled):
+    """The same with drafts narrower than the commit step's widest (one position, depth
+    3: a request with one corpus drafts at most 3 nodes, one with two at most 6): its
+    buckets are keyed by the draft's width, and what a commit writes in place lands in the
+    bucket the step runs."""
+    ds = _lockstep_drafters(tok, True, max_positions=1, max_draft_depth=3)
     ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
     _run_lockstep(ds, spelled)
 
