@@ -637,10 +637,10 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     and what it allocates outside them: nothing (session 25: the match, the greedy walk and
     its argmax write into buffers kept for the batch, the commit's KV lengths and the
     drafter's padded commit inputs are written in place; six allocations before, and twelve
-    more inside the match's and the walk's launchers). Now 25-28 at B = 1 and 4 (session 24: the match reads its queries from the drafter's
-    ring and writes the candidate windows in its own launch, two launches fewer; 27-33 in
-    session 21: the match kernel writes every level slot, so
-    its two output fills went, and the step's host reads copy into a pinned buffer, as
+    more inside the match's and the walk's launchers). Now 25-28 at B = 1 and 4 (session
+    24: the match reads its queries from the drafter's ring and writes the candidate
+    windows in its own launch, two launches fewer; 27-33 in session 21: the match kernel
+    writes every level slot, so its two output fills went, and the step's host reads copy into a pinned buffer, as
     uncounted here as the host-to-device copies; 30-36 in session 20, 31-37 in session
     19; 60-64 before the drafter's graph inputs were copied one launch per dtype, the
     verification step's inputs staged without re-padding every row, and the greedy walk
