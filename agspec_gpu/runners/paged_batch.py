@@ -207,7 +207,7 @@ class PagedBatch:
         prefix, kv_indptr, kv_indices = self._pending
         if result.max_depth:  # within the pages the verification planned (views of its plan)
             kv_compact(self.runner.kv_cache.data, kv_indptr, kv_indices, prefix,
-                       result.accepted_nodes.to(self.device, torch.int32).contiguous())
+                       cast(result.accepted_nodes, torch.int32, self.device).contiguous())
         # the root and the accepted nodes: num_output (= num_accepted + 1) slots, in place
         # (the batch's own tensor; the compaction above read it first, in stream order)
         prefix.add_(cast(result.num_output, torch.int32, self.device))
