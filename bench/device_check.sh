@@ -65,7 +65,8 @@ step() {
 }
 
 # ---------------------------------------------------------------- environment
-# agspec_gpu.kernels is the folder kernels/ (setuptools package-dir): assemble the package.
+# agspec_gpu.kernels is the folder kernels/ (setuptools package-dir; in the checkout the link
+# agspec_gpu/kernels): assemble the package with the folder itself in place of the link.
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r agspec_gpu /tmp/pkg/ \
   && rm -rf /tmp/pkg/agspec_gpu/kernels && cp -r kernels /tmp/pkg/agspec_gpu/kernels
 step install 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
