@@ -30,7 +30,7 @@ from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
-from agspec_gpu.drafter_graphs import StepGraphs
+from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
 from agspec_gpu.host import HostWriter, to_device
 from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.batch_budget import budget_keep
@@ -165,6 +165,10 @@ class Drafter:
         self._version: dict[str, int] = {}
         self._grid_key: tuple | None = None  # (store epoch, sids) of _grid, the last grid
         self._grid: tuple = ()
+        # the last grid's slots, tiers and query slots on the device (written when the grid
+        # is built, read by every step of its batch): int64 [max_batch * (1 + 2 * tiers)]
+        self._grid_dev = torch.zeros(max_batch * (1 + 2 * _NUM_TIERS), dtype=torch.int64,
+                                     device=dev)
         self.scale = torch.ones(slots, dtype=torch.float32, device=dev)
         self.cap = torch.ones(slots, dtype=torch.int32, device=dev)
         self._roles = {r.name: r for r in self.config.roles}
@@ -212,6 +216,7 @@ class Drafter:
         self._graphs: tuple[StepGraphs, StepGraphs] | None = None
         # the match's outputs by (B, Rs): see _match_out
         self._match_outs: dict[tuple[int, int], tuple] = {}
+        self._commit_plans: dict[tuple[int, int], tuple] = {}  # by (B, N): _commit_plan
         self._match_scratch: MatchResult | None = None
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
@@ -309,16 +314,12 @@ class Drafter:
                      if self._version[sid] != store.tenant_version(sid)]
         else:  # no tenant's text changed since the grid was built and checked
             stale = []
-        slot_ids, rows_cid, rows_tier, Rs, rows_slot = self._grid
-        # the step's lists (slots, tiers, each row's query slot, the match's corpus
-        # descriptors) in one host-to-device copy: views of the writer's ring, consumed by
-        # this propose
+        _, rows_cid, _, Rs, _, slots, tier, query_rows = self._grid
+        # the match's corpus descriptors (the corpora grow every step) in one host-to-device
+        # copy: views of the writer's ring, consumed by this propose
         arena = store.arena
         i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
-        slots, tier, query_rows, i64, i32 = self._writer.write(
-            (slot_ids, torch.int64), (rows_tier, torch.int64), (rows_slot, torch.int64),
-            (i64, torch.int64), (i32, torch.int32))
-        tier = tier.view(B, Rs)
+        i64, i32 = self._writer.write((i64, torch.int64), (i32, torch.int32))
         desc = MatchDescriptors.packed(i64, i32, len(rows_cid), max_levels, max_tail)
         if stale:
             st = slots[to_device(stale, torch.int64, dev)]
@@ -332,16 +333,15 @@ class Drafter:
         # match_cap) and writes its candidate windows [P, K], the K tokens after each
         # occurrence, read here because the arena's buffers move as it grows (a graph would
         # keep the old address)
-        out, inputs = self._match_out(B, Rs, max_levels)
+        out, matched, plan = self._match_out(B, Rs, max_levels)
         suffix_match(arena.tokens, arena.sa, desc, self.recent, self.recent_len,
                      max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
                      sa_key=arena.sa_key, query_rows=query_rows, max_lengths=self.match_cap,
                      window=K, src=arena.src, out=out)
-        inputs = {"slots": slots, "tier": tier, **inputs}
-        if self._graphs is not None:
-            out = self._graphs[0].run(inputs, clone=stable, staged=_MATCHED)
+        if plan is not None:
+            out = self._graphs[0].run(plan, {"slots": slots, "tier": tier}, clone=stable)
         else:
-            out = self._draft_tensors(**inputs, num_requests=B)
+            out = self._draft_tensors(slots, tier, **matched, num_requests=B)
         tok, parent, num, srcs, nd, node_row = out
         draft = DraftBatch(tok, parent, num, srcs)
         self._forget(sids)  # a session's newer proposal replaces its older ones
@@ -349,18 +349,19 @@ class Drafter:
         return draft
 
     def _match_out(self, B: int, Rs: int, max_levels: int
-                   ) -> tuple[MatchResult, dict[str, torch.Tensor]]:
+                   ) -> tuple[MatchResult, dict[str, torch.Tensor], StepPlan | None]:
         """Where a step's match of ``B`` requests x ``Rs`` corpora writes, so that a step
-        allocates nothing: ``(out, inputs)``, ``out`` the match's outputs and ``inputs`` the
-        propose step's ``length [B, Rs]``, ``win``, ``src [B, Rs, P, K]``, views of the same
-        memory. With graphs that memory is the propose graph's input buffers (the match
-        writes them in place); without, the drafter's own. Counts, positions and level
-        ranges go to scratch rows for the largest batch, whose level columns grow (doubling)
-        with the corpora's levels. Views made once per ``(B, Rs)`` and level width."""
+        allocates nothing: ``(out, matched, plan)``, ``out`` the match's outputs and
+        ``matched`` the propose step's ``length [B, Rs]``, ``win``, ``src [B, Rs, P, K]``,
+        views of the same memory. With graphs that memory is the propose graph's input
+        buffers (``plan``'s staged inputs: the match writes them in place); without (``plan``
+        None), the drafter's own. Counts, positions and level ranges go to scratch rows for
+        the largest batch, whose level columns grow (doubling) with the corpora's levels.
+        Made once per ``(B, Rs)`` and level width."""
         cached = self._match_outs.get((B, Rs))
-        if cached is not None and cached[2] is self._graphs and \
+        if cached is not None and cached[3] is self._graphs and \
                 cached[0].sa_lo.shape[1] >= max_levels:
-            return cached[0], cached[1]
+            return cached[:3]
         dev, P, K = self.recent.device, self.config.max_positions, self.config.max_draft_depth
         rows = self.max_batch * _NUM_TIERS
         scratch = self._match_scratch
@@ -373,26 +374,27 @@ class Drafter:
                 torch.empty(rows, P, K, dtype=torch.int32, device=dev),
                 torch.empty(rows, P, K, dtype=torch.int8, device=dev))
             self._match_outs.clear()
-        Q = B * Rs
+        Q, plan = B * Rs, None
         if self._graphs is not None:
-            inputs = self._graphs[0].staging(B, self._draft_example(Rs))
-            inputs = {name: inputs[name] for name in _MATCHED}
+            plan = self._graphs[0].plan(B, self._draft_example(Rs), staged=_MATCHED)
+            matched = plan.staged
         else:
-            inputs = {"length": scratch.length[:Q].view(B, Rs),
-                      "win": scratch.windows[:Q].view(B, Rs, P, K),
-                      "src": scratch.window_sources[:Q].view(B, Rs, P, K)}
-        out = MatchResult(inputs["length"].view(Q), scratch.count[:Q], scratch.positions[:Q],
-                          scratch.sa_lo[:Q], scratch.sa_hi[:Q], inputs["win"].view(Q, P, K),
-                          inputs["src"].view(Q, P, K))
-        self._match_outs[(B, Rs)] = (out, inputs, self._graphs)
-        return out, inputs
+            matched = {"length": scratch.length[:Q].view(B, Rs),
+                       "win": scratch.windows[:Q].view(B, Rs, P, K),
+                       "src": scratch.window_sources[:Q].view(B, Rs, P, K)}
+        out = MatchResult(matched["length"].view(Q), scratch.count[:Q], scratch.positions[:Q],
+                          scratch.sa_lo[:Q], scratch.sa_hi[:Q], matched["win"].view(Q, P, K),
+                          matched["src"].view(Q, P, K))
+        self._match_outs[(B, Rs)] = (out, matched, plan, self._graphs)
+        return out, matched, plan
 
-    def _match_grid(self, sids: list[str]
-                    ) -> tuple[list[int], list[int], list[int], int, list[int]]:
+    def _match_grid(self, sids: list[str]) -> tuple:
         """``(slot ids, corpus id per row, tier per row, Rs, query slot per row)`` of the
         match's ``[B, Rs]`` grid of (request, corpus) rows, ``Rs`` the most corpora of a
-        request; a request with fewer repeats its session corpus as tier -1 rows, which have
-        no query (slot -1: no match, no candidates)."""
+        request, then the slots ``int64 [B]``, tiers ``int64 [B, Rs]`` and query slots
+        ``int64 [B * Rs]`` on the device (views of the drafter's grid buffer, valid until
+        the next grid). A request with fewer corpora repeats its session corpus as tier -1
+        rows, which have no query (slot -1: no match, no candidates)."""
         slot_ids = [self._slot_of(s) for s in sids]
         corpora = [self.store.corpora_of(s) for s in sids]
         Rs = max(len(c) for c in corpora)
@@ -403,7 +405,11 @@ class Drafter:
                 rows_cid.append(cid)
                 rows_tier.append(int(tier_r))
                 rows_slot.append(slot if tier_r >= 0 else -1)
-        return slot_ids, rows_cid, rows_tier, Rs, rows_slot
+        B, Q = len(sids), len(rows_cid)
+        self._writer.copy_to(self._grid_dev[:B + 2 * Q], slot_ids + rows_tier + rows_slot)
+        g = self._grid_dev
+        return (slot_ids, rows_cid, rows_tier, Rs, rows_slot, g[:B], g[B:B + Q].view(B, Rs),
+                g[B + Q:B + 2 * Q])
 
     def _forget(self, sids: Sequence[str]) -> None:
         """Drops the pending proposals that draft any of ``sids`` (their context moved on)."""
@@ -523,8 +529,10 @@ class Drafter:
         dev = self.recent.device
         # the batch's grid from its propose, while current: its slots and session corpora
         grid = self._grid if self._grid_key == (self.store.epoch, tuple(sids)) else None
-        slot_ids = [self._slot_of(s) for s in sids] if grid is None else grid[0]
-        slots, = self._writer.write((slot_ids, torch.int64))
+        if grid is None:
+            slots, = self._writer.write(([self._slot_of(s) for s in sids], torch.int64))
+        else:
+            slots = grid[5]
         # (cast: the serving loop's tensors are these already, and a no-op .to() costs
         # ~2 us of a step's host time)
         out = cast(output_ids, torch.int32, dev)
@@ -564,14 +572,12 @@ class Drafter:
             if self._graphs is not None:  # one width: a draft accepts at most its depth
                 # the accepted tokens and path nodes straight into the graph's input
                 # buffers (K1 and N columns), padded there: no padded copies of them. The
-                # bucket is keyed by every input's width (N: this draft's, the path's as
-                # the nodes'), as the run below finds it
-                staged = self._graphs[1].staging(
-                    len(sids), {**inputs, "out": self._commit_like["out"], "path": nd})
+                # bucket is this draft's width's (N; the path's as the nodes')
+                plan = self._commit_plan(len(sids), N)
                 for name, pad in (("out", 0), ("path", -1)):
-                    inputs[name] = _fill_columns(staged[name], inputs[name], pad)
+                    _fill_columns(plan.staged[name], inputs.pop(name), pad)
                 # a view of the graph's buffer (last_accepted_sources: until the next observe)
-                (acc_src,) = self._graphs[1].run(inputs, clone=False, staged=_COMMIT_STAGED)
+                (acc_src,) = self._graphs[1].run(plan, inputs, clone=False)
                 W = max(M, 1)  # the eager step's width: one column per output token
                 acc_src = acc_src[:, :W] if W <= K1 else \
                     torch.nn.functional.pad(acc_src, (0, W - K1), value=-1)
@@ -585,11 +591,21 @@ class Drafter:
         self.store.append_sessions(sids, out.contiguous(), counts,
                                    corpus_ids=None if grid is None else grid[1][::grid[3]])
 
-    def _commit_example(self) -> dict[str, torch.Tensor]:
-        """One request's inputs of :meth:`_commit_tensors` (shapes and dtypes)."""
+    def _commit_plan(self, B: int, N: int) -> StepPlan:
+        """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made
+        once per ``(B, N)``; the accepted tokens and path nodes staged)."""
+        cached = self._commit_plans.get((B, N))
+        if cached is None or cached[1] is not self._graphs:
+            cached = self._commit_plans[(B, N)] = (self._graphs[1].plan(
+                B, self._commit_example(N), staged=_COMMIT_STAGED), self._graphs)
+        return cached[0]
+
+    def _commit_example(self, N: int | None = None) -> dict[str, torch.Tensor]:
+        """One request's inputs of :meth:`_commit_tensors` (shapes and dtypes) for drafts of
+        ``N`` node columns (default: the widest a draft has)."""
         dev, cfg = self.recent.device, self.config
-        N = min(cfg.max_nodes, cfg.max_positions * (cfg.max_candidate_rows or _NUM_TIERS)
-                * cfg.max_draft_depth)
+        N = N or min(cfg.max_nodes, cfg.max_positions * (cfg.max_candidate_rows or _NUM_TIERS)
+                     * cfg.max_draft_depth)
         i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
         i64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         return {"slots": i64(1), "out": i32(1, cfg.max_draft_depth + 1), "nout": i32(1),

@@ -17,10 +17,13 @@ and address the drafter's spare state slot (``max_sessions``), so they never wri
 session's state; the real request count reaches the batch budget as a device scalar, so
 padding does not change it.
 
-Inputs are copied into each bucket's static buffers before a replay; outputs are cloned out
-of the graph's, so a result outlives the next step (a loop that is done with a step's result
-before the next one skips the clones). The drafter state a step reads and
-writes is updated in place, at fixed addresses; buffers that move (the corpus arena grows
+Planning and running are split, as FlashInfer's wrappers split them: :meth:`StepGraphs.plan`
+finds a batch size's bucket for the step's input shapes once (the caller keeps the
+:class:`StepPlan` while its shapes stay), :meth:`StepGraphs.run` then only copies. Inputs
+are copied into each bucket's static buffers before a replay (or written there in place by
+their producer: a plan's ``staged`` views); outputs are cloned out of the graph's, so a
+result outlives the next step (a loop that is done with a step's result before the next one
+skips the clones). The drafter state a step reads and writes is updated in place, at fixed addresses; buffers that move (the corpus arena grows
 and compacts) are read before the graph, so they are never baked into one. Without graphs
 (CPU, or a failed capture) the same padded step runs eagerly, which the tests compare with
 the unpadded step.
@@ -29,14 +32,36 @@ the unpadded step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from agspec_gpu.cuda_graph import capture, capture_error
-from agspec_gpu.host import copy_grouped
 
 # fn(**inputs with S rows, num_requests=int64 []) -> output tensors with S rows
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A step's bucket for one batch size and input shapes (:meth:`StepGraphs.plan`).
+
+    Attributes:
+        num_requests: ``B``, the rows of every input.
+        bucket_size: ``S >= B``, the rows the step runs (padding from ``B`` on).
+        buf: the bucket's buffers (inputs by name, graph and bookkeeping).
+        staged: per staged input, the first ``B`` rows of its buffer: write it there.
+        names: every input of the step, in order.
+        copies: per dtype, the other inputs' first ``B`` rows and their names: one
+            multi-tensor copy each per step.
+    """
+
+    num_requests: int
+    bucket_size: int
+    buf: dict
+    staged: dict[str, torch.Tensor]
+    names: tuple[str, ...]
+    copies: tuple[tuple[list[torch.Tensor], tuple[str, ...]], ...]
 
 
 class StepGraphs:
@@ -85,49 +110,49 @@ class StepGraphs:
                 if not self._captured(self._buffers(S, ex)):
                     return
 
-    def staging(self, B: int, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The first ``B`` rows of ``B``'s bucket buffers for a step's inputs shaped like
-        ``like`` (every input of the step, any number of rows), by name, the same views
-        every call: a producer writes an input there in place (the drafter's match writes
-        its outputs), and :meth:`run` with that name in ``staged`` copies nothing for it."""
+    def plan(self, B: int, like: Mapping[str, torch.Tensor], staged: tuple[str, ...] = ()
+             ) -> StepPlan:
+        """What :meth:`run` needs for steps of ``B`` requests whose inputs are shaped like
+        ``like`` (every input of the step, any number of rows; only trailing shapes and
+        dtypes count): the bucket's buffers, the views the ``staged`` inputs are written to
+        in place (a producer writes there: the drafter's match writes its outputs), and the
+        other inputs' destination rows grouped by dtype. A caller keeps a plan for as long as
+        its steps keep those shapes (the drafter: per batch size and width), so a step
+        neither looks its bucket up nor builds its key."""
         buf = self._buffers(self.bucket(B), like)
-        views = buf.get(("staging", B))
-        if views is None:
-            views = buf[("staging", B)] = {name: buf[name][:B] for name in like}
-        return views
+        for name in staged:
+            if name not in like:
+                raise ValueError(f"staged: {name!r} is not an input of the step")
+        names = tuple(n for n in like if n not in staged)
+        by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+        for name in names:
+            dsts, at = by_dtype.setdefault(buf[name].dtype, ([], []))
+            dsts.append(buf[name][:B])
+            at.append(name)
+        return StepPlan(B, self.bucket(B), buf, {name: buf[name][:B] for name in staged},
+                        tuple(like), tuple((d, tuple(n)) for d, n in by_dtype.values()))
 
-    def run(self, inputs: Mapping[str, torch.Tensor], clone: bool = True,
-            staged: tuple[str, ...] = ()) -> tuple[torch.Tensor, ...]:
-        """The step of ``B`` requests (every input has ``B`` rows) through its bucket:
-        outputs with ``B`` rows, clones; ``clone=False``: views of the graph's buffers, valid
-        until the bucket's next replay. ``staged``: the inputs that are :meth:`staging`'s
-        views, written in place (not copied)."""
-        B = next(iter(inputs.values())).shape[0]
+    def run(self, plan: StepPlan, inputs: Mapping[str, torch.Tensor], clone: bool = True
+            ) -> tuple[torch.Tensor, ...]:
+        """The step of ``plan.num_requests = B`` requests through its bucket: ``inputs``
+        holds every input the plan does not stage, with ``B`` rows and the plan's trailing
+        shapes and dtypes (the staged ones were written to ``plan.staged``). Outputs with
+        ``B`` rows, clones; ``clone=False``: views of the graph's buffers, valid until the
+        bucket's next replay."""
+        B, buf = plan.num_requests, plan.buf
         if self.graph_error is not None:  # capture failed once: eager, unpadded
-            return self.fn(**inputs, num_requests=B)
-        S = self.bucket(B)
-        buf = self._buffers(S, inputs)
+            return self.fn(**inputs, **plan.staged, num_requests=B)
         # the other inputs into the bucket's buffers: one copy launch per dtype, not per
-        # input. The bucket's key holds the inputs' trailing shapes and dtypes, so their
-        # first B rows' views, grouped by dtype, are made (and checked, by copy_grouped)
-        # once per B
-        copies = buf.get(("rows", B, staged))
-        srcs = list(inputs.values())
-        if copies is None:
-            names = [name for name in inputs if name not in staged]
-            copy_grouped([buf[name][:B] for name in names], [inputs[n] for n in names])
-            by_dtype: dict[torch.dtype, tuple[list, list]] = {}
-            for i, name in enumerate(inputs):
-                if name not in staged:
-                    dsts, at = by_dtype.setdefault(buf[name].dtype, ([], []))
-                    dsts.append(buf[name][:B])
-                    at.append(i)
-            buf[("rows", B, staged)] = list(by_dtype.values())
-        else:
-            for dsts, at in copies:
-                torch._foreach_copy_(dsts, [srcs[i] for i in at])
+        # input (checked: a copy would broadcast a wrong shape, or convert a wrong dtype)
+        for dsts, names in plan.copies:
+            srcs = [inputs[n] for n in names]
+            for dst, src, name in zip(dsts, srcs, names):
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ValueError(f"{name}: expected {dst.dtype} {list(dst.shape)} as "
+                                     f"planned, got {src.dtype} {list(src.shape)}")
+            torch._foreach_copy_(dsts, srcs)
         if B < buf["clean_from"]:  # rows a larger batch wrote: padding again
-            for name in inputs:
+            for name in plan.names:
                 buf[name][B:buf["clean_from"]].fill_(self.pads[name])
         buf["clean_from"] = B
         if buf["last_b"] != B:
@@ -135,7 +160,7 @@ class StepGraphs:
             buf["last_b"] = B
         if self.use_graphs:
             if not self._captured(buf):
-                return self.fn(**inputs, num_requests=B)
+                return self.fn(**inputs, **plan.staged, num_requests=B)
             buf["graph"].replay()
             if not clone:  # the graph's outputs, B rows: views made once per B
                 views = buf.get(("out", B))
@@ -145,7 +170,7 @@ class StepGraphs:
             out = buf["out"]
         else:
             out = self._call(buf)
-        assert out[0].shape[0] == S
+        assert out[0].shape[0] == plan.bucket_size
         return tuple(o[:B].clone() if clone else o[:B] for o in out)
 
     def _buffers(self, S: int, like: Mapping[str, torch.Tensor]) -> dict:

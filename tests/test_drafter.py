@@ -527,10 +527,13 @@ def test_match_buffers_grow_with_the_levels(tok, graphed):
                                                   dtype=torch.int32), n)
     assert ds[0]._match_scratch.sa_lo.shape[1] > 4
     if graphed:  # written in place: the propose graph's input buffers
-        out, inputs = ds[0]._match_out(2, 3, 1)
-        staged = ds[0]._graphs[0].staging(2, ds[0]._draft_example(3))
-        assert all(inputs[n] is staged[n] for n in ("length", "win", "src"))
-        assert out.windows.data_ptr() == staged["win"].data_ptr()
+        out, matched, plan = ds[0]._match_out(2, 3, 1)
+        again = ds[0]._graphs[0].plan(2, ds[0]._draft_example(3), ("length", "win", "src"))
+        assert again.buf is plan.buf and all(matched[n] is plan.staged[n] for n in matched)
+        for n in ("length", "win", "src"):
+            assert matched[n].data_ptr() == again.staged[n].data_ptr() == \
+                again.buf[n].data_ptr()
+        assert out.windows.data_ptr() == matched["win"].data_ptr()
 
 
 def _fresh_match_out(d: Drafter, B: int, Rs: int, max_levels: int):
@@ -540,7 +543,7 @@ def _fresh_match_out(d: Drafter, B: int, Rs: int, max_levels: int):
                       i64(Q, max_levels), torch.empty(Q, P, K, dtype=torch.int32),
                       torch.empty(Q, P, K, dtype=torch.int8))
     return out, {"length": out.length.view(B, Rs), "win": out.windows.view(B, Rs, P, K),
-                 "src": out.window_sources.view(B, Rs, P, K)}
+                 "src": out.window_sources.view(B, Rs, P, K)}, None
 
 @pytest.mark.parametrize("spelled", [False, True])
 def test_host_rings_coming_round_change_no_draft(tok, spelled):
@@ -786,7 +789,10 @@ def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
         (the commit takes the sessions' corpora from the grid), and where it landed."""
         n = len(built)
         d.propose(sids)
-        assert len(built) == n + rebuilt and d._grid == grid(sids)
+        fresh = grid(sids)  # the host lists equal, and the device lists hold them
+        assert len(built) == n + rebuilt and d._grid[:5] == fresh[:5]
+        assert [t.tolist() for t in d._grid[5:]] == \
+            [fresh[0], torch.tensor(fresh[2]).view(len(sids), -1).tolist(), fresh[4]]
         assert d._grid_key == (store.epoch, tuple(sids))
         assert all(d._version[s] == store.tenant_version(s) for s in sids)
         cids = [store.session(s).corpus for s in sids]
