@@ -574,8 +574,8 @@ class Drafter:
                 # buffers (K1 and N columns), padded there: no padded copies of them. The
                 # bucket is this draft's width's (N; the path's as the nodes')
                 plan = self._commit_plan(len(sids), N)
-                for name, pad in (("out", 0), ("path", -1)):
-                    _fill_columns(plan.staged[name], inputs.pop(name), pad)
+                for name in _COMMIT_STAGED:
+                    self._graphs[1].write_columns(plan, name, inputs.pop(name))
                 # a view of the graph's buffer (last_accepted_sources: until the next observe)
                 (acc_src,) = self._graphs[1].run(plan, inputs, clone=False)
                 W = max(M, 1)  # the eager step's width: one column per output token
@@ -652,14 +652,3 @@ class Drafter:
         self._tables.mul_(self._tables_decay).add_(counts).clamp_(min=self._tables_floor)
         return (acc_src,)
 
-
-def _fill_columns(dst: torch.Tensor, src: torch.Tensor, pad: int) -> torch.Tensor:
-    """``dst [B, W]`` holding ``src [B, A]``'s first ``min(A, W)`` columns (converted to
-    ``dst``'s dtype), ``pad`` after them; returns ``dst``."""
-    A, W = src.shape[1], dst.shape[1]
-    if A >= W:
-        dst.copy_(src[:, :W])
-    else:
-        dst[:, :A].copy_(src)
-        dst[:, A:].fill_(pad)
-    return dst

@@ -132,6 +132,23 @@ class StepGraphs:
         return StepPlan(B, self.bucket(B), buf, {name: buf[name][:B] for name in staged},
                         tuple(like), tuple((d, tuple(n)) for d, n in by_dtype.values()))
 
+    def write_columns(self, plan: StepPlan, name: str, src: torch.Tensor) -> None:
+        """The staged input ``name`` (``[B, W]``) takes ``src [B, A]``'s first ``min(A, W)``
+        columns (converted to its dtype) and its pad value after them. The pad is written
+        only over the columns an earlier write to the bucket filled (the bucket remembers
+        how wide its last write was; its padding rows :meth:`run` resets): a loop whose
+        widths stay the same writes one copy a step, not a copy and a fill."""
+        dst, key = plan.staged[name], ("written", name)
+        A, W = src.shape[1], dst.shape[1]
+        if A >= W:
+            dst.copy_(src[:, :W])
+            plan.buf[key] = W
+            return
+        dst[:, :A].copy_(src)
+        if plan.buf.get(key, 0) > A:
+            dst[:, A:plan.buf[key]].fill_(self.pads[name])
+        plan.buf[key] = A
+
     def run(self, plan: StepPlan, inputs: Mapping[str, torch.Tensor], clone: bool = True
             ) -> tuple[torch.Tensor, ...]:
         """The step of ``plan.num_requests = B`` requests through its bucket: ``inputs``
