@@ -9,6 +9,8 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
 * ``bench_host_staging``: a row per case and batch size, old and new timed;
 * ``bench_launch_overhead``: a row per launch and batch size, the kernels stubbed (and put
   back after). The device script runs all of them on the H200.
+* ``bench_drafter_host``: a row per batch size, the drafter's match and graph steps stubbed
+  (and its match put back after).
 """
 
 import json
@@ -20,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
+import bench_drafter_host  # noqa: E402
 import bench_drafter_step  # noqa: E402
 import bench_host_staging  # noqa: E402
 import bench_launch_overhead  # noqa: E402
@@ -113,3 +116,18 @@ def test_bench_drafter_step_smoke(tmp_path, monkeypatch):
     for r in rows:
         assert r["steps"] > 0 and r["propose_ms_median"] > 0 and r["commit_ms_median"] > 0
         assert r["tau"] >= 1.0 and r["cpu_ops_per_step"] > 0
+
+
+@pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
+def test_bench_drafter_host_smoke(tmp_path):
+    import agspec_gpu.drafter as drafter_mod
+
+    match = drafter_mod.suffix_match
+    assert bench_drafter_host.main(["--batch-sizes", "1,2", "--steps", "8", "--prompt-tokens",
+                                    "100", "--out", str(tmp_path / "dh")]) == 0
+    rows = json.loads((tmp_path / "dh.json").read_text())["results"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["steps"] == 8 and all(r[f"{k}_us_{s}"] > 0 for k in ("propose", "commit", "step")
+                                       for s in ("median", "mean"))
+    assert drafter_mod.suffix_match is match  # put back
