@@ -23,10 +23,10 @@ finds a batch size's bucket for the step's input shapes once (the caller keeps t
 are copied into each bucket's static buffers before a replay (or written there in place by
 their producer: a plan's ``staged`` views); outputs are cloned out of the graph's, so a
 result outlives the next step (a loop that is done with a step's result before the next one
-skips the clones). The drafter state a step reads and writes is updated in place, at fixed addresses; buffers that move (the corpus arena grows
-and compacts) are read before the graph, so they are never baked into one. Without graphs
-(CPU, or a failed capture) the same padded step runs eagerly, which the tests compare with
-the unpadded step.
+skips the clones). The drafter state a step reads and writes is updated in place, at fixed
+addresses; buffers that move (the corpus arena grows and compacts) are read before the
+graph, so they are never baked into one. Without graphs (CPU, or a failed capture) the same
+padded step runs eagerly, which the tests compare with the unpadded step.
 """
 
 from __future__ import annotations
