@@ -604,8 +604,9 @@ class Drafter:
         """One request's inputs of :meth:`_commit_tensors` (shapes and dtypes) for drafts of
         ``N`` node columns (default: the widest a draft has)."""
         dev, cfg = self.recent.device, self.config
-        N = N or min(cfg.max_nodes, cfg.max_positions * (cfg.max_candidate_rows or _NUM_TIERS)
-                     * cfg.max_draft_depth)
+        if N is None:
+            N = min(cfg.max_nodes, cfg.max_positions * (cfg.max_candidate_rows or _NUM_TIERS)
+                    * cfg.max_draft_depth)
         i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
         i64 = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=dev)  # noqa: E731
         return {"slots": i64(1), "out": i32(1, cfg.max_draft_depth + 1), "nout": i32(1),
