@@ -27,6 +27,7 @@ import torch
 
 from agspec_gpu.descriptor_table import DescriptorTable
 from agspec_gpu.host import HostWriter, canonical_device, to_device
+from agspec_gpu.kernels.arena_append import arena_append
 from agspec_gpu.kernels.suffix_match import (KEY_SEQ_SHIFT, MatchDescriptors, MatchResult,
                                              prefix_keys, suffix_match)
 from agspec_gpu.suffix_array import build_context_array
@@ -116,8 +117,7 @@ class IndexArena:
         self._tok_garbage = 0
         self._sa_garbage = 0
         self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
-        self._writer = HostWriter(1 << 18, self.device)  # append_rows' scatter indices
-        self._gathered = torch.empty(0, dtype=torch.int32, device=self.device)  # their tokens
+        self._writer = HostWriter(1 << 18, self.device)  # append_rows' starts and counts
         # every live corpus's descriptor fields, kept in step with _corpora by _sync
         self._table = DescriptorTable()
 
@@ -231,9 +231,9 @@ class IndexArena:
                     src: int = 0) -> None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``tokens [len(cids), M]`` (int32)
         to corpus ``cids[i]``, for every row at once: the same corpora as :meth:`append` per
-        row, in one gather and one scatter instead of a few copies per row (a decode step's
-        commit appends to every request's session corpus). ``counts`` are host ints; the
-        corpora must be distinct. Nothing is read back from the device."""
+        row, in one launch (``kernels/arena_append.py``) instead of a few copies per row (a
+        decode step's commit appends to every request's session corpus). ``counts`` are
+        host ints; the corpora must be distinct. Nothing is read back from the device."""
         if tokens.dim() != 2 or tokens.shape[0] != len(cids) or len(counts) != len(cids):
             raise ValueError(f"tokens: expected [{len(cids)}, M] with {len(cids)} counts, got "
                              f"{tuple(tokens.shape)} and {len(counts)} counts")
@@ -247,22 +247,13 @@ class IndexArena:
         for cid, c, m in zip(cids, corpora, counts):  # grow first: relocation moves corpora
             if c.n + m > c.tok_cap:
                 self._relocate(cid, max(2 * c.tok_cap, c.n + m))
-        dst, flat, due = [], [], []  # due: the corpora whose tail becomes a level
-        for i, (cid, c, m) in enumerate(zip(cids, corpora, counts)):
-            start = c.tok_base + c.n
-            dst.extend(range(start, start + m))
-            flat.extend(range(i * M, i * M + m))
-            if m and c.n + m - c.tail_start >= self.config.tail_tokens:
-                due.append(cid)
-        if dst:  # one copy from pinned memory, consumed here
-            at, take = self._writer.write((dst, torch.int64), (flat, torch.int64))
-            if self._gathered.numel() < len(dst):  # grows (doubling): a step allocates none
-                self._gathered = torch.empty(max(len(dst), 2 * self._gathered.numel()),
-                                             dtype=torch.int32, device=self.device)
-            rows = self._gathered[:len(dst)]
-            torch.index_select(tokens.reshape(-1), 0, take, out=rows)
-            self.tokens.index_copy_(0, at, rows)
-            self.src.index_fill_(0, at, src)
+        tail = self.config.tail_tokens  # due: the corpora whose tail becomes a level
+        due = [cid for cid, c, m in zip(cids, corpora, counts)
+               if m and c.n + m - c.tail_start >= tail]
+        if any(counts):  # where each row's run starts, and its length: one copy, one launch
+            starts, num = self._writer.write(([c.tok_base + c.n for c in corpora], torch.int64),
+                                             (counts, torch.int64))
+            arena_append(self.tokens, self.src, tokens.contiguous(), starts, num, code=src)
         for c, m in zip(corpora, counts):  # every corpus holds its rows before any level
             c.n += m                        # build: a build may compact the token arena
         self._table.add_tokens(cids, counts)

@@ -8,8 +8,9 @@ CPU as well: the match's Triton kernel is a no-op launch (the match takes its Tr
 as on a GPU) and the two graph steps (``StepGraphs``, padded to their buckets as on a GPU)
 return outputs computed once per bucket instead of replaying a graph. What is left runs for
 real: the drafter's and the store's Python, the host-to-device staging, the copies into the
-graph steps' inputs, the session tier's append (on a CPU the periodic level build's sort
-runs here too; on a GPU it is launched: the median leaves it out, the mean does not).
+graph steps' inputs, the session tier's bookkeeping (its append's kernel is stubbed too; on
+a CPU the periodic level build's sorts run here; on a GPU they are launched, with a few
+reads of sizes: the median leaves them out, the mean does not).
 
 ``B`` sessions of the dev trajectories' text (a prompt of ``--prompt-tokens`` tokens each,
 then their next tokens, ``--accept`` drafted tokens accepted plus the bonus per step) step
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 import agspec_gpu.drafter as drafter_mod
+import agspec_gpu.index as index_mod
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.tiers import CorpusStore, TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
@@ -44,6 +46,10 @@ from agspec_gpu.trajectories import load_paths
 from bench_drafter import DEV, FILES  # bench/, the script's folder
 from bench_launch_overhead import stubbed
 from bench_layer_kernels import write_results
+
+
+# the launchers a step calls by module attribute (the append: from 2026-12-03 evening)
+LAUNCHERS = ((drafter_mod, "suffix_match"), (index_mod, "arena_append"))
 
 
 def session_tokens(tok, count: int, need: int, folder: str) -> list[torch.Tensor]:
@@ -82,15 +88,19 @@ def stub_replays(graphs) -> None:
 
 @contextlib.contextmanager
 def stubbed_device(on: bool = True):
-    """The match's Triton launcher with a no-op kernel, as the drafter calls it."""
-    match = drafter_mod.suffix_match
+    """The match's and the session tier's append's Triton launchers with no-op kernels, as
+    the drafter and the arena call them (on a CPU they would take their torch paths)."""
+    saved = [(mod, name, getattr(mod, name)) for mod, name in LAUNCHERS
+             if hasattr(mod, name)]
     try:
         if on:
-            drafter_mod.suffix_match = functools.partial(match, use_triton=True)
+            for mod, name, fn in saved:
+                setattr(mod, name, functools.partial(fn, use_triton=True))
         with stubbed(on):
             yield
     finally:
-        drafter_mod.suffix_match = match
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def run(B: int, streams: list[torch.Tensor], args, tok) -> dict:

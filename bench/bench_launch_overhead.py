@@ -66,8 +66,9 @@ def stubbed(on: bool):
     names = [(suffix_match_triton, "_suffix_match_kernel"), (tree_accept, "_tree_accept_kernel"),
              (tree_mask, "_tree_rows_kernel"), (tree_mask, "_tree_mask_kernel"),
              (kv_compact_mod, "_kv_compact_kernel")]
-    for mod, name in (("ring_queries", "_ring_queries_kernel"),
-                      ("match_windows", "_match_windows_kernel")):  # before 2026-12-03
+    for mod, name in (("ring_queries", "_ring_queries_kernel"),  # before 2026-12-03
+                      ("match_windows", "_match_windows_kernel"),
+                      ("arena_append", "_arena_append_kernel")):  # from 2026-12-03 evening
         with contextlib.suppress(ImportError):
             names.append((importlib.import_module(f"agspec_gpu.kernels.{mod}"), name))
     saved = [(m, n, getattr(m, n)) for m, n in names]

@@ -637,8 +637,10 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     and what it allocates outside them: nothing (session 25: the match, the greedy walk and
     its argmax write into buffers kept for the batch, the commit's KV lengths and the
     drafter's padded commit inputs are written in place; six allocations before, and twelve
-    more inside the match's and the walk's launchers). Now 25-28 at B = 1 and 4 (session
-    24: the match reads its queries from the drafter's ring and writes the candidate
+    more inside the match's and the walk's launchers). Now 20-26 at B = 1 and 4 (session
+    26: the session tier's append is one launch, three ops before, and the commit's padding
+    is written only over columns that held data; 25-28 in session 25; session 24: the
+    match reads its queries from the drafter's ring and writes the candidate
     windows in its own launch, two launches fewer; 27-33 in session 21: the match kernel
     writes every level slot, so its two output fills went, and the step's host reads copy into a pinned buffer, as
     uncounted here as the host-to-device copies; 30-36 in session 20, 31-37 in session
@@ -651,6 +653,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     launches they were)."""
     import agspec_gpu.accept as accept_mod
     import agspec_gpu.drafter as drafter_mod
+    import agspec_gpu.index as index_mod
     import agspec_gpu.runners.paged_batch as paged_batch_mod
     import agspec_gpu.running_batch as running_batch_mod
     import agspec_gpu.tree as tree_mod
@@ -672,7 +675,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
         graph.fn = count.launches(graph.fn, name)
     for mod, name, n in ((drafter_mod, "suffix_match", 1), (tree_mod, "launch_tree_mask", 2),
                          (accept_mod, "greedy_tree_accept", 1),
-                         (paged_batch_mod, "kv_compact", 1)):
+                         (paged_batch_mod, "kv_compact", 1), (index_mod, "arena_append", 1)):
         monkeypatch.setattr(mod, name, count.launches(getattr(mod, name), name, n))
     per_step = []
     step = running_batch_mod.RunningBatch.verify_step
@@ -694,7 +697,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     # the first step of a batch size also fills its buckets' new buffers
     again = [(n, allocs) for i, (b, n, allocs) in enumerate(per_step)
              if any(b == c for c, _, _ in per_step[:i])]
-    assert again and max(n for n, _ in again) <= 31, per_step
+    assert again and max(n for n, _ in again) <= 27, per_step
     # and allocates nothing (buffers sized when the decoder and the batch were built; the
     # Triton launchers write into them: suffix_match, the greedy walk, the planner)
     assert all(allocs == [] for _, allocs in again), per_step

@@ -1,0 +1,97 @@
+"""Rows of tokens appended to their corpora in the arena, every row in one launch.
+
+A decode step's commit appends each request's accepted tokens (row ``b``'s first
+``counts[b]`` of ``rows [B, M]``) to its session corpus, which ends at arena position
+``starts[b]``, and tags them with the tier's source code. In torch that is an index list per
+token built on the host (``B * M`` ints a step), a gather, a scatter and a fill; here the
+host sends ``starts`` and ``counts`` (``2 B`` ints) and a program per row (and 64 columns)
+copies its run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agspec_gpu.kernels._checks import check_array, check_tensors
+from agspec_gpu.kernels._launch import cdiv
+
+BLOCK = 64  # columns per program (fixed: one compile for every width)
+
+
+# B, M: the batch and the rows' width, not specialized (one compile for every step)
+# starts, counts: views of a staging ring (any alignment)
+@triton.jit(do_not_specialize=["M", "code"],
+            do_not_specialize_on_alignment=["starts_ptr", "counts_ptr"])
+def _arena_append_kernel(
+    rows_ptr,  # *int32 [B, M]  the tokens, row-major
+    starts_ptr,  # *int64 [B]  arena position of each row's first token
+    counts_ptr,  # *int64 [B]  tokens of each row appended (the first ones)
+    arena_ptr,  # *int32 [T]  out: the arena's tokens
+    src_ptr,  # *int8 [T]  out: the arena's source codes
+    M,
+    code,
+    BLOCK_M: tl.constexpr,
+):
+    """Grid ``(B, cdiv(M, BLOCK_M))``: row ``b``'s block of columns, those below
+    ``counts[b]`` copied."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = tl.load(starts_ptr + b)
+    keep = cols < tl.load(counts_ptr + b)
+    tok = tl.load(rows_ptr + b * M + cols, mask=keep, other=0)
+    tl.store(arena_ptr + start + cols, tok, mask=keep)
+    tl.store(src_ptr + start + cols, (tl.zeros([BLOCK_M], dtype=tl.int32) + code).to(tl.int8),
+             mask=keep)
+
+
+def arena_append_torch(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
+                       starts: torch.Tensor, counts: torch.Tensor, code: int) -> None:
+    """Pure-torch implementation of :func:`arena_append`."""
+    B, M = rows.shape
+    if B == 0 or M == 0:
+        return
+    cols = torch.arange(M, device=rows.device)
+    keep = cols[None, :] < counts[:, None]
+    at = (starts[:, None] + cols[None, :])[keep]
+    arena[at] = rows[keep]
+    src[at] = code
+
+
+def arena_append(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
+                 starts: torch.Tensor, counts: torch.Tensor, *, code: int,
+                 use_triton: bool | None = None) -> None:
+    """Writes ``rows[b, :counts[b]]`` to ``arena[starts[b]:starts[b] + counts[b]]`` and
+    ``code`` to the same positions of ``src``, for every row ``b``.
+
+    Parameters
+    ----------
+    arena : ``int32 [T]`` the arena's tokens; ``src`` : ``int8 [T]`` their source codes.
+    rows : ``int32 [B, M]`` contiguous, the tokens to append.
+    starts : ``int64 [B]`` where each row's run starts; ``counts`` : ``int64 [B]`` its length,
+        in ``[0, M]``. The runs lie inside the arena and do not overlap (the caller's
+        contract, as the arena's bookkeeping on the host guarantees it: checking the values
+        would read them back from the device).
+    code : the source code written (an int8 value).
+    use_triton : Triton when True (also under ``TRITON_INTERPRET=1``), torch when False;
+        default: Triton for CUDA tensors.
+    """
+    dev = arena.device
+    check_array("arena", arena, torch.int32, 1, dev)
+    check_array("rows", rows, torch.int32, 2, dev)
+    check_array("starts", starts, torch.int64, 1, dev)
+    check_array("counts", counts, torch.int64, 1, dev)
+    check_array("src", src, torch.int8, 1, dev)
+    B, M = rows.shape
+    check_tensors(("src", src, torch.int8, arena.shape), ("starts", starts, torch.int64, (B,)),
+                  ("counts", counts, torch.int64, (B,)))
+    if isinstance(code, bool) or not isinstance(code, int) or not -128 <= code <= 127:
+        raise ValueError(f"code: expected an int8 value, got {code!r}")
+    if use_triton is None:
+        use_triton = dev.type == "cuda"
+    if not use_triton:
+        arena_append_torch(arena, src, rows, starts, counts, code)
+    elif B and M:
+        _arena_append_kernel[(B, cdiv(M, BLOCK))](rows, starts, counts, arena, src, M, code,
+                                                  BLOCK_M=BLOCK)
