@@ -517,8 +517,9 @@ class Drafter:
                 kernels). Entries past ``num_accepted[b]`` are ignored.
 
         With ``num_output_host`` and ``validate=False`` nothing is read back to the host:
-        the step's only device-to-host reads are the periodic index merges of a corpus
-        (every ``tail_tokens`` appended tokens).
+        the step's only device-to-host reads are the periodic level builds of a corpus
+        (every ``tail_tokens`` appended tokens; one read each on a GPU: the size of the
+        level).
         """
         with nvtx.annotate("agspec.commit", color="red"):
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,

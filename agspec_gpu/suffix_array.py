@@ -9,8 +9,11 @@ first, and the ones followed by a real token come out sorted by that token.
 Prefix doubling: ranks of single tokens come from one sort; each round doubles the covered
 length (the last round overlaps two ranks to cover exactly ``depth``), so ``depth`` tokens
 take ``ceil(log2(depth))`` rounds. The index sorts by ``max_depth + 1`` tokens so that a
-match's continuation token is ordered too. Rounds stop early once every rank is distinct. Ties (identical first ``depth`` tokens) keep ascending
-position order: every sort is stable.
+match's continuation token is ordered too. Ties (identical first ``depth`` tokens) keep
+ascending position order: every sort is stable. On a CPU the rounds stop once every rank is
+distinct; on a GPU every round runs (knowing the rank count is a wait for the device), so a
+build reads the device once, for the size of its selection of positions. A session corpus
+builds a level every ``tail_tokens`` appended tokens, inside a decode step's commit.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from __future__ import annotations
 import torch
 
 
-def _dense_rank(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stable sort of ``key`` -> (rank per element, 1-based; sort order; number of ranks)."""
+def _dense_rank(key: torch.Tensor, count: bool) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """Stable sort of ``key`` -> (rank per element, 1-based; sort order; number of ranks, read
+    from the device only with ``count``, else None)."""
     sorted_key, order = torch.sort(key, stable=True)
     new = torch.ones_like(sorted_key, dtype=torch.int64)
     if sorted_key.numel() > 1:
@@ -27,7 +31,7 @@ def _dense_rank(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     rank_sorted = torch.cumsum(new, 0)
     # scatter_, not `rank[order] = ...`: advanced-index assignment is ~100x slower on CPU
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-    num = int(rank_sorted[-1]) if rank_sorted.numel() else 0
+    num = (int(rank_sorted[-1]) if rank_sorted.numel() else 0) if count else None
     return rank, order, num
 
 
@@ -41,43 +45,58 @@ def _check_range(fn: str, tokens: torch.Tensor, lo: int, hi: int, depth: int) ->
     return n
 
 
-def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> torch.Tensor:
+def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
+                       early_stop: bool | None = None, after_token: bool = False
+                       ) -> torch.Tensor:
     """Sorts the non-separator positions in ``[lo, hi)`` by their first ``depth`` tokens.
 
     Args:
         tokens: ``int32 [n]`` corpus (negative values are separators).
         lo, hi: position range to index, ``0 <= lo <= hi <= n``.
         depth: number of leading tokens that define the order (>= 1).
+        early_stop: stop the doubling rounds once every rank is distinct (a read of the
+            rank count per round: a wait for the device on a GPU); None: on a CPU only.
+            The result is the same either way (distinct ranks keep their order).
+        after_token: keep only positions ``p`` whose predecessor ``tokens[p - 1]`` is a
+            token too (``lo >= 1``), in the same selection.
 
     Returns:
         ``int32 [m]``: the positions ``p`` in ``[lo, hi)`` with ``tokens[p] >= 0``, sorted by
         ``tokens[p : p + depth]`` (shorter-by-END and separator-terminated suffixes first),
-        ties in ascending position.
+        ties in ascending position. Without ``early_stop`` the one read from the device is
+        the selection's size.
     """
     n = _check_range("build_suffix_array", tokens, lo, hi, depth)
+    if after_token and lo < 1:
+        raise ValueError("build_suffix_array: after_token needs lo >= 1")
+    if early_stop is None:
+        early_stop = tokens.device.type == "cpu"
     end = min(n, hi + depth)
     win = tokens[lo:end].to(torch.int64)
     m = win.numel()
     if hi == lo:
         return torch.empty(0, dtype=torch.int32, device=tokens.device)
     # rank 0 is END (beyond the window); token values get dense ranks >= 1 in value order
-    rank, order, num = _dense_rank(win)
+    rank, order, num = _dense_rank(win, early_stop)
     covered = 1
-    while covered < depth and num < m:
+    while covered < depth and (num is None or num < m):
         # the last round overlaps two covered-length ranks so that exactly `depth` tokens
-        # define the order (ties then stay in position order, as documented)
+        # define the order (ties then stay in position order, as documented); ranks are at
+        # most m, so (rank, next rank) packs into rank * (m + 1) + next without a read
         shift = min(covered, depth - covered)
         nxt = torch.zeros_like(rank)
         if shift < m:
             nxt[: m - shift] = rank[shift:]
-        rank, order, num = _dense_rank(rank * (num + 1) + nxt)
+        rank, order, num = _dense_rank(rank * (m + 1) + nxt, early_stop)
         covered += shift
-    keep = order[order < (hi - lo)]
-    keep = keep[win[keep] >= 0]
-    return (keep + lo).to(torch.int32)
+    keep = (order < (hi - lo)) & (win[order] >= 0)
+    if after_token:
+        keep &= tokens[(order + (lo - 1)).clamp(max=n - 1)] >= 0
+    return (order[keep] + lo).to(torch.int32)
 
 
-def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> torch.Tensor:
+def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
+                        early_stop: bool | None = None) -> torch.Tensor:
     """The suffix array of the reversed text over continuation positions ``[lo, hi)``.
 
     Args:
@@ -90,7 +109,8 @@ def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> t
         ``tokens[c]`` both ``>= 0``, sorted by their context read backwards,
         ``tokens[c - 1], tokens[c - 2], ..., tokens[c - depth]`` (``END`` before position 0,
         so shorter contexts first; separators below tokens), equal contexts in descending
-        position. Every key is final once ``c < n``: appends never change it.
+        position. Every key is final once ``c < n``: appends never change it. ``early_stop``
+        as :func:`build_suffix_array`'s: without it, one read of the device per build.
     """
     _check_range("build_context_array", tokens, lo, hi, depth)
     lo = max(lo, 1)  # position 0 has an empty context
@@ -101,6 +121,7 @@ def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int) -> t
     # beyond depth tokens of every key)
     a = max(0, lo - depth)
     rev = tokens[a:hi].flip(0)
-    j = build_suffix_array(rev, 1, hi - lo + 1, depth).to(torch.int64)  # needs tokens[c-1] >= 0
-    c = hi - j
-    return c[tokens[c] >= 0].to(torch.int32)
+    # rev[j] = tokens[c - 1] >= 0 and, after_token, rev[j - 1] = tokens[c] >= 0: one selection
+    j = build_suffix_array(rev, 1, hi - lo + 1, depth, early_stop=early_stop,
+                           after_token=True)
+    return (hi - j).to(torch.int32)

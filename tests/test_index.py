@@ -372,9 +372,53 @@ def test_build_equals_sorted(build, reference, cv, depth, data):
     tokens, _ = cv
     lo = data.draw(st.integers(0, len(tokens)))
     hi = data.draw(st.integers(lo, len(tokens)))
-    out = build(t32(tokens), lo, hi, depth)
+    early_stop = data.draw(st.sampled_from([None, True, False]))  # False: a GPU's rounds
+    out = build(t32(tokens), lo, hi, depth, early_stop=early_stop)
     assert out.dtype == torch.int32
     assert out.tolist() == reference(tokens, lo, hi, depth)
+
+
+def _device_reads(fn) -> int:
+    """What ``fn`` reads back from the device: scalar reads and boolean selections (whose
+    size the host must know), counted on the CPU by the ops the dispatcher sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name == "_local_scalar_dense" or name == "nonzero" or (
+                    name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                            for i in args[1])):
+                reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        fn()
+    return len(reads)
+
+
+@pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
+def test_build_reads_the_device_once_without_early_stop(build, reference):
+    """A session corpus builds a level inside a decode step's commit: on a GPU every read
+    back is a wait for the device. Without the early stop (a GPU's default) a build reads
+    once, the size of its selection of positions (nine reads per context build before
+    session 26: a rank count per round, three selections); with it, once per round more.
+    Separators in the text, and real tokens' repeats, as a session's tail holds them."""
+    toks = stdlib_tokens(1100)
+    toks[::37] = [-1] * len(toks[::37])
+    for lo, hi in ((0, 1024), (70, 1100)):
+        want = reference(toks, lo, hi, 33)
+        for early_stop, reads in ((False, 1), (True, None)):
+            out = []
+            n = _device_reads(lambda: out.append(build(t32(toks), lo, hi, 33,
+                                                       early_stop=early_stop)))
+            assert out[0].tolist() == want
+            if reads is not None:
+                assert n == reads, (early_stop, n)
+            else:  # a read per round: more than one
+                assert n > 1, n
 
 
 @pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
