@@ -46,8 +46,8 @@ from agspec_gpu.tiers import CorpusStore, CorpusTier
 _NUM_TIERS = len(CorpusTier)
 # the values that make a padding row of a graphed step inert (its slot: the spare one)
 _DRAFT_PADS = {"tier": -1, "length": 0, "win": PAD_ID, "src": -1}
-# the propose step's inputs the match writes in place (StepGraphs.staging), in its order,
-# and the commit step's that observe writes in place
+# the propose step's inputs the match writes in place (a StepPlan's staged views), in its
+# order, and the commit step's that observe writes in place
 _MATCHED = ("length", "win", "src")
 _COMMIT_STAGED = ("out", "path")
 _COMMIT_PADS = {"out": 0, "nout": 0, "nacc": 0, "token_ids": PAD_ID, "parents": PAD_ID,
