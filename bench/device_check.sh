@@ -232,7 +232,7 @@ step pytest-kernels 150 "${PYTEST[@]}" \
   tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
   tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
   tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
-  tests/test_suffix_match.py
+  tests/test_suffix_match.py tests/test_arena_append.py
 
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
