@@ -25,10 +25,9 @@ def _dense_rank(key: torch.Tensor, count: bool) -> tuple[torch.Tensor, torch.Ten
     """Stable sort of ``key`` -> (rank per element, 1-based; sort order; number of ranks, read
     from the device only with ``count``, else None)."""
     sorted_key, order = torch.sort(key, stable=True)
-    new = torch.ones_like(sorted_key, dtype=torch.int64)
-    if sorted_key.numel() > 1:
-        new[1:] = (sorted_key[1:] != sorted_key[:-1]).to(torch.int64)
-    rank_sorted = torch.cumsum(new, 0)
+    # 1 + the number of key changes up to each element (four ops; a build runs ~7 of these)
+    changes = torch.cumsum(sorted_key[1:] != sorted_key[:-1], 0)
+    rank_sorted = torch.nn.functional.pad(changes, (1, 0)) + 1 if sorted_key.numel() else changes
     # scatter_, not `rank[order] = ...`: advanced-index assignment is ~100x slower on CPU
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     num = (int(rank_sorted[-1]) if rank_sorted.numel() else 0) if count else None
@@ -84,10 +83,8 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
         # define the order (ties then stay in position order, as documented); ranks are at
         # most m, so (rank, next rank) packs into rank * (m + 1) + next without a read
         shift = min(covered, depth - covered)
-        nxt = torch.zeros_like(rank)
-        if shift < m:
-            nxt[: m - shift] = rank[shift:]
-        rank, order, num = _dense_rank(rank * (m + 1) + nxt, early_stop)
+        nxt = torch.nn.functional.pad(rank[shift:], (0, min(shift, m)))  # 0 past the end
+        rank, order, num = _dense_rank(torch.add(nxt, rank, alpha=m + 1), early_stop)
         covered += shift
     keep = (order < (hi - lo)) & (win[order] >= 0)
     if after_token:

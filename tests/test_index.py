@@ -421,6 +421,20 @@ def test_build_reads_the_device_once_without_early_stop(build, reference):
                 assert n > 1, n
 
 
+def test_context_build_launches_few_ops():
+    """A session's 1,024-token level build on a GPU (no early stop: every doubling round,
+    six for depth 33) is this many launches, each a few microseconds of the host's time
+    inside a decode step's commit: 95 before session 26 packed a round's key in one op and
+    ranked a sorted key in four."""
+    from op_count import CountOps
+
+    toks = t32(stdlib_tokens(1100))
+    count = CountOps()
+    with count.mode:
+        build_context_array(toks, 0, 1024, 33, early_stop=False)
+    assert len(count.ops) <= 76, count.ops
+
+
 @pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
 def test_build_real_tokens(build, reference):
     toks = stdlib_tokens(2000)
