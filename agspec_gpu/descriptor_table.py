@@ -25,9 +25,15 @@ _FIXED = 4  # columns of a row before its levels: tok_base, n, tail_start, level
 class DescriptorTable:
     """One int64 row per live corpus: ``tok_base, n, tail_start, num_levels``, then its levels'
     ``(sa_base, sa_len, key)`` triples, oldest first, padded to the widest corpus's level
-    count (one row gather serves every field)."""
+    count (one row gather serves every field).
+
+    :attr:`version` counts the changes to any row (:meth:`set`, :meth:`add_tokens`,
+    :meth:`drop`: one each): a caller that keeps gathered descriptors (a running batch's
+    drafter, on the device) knows they are current while it has not moved, or moved only by
+    the appends the caller mirrored."""
 
     def __init__(self, rows: int = 64, levels: int = 4) -> None:
+        self.version = 0
         self._row: dict[int, int] = {}  # corpus id -> row
         self._free: list[int] = []
         self._t = np.zeros((0, _FIXED + 3 * levels), np.int64)
@@ -43,6 +49,7 @@ class DescriptorTable:
             levels: Sequence[tuple[int, int, int]]) -> None:
         """Corpus ``cid``'s fields (a new corpus gets a row); ``levels``: ``(sa_base, sa_len,
         key)`` each, oldest first."""
+        self.version += 1
         width = (self._t.shape[1] - _FIXED) // 3
         if len(levels) > width:
             self._grow(self._t.shape[0], 2 * len(levels))
@@ -56,6 +63,7 @@ class DescriptorTable:
 
     def add_tokens(self, cids: Sequence[int], counts: Sequence[int]) -> None:
         """``n += counts[i]`` for each (distinct) corpus ``cids[i]``."""
+        self.version += 1
         # (numpy's fancy-indexed add costs ~4 us even for one row; item by item ~0.4 us a
         # row, np.add.at 2.5-8 us: the cheaper per batch size)
         if len(cids) <= 16:
@@ -67,6 +75,7 @@ class DescriptorTable:
                                                  len(cids)), counts)
 
     def drop(self, cid: int) -> None:
+        self.version += 1
         self._free.append(self._row.pop(cid))
 
     def gather(self, corpus_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int, int]:

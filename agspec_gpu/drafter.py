@@ -20,6 +20,7 @@ and the recent-token ring, the controller's scale and the tier weights are updat
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,13 @@ _COMMIT_STAGED = ("out", "path")
 _COMMIT_PADS = {"out": 0, "nout": 0, "nacc": 0, "token_ids": PAD_ID, "parents": PAD_ID,
                 "num_draft_tokens": 0, "maybe_source": -1, "nd": 0, "calib_row": 0,
                 "path": -1}
+
+
+def _same(refs: tuple, args: tuple) -> bool:
+    """Whether ``args`` are the very objects that ``refs`` (weak references, or None for a
+    None) refer to."""
+    return len(refs) == len(args) and all(
+        a is None if r is None else r() is a for r, a in zip(refs, args))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +226,12 @@ class Drafter:
         self._match_outs: dict[tuple[int, int], tuple] = {}
         self._commit_plans: dict[tuple[int, int], tuple] = {}  # by (B, N): _commit_plan
         self._match_scratch: MatchResult | None = None
+        # the match's descriptors (grid key, arena descriptor version, MatchDescriptors,
+        # the session rows' lengths) in buffers kept between steps: see _descriptors
+        self._desc: tuple | None = None
+        self._match_args: tuple = ()  # weak references to the last match's checked tensors
+        self._desc_i64 = torch.empty(0, dtype=torch.int64, device=dev)
+        self._desc_i32 = torch.empty(0, dtype=torch.int32, device=dev)
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
             self._graphs = self._step_graphs()
@@ -315,12 +329,8 @@ class Drafter:
         else:  # no tenant's text changed since the grid was built and checked
             stale = []
         _, rows_cid, _, Rs, _, slots, tier, query_rows = self._grid
-        # the match's corpus descriptors (the corpora grow every step) in one host-to-device
-        # copy: views of the writer's ring, consumed by this propose
         arena = store.arena
-        i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
-        i64, i32 = self._writer.write((i64, torch.int64), (i32, torch.int32))
-        desc = MatchDescriptors.packed(i64, i32, len(rows_cid), max_levels, max_tail)
+        desc = self._descriptors(key, rows_cid, Rs)
         if stale:
             st = slots[to_device(stale, torch.int64, dev)]
             self.match_cap[st] = store.config.max_depth
@@ -333,11 +343,17 @@ class Drafter:
         # match_cap) and writes its candidate windows [P, K], the K tokens after each
         # occurrence, read here because the arena's buffers move as it grows (a graph would
         # keep the old address)
-        out, matched, plan = self._match_out(B, Rs, max_levels)
+        out, matched, plan = self._match_out(B, Rs, desc.max_levels)
+        # checked once for the same tensors (the arena's buffers, the kept descriptors and
+        # outputs, the grid's rows; the rest the drafter's own, made once): ~10 us a step
+        args = (arena.tokens, arena.sa, arena.sa_key, arena.src, desc, query_rows, out)
+        same = _same(self._match_args, args)
         suffix_match(arena.tokens, arena.sa, desc, self.recent, self.recent_len,
                      max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
                      sa_key=arena.sa_key, query_rows=query_rows, max_lengths=self.match_cap,
-                     window=K, src=arena.src, out=out)
+                     window=K, src=arena.src, out=out, checked=same)
+        if not same:
+            self._match_args = tuple(a if a is None else weakref.ref(a) for a in args)
         if plan is not None:
             out = self._graphs[0].run(plan, {"slots": slots, "tier": tier}, clone=stable)
         else:
@@ -347,6 +363,48 @@ class Drafter:
         self._forget(sids)  # a session's newer proposal replaces its older ones
         self._pending[tuple(sids)] = (draft, nd, node_row)
         return draft
+
+    def _descriptors(self, key: tuple, rows_cid: list[int], Rs: int) -> MatchDescriptors:
+        """The match's corpus descriptors of the grid ``key`` (rows ``rows_cid``, ``Rs`` a
+        request: its session corpus first), kept on
+        the device between steps: gathered and copied only when the grid or a corpus's
+        level layout changed (a level build, a move, a new corpus); a running batch's own
+        appends are mirrored on the device by :meth:`_grow_descriptors`. ``max_tail``, a
+        bound for the torch path's tail scan, is the gather's or ``tail_tokens - 1``,
+        whichever is larger: a session corpus's tail stays below ``tail_tokens`` until a
+        build, which changes the layout."""
+        arena = self.store.arena
+        kept = self._desc
+        if kept is not None and kept[0] == key and kept[1] == arena.descriptor_version:
+            return kept[2]
+        i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
+        if self._desc_i64.numel() < len(i64) or self._desc_i32.numel() < len(i32):
+            dev = self.recent.device
+            self._desc_i64 = torch.empty(2 * len(i64), dtype=torch.int64, device=dev)
+            self._desc_i32 = torch.empty(2 * len(i32), dtype=torch.int32, device=dev)
+        d64, d32 = self._desc_i64[:len(i64)], self._desc_i32[:len(i32)]
+        self._writer.copy_to(d64, i64)
+        self._writer.copy_to(d32, i32)
+        desc = MatchDescriptors.packed(d64, d32, len(rows_cid), max_levels,
+                                       max(max_tail, arena.config.tail_tokens - 1))
+        # (the session corpora's lengths, a view made once: a step grows them)
+        self._desc = (key, arena.descriptor_version, desc, desc.num_tokens.view(-1, Rs)[:, 0])
+        return desc
+
+    def _grow_descriptors(self, key: tuple, version: int, nout: torch.Tensor) -> None:
+        """After the commit of grid ``key``'s batch appended ``nout int32 [B]`` tokens to
+        the requests' session corpora (rows ``b * Rs``), the arena's descriptor version
+        ``version`` before it: the kept descriptors' lengths grow alike on the device (one
+        op), or, where anything else changed a corpus (a build), they are dropped. The
+        padding rows (tier -1, no query) keep their lengths: they match nothing."""
+        kept, arena = self._desc, self.store.arena
+        if kept is None or kept[0] != key:
+            return
+        if kept[1] != version or arena.descriptor_version != version + 1:
+            self._desc = None
+            return
+        kept[3].add_(nout)
+        self._desc = (key, version + 1, *kept[2:])
 
     def _match_out(self, B: int, Rs: int, max_levels: int
                    ) -> tuple[MatchResult, dict[str, torch.Tensor], StepPlan | None]:
@@ -589,8 +647,11 @@ class Drafter:
             self._push(slots, out.clamp(min=0), nout)
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
         # validated above, or the caller vouches for the ids; one scatter for every session
+        version = self.store.arena.descriptor_version
         self.store.append_sessions(sids, out.contiguous(), counts,
                                    corpus_ids=None if grid is None else grid[1][::grid[3]])
+        if grid is not None:
+            self._grow_descriptors(self._grid_key, version, cast(nout, torch.int32))
 
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made

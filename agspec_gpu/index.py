@@ -397,6 +397,13 @@ class IndexArena:
         except KeyError as e:
             raise KeyError(f"corpus id {e.args[0]} is unknown or freed") from None
 
+    @property
+    def descriptor_version(self) -> int:
+        """Counts the changes to any corpus's descriptor fields (an append: one, whatever its
+        rows; each level build, move or free: one more): descriptors gathered at a version
+        are current while it stands."""
+        return self._table.version
+
     def descriptors(self, corpus_ids: Sequence[int]) -> MatchDescriptors:
         """Per-row corpus descriptors for :func:`suffix_match`, two new device tensors the
         caller may keep (a propose stages :meth:`descriptor_fields` itself)."""

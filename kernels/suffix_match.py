@@ -160,8 +160,8 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  use_triton: bool | None = None, sa_key: torch.Tensor | None = None,
                  query_rows: torch.Tensor | None = None,
                  max_lengths: torch.Tensor | None = None, window: int = 0,
-                 src: torch.Tensor | None = None, out: MatchResult | None = None
-                 ) -> MatchResult:
+                 src: torch.Tensor | None = None, out: MatchResult | None = None,
+                 checked: bool = False) -> MatchResult:
     """Launcher: validates (:func:`check_match_args`) and runs the Triton kernel on CUDA,
     the torch path otherwise.
 
@@ -186,11 +186,14 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         contiguous, except that ``sa_lo``/``sa_hi`` may be wider than the rows' levels (the
         columns past a row's levels hold 0, as they do up to ``K``); ``windows`` and
         ``window_sources`` given iff ``window``. None: a new result.
+        checked: the caller passed these very tensors and values in an earlier call, which
+        checked them (a drafter's step reusing its buffers): the checks are skipped.
     """
-    check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
-                     max_positions=max_positions, max_scan=max_scan, sa_key=sa_key,
-                     query_rows=query_rows, max_lengths=max_lengths, window=window, src=src,
-                     out=out)
+    if not checked:
+        check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
+                         max_positions=max_positions, max_scan=max_scan, sa_key=sa_key,
+                         query_rows=query_rows, max_lengths=max_lengths, window=window,
+                         src=src, out=out)
     if use_triton is None:
         use_triton = tokens.is_cuda
     if use_triton:

@@ -594,7 +594,8 @@ def test_graphed_step_launches_few_kernels_outside_its_graphs(tok, monkeypatch):
     graphs' inputs were copied one launch per dtype (and the commit's output cloned), 11
     and 16; 9 and 7 before the match wrote its outputs into the propose graph's input
     buffers, and the commit its padded inputs (session 25: 7 and 9, no allocation; session
-    26: 7 and 6)."""
+    26: 7 and 6; session 27: 7 and 7, the propose's host-to-device copy of its descriptors,
+    which a CPU does not count, traded for an add on the kept ones)."""
     d, sids = _padded_drafter(tok, 5, max_batch=8)
     count = CountOps()
     for g in d._graphs:
@@ -616,12 +617,13 @@ def test_graphed_step_launches_few_kernels_outside_its_graphs(tok, monkeypatch):
     for n_propose, n_commit in per_step[1:]:  # the first step also fills new buckets' buffers
         # 7: the graph's int64 inputs' copy and its six outputs' clones (stable drafts)
         assert n_propose <= 7, per_step
-        # 6: the accepted tokens and path into the graph's buffers (a copy each: their
+        # 7: the accepted tokens and path into the graph's buffers (a copy each: their
         # padding columns already hold the pad), three dtype groups of inputs' copies, the
-        # session corpora's append (9 in session 25: a fill of the tokens' padding columns
-        # every step, and the append a gather, a scatter and a fill; 7 before it: a padded
-        # copy of the tokens, one op counted here, is an allocation, a fill and a copy)
-        assert n_commit <= 6, per_step
+        # session corpora's append and the kept descriptors' lengths grown alike (9 in
+        # session 25: a fill of the tokens' padding columns every step, and the append a
+        # gather, a scatter and a fill; 7 before it: a padded copy of the tokens, one op
+        # counted here, is an allocation, a fill and a copy)
+        assert n_commit <= 7, per_step
 
 
 def test_graphed_step_replays_few_kernels(tok, monkeypatch):
@@ -839,6 +841,102 @@ def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
     d.close_session("s2")
     with pytest.raises(KeyError, match="s2"):
         d.propose(batch)
+
+
+def _assert_kept_descriptors_current(d: Drafter) -> None:
+    """The drafter's kept match descriptors equal a fresh gather of its grid's rows (the
+    padding rows' lengths aside: they have no query), ``max_tail`` a bound of the fresh."""
+    key, version, kept, _ = d._desc
+    assert key == d._grid_key and version == d.store.arena.descriptor_version
+    rows_cid, rows_tier = d._grid[1], d._grid[2]
+    fresh = d.store.arena.descriptors(rows_cid)
+    real = torch.tensor(rows_tier) >= 0
+    for f in ("tok_base", "tail_start", "level_indptr", "level_sa_base", "level_sa_len",
+              "level_key"):
+        assert torch.equal(getattr(kept, f), getattr(fresh, f)), f
+    assert torch.equal(kept.num_tokens[real], fresh.num_tokens[real])
+    assert kept.max_levels == fresh.max_levels and kept.max_tail >= fresh.max_tail
+
+
+def test_kept_descriptors_follow_the_corpora(tok, monkeypatch):
+    """A propose gathers the match's descriptors only when the grid or a corpus's layout
+    changed; a running batch's commits grow the kept lengths on the device. Through level
+    builds (tail_tokens=12: every few steps), another batch's steps, context from outside
+    (``extend``), a workspace file and a closed session, the kept descriptors always equal
+    a fresh gather, and most steps of a running batch gather nothing."""
+    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=12))
+    d = Drafter(store, DrafterConfig(**_SHARES), max_batch=8, max_sessions=8)
+    for i in range(5):
+        d.open_session(f"s{i}", f"t{i % 2}", role="coder", prompt_ids=CASE_A[i:])
+    gathers = []
+    fields = store.arena.descriptor_fields
+    monkeypatch.setattr(store.arena, "descriptor_fields",
+                        lambda cids: gathers.append(len(cids)) or fields(cids))
+    rng = random.Random(5)
+
+    def step(sids: list[str]) -> bool:
+        """One step of ``sids`` (1-3 tokens each); whether its propose gathered."""
+        n = len(gathers)
+        d.propose(sids)
+        gathered = len(gathers) > n
+        _assert_kept_descriptors_current(d)  # (a gather too)
+        counts = [rng.randrange(1, 4) for _ in sids]
+        out = torch.tensor([[rng.choice(CASE_A) for _ in range(3)] for _ in sids],
+                           dtype=torch.int32)
+        num = torch.tensor(counts, dtype=torch.int32)
+        d.observe(sids, out, num, num - 1, num_output_host=counts, validate=False)
+        if d._desc is not None and d._desc[0] == d._grid_key:
+            _assert_kept_descriptors_current(d)
+        return gathered
+
+    batch = ["s0", "s1", "s2"]
+    gathered = [step(batch) for _ in range(12)]
+    assert gathered[0] and not all(gathered[1:]) and any(gathered[1:])  # builds: regathers
+    assert step(["s3", "s4"])  # another batch
+    assert step(batch)  # back: the other batch's appends changed the corpora
+    d.extend("s1", CASE_B[:2])
+    assert step(batch)
+    store.add_workspace_file("t0", "a.py", "def f(x):\n    return x + 1\n")
+    assert step(batch)
+    d.close_session("s4")  # t0 gains a history corpus
+    assert step(batch)
+    gathered = [step(batch) for _ in range(12)]
+    assert not all(gathered)
+
+
+def test_match_arguments_are_checked_once_per_buffer(tok, monkeypatch):
+    """The match's launcher checks its arguments when any tensor the drafter passes is new
+    (the first step, the arena's grown buffers, a new grid or new descriptors) and skips
+    the checks for the very tensors it checked the step before."""
+    import agspec_gpu.kernels.suffix_match as sm
+
+    checks = []
+    check = sm.check_match_args
+    monkeypatch.setattr(sm, "check_match_args",
+                        lambda *a, **k: checks.append(1) or check(*a, **k))
+    # (no level builds: the extend below stays in the tail)
+    store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=1 << 17))
+    d = Drafter(store, DrafterConfig(**_SHARES), max_batch=8, max_sessions=8)
+    for i in range(3):
+        d.open_session(f"s{i}", "t0", role="coder", prompt_ids=CASE_A[i:])
+    batch = ["s0", "s1"]
+
+    def step(sids: list[str]) -> int:
+        n = len(checks)
+        d.propose(sids)
+        one = torch.ones(len(sids), dtype=torch.int32)
+        d.observe(sids, torch.full((len(sids), 1), A, dtype=torch.int32), one, one - 1,
+                  num_output_host=one.tolist(), validate=False)
+        return len(checks) - n
+
+    assert [step(batch) for _ in range(3)] == [1, 0, 0]
+    assert step(["s2"]) == 1 and step(["s2"]) == 0  # a new grid
+    tokens = store.arena.tokens
+    d.extend("s2", [A, B, C] * 23000)  # past the arena's 65,536 tokens: new buffers
+    assert store.arena.tokens is not tokens
+    # new buffers; then new descriptors (the corpus, filled to its capacity by the extend,
+    # moved as the first step appended); then neither
+    assert [step(["s2"]) for _ in range(3)] == [1, 1, 0]
 
 
 def test_batch_of_five_ragged_equals_one_at_a_time(tok):
