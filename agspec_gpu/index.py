@@ -261,21 +261,25 @@ class IndexArena:
             self._maybe_index(cid)
 
     def _maybe_index(self, cid: int) -> None:
+        """Indexes the tail of ``cid`` as a new level once it holds ``tail_tokens``
+        positions; the new level absorbs each older level that is at most ``merge_ratio``
+        times larger than it (newest first, the merged size growing as it goes). The
+        merges are decided before anything is built (a merge's size is the sum of its
+        parts), so a flush builds one level, over the merged range, instead of the tail
+        and then each merge in turn."""
         c = self._corpora[cid]
-        if c.n - c.tail_start < self.config.tail_tokens:
+        lo = c.tail_start
+        if c.n - lo < self.config.tail_tokens:
             return
-        self._add_level(cid, c.tail_start, c.n)
-        c = self._corpora[cid]
-        while len(c.levels) >= 2:
-            older, newer = c.levels[-2], c.levels[-1]
-            if (older.pos_hi - older.pos_lo) > self.config.merge_ratio * (newer.pos_hi - newer.pos_lo):
-                break
-            lo, hi = older.pos_lo, newer.pos_hi
-            for lv in c.levels[-2:]:
-                self._sa_garbage += lv.sa_len
-            del c.levels[-2:]
-            self._add_level(cid, lo, hi)
-            c = self._corpora[cid]
+        keep = len(c.levels)
+        while keep and c.levels[keep - 1].pos_hi - c.levels[keep - 1].pos_lo <= \
+                self.config.merge_ratio * (c.n - lo):
+            keep -= 1
+            lo = c.levels[keep].pos_lo
+        for lv in c.levels[keep:]:
+            self._sa_garbage += lv.sa_len
+        del c.levels[keep:]
+        self._add_level(cid, lo, c.n)
         self._sync(cid)
 
     def _add_level(self, cid: int, lo: int, hi: int) -> None:

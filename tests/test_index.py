@@ -318,6 +318,54 @@ def test_many_small_appends_equal_fresh_build(tail_tokens):
     check_against_reference(idx, corpus, queries, 16, 8)
 
 
+def _levels_step_by_step(levels: list[tuple[int, int]], n: int, tail: int, ratio: float
+                         ) -> list[tuple[int, int]]:
+    """The level ranges after ``n`` tokens, by the rule applied one merge at a time: the
+    tail (once it holds ``tail`` positions) becomes a level, then the two newest merge
+    while the older is at most ``ratio`` times larger."""
+    lo = levels[-1][1] if levels else 0
+    if n - lo < tail:
+        return levels
+    levels = levels + [(lo, n)]
+    while len(levels) >= 2 and levels[-2][1] - levels[-2][0] <= \
+            ratio * (levels[-1][1] - levels[-1][0]):
+        levels[-2:] = [(levels[-2][0], levels[-1][1])]
+    return levels
+
+
+@pytest.mark.parametrize("tail_tokens,ratio", [(1, 2.0), (4, 2.0), (5, 1.0), (3, 3.5)])
+def test_a_flush_builds_one_level_over_its_merged_range(tail_tokens, ratio, monkeypatch):
+    """Each flush of the tail builds one level, over the range the merges would reach one
+    at a time (the levels equal that rule's after every append); matches equal a fresh
+    build's."""
+    from agspec_gpu import index as index_mod
+
+    builds = []
+    build = index_mod.build_context_array
+    monkeypatch.setattr(index_mod, "build_context_array",
+                        lambda seg, lo, hi, d: builds.append((lo, hi)) or build(seg, lo, hi, d))
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=tail_tokens, merge_ratio=ratio))
+    cid = arena.new_corpus()
+    corpus = stdlib_tokens(700)
+    rng = random.Random(tail_tokens)
+    want, pos, flushes = [], 0, 0
+    while pos < len(corpus):
+        k = rng.choice([1, 1, 2, 3, 9])
+        arena.append(cid, t32(corpus[pos:pos + k]))
+        pos = min(pos + k, len(corpus))
+        after = _levels_step_by_step(want, pos, tail_tokens, ratio)
+        flushes += after is not want
+        want = after
+        got = [(lv.pos_lo, lv.pos_hi) for lv in arena._corpora[cid].levels]
+        assert got == want, pos
+    assert len(builds) == flushes and any(hi - lo > 2 * tail_tokens for lo, hi in builds)
+    queries = [corpus[a:a + 6] for a in range(0, 690, 37)]
+    q, lens = pack([[t for t in x if t >= 0] for x in queries])
+    fresh = SuffixIndex.build(t32(corpus), max_depth=8)
+    got = arena.match(q, lens, [cid] * len(queries), max_positions=5)
+    assert rows_of(got, 5) == rows_of(fresh.match(q, lens, max_positions=5), 5)
+
+
 def test_append_one_token_at_a_time_decode_steps():
     """One token per step with a separator now and then (new documents)."""
     rng = random.Random(7)
