@@ -391,19 +391,21 @@ class Drafter:
         self._desc = (key, arena.descriptor_version, desc, desc.num_tokens.view(-1, Rs)[:, 0])
         return desc
 
-    def _grow_descriptors(self, key: tuple, version: int, nout: torch.Tensor) -> None:
-        """After the commit of grid ``key``'s batch appended ``nout int32 [B]`` tokens to
-        the requests' session corpora (rows ``b * Rs``), the arena's descriptor version
-        ``version`` before it: the kept descriptors' lengths grow alike on the device (one
-        op), or, where anything else changed a corpus (a build), they are dropped. The
-        padding rows (tier -1, no query) keep their lengths: they match nothing."""
+    def _grow_descriptors(self, key: tuple, version: int, num: torch.Tensor | None) -> None:
+        """After the commit of grid ``key``'s batch appended ``num int64 [B]`` tokens (None:
+        none) to the requests' session corpora (rows ``b * Rs``), the counts the append
+        itself read, the arena's descriptor version ``version`` before it: the kept
+        descriptors' lengths grow alike on the device (one op), or, where anything else
+        changed a corpus (a build), they are dropped. The padding rows (tier -1, no query)
+        keep their lengths: they match nothing."""
         kept, arena = self._desc, self.store.arena
         if kept is None or kept[0] != key:
             return
         if kept[1] != version or arena.descriptor_version != version + 1:
             self._desc = None
             return
-        kept[3].add_(nout)
+        if num is not None:
+            kept[3].add_(num)
         self._desc = (key, version + 1, *kept[2:])
 
     def _match_out(self, B: int, Rs: int, max_levels: int
@@ -648,10 +650,10 @@ class Drafter:
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
         # validated above, or the caller vouches for the ids; one scatter for every session
         version = self.store.arena.descriptor_version
-        self.store.append_sessions(sids, out.contiguous(), counts,
-                                   corpus_ids=None if grid is None else grid[1][::grid[3]])
+        num = self.store.append_sessions(sids, out.contiguous(), counts,
+                                         corpus_ids=None if grid is None else grid[1][::grid[3]])
         if grid is not None:
-            self._grow_descriptors(self._grid_key, version, cast(nout, torch.int32))
+            self._grow_descriptors(self._grid_key, version, num)
 
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made
