@@ -33,6 +33,7 @@ from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
 from agspec_gpu.host import HostWriter, to_device
+from agspec_gpu.kept_descriptors import KeptDescriptors
 from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.batch_budget import budget_keep
 from agspec_gpu.kernels.candidate_rows import candidate_rows
@@ -41,7 +42,7 @@ from agspec_gpu.kernels.depth_caps import depth_caps
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
 from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
 from agspec_gpu.kernels.node_probs import node_probs
-from agspec_gpu.kernels.suffix_match import MatchDescriptors, MatchResult, suffix_match
+from agspec_gpu.kernels.suffix_match import MatchResult, suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
@@ -226,12 +227,8 @@ class Drafter:
         self._match_outs: dict[tuple[int, int], tuple] = {}
         self._commit_plans: dict[tuple[int, int], tuple] = {}  # by (B, N): _commit_plan
         self._match_scratch: MatchResult | None = None
-        # the match's descriptors (grid key, arena descriptor version, MatchDescriptors,
-        # the session rows' lengths) in buffers kept between steps: see _descriptors
-        self._desc: tuple | None = None
+        self._kept = KeptDescriptors(dev)  # the match's descriptors, between steps
         self._match_args: tuple = ()  # weak references to the last match's checked tensors
-        self._desc_i64 = torch.empty(0, dtype=torch.int64, device=dev)
-        self._desc_i32 = torch.empty(0, dtype=torch.int32, device=dev)
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
             self._graphs = self._step_graphs()
@@ -330,7 +327,7 @@ class Drafter:
             stale = []
         _, rows_cid, _, Rs, _, slots, tier, query_rows = self._grid
         arena = store.arena
-        desc = self._descriptors(key, rows_cid, Rs)
+        desc = self._kept.get(arena, self._writer, key, rows_cid, Rs)
         if stale:
             st = slots[to_device(stale, torch.int64, dev)]
             self.match_cap[st] = store.config.max_depth
@@ -363,50 +360,6 @@ class Drafter:
         self._forget(sids)  # a session's newer proposal replaces its older ones
         self._pending[tuple(sids)] = (draft, nd, node_row)
         return draft
-
-    def _descriptors(self, key: tuple, rows_cid: list[int], Rs: int) -> MatchDescriptors:
-        """The match's corpus descriptors of the grid ``key`` (rows ``rows_cid``, ``Rs`` a
-        request: its session corpus first), kept on
-        the device between steps: gathered and copied only when the grid or a corpus's
-        level layout changed (a level build, a move, a new corpus); a running batch's own
-        appends are mirrored on the device by :meth:`_grow_descriptors`. ``max_tail``, a
-        bound for the torch path's tail scan, is the gather's or ``tail_tokens - 1``,
-        whichever is larger: a session corpus's tail stays below ``tail_tokens`` until a
-        build, which changes the layout."""
-        arena = self.store.arena
-        kept = self._desc
-        if kept is not None and kept[0] == key and kept[1] == arena.descriptor_version:
-            return kept[2]
-        i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
-        if self._desc_i64.numel() < len(i64) or self._desc_i32.numel() < len(i32):
-            dev = self.recent.device
-            self._desc_i64 = torch.empty(2 * len(i64), dtype=torch.int64, device=dev)
-            self._desc_i32 = torch.empty(2 * len(i32), dtype=torch.int32, device=dev)
-        d64, d32 = self._desc_i64[:len(i64)], self._desc_i32[:len(i32)]
-        self._writer.copy_to(d64, i64)
-        self._writer.copy_to(d32, i32)
-        desc = MatchDescriptors.packed(d64, d32, len(rows_cid), max_levels,
-                                       max(max_tail, arena.config.tail_tokens - 1))
-        # (the session corpora's lengths, a view made once: a step grows them)
-        self._desc = (key, arena.descriptor_version, desc, desc.num_tokens.view(-1, Rs)[:, 0])
-        return desc
-
-    def _grow_descriptors(self, key: tuple, version: int, num: torch.Tensor | None) -> None:
-        """After the commit of grid ``key``'s batch appended ``num int64 [B]`` tokens (None:
-        none) to the requests' session corpora (rows ``b * Rs``), the counts the append
-        itself read, the arena's descriptor version ``version`` before it: the kept
-        descriptors' lengths grow alike on the device (one op), or, where anything else
-        changed a corpus (a build), they are dropped. The padding rows (tier -1, no query)
-        keep their lengths: they match nothing."""
-        kept, arena = self._desc, self.store.arena
-        if kept is None or kept[0] != key:
-            return
-        if kept[1] != version or arena.descriptor_version != version + 1:
-            self._desc = None
-            return
-        if num is not None:
-            kept[3].add_(num)
-        self._desc = (key, version + 1, *kept[2:])
 
     def _match_out(self, B: int, Rs: int, max_levels: int
                    ) -> tuple[MatchResult, dict[str, torch.Tensor], StepPlan | None]:
@@ -653,7 +606,7 @@ class Drafter:
         num = self.store.append_sessions(sids, out.contiguous(), counts,
                                          corpus_ids=None if grid is None else grid[1][::grid[3]])
         if grid is not None:
-            self._grow_descriptors(self._grid_key, version, num)
+            self._kept.appended(self.store.arena, self._grid_key, version, num)
 
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made

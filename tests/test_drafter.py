@@ -846,8 +846,8 @@ def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
 def _assert_kept_descriptors_current(d: Drafter) -> None:
     """The drafter's kept match descriptors equal a fresh gather of its grid's rows (the
     padding rows' lengths aside: they have no query), ``max_tail`` a bound of the fresh."""
-    key, version, kept, _ = d._desc
-    assert key == d._grid_key and version == d.store.arena.descriptor_version
+    kept = d._kept.desc
+    assert d._kept.key == d._grid_key and d._kept.version == d.store.arena.descriptor_version
     rows_cid, rows_tier = d._grid[1], d._grid[2]
     fresh = d.store.arena.descriptors(rows_cid)
     real = torch.tensor(rows_tier) >= 0
@@ -885,7 +885,7 @@ def test_kept_descriptors_follow_the_corpora(tok, monkeypatch):
                            dtype=torch.int32)
         num = torch.tensor(counts, dtype=torch.int32)
         d.observe(sids, out, num, num - 1, num_output_host=counts, validate=False)
-        if d._desc is not None and d._desc[0] == d._grid_key:
+        if d._kept.key == d._grid_key:
             _assert_kept_descriptors_current(d)
         return gathered
 
