@@ -6,9 +6,12 @@ compare as ``END``, below every value; separators (negative values) compare belo
 token, so among suffixes that share a pattern those followed by a separator or the end come
 first, and the ones followed by a real token come out sorted by that token.
 
-Prefix doubling: ranks of single tokens come from one sort; each round doubles the covered
-length (the last round overlaps two ranks to cover exactly ``depth``), so ``depth`` tokens
-take ``ceil(log2(depth))`` rounds. The index sorts by ``max_depth + 1`` tokens so that a
+Prefix doubling, by up to four: ranks of single tokens come from one sort; each round packs
+the ranks of ``k`` consecutive covered-length blocks into one int64 key (``k = 4`` while
+four ranks fit, 3 or 2 for longer texts) and ranks the keys with one sort, so the covered
+length grows ``k``-fold (the last round's blocks overlap to cover exactly ``depth``):
+``depth`` tokens take ``ceil(log_k(depth))`` rounds, 3 for 64 where pairs took 6. The index
+sorts by ``max_depth + 1`` tokens so that a
 match's continuation token is ordered too. Ties (identical first ``depth`` tokens) keep
 ascending position order: every sort is stable. On a CPU the rounds stop once every rank is
 distinct; on a GPU every round runs (knowing the rank count is a wait for the device), so a
@@ -32,6 +35,15 @@ def _dense_rank(key: torch.Tensor, count: bool) -> tuple[torch.Tensor, torch.Ten
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     num = (int(rank_sorted[-1]) if rank_sorted.numel() else 0) if count else None
     return rank, order, num
+
+
+def _ranks_per_key(m: int) -> int:
+    """How many ranks (each in ``[0, m]``) one int64 key holds: the most ``k <= 4`` with
+    ``(m + 1)^k < 2^63`` (4 up to m = 55,107, 3 up to 2,097,150, else 2)."""
+    k = 4
+    while k > 2 and (m + 1) ** k >= 1 << 63:
+        k -= 1
+    return k
 
 
 def _check_range(fn: str, tokens: torch.Tensor, lo: int, hi: int, depth: int) -> int:
@@ -77,15 +89,21 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
         return torch.empty(0, dtype=torch.int32, device=tokens.device)
     # rank 0 is END (beyond the window); token values get dense ranks >= 1 in value order
     rank, order, num = _dense_rank(win, early_stop)
-    covered = 1
+    covered, k = 1, _ranks_per_key(m)
     while covered < depth and (num is None or num < m):
-        # the last round overlaps two covered-length ranks so that exactly `depth` tokens
-        # define the order (ties then stay in position order, as documented); ranks are at
-        # most m, so (rank, next rank) packs into rank * (m + 1) + next without a read
-        shift = min(covered, depth - covered)
-        nxt = torch.nn.functional.pad(rank[shift:], (0, min(shift, m)))  # 0 past the end
-        rank, order, num = _dense_rank(torch.add(nxt, rank, alpha=m + 1), early_stop)
-        covered += shift
+        # the ranks of the blocks at i, i + c, i + 2c, ... (c = covered) and, last, at
+        # i + L - c, which overlaps the one before unless L is k * c, so that exactly
+        # `depth` tokens define the order (ties then stay in position order, as
+        # documented). Ranks are at most m: the key (rank, next, ...) is the number
+        # rank * (m + 1)^(k - 1) + ... in base m + 1, built without a read
+        L = min(k * covered, depth)
+        ext = torch.nn.functional.pad(rank, (0, L - covered))  # rank 0 (END) past the end
+        key = rank
+        for at in [j * covered for j in range(1, k - 1) if j * covered < L - covered] + \
+                [L - covered]:
+            key = torch.add(ext[at:at + m], key, alpha=m + 1)
+        rank, order, num = _dense_rank(key, early_stop)
+        covered = L
     keep = (order < (hi - lo)) & (win[order] >= 0)
     if after_token:
         keep &= tokens[(order + (lo - 1)).clamp(max=n - 1)] >= 0

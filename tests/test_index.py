@@ -414,7 +414,8 @@ BUILDERS = [(build_suffix_array, sa_reference), (build_context_array, context_re
 
 @pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
 @PROPS
-@given(cv=corpora(max_len=80), depth=st.sampled_from([1, 2, 3, 4, 7, 16, 100]),
+@given(cv=corpora(max_len=80), depth=st.sampled_from([1, 2, 3, 4, 5, 7, 9, 16, 17, 28, 64,
+                                                     100]),
        data=st.data())
 def test_build_equals_sorted(build, reference, cv, depth, data):
     tokens, _ = cv
@@ -469,18 +470,44 @@ def test_build_reads_the_device_once_without_early_stop(build, reference):
                 assert n > 1, n
 
 
-def test_context_build_launches_few_ops():
-    """A session's 1,024-token level build on a GPU (no early stop: every doubling round,
-    six for depth 33) is this many launches, each a few microseconds of the host's time
-    inside a decode step's commit: 95 before session 26 packed a round's key in one op and
-    ranked a sorted key in four."""
+@pytest.mark.parametrize("depth", [33, 64])
+def test_context_build_launches_few_ops(depth):
+    """A session's 1,024-token level build on a GPU (no early stop: every round, three for
+    depth 33 or 64 with four ranks a key) is this many launches, each a few microseconds of
+    the host's time inside a decode step's commit, and four sorts: 76 and seven sorts for
+    depth 33 in session 26 (rank pairs: six rounds), 95 before it packed a round's key in
+    one op and ranked a sorted key in four."""
     from op_count import CountOps
 
     toks = t32(stdlib_tokens(1100))
     count = CountOps()
     with count.mode:
-        build_context_array(toks, 0, 1024, 33, early_stop=False)
-    assert len(count.ops) <= 76, count.ops
+        build_context_array(toks, 0, 1024, depth, early_stop=False)
+    assert len(count.ops) <= 55 and count.ops.count("sort") == 4, count.ops
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
+def test_build_with_fewer_ranks_a_key(build, reference, k, monkeypatch):
+    """Texts too long for four ranks in an int64 key (over 55,107 positions) pack three or
+    two a round: forced here on small texts, every depth's blocks overlap as they must."""
+    import agspec_gpu.suffix_array as sa_mod
+
+    monkeypatch.setattr(sa_mod, "_ranks_per_key", lambda m: k)
+    toks = stdlib_tokens(700)
+    toks[::29] = [-1] * len(toks[::29])
+    for depth in (1, 2, 3, 5, 8, 9, 10, 27, 28, 37, 64, 65):
+        for early_stop in (False, True):
+            got = build(t32(toks), 3, 650, depth, early_stop=early_stop)
+            assert got.tolist() == reference(toks, 3, 650, depth), (depth, early_stop)
+
+
+def test_ranks_per_key_fit_in_int64():
+    from agspec_gpu.suffix_array import _ranks_per_key
+
+    for m, k in ((1, 4), (55_107, 4), (55_108, 3), (2_097_150, 3), (2_097_151, 2)):
+        assert _ranks_per_key(m) == k, m
+        assert (m + 1) ** k < 1 << 63
 
 
 @pytest.mark.parametrize("build,reference", BUILDERS, ids=["suffix", "context"])
