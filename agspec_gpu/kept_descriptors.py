@@ -43,10 +43,10 @@ class KeptDescriptors:
             Rs: int) -> MatchDescriptors:
         """The descriptors of grid ``key``: rows ``rows_cid``, ``Rs`` per request, its
         session corpus first. Kept ones while current; else gathered and copied through
-        ``writer`` (one copy per dtype). ``max_tail``, which bounds the torch path's tail scan (the kernel does
-        not read it), is the gather's or ``tail_tokens - 1``, whichever is larger: a
-        session corpus's tail stays below ``tail_tokens`` until a build, which moves the
-        version."""
+        ``writer`` (one copy per dtype). ``max_tail``, which bounds the torch path's tail
+        scan (the kernel does not read it), is the gather's or ``tail_tokens - 1``,
+        whichever is larger: a session corpus's tail stays below ``tail_tokens`` until a
+        build, which moves the version."""
         if key == self.key and self.version == arena.descriptor_version:
             return self.desc
         i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
