@@ -12,8 +12,8 @@ four ranks fit, 3 or 2 for longer texts) and ranks the keys with one sort, so th
 length grows ``k``-fold (the last round's blocks overlap to cover exactly ``depth``):
 ``depth`` tokens take ``ceil(log_k(depth))`` rounds, 3 for 64 where pairs took 6. The index
 sorts by ``max_depth + 1`` tokens so that a match's continuation token is ordered too.
-Ties (identical first ``depth`` tokens) keep ascending position order: every sort is stable. On a CPU the rounds stop once every rank is
-distinct; on a GPU every round runs (knowing the rank count is a wait for the device), so a
+Ties (identical first ``depth`` tokens) keep ascending position order: every sort is stable.
+On a CPU the rounds stop once every rank is distinct; on a GPU every round runs (knowing the rank count is a wait for the device), so a
 build reads the device once, for the size of its selection of positions. A session corpus
 builds a level every ``tail_tokens`` appended tokens, inside a decode step's commit.
 """
