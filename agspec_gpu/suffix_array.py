@@ -13,9 +13,10 @@ length grows ``k``-fold (the last round's blocks overlap to cover exactly ``dept
 ``depth`` tokens take ``ceil(log_k(depth))`` rounds, 3 for 64 where pairs took 6. The index
 sorts by ``max_depth + 1`` tokens so that a match's continuation token is ordered too.
 Ties (identical first ``depth`` tokens) keep ascending position order: every sort is stable.
-On a CPU the rounds stop once every rank is distinct; on a GPU every round runs (knowing the rank count is a wait for the device), so a
-build reads the device once, for the size of its selection of positions. A session corpus
-builds a level every ``tail_tokens`` appended tokens, inside a decode step's commit.
+On a CPU the rounds stop once every rank is distinct; on a GPU every round runs (knowing
+the rank count is a wait for the device), so a build reads the device once, for the size of
+its selection of positions. A session corpus builds a level every ``tail_tokens`` appended
+tokens, inside a decode step's commit.
 """
 
 from __future__ import annotations
