@@ -1,0 +1,122 @@
+"""Differential fuzz: speculative ``generate`` equals plain greedy decoding, whatever happens
+between the calls.
+
+Each case draws a runner (HF or paged), a tiny model variant, tier and batch sizes, a few
+tenants whose history steers the drafts, and then several rounds of ``generate`` on random
+subsets of the open sessions, with tool outputs appended, workspace files added and
+sessions closed in between. Every output is compared with the greedy reference of the
+session's context so far. After every propose the drafter's kept match descriptors (updated
+in place between steps, see :mod:`agspec_gpu.kept_descriptors`) are also compared with a
+fresh gather from the index arena, which is what they stand in for.
+
+The suite runs a few seeds; more from the command line, e.g. ``python
+tests/test_lossless_fuzz.py 0 200`` (about 5 s a case on a small CPU).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+
+import test_decoder as td
+from agspec_gpu import DecoderConfig, SpecDecoder
+from agspec_gpu.drafter import DrafterConfig
+from agspec_gpu.tiers import TierConfig
+
+pytest.importorskip("transformers")
+
+SEEDS = range(6)
+
+
+def check_kept_descriptors(drafter) -> None:
+    """The kept descriptors equal a fresh gather for the last step's match grid."""
+    kept = drafter._kept
+    assert kept.key == drafter._grid_key
+    assert kept.version == drafter.store.arena.descriptor_version
+    rows_cid, rows_tier = drafter._grid[1], drafter._grid[2]
+    fresh = drafter.store.arena.descriptors(rows_cid)
+    for name in ("tok_base", "tail_start", "level_indptr", "level_sa_base", "level_sa_len"):
+        assert torch.equal(getattr(kept.desc, name), getattr(fresh, name)), name
+    real = torch.tensor(rows_tier) >= 0  # padding rows' lengths are never read
+    assert torch.equal(kept.desc.num_tokens[real], fresh.num_tokens[real])
+    assert kept.desc.max_tail >= fresh.max_tail
+    assert kept.desc.max_levels == fresh.max_levels
+
+
+def checked_decoder(cfg: DecoderConfig, variant) -> tuple[SpecDecoder, list[int]]:
+    """A decoder whose drafter checks its kept descriptors after every propose."""
+    dec = SpecDecoder(td.model(variant), td.tok(), cfg)
+    num_checks, propose = [0], dec.drafter._propose
+
+    def checked(sids, stable=True):
+        out = propose(sids, stable)
+        check_kept_descriptors(dec.drafter)
+        num_checks[0] += 1
+        return out
+
+    dec.drafter._propose = checked  # this instance only
+    return dec, num_checks
+
+
+def run_case(seed: int) -> int:
+    """One random case; returns how many proposes had their descriptors checked."""
+    rng = random.Random(seed)
+    variant = rng.choice(td.VARIANTS)
+    cfg = DecoderConfig(
+        tiers=TierConfig(use_global=False, tail_tokens=rng.choice([4, 8, 32, 1024])),
+        drafter=DrafterConfig(max_positions=rng.choice([1, 4, 8])),
+        max_batch=rng.choice([2, 4, 8]), runner=rng.choice(["hf", "paged"]),
+        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=1 << 13)
+    dec, num_checks = checked_decoder(cfg, variant)
+    prompts = td.prompts()
+    num_tenants = rng.randint(1, 3)
+    context: dict[str, list[int]] = {}
+    for i in range(rng.randint(1, cfg.max_batch)):
+        tenant = f"t{i % num_tenants}"
+        prompt = list(prompts[rng.randrange(len(prompts))])
+        if rng.random() < 0.5:  # the tenant's history holds the greedy continuation
+            td.steer(dec, tenant, prompt + td.greedy(variant, prompt, 24))
+        context[dec.open_session(tenant, "coder", prompt)] = prompt
+    for rnd in range(rng.randint(2, 4)):
+        open_sids = list(context)
+        batch = rng.sample(open_sids, rng.randint(1, len(open_sids)))
+        n = rng.choice([8, 16, 24])
+        for sid, out in zip(batch, dec.generate(batch, max_new_tokens=n)):
+            assert out == td.greedy(variant, context[sid], n), (seed, rnd, sid)
+            context[sid] += out
+        event, sid = rng.random(), rng.choice(open_sids)
+        if event < 0.4:  # a tool output
+            extra = td.other_text(rng.randint(1, 40), at=rng.randrange(3000))
+            dec.append(sid, extra)
+            context[sid] += extra
+        elif event < 0.6:
+            text = td.tok().decode(td.other_text(60, at=rng.randrange(3000)))
+            dec.add_workspace_file(sid, f"f{rnd}.py", text)
+        elif event < 0.75 and len(open_sids) > 1:
+            dec.close_session(sid)
+            del context[sid]
+    for sid in context:
+        dec.close_session(sid)
+    return num_checks[0]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_generate_equals_greedy_on_random_cases(seed):
+    assert run_case(seed) > 0
+
+
+if __name__ == "__main__":
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    failures = checks = 0
+    for s in range(lo, hi):
+        try:
+            checks += run_case(s)
+            print("ok", s, flush=True)
+        except AssertionError as e:
+            failures += 1
+            print("FAIL", s, repr(e)[:300], flush=True)
+    print(f"seeds {lo}-{hi}: {failures} failures, {checks} descriptor checks")
+    sys.exit(1 if failures else 0)
