@@ -2,12 +2,14 @@
 between the calls.
 
 Each case draws a runner (HF or paged), a tiny model variant, tier and batch sizes, a few
-tenants whose history steers the drafts, and then several rounds of ``generate`` on random
-subsets of the open sessions, with tool outputs appended, workspace files added and
-sessions closed in between. Every output is compared with the greedy reference of the
-session's context so far. After every propose the drafter's kept match descriptors (updated
-in place between steps, see :mod:`agspec_gpu.kept_descriptors`) are also compared with a
-fresh gather from the index arena, which is what they stand in for.
+tenants whose history steers the drafts, and then several rounds on random subsets of the
+open sessions, through ``generate`` or through ``submit`` / ``step`` with requests joining
+a running batch (ragged limits; sometimes an end token that a request emits), with tool
+outputs appended, workspace files added and sessions closed in between. Every output is
+compared with the greedy reference of the session's context so far. After every propose
+the drafter's kept match descriptors (updated in place between steps, see
+:mod:`agspec_gpu.kept_descriptors`) are also compared with a fresh gather from the index
+arena, which is what they stand in for.
 
 The suite runs a few seeds; more from the command line, e.g. ``python
 tests/test_lossless_fuzz.py 0 200`` (about 5 s a case on a small CPU).
@@ -61,6 +63,20 @@ def checked_decoder(cfg: DecoderConfig, variant) -> tuple[SpecDecoder, list[int]
     return dec, num_checks
 
 
+def continuous(dec: SpecDecoder, sids: list[str], limits: list[int], eos: int,
+               rng: random.Random) -> list[list[int]]:
+    """The requests through ``submit`` / ``step``, joining a few steps apart."""
+    outs: dict[str, list[int]] = {sid: [] for sid in sids}
+    waiting = list(zip(sids, limits))
+    while waiting or dec.running or dec.queued:
+        while waiting and (not dec.running or rng.random() < 0.3):
+            sid, n = waiting.pop(0)
+            dec.submit(sid, max_new_tokens=n, eos_id=eos)
+        for step in dec.step():
+            outs[step.session_id] += step.token_ids
+    return [outs[sid] for sid in sids]
+
+
 def run_case(seed: int) -> int:
     """One random case; returns how many proposes had their descriptors checked."""
     rng = random.Random(seed)
@@ -83,9 +99,16 @@ def run_case(seed: int) -> int:
     for rnd in range(rng.randint(2, 4)):
         open_sids = list(context)
         batch = rng.sample(open_sids, rng.randint(1, len(open_sids)))
-        n = rng.choice([8, 16, 24])
-        for sid, out in zip(batch, dec.generate(batch, max_new_tokens=n)):
-            assert out == td.greedy(variant, context[sid], n), (seed, rnd, sid)
+        limits = [rng.choice([1, 8, 16, 24]) for _ in batch]
+        eos = -1  # the tokenizer's; or a token the first request will emit, to end there
+        if rng.random() < 0.3:
+            eos = rng.choice(td.greedy(variant, context[batch[0]], limits[0]))
+        if rng.random() < 0.5:
+            outs = dec.generate(batch, max_new_tokens=limits, eos_id=eos)
+        else:
+            outs = continuous(dec, batch, limits, eos, rng)
+        for sid, n, out in zip(batch, limits, outs):
+            assert out == td.greedy(variant, context[sid], n, eos), (seed, rnd, sid)
             context[sid] += out
         event, sid = rng.random(), rng.choice(open_sids)
         if event < 0.4:  # a tool output
