@@ -602,11 +602,14 @@ class Drafter:
             self._push(slots, out.clamp(min=0), nout)
         counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
         # validated above, or the caller vouches for the ids; one scatter for every session
+        # (the kept descriptors' session lengths, while current, grow in the same launch)
         version = self.store.arena.descriptor_version
-        num = self.store.append_sessions(sids, out.contiguous(), counts,
-                                         corpus_ids=None if grid is None else grid[1][::grid[3]])
+        self.store.append_sessions(
+            sids, out.contiguous(), counts,
+            corpus_ids=None if grid is None else grid[1][::grid[3]],
+            totals=None if grid is None else self._kept.lengths(self.store.arena, self._grid_key))
         if grid is not None:
-            self._kept.appended(self.store.arena, self._grid_key, version, num)
+            self._kept.appended(self.store.arena, self._grid_key, version)
 
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made

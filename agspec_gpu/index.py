@@ -228,16 +228,18 @@ class IndexArena:
         self._maybe_index(cid)
 
     def append_rows(self, cids: Sequence[int], tokens: torch.Tensor, counts: Sequence[int],
-                    src: int = 0) -> torch.Tensor | None:
+                    src: int = 0, totals: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``tokens [len(cids), M]`` (int32)
         to corpus ``cids[i]``, for every row at once: the same corpora as :meth:`append` per
         row, in one launch (``kernels/arena_append.py``) instead of a few copies per row (a
         decode step's commit appends to every request's session corpus). ``counts`` are
         host ints; the corpora must be distinct. Nothing is read back from the device.
 
-        Returns the counts as the launch read them, ``int64 [len(cids)]`` on the device (a
-        view valid for this step: a caller mirroring the corpora's lengths there adds
-        them), or None when every count is 0."""
+        ``totals``: ``int32 [len(cids)]`` lengths a caller mirrors on the device (any
+        stride), grown by the counts in the same launch. Returns the counts as the launch
+        read them, ``int64 [len(cids)]`` on the device (a view valid for this step), or None
+        when every count is 0."""
         if tokens.dim() != 2 or tokens.shape[0] != len(cids) or len(counts) != len(cids):
             raise ValueError(f"tokens: expected [{len(cids)}, M] with {len(cids)} counts, got "
                              f"{tuple(tokens.shape)} and {len(counts)} counts")
@@ -258,7 +260,8 @@ class IndexArena:
         if any(counts):  # where each row's run starts, and its length: one copy, one launch
             starts, num = self._writer.write(([c.tok_base + c.n for c in corpora], torch.int64),
                                              (counts, torch.int64))
-            arena_append(self.tokens, self.src, tokens.contiguous(), starts, num, code=src)
+            arena_append(self.tokens, self.src, tokens.contiguous(), starts, num, code=src,
+                         totals=totals)
         for c, m in zip(corpora, counts):  # every corpus holds its rows before any level
             c.n += m                        # build: a build may compact the token arena
         self._table.add_tokens(cids, counts)

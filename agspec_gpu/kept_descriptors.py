@@ -9,7 +9,8 @@ one field only: the session corpora's lengths, by the counts its own commit appe
 the descriptors stay in device buffers, current at one descriptor version of the arena
 (:attr:`~agspec_gpu.index.IndexArena.descriptor_version`, which counts every change): a
 propose gathers only when its grid changed or the version moved by anything but the
-batch's own appends, and a commit adds its counts to the session rows on the device.
+batch's own appends, and a commit's append adds its counts to the session rows on the
+device in its own launch.
 """
 
 from __future__ import annotations
@@ -63,18 +64,23 @@ class KeptDescriptors:
         self._session_lengths = self.desc.num_tokens.view(-1, Rs)[:, 0]  # a view, made once
         return self.desc
 
-    def appended(self, arena: IndexArena, key: tuple, version: int,
-                 num: torch.Tensor | None) -> None:
-        """After grid ``key``'s commit appended ``num int64 [B]`` tokens (the counts the
-        append read; None: none) to its requests' session corpora, the arena at descriptor
-        version ``version`` before it: the kept lengths grow alike (one op), or, where
-        anything else changed a corpus (a build, a move), the descriptors are dropped. The
-        padding rows (tier -1, no query) keep their lengths: they match nothing."""
+    def lengths(self, arena: IndexArena, key: tuple) -> torch.Tensor | None:
+        """The kept session rows' lengths (``int32 [B]``, a strided view), for the append of
+        grid ``key``'s commit to grow in its launch (``arena_append``'s ``totals``), when
+        the descriptors are that grid's and current; else None (nothing to keep)."""
+        if key != self.key or self.version != arena.descriptor_version:
+            return None
+        return self._session_lengths
+
+    def appended(self, arena: IndexArena, key: tuple, version: int) -> None:
+        """After grid ``key``'s commit appended to its requests' session corpora, the
+        arena at descriptor version ``version`` before it, through an append that grew
+        :meth:`lengths` by its counts: the descriptors stay current, or, where anything
+        else changed a corpus (a build, a move), they are dropped. The padding rows (tier
+        -1, no query) keep their lengths: they match nothing."""
         if key != self.key:
             return
         if self.version != version or arena.descriptor_version != version + 1:
             self.key = self.desc = self._session_lengths = None
             return
-        if num is not None:
-            self._session_lengths.add_(num)
         self.version = version + 1

@@ -147,15 +147,17 @@ class CorpusStore:
 
     def append_sessions(self, sids: Sequence[str], tokens: torch.Tensor,
                         counts: Sequence[int], *,
-                        corpus_ids: Sequence[int] | None = None) -> torch.Tensor | None:
+                        corpus_ids: Sequence[int] | None = None,
+                        totals: torch.Tensor | None = None) -> torch.Tensor | None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``int32 [len(sids), M]`` to
         session ``sids[i]`` (distinct sessions), all rows in one scatter. The caller vouches
         for the ids (the drafter's per-step commit: validated, or the model's own), and for
         ``corpus_ids``, the sessions' corpora when it holds them (from ``corpora_of`` at
-        this :attr:`epoch`). Returns the counts on the device, as
-        :meth:`IndexArena.append_rows`."""
+        this :attr:`epoch`). ``totals`` and the result: as
+        :meth:`IndexArena.append_rows`'s."""
         cids = [self.session(sid).corpus for sid in sids] if corpus_ids is None else corpus_ids
-        return self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION))
+        return self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION),
+                                      totals=totals)
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""

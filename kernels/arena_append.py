@@ -5,7 +5,8 @@ A decode step's commit appends each request's accepted tokens (row ``b``'s first
 ``starts[b]``, and tags them with the tier's source code. In torch that is an index list per
 token built on the host (``B * M`` ints a step), a gather, a scatter and a fill; here the
 host sends ``starts`` and ``counts`` (``2 B`` ints) and a program per row (and 64 columns)
-copies its run.
+copies its run. A caller that mirrors the corpora's lengths on the device passes them as
+``totals``: the same launch adds each row's count there.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array, check_tensors
+from agspec_gpu.kernels._checks import check_array, check_devices, check_tensors
 from agspec_gpu.kernels._launch import cdiv
 
 BLOCK = 64  # columns per program (fixed: one compile for every width)
 
 
 # B, M: the batch and the rows' width, not specialized (one compile for every step)
-# starts, counts: views of a staging ring (any alignment)
-@triton.jit(do_not_specialize=["M", "code"],
+# starts, counts: views of a staging ring (any alignment); totals: a strided view
+@triton.jit(do_not_specialize=["M", "code", "totals_stride"],
             do_not_specialize_on_alignment=["starts_ptr", "counts_ptr"])
 def _arena_append_kernel(
     rows_ptr,  # *int32 [B, M]  the tokens, row-major
@@ -30,16 +31,24 @@ def _arena_append_kernel(
     counts_ptr,  # *int64 [B]  tokens of each row appended (the first ones)
     arena_ptr,  # *int32 [T]  out: the arena's tokens
     src_ptr,  # *int8 [T]  out: the arena's source codes
+    totals_ptr,  # *int32 [B] (stride totals_stride)  in/out: += counts (HAS_TOTALS)
     M,
     code,
+    totals_stride,
+    HAS_TOTALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """Grid ``(B, cdiv(M, BLOCK_M))``: row ``b``'s block of columns, those below
-    ``counts[b]`` copied."""
+    ``counts[b]`` copied; the row's first block also adds its count to ``totals[b]``."""
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     start = tl.load(starts_ptr + b)
-    keep = cols < tl.load(counts_ptr + b)
+    count = tl.load(counts_ptr + b)
+    if HAS_TOTALS:
+        if tl.program_id(1) == 0:
+            at = totals_ptr + b * totals_stride
+            tl.store(at, (tl.load(at) + count).to(tl.int32))
+    keep = cols < count
     tok = tl.load(rows_ptr + b * M + cols, mask=keep, other=0)
     tl.store(arena_ptr + start + cols, tok, mask=keep)
     tl.store(src_ptr + start + cols, (tl.zeros([BLOCK_M], dtype=tl.int32) + code).to(tl.int8),
@@ -47,9 +56,12 @@ def _arena_append_kernel(
 
 
 def arena_append_torch(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
-                       starts: torch.Tensor, counts: torch.Tensor, code: int) -> None:
+                       starts: torch.Tensor, counts: torch.Tensor, code: int,
+                       totals: torch.Tensor | None = None) -> None:
     """Pure-torch implementation of :func:`arena_append`."""
     B, M = rows.shape
+    if totals is not None:
+        totals.add_(counts)
     if B == 0 or M == 0:
         return
     cols = torch.arange(M, device=rows.device)
@@ -61,9 +73,10 @@ def arena_append_torch(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tenso
 
 def arena_append(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
                  starts: torch.Tensor, counts: torch.Tensor, *, code: int,
-                 use_triton: bool | None = None) -> None:
+                 totals: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
     """Writes ``rows[b, :counts[b]]`` to ``arena[starts[b]:starts[b] + counts[b]]`` and
-    ``code`` to the same positions of ``src``, for every row ``b``.
+    ``code`` to the same positions of ``src``, for every row ``b``; with ``totals``, also
+    ``totals[b] += counts[b]``.
 
     Parameters
     ----------
@@ -74,6 +87,8 @@ def arena_append(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
         contract, as the arena's bookkeeping on the host guarantees it: checking the values
         would read them back from the device).
     code : the source code written (an int8 value).
+    totals : ``int32 [B]``, any stride, or None: lengths the caller keeps on the device
+        (the drafter's kept match descriptors), grown by ``counts`` in the same launch.
     use_triton : Triton when True (also under ``TRITON_INTERPRET=1``), torch when False;
         default: Triton for CUDA tensors.
     """
@@ -86,12 +101,17 @@ def arena_append(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
     B, M = rows.shape
     check_tensors(("src", src, torch.int8, arena.shape), ("starts", starts, torch.int64, (B,)),
                   ("counts", counts, torch.int64, (B,)))
+    if totals is not None:
+        check_devices(("arena", arena), ("totals", totals))
+        check_tensors(("totals", totals, torch.int32, (B,)))
     if isinstance(code, bool) or not isinstance(code, int) or not -128 <= code <= 127:
         raise ValueError(f"code: expected an int8 value, got {code!r}")
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton:
-        arena_append_torch(arena, src, rows, starts, counts, code)
-    elif B and M:
-        _arena_append_kernel[(B, cdiv(M, BLOCK))](rows, starts, counts, arena, src, M, code,
-                                                  BLOCK_M=BLOCK)
+        arena_append_torch(arena, src, rows, starts, counts, code, totals)
+    elif B and (M or totals is not None):
+        has_totals = totals is not None
+        _arena_append_kernel[(B, max(cdiv(M, BLOCK), 1))](
+            rows, starts, counts, arena, src, totals if has_totals else counts, M, code,
+            totals.stride(0) if has_totals else 0, HAS_TOTALS=has_totals, BLOCK_M=BLOCK)

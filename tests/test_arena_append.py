@@ -1,5 +1,6 @@
 """The arena-append kernel (``kernels/arena_append.py``) against its torch path and a
-row-by-row reference; its argument checks and its sm_90 compile."""
+row-by-row reference, with and without the kept lengths it grows (``totals``); its argument
+checks and its sm_90 compiles."""
 
 import random
 
@@ -26,18 +27,27 @@ def _case(rows: list[list[int]], counts: list[int], gaps: list[int], T: int):
 
 
 def _check(rows, starts, counts, T: int, code: int):
-    """Both paths on an arena of ``T`` sentinel tokens equal the row-by-row reference."""
+    """Both paths on an arena of ``T`` sentinel tokens equal the row-by-row reference;
+    with ``totals`` (a strided view, as the drafter's kept lengths are) they also add the
+    counts there, and only there."""
     want_tok = torch.full((T,), -7, dtype=torch.int32)
     want_src = torch.full((T,), 5, dtype=torch.int8)
     for r, s, n in zip(rows.tolist(), starts.tolist(), counts.tolist()):
         want_tok[s:s + n] = torch.tensor(r[:n], dtype=torch.int32)
         want_src[s:s + n] = code
+    B = rows.shape[0]
+    base = torch.arange(3 * B, dtype=torch.int32) * 1000 + 5
+    want_base = base.clone()
+    want_base[::3] += counts
     for use_triton in (False, True):
-        tok, src = want_tok.new_full((T,), -7).to(DEV), want_src.new_full((T,), 5).to(DEV)
-        arena_append(tok, src, rows.to(DEV), starts.to(DEV), counts.to(DEV), code=code,
-                     use_triton=use_triton)
-        assert torch.equal(tok.cpu(), want_tok), use_triton
-        assert torch.equal(src.cpu(), want_src), use_triton
+        for with_totals in (False, True):
+            tok, src = want_tok.new_full((T,), -7).to(DEV), want_src.new_full((T,), 5).to(DEV)
+            kept = base.to(DEV, copy=True)
+            arena_append(tok, src, rows.to(DEV), starts.to(DEV), counts.to(DEV), code=code,
+                         totals=kept[::3] if with_totals else None, use_triton=use_triton)
+            assert torch.equal(tok.cpu(), want_tok), use_triton
+            assert torch.equal(src.cpu(), want_src), use_triton
+            assert torch.equal(kept.cpu(), want_base if with_totals else base), use_triton
 
 
 def test_edge_shapes():
@@ -76,28 +86,38 @@ def test_rejects_bad_inputs():
                       ("rows", torch.zeros(2, 3, dtype=torch.int64)),
                       ("rows", torch.zeros(3, 2, dtype=torch.int32).t()),  # not contiguous
                       ("starts", torch.tensor([0, 3, 5])),
-                      ("counts", torch.tensor([3, 2], dtype=torch.int32))):
+                      ("counts", torch.tensor([3, 2], dtype=torch.int32)),
+                      ("totals", torch.zeros(2, dtype=torch.int64)),
+                      ("totals", torch.zeros(3, dtype=torch.int32))):
         with pytest.raises(ValueError, match=name):
             arena_append(**{**good, name: bad}, code=0, use_triton=True)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="totals"):
+            arena_append(**good, code=0, totals=torch.zeros(2, dtype=torch.int32,
+                                                            device="cuda"))
     for code in (128, -129, 1.0, True):
         with pytest.raises(ValueError, match="code"):
             arena_append(**good, code=code, use_triton=True)
 
 
 def test_one_compile_for_every_batch_and_width():
-    def launch(B, M):
+    def launch(B, M, totals):
         return lambda: arena_append(
             torch.zeros(B * M, dtype=torch.int32, device=DEV),
             torch.zeros(B * M, dtype=torch.int8, device=DEV),
             torch.ones(B, M, dtype=torch.int32, device=DEV),
             torch.arange(B, device=DEV) * M, torch.full((B,), M, device=DEV), code=B % 3,
-            use_triton=True)
+            totals=torch.zeros(B, 1 + B % 4, dtype=torch.int32, device=DEV)[:, 0]
+            if totals else None, use_triton=True)
 
-    launches = [launch(B, M) for B, M in ((1, 1), (2, 3), (16, 33), (64, 4), (3, 130))]
-    assert assert_one_compile_per_config(_arena_append_kernel, launches) == 1
+    shapes = ((1, 1), (2, 3), (16, 33), (64, 4), (3, 130))
+    launches = [launch(B, M, t) for B, M in shapes for t in (False, True)]
+    assert assert_one_compile_per_config(_arena_append_kernel, launches) == 2
 
 
 def test_kernel_compiles_for_sm90():
     sig = dict(rows_ptr="*i32", starts_ptr="*i64", counts_ptr="*i64", arena_ptr="*i32",
-               src_ptr="*i8", M="i32", code="i32", BLOCK_M="constexpr")
-    compile_all_for_sm90([(_arena_append_kernel, sig, dict(BLOCK_M=64))])
+               src_ptr="*i8", totals_ptr="*i32", M="i32", code="i32", totals_stride="i32",
+               HAS_TOTALS="constexpr", BLOCK_M="constexpr")
+    compile_all_for_sm90([(_arena_append_kernel, sig, dict(HAS_TOTALS=t, BLOCK_M=64))
+                          for t in (False, True)])
