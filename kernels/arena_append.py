@@ -22,9 +22,9 @@ BLOCK = 64  # columns per program (fixed: one compile for every width)
 
 
 # B, M: the batch and the rows' width, not specialized (one compile for every step)
-# starts, counts: views of a staging ring (any alignment); totals: a strided view
+# starts, counts: views of a staging ring, totals of the kept descriptors (any alignment)
 @triton.jit(do_not_specialize=["M", "code", "totals_stride"],
-            do_not_specialize_on_alignment=["starts_ptr", "counts_ptr"])
+            do_not_specialize_on_alignment=["starts_ptr", "counts_ptr", "totals_ptr"])
 def _arena_append_kernel(
     rows_ptr,  # *int32 [B, M]  the tokens, row-major
     starts_ptr,  # *int64 [B]  arena position of each row's first token
