@@ -4,9 +4,11 @@ between the calls.
 Each case draws a runner (HF or paged), a tiny model variant, tier and batch sizes, a few
 tenants whose history steers the drafts, and then several rounds on random subsets of the
 open sessions, through ``generate`` or through ``submit`` / ``step`` with requests joining
-a running batch (ragged limits; sometimes an end token that a request emits), with tool
-outputs appended, workspace files added and sessions closed in between. Every output is
-compared with the greedy reference of the session's context so far. After every propose
+a running batch (ragged limits; sometimes an end token that a request emits; sometimes
+sampled requests beside the greedy ones), with tool outputs appended, workspace files added
+and sessions closed in between. Every greedy output is compared with the greedy reference
+of the session's context so far (a sampled one is checked for its length and ids, and
+becomes part of its session's context). After every propose
 the drafter's kept match descriptors (updated in place between steps, see
 :mod:`agspec_gpu.kept_descriptors`) are also compared with a fresh gather from the index
 arena, which is what they stand in for.
@@ -19,18 +21,22 @@ from __future__ import annotations
 
 import random
 import sys
+from collections import Counter
 
 import pytest
 import torch
 
 import test_decoder as td
-from agspec_gpu import DecoderConfig, SpecDecoder
+from agspec_gpu import DecoderConfig, SamplingParams, SpecDecoder
 from agspec_gpu.drafter import DrafterConfig
 from agspec_gpu.tiers import TierConfig
 
 pytest.importorskip("transformers")
 
 SEEDS = range(6)
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = (SamplingParams(), SamplingParams(temperature=0.7, top_k=20),
+           SamplingParams(temperature=1.3, top_p=0.9))
 
 
 def check_kept_descriptors(drafter) -> None:
@@ -63,22 +69,23 @@ def checked_decoder(cfg: DecoderConfig, variant) -> tuple[SpecDecoder, list[int]
     return dec, num_checks
 
 
-def continuous(dec: SpecDecoder, sids: list[str], limits: list[int], eos: int,
-               rng: random.Random) -> list[list[int]]:
+def continuous(dec: SpecDecoder, sids: list[str], limits: list[int],
+               sampling: list[SamplingParams], eos: int, rng: random.Random,
+               generator: torch.Generator) -> list[list[int]]:
     """The requests through ``submit`` / ``step``, joining a few steps apart."""
     outs: dict[str, list[int]] = {sid: [] for sid in sids}
-    waiting = list(zip(sids, limits))
+    waiting = list(zip(sids, limits, sampling))
     while waiting or dec.running or dec.queued:
         while waiting and (not dec.running or rng.random() < 0.3):
-            sid, n = waiting.pop(0)
-            dec.submit(sid, max_new_tokens=n, eos_id=eos)
-        for step in dec.step():
+            sid, n, params = waiting.pop(0)
+            dec.submit(sid, max_new_tokens=n, sampling=params, eos_id=eos)
+        for step in dec.step(generator):
             outs[step.session_id] += step.token_ids
     return [outs[sid] for sid in sids]
 
 
-def run_case(seed: int) -> int:
-    """One random case; returns how many proposes had their descriptors checked."""
+def run_case(seed: int) -> Counter:
+    """One random case; returns what it covered: rounds by kind, proposes checked."""
     rng = random.Random(seed)
     variant = rng.choice(td.VARIANTS)
     cfg = DecoderConfig(
@@ -87,6 +94,8 @@ def run_case(seed: int) -> int:
         max_batch=rng.choice([2, 4, 8]), runner=rng.choice(["hf", "paged"]),
         page_size=rng.choice([4, 8, 16]), kv_cache_tokens=1 << 13)
     dec, num_checks = checked_decoder(cfg, variant)
+    seen = Counter()
+    generator = torch.Generator().manual_seed(seed)
     prompts = td.prompts()
     num_tenants = rng.randint(1, 3)
     context: dict[str, list[int]] = {}
@@ -103,12 +112,25 @@ def run_case(seed: int) -> int:
         eos = -1  # the tokenizer's; or a token the first request will emit, to end there
         if rng.random() < 0.3:
             eos = rng.choice(td.greedy(variant, context[batch[0]], limits[0]))
+        sampling = [GREEDY] * len(batch)
+        if rng.random() < 0.3:  # sampled requests beside greedy ones
+            sampling = [rng.choice([GREEDY, *SAMPLED]) for _ in batch]
+        seen["sampled rounds"] += not all(p.is_greedy for p in sampling)
+        seen["end-token rounds"] += eos != -1
         if rng.random() < 0.5:
-            outs = dec.generate(batch, max_new_tokens=limits, eos_id=eos)
+            seen["generate rounds"] += 1
+            outs = dec.generate(batch, max_new_tokens=limits, sampling=sampling, eos_id=eos,
+                                generator=generator)
         else:
-            outs = continuous(dec, batch, limits, eos, rng)
-        for sid, n, out in zip(batch, limits, outs):
-            assert out == td.greedy(variant, context[sid], n, eos), (seed, rnd, sid)
+            seen["submit/step rounds"] += 1
+            outs = continuous(dec, batch, limits, sampling, eos, rng, generator)
+        for sid, n, params, out in zip(batch, limits, sampling, outs):
+            if params.is_greedy:  # the greedy ones stay plain greedy decoding
+                assert out == td.greedy(variant, context[sid], n, eos), (seed, rnd, sid)
+            else:
+                end = td.tok().eos_id if eos == -1 else eos  # it ends the output, if there
+                assert 1 <= len(out) <= n and all(0 <= t < td.VOCAB for t in out), out
+                assert end not in out[:-1], (end, out)
             context[sid] += out
         event, sid = rng.random(), rng.choice(open_sids)
         if event < 0.4:  # a tool output
@@ -123,23 +145,24 @@ def run_case(seed: int) -> int:
             del context[sid]
     for sid in context:
         dec.close_session(sid)
-    return num_checks[0]
+    seen["proposes checked"] = num_checks[0]
+    return seen
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_generate_equals_greedy_on_random_cases(seed):
-    assert run_case(seed) > 0
+    assert run_case(seed)["proposes checked"] > 0
 
 
 if __name__ == "__main__":
     lo, hi = int(sys.argv[1]), int(sys.argv[2])
-    failures = checks = 0
+    failures, seen = 0, Counter()
     for s in range(lo, hi):
         try:
-            checks += run_case(s)
+            seen += run_case(s)
             print("ok", s, flush=True)
         except AssertionError as e:
             failures += 1
             print("FAIL", s, repr(e)[:300], flush=True)
-    print(f"seeds {lo}-{hi}: {failures} failures, {checks} descriptor checks")
+    print(f"seeds {lo}-{hi}: {failures} failures;", ", ".join(f"{v} {k}" for k, v in seen.items()))
     sys.exit(1 if failures else 0)
