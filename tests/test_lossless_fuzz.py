@@ -3,13 +3,14 @@ between the calls.
 
 Each case draws a runner (HF or paged), a tiny model variant, tier and batch sizes, a few
 tenants whose history steers the drafts, and then several rounds on random subsets of the
-open sessions, through ``generate`` or through ``submit`` / ``step`` with requests joining
-a running batch (ragged limits; sometimes an end token that a request emits; sometimes
-sampled requests beside the greedy ones), with tool outputs appended, workspace files added
-and sessions closed in between. Every greedy output is compared with the greedy reference
-of the session's context so far (a sampled one is checked for its length and ids, and
-becomes part of its session's context). After every propose
-the drafter's kept match descriptors (updated in place between steps, see
+open sessions, through ``generate`` or through ``submit`` / ``step`` with requests joining a
+running batch (ragged limits; sometimes an end token that a request emits; sometimes sampled
+requests beside the greedy ones), with tool outputs appended, workspace files added and
+sessions closed in between. Each tenant's history and files also hold a private text after
+the prompts the tenants share, which no other tenant's draft may hold. Every greedy output
+is compared with the greedy reference of the session's context so far (a sampled one is
+checked for its length and ids, and becomes part of its session's context). After every
+propose the drafter's kept match descriptors (updated in place between steps, see
 :mod:`agspec_gpu.kept_descriptors`) are also compared with a fresh gather from the index
 arena, which is what they stand in for.
 
@@ -19,6 +20,7 @@ tests/test_lossless_fuzz.py 0 200`` (about 5 s a case on a small CPU).
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections import Counter
@@ -54,19 +56,49 @@ def check_kept_descriptors(drafter) -> None:
     assert kept.desc.max_levels == fresh.max_levels
 
 
-def checked_decoder(cfg: DecoderConfig, variant) -> tuple[SpecDecoder, list[int]]:
-    """A decoder whose drafter checks its kept descriptors after every propose."""
+@functools.cache
+def marker(tenant: str) -> tuple[int, ...]:
+    """A tenant's private text (rare cl100k tokens, different for each tenant): only its
+    own history and workspace files ever hold it."""
+    raw = [70000 + 997 * int(tenant[1:]) + 3 * k for k in range(12)]
+    return tuple(td.tok().encode(td.tok().decode(raw)))
+
+
+def marker_drafts(draft, sids: list[str], tenant_of: dict[str, str]) -> int:
+    """How many of the sessions' drafts hold two consecutive tokens of their own tenant's
+    marker; raises if one holds two of another tenant's."""
+    tokens, parents = draft.token_ids.tolist(), draft.parents.tolist()
+    own = 0
+    for b, sid in enumerate(sids):
+        pairs = {t: set(zip(marker(t), marker(t)[1:])) for t in set(tenant_of.values())}
+        drafted = {(tokens[b][p], tokens[b][j])
+                   for j, p in enumerate(parents[b][:int(draft.num_draft_tokens[b])]) if p >= 0}
+        for t, private in pairs.items():
+            if t != tenant_of[sid]:
+                assert not drafted & private, \
+                    f"session {sid} of {tenant_of[sid]} drafted {t}'s private text"
+        own += bool(drafted & pairs[tenant_of[sid]])
+    return own
+
+
+def checked_decoder(cfg: DecoderConfig, variant, tenant_of: dict[str, str], seen: Counter
+                    ) -> SpecDecoder:
+    """A decoder whose drafter, after every propose, checks its kept descriptors and that
+    no draft holds another tenant's marker (``tenant_of``: each session's tenant), counting
+    in ``seen``."""
     dec = SpecDecoder(td.model(variant), td.tok(), cfg)
-    num_checks, propose = [0], dec.drafter._propose
+    propose = dec.drafter._propose
 
     def checked(sids, stable=True):
         out = propose(sids, stable)
         check_kept_descriptors(dec.drafter)
-        num_checks[0] += 1
+        seen["drafts of their own tenant's private text"] += marker_drafts(out, sids,
+                                                                            tenant_of)
+        seen["proposes checked"] += 1
         return out
 
     dec.drafter._propose = checked  # this instance only
-    return dec, num_checks
+    return dec
 
 
 def continuous(dec: SpecDecoder, sids: list[str], limits: list[int],
@@ -93,8 +125,9 @@ def run_case(seed: int) -> Counter:
         drafter=DrafterConfig(max_positions=rng.choice([1, 4, 8])),
         max_batch=rng.choice([2, 4, 8]), runner=rng.choice(["hf", "paged"]),
         page_size=rng.choice([4, 8, 16]), kv_cache_tokens=1 << 13)
-    dec, num_checks = checked_decoder(cfg, variant)
+    tenant_of: dict[str, str] = {}
     seen = Counter()
+    dec = checked_decoder(cfg, variant, tenant_of, seen)
     generator = torch.Generator().manual_seed(seed)
     prompts = td.prompts()
     num_tenants = rng.randint(1, 3)
@@ -104,7 +137,10 @@ def run_case(seed: int) -> Counter:
         prompt = list(prompts[rng.randrange(len(prompts))])
         if rng.random() < 0.5:  # the tenant's history holds the greedy continuation
             td.steer(dec, tenant, prompt + td.greedy(variant, prompt, 24))
-        context[dec.open_session(tenant, "coder", prompt)] = prompt
+        if rng.random() < 0.5:  # its private text where a session of P drafts first
+            td.steer(dec, tenant, prompt + td.greedy(variant, prompt, 1) + list(marker(tenant)))
+        sid = dec.open_session(tenant, "coder", prompt)
+        context[sid], tenant_of[sid] = prompt, tenant
     for rnd in range(rng.randint(2, 4)):
         open_sids = list(context)
         batch = rng.sample(open_sids, rng.randint(1, len(open_sids)))
@@ -137,15 +173,17 @@ def run_case(seed: int) -> Counter:
             extra = td.other_text(rng.randint(1, 40), at=rng.randrange(3000))
             dec.append(sid, extra)
             context[sid] += extra
-        elif event < 0.6:
-            text = td.tok().decode(td.other_text(60, at=rng.randrange(3000)))
-            dec.add_workspace_file(sid, f"f{rnd}.py", text)
+        elif event < 0.6:  # a file; or the session's last tokens and where it goes next,
+            ids = td.other_text(60, at=rng.randrange(3000))  # then the tenant's private text
+            if rng.random() < 0.5:
+                ctx = context[sid]
+                ids = ctx[-30:] + td.greedy(variant, ctx, 1) + list(marker(tenant_of[sid]))
+            dec.add_workspace_file(sid, f"f{rnd}.py", td.tok().decode(ids))
         elif event < 0.75 and len(open_sids) > 1:
             dec.close_session(sid)
             del context[sid]
     for sid in context:
         dec.close_session(sid)
-    seen["proposes checked"] = num_checks[0]
     return seen
 
 
