@@ -228,8 +228,7 @@ class IndexArena:
         self._maybe_index(cid)
 
     def append_rows(self, cids: Sequence[int], tokens: torch.Tensor, counts: Sequence[int],
-                    src: int = 0, totals: torch.Tensor | None = None
-                    ) -> torch.Tensor | None:
+                    src: int = 0, totals: torch.Tensor | None = None) -> None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``tokens [len(cids), M]`` (int32)
         to corpus ``cids[i]``, for every row at once: the same corpora as :meth:`append` per
         row, in one launch (``kernels/arena_append.py``) instead of a few copies per row (a
@@ -237,9 +236,7 @@ class IndexArena:
         host ints; the corpora must be distinct. Nothing is read back from the device.
 
         ``totals``: ``int32 [len(cids)]`` lengths a caller mirrors on the device (any
-        stride), grown by the counts in the same launch. Returns the counts as the launch
-        read them, ``int64 [len(cids)]`` on the device (a view valid for this step), or None
-        when every count is 0."""
+        stride), grown by the counts in the same launch."""
         if tokens.dim() != 2 or tokens.shape[0] != len(cids) or len(counts) != len(cids):
             raise ValueError(f"tokens: expected [{len(cids)}, M] with {len(cids)} counts, got "
                              f"{tuple(tokens.shape)} and {len(counts)} counts")
@@ -256,7 +253,6 @@ class IndexArena:
         tail = self.config.tail_tokens  # due: the corpora whose tail becomes a level
         due = [cid for cid, c, m in zip(cids, corpora, counts)
                if m and c.n + m - c.tail_start >= tail]
-        num = None
         if any(counts):  # where each row's run starts, and its length: one copy, one launch
             starts, num = self._writer.write(([c.tok_base + c.n for c in corpora], torch.int64),
                                              (counts, torch.int64))
@@ -267,7 +263,6 @@ class IndexArena:
         self._table.add_tokens(cids, counts)
         for cid in due:
             self._maybe_index(cid)
-        return num
 
     def _maybe_index(self, cid: int) -> None:
         """Indexes the tail of ``cid`` as a new level once it holds ``tail_tokens``

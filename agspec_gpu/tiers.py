@@ -148,16 +148,15 @@ class CorpusStore:
     def append_sessions(self, sids: Sequence[str], tokens: torch.Tensor,
                         counts: Sequence[int], *,
                         corpus_ids: Sequence[int] | None = None,
-                        totals: torch.Tensor | None = None) -> torch.Tensor | None:
+                        totals: torch.Tensor | None = None) -> None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``int32 [len(sids), M]`` to
         session ``sids[i]`` (distinct sessions), all rows in one scatter. The caller vouches
         for the ids (the drafter's per-step commit: validated, or the model's own), and for
         ``corpus_ids``, the sessions' corpora when it holds them (from ``corpora_of`` at
-        this :attr:`epoch`). ``totals`` and the result: as
-        :meth:`IndexArena.append_rows`'s."""
+        this :attr:`epoch`). ``totals``: as :meth:`IndexArena.append_rows`'s."""
         cids = [self.session(sid).corpus for sid in sids] if corpus_ids is None else corpus_ids
-        return self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION),
-                                      totals=totals)
+        self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION),
+                               totals=totals)
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""
