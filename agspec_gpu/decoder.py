@@ -47,8 +47,7 @@ from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import HostReader, to_device
-from agspec_gpu.requests import (Requests, StepOutput, per_session, read_output,
-                                 stop_lists)
+from agspec_gpu.requests import Requests, StepOutput, per_session, stop_lists
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -424,7 +423,7 @@ class SpecDecoder:
         with nvtx.annotate("agspec.commit"):
             res = accept_tree(draft, logits, self._sampling(sampling, len(sids)), generator,
                               qo_indptr)
-            rows, n_out = read_output(res, self._reader)
+            n_out, rows = self._reader.read(res.num_output, res.output_ids)
             self._record(sids, res, n_out, n_out, num_draft)
             _extend_contexts([self._sessions[s] for s in sids],
                              [r[:n] for r, n in zip(rows, n_out)])

@@ -208,8 +208,9 @@ class HostReader:
     buffer. A serving step reads twice (the draft sizes, then the accepted tokens): the
     reader copies them, non-blocking, into a page-locked buffer sized when the loop is built
     and waits on one event: no host tensor allocated per read, one wait per read however
-    many tensors it takes. On a CPU the tensors are host memory already and are read in
-    place.
+    many tensors it takes. :meth:`start` and :meth:`wait` split a read, so that work which
+    needs no host value (the KV commit) queues behind the copy before the host waits. On a
+    CPU the tensors are host memory already and are read in place.
 
     Parameters
     ----------
@@ -230,16 +231,29 @@ class HostReader:
             self._buf = torch.empty(numel, dtype=dtype, pin_memory=cuda) if cuda else None
         self._np = self._buf.numpy() if cuda else None
         self._event = torch.cuda.Event() if cuda else None
+        self._started: list | None = None  # the started read's views, until its wait
 
     def read(self, *tensors: torch.Tensor) -> list[list]:
         """Each of ``tensors`` (on :attr:`device`, or on the CPU: read in place) as nested
-        host lists, like ``tolist()``, after one wait for the stream."""
+        host lists, like ``tolist()``, after one wait for the stream: :meth:`start` then
+        :meth:`wait`."""
+        self.start(*tensors)
+        return self.wait()
+
+    def start(self, *tensors: torch.Tensor) -> None:
+        """Queues the copies of ``tensors`` behind the stream's work, without waiting:
+        the host may launch more work (which must not write ``tensors``: on a CPU they
+        are read in place, at :meth:`wait`) before :meth:`wait` returns the values. One
+        read at a time: a start drops an earlier one not waited for (a step that failed
+        between the two)."""
+        self._started = None
         on_device = [t for t in tensors if t.device.type != "cpu"]
         for t in on_device:
             if t.device != self.device:
                 raise ValueError(f"tensors: on {t.device}, the reader reads {self.device}")
         if not on_device:
-            return [t.tolist() for t in tensors]
+            self._started = list(tensors)
+            return
         total = sum(t.numel() for t in on_device)
         if total > self._buf.numel():  # larger than sized for: grows, once
             with torch.inference_mode(False):  # (a normal tensor, as the writer's ring)
@@ -255,5 +269,14 @@ class HostReader:
             views.append(self._np[at:at + n].reshape(t.shape))
             at += n
         self._event.record(torch.cuda.current_stream(self.device))
-        self._event.synchronize()
+        self._started = views
+
+    def wait(self) -> list[list]:
+        """The values of the last :meth:`start`'s tensors as nested host lists, after one
+        wait for its copies."""
+        views, self._started = self._started, None
+        if views is None:
+            raise RuntimeError("HostReader.wait: no start() to wait for")
+        if self._event is not None:
+            self._event.synchronize()
         return [v.tolist() for v in views]

@@ -14,8 +14,7 @@ from dataclasses import dataclass, fields
 from numbers import Integral
 from typing import Any
 
-from agspec_gpu.accept import AcceptResult, SamplingParams
-from agspec_gpu.host import HostReader
+from agspec_gpu.accept import SamplingParams
 from agspec_gpu.stops import StopMatcher
 
 
@@ -82,12 +81,6 @@ class StepOutput:
     session_id: str
     token_ids: list[int]
     finished: bool
-
-
-def read_output(res: AcceptResult, reader: HostReader) -> tuple[list[list[int]], list[int]]:
-    """``(output_ids rows, num_output)`` on the host, in one read."""
-    num_output, rows = reader.read(res.num_output, res.output_ids)
-    return rows, num_output
 
 
 def stop_lists(stop, n: int) -> list[list[str]]:

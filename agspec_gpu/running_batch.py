@@ -22,7 +22,7 @@ from agspec_gpu.accept import AcceptBuffers, AcceptResult, BatchSampling, accept
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, to_device
-from agspec_gpu.requests import Requests, read_output
+from agspec_gpu.requests import Requests
 from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.session_kv import SessionKVCache
@@ -112,9 +112,19 @@ class RunningBatch:
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
                               out=self.accept_out)
         with nvtx.annotate("agspec.commit"):
-            rows, n_out = read_output(res, self.reader)  # host read 2 of 2
-            runner.commit(res, num_accepted_host=[n - 1 for n in n_out])
+            # host read 2 of 2, its copy queued; the paged KV commit needs no host value:
+            # queued behind it, it runs while the host waits and then emits the tokens
+            self.reader.start(res.num_output, res.output_ids)
+            paged = isinstance(runner, PagedBatch)
+            if paged:
+                runner.commit_kv(res)
             self.root = res.bonus_ids().to(torch.int32)
+            n_out, rows = self.reader.wait()
+            n_acc = [n - 1 for n in n_out]
+            if paged:
+                runner.commit_lengths(n_acc)
+            else:  # the hf runner narrows its cache to the longest request: host lengths
+                runner.commit(res, num_accepted_host=n_acc)
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
             # the session tier gets what the session emitted: nothing past EOS, a stop
             # string or the limit

@@ -81,6 +81,31 @@ def test_reader_reads_what_tolist_reads(device):
             assert reader.read(x[-3:]) == [[k + 1] * 3]
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_reader_start_then_wait_is_a_read(device):
+    """``start`` then ``wait`` returns what ``read`` does; work queued between them (on a
+    GPU behind the copy) does not change the values read; a start drops an earlier one not
+    waited for (a step that failed between them), and a wait with no start is named."""
+    ts = [t.to(device) for t in _reads()]
+    want = [t.tolist() for t in _reads()]
+    reader = HostReader(8, device)
+    reader.start(*ts)
+    other = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    other.add_(1)  # another tensor written between the halves
+    assert reader.wait() == want
+    reader.start(ts[0])
+    reader.start(ts[1], ts[2])  # the first start is dropped
+    assert reader.wait() == [want[1], want[2]]
+    with pytest.raises(RuntimeError, match="no start"):
+        reader.wait()
+    reader.start()
+    assert reader.wait() == []
+    with pytest.raises(ValueError, match="tensors: on meta"):
+        reader.start(torch.zeros(1, device="meta"))
+    with pytest.raises(RuntimeError, match="no start"):  # a failed start leaves none
+        reader.wait()
+
+
 def test_reader_names_a_tensor_on_another_device():
     reader = HostReader(4, "cpu")
     assert reader.read(torch.arange(3)) == [[0, 1, 2]]

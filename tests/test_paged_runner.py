@@ -160,6 +160,71 @@ def test_paged_batch_continues_the_callers_sequences():
     assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages
 
 
+def test_paged_batch_commit_in_two_halves_equals_commit():
+    """``commit_kv`` (device: compaction, prefix add) then ``commit_lengths`` (host) is
+    ``commit``: the same host lengths and the same next step's logits, the lengths given or
+    read from the device. Between the halves the batch refuses to verify, fit or drop rows,
+    which would size pages with stale lengths; a half out of order or a wrong count of
+    lengths is named."""
+    from agspec_gpu.accept import greedy_accept
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    model = tiny_model("llama")
+    runner = PagedLlamaRunner.from_hf_model(model, num_pages=96, page_size=4, max_seqs=9)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 1000, n)] for n in (7, 2, 5)]
+    batches = [PagedBatch(runner) for _ in range(3)]
+    roots = [b.prefill(prompts).argmax(-1).to(torch.int32) for b in batches]
+    torch.testing.assert_close(roots[1], roots[0])
+    ctx = [list(p) for p in prompts]  # what each request's KV holds
+
+    def next_token(ids):
+        with torch.no_grad():
+            return int(model(torch.tensor([ids])).logits[0, -1].argmax())
+
+    for step in range(2):
+        # request 0: two target tokens then a wrong one (accepts 2); request 1: random
+        # (accepts 0); request 2: a wrong first branch, the target's token second (accepts 1)
+        r = [int(x) for x in roots[0]]
+        c0 = next_token(ctx[0] + [r[0]])
+        c1 = next_token(ctx[0] + [r[0], c0])
+        trees = [[(c0, -1), (c1, 0), ((c1 + 1) % 1000, 1)],
+                 [(int(t), -1) for t in rng.integers(0, 1000, 2)],
+                 [((next_token(ctx[2] + [r[2]]) + 1) % 1000, -1),
+                  (next_token(ctx[2] + [r[2]]), -1)]]
+        outs = []
+        for k, batch in enumerate(batches):
+            draft = DraftBatch.from_lists(trees)
+            logits, qo = batch.verify_rows(draft, roots[k])
+            res = greedy_accept(draft, logits, qo)
+            if k == 0:
+                batch.commit(res)
+            else:
+                batch.commit_kv(res)
+                for call in (lambda: batch.verify_rows(draft, roots[k]),
+                             lambda: batch.fit_width(4), lambda: batch.select_rows([0, 1, 2])):
+                    with pytest.raises(ValueError, match="between commit_kv"):
+                        call()
+                with pytest.raises(ValueError, match="num_accepted_host: 2 counts for 3"):
+                    batch.commit_lengths([0, 0])
+                batch.commit_lengths(None if k == 1 else res.num_accepted.tolist())
+                with pytest.raises(ValueError, match="without a preceding commit_kv"):
+                    batch.commit_lengths([0, 0, 0])
+            roots[k] = res.bonus_ids().to(torch.int32)
+            outs.append((logits, batch.prefix_lens_host, res.num_accepted.tolist()))
+        assert outs[0][2] == [2, 0, 1]
+        for logits, lens, n_acc in outs[1:]:
+            torch.testing.assert_close(logits, outs[0][0])
+            assert lens == outs[0][1] and n_acc == outs[0][2]
+        out_ids = res.output_ids.tolist()
+        for b, a in enumerate(outs[0][2]):
+            ctx[b] += [r[b]] + out_ids[b][:a]
+        assert outs[0][1] == [len(c) for c in ctx]
+    for batch in batches:
+        batch.close()
+    assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages
+
+
 # the runner here is on the CPU: its Triton kernels run only interpreted (a GPU machine
 # compiles them; tests/test_gpu.py runs the runner there)
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -62,6 +62,7 @@ class PagedBatch:
         # the last verify's prefix lengths (int32 [B]) and its plan's pages (kv_indptr,
         # kv_indices): the commit compacts KV within them
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._lengths_owed = False  # commit_kv() ran, commit_lengths() not yet
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +113,7 @@ class PagedBatch:
         sequence of the batch's own is freed; the caller's keep their KV."""
         if self._pending is not None:
             raise ValueError("select_rows() between verify() and commit()")
+        self._check_lengths("select_rows")
         if self._owns_seqs:
             for b in sorted(set(range(self.batch_size)) - set(rows)):
                 self.runner.kv_cache.free(self._seq_ids[b])
@@ -123,6 +125,7 @@ class PagedBatch:
         """The most nodes per request, at most ``width``, that a step can verify with the
         pool's free pages (each request's KV grows to ``prefix + 1 + nodes`` slots); 0 when
         not even one fits. Host arithmetic, no device read."""
+        self._check_lengths("fit_width")
         cache = self.runner.kv_cache
 
         def fits(w: int) -> bool:
@@ -169,6 +172,7 @@ class PagedBatch:
         FlashInfer plans with them instead of reading the device. The logits are views of
         the step's buffers, valid until the next verify.
         """
+        self._check_lengths("verify")
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._prefix is not None,
                                  pending=self._pending is not None)
@@ -201,7 +205,16 @@ class PagedBatch:
     @torch.no_grad()
     def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:
         """Keeps the root and the accepted path of the last verify in each request's KV
-        (``num_accepted_host``: ``result.num_accepted`` if the caller read it already)."""
+        (``num_accepted_host``: ``result.num_accepted`` if the caller read it already):
+        :meth:`commit_kv` then :meth:`commit_lengths`."""
+        self.commit_kv(result)
+        self.commit_lengths(num_accepted_host)
+
+    def commit_kv(self, result: AcceptResult) -> None:
+        """The commit's device half: compacts the accepted path's KV and grows the device
+        prefix lengths, reading nothing on the host, so a loop can queue it behind its read
+        of the accepted tokens before it waits for them. :meth:`commit_lengths` must follow
+        before the batch verifies, fits or drops rows again."""
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
         prefix, kv_indptr, kv_indices = self._pending
@@ -211,10 +224,27 @@ class PagedBatch:
         # the root and the accepted nodes: num_output (= num_accepted + 1) slots, in place
         # (the batch's own tensor; the compaction above read it first, in stream order)
         prefix.add_(cast(result.num_output, torch.int32, self.device))
-        # the planner sizes pages on the host
-        self._prefix_host = prefix.tolist() if num_accepted_host is None else \
-            [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
         self._pending = None
+        self._lengths_owed = True
+
+    def commit_lengths(self, num_accepted_host: list[int] | None = None) -> None:
+        """The commit's host half: the prefix lengths the planner sizes pages with, from
+        ``num_accepted_host`` (``result.num_accepted`` as host ints) or read from the
+        device."""
+        if not self._lengths_owed:
+            raise ValueError("commit_lengths() without a preceding commit_kv()")
+        if num_accepted_host is None:
+            self._prefix_host = self._prefix.tolist()
+        elif len(num_accepted_host) != self.batch_size:
+            raise ValueError(f"num_accepted_host: {len(num_accepted_host)} counts for "
+                             f"{self.batch_size} requests")
+        else:
+            self._prefix_host = [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
+        self._lengths_owed = False
+
+    def _check_lengths(self, name: str) -> None:
+        if self._lengths_owed:
+            raise ValueError(f"{name}() between commit_kv() and commit_lengths()")
 
     def close(self) -> None:
         """Ends the batch (idempotent): frees its own KV sequences' pages; the caller's
@@ -223,3 +253,4 @@ class PagedBatch:
             for sid in self._seq_ids:
                 self.runner.kv_cache.free(sid)
         self._seq_ids, self._prefix, self._prefix_host, self._pending = [], None, [], None
+        self._lengths_owed = False
