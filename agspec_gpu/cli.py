@@ -66,10 +66,14 @@ def _default_drafters(include_pld_vllm: bool = True) -> list[str]:
     return out
 
 
-def _add_replay_options(p: argparse.ArgumentParser, *, drafters: bool = True) -> None:
+def _add_replay_options(p: argparse.ArgumentParser, *, drafters: bool = True,
+                        include_pld_vllm: bool = True) -> None:
+    """The replay's options; ``include_pld_vllm``: whether the default drafters (see
+    :func:`_default_drafters`) have pld-vllm."""
     if drafters:
+        pld = "pld-vllm, " if include_pld_vllm else ""
         p.add_argument("--drafter", nargs="+", metavar="NAME", choices=DRAFTER_NAMES,
-                       help=f"drafters to replay (default: none, pld-hf, pld-vllm, "
+                       help=f"drafters to replay (default: none, pld-hf, {pld}"
                             f"suffix-decoding if installed, agspec); one of "
                             f"{', '.join(DRAFTER_NAMES)}")
     p.add_argument("--tokenizer", default="cl100k",
@@ -120,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-session-chars", type=int, default=120_000,
                    help="leave out commits whose session text is longer (120,000 characters: "
                         "a session replays step by step, so the longest sets the run time)")
-    _add_replay_options(p)
+    _add_replay_options(p, include_pld_vllm=False)
 
     p = sub.add_parser("profile", help="per-role draft caps from replayed P_acc(k) curves")
     p.add_argument("paths", nargs="+", metavar="TRAJ")
