@@ -128,9 +128,9 @@ class SessionKVCache:
         """Frees the KV of sessions outside ``sids``, least recently generated first, until
         the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens`` +
         the reserve); a call that still does not fit runs (its drafts shrink to the pages
-        left, a step that cannot get one more slot per session raises). Raises
-        :class:`KVCacheFull` before freeing anything when not even the contexts and the
-        first step fit."""
+        left, a step that cannot get two more slots per session, its root and one node,
+        raises). Raises :class:`KVCacheFull` before freeing anything when not even the
+        contexts and the first step fit."""
         cache = self.paged.kv_cache
         ps, extra = cache.page_size, max_new_tokens + self.reserve_tokens
         most = cache.max_pages_per_seq * ps  # a sequence grows no further
