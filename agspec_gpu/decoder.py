@@ -80,9 +80,10 @@ class DecoderConfig:
             frees it; ``paged``: a call that needs pages frees idle sessions' KV, least
             recently generated first, a step short of pages verifies shorter drafts, and
             :class:`~agspec_gpu.kv_cache.KVCacheFull` (naming ``kv_cache_tokens``) ends a
-            call whose sessions cannot get one more slot each; ``hf``: the sessions keep at
-            most ``kv_cache_tokens`` tokens of KV in all (the least recently generated are
-            freed first), each in tensors of its own between calls.
+            call whose sessions cannot get two more slots each (a step's root and one
+            draft node); ``hf``: the sessions keep at most ``kv_cache_tokens`` tokens of KV
+            in all (the least recently generated are freed first), each in tensors of its
+            own between calls.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
@@ -109,6 +110,15 @@ class DecoderConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name}: expected a {cls.__name__}, got "
                                  f"{type(getattr(self, name)).__name__}")
+        for name in ("max_batch", "max_sessions", "page_size", "kv_cache_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, Integral) and not isinstance(v, bool)) and \
+                    not (name == "max_sessions" and v is None):
+                raise ValueError(f"{name}: expected an int, got {v!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
+        if self.profiles is not None and not isinstance(self.profiles, (str, Path)):
+            raise ValueError(f"profiles: expected a path or None, got {self.profiles!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_sessions is not None and self.max_sessions < self.max_batch:
@@ -151,6 +161,13 @@ class SpecDecoder:
                 next(model.parameters(), None) is None:
             raise ValueError(f"model: expected a causal LM (a torch.nn.Module with "
                              f"parameters), got {type(model).__name__}")
+        if config is not None and not isinstance(config, DecoderConfig):
+            raise ValueError(f"config: expected a DecoderConfig or None, got "
+                             f"{type(config).__name__}")
+        if global_corpus is not None and \
+                not isinstance(global_corpus, (GlobalCorpus, str, Path)):
+            raise ValueError(f"global_corpus: expected a GlobalCorpus, a path or None, got "
+                             f"{type(global_corpus).__name__}")
         self.model = model
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         if isinstance(global_corpus, (str, Path)):
@@ -193,6 +210,7 @@ class SpecDecoder:
         self._queue: list[Requests] = []
         self._live: RunningBatch | None = None
         self._proposed: list[str] | None = None  # the sessions of the last public propose
+        self._generating: set[str] = set()  # the sessions of the running generate() calls
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         # each session's KV between generate calls (a call prefills what was appended since)
         self._kv = SessionKVCache(self._paged, self.config.kv_cache_tokens,
@@ -287,6 +305,9 @@ class SpecDecoder:
         """Frees the session's corpus and KV (ending its submitted request, if any); its
         text joins its tenant's history."""
         st = self._session(sid)
+        if sid in self._generating:
+            raise ValueError(f"sid: session {sid!r} is in a running generate() call (its "
+                             f"on_tokens returning False ends its request there)")
         self.cancel(sid)
         self.drafter.close_session(sid)
         self._kv.drop(sid)
@@ -308,6 +329,8 @@ class SpecDecoder:
         self.store.close_tenant(tenant)
 
     def _session(self, sid: str) -> _SessionState:
+        if not isinstance(sid, str):
+            raise KeyError(f"session id: expected a str, got {type(sid).__name__}")
         st = self._sessions.get(sid)
         if st is None:
             raise KeyError(f"session {sid!r} is unknown or closed (sessions of another "
@@ -383,8 +406,9 @@ class SpecDecoder:
         Args:
             draft: the proposed trees (or a narrowed / masked copy of them).
             logits: ``[B, 1 + N, V]`` the target's logits at each root (row 0) and node ``j``
-                (row ``1 + j``), ``N = draft.max_nodes``, ``V >= `` the tokenizer's vocabulary;
-                rows of padding nodes are ignored. With ``qo_indptr``: the flat rows
+                (row ``1 + j``), ``N = draft.max_nodes``, ``V >= `` the model's vocabulary
+                (columns past it, a padded head's, are ignored); rows of padding nodes are
+                ignored. With ``qo_indptr``: the flat rows
                 ``[total_q, V]`` of a ragged batch (FlashInfer's layout, as
                 :func:`agspec_gpu.tree.plan_tree` plans it), request ``b``'s root at row
                 ``qo_indptr[b]`` and node ``j`` at ``qo_indptr[b] + 1 + j``.
@@ -417,6 +441,8 @@ class SpecDecoder:
             raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
         if logits.device != draft.token_ids.device:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
+        self._check_generator(generator)
+        logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
             _check_qo_indptr(qo_indptr, num_draft, logits)
@@ -436,14 +462,14 @@ class SpecDecoder:
             raise ValueError(f"session_ids: expected a list of session ids, got "
                              f"{session_ids!r}")
         sids = list(session_ids)
-        if len(set(sids)) != len(sids):
-            raise ValueError("session_ids must be distinct")
         if len(sids) > self.config.max_batch:
             raise ValueError(f"session_ids: {len(sids)} sessions exceed DecoderConfig."
                              f"max_batch={self.config.max_batch}; generate for them in "
                              f"batches, or raise max_batch")
         for s in sids:
             self._session(s)
+        if len(set(sids)) != len(sids):
+            raise ValueError("session_ids must be distinct")
         return sids
 
     def _sampling(self, sampling, num_sessions: int) -> BatchSampling:
@@ -504,7 +530,8 @@ class SpecDecoder:
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step; returning
                 False ends that session's request there (a client that went away), the
-                others go on.
+                others go on. The call's sessions are busy for it (its ``append``,
+                ``generate``, ``propose``, ``submit`` or ``close_session`` of them raise).
 
         Returns:
             The new tokens per session, in ``session_ids`` order.
@@ -513,12 +540,17 @@ class SpecDecoder:
             KeyError / ValueError naming the argument before anything changes. An error
             raised later (in a step, or by ``on_tokens``) leaves each session's context,
             session tier and kept KV in step at what was emitted before it: the next call
-            continues from there.
+            continues from there. Every token emitted was passed to ``on_tokens`` (one that
+            raises does not keep the step's other sessions from their calls; the first
+            error is raised after them).
         """
         sids = self._batch(session_ids)
         self._check_idle(sids)
         reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id)
         self._check_generator(generator)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens: expected a callable or None, got "
+                             f"{type(on_tokens).__name__}")
         self._supersede(sids)
         outs = reqs.outs  # every session's output list; the batch keeps those that run
         run = [b for b, m in enumerate(reqs.limits) if m > 0]  # a limit of 0: not in the batch
@@ -526,11 +558,15 @@ class SpecDecoder:
         if not run:
             return outs
         live = self._running_batch(reqs)
+        # busy until the call returns: a callback's append, generate, propose, submit or
+        # close_session of them would move a context under the running batch
+        self._generating.update(sids)
         try:
             self._advance(reqs, live.prefill(generator), on_tokens)
             while not all(reqs.done):
                 self._advance(reqs, live.verify_step(generator), on_tokens)
         finally:  # the requests still in the batch (those that left kept theirs then)
+            self._generating.difference_update(sids)
             live.end()
         return outs
 
@@ -547,10 +583,10 @@ class SpecDecoder:
         """
         sid = self._batch([session_id])[0]
         self._check_idle([sid])
-        if isinstance(max_new_tokens, Integral) and max_new_tokens == 0:
+        reqs = self._requests([sid], max_new_tokens, sampling, stop, speculate, eos_id)
+        if reqs.limits[0] == 0:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
-        self._queue.append(self._requests([sid], max_new_tokens, sampling, stop, speculate,
-                                          eos_id))
+        self._queue.append(reqs)
         self._supersede([sid])
 
     @torch.no_grad()
@@ -631,6 +667,10 @@ class SpecDecoder:
         return [q.sids[0] for q in self._queue]
 
     def _check_idle(self, sids: list[str], name: str = "session_ids") -> None:
+        hit = [s for s in sids if s in self._generating]
+        if hit:
+            raise ValueError(f"{name}: session {hit[0]!r} is in a running generate() call "
+                             f"(its on_tokens returning False ends its request there)")
         busy = set(self.running) | set(self.queued)
         hit = [s for s in sids if s in busy]
         if hit:
@@ -691,12 +731,21 @@ class SpecDecoder:
     def _advance(self, reqs: Requests, new: list[list[int]], on_tokens=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two
         never disagree, even when the call fails later), then streams them; a callback
-        that returns False marks its request done."""
+        that returns False marks its request done. A callback that raises does not keep
+        the others from their tokens (each joined its context): the first error is raised
+        once every session had its call."""
         _extend_contexts(reqs.states, new)
-        if on_tokens is not None:
-            for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
+        if on_tokens is None:
+            return
+        error = None
+        for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
+            try:
                 if toks and on_tokens(sid, toks) is False:
                     reqs.done[b] = True
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:

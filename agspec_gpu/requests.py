@@ -113,7 +113,11 @@ def per_session(value, n: int, name: str, kind) -> list:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValueError(f"{name}: expected {what}, or a list of one per session, got "
                          f"{value!r}")
-    values = list(value)
+    try:
+        values = list(value)
+    except TypeError:  # an iterable that is not one (a 0-d tensor)
+        raise ValueError(f"{name}: expected {what}, or a list of one per session, got "
+                         f"{value!r}") from None
     if len(values) != n:
         raise ValueError(f"{name}: expected one per session ({n}), got {len(values)}")
     bad = [v for v in values if not isinstance(v, kind)]

@@ -120,6 +120,10 @@ def load_tokenizer(spec: str | Tokenizer | Any) -> Tokenizer:
     if isinstance(spec, Tokenizer):
         return spec
     if not isinstance(spec, str):
+        if not (callable(getattr(spec, "encode", None)) and hasattr(spec, "eos_token_id")):
+            raise ValueError(f"tokenizer: expected 'cl100k', a local Hugging Face tokenizer "
+                             f"path or a loaded Hugging Face tokenizer, got "
+                             f"{type(spec).__name__}")
         return from_hf(spec)
     if spec in ("cl100k", "cl100k_base"):
         return _load_cl100k()

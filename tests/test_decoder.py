@@ -951,6 +951,75 @@ def test_bad_token_ids_and_survivors():
     assert_greedy(dec, variant, sids, P)
 
 
+def test_arguments_of_the_wrong_type_are_named():
+    """Wrong types (not only wrong values) of the decoder's, its config's and the sampling
+    parameters' arguments raise naming the argument, before anything changes."""
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (1, 3)]
+    m = model(variant)
+    for kw in (dict(max_batch=2.5), dict(max_batch=True), dict(max_batch="4"),
+               dict(max_sessions=4.5), dict(page_size=2.5), dict(kv_cache_tokens=4096.5),
+               dict(cuda_graphs="no"), dict(profiles=3)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            DecoderConfig(**kw)
+    for kw in (dict(temperature="1"), dict(temperature=None), dict(temperature=True),
+               dict(temperature=float("inf")), dict(top_k=True), dict(top_p="0.5")):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="config"):
+        SpecDecoder(m, tok(), {"max_batch": 2})
+    with pytest.raises(ValueError, match="global_corpus"):
+        SpecDecoder(m, tok(), global_corpus=3)
+    with pytest.raises(ValueError, match="tokenizer"):
+        SpecDecoder(m, None)
+    dec = SpecDecoder(m, tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    with pytest.raises(KeyError, match="session id: expected a str"):
+        dec.append([sids[0]], [1, 2])
+    with pytest.raises(KeyError, match="session id: expected a str"):
+        dec.generate([sids[0], [sids[1]]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate(sids, max_new_tokens=torch.tensor(1))
+    with pytest.raises(ValueError, match="on_tokens"):  # before the prefill, not after it
+        dec.generate(sids, max_new_tokens=4, on_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.submit(sids[0], max_new_tokens=[0])
+    assert dec.queued == [] and dec.stats["prefills"] == 0
+    draft = dec.propose(sids)
+    logits = torch.zeros(2, 1 + draft.max_nodes, VOCAB)
+    for gen in (5, "seed"):
+        with pytest.raises(ValueError, match="generator"):
+            dec.commit(sids, draft, logits, sampling=SamplingParams(0.7), generator=gen)
+    with pytest.raises(ValueError, match="generator"):  # greedy too: checked all the same
+        dec.commit(sids, draft, logits, generator=5)
+    assert dec.stats["steps"] == 0
+    assert_greedy(dec, variant, sids, P)
+
+
+def test_own_loop_ignores_logit_columns_past_the_vocabulary():
+    """Logits wider than the model's vocabulary (an engine's padded head): the columns past
+    it are no tokens, however large, and never committed."""
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(model(variant), tok())
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    runner = HFRunner(model(variant))
+    runner.prefill([p[:-1] for p in P])
+    outs = [[] for _ in sids]
+    for step in range(3):
+        draft = dec.propose(sids)
+        logits = runner.verify_padded(draft, dec.root_ids(sids))
+        wide = torch.cat([logits, torch.full((*logits.shape[:2], 64), 1e4)], -1)
+        sampling = None if step < 2 else SamplingParams(0.0, top_k=3)
+        res = dec.commit(sids, draft, wide if step % 2 == 0 else wide[..., :VOCAB + 1],
+                         sampling=sampling)
+        runner.commit(res)
+        for b, (row, n) in enumerate(zip(res.output_ids.tolist(), res.num_output.tolist())):
+            outs[b] += row[:n]
+    for p, o in zip(P, outs):
+        assert o == greedy(variant, p, len(o), eos=None)
+
+
 def test_closed_and_foreign_sessions_raise_keyerror():
     variant = VARIANTS[1]
     P = [list(prompts()[i]) for i in (1, 3, 0)]
@@ -1250,6 +1319,43 @@ def test_on_tokens_streams_exactly_the_output():
 
 
 @pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_sessions_of_a_running_generate_are_busy_for_its_callback(runner):
+    """A streaming callback may not move a session of its own call (append, generate,
+    propose, submit, close_session raise naming it: the running batch holds its KV and
+    context); it may generate for another session, and once the call returns its sessions
+    are idle again. Every output is plain greedy decoding of its context."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1, 2)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=4096))
+    steer(dec, "t0", P[0] + greedy(variant, P[0], 30))
+    a, b, c = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+    refused, nested = [], []
+
+    def on_tokens(sid, toks):
+        if len(refused) < 5:
+            for call in (lambda: dec.append(a, [1, 2]), lambda: dec.generate([b]),
+                         lambda: dec.propose([a, c]), lambda: dec.submit(b),
+                         lambda: dec.close_session(a)):
+                with pytest.raises(ValueError, match="running generate"):
+                    call()
+                refused.append(sid)
+        if sid == b and not nested:
+            nested.append(dec.generate([c], max_new_tokens=6)[0])
+
+    out = dec.generate([a, b], max_new_tokens=30, on_tokens=on_tokens)
+    assert len(refused) == 5 and nested
+    assert out == [greedy(variant, P[0], 30), greedy(variant, P[1], 30)]
+    assert nested[0] == greedy(variant, P[2], 6)
+    for sid, p, o in zip((a, b, c), P, out + nested):
+        assert dec._sessions[sid].context == p + o
+    dec.append(a, [1, 2])  # idle again
+    assert dec.generate([a, c], max_new_tokens=5) == [
+        greedy(variant, P[0] + out[0] + [1, 2], 5), greedy(variant, P[2] + nested[0], 5)]
+    dec.close_session(b)
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_on_tokens_returning_false_ends_only_that_request(runner):
     """A streaming callback that returns False (the client went away) ends its request
     after the tokens it was given; the other requests run to their end, and the ended
@@ -1285,9 +1391,10 @@ class Boom(RuntimeError):
 def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where,
                                                                    monkeypatch):
     """A call that fails half-way (the user's streaming callback raises, or a step fails):
-    each session's context holds exactly what was streamed to it and what its session tier
-    took, the paged KV stays a prefix of it, and the next call is plain greedy decoding of
-    that context."""
+    each session's context holds exactly what was streamed to it (the raising callback's
+    chunk included: the sessions after it in the batch still get theirs) and what its
+    session tier took, the paged KV stays a prefix of it, and the next call is plain greedy
+    decoding of that context."""
     variant = VARIANTS[0]
     P = [list(prompts()[i]) for i in (3, 1)]
     g = greedy(variant, P[0], 45)
@@ -1300,9 +1407,9 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
 
     def on_tokens(sid, toks):
         calls.append(sid)
+        streamed[sid] += toks
         if where == "on_tokens" and len(calls) == 5:  # third step, first session
             raise Boom
-        streamed[sid] += toks
 
     propose = dec.drafter.propose
 
@@ -1316,13 +1423,14 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
     with pytest.raises(Boom):
         dec.generate(sids, max_new_tokens=45, on_tokens=on_tokens)
     monkeypatch.undo()
+    if where == "on_tokens":  # the second session had its call in the failing step
+        assert calls[5:] == [sids[1]], calls
     for sid, p in zip(sids, P):
         ctx = dec._sessions[sid].context
         held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
         assert held == ctx and len(ctx) > len(p) + 1
         assert ctx[len(p):] == greedy(variant, p, len(ctx) - len(p), eos=None)
-        if where == "propose":
-            assert ctx == p + streamed[sid]
+        assert ctx == p + streamed[sid]
         if runner == "paged":
             assert 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
     assert_greedy(dec, variant, sids, [list(dec._sessions[s].context) for s in sids], n=8)
