@@ -30,3 +30,8 @@ def cast(x: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None
     if x.dtype == dtype and (device is None or x.device == device):
         return x
     return x.to(x.device if device is None else device, dtype)
+
+
+# the float dtypes the layer kernels compute in (float32 inside): a float64 tensor runs the
+# torch path, which computes in float64
+KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -104,6 +104,8 @@ def arena_append(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
     if totals is not None:
         check_devices(("arena", arena), ("totals", totals))
         check_tensors(("totals", totals, torch.int32, (B,)))
+        if B > 1 and totals.stride(0) == 0:  # rows would race on one element
+            raise ValueError("totals: expected one element per row, got a stride-0 view")
     if isinstance(code, bool) or not isinstance(code, int) or not -128 <= code <= 127:
         raise ValueError(f"code: expected an int8 value, got {code!r}")
     if use_triton is None:

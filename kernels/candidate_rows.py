@@ -135,7 +135,8 @@ def candidate_rows(tier: torch.Tensor, length: torch.Tensor, win: torch.Tensor,
     win : ``int32 [B, R, P, K]`` the windows after each row's continuation positions;
         ``src`` : ``int8 [B, R, P, K]`` their sources (``MatchResult.windows``,
         ``window_sources``).
-    tier_bonus : ``int32 [T]`` tokens added to a tier's match length when rows compete;
+    tier_bonus : ``int32 [T]``, ``>= 0`` (unchecked: on the device), tokens added to a
+        tier's match length when rows compete;
         ``tier_hits``, ``tier_drafts`` : ``float64 [T]`` a tier's weight is their ratio.
     num_slots : rows kept per request (``>= 1``); ``min_match`` (``>= 1``): shortest match
         that supplies candidates; ``slack`` (``>= 0``): how far below the best score a row

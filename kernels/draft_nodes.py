@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
@@ -119,6 +119,8 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
     ``use_triton``), the torch path otherwise."""
     B = key.shape[0]
     check_tensors(("key", key, torch.float32, (B, C * K)))
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
+        raise ValueError(f"max_nodes: expected an int, got {max_nodes!r}")
     if not 0 <= N <= C * K or C * K >= 1 << _TIE_BITS:
         raise ValueError(f"N must be in [0, C * K] and C * K < {1 << _TIE_BITS}, got N={N}, "
                          f"C={C}, K={K}")
@@ -142,11 +144,17 @@ def emit_nodes(order: torch.Tensor, num: torch.Tensor, W: torch.Tensor, S: torch
     ``[B, N]``, of the first ``num int64 [B]`` entries of ``order int64 [B, N]`` over windows
     ``W``, sources ``S int32 [B, C, K]``, representatives ``rep int64 [B, C, K]`` and rows
     ``calib_row int64 [B, C]``. Triton on CUDA (or when ``use_triton``), torch otherwise."""
+    for name, t, ndim in (("order", order, 2), ("W", W, 3)):
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected {ndim} dims, got shape {list(t.shape)}")
     B, N = order.shape
     _, C, K = W.shape
     check_tensors(("order", order, torch.int64, (B, N)), ("num", num, torch.int64, (B,)),
-           ("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
-           ("rep", rep, torch.int64, (B, C, K)), ("calib_row", calib_row, torch.int64, (B, C)))
+                  ("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
+                  ("rep", rep, torch.int64, (B, C, K)),
+                  ("calib_row", calib_row, torch.int64, (B, C)))
+    check_devices(("order", order), ("num", num), ("W", W), ("S", S), ("rep", rep),
+                  ("calib_row", calib_row))
     if use_triton is None:
         use_triton = order.is_cuda
     if not use_triton:

@@ -16,7 +16,7 @@ Layout (``B`` requests, ``N`` draft nodes, ``M`` output columns, ring width ``D`
 * the draft: ``src int8 [B, N]`` source tag (``tier * 8 + form``, -1: none), ``parents
   int32 [B, N]`` (-1: a child of the root), ``num int32 [B]`` valid nodes, ``depth int64
   [B, N]`` (0-based), ``calib_row int64 [B, N]``; ``path int64 [B, N]`` the accepted nodes in
-  path order (entries from ``nacc`` on are ignored);
+  path order (entries from ``nacc`` on are ignored); a tag of a tier ``>= T`` counts nowhere;
 * state, updated in place at ``slots int64 [B]``: ``recent int32 [S, D]``, ``recent_len`` and
   ``match_cap int32 [S]``;
 * accumulators: ``drafted``, ``hits float64 [T]`` per tier, ``seen``, ``accepted float64
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 
@@ -75,14 +75,14 @@ def _drafter_commit_kernel(
     in_n = i < N
     # tiers of the drafted nodes
     src = tl.load(src_ptr + b * N + i, mask=in_n, other=-1).to(tl.int32)
-    tl.atomic_add(drafted_ptr + src // 8, 1.0, mask=in_n & (src >= 0))
+    tl.atomic_add(drafted_ptr + src // 8, 1.0, mask=in_n & (src >= 0) & (src // 8 < NUM_TIERS))
     # the accepted path (first nacc entries) and its nodes' sources
     p = tl.load(path_ptr + b * N + i, mask=in_n & (i < nacc), other=-1)
     on = p >= 0
     ps = tl.load(src_ptr + b * N + p, mask=on, other=-1).to(tl.int64)
     w = tl.minimum(M, N)
     tl.store(acc_src_ptr + b * M + i, ps, mask=i < w)
-    tl.atomic_add(hits_ptr + ps // 8, 1.0, mask=(i < w) & (ps >= 0))
+    tl.atomic_add(hits_ptr + ps // 8, 1.0, mask=(i < w) & (ps >= 0) & (ps // 8 < NUM_TIERS))
     # calibration: a node is reached when its parent is the root or on the path
     on_path = tl.max(((p[None, :] == i[:, None]) & on[None, :]).to(tl.int32), axis=1) > 0
     par = tl.load(par_ptr + b * N + i, mask=in_n, other=-1).to(tl.int64)
@@ -130,6 +130,16 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
         ("hits", hits, torch.float64, drafted.shape[:1]),
         ("seen", seen, torch.float64, seen.shape[:1]),
         ("accepted", accepted, torch.float64, seen.shape[:1]), contiguous=True)
+    check_devices(("out", out), ("slots", slots), ("nout", nout), ("nacc", nacc), ("src", src),
+                  ("parents", parents), ("num", num), ("depth", depth),
+                  ("calib_row", calib_row), ("path", path), ("recent", recent),
+                  ("recent_len", recent_len), ("match_cap", match_cap),
+                  ("drafted", drafted), ("hits", hits), ("seen", seen),
+                  ("accepted", accepted))
+    if isinstance(calib_depth, bool) or not isinstance(calib_depth, int) or \
+            calib_depth < 1 or seen.shape[0] % calib_depth:
+        raise ValueError(f"calib_depth: expected an int >= 1 dividing seen's "
+                         f"{seen.shape[0]} cells, got {calib_depth!r}")
     if use_triton is None:
         use_triton = out.is_cuda
     if not use_triton:
@@ -169,7 +179,8 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
     T = drafted.shape[0]
     dev = out.device
     srcs = src.to(torch.int64)
-    drafted += _counts(torch.where(srcs >= 0, srcs // 8, T).view(-1), T + 1)[:T]
+    # a tag of no tier (-1) or of a tier past T counts nowhere
+    drafted += _counts(_tier_or(srcs, T).view(-1), T + 1)[:T]
     cols = torch.arange(N, device=dev)[None, :]
     p = torch.where(cols < nacc.to(torch.int64)[:, None], path, -1)
     on_path = torch.zeros(B, N + 1, dtype=torch.bool, device=dev)
@@ -179,7 +190,7 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
     acc_src = torch.full((B, M), -1, dtype=torch.int64, device=dev)
     w = min(M, N)
     acc_src[:, :w] = ps[:, :w]
-    hits += _counts(torch.where(acc_src >= 0, acc_src // 8, T).view(-1), T + 1)[:T]
+    hits += _counts(_tier_or(acc_src, T).view(-1), T + 1)[:T]
     par = parents.to(torch.int64)
     parent_ok = torch.where(par >= 0, on_path.gather(1, par.clamp(min=0)), True)
     reached = (cols < num.to(torch.int64)[:, None]) & parent_ok
@@ -189,6 +200,12 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
     ring_push_torch(recent, recent_len, match_cap, slots, out.clamp(min=0),
                     nout.clamp(max=M))
     return acc_src
+
+
+def _tier_or(tags: torch.Tensor, T: int) -> torch.Tensor:
+    """Each source tag's tier (``tag // 8``), or ``T`` for no tag (-1) or a tier >= T."""
+    tier = tags // 8
+    return torch.where((tags >= 0) & (tier < T), tier, T)
 
 
 def _counts(idx: torch.Tensor, n: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 
@@ -145,30 +145,31 @@ def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.T
             calib_seen.shape[0] < 2 * num_tiers * (max_match + 1):
         raise ValueError(f"calib_seen: expected [>= {2 * num_tiers * (max_match + 1)}, >= {K}]"
                          f", got {list(calib_seen.shape)}")
+    check_devices(("W", W), ("S", S), ("Wt", Wt), ("best", best), ("mode", mode), ("k", k),
+                  ("calib_hits", calib_hits), ("calib_seen", calib_seen))
+    dev = W.device
+    if not (B and C and K):  # no candidate or no column: no node (both paths)
+        return (torch.full((B, C * K), -2.0, device=dev),
+                torch.full((B, C, K), C, dtype=torch.int64, device=dev),
+                torch.zeros(B, C, dtype=torch.int64, device=dev),
+                torch.zeros(B, C, K, device=dev))
     if use_triton is None:
         use_triton = W.is_cuda
     if not use_triton:
         return node_probs_torch(W, S, Wt, best, mode, k, calib_hits, calib_seen,
                                 num_tiers=num_tiers, max_match=max_match, min_prob=min_prob,
                                 calibrate=calibrate)
-    dev = W.device
     W, S, Wt, best, mode, k = (t.contiguous() for t in (W, S, Wt, best, mode, k))
     calib_hits, calib_seen = calib_hits.contiguous(), calib_seen.contiguous()
     key = torch.empty(B, C * K, dtype=torch.float32, device=dev)
     rep = torch.empty(B, C, K, dtype=torch.int64, device=dev)
     row = torch.empty(B, C, dtype=torch.int64, device=dev)
     mass = torch.empty(B, C, K, dtype=torch.float32, device=dev)
-    if B and C and K:
-        _node_probs_kernel[(B,)](
-            W, S, Wt, best, mode, k, calib_hits, calib_seen, key, rep, row, mass, C, K,
-            calib_seen.shape[1], max_match, float(min_prob), NUM_TIERS=num_tiers,
-            CALIBRATE=calibrate, BLOCK_C=next_pow2(C),
-            BLOCK_K=next_pow2(K))
-    else:
-        key.fill_(-2.0)
-        rep.fill_(C)
-        row.zero_()
-        mass.zero_()
+    _node_probs_kernel[(B,)](
+        W, S, Wt, best, mode, k, calib_hits, calib_seen, key, rep, row, mass, C, K,
+        calib_seen.shape[1], max_match, float(min_prob), NUM_TIERS=num_tiers,
+        CALIBRATE=calibrate, BLOCK_C=next_pow2(C),
+        BLOCK_K=next_pow2(K))
     return key, rep, row, mass
 
 

@@ -7,8 +7,8 @@ for a few kilobytes of data, so at batch 1 they cost more than the layer's weigh
 stream. The kernel reads a row once and writes it once with the same roundings: fp32 sum of
 squares, the normalized row rounded to the input dtype, then the product with the weight
 rounded again. It can also take the residual add before the norm (``residual=``), the
-layer's other small kernel. Results equal the torch path up to the order of the fp32 sum (the tests bound
-the difference by one unit in the last place of the output dtype).
+layer's other small kernel. Results equal the torch path up to the order of the fp32 sum
+(the tests bound the difference by one unit in the last place of the output dtype).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._launch import next_pow2
+from agspec_gpu.kernels._launch import KERNEL_FLOATS, next_pow2
 
 MAX_BLOCK_N = 16384
 
@@ -78,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     residual : ``[M, N]``, optional, same dtype and device as ``x``
     use_triton : bool, optional
         Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
-        Triton for CUDA tensors.
+        Triton for CUDA tensors. float64 (the kernel computes in float32) runs torch.
 
     Returns
     -------
@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         raise ValueError(f"residual: expected shape ({M}, {N}), got {tuple(residual.shape)}")
     if use_triton is None:
         use_triton = x.device.type == "cuda"
-    if not use_triton or N > MAX_BLOCK_N:
+    if not use_triton or N > MAX_BLOCK_N or N == 0 or x.dtype not in KERNEL_FLOATS:
         return rms_norm_torch(x, weight, eps, residual)
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x: the last dimension must be contiguous; weight: contiguous")

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agspec_gpu.kernels._launch import KERNEL_FLOATS
+
 
 @triton.jit
 def rotate_halves(x1, x2, cos_row, sin_row, i, HALF: tl.constexpr, T: tl.constexpr):
@@ -86,7 +88,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
         (Llama's tables, attention scaling applied)
     use_triton : bool, optional
         Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
-        Triton for CUDA tensors (``D / 2`` a power of two; otherwise torch).
+        Triton for CUDA tensors (``D / 2`` a power of two, not float64; otherwise torch).
 
     Returns
     -------
@@ -99,7 +101,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     if use_triton is None:
         use_triton = x.device.type == "cuda"
     half = D // 2
-    if not use_triton or half & (half - 1):
+    if not use_triton or half & (half - 1) or half == 0 or x.dtype not in KERNEL_FLOATS:
         return rope_torch(x, cos, sin)
     if x.stride(2) != 1:
         raise ValueError("x: the last dimension must be contiguous")

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._launch import KERNEL_FLOATS
 from agspec_gpu.kernels.rope import check_tables, rope_torch, rotate_halves
 
 
@@ -98,7 +99,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
     num_qo_heads, num_kv_heads : ``H``, ``H_kv``
     use_triton : bool, optional
         Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
-        Triton for CUDA tensors (``D / 2`` a power of two; otherwise torch).
+        Triton for CUDA tensors (``D / 2`` a power of two, not float64; otherwise torch).
 
     Returns
     -------
@@ -122,7 +123,7 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
     if use_triton is None:
         use_triton = qkv.device.type == "cuda"
     half = D // 2
-    if not use_triton or half & (half - 1):
+    if not use_triton or half & (half - 1) or half == 0 or qkv.dtype not in KERNEL_FLOATS:
         return rope_append_torch(qkv, cos, sin, page, offset, cache, H, Hkv)
     if qkv.stride(1) != 1 or cache.stride(4) != 1 or cache.stride(3) != D:
         raise ValueError("qkv, cache: each row of qkv and each cache slot must be contiguous")

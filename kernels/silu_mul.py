@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._launch import cdiv, next_pow2
+from agspec_gpu.kernels._launch import KERNEL_FLOATS, cdiv, next_pow2
 
 BLOCK = 1024
 
@@ -52,7 +52,7 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
     gate_up : ``[M, 2 * I]`` (rows may be strided; the last dimension contiguous)
     use_triton : bool, optional
         Triton when True (also under ``TRITON_INTERPRET=1``), torch when False; default:
-        Triton for CUDA tensors.
+        Triton for CUDA tensors. float64 (the kernel computes in float32) runs torch.
 
     Returns
     -------
@@ -64,7 +64,7 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
         raise ValueError(f"gate_up: expected a floating dtype, got {gate_up.dtype}")
     if use_triton is None:
         use_triton = gate_up.device.type == "cuda"
-    if not use_triton:
+    if not use_triton or gate_up.dtype not in KERNEL_FLOATS:
         return silu_mul_torch(gate_up)
     if gate_up.stride(1) != 1:
         raise ValueError("gate_up: the last dimension must be contiguous")

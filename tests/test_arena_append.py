@@ -88,7 +88,8 @@ def test_rejects_bad_inputs():
                       ("starts", torch.tensor([0, 3, 5])),
                       ("counts", torch.tensor([3, 2], dtype=torch.int32)),
                       ("totals", torch.zeros(2, dtype=torch.int64)),
-                      ("totals", torch.zeros(3, dtype=torch.int32))):
+                      ("totals", torch.zeros(3, dtype=torch.int32)),
+                      ("totals", torch.zeros(1, dtype=torch.int32).expand(2))):  # one cell
         with pytest.raises(ValueError, match=name):
             arena_append(**{**good, name: bad}, code=0, use_triton=True)
     if torch.cuda.is_available():

@@ -84,6 +84,16 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="rep"):
         emit_nodes(o, torch.zeros(2, dtype=torch.int64), W, W, W, torch.zeros(2, 2,
                                                                               dtype=torch.int64))
+    rep, row = W.long(), torch.zeros(2, 2, dtype=torch.int64)
+    num = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="W: expected 3 dims"):
+        emit_nodes(o, num, W[:, 0], W, rep, row)
+    with pytest.raises(ValueError, match="order: expected 2 dims"):
+        emit_nodes(o[0], num, W, W, rep, row)
+    with pytest.raises(ValueError, match="rep: on meta"):
+        emit_nodes(o, num, W, W, rep.to("meta"), row)
+    with pytest.raises(ValueError, match="max_nodes"):
+        best_first(key, 2, 3, 6, 1.5)
 
 
 def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):

@@ -141,6 +141,30 @@ def test_bad_arguments_are_named():
         drafter_commit(**{**c, "path": c["path"][:, :2].contiguous()}, calib_depth=3)
     with pytest.raises(ValueError, match="recent_len"):
         drafter_commit(**{**c, "recent_len": c["recent_len"][:2]}, calib_depth=3)
+    # the calibration cells' depth: the kernel adds at row * K + depth, K from the caller
+    # (0, or one that does not divide the cells, would add outside seen / accepted)
+    for K in (0, 4, -3, 3.0, True):
+        for triton_path in (True, False):
+            with pytest.raises(ValueError, match="calib_depth"):
+                drafter_commit(**c, calib_depth=K, use_triton=triton_path)
+    with pytest.raises(ValueError, match="slots: on meta"):
+        drafter_commit(**{**c, "slots": c["slots"].to("meta")}, calib_depth=3)
+
+
+def test_tags_of_a_tier_past_the_table_count_nowhere():
+    """A source tag whose tier is ``>= T`` (the table's length): both paths leave every
+    count alone (the kernel would otherwise add one past the end of ``drafted`` and
+    ``hits``), and agree on everything else."""
+    c = random_case(random.Random(3), 3, 6, 5, 8, 4, 2, 3)
+    c["src"][:] = 8 * T + 1  # tier T: none of the four
+    c["src"][0, :2] = 8 * (T + 2)
+    c["drafted"] = torch.zeros(T + 2, dtype=torch.float64)[:T]  # guard cells behind
+    c["hits"] = torch.zeros(T + 2, dtype=torch.float64)[:T]
+    (acc_k, st_k), (acc_t, st_t) = run_both(c, 3)
+    assert torch.equal(acc_k, acc_t)
+    for name in st_t:
+        assert torch.equal(st_k[name], st_t[name]), name
+    assert st_t["drafted"].sum() == 0 and st_t["hits"].sum() == 0
 
 
 def test_one_compile_per_block_of_draft_width():

@@ -284,6 +284,30 @@ def test_rope_append_names_bad_arguments():
     assert torch.equal(a, b)
 
 
+def test_float64_and_empty_rows_run_the_torch_path():
+    """float64 (the kernels compute in float32) and rows of width 0 (no block to launch) run
+    the torch path, equal to it exactly, whatever ``use_triton`` says."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 64, generator=g).double(), torch.randn(64, generator=g).double()
+    r = torch.randn(3, 64, generator=g).double()
+    for got, want in zip(rms_norm(x, w, 1e-6, residual=r, use_triton=True),
+                         rms_norm_torch(x, w, 1e-6, r)):
+        assert torch.equal(got, want)
+    assert torch.equal(rms_norm(x, w, 1e-6, use_triton=True), rms_norm_torch(x, w, 1e-6))
+    assert rms_norm(x[:, :0], w[:0], 1e-6, use_triton=True).shape == (3, 0)
+    gu = torch.randn(4, 2 * 48, generator=g).double()
+    assert torch.equal(silu_mul(gu, use_triton=True), silu_mul_torch(gu))
+    q, cs = torch.randn(3, 2, 16, generator=g).double(), torch.randn(3, 16, generator=g).double()
+    assert torch.equal(rope(q, cs, cs, use_triton=True), rope_torch(q, cs, cs))
+    assert rope(q[..., :0], cs[:, :0], cs[:, :0], use_triton=True).shape == (3, 2, 0)
+    page = offset = torch.arange(3, dtype=torch.int64)
+    qkv = torch.randn(3, 4 * 16, generator=g).double()
+    a, b = torch.zeros(4, 2, 4, 1, 16).double(), torch.zeros(4, 2, 4, 1, 16).double()
+    assert torch.equal(rope_append(qkv, cs, cs, page, offset, a, 2, 1, use_triton=True),
+                       rope_append_torch(qkv, cs, cs, page, offset, b, 2, 1))
+    assert torch.equal(a, b)
+
+
 def test_kernels_compile_for_sm90():
     norm_sig = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
                     sum_ptr="*bf16", stride_x="i64", N="i32", eps="fp32", BLOCK_N="constexpr",

@@ -86,9 +86,26 @@ def test_empty_batch():
     assert all(g.shape == w.shape for g, w in zip(got, want)) and got[0].numel() == 0
 
 
+@pytest.mark.parametrize("C,K", [(0, 4), (3, 0), (0, 0)])
+def test_no_candidate_or_no_column_gives_no_node(C, K):
+    """Rows without a candidate or a column: both paths give no node (key -2, every
+    representative C, mass 0) rather than the torch path raising on an empty reduction."""
+    case = random_case(random.Random(2), 2, max(C, 1), max(K, 1), vocab=3, dyadic=True)
+    case["W"], case["S"] = (case[k][:, :C, :K].contiguous() for k in ("W", "S"))
+    case["Wt"] = case["Wt"][:, :C].contiguous()
+    for calibrate in (True, False):
+        got, want = (node_probs(**case, num_tiers=T, max_match=L, min_prob=0.0,
+                                calibrate=calibrate, use_triton=t) for t in (True, False))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        assert got[0].shape == (2, C * K) and (got[0] == -2).all() and (got[1] == C).all()
+
+
 def test_bad_arguments_are_named():
     c = random_case(random.Random(1), 2, 3, 4, vocab=3, dyadic=True)
     kw = dict(num_tiers=T, max_match=L, min_prob=0.0, calibrate=True)
+    with pytest.raises(ValueError, match="k: on meta"):
+        node_probs(**{**c, "k": c["k"].to("meta")}, **kw)
     with pytest.raises(ValueError, match="Wt"):
         node_probs(**{**c, "Wt": c["Wt"].double()}, **kw)
     with pytest.raises(ValueError, match="best"):
