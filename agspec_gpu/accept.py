@@ -29,7 +29,6 @@ loop over requests, no host sync) and return an :class:`AcceptResult`:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from numbers import Real
 
@@ -59,8 +58,12 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, Real) or isinstance(v, bool):
                 raise ValueError(f"{name}: expected a number, got {v!r}")
-        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        # float32 holds it (the device rows do): a normal number, or 0 (greedy); also
+        # rejects NaN
+        f32 = torch.finfo(torch.float32)
+        if not (self.temperature == 0.0 or f32.tiny <= self.temperature <= f32.max):
+            raise ValueError(f"temperature must be 0 or in [{f32.tiny:.3g}, {f32.max:.3g}] "
+                             f"(float32), got {self.temperature}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
@@ -357,7 +360,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | BatchSampling) -
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     row = (-1,) + (1,) * (logits.dim() - 1)  # a per-row value against [B, ..., V]
     temp = s.temperature.view(row)
-    x = logits.float() / torch.where(temp > 0, temp, 1.0)
+    # shifted by the row's max before the scaling (the same distribution): a tiny
+    # temperature sends the others to -inf, never the max to inf (inf - inf: NaN)
+    x = logits.float()
+    top = x.amax(-1, keepdim=True)
+    x = (x - torch.where(top.isfinite(), top, 0.0)) / torch.where(temp > 0, temp, 1.0)
     V = x.shape[-1]
     if s.max_top_k > 0:
         k = min(s.max_top_k, V)

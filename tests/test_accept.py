@@ -168,9 +168,23 @@ def test_greedy_matches_reference_walk(case):
 def test_sampling_params_validation():
     SamplingParams(0.0, 5, 0.5)
     for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-1),
-                dict(top_p=0.0), dict(top_p=1.5)):
+                dict(top_p=0.0), dict(top_p=1.5), dict(temperature=1e-40),
+                dict(temperature=1e-50), dict(temperature=1e39)):  # float32: 0 or subnormal, inf
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def test_extreme_temperatures_keep_the_target():
+    """The smallest and largest float32 temperatures: a tiny one is the argmax (the max's
+    scaled logit stays finite, the others go to -inf), a huge one is uniform over the
+    tokens with a finite logit; never a token of probability 0 (a NaN row would give the
+    last one)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5, -1.0, float("-inf")]] * 2) * 40
+    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    p = target_probs(logits, SamplingParams(tiny))
+    assert torch.equal(p, torch.nn.functional.one_hot(torch.tensor([2, 2]), 6).float())
+    p = target_probs(logits, SamplingParams(huge))
+    torch.testing.assert_close(p, torch.tensor([[0.2] * 5 + [0.0]] * 2))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 5, 1.0),
