@@ -163,7 +163,8 @@ fi
 TRAJ=$(ls .whl/*.jsonl.gz 2>/dev/null)
 [ -z "$TRAJ" ] && [ -d ../shared/data/trajectories/dev ] && TRAJ=../shared/data/trajectories/dev
 [ -z "$TRAJ" ] && TRAJ=.whl/trajectories
-TRAJ_DIR=$TRAJ; [ -d "$TRAJ_DIR" ] || TRAJ_DIR=$(dirname "${TRAJ%% *}")
+# the files' folder (ls lists the carried files one per line)
+TRAJ_DIR=$TRAJ; [ -d "$TRAJ_DIR" ] || TRAJ_DIR=$(dirname "$(printf '%s\n' $TRAJ | head -n1)")
 GLOBAL=()
 if [ -f .whl/dev-half0.agspec.gz ] && gunzip -c .whl/dev-half0.agspec.gz >/tmp/global.agspec; then
   GLOBAL=(--global-corpus /tmp/global.agspec --half 1)  # no session feeds its own global tier

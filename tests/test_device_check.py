@@ -114,3 +114,20 @@ def test_inline_python_compiles_and_its_imports_exist():
                 mod = importlib.import_module(node.module)
                 for alias in node.names:
                     assert hasattr(mod, alias.name), f"{node.module}.{alias.name}"
+
+
+@pytest.mark.parametrize("traj, want", [
+    (".whl/a.jsonl.gz\n.whl/b.jsonl.gz\n.whl/c.jsonl.gz", ".whl"),  # ls of carried files
+    (".whl/a.jsonl.gz", ".whl"), ("{tmp}", "{tmp}")])  # one file; a folder as it is
+def test_the_trajectory_folder_of_the_carried_files(traj, want, tmp_path):
+    """``TRAJ_DIR``, the folder ``bench_drafter_step.py --trajectories`` takes, from what
+    ``ls .whl/*.jsonl.gz`` prints: one path per line, not one per space."""
+    import subprocess
+
+    line = next(ln for ln in _logical_lines() if ln.startswith("TRAJ_DIR="))
+    traj, want = traj.format(tmp=tmp_path), want.format(tmp=tmp_path)
+    got = subprocess.run(["bash", "-c", line + '; printf %s "$TRAJ_DIR"'],
+                         env={"TRAJ": traj.replace("\\n", "\n"), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True).stdout
+    assert got == want
+
