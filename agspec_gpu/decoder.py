@@ -42,6 +42,7 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import AcceptResult, BatchSampling, SamplingParams, accept_tree
+from agspec_gpu.attention import FlashInferPagedAttention
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
@@ -90,7 +91,8 @@ class DecoderConfig:
             when the decoder is built, for batches of 1, 2, 4, ... up to ``max_batch``; each
             bucket keeps its logits: about ``4 * max_batch * (1 + max_nodes) * vocab`` values
             in all, ~4 GB in bf16 at max_batch 64, 64 nodes and a 128K vocabulary);
-            False launches every step eagerly.
+            False launches every step eagerly, as does a GPU without FlashInfer or a
+            failed capture (:attr:`SpecDecoder.verify_graph_error` says why).
         profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
             those of the drafter's roles of the same name (other roles are kept).
     """
@@ -199,10 +201,10 @@ class SpecDecoder:
                 raise ValueError(f"model: runner='paged' takes Llama/Qwen2-family models "
                                  f"({exc})") from exc
         self._verify_graphs: VerifyGraphs | None = None
+        # why a paged decoder on a GPU verifies eagerly (None: graphed, or not asked for)
+        self.verify_graph_error: str | None = None
         if self._paged is not None and self.config.cuda_graphs and device.type == "cuda":
-            sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
-            self._verify_graphs = VerifyGraphs(self._paged, sizes + [self.config.max_batch],
-                                               drafter_cfg.max_nodes)
+            self._verify_graphs = self._capture_verify_graphs(drafter_cfg.max_nodes)
         # a step's host reads (draft sizes; output tokens and counts), sized for the largest
         self._reader = HostReader(self.config.max_batch * (drafter_cfg.max_nodes + 2), device)
         self._sessions: dict[str, _SessionState] = {}
@@ -222,6 +224,21 @@ class SpecDecoder:
         # cumulative counters (host): verification steps, tokens emitted, draft tokens
         # drafted and accepted
         self._steps = self._tokens = self._drafted = self._accepted = 0
+
+    def _capture_verify_graphs(self, max_nodes: int) -> VerifyGraphs | None:
+        """The paged runner's verification graphs, or None (:attr:`verify_graph_error` says
+        why): their padded buckets pay only when replayed as graphs; run eagerly, each step
+        would plan over the whole pool's page-table width."""
+        if not isinstance(self._paged.attention, FlashInferPagedAttention):
+            self.verify_graph_error = ("the paged runner's attention is not FlashInfer "
+                                       "(flashinfer missing, or a float32 model)")
+            return None
+        sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
+        vg = VerifyGraphs(self._paged, sizes + [self.config.max_batch], max_nodes)
+        if not vg.uses_graphs:
+            self.verify_graph_error = vg.graph_error
+            return None
+        return vg
 
     @property
     def stats(self) -> dict[str, int]:

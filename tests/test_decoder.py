@@ -668,6 +668,9 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     for i, p in enumerate(P):  # drafts accepted for a while, then the model's own tokens
         steer(dec, f"t{i}", p + g[i][:12])
     count = CountOps()
+    # a paged decoder graphs its verification only on FlashInfer (a GPU); the padded
+    # buckets run eagerly here stand for the graphs' replays
+    assert dec._capture_verify_graphs(8) is None and "not FlashInfer" in dec.verify_graph_error
     dec._verify_graphs = VerifyGraphs(dec._paged, [1, 2, 4], dec.drafter.config.max_nodes)
     dec._paged.forward = count.launches(dec._paged.forward, "verify graph")
     d = dec.drafter

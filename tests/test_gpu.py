@@ -211,9 +211,10 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
         dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
                                                          kv_cache_tokens=4096,
                                                          cuda_graphs=graphs))
-        assert (dec._verify_graphs is not None) == graphs
+        assert (dec._verify_graphs is not None) == graphs, dec.verify_graph_error
+        assert dec.verify_graph_error is None
         if graphs:
-            assert dec._verify_graphs.uses_graphs, dec._verify_graphs.graph_error
+            assert dec._verify_graphs.uses_graphs
         sids = [dec.open_session("t", "coder", prompt),
                 dec.open_session("u", "coder", prompt[:50])]
         outs.append(dec.generate(sids, max_new_tokens=24))
@@ -240,7 +241,7 @@ def test_spec_decoder_step_api_on_cuda():
     prompt = [int(t) for t in np.random.default_rng(6).integers(0, 1000, 40)] * 3
     dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
                                                      kv_cache_tokens=4096))
-    assert dec._verify_graphs.uses_graphs, dec._verify_graphs.graph_error
+    assert dec._verify_graphs is not None, dec.verify_graph_error
     from test_step_api import run_until_idle
 
     a, b = dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])
