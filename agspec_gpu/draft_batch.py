@@ -71,8 +71,10 @@ class DraftBatch:
         topological prefix, so still a tree; the nodes cut become padding. ``max_nodes``:
         one cap for all, or ``int [B]`` on the draft's device (0 drops a request's draft).
         """
-        num = torch.minimum(self.num_draft_tokens, torch.as_tensor(
-            max_nodes, device=self.num_draft_tokens.device)).to(self.num_draft_tokens.dtype)
+        n = self.num_draft_tokens
+        # an int cap is a scalar of the kernel (a tensor of it would be a blocking copy)
+        num = n.clamp(max=max_nodes) if isinstance(max_nodes, int) else \
+            torch.minimum(n, max_nodes.to(n.device)).to(n.dtype)
         valid = torch.arange(self.max_nodes, device=num.device)[None, :] < num[:, None]
         src = self.maybe_source
         return DraftBatch(torch.where(valid, self.token_ids, PAD_ID),
