@@ -32,6 +32,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 import numpy as np
 
 from agspec_gpu.cost_model import CostModel
+from agspec_gpu.host import synchronize
 from agspec_gpu.replay_lanes import (
     Lane,
     LaneContext,
@@ -296,11 +297,15 @@ def replay_lane(corpus: ReplayCorpus, lane: Lane, config: ReplayConfig,
         accepted = np.minimum(res.num_accepted, remaining)
         produced = np.minimum(accepted + 1, remaining)
         agent = np.array([sl.agent for sl in active], dtype=np.int64)
-        stats.add_step(agent, res.num_drafted, accepted, produced, res.draft_seconds,
-                       res.maybe_sources)
         output_ids = truth(int(produced.max()), -1)
         output_ids[np.arange(output_ids.shape[1])[None, :] >= produced[:, None]] = -1
+        # the drafter's commit is drafter time too (synchronized, as the lane's propose)
+        t0 = time.perf_counter()
         lane.observe(sids, output_ids, produced, accepted)
+        if getattr(lane, "device", None) is not None:
+            synchronize(lane.device)
+        stats.add_step(agent, res.num_drafted, accepted, produced, res.draft_seconds,
+                       res.maybe_sources, commit_seconds=time.perf_counter() - t0)
 
         still = []
         for slot, n in zip(active, produced.tolist()):
@@ -434,7 +439,8 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         "oracle_corpora": [_jsonable(k) for k in oracle],
         "p_acc_k": list(range(1, P_ACC_MAX_K + 1)),
         "cost_model": config.cost_model.to_json(),
-        "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + draft_ms_per_step)",
+        "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + the drafter's "
+                         "propose and commit ms per step)",
         "batch_speedup_model": "tau * cost(B) / cost(B * (1 + drafted_per_step)), B = "
                                "mean_batch (drafting time excluded)",
         "replay_speedup_model": "modelled_ms of the none lane / modelled_ms of the lane, "

@@ -25,6 +25,7 @@ _TABLE_COLUMNS = (
     ("empty_draft_share", "empty", "{:.0%}"),
     ("oracle_tau", "oracle tau", "{:.2f}"),
     ("draft_us_per_step", "draft µs/step", "{:.0f}"),
+    ("commit_us_per_step", "commit µs/step", "{:.0f}"),
     ("modelled_speedup", "speedup*", "{:.2f}x"),
     ("modelled_batch_speedup", "batch×**", "{:.2f}x"),
     ("modelled_replay_speedup", "replay×***", "{:.2f}x"),
@@ -136,8 +137,8 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
     drafters as they first appear, agent formats sorted, then ``"all"`` (as a replay orders
     them).
     """
-    from agspec_gpu.replay_stats import add_replay_speedups, modelled_batch_speedup, \
-        modelled_speedup
+    from agspec_gpu.replay_stats import add_replay_speedups, drafter_us_per_step, \
+        modelled_batch_speedup, modelled_speedup
 
     groups: dict[tuple[str, str], list[dict]] = {}
     for rows in row_sets:
@@ -175,6 +176,7 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
             "empty_draft_share": per(wsum("empty_draft_share")),
             "oracle_tau": tt / o_steps if o_steps else None,
             "draft_us_per_step": per(wsum("draft_us_per_step")),
+            "commit_us_per_step": per(wsum("commit_us_per_step")),
             "accepted_per_step": per(acc),
             "wasted_per_step": per(drafted - acc),
             "p_acc": [sum(r["p_acc"][k] * r["steps"] for r in rs) / steps if steps else 0.0
@@ -184,8 +186,9 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
             "attributed_accepted_share": sum(attributed) / acc if acc and any(attributed)
             else None,
         }
-        row["modelled_speedup"] = modelled_speedup(tau, row["drafted_per_step"],
-                                                   row["draft_us_per_step"], cost_model)
+        row["modelled_speedup"] = modelled_speedup(
+            tau, row["drafted_per_step"],
+            drafter_us_per_step(row["draft_us_per_step"], row["commit_us_per_step"]), cost_model)
         if all(r.get("mean_batch") for r in rs):
             bsteps = sum(r["batch_steps"] for r in rs)
             row["batch_steps"] = bsteps

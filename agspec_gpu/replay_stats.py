@@ -63,12 +63,13 @@ class ReplayStats:
                      "empty_steps"):
             setattr(self, name, np.zeros(A, dtype=np.int64))
         self.draft_seconds = np.zeros(A, dtype=np.float64)
+        self.commit_seconds = np.zeros(A, dtype=np.float64)
         self.accepted_hist = np.zeros((A, P_ACC_MAX_K + 1), dtype=np.int64)
         self.source_hist = np.zeros((A, _SOURCE_CODES), dtype=np.int64)
 
     def add_step(self, agent: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
                  produced: np.ndarray, draft_seconds: float,
-                 maybe_sources: np.ndarray | None = None) -> None:
+                 maybe_sources: np.ndarray | None = None, commit_seconds: float = 0.0) -> None:
         """Records one batched step.
 
         Parameters
@@ -77,6 +78,8 @@ class ReplayStats:
             proposed, draft tokens accepted, tokens emitted (accepted + bonus, capped).
         draft_seconds : wall time of the whole batch's proposal; split evenly over its rows.
         maybe_sources : ``int [B, D]`` source code of each accepted token, ``-1`` elsewhere.
+        commit_seconds : wall time of the drafter's commit of the step (``observe``), split
+            as ``draft_seconds``.
         """
         A = len(self.agents)
         B = len(agent)
@@ -87,6 +90,7 @@ class ReplayStats:
         self.target_tokens += np.bincount(agent, produced, minlength=A).astype(np.int64)
         self.empty_steps += np.bincount(agent, drafted == 0, minlength=A).astype(np.int64)
         self.draft_seconds += draft_seconds * count / max(B, 1)
+        self.commit_seconds += commit_seconds * count / max(B, 1)
         K1 = P_ACC_MAX_K + 1
         hist_idx = agent * K1 + np.minimum(accepted, P_ACC_MAX_K)
         self.accepted_hist += np.bincount(hist_idx, minlength=A * K1).reshape(A, K1)
@@ -111,7 +115,8 @@ class ReplayStats:
         if other.agents != self.agents:
             raise ValueError(f"other: agents {other.agents} differ from {self.agents}")
         for name in ("sessions", "messages", "target_tokens", "steps", "accepted", "drafted",
-                     "empty_steps", "draft_seconds", "accepted_hist", "source_hist"):
+                     "empty_steps", "draft_seconds", "commit_seconds", "accepted_hist",
+                     "source_hist"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.step_tokens.merge(other.step_tokens)
         self.batch_steps += other.batch_steps
@@ -137,6 +142,7 @@ class ReplayStats:
         per_step = lambda x: x / steps if steps else None  # noqa: E731
         tau = per_step(target)
         draft_us = per_step(float(s(self.draft_seconds)) * 1e6)
+        commit_us = per_step(float(s(self.commit_seconds)) * 1e6)
         hist = s(self.accepted_hist)
         at_least = np.cumsum(hist[::-1])[::-1]  # at_least[k] = steps with >= k accepted
         tiers, forms = source_names()
@@ -160,7 +166,8 @@ class ReplayStats:
             "drafted_per_step": drafted_ps,
             "empty_draft_share": per_step(int(s(self.empty_steps))),
             "oracle_tau": (oracle_tau or {}).get(agent),
-            "draft_us_per_step": draft_us,
+            "draft_us_per_step": draft_us,  # propose
+            "commit_us_per_step": commit_us,  # the drafter's commit (observe)
             "accepted_per_step": per_step(accepted),
             "wasted_per_step": per_step(drafted - accepted),
             "p_acc": [float(at_least[k]) / steps if steps else 0.0
@@ -170,7 +177,9 @@ class ReplayStats:
             # share of accepted tokens whose source the draft named (None: it names none)
             "attributed_accepted_share": attributed / accepted
             if accepted and self.has_sources else None,
-            "modelled_speedup": modelled_speedup(tau, drafted_ps, draft_us, cost_model),
+            "modelled_speedup": modelled_speedup(tau, drafted_ps, drafter_us_per_step(draft_us,
+                                                                              commit_us),
+                                                 cost_model),
             # the whole lane's mean rows per batched step (agents share the batch)
             "batch_steps": self.batch_steps,
             "mean_batch": self.batch_rows / self.batch_steps if self.batch_steps else None,
@@ -180,6 +189,13 @@ class ReplayStats:
             # the whole lane's verification time, step by step (see add_replay_speedups)
             "modelled_ms": self.modelled_ms(cost_model) if self.batch_steps else None,
         }
+
+
+def drafter_us_per_step(draft_us: float | None, commit_us: float | None) -> float | None:
+    """The drafter's time per step: its propose and its commit (None: neither timed)."""
+    if draft_us is None and commit_us is None:
+        return None
+    return (draft_us or 0.0) + (commit_us or 0.0)
 
 
 def add_replay_speedups(rows: list[dict]) -> None:
@@ -215,8 +231,8 @@ def modelled_speedup(tau: float | None, drafted_per_step: float | None,
 
     ``speedup = tau * cost(1) / (cost(1 + drafted_per_step) + draft_time)``: without
     speculation a token costs one single-token forward; with it a step verifies the root plus
-    the drafted tokens in one forward, pays the measured drafting time, and yields ``tau``
-    tokens. Drafting time is per request step (a batched drafter's time is shared by its
+    the drafted tokens in one forward, pays the measured drafting time (propose and commit),
+    and yields ``tau`` tokens. Drafting time is per request step (a batched drafter's time is shared by its
     rows), so the batched drafter is not charged its whole batch's launch per request.
     """
     if tau is None or drafted_per_step is None:

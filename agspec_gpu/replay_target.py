@@ -276,6 +276,9 @@ class ReplayTargetResult:
     draft_s: float = 0.0
     verify_s: float = 0.0  # plan + forward + argmax + acceptance (CUDA events on a GPU)
     commit_s: float = 0.0
+    # the drafter's commit (observe): host time, inside commit_s (its kernels' GPU time,
+    # overlapped with the host, lands in the step's final synchronize)
+    observe_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     counts_draft_time: bool = True
@@ -509,8 +512,10 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 produced = np.minimum(accepted + 1, remaining)
                 out_ids = truth(int(produced.max()), -1)
                 out_ids[np.arange(out_ids.shape[1])[None, :] >= produced[:, None]] = -1
+                t_obs = time.perf_counter()
                 proposer.observe(sids, out_ids, produced, accepted,
                                  path_nodes=None if paths is None else paths.path_nodes)
+                observe_s = time.perf_counter() - t_obs
                 for b, r in enumerate(active):
                     p = int(produced[b])
                     r.pos += p
@@ -526,6 +531,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             res.drafted += n_total
             res.accepted += int(accepted.sum())
             res.draft_s += t1 - t0
+            res.observe_s += observe_s
             res.verify_s += verify_timer.seconds()
             res.decode_s += (t2 - t0) if proposer.counts_draft_time else (t2 - t1)
             res.commit_s += t2 - t1 - verify_timer.seconds()

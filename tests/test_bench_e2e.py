@@ -117,6 +117,11 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
             agspec["speedup"] / agspec["modelled_replay_speedup"])
         assert report["goals"]["agspec_verify_measured_over_modelled"][str(b)] == pytest.approx(
             agspec["verify_ms_per_step"] / agspec["modelled_verify_ms_per_step"])
+        # the drafter's share counts its commit (host time, within commit ms) beside propose
+        assert 0 < agspec["drafter_commit_ms_per_step"] <= agspec["commit_ms_per_step"]
+        assert agspec["draft_share_of_step"] == pytest.approx(
+            (agspec["draft_ms_per_step"] + agspec["drafter_commit_ms_per_step"])
+            / agspec["step_ms"])
     assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("method,batch_size")
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
     assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2

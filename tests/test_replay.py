@@ -28,7 +28,7 @@ from agspec_gpu.trajectories import Message, Session
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {"drafter", "agent", "sessions", "messages", "target_tokens", "steps", "tau",
                  "acceptance_rate", "drafted_per_step", "empty_draft_share", "oracle_tau",
-                 "draft_us_per_step"}
+                 "draft_us_per_step", "commit_us_per_step"}
 needs_agspec = pytest.mark.skipif(agspec_unavailable_reason() is not None,
                                   reason=f"agspec drafter missing: {agspec_unavailable_reason()}")
 
@@ -277,7 +277,8 @@ def test_batch_size_does_not_change_per_request_drafters(tok):
     rows = [run_replay(corpus, ["pld-hf", "pld-vllm"], tok,
                        ReplayConfig(batch_size=b, oracle=False)).rows for b in (1, 3, 64)]
     strip = lambda rs: [{k: v for k, v in r.items()  # noqa: E731 - timing, batch differ
-                         if k not in ("draft_us_per_step", "modelled_speedup", "batch_steps",
+                         if k not in ("draft_us_per_step", "commit_us_per_step",
+                                      "modelled_speedup", "batch_steps",
                                       "mean_batch", "modelled_batch_speedup",
                                       "modelled_ms", "modelled_replay_speedup")} for r in rs]
     assert strip(rows[0]) == strip(rows[1]) == strip(rows[2])
@@ -523,6 +524,8 @@ def test_every_drafter_name_runs(tok):
     assert len(report.config["oracle_corpora"]) == 3
     full = rows[("agspec", "all")]
     assert full["tau"] > 2 and full["tier_share"].get("workspace", 0) > 0.5
+    # the drafter's time is its propose and its commit, each timed (the commit: observe)
+    assert full["draft_us_per_step"] > 0 and full["commit_us_per_step"] > 0
     assert "workspace" not in rows[("agspec-no-workspace", "all")]["tier_share"]
     assert set(rows[("agspec-no-emission", "all")]["form_share"]) <= {"raw"}
     assert rows[("agspec-no-workspace", "all")]["oracle_tau"] <= full["oracle_tau"]
