@@ -44,6 +44,7 @@ FILES = ("swe_agent__claude-sonnet-4.jsonl.gz", "mini_swe_agent__gemini-3-pro-pr
          "aider__chat_history.jsonl.gz")
 
 MATRIX = [
+    ("none", None),  # plain decoding: the replay speedups' denominator
     ("pld-hf", None),
     ("pld-vllm", None),
     ("suffix-decoding", None),
@@ -55,19 +56,13 @@ MATRIX = [
     ("static-k16", {"controller": ControllerConfig(static_k=16)}),
     ("static-k32", {"controller": ControllerConfig(static_k=32)}),
 ]
+# the batch figures are the replay's own: modelled_batch_speedup prices the lane's mean
+# batch (a continuous batch of B sessions runs below B as its sessions end), and
+# modelled_replay_speedup its verification time step by step over the none lane's
 KEYS = ("drafter", "agent", "batch_size", "sessions", "target_tokens", "steps", "tau",
         "acceptance_rate", "drafted_per_step", "empty_draft_share", "draft_us_per_step",
-        "modelled_speedup", "batch_speedup")
-
-
-def batch_speedup(row: dict, B: int, cost) -> float | None:
-    """``tau * cost(B) / cost(B * (1 + drafted_per_step))``: the modelled speedup of a step
-    of ``B`` requests, each verifying its root and its drafts, over ``B`` plain decodes;
-    drafting time left out (on CPU the torch path's says nothing of a GPU's). The replay's
-    ``modelled_speedup`` prices one request per forward, so only this one sees the batch."""
-    if row["tau"] is None or row["drafted_per_step"] is None:
-        return None
-    return row["tau"] * cost.step_ms(B) / cost.step_ms(B * (1 + row["drafted_per_step"]))
+        "commit_us_per_step", "modelled_speedup", "mean_batch", "modelled_batch_speedup",
+        "modelled_replay_speedup")
 
 
 def cut(session, max_tokens: int, tok):
@@ -102,11 +97,10 @@ def main() -> None:
         ss = [s for s in load_paths([DEV + f])
               if args.half is None or session_half(s.id) == args.half]
         sessions += [cut(s, args.max_target_tokens, tok) for s in ss[:args.sessions]]
-    gc = load_global_corpus(args.global_corpus) if args.global_corpus else None
+    gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     variants = eval(args.variants) if args.variants else MATRIX  # noqa: S307 - own command line
     variants = [v for v in variants if v[0] != "suffix-decoding" or suffix_decoding_available()]
     rows, t_all = [], time.time()
-    cost = ReplayConfig().cost_model
     for B in args.batch_sizes:
         subset = sessions if B > 1 else sessions[::max(1, len(sessions) // args.single_sessions)]
         corpus = tokenize_sessions(subset, tok)
@@ -123,13 +117,16 @@ def main() -> None:
                             tok, ReplayConfig(batch_size=B, oracle=False,
                                               global_corpus=args.global_corpus))
         for r in report.rows:
-            r = dict(r, batch_size=B, batch_speedup=batch_speedup(r, B, cost))
+            r = dict(r, batch_size=B)
             rows.append(r)
             if r["agent"] == "all":
+                replay = r.get("modelled_replay_speedup")
                 print(f'B={B:<3d} {r["drafter"]:24s} tau={r["tau"]:.3f} '
                       f'acc={r["acceptance_rate"] or 0:.3f} drafted={r["drafted_per_step"]:.2f} '
-                      f'speedup*={r["modelled_speedup"]:.2f} '
-                      f'batch*={r["batch_speedup"]:.2f} us={r["draft_us_per_step"]:.0f}',
+                      f'speedup*={r["modelled_speedup"]:.2f} mean batch={r["mean_batch"]:.1f} '
+                      f'batch*={r["modelled_batch_speedup"]:.2f} replay*='
+                      f'{"-" if replay is None else format(replay, ".2f")} '
+                      f'us={r["draft_us_per_step"]:.0f}+{r["commit_us_per_step"]:.0f}',
                       flush=True)
         print(f"B={B}: {len(subset)} sessions, {time.time() - t0:.0f}s", flush=True)
     meta = {"batch_sizes": args.batch_sizes, "sessions_per_file": args.sessions,

@@ -97,7 +97,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dev = torch.device(args.device)
     tok = load_tokenizer("cl100k")
-    gc = load_global_corpus(args.global_corpus) if args.global_corpus else None
+    gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     sessions = []
     for f in FILES:
         sessions += [s for s in load_paths([str(Path(args.trajectories) / f)])

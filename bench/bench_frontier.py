@@ -80,7 +80,7 @@ def main() -> None:
         raise SystemExit("arctic-inference is not installed (bench/install_arctic_inference.sh)")
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
-    gc = load_global_corpus(args.global_corpus)
+    gc = load_global_corpus(args.global_corpus, tok)
     B = args.batch_size
 
     def agspec(name: str, **overrides):

@@ -56,6 +56,13 @@ class GapLane(BatchedLane):
         self.k = k
         self.all_positions = all_positions
         self.records: list[np.ndarray] = []
+        propose = self.drafter.propose  # the step's draft, kept for its depths
+
+        def keep(sids, **kw):
+            self._draft = propose(sids, **kw)
+            return self._draft
+
+        self.drafter.propose = keep
 
     def _context_bounds(self, sids, slots, qlen, cont) -> tuple[np.ndarray, np.ndarray]:
         """(ctx, top8) ``int64 [B]``: the longest agreement of ``cont`` with the continuation
@@ -105,9 +112,7 @@ class GapLane(BatchedLane):
         qlen = torch.minimum(d.recent_len[slots], d.match_cap[slots])  # propose's query
         res = super().step(sids, contexts, truth, remaining)
         match = d.match_cap[slots].numpy().astype(np.int64)
-        draft = d._last[1]
-        nodes = torch.arange(draft.max_nodes)[None, :] < draft.num_draft_tokens[:, None]
-        depth = torch.where(nodes, d._last[2] + 1, 0).max(dim=1).values.numpy()
+        depth = self._draft.depths().max(dim=1).values.numpy().astype(np.int64)
         cont = torch.from_numpy(truth(self.k, PAD_ID))
         oracle = self.store.oracle_prefix_len(sids, cont).numpy().astype(np.int64)
         ctx, top8, first = self._context_bounds(sids, slots, qlen, cont)
@@ -134,7 +139,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
-    gc = load_global_corpus(args.global_corpus) if args.global_corpus else None
+    gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     out = {"config": vars(args), "files": {}}
     t0 = time.time()
     for f in FILES:

@@ -11,6 +11,7 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   back after). The device script runs all of them on the H200.
 * ``bench_drafter_host``: a row per batch size, the drafter's match and graph steps stubbed
   (and its match put back after).
+* ``gap_by_match``: per dev file, rows by match length whose step shares add up to one.
 """
 
 import json
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
 import bench_drafter_host  # noqa: E402
 import bench_drafter_step  # noqa: E402
+import gap_by_match  # noqa: E402
 import bench_host_staging  # noqa: E402
 import bench_launch_overhead  # noqa: E402
 import bench_layer_kernels  # noqa: E402
@@ -131,3 +133,19 @@ def test_bench_drafter_host_smoke(tmp_path):
         assert r["steps"] == 8 and all(r[f"{k}_us_{s}"] > 0 for k in ("propose", "commit", "step")
                                        for s in ("median", "mean"))
     assert drafter_mod.suffix_match is match  # put back
+
+
+@pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
+def test_gap_by_match_smoke(tmp_path, monkeypatch):
+    out = tmp_path / "gap.json"
+    monkeypatch.setattr(sys, "argv", ["gap_by_match.py", "--sessions", "1",
+                                      "--max-target-tokens", "60", "--batch-size", "2",
+                                      "--json", str(out)])
+    gap_by_match.main()
+    files = json.loads(out.read_text())["files"]
+    assert len(files) == 3
+    for f in files.values():
+        assert f["steps"] > 0 and f["tau"] >= 1.0 and f["oracle_tau_same_steps"] >= f["tau"]
+        assert sum(r["step_share"] for r in f["rows"]) == pytest.approx(1.0)
+        assert all(r["depth"] <= r["drafted"] + 1e-9 for r in f["rows"])
+
