@@ -11,7 +11,9 @@ actually get:
   (``vllm/v1/spec_decode/ngram_proposer.py``, ``_find_longest_matched_ngram_and_propose_tokens``).
 - ``suffix-decoding`` / ``suffix-decoding-nocache``: arctic-inference's ``SuffixDecodingCache``
   driven the way vLLM's ``vllm/v1/spec_decode/suffix_decoding.py`` drives it, with and without
-  the cross-request cache of earlier responses.
+  the cross-request cache of earlier responses; ``suffix-decoding-warm``: the same, its cache
+  holding the responses of earlier traffic before the replay starts (the replay fills it with
+  the other half's assistant messages, the text agspec's global tier holds).
 
 Drafts are host lists: ``(tokens, parents)`` with ``parents[j]`` the index of node ``j``'s
 parent, ``-1`` for children of the root (the last committed token); a chain has parents
@@ -24,7 +26,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-HOST_DRAFTERS = ("none", "pld-hf", "pld-vllm", "suffix-decoding", "suffix-decoding-nocache")
+HOST_DRAFTERS = ("none", "pld-hf", "pld-vllm", "suffix-decoding", "suffix-decoding-warm",
+                 "suffix-decoding-nocache")
 
 SUFFIX_DECODING_INSTALL_HINT = (
     "SuffixDecoding needs arctic-inference (only an sdist on PyPI; it builds the suffix tree "
@@ -277,7 +280,8 @@ class SuffixDecoding:
     ``num_speculative_tokens``) 24, ``max_spec_factor=1.0``, ``min_token_prob=0.1``,
     ``max_cached_requests=10000``, chain drafts (vLLM does not enable ``use_tree_spec``).
     With ``cache_responses=False`` (``suffix-decoding-nocache``) the global tree is disabled
-    and only the request's own prompt + output is searched.
+    and only the request's own prompt + output is searched; :meth:`cache_responses` fills
+    the global tree with earlier traffic (``suffix-decoding-warm``).
 
     ``tenant`` is ignored: like upstream, the global tree mixes all requests' responses.
 
@@ -345,6 +349,21 @@ class SuffixDecoding:
             self._next_seq += 1
             while len(self._seq_of) > self.max_cached_requests > 0:
                 self._global.remove(self._seq_of.pop(next(iter(self._seq_of))))
+
+    def cache_responses(self, responses) -> int:
+        """Puts ``responses`` (token arrays: earlier requests' outputs, oldest first) in the
+        global tree, as a server that answered them before holds them (FIFO, up to
+        ``max_cached_requests``); returns how many responses the tree holds."""
+        if self._global is None:
+            raise ValueError("cache_responses: this drafter caches no responses "
+                             "(cache_responses=False)")
+        for tokens in responses:
+            seq = self._seq_of[("cached", self._next_seq)] = self._next_seq
+            self._next_seq += 1
+            self._global.extend_ndarray(seq, self._int32(tokens))
+            while len(self._seq_of) > self.max_cached_requests > 0:
+                self._global.remove(self._seq_of.pop(next(iter(self._seq_of))))
+        return len(self._seq_of)
 
     def propose(self, key: str, context: np.ndarray) -> tuple[list[int], list[int]]:
         """The better-scored chain of the two trees for the last ``max_tree_depth`` tokens;
@@ -415,8 +434,10 @@ def make_host_drafter(name: str) -> HostDrafter:
         return PLDHF()
     if name == "pld-vllm":
         return PLDVLLM()
-    if name == "suffix-decoding":
-        return SuffixDecoding(cache_responses=True)
+    if name in ("suffix-decoding", "suffix-decoding-warm"):  # warm: its lane fills the cache
+        d = SuffixDecoding(cache_responses=True)
+        d.name = name
+        return d
     if name == "suffix-decoding-nocache":
         return SuffixDecoding(cache_responses=False)
     raise ValueError(f"name must be one of {HOST_DRAFTERS}, got {name!r}")

@@ -66,15 +66,12 @@ def _default_drafters(include_pld_vllm: bool = True) -> list[str]:
     return out
 
 
-def _add_replay_options(p: argparse.ArgumentParser, *, drafters: bool = True,
-                        include_pld_vllm: bool = True) -> None:
-    """The replay's options; ``include_pld_vllm``: whether the default drafters (see
-    :func:`_default_drafters`) have pld-vllm."""
-    if drafters:
-        pld = "pld-vllm, " if include_pld_vllm else ""
+def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | None) -> None:
+    """The replay's options; ``default_drafters``: what the command replays without
+    ``--drafter`` (None: no ``--drafter`` option)."""
+    if default_drafters is not None:
         p.add_argument("--drafter", nargs="+", metavar="NAME", choices=DRAFTER_NAMES,
-                       help=f"drafters to replay (default: none, pld-hf, {pld}"
-                            f"suffix-decoding if installed, agspec); one of "
+                       help=f"drafters to replay (default: {default_drafters}); one of "
                             f"{', '.join(DRAFTER_NAMES)}")
     p.add_argument("--tokenizer", default="cl100k",
                    help="'cl100k' (offline tiktoken cl100k_base) or a local HF tokenizer path")
@@ -116,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cross-halves", action="store_true",
                    help="replay every session with a global tier built from the other half "
                         "of the given trajectory files (both halves, counters summed)")
-    _add_replay_options(p)
+    _add_replay_options(p, default_drafters="none, pld-hf, pld-vllm, suffix-decoding if "
+                        "installed (and suffix-decoding-warm with --cross-halves), agspec")
 
     p = sub.add_parser("demo", help="replay sessions built from a git repository's history")
     p.add_argument("repo", nargs="?", default=".", help="repository (default: the current one)")
@@ -124,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-session-chars", type=int, default=120_000,
                    help="leave out commits whose session text is longer (120,000 characters: "
                         "a session replays step by step, so the longest sets the run time)")
-    _add_replay_options(p, include_pld_vllm=False)
+    _add_replay_options(p, default_drafters="none, pld-hf, suffix-decoding if installed, "
+                        "agspec")
 
     p = sub.add_parser("profile", help="per-role draft caps from replayed P_acc(k) curves")
     p.add_argument("paths", nargs="+", metavar="TRAJ")
@@ -132,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, metavar="N")
     p.add_argument("--profile-drafter", default="agspec-static-k32", choices=AGSPEC_DRAFTERS,
                    help="drafter whose curves are measured (a static k shows the whole curve)")
-    _add_replay_options(p, drafters=False)
+    _add_replay_options(p, default_drafters=None)
 
     p = sub.add_parser("build-global", help="build the read-only global corpus")
     p.add_argument("--src", nargs="*", default=[], metavar="DIR",
@@ -244,7 +243,12 @@ def _cmd_replay(args, console) -> int:
         from agspec_gpu.tiers import session_half
 
         sessions = [s for s in sessions if session_half(s.id) == args.half]
-    _run(args, sessions, args.drafter or _default_drafters(), console, "replay")
+    drafters = args.drafter or _default_drafters()
+    if args.cross_halves and not args.drafter and "suffix-decoding" in drafters:
+        # next to agspec's global tier of the other half: SuffixDecoding whose cache holds
+        # that half's responses
+        drafters.insert(drafters.index("suffix-decoding") + 1, "suffix-decoding-warm")
+    _run(args, sessions, drafters, console, "replay")
     return 0
 
 

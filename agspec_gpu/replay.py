@@ -393,24 +393,27 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
                          "cannot be sent to another process)")
     t_wall = time.perf_counter()
     if cross_halves is None:
-        parts = [(corpus, config)]
+        parts = [(corpus, config, ())]
     else:
         from agspec_gpu.tiers import session_half
 
         if len(cross_halves) != 2:
             raise ValueError("cross_halves: expected (global of half 0, global of half 1)")
-        # half h replays against the global tier built from the other half
-        parts = [(replace(corpus, sessions=tuple(s for s in corpus.sessions
-                                                 if session_half(s.session_id or s.sid) == h),
-                          agent_formats=corpus.agents),
-                  replace(config, global_corpus=str(cross_halves[1 - h])))
+        halves = [tuple(s for s in corpus.sessions if session_half(s.session_id or s.sid) == h)
+                  for h in (0, 1)]
+        warm = "suffix-decoding-warm" in drafters
+        # half h replays against the global tier built from the other half (and a warm
+        # SuffixDecoding against the other half's responses)
+        parts = [(replace(corpus, sessions=halves[h], agent_formats=corpus.agents),
+                  replace(config, global_corpus=str(cross_halves[1 - h])),
+                  _responses(halves[1 - h]) if warm else ())
                  for h in (0, 1)]
-    parts = [(part, cfg_part) for part, cfg_part in parts if part.sessions]
+    parts = [part for part in parts if part[0].sessions]
     if config.workers > 1 and parts:  # every part's shards in one pool of workers
         results = [_replay_sharded(parts, list(drafters), tokenizer, config.workers, progress)]
     else:
-        results = [_replay_all(part, list(drafters), tokenizer, cfg_part, progress)
-                   for part, cfg_part in parts]
+        results = [_replay_all(part, list(drafters), tokenizer, cfg_part, progress, warm)
+                   for part, cfg_part, warm in parts]
     if not results:  # nothing to replay: the counters of an empty run
         results.append(_replay_all(corpus, drafters, tokenizer, config, progress))
     lanes_stats, oracle_stats, timing = _merge_results(results)
@@ -459,17 +462,26 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
 LaneStats = list[tuple[str, Hashable | None, ReplayStats]]
 
 
+def _responses(sessions: Sequence[TokenizedSession]) -> tuple[np.ndarray, ...]:
+    """The assistant messages of ``sessions``, in order: the responses a server that
+    answered them holds."""
+    return tuple(s.tokens[s.bounds[i]:s.bounds[i + 1]] for s in sessions
+                 for i in s.target_messages)
+
+
 def _replay_all(corpus: ReplayCorpus, drafters: Sequence, tokenizer: Tokenizer,
-                config: ReplayConfig, progress: ReplayProgress | None
+                config: ReplayConfig, progress: ReplayProgress | None,
+                warm_responses: tuple = ()
                 ) -> tuple[LaneStats, dict[Hashable, ReplayStats], dict[str, float]]:
-    """Every drafter's pass, then one oracle pass per distinct corpora configuration."""
+    """Every drafter's pass, then one oracle pass per distinct corpora configuration
+    (``warm_responses``: :attr:`LaneContext.warm_responses`)."""
     maybe_global = None
     if config.global_corpus is not None:
         from agspec_gpu.tiers import load_global_corpus
 
         maybe_global = load_global_corpus(config.global_corpus, tokenizer)
     ctx = LaneContext(tokenizer, config.device, config.batch_size, maybe_global,
-                      config.oracle_k, config.cost_model)
+                      config.oracle_k, config.cost_model, warm_responses)
     has_files = all(s.maybe_files is not None for s in corpus.sessions)
     lanes_stats: LaneStats = []
     timing: dict[str, float] = {}
@@ -513,17 +525,18 @@ def shard_sessions(corpus: ReplayCorpus, num_shards: int) -> list[ReplayCorpus]:
 
 
 def _shard_worker(args: tuple) -> tuple:
-    corpus, drafters, tokenizer, config = args
+    corpus, drafters, tokenizer, config, warm = args
     import torch
 
     torch.set_num_threads(1)
-    return _replay_all(corpus, drafters, tokenizer, config, None)
+    return _replay_all(corpus, drafters, tokenizer, config, None, warm)
 
 
-def _replay_sharded(parts: list[tuple[ReplayCorpus, ReplayConfig]], drafters: list[str],
+def _replay_sharded(parts: list[tuple[ReplayCorpus, ReplayConfig, tuple]], drafters: list[str],
                     tokenizer: Tokenizer, workers: int, progress: ReplayProgress | None
                     ) -> tuple[LaneStats, dict[Hashable, ReplayStats], dict[str, float]]:
-    """:func:`_replay_all` on ``workers`` shards of each part (a corpus and its config), all
+    """:func:`_replay_all` on ``workers`` shards of each part (a corpus, its config and its
+    warm responses: each shard's SuffixDecoding holds all of them, as one server would), all
     shards in one pool of ``workers`` processes, the largest first (so one part's slow shard
     overlaps the next part's); counters summed, lane seconds summed over the shards (CPU
     time, not wall)."""
@@ -533,14 +546,14 @@ def _replay_sharded(parts: list[tuple[ReplayCorpus, ReplayConfig]], drafters: li
     def size(c: ReplayCorpus) -> int:
         return sum(s.target_tokens for s in c.sessions)
 
-    jobs = sorted(((shard, replace(cfg, workers=1)) for part, cfg in parts
+    jobs = sorted(((shard, replace(cfg, workers=1), warm) for part, cfg, warm in parts
                    for shard in shard_sessions(part, workers)), key=lambda j: -size(j[0]))
     if progress is not None:
-        progress.start(f"{len(jobs)} shards", sum(size(c) for c, _ in jobs))
+        progress.start(f"{len(jobs)} shards", sum(size(c) for c, _, _ in jobs))
     results = []
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
-        for res, (c, _) in zip(pool.map(_shard_worker, [(c, drafters, tokenizer, cfg)
-                                                        for c, cfg in jobs]), jobs):
+        for res, (c, _, _) in zip(pool.map(_shard_worker, [(c, drafters, tokenizer, cfg, warm)
+                                                           for c, cfg, warm in jobs]), jobs):
             results.append(res)
             if progress is not None:
                 progress.advance(size(c))

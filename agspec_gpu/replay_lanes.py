@@ -431,6 +431,9 @@ class LaneContext:
             None (no global tier).
         oracle_k: depth cap of the oracle.
         cost_model: the agspec drafter's batch budget reads it.
+        warm_responses: earlier traffic's responses (token arrays, oldest first) that the
+            ``suffix-decoding-warm`` lane's cache holds before the replay: under cross-halves
+            the other half's assistant messages, the sessions agspec's global tier holds.
     """
 
     tokenizer: Tokenizer
@@ -439,6 +442,7 @@ class LaneContext:
     maybe_global: Any = None
     oracle_k: int = 32
     cost_model: CostModel = field(default_factory=CostModel.default)
+    warm_responses: tuple = ()
 
 
 def _configs(name: str) -> tuple[Any, Any]:
@@ -486,6 +490,13 @@ def make_lane(name: str, ctx: LaneContext) -> Lane:
         ImportError: the drafter's implementation is missing (arctic-inference for
             ``suffix-decoding*``; ``agspec_gpu.drafter`` for ``agspec*``).
     """
+    if name == "suffix-decoding-warm":
+        if not ctx.warm_responses:
+            raise ValueError(f"{name}: no earlier traffic to warm its cache with (replay "
+                             f"with cross-halves: the other half's responses)")
+        drafter = make_host_drafter(name)
+        drafter.cache_responses(ctx.warm_responses)
+        return HostLane(drafter, oracle_key=oracle_key(name, ctx))
     if name in HOST_DRAFTERS:
         return HostLane(make_host_drafter(name), oracle_key=oracle_key(name, ctx))
     if name in AGSPEC_DRAFTERS:

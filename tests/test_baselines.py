@@ -254,6 +254,25 @@ def test_suffix_decoding_reuses_an_earlier_response():
 
 
 @needs_suffix_decoding
+def test_suffix_decoding_warm_holds_the_responses_it_was_given():
+    """``cache_responses`` puts earlier traffic in the global tree, as served requests:
+    a request repeating one of them finds it; the FIFO keeps the newest
+    ``max_cached_requests``; a drafter without the cache refuses."""
+    rng = np.random.default_rng(1)
+    old, kept = (rng.integers(1000, 2000, size=80) for _ in range(2))
+    drafter = SuffixDecoding(max_cached_requests=2)
+    assert drafter.cache_responses([old, rng.integers(2000, 3000, size=40), kept]) == 2
+    _, hits = _run_request(drafter, "a", rng.integers(0, 500, size=50), kept.tolist())
+    assert hits >= len(kept) - 10
+    _, hits = _run_request(drafter, "b", rng.integers(0, 500, size=50), old.tolist())
+    assert hits == 0  # evicted first
+    warm = make_host_drafter("suffix-decoding-warm")
+    assert warm.name == "suffix-decoding-warm" and warm.cache_responses([kept]) == 1
+    with pytest.raises(ValueError, match="cache_responses"):
+        make_host_drafter("suffix-decoding-nocache").cache_responses([kept])
+
+
+@needs_suffix_decoding
 def test_suffix_decoding_nocache_does_not_see_earlier_responses():
     rng = np.random.default_rng(0)
     response = rng.integers(1000, 2000, size=80).tolist()

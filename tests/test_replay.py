@@ -515,7 +515,9 @@ def test_cli_demo_on_a_tiny_repo(tmp_path):
 def test_every_drafter_name_runs(tok):
     from agspec_gpu.replay_lanes import DRAFTER_NAMES
 
-    names = [n for n in DRAFTER_NAMES if not n.startswith("suffix") or _has_arctic()]
+    # (suffix-decoding-warm needs cross-halves: its own test)
+    names = [n for n in DRAFTER_NAMES if n != "suffix-decoding-warm" and
+             (not n.startswith("suffix") or _has_arctic())]
     corpus = tokenize_sessions([_copy_session("a"), _copy_session("b", agent="swe-agent")], tok)
     report = run_replay(corpus, names, tok, ReplayConfig(batch_size=2, tenant_by="agent"))
     rows = {(r["drafter"], r["agent"]): r for r in report.rows}
@@ -541,6 +543,54 @@ def _id_in_half(prefix: str, half: int) -> str:
 
 
 @needs_agspec
+@pytest.mark.skipif(not _has_arctic(), reason="needs arctic-inference")
+def test_warm_suffix_decoding_holds_the_other_half_responses_only(tok, tmp_path):
+    """suffix-decoding-warm under cross-halves: its cache holds the other half's responses
+    before the replay (D, half 0, and E, half 1, give one answer: each finds the other's),
+    never its own half's (G's answer, half 0 only, is not found at G; F after it finds it
+    in the run's own cache, as the cold lane does), and without cross-halves it has nothing
+    to warm with."""
+    from agspec_gpu.tiers import build_global_corpus
+
+    rng = np.random.default_rng(8)
+    words = lambda: " ".join(f"w{int(x)}" for x in rng.integers(0, 10**6, 150))  # noqa: E731
+    t_d, t_g = words(), words()
+    ids = {k: _id_in_half(k, h) for k, h in (("d", 0), ("e", 1), ("f", 0), ("g", 0))}
+
+    def sess(k, answer):
+        return Session(ids[k], f"{k}-agent", "", "test", (Message("user", f"task {k}"),
+                                                          Message("assistant", answer)))
+
+    sessions = [sess("d", t_d), sess("e", t_d), sess("g", t_g), sess("f", t_g)]
+    path = tmp_path / "four.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.writelines(json.dumps({"id": s.id, "source": "t", "agent": s.agent, "model": "",
+                                  "messages": [{"role": m.role, "content": m.content}
+                                               for m in s.messages]}) + "\n"
+                      for s in sessions)
+    halves = [tmp_path / f"h{h}.agspec" for h in (0, 1)]
+    for h in (0, 1):
+        build_global_corpus([], tok, halves[h], trajectories=[path], half=h)
+    corpus = tokenize_sessions(sessions, tok)
+    for workers in (1, 2):
+        report = run_replay(corpus, ["suffix-decoding", "suffix-decoding-warm"], tok,
+                            ReplayConfig(batch_size=1, oracle=False, workers=workers),
+                            cross_halves=halves)
+        tau = {(r["drafter"], r["agent"]): r["tau"] for r in report.rows}
+        # d and e answer alike from opposite halves: each finds the other's answer warm
+        for k in ("d", "e"):
+            assert tau["suffix-decoding-warm", f"{k}-agent"] > 5 > 1.5 > \
+                tau["suffix-decoding", f"{k}-agent"], tau
+        # g's answer is only in its own half: not warm; f (after g, one at a time) finds
+        # it in both lanes, from the run's own cache (one worker: g's and f's shards are
+        # two servers with two)
+        for lane in ("suffix-decoding", "suffix-decoding-warm"):
+            assert tau[lane, "g-agent"] < 1.5, tau
+            assert (tau[lane, "f-agent"] > 5) == (workers == 1), tau
+    with pytest.raises(ValueError, match="suffix-decoding-warm: no earlier traffic"):
+        run_replay(corpus, ["suffix-decoding-warm"], tok, ReplayConfig(oracle=False))
+
+
 def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
     """Each half replays against the global tier of the other half: A (half 0) copies text
     only B (half 1) holds, B copies text only C (half 0) holds, and C's text is nowhere but
