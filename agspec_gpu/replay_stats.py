@@ -199,8 +199,9 @@ def drafter_us_per_step(draft_us: float | None, commit_us: float | None) -> floa
 
 
 def add_replay_speedups(rows: list[dict]) -> None:
-    """Sets ``modelled_replay_speedup`` on every row: the ``none`` lane's ``modelled_ms``
-    over the row's lane's (None without a ``none`` row or without times). Both sum
+    """Sets ``modelled_replay_speedup`` on every ``"all"`` row: the ``none`` lane's
+    ``modelled_ms`` over the row's lane's (None without a ``none`` row or without times,
+    and on the agents' rows: the batch mixes agents, so the figure is the lane's only). Both sum
     ``cost(rows + drafted)`` over the batched steps of the same sessions' continuous batch,
     each lane's as its own acceptance shaped it: the speedup of the whole replay's
     verification time, which a budget that drafts less when the batch is full can win while
@@ -209,7 +210,9 @@ def add_replay_speedups(rows: list[dict]) -> None:
                     if r["drafter"] == "none" and r["agent"] == "all"), None)
     for r in rows:
         ms = r.get("modelled_ms")
-        r["modelled_replay_speedup"] = none_ms / ms if none_ms and ms else None
+        # a lane's figure: an agent's row (whose modelled_ms is its lane's) has none
+        r["modelled_replay_speedup"] = none_ms / ms if none_ms and ms and \
+            r["agent"] == "all" else None
 
 
 def modelled_batch_speedup(tau: float | None, drafted_per_step: float | None,
