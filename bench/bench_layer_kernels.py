@@ -55,6 +55,22 @@ def timer(device: torch.device, repeats: int):
     return cpu
 
 
+def gpu_kernels(fn, device: torch.device) -> int | None:
+    """The kernels (GPU activities) one ``fn()`` launches, counted by ``torch.profiler``;
+    None off a GPU, where nothing launches."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compiled and warm
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
 def write_results(stem: str, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype,
                   rows: list[dict]) -> Path:
     """``{"config", "results"}`` as ``<args.out>.json`` (default
@@ -104,24 +120,27 @@ def main(argv: list[str] | None = None) -> int:
         cache = torch.zeros(Q // 16 + 2, 2, 16, Hkv, D, device=dev, dtype=dtype)
         slot = torch.arange(Q, device=dev)
         page, offset = slot // 16, slot % 16
-        cases = {  # name: (fn(use_triton), kernels of the torch path, Triton launches)
-            "add_rms_norm": (lambda t: rms_norm(x, w, 1e-5, residual=res, use_triton=t), 9, 1),
-            "rope_qk": (lambda t: (rope(q, cos, sin, use_triton=t),
-                                   rope(k, cos, sin, use_triton=t)), 11, 2),
-            "rope_append": (lambda t: rope_append(qkv, cos, sin, page, offset, cache, H, Hkv,
-                                                  use_triton=t), 12, 1),
-            "silu_mul": (lambda t: silu_mul(gate_up, use_triton=t), 2, 1),
+        cases = {  # name: fn(use_triton)
+            "add_rms_norm": lambda t: rms_norm(x, w, 1e-5, residual=res, use_triton=t),
+            "rope_qk": lambda t: (rope(q, cos, sin, use_triton=t),
+                                  rope(k, cos, sin, use_triton=t)),
+            "rope_append": lambda t: rope_append(qkv, cos, sin, page, offset, cache, H, Hkv,
+                                                 use_triton=t),
+            "silu_mul": lambda t: silu_mul(gate_up, use_triton=t),
         }
-        for name, (fn, replaced, launches) in cases.items():
+        for name, fn in cases.items():
+            # kernels per call, counted on a GPU (None on a CPU)
             row = {"op": name, "rows": Q, "torch_us": bench(lambda: fn(False)),
-                   "torch_kernels": replaced, "triton_kernels": launches}
+                   "torch_kernels": gpu_kernels(lambda: fn(False), dev),
+                   "triton_kernels": gpu_kernels(lambda: fn(True), dev)}
             row["triton_us"] = bench(lambda: fn(True)) if dev.type == "cuda" else None
             row["speedup"] = row["torch_us"] / row["triton_us"] if row["triton_us"] else None
             rows.append(row)
             tri = f"{row['triton_us']:9.1f}" if row["triton_us"] else "        -"
             sp = f"{row['speedup']:6.2f}x" if row["speedup"] else "      -"
             print(f"{name:12s} rows={Q:<5d} torch {row['torch_us']:9.1f} us  triton {tri} us  "
-                  f"{sp}  ({replaced} kernels -> {row['triton_kernels']})", flush=True)
+                  f"{sp}  ({row['torch_kernels']} kernels -> {row['triton_kernels']})",
+                  flush=True)
     write_results("layer_kernels", args, dev, dtype, rows)
     return 0
 

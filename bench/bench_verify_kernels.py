@@ -105,14 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = timer(dev, args.repeats)
     rows = []
 
-    def add(op: str, B: int, torch_us: float, triton_us: float | None, **extra) -> None:
+    def add(op: str, B: int, torch_us: float | None, triton_us: float | None, **extra) -> None:
         row = {"op": op, "batch_size": B, "torch_us": torch_us, "triton_us": triton_us,
-               "speedup": torch_us / triton_us if triton_us else None, **extra}
+               "speedup": torch_us / triton_us if torch_us and triton_us else None, **extra}
         rows.append(row)
-        tri = f"{triton_us:9.1f}" if triton_us else "        -"
+        tor, tri = (f"{us:9.1f}" if us else "        -" for us in (torch_us, triton_us))
         more = "  ".join(f"{k} {v}" for k, v in extra.items() if v is not None)
-        print(f"{op:15s} B={B:<4d} torch {torch_us:9.1f} us  triton {tri} us  {more}",
-              flush=True)
+        print(f"{op:15s} B={B:<4d} torch {tor} us  triton {tri} us  {more}", flush=True)
 
     for B in (int(b) for b in args.batch_sizes.split(",")):
         draft, roots, prefix, table, flat, qo, num_pages = step_inputs(B, args, dev, dtype)
@@ -130,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         res = accept_flat()
         for f in ("num_accepted", "accepted_nodes", "output_ids", "num_output"):
             assert torch.equal(getattr(res, f), getattr(accept_padded(), f)), f
-        # the library runs the walk's kernel on CUDA, its torch path elsewhere
+        # the library runs the walk's kernel on CUDA, its torch path elsewhere: the time
+        # goes in the column of the path that ran
         for name, fn in (("accept-flat", accept_flat), ("accept-padded", accept_padded)):
             us = bench(fn)
-            add(name, B, us, None, peak_mb=None if not gpu else
+            add(name, B, None if gpu else us, us if gpu else None, peak_mb=None if not gpu else
                 round(peak_bytes(fn, dev) / 2**20, 1),
                 mean_accepted=round(float(res.num_accepted.float().mean()), 2))
 

@@ -70,7 +70,9 @@ def test_bench_layer_kernels_and_match_smoke(tmp_path):
         "--out", str(tmp_path / "lk")]) == 0
     rows = json.loads((tmp_path / "lk.json").read_text())["results"]
     assert {r["op"] for r in rows} == {"add_rms_norm", "rope_qk", "rope_append", "silu_mul"}
-    assert all(r["torch_us"] > 0 and r["triton_kernels"] < r["torch_kernels"] for r in rows)
+    # kernels are counted on a GPU only (torch.profiler's device activities)
+    assert all(r["torch_us"] > 0 and r["torch_kernels"] is None and r["triton_kernels"] is None
+               for r in rows)
     assert bench_match.main([
         "--device", "cpu", "--sizes", "32K", "--batch", "1,4", "--repeats", "2",
         "--max-depth", "32", "--no-unfold", "--no-suffix-decoding",
