@@ -480,6 +480,7 @@ def _replay_all(corpus: ReplayCorpus, drafters: Sequence, tokenizer: Tokenizer,
         from agspec_gpu.tiers import load_global_corpus
 
         maybe_global = load_global_corpus(config.global_corpus, tokenizer)
+        maybe_global.check_disjoint(s.session_id or s.sid for s in corpus.sessions)
     ctx = LaneContext(tokenizer, config.device, config.batch_size, maybe_global,
                       config.oracle_k, config.cost_model, warm_responses)
     has_files = all(s.maybe_files is not None for s in corpus.sessions)

@@ -310,13 +310,25 @@ _FORMAT = "agspec-global-v2"  # v2: the index is over the reversed text
 
 @dataclass
 class GlobalCorpus:
-    """A read-only corpus built offline, with its suffix array and tokenizer fingerprint."""
+    """A read-only corpus built offline, with its suffix array and tokenizer fingerprint;
+    ``session_ids``: the trajectory sessions it holds (a replay of any of them would draft
+    from the session's own text: :meth:`check_disjoint`)."""
 
     tokens: torch.Tensor
     sa: torch.Tensor
     indexed_end: int
     max_depth: int
     fingerprint: str
+    session_ids: frozenset = frozenset()
+
+    def check_disjoint(self, session_ids) -> None:
+        """Raises ValueError naming the global corpus when it holds any of ``session_ids``
+        (the sessions about to be replayed against it)."""
+        both = sorted(self.session_ids.intersection(session_ids))
+        if both:
+            raise ValueError(f"global_corpus: holds {len(both)} of the replayed sessions "
+                             f"({both[0]!r}, ...): each would draft its own text; build it "
+                             f"from the other half (build-global --half) and replay one")
 
     def check(self, tokenizer: Tokenizer, max_depth: int) -> None:
         if tokenizer.fingerprint != self.fingerprint:
@@ -369,6 +381,7 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
         except (UnicodeDecodeError, OSError):
             continue
     docs += tokenizer.encode_batch(texts)
+    session_ids = []
     if trajectories:
         from agspec_gpu.trajectories import load_paths
 
@@ -377,11 +390,12 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
                 continue
             ids = tokenizer.encode_batch([m.content for m in sess.messages])
             docs.append([t for m in ids for t in m])
-    return _save_global(docs, tokenizer, out, max_depth, max_tokens)
+            session_ids.append(sess.id)
+    return _save_global(docs, tokenizer, out, max_depth, max_tokens, session_ids)
 
 
 def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, max_depth: int,
-                 max_tokens: int) -> GlobalCorpus:
+                 max_tokens: int, session_ids: list[str] = ()) -> GlobalCorpus:
     from safetensors.torch import save_file
 
     parts: list[int] = []
@@ -395,9 +409,11 @@ def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, m
     sa = build_context_array(tokens, 0, end, max_depth)
     meta = {"format": _FORMAT, "fingerprint": tokenizer.fingerprint, "tokenizer": tokenizer.name,
             "max_depth": str(max_depth), "indexed_end": str(end),
-            "sha256": _digest(tokens, sa), "num_docs": str(len(docs))}
+            "sha256": _digest(tokens, sa), "num_docs": str(len(docs)),
+            "sessions": json.dumps(list(session_ids))}
     save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)
-    return GlobalCorpus(tokens, sa, end, max_depth, tokenizer.fingerprint)
+    return GlobalCorpus(tokens, sa, end, max_depth, tokenizer.fingerprint,
+                        frozenset(session_ids))
 
 
 def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> GlobalCorpus:
@@ -419,7 +435,7 @@ def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> 
     if _digest(tokens, sa) != meta.get("sha256"):
         raise ValueError(f"global corpus {path}: checksum mismatch (corrupted file)")
     g = GlobalCorpus(tokens, sa, int(meta["indexed_end"]), int(meta["max_depth"]),
-                     meta["fingerprint"])
+                     meta["fingerprint"], frozenset(json.loads(meta.get("sessions", "[]"))))
     if tokenizer is not None and tokenizer.fingerprint != g.fingerprint:
         raise ValueError(f"global corpus {path} was built with tokenizer "
                          f"{meta.get('tokenizer')!r} ({g.fingerprint[:12]}), not "

@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         from agspec_gpu.tiers import load_global_corpus
 
         maybe_global = load_global_corpus(args.global_corpus, tokenizer)
+        maybe_global.check_disjoint(s.session_id or s.sid for s in corpus.sessions)
     longest = max(int(s.bounds[i + 1] - s.bounds[i]) for s in corpus.sessions
                   for i in s.target_messages) if corpus.sessions else 1
     msg_room = min(longest, max_msg) if max_msg else longest

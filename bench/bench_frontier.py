@@ -110,6 +110,7 @@ def main() -> None:
     t_all = time.time()
     for f in args.files:
         ss = [s for s in load_paths([DEV + f]) if session_half(s.id) == args.half]
+        gc.check_disjoint(s.id for s in ss[:args.sessions])
         corpus = tokenize_sessions([cut(s, args.max_target_tokens, tok)
                                     for s in ss[:args.sessions]], tok)
         t0 = time.time()

@@ -145,6 +145,8 @@ def main() -> None:
     for f in FILES:
         ss = [s for s in load_paths([DEV + f])
               if args.half is None or session_half(s.id) == args.half][:args.sessions]
+        if gc is not None:
+            gc.check_disjoint(s.id for s in ss)
         corpus = tokenize_sessions([cut(s, args.max_target_tokens, tok) for s in ss], tok)
         lanes = []
 

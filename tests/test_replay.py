@@ -545,6 +545,26 @@ def _id_in_half(prefix: str, half: int) -> str:
 
 
 @needs_agspec
+@needs_agspec
+def test_a_global_corpus_holding_a_replayed_session_is_refused(tok, tmp_path):
+    """A global corpus built from trajectories records their session ids: replaying any of
+    them against it (a session drafting its own text) raises naming it; sessions it does
+    not hold pass (the cross-halves test replays each half against the other's)."""
+    from agspec_gpu.tiers import build_global_corpus, load_global_corpus
+    from agspec_gpu.trajectories import load_paths
+
+    path = tmp_path / "two.jsonl.gz"
+    _write_fixture(path)  # sessions a and b
+    corpus = tokenize_sessions(load_paths([path]), tok)
+    both = tmp_path / "both.agspec"
+    build_global_corpus([], tok, both, trajectories=[path])
+    g = load_global_corpus(both, tok)
+    assert g.session_ids == {"a", "b"}
+    with pytest.raises(ValueError, match="global_corpus: holds 2 of the replayed sessions"):
+        run_replay(corpus, ["agspec"], tok, ReplayConfig(oracle=False, global_corpus=str(both)))
+    g.check_disjoint(["c", "d"])
+
+
 @pytest.mark.skipif(not _has_arctic(), reason="needs arctic-inference")
 def test_warm_suffix_decoding_holds_the_other_half_responses_only(tok, tmp_path):
     """suffix-decoding-warm under cross-halves: its cache holds the other half's responses
