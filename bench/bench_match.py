@@ -307,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                 w["unfold_med"] = u.get("median_ms")
                 w["unfold_pred"] = f"~{u['predicted_ms']:.0f} (skipped)" if u.get("skipped") \
                     else None
-                t = u.get("median_ms") or u.get("predicted_ms")
-                w["x_unfold"] = t / a["median_ms"]
+                # a skipped configuration's ratio is a prediction: its own column, marked
+                w["x_unfold"] = u["median_ms"] / a["median_ms"] if u.get("median_ms") else None
+                w["x_unfold_pred"] = f"~{u['predicted_ms'] / a['median_ms']:.3g}" \
+                    if u.get("skipped") else None
             if "suffix-decoding" in res:
                 w["sd_med"] = res["suffix-decoding"]["median_ms"]
                 w["sd_p90"] = res["suffix-decoding"]["p90_ms"]
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         cols.append(("torch path", "torch_med", ".2f"))
     if not args.no_unfold:
         cols += [("unfold", "unfold_med", ".1f"), ("unfold predicted", "unfold_pred", ""),
-                 ("x unfold", "x_unfold", ".3g")]
+                 ("x unfold", "x_unfold", ".3g"), ("x unfold predicted", "x_unfold_pred", "")]
     if sd_cls is not None:
         cols += [("suffix-dec", "sd_med", ".2f"), ("p90", "sd_p90", ".2f"),
                  ("sd len", "sd_len", ".1f"), ("x sd", "x_sd", ".3g")]
