@@ -235,8 +235,9 @@ def modelled_speedup(tau: float | None, drafted_per_step: float | None,
     ``speedup = tau * cost(1) / (cost(1 + drafted_per_step) + draft_time)``: without
     speculation a token costs one single-token forward; with it a step verifies the root plus
     the drafted tokens in one forward, pays the measured drafting time (propose and commit),
-    and yields ``tau`` tokens. Drafting time is per request step (a batched drafter's time is shared by its
-    rows), so the batched drafter is not charged its whole batch's launch per request.
+    and yields ``tau`` tokens. Drafting time is per request step (a batched drafter's time
+    is shared by its rows), so the batched drafter is not charged its whole batch's launch
+    per request.
     """
     if tau is None or drafted_per_step is None:
         return None

@@ -738,7 +738,8 @@ def print_table(report: dict) -> None:
             ("tau", "tau", ".2f"), ("acc", "acceptance_rate", ".2f"),
             ("draft ms", "draft_ms_per_step", ".3f"), ("verify ms", "verify_ms_per_step", ".2f"),
             ("commit ms", "commit_ms_per_step", ".2f"),
-            ("of which drafter", "drafter_commit_ms_per_step", ".3f"), ("step ms", "step_ms", ".2f"),
+            ("of which drafter", "drafter_commit_ms_per_step", ".3f"),
+            ("step ms", "step_ms", ".2f"),
             ("plain", "plain_step_share", ".2f"), ("peak GB", "peak_mem_gb", ".1f")]
     for h, _, _ in cols:
         t.add_column(h, justify="left" if h == "method" else "right")
