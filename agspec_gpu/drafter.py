@@ -286,6 +286,10 @@ class Drafter:
         self.store.close_session(sid)
         del self._slot[sid]
         del self._version[sid]
+        # no text outlives its session: its ring row is cleared for the slot's next owner
+        # (which reads only recent_len tokens of it)
+        self.recent[slot] = 0
+        self.recent_len[slot] = 0
         self._free.append(slot)
 
     def _slot_of(self, sid: str) -> int:
@@ -320,6 +324,7 @@ class Drafter:
         # corpora changed (a running batch's steps reuse it: ~1.4 us a request otherwise)
         key = (store.epoch, tuple(sids))
         if key != self._grid_key:
+            _check_distinct(sids)
             self._grid, self._grid_key = self._match_grid(sids), key
             stale = [i for i, sid in enumerate(sids)
                      if self._version[sid] != store.tenant_version(sid)]
@@ -543,7 +548,8 @@ class Drafter:
         dev = self.recent.device
         # the batch's grid from its propose, while current: its slots and session corpora
         grid = self._grid if self._grid_key == (self.store.epoch, tuple(sids)) else None
-        if grid is None:
+        if grid is None:  # (a batch with a grid was checked when its grid was built)
+            _check_distinct(sids)
             slots, = self._writer.write(([self._slot_of(s) for s in sids], torch.int64))
         else:
             slots = grid[5]
@@ -672,4 +678,10 @@ class Drafter:
         # floors keep the calibration prior's weight from vanishing in rarely drafted cells
         self._tables.mul_(self._tables_decay).add_(counts).clamp_(min=self._tables_floor)
         return (acc_src,)
+
+
+def _check_distinct(sids) -> None:
+    """A session's state (its ring, its corpus) takes one row of a step."""
+    if len(set(sids)) != len(sids):
+        raise ValueError(f"sids: each session at most once per step, got {list(sids)}")
 

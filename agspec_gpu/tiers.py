@@ -66,7 +66,10 @@ class TierConfig:
 class _Tenant:
     version: int = 0  # bumped whenever workspace or history text changes
     ws: DocumentCorpus | None = None  # documents: (path, digest) -> emission forms
-    hist: DocumentCorpus | None = None  # documents: session id -> its token stream
+    # documents: (session id, n-th close of the tenant) -> its token stream (a session id
+    # may be reused once its session closed: its text is another document)
+    hist: DocumentCorpus | None = None
+    num_closed: int = 0
     sessions: set[str] = field(default_factory=set)
 
     @property
@@ -172,13 +175,21 @@ class CorpusStore:
         self.epoch += 1
 
     def close_tenant(self, tenant: str) -> None:
-        """Closes the tenant's sessions and frees its workspace and history."""
+        """Frees the tenant's workspace and history; its sessions must be closed first (by
+        their owner: the drafter frees their slots, which freeing their corpora here would
+        strand).
+
+        Raises:
+            KeyError: the tenant is unknown (or already closed).
+            ValueError: the tenant has open sessions.
+        """
         _check_tenant(tenant)
         t = self._tenants.get(tenant)
         if t is None:
             raise KeyError(f"tenant {tenant!r} is unknown")
-        for sid in list(t.sessions):
-            self.arena.free(self._sessions.pop(sid).corpus)
+        if t.sessions:
+            raise ValueError(f"tenant: {tenant!r} has open sessions {sorted(t.sessions)}; "
+                             f"close them first")
         for docs in (t.ws, t.hist):
             if docs is not None:
                 docs.free()
@@ -234,7 +245,8 @@ class CorpusStore:
     def _add_history(self, t: _Tenant, sid: str, tokens: torch.Tensor) -> None:
         if t.hist is None:
             t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru", 1.0)
-        t.hist.add(sid, [(tokens, source_code(CorpusTier.HISTORY))])
+        t.hist.add((sid, t.num_closed), [(tokens, source_code(CorpusTier.HISTORY))])
+        t.num_closed += 1
         t.version += 1
         self.epoch += 1
 

@@ -656,6 +656,36 @@ def test_graphed_step_replays_few_kernels(tok, monkeypatch):
     assert max(per_graph[0]) <= 10 and max(per_graph[1]) <= 8, per_graph  # 8 and 6
 
 
+def test_session_lifecycle_edges(tok):
+    """A session id reused in its tenant after its close: both closes succeed and the
+    history holds both texts; a session twice in one step is refused before any state
+    changes; a closed session's ring row is cleared for the slot's next owner; the store
+    refuses to close a tenant with open sessions (the drafter frees their slots)."""
+    store, d = make(tok, batch_budget=False)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
+    slot = d._slot["s"]
+    d.close_session("s")
+    assert d.recent[slot].abs().sum() == 0 and int(d.recent_len[slot]) == 0
+    d.open_session("s", "t", role="coder", prompt_ids=[F0, A, B])
+    d.close_session("s")  # the same id again: another history document
+    held = store.arena.corpus_tokens(store._tenants["t"].history).tolist()
+    assert held.count(F1) == 1 and held.count(F0) == 2
+    d.open_session("a", "t", role="coder", prompt_ids=CASE_A)
+    ring = d.recent.clone()
+    for call in (lambda: d.propose(["a", "a"]),
+                 lambda: d.observe(["a", "a"], torch.tensor([[X], [X]], dtype=torch.int32),
+                                   torch.tensor([1, 1]), torch.tensor([0, 0]))):
+        with pytest.raises(ValueError, match="each session at most once"):
+            call()
+    assert torch.equal(d.recent, ring)
+    assert store.arena.corpus_tokens(store.session("a").corpus).tolist() == CASE_A
+    with pytest.raises(ValueError, match="open sessions"):
+        store.close_tenant("t")
+    d.close_session("a")
+    store.close_tenant("t")
+    assert len(d._free) == 16 and store.nbytes() == 0
+
+
 def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(tok):
     store, d = make(tok, batch_budget=False, tree=False)
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
@@ -830,6 +860,9 @@ def test_match_grid_is_reused_until_the_batch_or_the_corpora_change(tok):
     propose(batch + ["s4"], True)
     propose(batch + ["s4"], False)
     propose(["s1", "s0"], True)
+    with pytest.raises(ValueError, match="open sessions"):  # s1 first (its slot is the
+        store.close_tenant("t1")                            # drafter's to free)
+    d.close_session("s1")
     store.close_tenant("t1")  # s1's corpora are gone: the grid is not reused
     with pytest.raises(KeyError, match="s1"):
         d.propose(["s1", "s0"])
