@@ -9,6 +9,7 @@ string, and confirms a hit on the whole output.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Sequence
 
 # Tokens kept in front of the longest stop string's bytes: a UTF-8 character cut at the
@@ -23,11 +24,12 @@ class StopMatcher:
     ``push(t)`` answers what ``any(s in decode(tokens) for s in stops)`` answers after
     appending ``t`` (the reference, checked at every token), given that no earlier token
     completed a stop string. An occurrence that the newest token completes ends in that
-    token's bytes, so it starts within the last ``len(s.encode())`` tokens (every token
-    decodes to at least one byte) or a character's width before them: the window of the last
-    ``max bytes + 8`` tokens holds it, with decoding artefacts of the cut in front of it.
-    A hit in the window is confirmed on the whole output, so the window never ends a request
-    that the reference would not.
+    token's bytes, so it starts within the last ``len(s.encode())`` tokens that decode to
+    some text (a token alone decodes to at least one byte, or to nothing: special and
+    padding ids, which the window steps over) or a character's width before them: the
+    window back to the ``max bytes + 8``-th last such token holds it, with decoding
+    artefacts of the cut in front of it. A hit in the window is confirmed on the whole
+    output, so the window never ends a request that the reference would not.
 
     Args:
         decode: the tokenizer's ``decode(list[int]) -> str``.
@@ -41,16 +43,25 @@ class StopMatcher:
         self._decode = decode
         self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
         self.tokens: list[int] = []
+        self._textless: dict[int, bool] = {}  # per id: decodes alone to nothing
+        # positions of the last ``_window`` tokens that decode to some text
+        self._texts: deque[int] = deque(maxlen=self._window)
 
     def push(self, token: int) -> bool:
         """Appends ``token``; True if a stop string appears in the output now."""
         self.tokens.append(token)
         if not self.stops:
             return False
-        text = self._decode(self.tokens[-self._window:])
+        textless = self._textless.get(token)
+        if textless is None:
+            textless = self._textless[token] = self._decode([token]) == ""
+        if not textless:
+            self._texts.append(len(self.tokens) - 1)
+        start = self._texts[0] if len(self._texts) == self._window else 0
+        text = self._decode(self.tokens[start:])
         if not any(s in text for s in self.stops):
             return False
-        if len(self.tokens) <= self._window:
+        if start == 0:
             return True  # the window was the whole output
         text = self._decode(self.tokens)
         return any(s in text for s in self.stops)

@@ -128,6 +128,13 @@ def test_ids_without_text():
     assert tok().decode([100257]) == "<|endoftext|>"
     tokens = tok().encode("x = 1\n") + [100261] + tok().encode("y = 2\n") + [100256] * 3
     check(tokens, [["1\ny"], ["= 2"], ["\n"], ["never"]])
+    # more of them inside a stop string's span than the window's margin: the window counts
+    # tokens with text only (it counted every token: 9 or more ids without text hid "1\ny")
+    for n in (7, 9, 30):
+        spread = tok().encode("x = 1") + [100261 + k % 15 for k in range(n)] + \
+            tok().encode("\ny = 2")
+        check(spread, [["1\ny"], ["x = 1\ny"], ["= 2"]])
+        assert matched(spread, ["1\ny"]) == len(tok().encode("x = 1")) + n + 2
 
 
 def test_no_stops_and_bad_stops():
