@@ -999,15 +999,22 @@ def test_arguments_of_the_wrong_type_are_named():
     assert_greedy(dec, variant, sids, P)
 
 
-def test_own_loop_ignores_logit_columns_past_the_vocabulary():
-    """Logits wider than the model's vocabulary (an engine's padded head): the columns past
-    it are no tokens, however large, and never committed."""
-    variant = VARIANTS[1]
+def _two_sessions_and_a_runner(variant):
+    """``(prompts, decoder, its two sessions, an HFRunner prefilled with their contexts less
+    the last token)``: the user's own loop, its verifier the runner."""
     P = [list(prompts()[i]) for i in (3, 1)]
     dec = SpecDecoder(model(variant), tok())
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     runner = HFRunner(model(variant))
     runner.prefill([p[:-1] for p in P])
+    return P, dec, sids, runner
+
+
+def test_own_loop_ignores_logit_columns_past_the_vocabulary():
+    """Logits wider than the model's vocabulary (an engine's padded head): the columns past
+    it are no tokens, however large, and never committed."""
+    variant = VARIANTS[1]
+    P, dec, sids, runner = _two_sessions_and_a_runner(variant)
     outs = [[] for _ in sids]
     for step in range(3):
         draft = dec.propose(sids)
@@ -1288,11 +1295,7 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
 
 def test_own_loop_sampling_commits_sampled_tokens():
     variant = VARIANTS[1]
-    P = [list(prompts()[i]) for i in (3, 1)]
-    dec = SpecDecoder(model(variant), tok())
-    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
-    runner = HFRunner(model(variant))
-    runner.prefill([p[:-1] for p in P])
+    P, dec, sids, runner = _two_sessions_and_a_runner(variant)
     g = torch.Generator().manual_seed(0)
     outs = own_loop(dec, runner, sids, 6, sampling=SamplingParams(temperature=1.0, top_k=50),
                     generator=g)

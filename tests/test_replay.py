@@ -545,6 +545,23 @@ def _id_in_half(prefix: str, half: int) -> str:
 
 
 @needs_agspec
+def _halves_fixture(tok, tmp_path: Path, sessions: list[Session]) -> tuple:
+    """``sessions`` written as a trajectory file, the global corpus of each of its halves
+    built from it, and the sessions tokenized: ``(corpus, [half 0's, half 1's], path)``."""
+    from agspec_gpu.tiers import build_global_corpus
+
+    path = tmp_path / "sessions.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.writelines(json.dumps({"id": s.id, "source": "t", "agent": s.agent, "model": "",
+                                  "messages": [{"role": m.role, "content": m.content}
+                                               for m in s.messages]}) + "\n"
+                      for s in sessions)
+    halves = [tmp_path / f"h{h}.agspec" for h in (0, 1)]
+    for h in (0, 1):
+        build_global_corpus([], tok, halves[h], trajectories=[path], half=h)
+    return tokenize_sessions(sessions, tok), halves, path
+
+
 @needs_agspec
 def test_a_global_corpus_holding_a_replayed_session_is_refused(tok, tmp_path):
     """A global corpus built from trajectories records their session ids: replaying any of
@@ -572,8 +589,6 @@ def test_warm_suffix_decoding_holds_the_other_half_responses_only(tok, tmp_path)
     never its own half's (G's answer, half 0 only, is not found at G; F after it finds it
     in the run's own cache, as the cold lane does), and without cross-halves it has nothing
     to warm with."""
-    from agspec_gpu.tiers import build_global_corpus
-
     rng = np.random.default_rng(8)
     words = lambda: " ".join(f"w{int(x)}" for x in rng.integers(0, 10**6, 150))  # noqa: E731
     t_d, t_g = words(), words()
@@ -584,16 +599,7 @@ def test_warm_suffix_decoding_holds_the_other_half_responses_only(tok, tmp_path)
                                                           Message("assistant", answer)))
 
     sessions = [sess("d", t_d), sess("e", t_d), sess("g", t_g), sess("f", t_g)]
-    path = tmp_path / "four.jsonl.gz"
-    with gzip.open(path, "wt") as fh:
-        fh.writelines(json.dumps({"id": s.id, "source": "t", "agent": s.agent, "model": "",
-                                  "messages": [{"role": m.role, "content": m.content}
-                                               for m in s.messages]}) + "\n"
-                      for s in sessions)
-    halves = [tmp_path / f"h{h}.agspec" for h in (0, 1)]
-    for h in (0, 1):
-        build_global_corpus([], tok, halves[h], trajectories=[path], half=h)
-    corpus = tokenize_sessions(sessions, tok)
+    corpus, halves, _ = _halves_fixture(tok, tmp_path, sessions)
     for workers in (1, 2):
         report = run_replay(corpus, ["suffix-decoding", "suffix-decoding-warm"], tok,
                             ReplayConfig(batch_size=1, oracle=False, workers=workers),
@@ -617,8 +623,6 @@ def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
     """Each half replays against the global tier of the other half: A (half 0) copies text
     only B (half 1) holds, B copies text only C (half 0) holds, and C's text is nowhere but
     in C itself and so in the global tier of its own half, which C must never see."""
-    from agspec_gpu.tiers import build_global_corpus
-
     rng = np.random.default_rng(7)
     words = lambda: " ".join(f"w{int(x)}" for x in rng.integers(0, 10**6, 120))  # noqa: E731
     t_a, t_b, r_c = words(), words(), words()
@@ -630,16 +634,7 @@ def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
 
     sessions = [sess(ia, "a-agent", "go", t_a), sess(ib, "b-agent", "see " + t_a, t_b),
                 sess(ic, "c-agent", "see " + t_b, r_c)]
-    path = tmp_path / "three.jsonl.gz"
-    with gzip.open(path, "wt") as fh:
-        fh.writelines(json.dumps({"id": s.id, "source": "t", "agent": s.agent, "model": "",
-                                  "messages": [{"role": m.role, "content": m.content}
-                                               for m in s.messages]}) + "\n"
-                      for s in sessions)
-    halves = [tmp_path / f"h{h}.agspec" for h in (0, 1)]
-    for h in (0, 1):
-        build_global_corpus([], tok, halves[h], trajectories=[path], half=h)
-    corpus = tokenize_sessions(sessions, tok)
+    corpus, halves, path = _halves_fixture(tok, tmp_path, sessions)
     report = run_replay(corpus, ["agspec"], tok, ReplayConfig(batch_size=2),
                         cross_halves=halves)
     tau = {r["agent"]: r["tau"] for r in report.rows}
