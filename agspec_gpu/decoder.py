@@ -49,7 +49,7 @@ from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import HostReader, to_device
 from agspec_gpu.requests import Requests, StepOutput, per_session, stop_lists
-from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.runners.hf import HFRunner, check_hf_model
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
@@ -175,6 +175,8 @@ class SpecDecoder:
         if isinstance(global_corpus, (str, Path)):
             global_corpus = load_global_corpus(global_corpus, self.tokenizer)
         self.config = config or DecoderConfig()
+        if self.config.runner == "hf":  # a model it cannot verify exactly fails here
+            check_hf_model(model)
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         if vocab and self.tokenizer.vocab_size > vocab:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
@@ -582,9 +584,12 @@ class SpecDecoder:
             self._advance(reqs, live.prefill(generator), on_tokens)
             while not all(reqs.done):
                 self._advance(reqs, live.verify_step(generator), on_tokens)
-        finally:  # the requests still in the batch (those that left kept theirs then)
+        except BaseException as exc:
             self._generating.difference_update(sids)
-            live.end()
+            _end_after(live, exc)
+            raise
+        self._generating.difference_update(sids)
+        live.end()  # the requests still in the batch (those that left kept theirs then)
         return outs
 
     # ------------------------------------------------------------ continuous batching
@@ -644,10 +649,10 @@ class SpecDecoder:
             r = live.reqs
             out = [StepOutput(s, t, d) for s, t, d in zip(r.sids, new, r.done)]
             self._leave_finished()  # their sessions are idle once step() returns
-        except BaseException:
+        except BaseException as exc:
             if self._live is not None:
-                self._live.end()
-                self._live = None
+                live, self._live = self._live, None
+                _end_after(live, exc)
             raise
         return out
 
@@ -763,6 +768,15 @@ class SpecDecoder:
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _end_after(live: RunningBatch, exc: BaseException) -> None:
+    """Ends ``live`` after ``exc`` failed its call: an error of the ending (a runner left
+    broken) is noted on ``exc``, which the caller re-raises, rather than replacing it."""
+    try:
+        live.end()
+    except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
+        exc.add_note(f"then ending the running batch failed too: {cleanup!r}")
 
 
 def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:

@@ -907,6 +907,28 @@ def test_finished_requests_leave_the_batch(runner, monkeypatch):
 
 
 # ---------------------------------------------------------------- bad input
+def test_keys_and_values_of_different_head_sizes_are_lossless():
+    """Multi-head latent attention (DeepSeek-V3: keys of qk_nope + qk_rope dims, values of
+    v_head_dim) through the hf runner: its commit moves keys and values each by its own
+    shape; greedy output equals plain greedy decoding with drafts accepted."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8)
+    torch.manual_seed(0)
+    m = transformers.DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    P = [list(prompts()[i]) for i in (1, 3)]
+    want = [greedy_generate(m, p, 16, eos_id=tok().eos_id) for p in P]
+    dec = SpecDecoder(m, tok())
+    for i, (p, w) in enumerate(zip(P, want)):
+        steer(dec, f"t{i}", p + w)
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    assert dec.generate(sids, max_new_tokens=16) == want
+    assert dec.stats["accepted"] > 0
+
+
 def test_mismatched_vocabularies():
     small = _tiny("llama", "sdpa", vocab=50000)
     with pytest.raises(ValueError, match="vocab"):

@@ -263,6 +263,30 @@ def test_runner_misuse_raises():
         HFRunner(transformers.Qwen2ForCausalLM(sliding).eval())
 
 
+def test_models_it_cannot_verify_exactly_are_refused_when_the_decoder_is_built():
+    """Models whose forward reads distances or windows by cache slot, which a padded batch
+    and a draft tree shift (ALiBi: Bloom, MPT, Falcon with alibi; GPT-Neo's local layers; a
+    sliding window): refused naming the model, by the runner and by SpecDecoder's
+    constructor (not at the first generate)."""
+    from agspec_gpu import SpecDecoder
+
+    small = dict(vocab_size=64, hidden_size=16, num_attention_heads=2)
+    configs = {"ALiBi": [transformers.BloomConfig(n_layer=1, **small),
+                         transformers.MptConfig(n_layers=1, d_model=16, n_heads=2,
+                                                vocab_size=64),
+                         transformers.FalconConfig(alibi=True, num_hidden_layers=1, **small)],
+               "local-attention": [transformers.GPTNeoConfig(
+                   num_layers=2, attention_types=[[["global", "local"], 1]], **small)],
+               "sliding": [transformers.MistralConfig(num_hidden_layers=1,
+                                                      intermediate_size=32, **small)]}
+    for match, cfgs in configs.items():
+        for cfg in cfgs:
+            model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+            for build in (HFRunner, lambda m: SpecDecoder(m, "cl100k")):
+                with pytest.raises(ValueError, match=f"model: .*{match}"):
+                    build(model)
+
+
 def test_growing_cache_layer_equals_concatenation():
     """The runner's cache layer appends in place, grows when full, and adopts tensors set
     from outside (a gather, a row selection) or narrowed views: its keys / values always

@@ -121,6 +121,27 @@ def test_from_pretrained_round_trip(tmp_path):
     torch.testing.assert_close(runner.prefill(["s"], [ids])[0], want, atol=1e-4, rtol=1e-4)
 
 
+def test_models_of_llamas_weight_names_but_another_forward_are_refused():
+    """The paged runner computes Llama / Qwen2 / Mistral (full attention, SiLU): models that
+    share Llama's weight names but not its forward (Qwen3's q/k norms, Gemma's scaled
+    embeddings and norms, Granite's multipliers, another activation, a sliding window)
+    would run, wrongly; they are refused naming what differs."""
+    from agspec_gpu.runners.paged import ModelShape
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1)
+    for cfg, match in ((transformers.Qwen3Config(**small), "model_type 'qwen3'"),
+                       (transformers.GemmaConfig(**small), "model_type 'gemma'"),
+                       (transformers.GraniteConfig(**small), "model_type 'granite'"),
+                       (transformers.LlamaConfig(hidden_act="gelu", **small), "hidden_act"),
+                       (transformers.MistralConfig(sliding_window=16, **small), "sliding")):
+        with pytest.raises(ValueError, match=match):
+            ModelShape.from_hf_config(cfg)
+    for cfg in (transformers.LlamaConfig(**small), transformers.Qwen2Config(**small),
+                transformers.MistralConfig(sliding_window=None, **small)):
+        assert ModelShape.from_hf_config(cfg).hidden_size == 16
+
+
 def test_paged_batch_continues_the_callers_sequences():
     """PagedBatch(seq_ids=...): the caller's KV sequences outlive the batch, and a later
     batch that names how many tokens they hold (``cached``) computes only the rest."""

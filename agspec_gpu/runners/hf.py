@@ -175,6 +175,29 @@ def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
+def check_hf_model(model: torch.nn.Module) -> None:
+    """Raises ValueError naming ``model`` unless :class:`HFRunner` verifies it exactly: its
+    forward must place each token by the ``position_ids`` it is given and mask by the 4-D
+    mask, in every layer. A sliding window, or another non-full layer, masks by cache slot;
+    ALiBi (Bloom, MPT, Falcon with ``alibi``) and GPT-Neo's local layers read distances
+    from cache slots, which a padded batch and a draft tree shift."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("model: expected a Hugging Face model with a .config")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text_config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (
+            not layer_types and getattr(text_config, "sliding_window", None) is not None):
+        raise ValueError("model: sliding-window / non-full attention layers are not supported")
+    model_type = getattr(text_config, "model_type", None)
+    if model_type in ("bloom", "mpt") or getattr(text_config, "alibi", False):
+        raise ValueError(f"model: {model_type} uses ALiBi (distances by cache slot), which "
+                         f"padded batches and draft trees shift: not supported")
+    if "local" in (getattr(text_config, "attention_layers", None) or ()):
+        raise ValueError(f"model: {model_type} has local-attention layers (a window by "
+                         f"cache slot): not supported")
+
+
 class HFRunner:
     """Runs draft-tree verification for a batch of requests through a HF causal LM.
 
@@ -196,16 +219,9 @@ class HFRunner:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        config = getattr(model, "config", None)
-        if config is None:
-            raise ValueError("model: expected a Hugging Face model with a .config")
+        check_hf_model(model)
         if model.training:
             raise ValueError("model: call model.eval() first (dropout makes verification random)")
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layer_types = getattr(text_config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or (
-                not layer_types and getattr(text_config, "sliding_window", None) is not None):
-            raise ValueError("model: sliding-window / non-full attention layers are not supported")
         self.model = model
         self._cache_kw = _cache_kwarg(model)
         self._keep_kw = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -374,11 +390,12 @@ class HFRunner:
         for layer in self._cache.layers:  # keys/values: [B, H_kv, slots, head_dim]
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue  # a layer that caches nothing (KV sharing)
-            shape = (B, layer.keys.shape[1], K, layer.keys.shape[3])
-            s, d = src[:, None, :, None].expand(shape), dst[:, None, :, None].expand(shape)
-            layer.keys.scatter_(2, d, layer.keys.gather(2, s))
-            layer.values.scatter_(2, d, layer.values.gather(2, s))
-            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+            for name in ("keys", "values"):  # (their head sizes may differ: MLA's)
+                t = getattr(layer, name)
+                shape = (B, t.shape[1], K, t.shape[3])
+                s, d = src[:, None, :, None].expand(shape), dst[:, None, :, None].expand(shape)
+                t.scatter_(2, d, t.gather(2, s))
+                setattr(layer, name, t[:, :, :width])
 
     @torch.no_grad()
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,

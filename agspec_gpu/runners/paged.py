@@ -62,6 +62,7 @@ class ModelShape:
     @staticmethod
     def from_hf_config(config) -> "ModelShape":
         """Raises ValueError for a config that is not a Llama-family decoder's."""
+        check_architecture(config)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads", "rms_norm_eps")
                    if getattr(config, k, None) is None]
@@ -77,6 +78,30 @@ class ModelShape:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or
             config.num_attention_heads,
             head_dim=head_dim, rms_norm_eps=config.rms_norm_eps)
+
+
+# the model types whose forward the paged runner computes: Llama's (Qwen2's adds q/k/v
+# biases, Mistral's a sliding window, refused below). Others that share Llama's weight names
+# compute something else (Qwen3's q/k norms, Gemma's scaled embeddings and (1 + w) norms,
+# Granite's multipliers), so a name check alone would run them, wrongly.
+PAGED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def check_architecture(config) -> None:
+    """Raises ValueError unless the paged runner computes ``config``'s model exactly: a
+    Llama / Qwen2 / Mistral decoder with SiLU MLPs and full attention in every layer."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PAGED_MODEL_TYPES:
+        raise ValueError(f"config: model_type {model_type!r}, the paged runner computes "
+                         f"{', '.join(PAGED_MODEL_TYPES)} only (the hf runner takes others)")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config: hidden_act {act!r}, the paged runner's MLP is SiLU's")
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None) if \
+        getattr(config, "use_sliding_window", True) else None
+    if any(t != "full_attention" for t in layer_types) or (not layer_types and window):
+        raise ValueError("config: sliding-window attention layers are not supported")
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
