@@ -9,6 +9,7 @@ name that `transformers.AutoTokenizer` loads from disk. Every tokenizer carries 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Sequence
@@ -49,7 +50,7 @@ class Tokenizer:
         """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text."""
         if isinstance(self._impl, _TiktokenImpl):
             return self._impl.enc.encode_ordinary(text)
-        return self._impl.encode(text, add_special_tokens=False)
+        return self._impl.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if isinstance(self._impl, _TiktokenImpl):
@@ -100,14 +101,26 @@ def _load_cl100k() -> Tokenizer:
 
 
 def _hf_fingerprint(tok: Any) -> str:
+    """The digest of what maps text to ids and back: the backend's model, normalizer,
+    pre-tokenizer, post-processor, decoder and added tokens. Not its padding and
+    truncation settings, which a batched call (``padding=True``) changes and
+    ``save_pretrained`` keeps, and which change no id."""
     backend = getattr(tok, "backend_tokenizer", None)
-    payload = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
+    if backend is None:
+        payload = repr(sorted(tok.get_vocab().items()))
+    else:
+        spec = json.loads(backend.to_str())
+        for key in ("padding", "truncation"):
+            spec.pop(key, None)
+        payload = json.dumps(spec, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
-    """Wraps a loaded Hugging Face tokenizer."""
-    return Tokenizer(name or getattr(tok, "name_or_path", "hf"), len(tok), tok.eos_token_id,
+    """Wraps a loaded Hugging Face tokenizer. Its ids are ``[0, highest id + 1)``: ``len``
+    counts ids, and a vocabulary with a gap has an id past it."""
+    size = max(len(tok), max(tok.get_vocab().values(), default=-1) + 1)
+    return Tokenizer(name or getattr(tok, "name_or_path", "") or "hf", size, tok.eos_token_id,
                      _hf_fingerprint(tok), tok)
 
 

@@ -1,0 +1,70 @@
+"""Hugging Face tokenizers behind ``agspec_gpu.tokenizer.Tokenizer``: a byte-level BPE trained
+here on this package's own sources (no network), wrapped as ``transformers`` wraps one. Its
+fingerprint names what maps text to ids (not padding or truncation settings), special-token
+text encodes as plain text (as cl100k's ``encode_ordinary``), and a vocabulary with a gap
+counts its highest id."""
+
+import functools
+from pathlib import Path
+
+import pytest
+
+import agspec_gpu
+from agspec_gpu.tokenizer import from_hf, load_tokenizer
+
+tokenizers = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+
+@functools.cache
+def _bpe_json(vocab_size: int = 600) -> str:
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    texts = [p.read_text() for p in sorted(Path(agspec_gpu.__file__).parent.glob("*.py"))]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return bpe.to_str()
+
+
+def hf_tokenizer(vocab_size: int = 600):
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_str(_bpe_json(vocab_size)),
+        bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+
+
+def test_fingerprint_ignores_padding_and_truncation_and_survives_a_save(tmp_path):
+    tok = hf_tokenizer()
+    fp = from_hf(tok).fingerprint
+    tok(["def f(x):", "return"], padding=True, truncation=True, max_length=4)  # batching
+    assert from_hf(tok).fingerprint == fp
+    tok.save_pretrained(tmp_path / "t")
+    loaded = load_tokenizer(str(tmp_path / "t"))
+    assert loaded.fingerprint == fp and loaded.name == str(tmp_path / "t")
+    assert from_hf(hf_tokenizer(500)).fingerprint != fp  # another vocabulary
+    assert from_hf(tok).name == "hf"  # built in memory: no path to name it by
+
+
+def test_special_token_text_encodes_as_plain_text():
+    t = from_hf(hf_tokenizer())
+    ids = t.encode("x = 1 <|eos|> y")
+    assert t.eos_id not in ids and t.decode(ids) == "x = 1 <|eos|> y"
+    assert t.encode_batch(["<|eos|>"]) == [t.encode("<|eos|>")]
+
+
+def test_a_vocabulary_with_a_gap_counts_its_highest_id():
+    import json
+
+    spec = json.loads(_bpe_json())
+    vocab = spec["model"]["vocab"]
+    gone = next(k for k, v in vocab.items() if v == 400)
+    del vocab[gone]  # ids 0-599 less 400: 599 of them, the highest 599
+    spec["model"]["merges"] = [m for m in spec["model"]["merges"]
+                               if gone != "".join(m if isinstance(m, list) else m.split())]
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)),
+        eos_token="<|eos|>")
+    assert len(tok) == 599 and from_hf(tok).vocab_size == 600
