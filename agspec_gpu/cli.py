@@ -66,6 +66,19 @@ def _default_drafters(include_pld_vllm: bool = True) -> list[str]:
     return out
 
 
+def _at_least(lo: int):
+    """An argparse type: an int >= ``lo`` (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+    return parse
+
+
 def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | None) -> None:
     """The replay's options; ``default_drafters``: what the command replays without
     ``--drafter`` (None: no ``--drafter`` option)."""
@@ -75,7 +88,7 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
                             f"{', '.join(DRAFTER_NAMES)}")
     p.add_argument("--tokenizer", default="cl100k",
                    help="'cl100k' (offline tiktoken cl100k_base) or a local HF tokenizer path")
-    p.add_argument("--batch-size", type=int, default=64, help="continuous batch size (64)")
+    p.add_argument("--batch-size", type=_at_least(1), default=64, help="continuous batch size (64)")
     p.add_argument("--tenant-by", choices=("session", "agent"), default="session",
                    help="tenant of a session: itself (default) or its agent format")
     p.add_argument("--global", dest="global_corpus", metavar="FILE",
@@ -88,10 +101,10 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
     p.add_argument("--cost-model", metavar="FILE",
                    help="verification cost model JSON (default: 8B bf16 on H200 estimate)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_at_least(1), default=1,
                    help="torch CPU threads (1: the replay's many small ops run fastest "
                         "single-threaded)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=_at_least(1), default=1,
                    help="processes, one torch thread each: the sessions are split into this "
                         "many shards of equal target tokens (1)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
@@ -108,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="acceptance replay of agent trajectories")
     p.add_argument("paths", nargs="+", metavar="PATH", help="trajectory files or directories")
-    p.add_argument("--max-sessions", type=int, metavar="N",
+    p.add_argument("--max-sessions", type=_at_least(0), metavar="N",
                    help="replay at most the first N sessions of each PATH")
     p.add_argument("--cross-halves", action="store_true",
                    help="replay every session with a global tier built from the other half "
@@ -118,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="replay sessions built from a git repository's history")
     p.add_argument("repo", nargs="?", default=".", help="repository (default: the current one)")
-    p.add_argument("--max-commits", type=int, default=20, help="newest commits to use (20)")
-    p.add_argument("--max-session-chars", type=int, default=120_000,
+    p.add_argument("--max-commits", type=_at_least(1), default=20, help="newest commits to use (20)")
+    p.add_argument("--max-session-chars", type=_at_least(1), default=120_000,
                    help="leave out commits whose session text is longer (120,000 characters: "
                         "a session replays step by step, so the longest sets the run time)")
     _add_replay_options(p, default_drafters="none, pld-hf, suffix-decoding if installed, "
@@ -128,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="per-role draft caps from replayed P_acc(k) curves")
     p.add_argument("paths", nargs="+", metavar="TRAJ")
     p.add_argument("-o", "--out", required=True, metavar="FILE", help="profiles JSON")
-    p.add_argument("--max-sessions", type=int, metavar="N")
+    p.add_argument("--max-sessions", type=_at_least(0), metavar="N")
     p.add_argument("--profile-drafter", default="agspec-static-k32", choices=AGSPEC_DRAFTERS,
                    help="drafter whose curves are measured (a static k shows the whole curve)")
     _add_replay_options(p, default_drafters=None)
@@ -141,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--half", type=int, choices=(0, 1),
                    help="only trajectory sessions of this half (replay the other half)")
     p.add_argument("--tokenizer", default="cl100k")
-    p.add_argument("--max-depth", type=int, default=32, help="index depth; must match the "
+    p.add_argument("--max-depth", type=_at_least(1), default=32, help="index depth; must match the "
                    "store's TierConfig.max_depth (32)")
     p.add_argument("--suffix", nargs="+", default=[".py"], help="file suffixes (.py)")
     p.add_argument("-o", "--out", required=True, metavar="FILE")
@@ -162,8 +175,6 @@ def _need(module: str, attr: str, what: str):
 def _load_sessions(paths: Sequence[str], max_sessions: int | None) -> list:
     from agspec_gpu.trajectories import load_sessions
 
-    if max_sessions is not None and max_sessions < 0:
-        raise SystemExit("--max-sessions must be >= 0")
     out = []
     for p in paths:
         out += load_sessions(p, limit=max_sessions)
@@ -178,8 +189,12 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     from agspec_gpu.replay_report import print_table, write_csv, write_json, write_plot
     from agspec_gpu.tokenizer import load_tokenizer
 
-    if args.threads < 1:
-        raise SystemExit("--threads must be >= 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise ValueError(f"--device: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device here")
     torch.set_num_threads(args.threads)
     for d in drafters:
         if d in AGSPEC_DRAFTERS and agspec_unavailable_reason() is not None:
@@ -195,6 +210,12 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     needs_files = any(d in AGSPEC_DRAFTERS for d in drafters) or (
         config.oracle and agspec_unavailable_reason() is None)
     corpus = tokenize_sessions(sessions, tokenizer, capture_files=needs_files)
+    if not any(s.target_messages for s in corpus.sessions):
+        raise ValueError(f"no session with a non-empty assistant message to replay "
+                         f"({len(sessions)} sessions read)")
+    if "all" in corpus.agents:
+        raise ValueError("agent format 'all' is reserved: the report's rows over every "
+                         "format are named so")
     console.print(f"{len(corpus.sessions)} sessions, {len(corpus.stream):,} tokens "
                   f"({tokenizer.name}) in {time.perf_counter() - t0:.1f}s; drafters: "
                   f"{', '.join(drafters)}")
@@ -261,9 +282,6 @@ def _cmd_demo(args, console) -> int:
         raise SystemExit(f"agspec-gpu demo: {exc}") from None
     if not sessions:
         raise SystemExit(f"agspec-gpu demo: {args.repo}: no commit that modifies a text file")
-    if args.max_session_chars < 1:
-        raise SystemExit("agspec-gpu demo: --max-session-chars must be >= 1, got "
-                         f"{args.max_session_chars}")
     kept = [s for s in sessions if sum(len(m.content) for m in s.messages)
             <= args.max_session_chars]
     if not kept:
@@ -290,6 +308,9 @@ def _cmd_profile(args, console) -> int:
     # One curve per agent format (the replay passes the format as the role); sessions of an
     # unprofiled format use "default", profiled on all sessions.
     curves = {r["agent"]: r["p_acc"] for r in report.rows if r["steps"]}
+    if "default" in curves:
+        raise ValueError("agent format 'default' is reserved: the profile of every format "
+                         "is named so")
     curves["default"] = curves.pop("all")
     profiles = profile_roles(curves, cost=CostModel.from_json(report.config["cost_model"]),
                              out=args.out)
@@ -305,7 +326,9 @@ def _cmd_build_global(args, console) -> int:
 
     t0 = time.perf_counter()
     if not args.src and not args.trajectories:
-        raise SystemExit("build-global: give --src and/or --trajectories")
+        raise ValueError("give --src and/or --trajectories")
+    if not Path(args.out).parent.is_dir() or Path(args.out).is_dir():
+        raise ValueError(f"-o {args.out}: not a file path in an existing directory")
     g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
               max_depth=args.max_depth, suffixes=tuple(args.suffix),
               trajectories=list(args.trajectories), half=args.half)

@@ -10,6 +10,7 @@ map wherever one exists.
 from __future__ import annotations
 
 import bisect
+import math
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +41,8 @@ class CostModel:
         xs = [p[0] for p in self.points]
         if xs != sorted(xs) or len(set(xs)) != len(xs) or xs[0] < 1:
             raise ValueError("points: num_tokens must be distinct, ascending and >= 1")
-        if any(p[1] <= 0 for p in self.points):
-            raise ValueError("points: times must be positive")
+        if not all(0 < p[1] < math.inf for p in self.points):  # (also rejects NaN)
+            raise ValueError("points: times must be positive and finite")
 
     @classmethod
     def default(cls) -> "CostModel":
@@ -61,9 +62,18 @@ class CostModel:
 
     @classmethod
     def from_json(cls, obj: dict | str | Path) -> "CostModel":
-        if isinstance(obj, (str, Path)):
-            obj = json.loads(Path(obj).read_text())
-        return cls(tuple((int(a), float(b)) for a, b in obj["points"]), obj.get("source", ""))
+        """From ``{"points": [[num_tokens, ms], ...], "source": ...}`` or a file of it;
+        ValueError naming the file (or ``cost model``) for anything else."""
+        where = f"cost model {obj}" if isinstance(obj, (str, Path)) else "cost model"
+        try:
+            if isinstance(obj, (str, Path)):
+                obj = json.loads(Path(obj).read_text())
+            points = tuple((int(a), float(b)) for a, b in obj["points"])
+            return cls(points, str(obj.get("source", "")))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                AttributeError) as exc:
+            raise ValueError(f"{where}: expected {{\"points\": [[num_tokens, ms], ...]}} "
+                             f"({type(exc).__name__}: {exc})") from None
 
 
 @dataclass(slots=True)

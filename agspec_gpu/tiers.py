@@ -403,6 +403,9 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
             ids = tokenizer.encode_batch([m.content for m in sess.messages])
             docs.append([t for m in ids for t in m])
             session_ids.append(sess.id)
+    if not any(docs):
+        raise ValueError(f"no text to index: no file with suffix {', '.join(suffixes)} in "
+                         f"src, and no trajectory session with text")
     return _save_global(docs, tokenizer, out, max_depth, max_tokens, session_ids)
 
 

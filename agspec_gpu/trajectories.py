@@ -244,6 +244,8 @@ def _convert_messages(raw: Any, where: str, *, relabel_observations: bool) -> tu
             raise TrajectoryError(f"{at}: must be an object, got {type(m).__name__}")
         if "role" not in m:
             raise TrajectoryError(f"{at}: missing key 'role'")
+        if not isinstance(m["role"], str):
+            raise TrajectoryError(f"{at}: 'role' must be a string, got {m['role']!r}")
         role = _ROLE_ALIASES.get(m["role"], m["role"])
         if role not in ROLES:
             raise TrajectoryError(f"{at}: unknown role {m['role']!r}")
@@ -273,7 +275,7 @@ def _iter_jsonl(path: Path) -> Iterator[Session]:
                     continue
                 try:
                     rec = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                     raise TrajectoryError(f"{path}:{lineno}: invalid JSON ({e})") from None
                 yield _jsonl_session(rec, path, lineno)
     except (OSError, EOFError) as e:  # truncated or corrupt gzip stream
@@ -286,6 +288,9 @@ def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
         raise TrajectoryError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "messages" not in rec:
         raise TrajectoryError(f"{where}: missing key 'messages'")
+    if not isinstance(rec.get("meta") or {}, dict):
+        raise TrajectoryError(f"{where}: 'meta' must be an object, got "
+                              f"{type(rec['meta']).__name__}")
     meta = dict(rec.get("meta") or {})
     if "agent" in rec:
         # Normalized dataset record: content is already rendered; keep it byte for byte.
@@ -297,9 +302,11 @@ def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 key = "role" if not isinstance(m, dict) or "role" not in m else "content"
                 raise TrajectoryError(f"{where}: message {i}: missing key {key!r}")
-            if m["role"] not in ROLES or not isinstance(m["content"], str):
-                raise TrajectoryError(f"{where}: message {i}: bad role {m['role']!r} or "
-                                      f"non-string content")
+            if not isinstance(m["role"], str) or m["role"] not in ROLES:
+                raise TrajectoryError(f"{where}: message {i}: unknown role {m['role']!r}")
+            if not isinstance(m["content"], str):
+                raise TrajectoryError(f"{where}: message {i}: 'content' must be a string, "
+                                      f"got {type(m['content']).__name__}")
             msgs.append(Message(m["role"], m["content"]))
         if "agent_version" in rec:
             meta.setdefault("agent_version", rec["agent_version"])

@@ -508,9 +508,53 @@ def test_cli_demo_on_a_tiny_repo(tmp_path):
     assert main(["demo", str(repo), "--max-session-chars", str(sizes[0]), "--json", str(out),
                  "--no-progress", "--drafter", "none", "--no-oracle"]) == 0
     assert all(r["sessions"] == 1 for r in json.loads(out.read_text())["results"])
-    for cap in ("0", str(sizes[0] - 1)):
-        with pytest.raises(SystemExit, match="max-session-chars"):
-            main(["demo", str(repo), "--max-session-chars", cap, "--no-progress"])
+    with pytest.raises(SystemExit, match="max-session-chars"):
+        main(["demo", str(repo), "--max-session-chars", str(sizes[0] - 1), "--no-progress"])
+    with pytest.raises(SystemExit) as exc:  # argparse: usage error naming the option
+        main(["demo", str(repo), "--max-session-chars", "0", "--no-progress"])
+    assert exc.value.code == 2
+
+
+def test_cli_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
+    """Bad trajectory records, cost models, devices, output paths and empty inputs: exit
+    status 2 and a message naming the problem (an audit found tracebacks and silent empty
+    tables for each)."""
+    from agspec_gpu.cli import main
+
+    good = {"id": "s", "source": "t", "agent": "a", "model": "",
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello there"}]}
+
+    def traj(name, **over):
+        path = tmp_path / name
+        path.write_text(json.dumps({**good, **over}) + "\n")
+        return str(path)
+
+    cost = tmp_path / "cost.json"
+    replay = ["replay", "--no-progress", "--drafter", "none", "--no-oracle"]
+    cases = [
+        (replay + [traj("m.jsonl", meta=5)], "'meta' must be an object"),
+        (replay + [traj("r.jsonl", messages=[{"role": ["user"], "content": "x"}])],
+         "role"),
+        (replay + [str(tmp_path / "deep.jsonl")], "invalid JSON"),
+        (replay + [traj("ok.jsonl"), "--cost-model", str(cost)], "cost model"),
+        (replay + [traj("ok.jsonl"), "--device", "foo"], "--device"),
+        (replay + [traj("q.jsonl", messages=[{"role": "user", "content": "x"}])],
+         "no session with a non-empty assistant message"),
+        (replay + [traj("all.jsonl", agent="all")], "'all' is reserved"),
+        (["build-global", "--trajectories", traj("ok.jsonl"), "-o",
+          str(tmp_path / "no" / "g.agspec")], "not a file path"),
+        (["build-global", "--src", str(tmp_path / "empty"), "-o", str(tmp_path / "g")],
+         "no text to index"),
+    ]
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    (tmp_path / "empty").mkdir()
+    for bad_cost in ('{"pts": []}', "[1, 2]", '{"points": [[1, 1], [2, NaN]]}'):
+        cost.write_text(bad_cost)
+        for argv, match in cases if bad_cost.startswith("{\"pts") else cases[3:4]:
+            capsys.readouterr()
+            assert main(argv) == 2, argv
+            assert match in capsys.readouterr().out.replace("\n", " "), argv
 
 
 @needs_agspec
