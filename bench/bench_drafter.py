@@ -61,8 +61,8 @@ MATRIX = [
 # modelled_replay_speedup its verification time step by step over the none lane's
 KEYS = ("drafter", "agent", "batch_size", "sessions", "target_tokens", "steps", "tau",
         "acceptance_rate", "drafted_per_step", "empty_draft_share", "draft_us_per_step",
-        "commit_us_per_step", "modelled_speedup", "mean_batch", "modelled_batch_speedup",
-        "modelled_replay_speedup")
+        "commit_us_per_step", "oracle_tau", "modelled_speedup", "mean_batch",
+        "modelled_batch_speedup", "modelled_replay_speedup")
 
 
 def cut(session, max_tokens: int, tok):
@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--global", dest="global_corpus")
     p.add_argument("--half", type=int, choices=(0, 1))
     p.add_argument("--variants", help="Python list of (name, overrides or None)")
+    p.add_argument("--no-oracle", action="store_true",
+                   help="skip the oracle bound (one more pass per batch size)")
     p.add_argument("--json")
     p.add_argument("--csv")
     args = p.parse_args()
@@ -109,12 +111,13 @@ def main() -> None:
             def make():
                 store = CorpusStore(tok, TierConfig(), global_corpus=gc)
                 return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=B),
-                                   store, "cpu", oracle_key=None)
+                                   store, "cpu",
+                                   oracle_key=None if args.no_oracle else TierConfig())
             return name, make
 
         t0 = time.time()
         report = run_replay(corpus, [lane(n, kw) if kw is not None else n for n, kw in variants],
-                            tok, ReplayConfig(batch_size=B, oracle=False,
+                            tok, ReplayConfig(batch_size=B, oracle=not args.no_oracle,
                                               global_corpus=args.global_corpus))
         for r in report.rows:
             r = dict(r, batch_size=B)
@@ -126,7 +129,8 @@ def main() -> None:
                       f'speedup*={r["modelled_speedup"]:.2f} mean batch={r["mean_batch"]:.1f} '
                       f'batch*={r["modelled_batch_speedup"]:.2f} replay*='
                       f'{"-" if replay is None else format(replay, ".2f")} '
-                      f'us={r["draft_us_per_step"]:.0f}+{r["commit_us_per_step"]:.0f}',
+                      f'us={r["draft_us_per_step"]:.0f}+{r["commit_us_per_step"]:.0f} '
+                      f'oracle={r["oracle_tau"] or float("nan"):.2f}',
                       flush=True)
         print(f"B={B}: {len(subset)} sessions, {time.time() - t0:.0f}s", flush=True)
     meta = {"batch_sizes": args.batch_sizes, "sessions_per_file": args.sessions,

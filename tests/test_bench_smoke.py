@@ -11,7 +11,8 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   back after). The device script runs all of them on the H200.
 * ``bench_drafter_host``: a row per batch size, the drafter's match and graph steps stubbed
   (and its match put back after).
-* ``gap_by_match``: per dev file, rows by match length whose step shares add up to one.
+* ``gap_by_match``: per dev file, rows by match length whose step shares add up to one;
+  ``bench_drafter``: the matrix's rows beside plain decoding and the oracle bound.
 """
 
 import json
@@ -23,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_decoder_step  # noqa: E402  (bench/ is not a package)
+import bench_drafter  # noqa: E402
 import bench_drafter_host  # noqa: E402
 import bench_drafter_step  # noqa: E402
 import gap_by_match  # noqa: E402
@@ -150,4 +152,20 @@ def test_gap_by_match_smoke(tmp_path, monkeypatch):
         assert f["steps"] > 0 and f["tau"] >= 1.0 and f["oracle_tau_same_steps"] >= f["tau"]
         assert sum(r["step_share"] for r in f["rows"]) == pytest.approx(1.0)
         assert all(r["depth"] <= r["drafted"] + 1e-9 for r in f["rows"])
+
+
+@pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
+def test_bench_drafter_smoke(tmp_path, monkeypatch):
+    out = tmp_path / "bd.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_drafter.py", "--sessions", "1", "--max-target-tokens", "60", "--batch-sizes",
+        "2", "--variants", '[("none", None), ("controller-tree-budget", {})]',
+        "--json", str(out)])
+    bench_drafter.main()
+    rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]
+            if r["agent"] == "all"}
+    agspec, none = rows["controller-tree-budget"], rows["none"]
+    assert none["modelled_replay_speedup"] == pytest.approx(1.0)
+    assert agspec["oracle_tau"] >= agspec["tau"] > 1.0 and agspec["mean_batch"] <= 2
+    assert agspec["modelled_replay_speedup"] > 0 and agspec["commit_us_per_step"] > 0
 
