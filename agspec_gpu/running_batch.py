@@ -112,19 +112,13 @@ class RunningBatch:
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
                               out=self.accept_out)
         with nvtx.annotate("agspec.commit"):
-            # host read 2 of 2, its copy queued; the paged KV commit needs no host value:
-            # queued behind it, it runs while the host waits and then emits the tokens
+            # host read 2 of 2, its copy queued; the KV commit needs no host value: queued
+            # behind it, it runs while the host waits and then emits the tokens
             self.reader.start(res.num_output, res.output_ids)
-            paged = isinstance(runner, PagedBatch)
-            if paged:
-                runner.commit_kv(res)
+            runner.commit_kv(res)
             self.root = res.bonus_ids().to(torch.int32)
             n_out, rows = self.reader.wait()
-            n_acc = [n - 1 for n in n_out]
-            if paged:
-                runner.commit_lengths(n_acc)
-            else:  # the hf runner narrows its cache to the longest request: host lengths
-                runner.commit(res, num_accepted_host=n_acc)
+            runner.commit_lengths([n - 1 for n in n_out])
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
             # the session tier gets what the session emitted: nothing past EOS, a stop
             # string or the limit

@@ -249,6 +249,19 @@ def test_runner_misuse_raises():
     runner.verify(d, torch.tensor([3]))
     with pytest.raises(ValueError, match="twice"):
         runner.verify(d, torch.tensor([3]))
+    # the commit in two halves: between them the host lengths are not known yet
+    runner.commit_kv(greedy_accept(d, torch.zeros(1, 2, VOCAB)))
+    for call in (lambda: runner.verify(d, torch.tensor([3])),
+                 lambda: runner.select_rows([0]), lambda: runner.session_kv(0, 1)):
+        with pytest.raises(ValueError, match="between commit_kv"):
+            call()
+    with pytest.raises(ValueError, match="num_accepted_host: 2 counts for 1"):
+        runner.commit_lengths([0, 0])
+    runner.commit_lengths([0])
+    assert runner.seq_lens_host == [3]
+    with pytest.raises(ValueError, match="without a preceding commit_kv"):
+        runner.commit_lengths([0])
+    runner.verify(d, torch.tensor([3]))
     model.train()
     try:
         with pytest.raises(ValueError, match="eval"):

@@ -23,3 +23,21 @@ def check_verify_call(draft: DraftBatch, root_ids: torch.Tensor, *, batch_size: 
     if root_ids.shape != (B,):
         raise ValueError(f"root_ids: expected [{B}], got {list(root_ids.shape)}")
     return B, N
+
+
+def check_lengths_settled(owed: bool, name: str) -> None:
+    """Raises ValueError for ``name()`` between a runner's ``commit_kv()`` and its
+    ``commit_lengths()``: the host lengths that size the next step are not known yet."""
+    if owed:
+        raise ValueError(f"{name}() between commit_kv() and commit_lengths()")
+
+
+def has_non_full_attention(config) -> bool:
+    """Whether a ``transformers`` (text) config has a layer that does not attend to every
+    earlier token: a non-``full_attention`` layer type, or a sliding window in use."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if layer_types:
+        return any(t != "full_attention" for t in layer_types)
+    return getattr(config, "use_sliding_window", True) and \
+        getattr(config, "sliding_window", None) is not None
+

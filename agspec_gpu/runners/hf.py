@@ -42,7 +42,8 @@ import torch
 from agspec_gpu.accept import AcceptResult, flatten_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
-from agspec_gpu.runners.common import check_verify_call
+from agspec_gpu.runners.common import (check_lengths_settled, check_verify_call,
+                                       has_non_full_attention)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -185,9 +186,7 @@ def check_hf_model(model: torch.nn.Module) -> None:
     if config is None:
         raise ValueError("model: expected a Hugging Face model with a .config")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text_config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (
-            not layer_types and getattr(text_config, "sliding_window", None) is not None):
+    if has_non_full_attention(text_config):
         raise ValueError("model: sliding-window / non-full attention layers are not supported")
     model_type = getattr(text_config, "model_type", None)
     if model_type in ("bloom", "mpt") or getattr(text_config, "alibi", False):
@@ -232,6 +231,7 @@ class HFRunner:
         self._lens_host: list[int] = []              # the same on the host
         self._width = 0                              # cache slots (a shape, host-known)
         self._pending: tuple[int, int] | None = None  # (width before verify, q) until commit
+        self._lengths_owed = False  # commit_kv() ran, commit_lengths() not yet
 
     @property
     def batch_size(self) -> int:
@@ -310,8 +310,9 @@ class HFRunner:
         self._lens_host = [c + len(p) for c, p in zip(cached, new)]
         dst = n_past[:, None] + t[None, :]
         src = torch.where(t[None, :] < n_new[:, None], C + pad[:, None] + t[None, :], dst)
-        self._move_slots(src, dst, max(self._lens_host))
-        self._seq_lens, self._width = n_past + n_new, max(self._lens_host)
+        self._move_slots(src, dst)
+        self._narrow(max(self._lens_host))
+        self._seq_lens, self._lengths_owed = n_past + n_new, False
         return logits
 
     def _cache_from(self, past: list[SessionKV | None], width: int, room: int):
@@ -353,6 +354,7 @@ class HFRunner:
         alive: for a prefill that follows at once, after which this batch is done)."""
         if self._seq_lens is None:
             raise ValueError("session_kv: no batch: call prefill() first")
+        check_lengths_settled(self._lengths_owed, "session_kv")
         # a pending verify appended its tree after the committed slots: they are intact
         committed = self._width if self._pending is None else self._pending[0]
         if not 0 < length <= committed:
@@ -372,30 +374,36 @@ class HFRunner:
         request that finished stops costing a padded row of every step's forward."""
         if self._seq_lens is None or self._pending is not None:
             raise ValueError("select_rows() needs a batch and no verify() pending")
+        check_lengths_settled(self._lengths_owed, "select_rows")
         idx = to_device(rows, torch.int64, self.device)
         self._lens_host = [self._lens_host[b] for b in rows]
         self._seq_lens = self._seq_lens[idx]
         width = max(self._lens_host)  # the slots past every kept request's length: unused
-        for layer in self._cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
+        for layer in self._cached_layers():
             layer.keys = layer.keys[idx, :, :width]
             layer.values = layer.values[idx, :, :width]
         self._width = width
 
-    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+    def _cached_layers(self) -> list:
+        """The cache's layers that hold KV (a layer may cache nothing: KV sharing)."""
+        return [la for la in self._cache.layers
+                if getattr(la, "keys", None) is not None and la.keys.numel()]
+
+    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Slot ``dst[b, k]`` of request ``b`` <- slot ``src[b, k]`` (``int64 [B, K]``, all
-        sources read before any write), in place; then the first ``width`` slots are kept."""
+        sources read before any write), in place."""
         B, K = src.shape
-        for layer in self._cache.layers:  # keys/values: [B, H_kv, slots, head_dim]
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue  # a layer that caches nothing (KV sharing)
-            for name in ("keys", "values"):  # (their head sizes may differ: MLA's)
-                t = getattr(layer, name)
+        for layer in self._cached_layers():  # keys/values: [B, H_kv, slots, head_dim]
+            for t in (layer.keys, layer.values):  # (their head sizes may differ: MLA's)
                 shape = (B, t.shape[1], K, t.shape[3])
                 s, d = src[:, None, :, None].expand(shape), dst[:, None, :, None].expand(shape)
                 t.scatter_(2, d, t.gather(2, s))
-                setattr(layer, name, t[:, :, :width])
+
+    def _narrow(self, width: int) -> None:
+        """Keeps the first ``width`` slots of every layer (views)."""
+        for layer in self._cached_layers():
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+        self._width = width
 
     @torch.no_grad()
     def verify_padded(self, draft: DraftBatch, root_ids: torch.Tensor,
@@ -415,6 +423,7 @@ class HFRunner:
             ``[B, 1+N, V]`` logits: row 0 the root's, row ``1+j`` node ``j``'s; rows of
             padding nodes are unspecified.
         """
+        check_lengths_settled(self._lengths_owed, "verify")
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._seq_lens is not None,
                                  pending=self._pending is not None)
@@ -442,17 +451,21 @@ class HFRunner:
         """
         return flatten_tree_logits(self.verify_padded(draft, root_ids), draft.num_draft_tokens)
 
-    @torch.no_grad()
     def commit(self, result: AcceptResult, num_accepted_host: list[int] | None = None) -> None:
-        """Keeps prefix + root + accepted path of the last verify in each request's cache.
+        """Keeps prefix + root + accepted path of the last verify in each request's cache
+        (``num_accepted_host``: ``result.num_accepted`` if the caller read it already):
+        :meth:`commit_kv` then :meth:`commit_lengths`."""
+        self.commit_kv(result)
+        self.commit_lengths(num_accepted_host)
 
-        The bonus token is not cached: it is the next root. In place: per layer one gather
-        of the root's and the accepted nodes' slots (``[B, H_kv, 1 + D, head_dim]``, D the
-        deepest path) and one scatter of them behind each request's prefix; the committed
-        prefix is not copied. The cache is then narrowed (a view) to ``max(new lengths)``
-        slots, from ``num_accepted_host`` (``result.num_accepted`` read by the caller) or
-        read from the device.
-        """
+    @torch.no_grad()
+    def commit_kv(self, result: AcceptResult) -> None:
+        """The commit's device half, reading nothing on the host (a loop queues it behind
+        its read of the accepted tokens). The bonus token is not cached: it is the next
+        root. In place: per layer one gather of the root's and the accepted nodes' slots
+        (``[B, H_kv, 1 + D, head_dim]``, D the deepest path) and one scatter of them behind
+        each request's prefix; the committed prefix is not copied. :meth:`commit_lengths`
+        must follow before the batch verifies or drops rows again."""
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
         T, q = self._pending
@@ -462,9 +475,6 @@ class HFRunner:
                              f"{list(result.num_accepted.shape)} and {result.max_depth}")
         dev = self.device
         n_acc = result.num_accepted.long().to(dev)
-        new_lens = self._seq_lens + 1 + n_acc
-        lens_host = new_lens.tolist() if num_accepted_host is None else \
-            [n + 1 + a for n, a in zip(self._lens_host, num_accepted_host)]
         # column 0 the root (slot T), column k the k-th accepted node (slot T + 1 + node);
         # it goes to slot seq_len + k (distinct per request). Every source is read (one
         # gather) before any write (one scatter), so a write onto another column's source
@@ -474,6 +484,22 @@ class HFRunner:
         dst = self._seq_lens[:, None] + k
         src = torch.cat([torch.full((B, 1), T, dtype=torch.long, device=dev), T + 1 + nodes], 1)
         src = torch.where(k <= n_acc[:, None], src, dst)
-        self._move_slots(src, dst, max(lens_host))
-        self._seq_lens, self._width, self._pending = new_lens, max(lens_host), None
-        self._lens_host = lens_host
+        self._move_slots(src, dst)
+        self._seq_lens, self._pending = self._seq_lens + 1 + n_acc, None
+        self._lengths_owed = True
+
+    def commit_lengths(self, num_accepted_host: list[int] | None = None) -> None:
+        """The commit's host half: the committed lengths from ``num_accepted_host``
+        (``result.num_accepted`` as host ints) or read from the device, and the cache
+        narrowed (a view) to the longest."""
+        if not self._lengths_owed:
+            raise ValueError("commit_lengths() without a preceding commit_kv()")
+        if num_accepted_host is None:
+            lens_host = self._seq_lens.tolist()
+        elif len(num_accepted_host) != self.batch_size:
+            raise ValueError(f"num_accepted_host: {len(num_accepted_host)} counts for "
+                             f"{self.batch_size} requests")
+        else:
+            lens_host = [n + 1 + a for n, a in zip(self._lens_host, num_accepted_host)]
+        self._narrow(max(lens_host))
+        self._lens_host, self._lengths_owed = lens_host, False

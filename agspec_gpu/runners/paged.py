@@ -34,6 +34,7 @@ from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kernels.silu_mul import silu_mul
 from agspec_gpu.kv_cache import PagedKVCache
+from agspec_gpu.runners.common import has_non_full_attention
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
@@ -97,10 +98,7 @@ def check_architecture(config) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config: hidden_act {act!r}, the paged runner's MLP is SiLU's")
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None) if \
-        getattr(config, "use_sliding_window", True) else None
-    if any(t != "full_attention" for t in layer_types) or (not layer_types and window):
+    if has_non_full_attention(config):
         raise ValueError("config: sliding-window attention layers are not supported")
 
 

@@ -30,7 +30,7 @@ from agspec_gpu.host import to_device
 from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.kv_cache import KVCacheFull
-from agspec_gpu.runners.common import check_verify_call
+from agspec_gpu.runners.common import check_lengths_settled, check_verify_call
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 
@@ -113,7 +113,7 @@ class PagedBatch:
         sequence of the batch's own is freed; the caller's keep their KV."""
         if self._pending is not None:
             raise ValueError("select_rows() between verify() and commit()")
-        self._check_lengths("select_rows")
+        check_lengths_settled(self._lengths_owed, "select_rows")
         if self._owns_seqs:
             for b in sorted(set(range(self.batch_size)) - set(rows)):
                 self.runner.kv_cache.free(self._seq_ids[b])
@@ -125,7 +125,7 @@ class PagedBatch:
         """The most nodes per request, at most ``width``, that a step can verify with the
         pool's free pages (each request's KV grows to ``prefix + 1 + nodes`` slots); 0 when
         not even one fits. Host arithmetic, no device read."""
-        self._check_lengths("fit_width")
+        check_lengths_settled(self._lengths_owed, "fit_width")
         cache = self.runner.kv_cache
 
         def fits(w: int) -> bool:
@@ -172,7 +172,7 @@ class PagedBatch:
         FlashInfer plans with them instead of reading the device. The logits are views of
         the step's buffers, valid until the next verify.
         """
-        self._check_lengths("verify")
+        check_lengths_settled(self._lengths_owed, "verify")
         B, N = check_verify_call(draft, root_ids, batch_size=self.batch_size,
                                  has_batch=self._prefix is not None,
                                  pending=self._pending is not None)
@@ -241,10 +241,6 @@ class PagedBatch:
         else:
             self._prefix_host = [p + 1 + a for p, a in zip(self._prefix_host, num_accepted_host)]
         self._lengths_owed = False
-
-    def _check_lengths(self, name: str) -> None:
-        if self._lengths_owed:
-            raise ValueError(f"{name}() between commit_kv() and commit_lengths()")
 
     def close(self) -> None:
         """Ends the batch (idempotent): frees its own KV sequences' pages; the caller's
