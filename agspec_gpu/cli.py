@@ -263,7 +263,7 @@ def _cmd_replay(args, console) -> int:
     if args.half is not None:
         from agspec_gpu.tiers import session_half
 
-        sessions = [s for s in sessions if session_half(s.id) == args.half]
+        sessions = [s for s in sessions if session_half(s.task_id) == args.half]
     drafters = args.drafter or _default_drafters()
     if args.cross_halves and not args.drafter and "suffix-decoding" in drafters:
         # next to agspec's global tier of the other half: SuffixDecoding whose cache holds

@@ -105,6 +105,8 @@ class TokenizedSession:
         maybe_files: per message, the files captured from it as ``(path, text, first_line)``;
             None when captures were not computed.
         session_id: the session's own id (``sid`` without the repeat suffix).
+        task_id: the session's task (:attr:`agspec_gpu.trajectories.Session.task_id`; ``""``:
+            its own id).
     """
 
     sid: str
@@ -115,6 +117,12 @@ class TokenizedSession:
     offset: int
     maybe_files: tuple[tuple[tuple[str, str, int | None], ...], ...] | None = None
     session_id: str = ""
+    task_id: str = ""
+
+    @property
+    def task(self) -> str:
+        """The task the session works on: what the cross-halves split is keyed by."""
+        return self.task_id or self.session_id or self.sid
 
     @property
     def target_messages(self) -> list[int]:
@@ -195,7 +203,8 @@ def tokenize_sessions(sessions: Sequence[Session], tokenizer: Tokenizer, *,
             sid=s.id if n == 0 else f"{s.id}#{n}", agent=s.agent,
             roles=tuple(m.role for m in s.messages), bounds=bounds,
             tokens=stream[base:base + int(bounds[-1])], offset=base,
-            maybe_files=_captures(s) if capture_files else None, session_id=s.id))
+            maybe_files=_captures(s) if capture_files else None, session_id=s.id,
+            task_id=s.task_id))
         k += M
     return ReplayCorpus(tuple(out), stream, tokenizer.name, tokenizer.fingerprint)
 
@@ -373,9 +382,10 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
     config : see :class:`ReplayConfig`.
     inputs : recorded in ``config["inputs"]`` (the paths the sessions came from).
     cross_halves : ``(global corpus of half 0, global corpus of half 1)``: the sessions of
-        each half (:func:`agspec_gpu.tiers.session_half`) replay against the global tier
-        built from the *other* half, and the counters of both are summed, so a whole set is
-        measured with a global tier without any session feeding its own
+        each half (:func:`agspec_gpu.tiers.session_half` of their task) replay against the
+        global tier built from the *other* half, and the counters of both are summed, so a
+        whole set is measured with a global tier without any session feeding its own, nor any
+        other session of its task
         (``config.global_corpus`` is ignored).
 
     Returns
@@ -399,7 +409,7 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
 
         if len(cross_halves) != 2:
             raise ValueError("cross_halves: expected (global of half 0, global of half 1)")
-        halves = [tuple(s for s in corpus.sessions if session_half(s.session_id or s.sid) == h)
+        halves = [tuple(s for s in corpus.sessions if session_half(s.task) == h)
                   for h in (0, 1)]
         warm = "suffix-decoding-warm" in drafters
         # half h replays against the global tier built from the other half (and a warm
@@ -480,7 +490,7 @@ def _replay_all(corpus: ReplayCorpus, drafters: Sequence, tokenizer: Tokenizer,
         from agspec_gpu.tiers import load_global_corpus
 
         maybe_global = load_global_corpus(config.global_corpus, tokenizer)
-        maybe_global.check_disjoint(s.session_id or s.sid for s in corpus.sessions)
+        maybe_global.check_disjoint(s.task for s in corpus.sessions)
     ctx = LaneContext(tokenizer, config.device, config.batch_size, maybe_global,
                       config.oracle_k, config.cost_model, warm_responses)
     has_files = all(s.maybe_files is not None for s in corpus.sessions)

@@ -323,8 +323,9 @@ _FORMAT = "agspec-global-v2"  # v2: the index is over the reversed text
 @dataclass
 class GlobalCorpus:
     """A read-only corpus built offline, with its suffix array and tokenizer fingerprint;
-    ``session_ids``: the trajectory sessions it holds (a replay of any of them would draft
-    from the session's own text: :meth:`check_disjoint`)."""
+    ``session_ids``: the trajectory sessions it holds, ``task_ids``: their tasks (a replay of
+    any session of these tasks would draft from another agent's text of the same task:
+    :meth:`check_disjoint`)."""
 
     tokens: torch.Tensor
     sa: torch.Tensor
@@ -332,15 +333,17 @@ class GlobalCorpus:
     max_depth: int
     fingerprint: str
     session_ids: frozenset = frozenset()
+    task_ids: frozenset = frozenset()
 
-    def check_disjoint(self, session_ids) -> None:
-        """Raises ValueError naming the global corpus when it holds any of ``session_ids``
-        (the sessions about to be replayed against it)."""
-        both = sorted(self.session_ids.intersection(session_ids))
+    def check_disjoint(self, task_ids) -> None:
+        """Raises ValueError naming the global corpus when it holds a session of any of
+        ``task_ids`` (the tasks of the sessions about to be replayed against it)."""
+        both = sorted((self.task_ids | self.session_ids).intersection(task_ids))
         if both:
-            raise ValueError(f"global_corpus: holds {len(both)} of the replayed sessions "
-                             f"({both[0]!r}, ...): each would draft its own text; build it "
-                             f"from the other half (build-global --half) and replay one")
+            raise ValueError(f"global_corpus: holds sessions of {len(both)} of the replayed "
+                             f"tasks ({both[0]!r}, ...): they would draft text of their own "
+                             f"task; build it from the other half (build-global --half) and "
+                             f"replay one")
 
     def check(self, tokenizer: Tokenizer, max_depth: int) -> None:
         if tokenizer.fingerprint != self.fingerprint:
@@ -358,10 +361,12 @@ def _digest(tokens: torch.Tensor, sa: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def session_half(session_id: str) -> int:
-    """0 or 1: a stable split of sessions (first bit of sha1(id)), so a replayed half never
-    feeds the global tier it is replayed against."""
-    return hashlib.sha1(session_id.encode()).digest()[0] & 1
+def session_half(task_id: str) -> int:
+    """0 or 1: a stable split of sessions by their task (first bit of sha1(task id):
+    :attr:`~agspec_gpu.trajectories.Session.task_id`), so a replayed half never feeds the
+    global tier it is replayed against, not even through another agent's session of the
+    same task."""
+    return hashlib.sha1(task_id.encode()).digest()[0] & 1
 
 
 def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | Path,
@@ -375,7 +380,7 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
             Python standard library sources.
         trajectories: public agent trajectory files; each session is one document (its
             messages tokenized one by one, as the replay does).
-        half: only sessions with ``session_half(id) == half`` (None: all).
+        half: only sessions with ``session_half(task_id) == half`` (None: all).
     """
     docs: list[list[int]] = []
     files: list[Path] = []
@@ -393,24 +398,26 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
         except (UnicodeDecodeError, OSError):
             continue
     docs += tokenizer.encode_batch(texts)
-    session_ids = []
+    session_ids, task_ids = [], []
     if trajectories:
         from agspec_gpu.trajectories import load_paths
 
         for sess in load_paths(list(trajectories)):
-            if half is not None and session_half(sess.id) != half:
+            if half is not None and session_half(sess.task_id) != half:
                 continue
             ids = tokenizer.encode_batch([m.content for m in sess.messages])
             docs.append([t for m in ids for t in m])
             session_ids.append(sess.id)
+            task_ids.append(sess.task_id)
     if not any(docs):
         raise ValueError(f"no text to index: no file with suffix {', '.join(suffixes)} in "
                          f"src, and no trajectory session with text")
-    return _save_global(docs, tokenizer, out, max_depth, max_tokens, session_ids)
+    return _save_global(docs, tokenizer, out, max_depth, max_tokens, session_ids, task_ids)
 
 
 def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, max_depth: int,
-                 max_tokens: int, session_ids: list[str] = ()) -> GlobalCorpus:
+                 max_tokens: int, session_ids: list[str] = (),
+                 task_ids: list[str] = ()) -> GlobalCorpus:
     from safetensors.torch import save_file
 
     parts: list[int] = []
@@ -425,10 +432,11 @@ def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, m
     meta = {"format": _FORMAT, "fingerprint": tokenizer.fingerprint, "tokenizer": tokenizer.name,
             "max_depth": str(max_depth), "indexed_end": str(end),
             "sha256": _digest(tokens, sa), "num_docs": str(len(docs)),
-            "sessions": json.dumps(list(session_ids))}
+            "sessions": json.dumps(list(session_ids)),
+            "tasks": json.dumps(sorted(set(task_ids)))}
     save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)
     return GlobalCorpus(tokens, sa, end, max_depth, tokenizer.fingerprint,
-                        frozenset(session_ids))
+                        frozenset(session_ids), frozenset(task_ids))
 
 
 def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> GlobalCorpus:
@@ -450,7 +458,8 @@ def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> 
     if _digest(tokens, sa) != meta.get("sha256"):
         raise ValueError(f"global corpus {path}: checksum mismatch (corrupted file)")
     g = GlobalCorpus(tokens, sa, int(meta["indexed_end"]), int(meta["max_depth"]),
-                     meta["fingerprint"], frozenset(json.loads(meta.get("sessions", "[]"))))
+                     meta["fingerprint"], frozenset(json.loads(meta.get("sessions", "[]"))),
+                     frozenset(json.loads(meta.get("tasks", "[]"))))
     if tokenizer is not None and tokenizer.fingerprint != g.fingerprint:
         raise ValueError(f"global corpus {path} was built with tokenizer "
                          f"{meta.get('tokenizer')!r} ({g.fingerprint[:12]}), not "

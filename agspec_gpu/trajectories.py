@@ -92,6 +92,12 @@ class Session:
     messages: tuple[Message, ...]
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
 
+    @property
+    def task_id(self) -> str:
+        """The task the session works on: ``meta["instance_id"]`` (a SWE-bench instance,
+        which several agents' sessions share), else the session's own id."""
+        return str(self.meta.get("instance_id") or self.id)
+
 
 def render_tool_calls(text: str, calls: Sequence[tuple[str, str]]) -> str:
     """Renders an assistant turn with structured tool calls as the dataset does.

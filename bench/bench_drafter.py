@@ -97,7 +97,7 @@ def main() -> None:
     sessions = []
     for f in FILES:
         ss = [s for s in load_paths([DEV + f])
-              if args.half is None or session_half(s.id) == args.half]
+              if args.half is None or session_half(s.task_id) == args.half]
         sessions += [cut(s, args.max_target_tokens, tok) for s in ss[:args.sessions]]
     gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     variants = eval(args.variants) if args.variants else MATRIX  # noqa: S307 - own command line

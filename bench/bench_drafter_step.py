@@ -101,9 +101,9 @@ def main() -> None:
     sessions = []
     for f in FILES:
         sessions += [s for s in load_paths([str(Path(args.trajectories) / f)])
-                     if args.half is None or session_half(s.id) == args.half][:args.sessions]
+                     if args.half is None or session_half(s.task_id) == args.half][:args.sessions]
     if gc is not None:
-        gc.check_disjoint(s.id for s in sessions)
+        gc.check_disjoint(s.task_id for s in sessions)
     corpus = tokenize_sessions([cut(s, args.max_target_tokens, tok) for s in sessions], tok)
     variants = [("graphs", True), ("eager", False)] if dev.type == "cuda" else [("eager", False)]
     rows = []

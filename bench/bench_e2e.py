@@ -340,7 +340,7 @@ def load_corpus(args, tokenizer):
     if args.half is not None:
         from agspec_gpu.tiers import session_half
 
-        sessions = [s for s in sessions if session_half(s.id) == args.half]
+        sessions = [s for s in sessions if session_half(s.task_id) == args.half]
     if args.sessions is None:  # only what the largest batch runs (tokenizing costs)
         max_b = max(int(b) for b in args.batch_sizes.split(",") if b)
         args.sessions = max(args.min_sessions, math.ceil(args.sessions_per_slot * max_b))
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         from agspec_gpu.tiers import load_global_corpus
 
         maybe_global = load_global_corpus(args.global_corpus, tokenizer)
-        maybe_global.check_disjoint(s.session_id or s.sid for s in corpus.sessions)
+        maybe_global.check_disjoint(s.task for s in corpus.sessions)
     longest = max(int(s.bounds[i + 1] - s.bounds[i]) for s in corpus.sessions
                   for i in s.target_messages) if corpus.sessions else 1
     msg_room = min(longest, max_msg) if max_msg else longest

@@ -109,8 +109,8 @@ def main() -> None:
                       "machine": "cpu, torch path, 1 thread"}, "files": {}}
     t_all = time.time()
     for f in args.files:
-        ss = [s for s in load_paths([DEV + f]) if session_half(s.id) == args.half]
-        gc.check_disjoint(s.id for s in ss[:args.sessions])
+        ss = [s for s in load_paths([DEV + f]) if session_half(s.task_id) == args.half]
+        gc.check_disjoint(s.task_id for s in ss[:args.sessions])
         corpus = tokenize_sessions([cut(s, args.max_target_tokens, tok)
                                     for s in ss[:args.sessions]], tok)
         t0 = time.time()

@@ -144,9 +144,9 @@ def main() -> None:
     t0 = time.time()
     for f in FILES:
         ss = [s for s in load_paths([DEV + f])
-              if args.half is None or session_half(s.id) == args.half][:args.sessions]
+              if args.half is None or session_half(s.task_id) == args.half][:args.sessions]
         if gc is not None:
-            gc.check_disjoint(s.id for s in ss)
+            gc.check_disjoint(s.task_id for s in ss)
         corpus = tokenize_sessions([cut(s, args.max_target_tokens, tok) for s in ss], tok)
         lanes = []
 

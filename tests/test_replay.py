@@ -621,9 +621,42 @@ def test_a_global_corpus_holding_a_replayed_session_is_refused(tok, tmp_path):
     build_global_corpus([], tok, both, trajectories=[path])
     g = load_global_corpus(both, tok)
     assert g.session_ids == {"a", "b"}
-    with pytest.raises(ValueError, match="global_corpus: holds 2 of the replayed sessions"):
+    with pytest.raises(ValueError, match="global_corpus: holds sessions of 2 of the replayed"):
         run_replay(corpus, ["agspec"], tok, ReplayConfig(oracle=False, global_corpus=str(both)))
     g.check_disjoint(["c", "d"])
+
+
+@needs_agspec
+def test_halves_split_by_task_so_two_agents_on_one_task_share_a_half(tok, tmp_path):
+    """Two agents' sessions of one SWE-bench instance fall in one half (the split hashes
+    ``meta.instance_id``), a global corpus records the tasks it holds, and replaying another
+    agent's session of a held task against it is refused."""
+    from agspec_gpu.tiers import build_global_corpus, load_global_corpus, session_half
+
+    msgs = (Message("user", "fix the bug in parse()"), Message("assistant", "cat parse.py"))
+    # ids whose own halves differ, one task: the split follows the task
+    a_id = _id_in_half("mini/", 0)
+    b_id = _id_in_half("swe/", 1)
+    task = _id_in_half("django__django-", 1)
+    mk = lambda sid, meta: Session(sid, sid.split("/")[0], "", "t", msgs, meta)  # noqa: E731
+    a, b = mk(a_id, {"instance_id": task}), mk(b_id, {"instance_id": task})
+    assert a.task_id == b.task_id == task and session_half(a.task_id) == 1
+    assert mk("aider/x", {}).task_id == "aider/x"
+    path = tmp_path / "one-task.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.write(json.dumps({"id": a.id, "source": "t", "agent": a.agent, "model": "",
+                             "messages": [{"role": m.role, "content": m.content} for m in msgs],
+                             "meta": {"instance_id": task}}) + "\n")
+    out = tmp_path / "g.agspec"
+    build_global_corpus([], tok, out, trajectories=[path], half=1)
+    g = load_global_corpus(out, tok)
+    assert g.session_ids == {a_id} and g.task_ids == {task}
+    corpus = tokenize_sessions([b], tok)
+    assert corpus.sessions[0].task == task
+    with pytest.raises(ValueError, match=f"global_corpus: holds sessions of 1 .*{task}"):
+        run_replay(corpus, ["agspec"], tok, ReplayConfig(oracle=False, global_corpus=str(out)))
+    with pytest.raises(ValueError, match="no text to index"):
+        build_global_corpus([], tok, tmp_path / "h0.agspec", trajectories=[path], half=0)
 
 
 @pytest.mark.skipif(not _has_arctic(), reason="needs arctic-inference")
