@@ -11,14 +11,28 @@ to draft and prints (tau, acceptance rate, drafted per step) per point:
 - SuffixDecoding (arctic-inference, vLLM's defaults otherwise): ``min_token_prob``, the same
   kind of threshold on its suffix-tree frequencies, times ``max_spec_factor`` (draft at most
   this many tokens per matched token; vLLM's 1 keeps it from drafting long after a short
-  match, so above 1 it reaches the lower acceptance rates agspec runs at).
+  match, so above 1 it reaches the lower acceptance rates agspec runs at);
+- the prompt-lookup baselines (their upstream rules, ``agspec_gpu.baselines``), by the number
+  of tokens they draft after a match: ``pld-hf``'s ``num_output_tokens`` (transformers'
+  default 10) per ``max_matching_ngram_size`` (default 2), and ``pld-vllm``'s ``k`` (5 as
+  benchmarked) per n-gram size ``n`` (``prompt_lookup_min = prompt_lookup_max = n``, vLLM's
+  setting when only the max is given; default 5);
+- ``none`` (plain decoding, tau 1), the replay speedups' denominator.
+
+Beside them, the oracle bound (``ReplayConfig(oracle=True)``, one more replay per file): the
+tau of accepting, each step, the longest prefix (at most ``oracle_k`` = 32 tokens) of the true
+continuation found in agspec's corpora (the default ``TierConfig``: session, workspace, global
+tier). By construction it bounds the agspec and PLD points (their drafts come from those
+corpora: PLD's from the session's own text), not SuffixDecoding's, whose cache also holds
+the responses of the file's earlier sessions, which agspec's per-session tenants never see.
+``tau/orc`` is a point's share of it; ``--no-oracle`` skips it.
 
 ``replay*`` is the replay's modelled speedup of the whole continuous batch: the ``none``
 lane's verification time over the point's, each the sum over its batched steps of
 ``cost(rows + drafted)`` under the default cost model (drafting time left out), the figure
-the batch budget maximises step by step. Then, per agspec point, the best SuffixDecoding tau
-among its points at an acceptance rate at least the agspec point's (None: SuffixDecoding
-has no point that precise), and the ratio.
+the batch budget maximises step by step. Then, per agspec and PLD point, the best
+SuffixDecoding tau among its points at an acceptance rate at least the point's (None:
+SuffixDecoding has no point that precise), and the ratio.
 
 Sessions: ``--sessions`` per dev file of ``--half``, uncut by default (SuffixDecoding's
 cross-request cache needs many sessions to reach its whole-set figure), replayed as one
@@ -31,7 +45,8 @@ Usage::
         [--files mini_swe_agent__gemini-3-pro-preview.jsonl.gz] [--sessions N] \\
         [--agspec-min-prob 0 0.1 0.2 0.3] [--agspec-nobudget-min-prob 0.1 0.2] \\
         [--sd-min-token-prob 0.05 0.1 0.2 0.3 0.5] [--sd-spec-factor 1 2 4] \\
-        [--json out.json]
+        [--pld-hf-tokens 2 5 10 20] [--pld-hf-ngram 2] [--pld-vllm-k 2 5 10] \\
+        [--pld-vllm-ngram 5] [--no-oracle] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +57,7 @@ import time
 
 import torch
 
-from agspec_gpu.baselines import SuffixDecoding, suffix_decoding_available
+from agspec_gpu.baselines import PLDHF, PLDVLLM, SuffixDecoding, suffix_decoding_available
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane, HostLane
@@ -74,6 +89,16 @@ def main() -> None:
     p.add_argument("--sd-min-token-prob", type=float, nargs="+",
                    default=[0.05, 0.1, 0.2, 0.3, 0.5])
     p.add_argument("--sd-spec-factor", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    p.add_argument("--pld-hf-tokens", type=int, nargs="*", default=[2, 5, 10, 20],
+                   help="pld-hf num_output_tokens (transformers' default 10)")
+    p.add_argument("--pld-hf-ngram", type=int, nargs="+", default=[2],
+                   help="pld-hf max_matching_ngram_size (default 2)")
+    p.add_argument("--pld-vllm-k", type=int, nargs="*", default=[2, 5, 10],
+                   help="pld-vllm k, tokens drafted per match (5 as benchmarked)")
+    p.add_argument("--pld-vllm-ngram", type=int, nargs="+", default=[5],
+                   help="pld-vllm n-gram size: prompt_lookup_min = prompt_lookup_max (5)")
+    p.add_argument("--no-oracle", action="store_true",
+                   help="skip the oracle bound (one more replay per file)")
     p.add_argument("--json")
     args = p.parse_args()
     if not suffix_decoding_available():
@@ -83,21 +108,35 @@ def main() -> None:
     gc = load_global_corpus(args.global_corpus, tok)
     B = args.batch_size
 
+    # every point is compared with the oracle over agspec's default corpora (the named
+    # ``none`` lane's key too): one oracle pass per file
+    key = None if args.no_oracle else TierConfig()
+
     def agspec(name: str, **overrides):
         def make():
             store = CorpusStore(tok, TierConfig(), global_corpus=gc)
             return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=B),
-                               store, "cpu")
+                               store, "cpu", oracle_key=key)
         return name, make
 
-    def sd(name: str, min_token_prob: float, spec_factor: float):
-        return name, lambda: HostLane(SuffixDecoding(min_token_prob=min_token_prob,
-                                                     max_spec_factor=spec_factor), name)
+    def host(name: str, make_drafter):
+        return name, lambda: HostLane(make_drafter(), name, oracle_key=key)
 
     lanes, knobs = ["none"], {"none": ("none", {})}
+    for n in args.pld_hf_ngram:
+        for k in args.pld_hf_tokens:
+            lanes.append(host(f"pld-hf-n{n}-k{k}", lambda n=n, k=k: PLDHF(n, k)))
+            knobs[lanes[-1][0]] = ("pld-hf",
+                                   {"max_matching_ngram_size": n, "num_output_tokens": k})
+    for n in args.pld_vllm_ngram:
+        for k in args.pld_vllm_k:
+            lanes.append(host(f"pld-vllm-n{n}-k{k}", lambda n=n, k=k: PLDVLLM(n, n, k)))
+            knobs[lanes[-1][0]] = ("pld-vllm", {"prompt_lookup_min": n,
+                                                "prompt_lookup_max": n, "k": k})
     for x in args.sd_spec_factor:
         for q in args.sd_min_token_prob:
-            lanes.append(sd(f"sd-f{x:g}-p{q:g}", q, x))
+            lanes.append(host(f"sd-f{x:g}-p{q:g}", lambda q=q, x=x: SuffixDecoding(
+                min_token_prob=q, max_spec_factor=x)))
             knobs[lanes[-1][0]] = ("suffix-decoding",
                                    {"min_token_prob": q, "max_spec_factor": x})
     for budget, probs in ((True, args.agspec_min_prob), (False, args.agspec_nobudget_min_prob)):
@@ -114,10 +153,14 @@ def main() -> None:
         corpus = tokenize_sessions([cut(s, args.max_target_tokens, tok)
                                     for s in ss[:args.sessions]], tok)
         t0 = time.time()
-        report = run_replay(corpus, lanes, tok, ReplayConfig(batch_size=B, oracle=False))
+        # the oracle lane's store is built by the replay, which loads the global corpus
+        # from the path (the lanes above share ``gc``, the same file)
+        report = run_replay(corpus, lanes, tok, ReplayConfig(
+            batch_size=B, oracle=not args.no_oracle,
+            global_corpus=None if args.no_oracle else args.global_corpus))
         rows = []
         for r in report.rows:
-            if r["agent"] != "all" or r["drafter"] == "none":
+            if r["agent"] != "all":
                 continue
             family, settings = knobs[r["drafter"]]
             rows.append({"point": r["drafter"], "family": family, "settings": settings,
@@ -126,25 +169,34 @@ def main() -> None:
                          "empty_draft_share": r["empty_draft_share"],
                          "target_tokens": r["target_tokens"], "mean_batch": r["mean_batch"],
                          "modelled_batch_speedup": r["modelled_batch_speedup"],
-                         "modelled_replay_speedup": r["modelled_replay_speedup"]})
+                         "modelled_replay_speedup": r["modelled_replay_speedup"],
+                         "oracle_tau": r["oracle_tau"]})
+        oracle = rows[0]["oracle_tau"]  # every lane has the same key: one bound
+        oracle_s = "-" if oracle is None else f"{oracle:.3f} (k={report.config['oracle_k']}, " \
+            f"{report.config['lane_seconds']['oracle1']:.0f}s)"
         sd_curve = [(r["acceptance_rate"], r["tau"]) for r in rows
                     if r["family"] == "suffix-decoding"]
         print(f"\n{f}: {len(corpus.sessions)} sessions, {rows[0]['target_tokens']} target "
-              f"tokens, B={B}, {time.time() - t0:.0f}s")
+              f"tokens, B={B}, {time.time() - t0:.0f}s; oracle tau {oracle_s}")
         print(f"{'point':24s} {'tau':>6s} {'acc':>6s} {'drafted':>7s} {'empty':>6s} "
-              f"{'replay*':>7s} {'SD best@>=acc':>13s} {'ratio':>6s}")
+              f"{'replay*':>7s} {'tau/orc':>7s} {'SD best@>=acc':>13s} {'ratio':>6s}")
         for r in rows:
-            ref = best_at_least(sd_curve, r["acceptance_rate"]) \
-                if r["family"] != "suffix-decoding" else None
+            rate = r["acceptance_rate"]  # None: nothing drafted (none, a PLD finding no match)
+            ref = best_at_least(sd_curve, rate) \
+                if r["family"] != "suffix-decoding" and rate is not None else None
             r["sd_best_tau_at_rate"] = ref
             r["ratio_to_sd"] = None if ref is None else r["tau"] / ref
+            r["tau_over_oracle"] = None if oracle is None else r["tau"] / oracle
+            rate_s = "-" if rate is None else f"{rate:.3f}"
+            orc_s = "-" if oracle is None else f"{r['tau_over_oracle']:.3f}"
             ref_s = "-" if ref is None else f"{ref:.3f}"
             ratio_s = "-" if ref is None else f"{r['ratio_to_sd']:.3f}"
-            print(f"{r['point']:24s} {r['tau']:6.3f} {r['acceptance_rate']:6.3f} "
+            print(f"{r['point']:24s} {r['tau']:6.3f} {rate_s:>6s} "
                   f"{r['drafted_per_step']:7.2f} {r['empty_draft_share']:6.3f} "
-                  f"{r['modelled_replay_speedup']:7.3f} {ref_s:>13s} {ratio_s:>6s}")
+                  f"{r['modelled_replay_speedup']:7.3f} {orc_s:>7s} {ref_s:>13s} {ratio_s:>6s}")
         out["files"][f] = {"sessions": len(corpus.sessions), "seconds": time.time() - t0,
-                           "rows": rows}
+                           "oracle_tau": oracle, "oracle_k": report.config["oracle_k"],
+                           "lane_seconds": report.config["lane_seconds"], "rows": rows}
     out["wall_seconds"] = time.time() - t_all
     if args.json:
         with open(args.json, "w") as fh:

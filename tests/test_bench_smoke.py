@@ -12,7 +12,9 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
 * ``bench_drafter_host``: a row per batch size, the drafter's match and graph steps stubbed
   (and its match put back after).
 * ``gap_by_match``: per dev file, rows by match length whose step shares add up to one;
-  ``bench_drafter``: the matrix's rows beside plain decoding and the oracle bound.
+  ``bench_drafter``: the matrix's rows beside plain decoding and the oracle bound;
+  ``bench_frontier``: every family's points (agspec, SuffixDecoding, both PLDs, none) beside
+  the oracle bound, which is above the agspec and PLD points.
 """
 
 import json
@@ -27,6 +29,7 @@ import bench_decoder_step  # noqa: E402  (bench/ is not a package)
 import bench_drafter  # noqa: E402
 import bench_drafter_host  # noqa: E402
 import bench_drafter_step  # noqa: E402
+import bench_frontier  # noqa: E402
 import gap_by_match  # noqa: E402
 import bench_host_staging  # noqa: E402
 import bench_launch_overhead  # noqa: E402
@@ -169,3 +172,47 @@ def test_bench_drafter_smoke(tmp_path, monkeypatch):
     assert agspec["oracle_tau"] >= agspec["tau"] > 1.0 and agspec["mean_batch"] <= 2
     assert agspec["modelled_replay_speedup"] > 0 and agspec["commit_us_per_step"] > 0
 
+
+
+@pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
+def test_bench_frontier_smoke(tmp_path, monkeypatch):
+    from agspec_gpu.baselines import suffix_decoding_available
+    from agspec_gpu.tiers import build_global_corpus
+    from agspec_gpu.tokenizer import load_tokenizer
+
+    if not suffix_decoding_available():
+        pytest.skip("arctic-inference is not installed")
+    f = "aider__chat_history.jsonl.gz"  # the smallest dev file: its half 0 is the global tier
+    glob, out = tmp_path / "g.agspec", tmp_path / "fr.json"
+    build_global_corpus([], load_tokenizer("cl100k"), glob,
+                        trajectories=[bench_frontier.DEV + f], half=0)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_frontier.py", "--global", str(glob), "--half", "1", "--files", f,
+        "--sessions", "2", "--max-target-tokens", "60", "--batch-size", "2",
+        "--agspec-min-prob", "0.1", "--agspec-nobudget-min-prob", "--sd-min-token-prob",
+        "0.1", "--sd-spec-factor", "1", "--pld-hf-tokens", "2", "10", "--pld-vllm-k", "5",
+        "--pld-vllm-ngram", "1", "--json", str(out)])
+    bench_frontier.main()
+    (res,) = json.loads(out.read_text())["files"].values()
+    rows = {r["point"]: r for r in res["rows"]}
+    assert {p: r["family"] for p, r in rows.items()} == {
+        "none": "none", "pld-hf-n2-k2": "pld-hf", "pld-hf-n2-k10": "pld-hf",
+        "pld-vllm-n1-k5": "pld-vllm", "sd-f1-p0.1": "suffix-decoding", "agspec-p0.1": "agspec"}
+    assert rows["pld-vllm-n1-k5"]["settings"] == {"prompt_lookup_min": 1,
+                                                  "prompt_lookup_max": 1, "k": 5}
+    none = rows["none"]
+    assert none["tau"] == 1.0 and none["acceptance_rate"] is None
+    assert none["modelled_replay_speedup"] == pytest.approx(1.0)
+    for p in ("pld-hf-n2-k2", "pld-hf-n2-k10", "pld-vllm-n1-k5"):
+        k = rows[p]["settings"].get("num_output_tokens", rows[p]["settings"].get("k"))
+        assert rows[p]["tau"] > 1.0 and 0 < rows[p]["drafted_per_step"] <= k
+        assert 0 <= rows[p]["acceptance_rate"] <= 1
+    # one oracle pass over agspec's corpora, beside every row; it bounds the drafters whose
+    # drafts come from those corpora (agspec; PLD: the session's own text), not
+    # SuffixDecoding, whose cache holds other sessions' responses
+    oracle = res["oracle_tau"]
+    assert oracle > 1.0 and all(r["oracle_tau"] == oracle for r in rows.values())
+    for r in rows.values():
+        assert r["tau_over_oracle"] == pytest.approx(r["tau"] / oracle)
+        if r["family"] != "suffix-decoding":
+            assert oracle >= r["tau"], r["point"]
