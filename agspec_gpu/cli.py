@@ -13,15 +13,69 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
 
+from rich.console import Console
+from rich.text import Text
+
+from agspec_gpu.replay import MAX_BATCH_SIZE, MAX_ORACLE_K
 from agspec_gpu.replay_lanes import AGSPEC_DRAFTERS, DRAFTER_NAMES, agspec_unavailable_reason
+from agspec_gpu.replay_report import printable
 
 _HOST_DEFAULT = ("none", "pld-hf", "pld-vllm", "suffix-decoding")
+
+
+
+class Unavailable(RuntimeError):
+    """Something this install lacks (a module, the git executable). No argument can fix it,
+    so it exits 1, not 2 as bad input (arguments, files, configs: ``ValueError`` /
+    ``OSError``) does."""
+
+
+class _PipeConsole(Console):
+    """A rich console that survives stdout becoming a closed pipe (``agspec-gpu ... | head``).
+
+    Rich's own :meth:`Console.on_broken_pipe` exits at once, so a replay piped to ``head``
+    lost its ``--json`` file. Here the console goes quiet (stdout to ``/dev/null``, as the
+    Python docs' note on SIGPIPE does) and, when the command still has files to write
+    (``keep_going``), lets it run on to write them; ``main`` then exits 1 without a message.
+    """
+
+    def __init__(self, *args, keep_going: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keep_going = keep_going
+        self.pipe_closed = False
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        self.pipe_closed = True
+        _stdout_to_devnull()
+        if not self.keep_going:
+            raise SystemExit(1)
+
+
+def _stdout_to_devnull() -> None:
+    """Points file descriptor 1 at ``/dev/null``: later writes and the flush at exit then
+    succeed instead of raising ``BrokenPipeError`` again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _say(console: Console, text: str, style: str | None = None) -> None:
+    """Prints ``text`` as plain text: no rich markup (a path may hold ``[/x]``), lone
+    surrogates escaped (:func:`printable`)."""
+    console.print(Text(printable(text), style=style or ""))
 
 
 class _RichProgress:
@@ -66,15 +120,17 @@ def _default_drafters(include_pld_vllm: bool = True) -> list[str]:
     return out
 
 
-def _at_least(lo: int):
-    """An argparse type: an int >= ``lo`` (argparse names the option in its error)."""
+def _at_least(lo: int, at_most: int | None = None):
+    """An argparse type: an int >= ``lo`` (and <= ``at_most``); argparse names the option in
+    its error and exits 2."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        if value < lo or (at_most is not None and value > at_most):
+            bound = f">= {lo}" if at_most is None else f"in [{lo}, {at_most}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     return parse
 
@@ -88,7 +144,8 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
                             f"{', '.join(DRAFTER_NAMES)}")
     p.add_argument("--tokenizer", default="cl100k",
                    help="'cl100k' (offline tiktoken cl100k_base) or a local HF tokenizer path")
-    p.add_argument("--batch-size", type=_at_least(1), default=64, help="continuous batch size (64)")
+    p.add_argument("--batch-size", type=_at_least(1, MAX_BATCH_SIZE), default=64,
+                   help=f"continuous batch size (64; at most {MAX_BATCH_SIZE})")
     p.add_argument("--tenant-by", choices=("session", "agent"), default="session",
                    help="tenant of a session: itself (default) or its agent format")
     p.add_argument("--global", dest="global_corpus", metavar="FILE",
@@ -97,7 +154,8 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
     p.add_argument("--half", type=int, choices=(0, 1),
                    help="replay only sessions of this half (see build-global --half)")
     p.add_argument("--device", default="cpu", help="device of the agspec corpora (cpu, cuda)")
-    p.add_argument("--oracle-k", type=int, default=32, help="oracle depth cap (32)")
+    p.add_argument("--oracle-k", type=_at_least(1, MAX_ORACLE_K), default=32,
+                   help=f"oracle depth cap (32; at most {MAX_ORACLE_K})")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
     p.add_argument("--cost-model", metavar="FILE",
                    help="verification cost model JSON (default: 8B bf16 on H200 estimate)")
@@ -131,7 +189,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="replay sessions built from a git repository's history")
     p.add_argument("repo", nargs="?", default=".", help="repository (default: the current one)")
-    p.add_argument("--max-commits", type=_at_least(1), default=20, help="newest commits to use (20)")
+    p.add_argument("--max-commits", type=_at_least(1), default=20,
+                   help="newest commits to use (20)")
     p.add_argument("--max-session-chars", type=_at_least(1), default=120_000,
                    help="leave out commits whose session text is longer (120,000 characters: "
                         "a session replays step by step, so the longest sets the run time)")
@@ -161,15 +220,14 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _need(module: str, attr: str, what: str):
-    """``module.attr``, imported lazily, or a clear SystemExit naming what is missing."""
+def _need(module: str, attr: str):
+    """``module.attr``, imported lazily, or :class:`Unavailable` naming what is missing."""
     import importlib
 
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"agspec-gpu {what}: needs {module}.{attr}, which is not available "
-                         f"({exc})") from None
+        raise Unavailable(f"needs {module}.{attr}, which is not available ({exc})") from None
 
 
 def _load_sessions(paths: Sequence[str], max_sessions: int | None) -> list:
@@ -198,7 +256,7 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     torch.set_num_threads(args.threads)
     for d in drafters:
         if d in AGSPEC_DRAFTERS and agspec_unavailable_reason() is not None:
-            raise SystemExit(f"{d}: {agspec_unavailable_reason()}")
+            raise Unavailable(f"--drafter {d}: {agspec_unavailable_reason()}")
     tokenizer = load_tokenizer(args.tokenizer)
     config = ReplayConfig(
         batch_size=args.batch_size, tenant_by=args.tenant_by, oracle=not args.no_oracle,
@@ -216,9 +274,9 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     if "all" in corpus.agents:
         raise ValueError("agent format 'all' is reserved: the report's rows over every "
                          "format are named so")
-    console.print(f"{len(corpus.sessions)} sessions, {len(corpus.stream):,} tokens "
-                  f"({tokenizer.name}) in {time.perf_counter() - t0:.1f}s; drafters: "
-                  f"{', '.join(drafters)}")
+    _say(console, f"{len(corpus.sessions)} sessions, {len(corpus.stream):,} tokens "
+         f"({tokenizer.name}) in {time.perf_counter() - t0:.1f}s; drafters: "
+         f"{', '.join(drafters)}")
     progress = None if args.no_progress else _RichProgress(console)
     with tempfile.TemporaryDirectory(prefix="agspec-halves-") as tmp:
         halves = _cross_half_globals(args, tokenizer, tmp, console) \
@@ -230,12 +288,13 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
         finally:
             if progress is not None:
                 progress.close()
-    print_table(report, console, title=title)
+    # the files before the table: they survive a table that cannot be printed
     if args.json:
         write_json(report, args.json)
     if args.csv:
         write_csv(report, args.csv)
-    if args.plot:
+    print_table(report, console, title=title)
+    if args.plot:  # after the table: matplotlib is an optional dependency
         write_plot(report, args.plot)
     return report
 
@@ -244,21 +303,21 @@ def _cross_half_globals(args, tokenizer, tmp: str, console) -> tuple[str, str]:
     """Global corpora of half 0 and half 1 of the replayed trajectory files, in ``tmp``."""
     from agspec_gpu.tiers import TierConfig, build_global_corpus
 
-    if args.global_corpus or args.half is not None:
-        raise SystemExit("--cross-halves builds its own global tiers: drop --global / --half")
     out = []
     for h in (0, 1):
         t0 = time.perf_counter()
         path = str(Path(tmp) / f"half{h}.agspec")
         g = build_global_corpus([], tokenizer, path, max_depth=TierConfig().max_depth,
                                 trajectories=list(args.paths), half=h)
-        console.print(f"global tier of half {h}: {g.tokens.numel():,} tokens "
-                      f"({time.perf_counter() - t0:.1f}s)")
+        _say(console, f"global tier of half {h}: {g.tokens.numel():,} tokens "
+             f"({time.perf_counter() - t0:.1f}s)")
         out.append(path)
     return out[0], out[1]
 
 
 def _cmd_replay(args, console) -> int:
+    if args.cross_halves and (args.global_corpus or args.half is not None):
+        raise ValueError("--cross-halves builds its own global tiers: drop --global / --half")
     sessions = _load_sessions(args.paths, args.max_sessions)
     if args.half is not None:
         from agspec_gpu.tiers import session_half
@@ -279,19 +338,21 @@ def _cmd_demo(args, console) -> int:
     try:
         sessions = sessions_from_git(args.repo, max_commits=args.max_commits)
     except GitError as exc:
-        raise SystemExit(f"agspec-gpu demo: {exc}") from None
+        if shutil.which("git") is None:
+            raise Unavailable(str(exc)) from None
+        raise ValueError(f"REPO {exc}") from None  # the message starts with the path
     if not sessions:
-        raise SystemExit(f"agspec-gpu demo: {args.repo}: no commit that modifies a text file")
+        raise ValueError(f"REPO {args.repo}: no commit that modifies a text file")
     kept = [s for s in sessions if sum(len(m.content) for m in s.messages)
             <= args.max_session_chars]
     if not kept:
-        raise SystemExit(f"agspec-gpu demo: every session is longer than --max-session-chars "
-                         f"{args.max_session_chars}")
+        raise ValueError(f"--max-session-chars {args.max_session_chars}: every session is "
+                         f"longer")
     left_out = len(sessions) - len(kept)
     sessions = kept
     drafters = args.drafter or _default_drafters(include_pld_vllm=False)
     if "agspec" not in drafters and args.drafter is None:
-        console.print(f"[yellow]agspec skipped: {agspec_unavailable_reason()}[/yellow]")
+        _say(console, f"agspec skipped: {agspec_unavailable_reason()}", style="yellow")
     _run(args, sessions, drafters, console, f"demo: {len(sessions)} sessions from "
          f"{Path(args.repo).resolve().name} git history"
          + (f" ({left_out} longer than {args.max_session_chars:,} characters left out)"
@@ -300,7 +361,7 @@ def _cmd_demo(args, console) -> int:
 
 
 def _cmd_profile(args, console) -> int:
-    profile_roles = _need("agspec_gpu.controller", "profile_roles", "profile")
+    profile_roles = _need("agspec_gpu.controller", "profile_roles")
     from agspec_gpu.cost_model import CostModel
 
     sessions = _load_sessions(args.paths, args.max_sessions)
@@ -315,13 +376,13 @@ def _cmd_profile(args, console) -> int:
     profiles = profile_roles(curves, cost=CostModel.from_json(report.config["cost_model"]),
                              out=args.out)
     for role, prof in sorted(profiles.items()):
-        console.print(f"{role}: draft_cap={prof.draft_cap}")
-    console.print(f"wrote {args.out}")
+        _say(console, f"{role}: draft_cap={prof.draft_cap}")
+    _say(console, f"wrote {args.out}")
     return 0
 
 
 def _cmd_build_global(args, console) -> int:
-    build = _need("agspec_gpu.tiers", "build_global_corpus", "build-global")
+    build = _need("agspec_gpu.tiers", "build_global_corpus")
     from agspec_gpu.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
@@ -332,25 +393,35 @@ def _cmd_build_global(args, console) -> int:
     g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
               max_depth=args.max_depth, suffixes=tuple(args.suffix),
               trajectories=list(args.trajectories), half=args.half)
-    console.print(f"wrote {args.out}: {g.tokens.numel():,} tokens in "
-                  f"{time.perf_counter() - t0:.1f}s")
+    _say(console, f"wrote {args.out}: {g.tokens.numel():,} tokens in "
+         f"{time.perf_counter() - t0:.1f}s")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``agspec-gpu``; returns the exit status."""
-    from rich.console import Console
+    """Entry point of ``agspec-gpu``; returns the exit status.
 
+    0: done. 2: bad input, named in the message (argparse's usage errors raise
+    ``SystemExit(2)``; a bad file, path or config is a ``ValueError`` / ``OSError``). 1:
+    something the install lacks (:class:`Unavailable`), or stdout was a closed pipe (quietly,
+    after the files asked for were written). Anything else is a bug: a traceback.
+    """
     args = _parser().parse_args(argv)
+    files = [getattr(args, k, None) for k in ("json", "csv", "plot", "out")]
     # Off a terminal rich would wrap the table at 80 columns; logs and pipes get it whole.
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = _PipeConsole(width=None if sys.stdout.isatty() else 160,
+                           keep_going=any(files))
     commands = {"replay": _cmd_replay, "demo": _cmd_demo, "profile": _cmd_profile,
                 "build-global": _cmd_build_global}
     try:
-        return commands[args.command](args, console)
+        status = commands[args.command](args, console)
+    except Unavailable as exc:
+        _say(console, f"agspec-gpu {args.command}: {exc}", style="red")
+        return 1
     except (ValueError, OSError) as exc:  # bad input files, paths, configs: no traceback
-        console.print(f"[red]agspec-gpu {args.command}: {exc}[/red]")
+        _say(console, f"agspec-gpu {args.command}: {exc}", style="red")
         return 2
+    return 1 if console.pipe_closed else status
 
 
 if __name__ == "__main__":

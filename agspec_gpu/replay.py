@@ -50,6 +50,14 @@ __all__ = ["ReplayConfig", "TokenizedSession", "ReplayCorpus", "ReplayReport", "
 TENANT_MODES = ("session", "agent")
 
 
+# batch_size is the agspec drafter's max_batch: its state slots, per-step buffers and cost
+# table (max_batch * (1 + max_nodes) entries, built on the host) are sized by it, and on a GPU
+# it captures graphs for buckets up to it. 4096 builds in about a second on a CPU and is far
+# above one GPU's verification batch; 10**9 would try to allocate 128 GB.
+MAX_BATCH_SIZE = 4096
+MAX_ORACLE_K = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayConfig:
     """How a replay runs.
@@ -83,12 +91,13 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 1 <= self.batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size must be in [1, {MAX_BATCH_SIZE}], got "
+                             f"{self.batch_size}")
         if self.tenant_by not in TENANT_MODES:
             raise ValueError(f"tenant_by must be one of {TENANT_MODES}, got {self.tenant_by!r}")
-        if not 1 <= self.oracle_k <= 4096:
-            raise ValueError(f"oracle_k must be in [1, 4096], got {self.oracle_k}")
+        if not 1 <= self.oracle_k <= MAX_ORACLE_K:
+            raise ValueError(f"oracle_k must be in [1, {MAX_ORACLE_K}], got {self.oracle_k}")
 
 
 @dataclass(frozen=True)

@@ -32,33 +32,50 @@ _TABLE_COLUMNS = (
 )
 
 
+def printable(value) -> str:
+    """``str(value)`` with lone surrogates written as backslash escapes (``"\\udc80"``).
+
+    A non-UTF-8 file name or record decodes to lone surrogates (``"\\udc80"`` ..
+    ``"\\udcff"``), which no strict UTF-8 stream can encode: the table, the CSV and the
+    plot escape them, as ``errors="backslashreplace"`` would, instead of failing. Every
+    other character is kept.
+    """
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _fmt(value, spec: str) -> str:
-    return "—" if value is None else spec.format(value)
+    return "—" if value is None else printable(spec.format(value))
 
 
 def print_table(report: ReplayReport, console=None, title: str | None = None) -> None:
-    """Prints drafter x agent rows (``all`` rows in bold) with rich."""
+    """Prints drafter x agent rows (``all`` rows in bold) with rich.
+
+    Names and the title are printed as plain text (:func:`printable`, no rich markup): an
+    agent format named ``"[/x]"`` or holding a lone surrogate prints as it is, escaped.
+    """
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = console or Console()
-    table = Table(title=title, header_style="bold")
+    table = Table(title=None if title is None else Text(printable(title)), header_style="bold")
     for key, name, _ in _TABLE_COLUMNS:
         table.add_column(name, justify="left" if key in ("drafter", "agent") else "right")
     for row in report.rows:
-        table.add_row(*(_fmt(row.get(k), spec) for k, _, spec in _TABLE_COLUMNS),
+        table.add_row(*(Text(_fmt(row.get(k), spec)) for k, _, spec in _TABLE_COLUMNS),
                       style="bold" if row["agent"] == "all" else None,
                       end_section=row["agent"] == "all")
     console.print(table)
     cost = report.config.get("cost_model", {})
-    console.print(f"* modelled speedup = {report.config.get('speedup_model')}; ** with B the "
-                  f"mean batch: {report.config.get('batch_speedup_model')}; *** step by step: "
-                  f"{report.config.get('replay_speedup_model')}; cost model: "
-                  f"{cost.get('source', '?')}. tau counts accepted + bonus tokens per step.",
-                  highlight=False)
+    console.print(Text(printable(
+        f"* modelled speedup = {report.config.get('speedup_model')}; ** with B the mean "
+        f"batch: {report.config.get('batch_speedup_model')}; *** step by step: "
+        f"{report.config.get('replay_speedup_model')}; cost model: "
+        f"{cost.get('source', '?')}. tau counts accepted + bonus tokens per step.")))
 
 
 def write_json(report: ReplayReport, path: str | Path) -> None:
+    # ASCII (json's ensure_ascii): a lone surrogate is kept as its "\\udc80" escape
     Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
 
 
@@ -80,7 +97,8 @@ def write_csv(report: ReplayReport, path: str | Path) -> None:
     fields: list[str] = []
     for r in rows:  # union of columns, first-seen order (share columns vary per drafter)
         fields += [k for k in r if k not in fields]
-    with open(path, "w", newline="") as fh:
+    # UTF-8 whatever the locale; a lone surrogate escaped as in the table (printable)
+    with open(path, "w", newline="", encoding="utf-8", errors="backslashreplace") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
@@ -102,7 +120,7 @@ def write_plot(report: ReplayReport, path: str | Path) -> None:
     for d in drafters:
         r = by.get((d, "all"))
         if r and r["steps"]:
-            ax0.plot(range(1, len(r["p_acc"]) + 1), r["p_acc"], marker=".", label=d)
+            ax0.plot(range(1, len(r["p_acc"]) + 1), r["p_acc"], marker=".", label=printable(d))
     ax0.set(xlabel="k (draft tokens)", ylabel="P(at least k accepted)",
             title="Acceptance curve P_acc(k), all agents", ylim=(0, 1))
     ax0.grid(alpha=0.3)
@@ -110,13 +128,14 @@ def write_plot(report: ReplayReport, path: str | Path) -> None:
     width = 0.8 / max(len(drafters), 1)
     for i, d in enumerate(drafters):
         xs = [a + (i - (len(drafters) - 1) / 2) * width for a in range(len(agents))]
-        ax1.bar(xs, [(by.get((d, a)) or {}).get("tau") or 0 for a in agents], width, label=d)
+        ax1.bar(xs, [(by.get((d, a)) or {}).get("tau") or 0 for a in agents], width,
+                label=printable(d))
     for a, agent in enumerate(agents):
         oracle = next((r["oracle_tau"] for r in rows
                        if r["agent"] == agent and r.get("oracle_tau") is not None), None)
         if oracle is not None:
             ax1.plot([a - 0.4, a + 0.4], [oracle, oracle], "k--", lw=1)
-    ax1.set_xticks(range(len(agents)), agents, rotation=15, fontsize=8)
+    ax1.set_xticks(range(len(agents)), [printable(a) for a in agents], rotation=15, fontsize=8)
     ax1.set(ylabel="tau (tokens per step)", title="tau per agent format (dashed: oracle)")
     ax1.grid(axis="y", alpha=0.3)
     ax1.legend(fontsize=8)

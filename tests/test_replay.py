@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -336,8 +337,14 @@ def test_report_json_layout(tok):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="batch_size"):
-        ReplayConfig(batch_size=0)
+    from agspec_gpu.replay import MAX_BATCH_SIZE
+
+    for bad in (0, MAX_BATCH_SIZE + 1, 10**9):  # the drafter's buffers are sized by it
+        with pytest.raises(ValueError, match=r"batch_size must be in \[1, 4096\]"):
+            ReplayConfig(batch_size=bad)
+    for bad in (0, 4097):
+        with pytest.raises(ValueError, match="oracle_k"):
+            ReplayConfig(oracle_k=bad)
     with pytest.raises(ValueError, match="tenant_by"):
         ReplayConfig(tenant_by="user")
 
@@ -433,10 +440,12 @@ def _has_arctic() -> bool:
 # ----------------------------------------------------------------------------- command line
 
 
-def _write_fixture(path: Path) -> None:
+def _write_fixture(path: Path, agents: tuple[str, ...] = ("mini-swe-agent", "aider")) -> None:
+    """One :func:`_copy_session` per agent format, named a, b, ... (gzip JSONL: the JSON
+    escapes keep a lone surrogate in ``agents``)."""
     recs = [{"id": s.id, "source": "test", "agent": s.agent, "model": "",
              "messages": [{"role": m.role, "content": m.content} for m in s.messages]}
-            for s in (_copy_session("a"), _copy_session("b", agent="aider"))]
+            for s in (_copy_session(chr(ord("a") + i), agent) for i, agent in enumerate(agents))]
     with gzip.open(path, "wt") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in recs)
 
@@ -482,7 +491,7 @@ def _git(repo: Path, *args: str) -> None:
                    check=True, capture_output=True)
 
 
-def test_cli_demo_on_a_tiny_repo(tmp_path):
+def test_cli_demo_on_a_tiny_repo(tmp_path, capsys):
     from agspec_gpu.cli import main
     from agspec_gpu.gitlog import sessions_from_git
 
@@ -508,8 +517,10 @@ def test_cli_demo_on_a_tiny_repo(tmp_path):
     assert main(["demo", str(repo), "--max-session-chars", str(sizes[0]), "--json", str(out),
                  "--no-progress", "--drafter", "none", "--no-oracle"]) == 0
     assert all(r["sessions"] == 1 for r in json.loads(out.read_text())["results"])
-    with pytest.raises(SystemExit, match="max-session-chars"):
-        main(["demo", str(repo), "--max-session-chars", str(sizes[0] - 1), "--no-progress"])
+    capsys.readouterr()
+    assert main(["demo", str(repo), "--max-session-chars", str(sizes[0] - 1),
+                 "--no-progress"]) == 2
+    assert "--max-session-chars" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:  # argparse: usage error naming the option
         main(["demo", str(repo), "--max-session-chars", "0", "--no-progress"])
     assert exc.value.code == 2
@@ -555,6 +566,91 @@ def test_cli_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
             capsys.readouterr()
             assert main(argv) == 2, argv
             assert match in capsys.readouterr().out.replace("\n", " "), argv
+
+
+def test_cli_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, monkeypatch):
+    """Every bad-input path exits 2 with the argument named (some raised SystemExit(msg),
+    status 1); 1 is left to what the install lacks."""
+    import agspec_gpu.cli as cli
+
+    fixture = tmp_path / "fixture.jsonl.gz"
+    _write_fixture(fixture)
+    replay = ["replay", str(fixture), "--drafter", "none", "--no-progress", "--no-oracle"]
+    not_a_repo = tmp_path / "plain"
+    not_a_repo.mkdir()
+    for argv, named in [
+        (replay + ["--cross-halves", "--half", "0"], "--cross-halves"),
+        (replay + ["--cross-halves", "--global", str(fixture)], "--cross-halves"),
+        (["demo", str(not_a_repo), "--no-progress"], f"REPO {not_a_repo}: not a git repo"),
+    ]:
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        assert named in capsys.readouterr().out.replace("\n", " "), argv
+    with pytest.raises(SystemExit) as exc:  # argparse checks the range: usage error, 2
+        cli.main(replay + ["--oracle-k", "0"])
+    assert exc.value.code == 2 and "--oracle-k: must be in [1, 4096]" in capsys.readouterr().err
+    # the install, not the input: 1, still naming the option
+    monkeypatch.setattr(cli, "agspec_unavailable_reason", lambda: "no triton here")
+    assert cli.main(["replay", str(fixture), "--drafter", "agspec", "--no-progress"]) == 1
+    assert "--drafter agspec: no triton here" in capsys.readouterr().out
+
+
+def test_cli_batch_size_is_capped_at_parse_time(tmp_path, capsys):
+    """--batch-size sizes the drafter's buffers and cost table: 10**9 tried to allocate
+    128 GB; now argparse refuses it before anything is read."""
+    from agspec_gpu.cli import MAX_BATCH_SIZE, _parser, main
+
+    for bad in (10**9, MAX_BATCH_SIZE + 1, 0):
+        with pytest.raises(SystemExit) as exc:
+            main(["replay", str(tmp_path / "never-read.jsonl"), "--batch-size", str(bad)])
+        assert exc.value.code == 2
+        assert f"--batch-size: must be in [1, {MAX_BATCH_SIZE}]" in capsys.readouterr().err
+    for command in (["replay", "x"], ["demo"], ["profile", "x", "-o", "p.json"]):
+        args = _parser().parse_args(command + ["--batch-size", str(MAX_BATCH_SIZE)])
+        assert args.batch_size == MAX_BATCH_SIZE
+
+
+def test_cli_prints_unprintable_agent_names_escaped(tmp_path, capsys):
+    """A lone surrogate (a non-UTF-8 record) crashed the table on a strict UTF-8 stdout
+    (capsys is one) and lost the JSON, CSV and plot; rich markup in a name crashed it too."""
+    from agspec_gpu.cli import main
+
+    fixture, out = tmp_path / "fixture.jsonl.gz", tmp_path / "out.json"
+    _write_fixture(fixture, agents=("bad\udc80agent", "[/x]"))
+    assert main(["replay", str(fixture), "--drafter", "none", "--no-oracle", "--no-progress",
+                 "--json", str(out), "--csv", str(tmp_path / "out.csv"), "--plot",
+                 str(tmp_path / "out.png")]) == 0
+    table = capsys.readouterr().out
+    assert "bad\\udc80" in table and "[/x]" in table
+    agents = {r["agent"] for r in json.loads(out.read_text())["results"]}
+    assert agents == {"bad\udc80agent", "[/x]", "all"}  # JSON keeps the name itself
+    assert "bad\\udc80agent" in (tmp_path / "out.csv").read_text(encoding="utf-8")
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+    # an error naming such a path prints too
+    assert main(["replay", str(tmp_path / "\udcff[/y].jsonl"), "--no-progress"]) == 2
+    assert "\\udcff[/y].jsonl: no such file" in capsys.readouterr().out
+
+
+def test_cli_keeps_its_files_when_stdout_is_a_closed_pipe(tmp_path):
+    """``agspec-gpu replay ... --json F | head -1``: the first write to the closed pipe made
+    rich exit 1 before F was written. Now the run goes on quietly, writes F and exits 1 with
+    nothing on stderr; with no file to write it stops at once."""
+    fixture, out = tmp_path / "fixture.jsonl.gz", tmp_path / "out.json"
+    _write_fixture(fixture)
+    argv = [sys.executable, "-m", "agspec_gpu", "replay", str(fixture), "--drafter", "none",
+            "--no-oracle", "--no-progress"]
+    for extra in (["--json", str(out), "--csv", str(tmp_path / "out.csv")], []):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first line: every write fails
+        try:
+            proc = subprocess.run(argv + extra, stdout=write_end, stderr=subprocess.PIPE,
+                                  text=True, cwd=ROOT, timeout=120)
+        finally:
+            os.close(write_end)
+        assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    assert {r["agent"] for r in json.loads(out.read_text())["results"]} == {
+        "mini-swe-agent", "aider", "all"}
+    assert (tmp_path / "out.csv").read_text().startswith("drafter,")
 
 
 @needs_agspec
@@ -737,8 +833,7 @@ def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
                  "--no-oracle", "--json", str(out)]) == 0
     rows = {r["agent"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["c-agent"]["tau"] < 1.5 < 5 < rows["a-agent"]["tau"]
-    with pytest.raises(SystemExit, match="drop --global"):
-        main(["replay", str(path), "--cross-halves", "--half", "0", "--no-progress"])
+    assert main(["replay", str(path), "--cross-halves", "--half", "0", "--no-progress"]) == 2
 
 
 def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
