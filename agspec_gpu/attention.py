@@ -92,6 +92,41 @@ class TorchPagedAttention:
         return out
 
 
+def prefill_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                            num_sms: int, *, max_rows: int = 0, max_requests: int = 0) -> int:
+    """Bytes of float workspace a FlashInfer (fa2) batch prefill plan may carve.
+
+    With split KV the plan allocates ``tmp_v float32 [num_qo_heads, tiles * cta_tile_q,
+    head_dim]`` and ``tmp_s`` (the same without ``head_dim``), ``tiles`` being the padded
+    batch of (request, query tile, KV chunk) work items (FlashInfer's ``scheduler.cuh``,
+    ``PrefillPlan``). Eagerly, a split plan has at most the planner's grid cap,
+    ``2 * num_sms // num_kv_heads`` items. In CUDA-graph mode (``max_rows > 0``: plans of at
+    most ``max_rows`` query rows over ``max_requests`` requests) split KV is always on and
+    ``tiles = max(cap, ceil(rows * group / cta_tile_q) + requests - 1)``: 409 MB for the
+    Llama-3-8B verification bucket of 4,161 rows over 65 requests (64 and a sink), over
+    FlashInfer's 128 MiB default. Bounded here over every ``cta_tile_q`` the planner picks (16, 64, 128), with
+    16 MiB of room for its alignment; at least 128 MiB.
+    """
+    group = num_qo_heads // num_kv_heads
+    cap = 2 * num_sms // num_kv_heads
+    rows = 0
+    for cta_tile_q in (16, 64, 128):
+        graph_tiles = -(-max_rows * group // cta_tile_q) + max_requests - 1 if max_rows else 0
+        rows = max(rows, max(cap, graph_tiles) * cta_tile_q)
+    return max(128 << 20, num_qo_heads * rows * (head_dim + 1) * 4 + (16 << 20))
+
+
+def flashinfer_workspace(num_bytes: int, device: torch.device | str) -> torch.Tensor:
+    """A FlashInfer float workspace, zeroed (FlashInfer asks for a zeroed buffer on first
+    use)."""
+    return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+
+
+def num_sms(device: torch.device | str) -> int:
+    """The device's streaming multiprocessors (FlashInfer's planner sizes its grid by them)."""
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
+
 class FlashInferPagedAttention:
     """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (NHD) with a packed custom mask.
 
@@ -107,7 +142,7 @@ class FlashInferPagedAttention:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
                  device: torch.device | str, dtype: torch.dtype,
-                 workspace_bytes: int = 128 << 20, sm_scale: float | None = None) -> None:
+                 workspace_bytes: int | None = None, sm_scale: float | None = None) -> None:
         import flashinfer  # imported here: an optional GPU dependency
 
         if num_qo_heads % num_kv_heads:
@@ -116,7 +151,10 @@ class FlashInferPagedAttention:
         self.num_qo_heads, self.num_kv_heads = num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype = head_dim, page_size, dtype
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        if workspace_bytes is None:
+            workspace_bytes = prefill_workspace_bytes(num_qo_heads, num_kv_heads, head_dim,
+                                                      num_sms(device))
+        self._workspace = flashinfer_workspace(workspace_bytes, device)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend="fa2")
         self._num_q: int | None = None

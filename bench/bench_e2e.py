@@ -415,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     verify = None if args.eager_verify else VerifyGraphs(
         runner, graph_sizes, args.max_draft_nodes,
         use_graphs=False if args.no_graphs else None)
+    # the padded buckets pay only as graphs: run eagerly (no GPU, --no-graphs, a failed
+    # capture) each step would plan over the page table's whole width, so steps then run
+    # unpadded, as SpecDecoder runs them
+    verify_steps = verify if verify is not None and verify.uses_graphs else None
     pool = MetadataPool(max_b, args.max_draft_nodes, max_pages_per_seq, ps, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in batch_sizes:
             cost_for[b] = calibrate_cost_model(
                 runner, b, args.context, max_draft_tokens=args.calibrate_max_tokens,
-                repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify,
+                repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify_steps,
                 source=f"measured: {args.model} on {gpu}, {b} requests x {args.context} tokens "
                        f"of KV; plan + forward + argmax, median of {args.calibrate_repeats}")
             print(f"[e2e] cost B={b}: " + ", ".join(f"{x}:{y:.2f}ms" for x, y in
@@ -502,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         sub = dataclasses.replace(corpus, sessions=tuple(sessions))
         res = run_replay_target(runner, sub, proposer, cfg, pool=pool,
                                 graphs=None if args.no_graphs else graphs,
-                                verify_graphs=verify, step_hook=hook)
+                                verify_graphs=verify_steps, step_hook=hook)
         step_graphs = getattr(getattr(proposer, "drafter", None), "_graphs", None)
         if step_graphs is not None:  # the agspec drafter's propose / commit graphs
             drafter_graphs[method] = [g.graph_error or "captured" for g in step_graphs]

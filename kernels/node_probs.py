@@ -89,7 +89,7 @@ def _node_probs_kernel(
         mass += tl.where(same, tl.load(wt_ptr + b * C + c2), 0.0)
         c2 += 1
     total = tl.maximum(tl.sum(tl.load(wt_ptr + b * C + c, mask=in_c, other=0.0), axis=0), 1e-9)
-    share = mass / total
+    share = tl.math.div_rn(mass, total)  # IEEE-rounded, as torch's (`/` is div.full.f32)
     if CALIBRATE:
         # each node's chance hits / seen (rounded to float32) at its representative's row,
         # multiplied along the path in float64 as torch's CPU cumprod does

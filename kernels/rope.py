@@ -23,7 +23,8 @@ from agspec_gpu.kernels._launch import KERNEL_FLOATS
 def rotate_halves(x1, x2, cos_row, sin_row, i, HALF: tl.constexpr, T: tl.constexpr):
     """One head's rotated halves ``(lo, hi)`` in ``T``: ``x1, x2`` its halves (fp32),
     ``cos_row, sin_row`` pointers to its row's ``[D]`` tables; each product and the sum
-    rounded to ``T``, as torch evaluates them one op at a time."""
+    rounded to ``T``, as torch evaluates them one op at a time (launched with
+    ``enable_fp_fusion=False``, or fp32 would contract a product into the sum)."""
     c1 = tl.load(cos_row + i).to(tl.float32)
     c2 = tl.load(cos_row + HALF + i).to(tl.float32)
     s1 = tl.load(sin_row + i).to(tl.float32)
@@ -107,6 +108,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
         raise ValueError("x: the last dimension must be contiguous")
     out = torch.empty(Q, H, D, dtype=x.dtype, device=x.device)
     if Q and H:
+        # no fused multiply-adds: in fp32 (where the casts to T are no-ops) the compiler
+        # would contract a product and the sum into one rounding, where torch rounds twice
         _rope_kernel[(Q, H)](x, cos.contiguous(), sin.contiguous(), out, x.stride(0),
-                             x.stride(1), H, HALF=half)
+                             x.stride(1), H, HALF=half, enable_fp_fusion=False)
     return out

@@ -133,5 +133,5 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
             qkv, cos.contiguous(), sin.contiguous(), page.contiguous(), offset.contiguous(),
             q_out, cache,
             qkv.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), H, Hkv,
-            HALF=half)
+            HALF=half, enable_fp_fusion=False)  # torch's roundings: see rotate_halves
     return q_out

@@ -52,7 +52,10 @@ KernelSpec = tuple
 def ptxas_usage(ptx: str) -> dict[str, int]:
     """``{"registers", "spill_bytes"}`` of a kernel's PTX as ``ptxas -v`` reports them for
     sm_90a (the ``ptxas`` in the Triton wheel; Triton runs it with ``-v`` too, but keeps
-    the log only when asked to dump it)."""
+    the log only when asked to dump it); and what can make a kernel's fp32 differ from torch's
+    by a unit: ``"fma_f32"``, the PTX's fused multiply-adds (a contracted ``a * b + c``
+    rounds once where torch rounds twice), ``"div_full_f32"``, its divisions that are not
+    IEEE-rounded (Triton's ``/`` on fp32; ``tl.math.div_rn`` is)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as d:
@@ -66,7 +69,8 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     if regs is None:
         raise AssertionError(f"no register count in the ptxas log:\n{log}")
-    return {"registers": int(regs.group(1)), "spill_bytes": max(spills, default=0)}
+    return {"registers": int(regs.group(1)), "spill_bytes": max(spills, default=0),
+            "fma_f32": ptx.count("fma.rn.f32"), "div_full_f32": ptx.count("div.full.f32")}
 
 
 def compile_all_for_sm90(specs: list[KernelSpec], *, max_spill_bytes: int | None = 0

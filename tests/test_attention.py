@@ -123,3 +123,30 @@ def test_flashinfer_matches_torch_backend(dtype, page_size):
         # reading the device, the same attention
         fi.plan(replace(meta, maybe_host=host_sizes(sizes, prefix_lens, page_size)))
         torch.testing.assert_close(fi.run(q, cache).float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_flashinfer_workspace_holds_the_split_kv_scratch_of_the_largest_graph_plan():
+    """FlashInfer's graph-mode prefill plan carves ``tmp_v float32 [H, tiles * cta_tile_q, D]``
+    and ``tmp_s`` from the float workspace, ``tiles = max(2 * SMs // H_kv, ceil(rows * group
+    / cta_tile_q) + requests - 1)`` (its ``scheduler.cuh``): 409 MB for Llama-3-8B's largest
+    verification bucket, which the 128 MiB default could not hold, so no graph was captured."""
+    from agspec_gpu.attention import prefill_workspace_bytes
+
+    def flashinfer_needs(H, H_kv, D, sms, rows, requests, cta_tile_q):
+        tiles = max(2 * sms // H_kv, -(-rows * (H // H_kv) // cta_tile_q) + requests - 1)
+        return H * tiles * cta_tile_q * D * 4 + H * tiles * cta_tile_q * 4
+
+    # Llama-3-8B on an H200 (132 SMs): the S = 64 bucket of 4,161 rows and the sink
+    llama = flashinfer_needs(32, 8, 128, 132, 4161, 65, 128)
+    assert llama > 400e6
+    got = prefill_workspace_bytes(32, 8, 128, 132, max_rows=4161, max_requests=65)
+    assert llama < got < 1.1 * llama + (16 << 20)
+    for H, H_kv, D, rows, reqs in [(32, 8, 128, 64, 64), (14, 2, 64, 2081, 33), (4, 1, 64, 9, 9),
+                                   (32, 32, 128, 4161, 65), (8, 8, 256, 100, 3)]:
+        need = max(flashinfer_needs(H, H_kv, D, 132, rows, reqs, cta) for cta in (16, 64, 128))
+        assert prefill_workspace_bytes(H, H_kv, D, 132, max_rows=rows, max_requests=reqs) > need
+    # eager plans (no graph): split KV only within the grid cap; never under FlashInfer's own
+    # default of 128 MiB
+    assert prefill_workspace_bytes(32, 8, 128, 132) == 128 << 20
+    eager_mqa = flashinfer_needs(64, 1, 128, 132, 0, 0, 128)
+    assert prefill_workspace_bytes(64, 1, 128, 132) > eager_mqa > 128 << 20

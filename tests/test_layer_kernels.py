@@ -11,6 +11,8 @@ with triton 3.6), so interpreted bf16 may differ by a unit per rounding. On a GP
 run the compiled kernels on CUDA tensors and require bf16 equality too.
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -326,3 +328,24 @@ def test_kernels_compile_for_sm90():
                                    stride_kv="i64", stride_slot="i64", H="i32", Hkv="i32",
                                    HALF="constexpr"), dict(HALF=64)),
     ])
+
+
+def test_rope_kernels_round_like_torch_in_float32_on_the_gpu():
+    """In fp32 the rotation's casts are no-ops, so the compiler would contract a product into
+    the sum (one rounding where torch's ops round twice: a quarter of the elements differ
+    on a GPU, which the interpreter never shows); the launchers turn fusion off and the
+    sm_90 PTX has no fused multiply-add."""
+    rope_sig = dict(x_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
+                    stride_xq="i64", stride_xh="i64", H="i32", HALF="constexpr")
+    append_sig = dict(qkv_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", page_ptr="*i64",
+                      offset_ptr="*i64", q_out_ptr="*fp32", cache_ptr="*fp32",
+                      stride_qkv="i64", stride_page="i64", stride_kv="i64", stride_slot="i64",
+                      H="i32", Hkv="i32", HALF="constexpr")
+    off = {"enable_fp_fusion": False}
+    fused, rope32, append32 = compile_all_for_sm90([
+        (_rope_kernel, rope_sig, dict(HALF=64), {}), (_rope_kernel, rope_sig, dict(HALF=64), off),
+        (_rope_append_kernel, append_sig, dict(HALF=64), off)])
+    assert fused["fma_f32"] > 0  # the check sees a contraction where one is allowed
+    assert rope32["fma_f32"] == 0 and append32["fma_f32"] == 0
+    for launcher in (rope, rope_append):  # the launchers pass the option
+        assert "enable_fp_fusion=False" in inspect.getsource(launcher)

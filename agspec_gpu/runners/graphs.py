@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from agspec_gpu.attention import flashinfer_workspace, num_sms, prefill_workspace_bytes
 from agspec_gpu.cuda_graph import capture, capture_error
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, synchronize
@@ -228,7 +229,11 @@ class DecodeGraphs(GraphSteps):
 
         runner, s = self.runner, self.runner.shape
         dev = runner.device
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        # decode on tensor cores plans as a batch prefill of one row per request
+        S_max = max(self.sizes)
+        workspace = flashinfer_workspace(prefill_workspace_bytes(
+            s.num_qo_heads, s.num_kv_heads, s.head_dim, num_sms(dev), max_rows=S_max,
+            max_requests=S_max), dev)
         pool = torch.cuda.graph_pool_handle()
         for S in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             meta = self._meta[S]

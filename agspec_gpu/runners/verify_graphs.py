@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from agspec_gpu.attention import flashinfer_plan
+from agspec_gpu.attention import (flashinfer_plan, flashinfer_workspace, num_sms,
+                                  prefill_workspace_bytes)
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, copy_grouped, synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
@@ -184,7 +185,8 @@ class VerifyGraphs(GraphSteps):
                ) -> tuple[TreeMetadata, torch.Tensor]:
         """One verification forward: ``(meta, logits [Q, vocab])``; request ``i < b``'s rows
         are ``meta.qo_indptr[i]:meta.qo_indptr[i + 1]``. With graphs ``logits`` is the
-        graph's buffer: read it before the next call of the same bucket."""
+        graph's buffer: read it before the next call (the buckets' graphs share one memory pool,
+        so any bucket's replay may reuse it)."""
         key, meta = self.plan(seq_ids, draft, roots, prefix_lens_host, num_draft_host)
         if key in self._graphs:
             graph, wrapper, logits, _ = self._graphs[key]
@@ -204,7 +206,12 @@ class VerifyGraphs(GraphSteps):
 
         runner, s = self.runner, self.runner.shape
         dev, cache = runner.device, runner.kv_cache
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        # one workspace for every bucket (one replays at a time), sized for the largest plan:
+        # S padding requests and the sink
+        workspace = flashinfer_workspace(max(
+            prefill_workspace_bytes(s.num_qo_heads, s.num_kv_heads, s.head_dim, num_sms(dev),
+                                    max_rows=Q, max_requests=S + 1)
+            for S, Q in self._meta), dev)
         pool = torch.cuda.graph_pool_handle()
         for (S, Q) in sorted(self._meta, reverse=True):  # largest first: the rest reuse its pool
             out = self._meta[S, Q]
