@@ -137,13 +137,16 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # PYTHONSAFEPATH: the workers too must not import the checkout's agspec_gpu (no kernels/ in it).
 # -v: one line per test as it finishes, so a step cut by its timeout still says what passed.
 # Two steps: the GPU-only tests (FlashInfer, graphs, the runners, the decoder) before the e2e
-# run; the Triton kernels against their torch paths (~450 cases, each already compared under
-# the interpreter and compiled for sm_90 in CI) after the e2e, drafter and kernel benchmarks.
+# run; the Triton kernels against their torch paths (~230 cases, each already compared under
+# the interpreter and compiled for sm_90 in CI) right after it: correctness, then the issues'
+# measurements, then the diagnostic benchmarks, each skipped when the budget runs out (the
+# benchmarks after the e2e add up to ~400 s of limits: placed after them, the kernel tests
+# would never start).
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
 PYTEST=(env PYTHONSAFEPATH=1 python3 -P -m pytest -v --tb=short --durations=8
         -p no:cacheprovider "${XDIST[@]}")
-step pytest 120 "${PYTEST[@]}" \
+step pytest 180 "${PYTEST[@]}" \
   tests/test_gpu.py tests/test_attention.py tests/test_verify_graphs.py \
   tests/test_layer_kernels.py tests/test_host.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
@@ -187,6 +190,14 @@ fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
+# ---------------------------------------------------------------- kernel tests
+step pytest-kernels 180 "${PYTEST[@]}" \
+  tests/test_candidate_rows.py \
+  tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
+  tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
+  tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
+  tests/test_suffix_match.py tests/test_arena_append.py
+
 # ---------------------------------------------------------------- drafter step, graphed vs eager
 # propose and commit timed alone on the same replayed steps, DrafterConfig(cuda_graphs=True/False)
 step bench_drafter_step 60 python3 bench/bench_drafter_step.py --device cuda \
@@ -226,14 +237,6 @@ out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
 " layer_kernels verify_kernels decoder_step match host_staging launch_overhead
-
-# ---------------------------------------------------------------- kernel tests
-step pytest-kernels 150 "${PYTEST[@]}" \
-  tests/test_candidate_rows.py \
-  tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
-  tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
-  tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
-  tests/test_suffix_match.py tests/test_arena_append.py
 
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the

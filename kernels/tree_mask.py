@@ -284,8 +284,9 @@ def _tree_mask_kernel(
     row = e // tl.maximum(kv_len, 1)
     t = e % tl.maximum(kv_len, 1) - prefix  # tree column; < 0 inside the prefix
     in_tree = inside & (t >= 0) & (row < R)
-    word = tl.load(ancestors_ptr + (b * R + row) * W + t // 32, mask=in_tree, other=0)
-    visible = inside & ((t < 0) | (in_tree & (((word >> (t % 32)) & 1) != 0)))
+    t_in = tl.where(in_tree, t, 0)  # a shift by a negative amount is undefined
+    word = tl.load(ancestors_ptr + (b * R + row) * W + t_in // 32, mask=in_tree, other=0)
+    visible = inside & ((t < 0) | (in_tree & (((word >> (t_in % 32)) & 1) != 0)))
     byte = tl.sum(visible.to(tl.int32) << bit[None, :], axis=1)
     tl.store(packed_mask_ptr + m_start + j, byte.to(tl.uint8),
              mask=(j < num_bytes) & (m_start + j < M))
