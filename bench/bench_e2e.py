@@ -159,12 +159,30 @@ class RandomWeights(Mapping):
         return len(self._shapes)
 
 
+def replay_context_tokens(corpus, messages_per_session: int | None, context: int) -> int:
+    """The mean KV length a replayed step holds: each session's first
+    ``messages_per_session`` target messages (None: all) that start after its first token,
+    each with ``min(start, context)`` tokens of context, as the replay loop gives them."""
+    ctx = [min(int(s.bounds[i]), context) for s in corpus.sessions
+           for i in [i for i in s.target_messages if s.bounds[i] >= 1][:messages_per_session]]
+    return max(1, round(sum(ctx) / len(ctx))) if ctx else context
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)`` through a temporary file: a run killed by its time limit
+    mid-write leaves the previous whole file, not a truncated one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def decode_bytes(runner: PagedLlamaRunner, kv_len: int, batch: int = 1) -> int:
     """Bytes one decode step must read: every weight but the embedding table (one row), and
     each request's KV of ``kv_len`` tokens."""
     t = [runner.lm_head, runner.final_norm]
-    for layer in runner.layers:
-        t += [x for x in dataclasses.astuple(layer) if x is not None]
+    for layer in runner.layers:  # the fields themselves: astuple would deep-copy 15 GB
+        t += [x for x in (getattr(layer, f.name) for f in dataclasses.fields(layer))
+              if x is not None]
     weights = sum(x.numel() * x.element_size() for x in t)
     s = runner.shape
     kv = 2 * s.num_layers * s.num_kv_heads * s.head_dim * runner.kv_cache.data.element_size()
@@ -174,7 +192,8 @@ def decode_bytes(runner: PagedLlamaRunner, kv_len: int, batch: int = 1) -> int:
 # kernel (or CPU op) name patterns -> the part of a decode step they belong to; first match
 KERNEL_KINDS = (
     ("attention", ("flashinfer", "batchdecode", "batchprefill", "attention", "paged")),
-    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "aten::mm",
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "nvjet", "sm90_xmma",
+                "aten::mm",
                 "aten::addmm", "aten::linear", "aten::matmul")),
     ("norm / rope / silu", ("rms_norm", "rope", "silu")),
 )
@@ -445,23 +464,27 @@ def main(argv: list[str] | None = None) -> int:
         cost_path = Path(args.cost_model)
     elif not args.no_calibrate or args.calibrate:
         t0 = time.perf_counter()
+        # at the KV length the replayed steps hold (a request's context is its message's
+        # start, capped at --context: the first messages start early), not at the cap
+        calib_ctx = replay_context_tokens(corpus, per_msg, args.context)
         for b in batch_sizes:
             cost_for[b] = calibrate_cost_model(
-                runner, b, args.context, max_draft_tokens=args.calibrate_max_tokens,
+                runner, b, calib_ctx, max_draft_tokens=args.calibrate_max_tokens,
                 repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify_steps,
-                source=f"measured: {args.model} on {gpu}, {b} requests x {args.context} tokens "
-                       f"of KV; plan + forward + argmax, median of {args.calibrate_repeats}")
+                source=f"measured: {args.model} on {gpu}, {b} requests x {calib_ctx} tokens "
+                       f"of KV (the replayed messages' mean context); plan + forward + "
+                       f"argmax, median of {args.calibrate_repeats}")
             print(f"[e2e] cost B={b}: " + ", ".join(f"{x}:{y:.2f}ms" for x, y in
                                                     cost_for[b].points), flush=True)
         first = cost_for[batch_sizes[0]]
         cost_obj = {"points": [list(p) for p in cost_for.get(1, first).points],
                     "source": cost_for.get(1, first).source, "model": args.model, "gpu": gpu,
-                    "dtype": str(dtype).removeprefix("torch."), "context_tokens": args.context,
+                    "dtype": str(dtype).removeprefix("torch."), "context_tokens": calib_ctx,
                     "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
                     "verify_cuda_graphs": verify.uses_graphs if verify else False,
                     "by_batch_size": {str(b): [list(p) for p in c.points]
                                       for b, c in cost_for.items()}}
-        cost_path.write_text(json.dumps(cost_obj, indent=2) + "\n")
+        write_atomic(cost_path, json.dumps(cost_obj, indent=2) + "\n")
         print(f"[e2e] wrote {cost_path} ({time.perf_counter() - t0:.1f} s)", flush=True)
         if args.calibrate:
             return 0
@@ -632,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": time.perf_counter() - t_start, **environment(device)},
         }
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        write_atomic(out, json.dumps(report, indent=2) + "\n")
         with out.with_suffix(".csv").open("w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()

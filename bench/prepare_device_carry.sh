@@ -35,10 +35,10 @@ ls "$W"/arctic_inference-*.tar.gz >/dev/null 2>&1 || "$PY" -m pip download -q --
 
 # the sessions the e2e replays (../shared does not travel) and dev half 0's global tier
 cp -f "$DEV"/*.jsonl.gz "$W"/
-if [ ! -f "$W/dev-half0.agspec.gz" ]; then
-  "$PY" -m agspec_gpu build-global --trajectories "$DEV" --half 0 -o "$DL/dev-half0.agspec"
-  gzip -c "$DL/dev-half0.agspec" >"$W/dev-half0.agspec.gz"
-fi
+# rebuilt every time (5 s): one kept from an older checkout may follow another split of the
+# halves (before 2026-12-04: by session id) or record no tasks to refuse a leak with
+"$PY" -m agspec_gpu build-global --trajectories "$DEV" --half 0 -o "$DL/dev-half0.agspec"
+gzip -c "$DL/dev-half0.agspec" >"$W/dev-half0.agspec.gz"
 
 # FlashInfer's modules compiled here for sm_90a (no nvcc minutes on the device). They link
 # against libcuda, which a machine without a driver lacks: an empty stub with the driver's

@@ -285,3 +285,35 @@ def test_random_weights_are_deterministic_and_lazy():
     qwen = bench_e2e.make_config("qwen2.5-coder-7b")
     names = set(bench_e2e.RandomWeights(qwen, torch.device("cpu"), torch.bfloat16))
     assert "model.layers.27.self_attn.v_proj.bias" in names and len(names) == 3 + 28 * 12
+
+
+def test_calibration_context_is_the_replayed_steps_and_decode_bytes_copies_nothing(tmp_path):
+    """The cost model is calibrated at the KV length the replayed steps hold (each message's
+    start, capped at --context), not at the cap; the decode byte count reads the runner's
+    weights where they are (``dataclasses.astuple`` cloned every tensor: 15 GB at 8B)."""
+    from agspec_gpu.trajectories import Message, Session
+
+    tok = load_tokenizer("cl100k")
+    msgs = (Message("user", "word " * 40), Message("assistant", "a b c"),
+            Message("tool", "word " * 200), Message("assistant", "d e f"))
+    corpus = tokenize_sessions([Session("s", "mini-swe-agent", "", "t", msgs)], tok)
+    s = corpus.sessions[0]
+    starts = [int(s.bounds[i]) for i in s.target_messages]
+    assert bench_e2e.replay_context_tokens(corpus, 1, 10_000) == starts[0]
+    assert bench_e2e.replay_context_tokens(corpus, None, 10_000) == round(sum(starts) / 2)
+    assert bench_e2e.replay_context_tokens(corpus, None, 100) == round(
+        (min(starts[0], 100) + 100) / 2)
+    runner, _ = tiny_runner(2, 16)
+    fields = [runner.lm_head, runner.final_norm] + [
+        getattr(layer, f.name) for layer in runner.layers for f in dataclasses.fields(layer)]
+    weights = sum(x.numel() * x.element_size() for x in fields if x is not None)
+    assert bench_e2e.decode_bytes(runner, 0) == weights > 0
+    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    import unittest.mock as mock
+    with mock.patch.object(dataclasses, "astuple", side_effect=AssertionError("copies")):
+        assert bench_e2e.decode_bytes(runner, 10, batch=2) > weights
+    assert before is None or torch.cuda.memory_allocated() == before
+    (tmp_path / "x.json").write_text("old")
+    bench_e2e.write_atomic(tmp_path / "x.json", "new")
+    assert (tmp_path / "x.json").read_text() == "new"
+    assert not (tmp_path / "x.json.tmp").exists()
