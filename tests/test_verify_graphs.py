@@ -192,3 +192,31 @@ def test_a_failed_capture_reports_its_first_cause():
     assert msg.startswith("RuntimeError: CUDA error") and \
         msg.endswith("ValueError: operation not permitted when stream is capturing")
     assert capture_error(KeyError("x")) == "KeyError: 'x'"
+
+
+def test_capture_plans_are_as_wide_as_real_steps_and_touch_only_the_null_page():
+    """The capture inputs (run on a GPU only) plan on each size's own page table, null pages
+    as wide as a real step's, so the planner's Triton variants compile at capture, not in a
+    timed step; on the CPU the same plans run eagerly: every KV write lands on the null
+    page, and the table is untouched for the first real step."""
+    from agspec_gpu.runners.graphs import DecodeGraphs
+
+    runner = _runner()
+    cache = runner.kv_cache
+    P = cache.max_pages_per_seq
+    dg = DecodeGraphs(runner, [1, 4])
+    vg = VerifyGraphs(runner, [1, 4], max_nodes=3)
+    before = cache.data.clone()
+    metas = [dg._plan_padding(4)]
+    zeros = torch.zeros(4, dtype=torch.int32)
+    empty = DraftBatch.from_lists([[]] * 4)
+    for Q in vg.buckets[4]:
+        metas.append(vg._plan_padded(4, Q, empty, zeros, zeros, vg._inputs[4].page_table,
+                                     used_rows=4))
+    for meta in metas:
+        runner.forward(meta)
+    null = cache.null_page
+    assert torch.equal(cache.data[:, :null], before[:, :null])
+    assert torch.equal(cache.data[:, null + 1:], before[:, null + 1:])
+    for table in (dg._inputs[4][0], vg._inputs[4].page_table):
+        assert table.shape == (4, P) and bool((table == null).all())

@@ -255,9 +255,12 @@ class DecodeGraphs(GraphSteps):
         torch.cuda.synchronize(dev)
 
     def _plan_padding(self, S: int) -> TreeMetadata:
-        """A step of ``S`` padding requests (capture input: one token on the null page)."""
+        """A step of ``S`` padding requests (capture input: one token on the null page), on
+        the size's own page table (all null pages before the first step): as wide as a real
+        step's, so the planner's kernels compile here the variants real steps launch, not
+        inside a timed run."""
         cache, dev = self.runner.kv_cache, self.runner.device
-        page_table = torch.full((S, 1), cache.null_page, dtype=torch.int32, device=dev)
+        page_table = self._inputs[S][0]
         zeros = torch.zeros(S, dtype=torch.int32, device=dev)
         return plan_tree(self._empty[S], zeros, zeros, page_table, cache.page_size,
                          out=self._meta[S])

@@ -205,7 +205,7 @@ class VerifyGraphs(GraphSteps):
         import flashinfer
 
         runner, s = self.runner, self.runner.shape
-        dev, cache = runner.device, runner.kv_cache
+        dev = runner.device
         # one workspace for every bucket (one replays at a time), sized for the largest plan:
         # S padding requests and the sink
         workspace = flashinfer_workspace(max(
@@ -229,8 +229,10 @@ class VerifyGraphs(GraphSteps):
                                torch.zeros(S, 0, dtype=torch.int32, device=dev),
                                torch.zeros(S, dtype=torch.int32, device=dev))
             zeros = torch.zeros(S, dtype=torch.int32, device=dev)
-            table = torch.full((S, 1), cache.null_page, dtype=torch.int32, device=dev)
-            meta = self._plan_padded(S, Q, empty, zeros, zeros, table, used_rows=S)
+            # the bucket's own page table (all null pages until a step): as wide as a real
+            # step's, so the planner's kernels compile the variants real steps launch here
+            meta = self._plan_padded(S, Q, empty, zeros, zeros, self._inputs[S].page_table,
+                                     used_rows=S)
             self._plan_wrapper(wrapper, meta)
             graph, logits, view = capture_forward(runner, wrapper, attn_out, meta, warmup, pool)
             self._graphs[S, Q] = (graph, wrapper, logits, view)
