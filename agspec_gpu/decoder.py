@@ -507,10 +507,13 @@ class SpecDecoder:
         return self._last_sampling[1]
 
     def _record(self, sids: list[str], res: AcceptResult,
-                taken: list[int], num_output: list[int], num_draft: list[int]) -> None:
+                taken: list[int], num_output: list[int], num_draft: list[int],
+                num_verified: torch.Tensor | None = None) -> None:
         """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
         controller) and the counters; ``taken`` is ``num_output`` (host) cut where a
-        request ended; ``num_draft``: the verified draft sizes (host)."""
+        request ended; ``num_draft``: the verified draft sizes (host); ``num_verified``:
+        the same on the device when the loop cut the drafter's proposal (opt-outs, a
+        draft fitted to the KV pool; :meth:`Drafter.observe`)."""
         self._steps += 1
         self._tokens += sum(taken)
         self._drafted += sum(num_draft)
@@ -521,7 +524,7 @@ class SpecDecoder:
             to_device(taken, torch.int32, res.output_ids.device)
         self.drafter.observe(sids, res.output_ids, cut, res.num_accepted,
                              num_output_host=taken, validate=False,
-                             path_nodes=res.accepted_nodes)
+                             path_nodes=res.accepted_nodes, num_verified=num_verified)
 
     # ------------------------------------------------------------ generation
     @torch.no_grad()

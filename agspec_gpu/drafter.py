@@ -20,9 +20,10 @@ and the recent-token ring, the controller's scale and the tier weights are updat
 
 from __future__ import annotations
 
+
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import nvtx
 import torch
@@ -517,7 +518,8 @@ class Drafter:
     # ------------------------------------------------------------ observe
     def observe(self, sids: list[str], output_ids: torch.Tensor, num_output: torch.Tensor,
                 num_accepted: torch.Tensor, *, num_output_host: Sequence[int] | None = None,
-                validate: bool = True, path_nodes: torch.Tensor | None = None) -> None:
+                validate: bool = True, path_nodes: torch.Tensor | None = None,
+                num_verified: torch.Tensor | None = None) -> None:
         """Commits verification results for the last ``propose(sids)``.
 
         Args:
@@ -533,6 +535,11 @@ class Drafter:
                 .path_nodes``), when the verifier has them: the drafter then does not search
                 its tree for the accepted tokens again (a pointer-jumping pass, ~130 small
                 kernels). Entries past ``num_accepted[b]`` are ignored.
+            num_verified: ``int32 [B]``, when the loop verified fewer nodes than proposed
+                (``DraftBatch.capped``: an opted-out request's 0, a draft fitted to the KV
+                pool): the first ``num_verified[b]`` nodes in best-first order. The rest
+                were never verified: they count neither as drafted nor as reached (the
+                controller's depth, the tier weights, the calibration).
 
         With ``num_output_host`` and ``validate=False`` nothing is read back to the host:
         the step's only device-to-host reads are the periodic level builds of a corpus
@@ -541,10 +548,10 @@ class Drafter:
         """
         with nvtx.annotate("agspec.commit", color="red"):
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
-                          validate, path_nodes)
+                          validate, path_nodes, num_verified)
 
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
-                 validate=True, path_nodes=None) -> None:
+                 validate=True, path_nodes=None, num_verified=None) -> None:
         dev = self.recent.device
         # the batch's grid from its propose, while current: its slots and session corpora
         grid = self._grid if self._grid_key == (self.store.epoch, tuple(sids)) else None
@@ -575,6 +582,14 @@ class Drafter:
         if pending is not None:
             draft, nd, calib_row = pending
             N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1
+            if num_verified is not None:  # the verified prefix of each best-first draft
+                num = torch.minimum(draft.num_draft_tokens,
+                                    cast(num_verified, torch.int32, dev))
+                src = draft.maybe_source
+                if src is not None:
+                    src = torch.where(torch.arange(N, device=dev)[None, :] < num[:, None], src,
+                                      torch.full_like(src, -1))
+                draft = replace(draft, num_draft_tokens=num, maybe_source=src)
             path = None
             if path_nodes is None:  # the path the accepted tokens spell in the draft
                 cols = torch.arange(M, device=dev)[None, :]

@@ -83,6 +83,7 @@ class RunningBatch:
         reqs, runner = self.reqs, self.runner
         if any(reqs.done):
             self.leave()
+        proposed = None  # the drafter's draft, when the loop cuts it
         if any(reqs.spec):
             with nvtx.annotate("agspec.propose"):
                 # verified and committed before the next propose: no clones
@@ -91,7 +92,7 @@ class RunningBatch:
                 if self.caps is None:  # per request: max_nodes, or 0 (opted out)
                     self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
                                           torch.int32, self.device)
-                draft = draft.capped(self.caps)
+                proposed, draft = draft, draft.capped(self.caps)
             # host read 1 of 2 (the drafter's tokens come from the store's corpora, which
             # hold ids of the model's vocabulary only: no check of the ids here)
             (num_draft,) = self.reader.read(draft.num_draft_tokens)
@@ -104,7 +105,10 @@ class RunningBatch:
         # nodes, not the drafter's static max_nodes
         width = max(max(num_draft), 1)
         if isinstance(runner, PagedBatch):
-            width, num_draft, draft = runner.fit_draft(width, num_draft, draft)
+            fitted = runner.fit_draft(width, num_draft, draft)
+            if fitted[2] is not draft and any(reqs.spec):
+                proposed = draft if proposed is None else proposed
+            width, num_draft, draft = fitted
         draft = draft.narrowed(width)
         with nvtx.annotate("agspec.verify"):
             # the paged runner's flat rows (no [B, 1 + N, V] copy), the hf runner's padded
@@ -122,7 +126,9 @@ class RunningBatch:
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
             # the session tier gets what the session emitted: nothing past EOS, a stop
             # string or the limit
-            self._record(reqs.sids, res, list(map(len, new)), n_out, num_draft)
+            # the drafter commits the nodes that were verified, not all it proposed
+            self._record(reqs.sids, res, list(map(len, new)), n_out, num_draft,
+                         None if proposed is None else draft.num_draft_tokens)
         return new
 
     def leave(self) -> None:

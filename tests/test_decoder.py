@@ -599,11 +599,21 @@ def test_speculate_false_per_request():
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     chunks, on_tokens = chunk_recorder()
     spec = [False, True, False, True]
+    # the drafter is told which nodes were verified: none of an opted-out request's
+    verified, observe = [], dec.drafter.observe
+    def spy(sids_, *args, num_verified=None, **kw):
+        if num_verified is not None:  # None: no cut (or no proposal: only opt-outs left)
+            verified.extend(zip(sids_, num_verified.tolist()))
+        return observe(sids_, *args, num_verified=num_verified, **kw)
+    dec.drafter.observe = spy
     out = dec.generate(sids, max_new_tokens=NEW, speculate=spec, on_tokens=on_tokens)
     assert out == g
     for sid, s in zip(sids, spec):
         sizes = [len(c) for c in chunks[sid]]
         assert (max(sizes) > 1) == s, (sid, sizes)
+    assert {sid for sid, _ in verified} == set(sids)
+    assert all(n == 0 for sid, n in verified if not spec[sids.index(sid)])
+    assert any(n > 0 for sid, n in verified if spec[sids.index(sid)])
 
 
 @pytest.mark.parametrize("runner", ["hf", "paged"])

@@ -1266,3 +1266,33 @@ def test_drafter_step_does_not_sync_on_cuda(tok):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(draft.num_draft_tokens.min()) > 0  # the repeated code is drafted
+
+
+def test_observe_counts_only_the_verified_nodes_of_a_cut_draft(tok):
+    """A loop that cuts the proposal (an opted-out request's cap of 0, a draft fitted to the
+    KV pool) passes ``num_verified``: the cut nodes were never verified and count neither as
+    drafted nor as reached. Uncut, it changes nothing; cut to nothing, the step drafted
+    nothing (tier counts, calibration, the controller's full-acceptance flag)."""
+    drafters = [make(tok, calibrate=True)[1] for _ in range(3)]
+    sids = ["a", "b"]
+    for d in drafters:
+        for i, sid in enumerate(sids):
+            d.open_session(sid, "t", role="coder", prompt_ids=(CASE_A * 3)[i:])
+    drafts = [d.propose(sids) for d in drafters]
+    draft = drafts[0]
+    assert int(draft.num_draft_tokens.min()) > 0
+    out = torch.full((2, draft.max_nodes + 1), PAD_ID, dtype=torch.int32)
+    out[:, 0] = 7  # nothing accepted: the bonus token only
+    one, zero = torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    for d, verified in zip(drafters, (None, draft.num_draft_tokens.clone(), zero)):
+        d.observe(sids, out, one, zero, num_verified=verified)
+    T = drafter_mod._NUM_TIERS
+    n = drafters[0].calib_seen.numel()
+    full, same, none = (d._commit_counts for d in drafters)
+    assert torch.equal(full, same)
+    for a, b in zip(drafters[0]._commit_state(), drafters[1]._commit_state()):
+        assert torch.equal(a, b)
+    assert full[:T].sum() == int(draft.num_draft_tokens.sum()) > 0  # every node drafted
+    assert full[2 * T:2 * T + n].sum() > 0  # the first level reached
+    assert none[:T].sum() == 0 and none[2 * T:2 * T + n].sum() == 0
+    assert int(drafters[2].prev_full.sum()) == 0
