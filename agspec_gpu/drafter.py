@@ -588,7 +588,7 @@ class Drafter:
                 src = draft.maybe_source
                 if src is not None:
                     src = torch.where(torch.arange(N, device=dev)[None, :] < num[:, None], src,
-                                      torch.full_like(src, -1))
+                                      -1)
                 draft = replace(draft, num_draft_tokens=num, maybe_source=src)
             path = None
             if path_nodes is None:  # the path the accepted tokens spell in the draft

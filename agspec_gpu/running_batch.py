@@ -83,7 +83,7 @@ class RunningBatch:
         reqs, runner = self.reqs, self.runner
         if any(reqs.done):
             self.leave()
-        proposed = None  # the drafter's draft, when the loop cuts it
+        cut = False  # the loop verifies fewer nodes than the drafter proposed
         if any(reqs.spec):
             with nvtx.annotate("agspec.propose"):
                 # verified and committed before the next propose: no clones
@@ -92,7 +92,7 @@ class RunningBatch:
                 if self.caps is None:  # per request: max_nodes, or 0 (opted out)
                     self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
                                           torch.int32, self.device)
-                proposed, draft = draft, draft.capped(self.caps)
+                draft, cut = draft.capped(self.caps), True
             # host read 1 of 2 (the drafter's tokens come from the store's corpora, which
             # hold ids of the model's vocabulary only: no check of the ids here)
             (num_draft,) = self.reader.read(draft.num_draft_tokens)
@@ -105,10 +105,8 @@ class RunningBatch:
         # nodes, not the drafter's static max_nodes
         width = max(max(num_draft), 1)
         if isinstance(runner, PagedBatch):
-            fitted = runner.fit_draft(width, num_draft, draft)
-            if fitted[2] is not draft and any(reqs.spec):
-                proposed = draft if proposed is None else proposed
-            width, num_draft, draft = fitted
+            width, num_draft, fitted = runner.fit_draft(width, num_draft, draft)
+            cut, draft = cut or fitted is not draft, fitted
         draft = draft.narrowed(width)
         with nvtx.annotate("agspec.verify"):
             # the paged runner's flat rows (no [B, 1 + N, V] copy), the hf runner's padded
@@ -128,7 +126,7 @@ class RunningBatch:
             # string or the limit
             # the drafter commits the nodes that were verified, not all it proposed
             self._record(reqs.sids, res, list(map(len, new)), n_out, num_draft,
-                         None if proposed is None else draft.num_draft_tokens)
+                         draft.num_draft_tokens if cut else None)
         return new
 
     def leave(self) -> None:
