@@ -238,22 +238,31 @@ class _Slot:
     end: int = 0  # end of the current message
 
 
-def feed_until_message(s: TokenizedSession, after: int, lane: Lane, tenant: str,
-                       prompt_end: int, min_start: int = 0) -> int | None:
-    """Feeds a session's messages after index ``after`` to ``lane`` (context the model did
-    not generate, files captured from them) up to the next assistant message with tokens
-    that starts at or after ``min_start``; returns its index, None when there is none."""
-    files = s.maybe_files
+def next_target_message(s: TokenizedSession, after: int, min_start: int = 0) -> int | None:
+    """The index of the first assistant message with tokens after index ``after`` that
+    starts at or after token ``min_start`` (None: there is none)."""
     for i in range(after + 1, len(s.roles)):
         lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
         if s.roles[i] == "assistant" and hi > lo and lo >= min_start:
             return i
+    return None
+
+
+def feed_until_message(s: TokenizedSession, after: int, lane: Lane, tenant: str,
+                       prompt_end: int, min_start: int = 0) -> int | None:
+    """Feeds a session's messages after index ``after`` to ``lane`` (context the model did
+    not generate, files captured from them) up to :func:`next_target_message`; returns its
+    index, None when there is none."""
+    files = s.maybe_files
+    target = next_target_message(s, after, min_start)
+    for i in range(after + 1, len(s.roles) if target is None else target):
+        lo, hi = int(s.bounds[i]), int(s.bounds[i + 1])
         if hi > lo and lo >= prompt_end:  # the prompt went in with open_session
             lane.extend(s.sid, s.tokens[lo:hi])
         if files is not None and lane.wants_files:
             for path, text, first_line in files[i]:
                 lane.add_file(tenant, path, text, first_line)
-    return None
+    return target
 
 
 def _advance(slot: _Slot, lane: Lane, prompt_end: int) -> bool:

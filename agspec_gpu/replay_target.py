@@ -42,7 +42,8 @@ from agspec_gpu.cost_model import CostModel, StepTokenCounts
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import HostReader, HostWriter, synchronize
 from agspec_gpu.kernels.kv_compact import kv_compact
-from agspec_gpu.replay import ReplayCorpus, TokenizedSession, feed_until_message
+from agspec_gpu.replay import (ReplayCorpus, TokenizedSession, feed_until_message,
+                               next_target_message)
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.runners.graphs import DecodeGraphs
@@ -234,6 +235,14 @@ class ReplayTargetConfig:
         prefill_chunk: tokens per sequence per prefill forward.
         tenant_by: ``"session"`` (each session its own tenant) or ``"agent"``.
         max_steps: stop after this many decode steps (smoke runs).
+        order: the order sessions enter the batch: ``"longest-first"`` (by the target
+            tokens the run replays of each, :func:`replayed_tokens`; ties keep the corpus
+            order) or ``"given"`` (the corpus order). A run replays a fixed set of sessions
+            at most ``batch_size`` at a time, and the batch drains once the queue is empty;
+            admitting the longest first leaves short requests for the drain, so the batch
+            stays nearer ``batch_size`` (the run's ``request_steps / steps``) -- the
+            longest-processing-time rule of scheduling. Every method of a benchmark runs
+            the same sessions in the same order.
     """
 
     batch_size: int
@@ -244,6 +253,7 @@ class ReplayTargetConfig:
     prefill_chunk: int = 512
     tenant_by: str = "session"
     max_steps: int | None = None
+    order: str = "longest-first"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.context_tokens < 1 or self.prefill_chunk < 1:
@@ -256,6 +266,25 @@ class ReplayTargetConfig:
             raise ValueError(f"prefill must be 'real' or 'skip', got {self.prefill!r}")
         if self.tenant_by not in ("session", "agent"):
             raise ValueError(f"tenant_by must be 'session' or 'agent', got {self.tenant_by!r}")
+        if self.order not in ("longest-first", "given"):
+            raise ValueError(f"order must be 'longest-first' or 'given', got {self.order!r}")
+
+
+def replayed_tokens(s: TokenizedSession, config: ReplayTargetConfig) -> int:
+    """The target tokens a run with ``config`` replays of session ``s``: its requests'
+    messages (the first ``messages_per_session`` assistant messages with tokens and
+    context before them), each cut at ``max_message_tokens`` -- what :func:`_start_next`
+    starts, message by message."""
+    total, i, n = 0, -1, 0
+    cap = config.max_message_tokens
+    while config.messages_per_session is None or n < config.messages_per_session:
+        i = next_target_message(s, i, min_start=1)
+        if i is None:
+            break
+        size = int(s.bounds[i + 1]) - int(s.bounds[i])
+        total += size if cap is None else min(size, cap)
+        n += 1
+    return total
 
 
 @dataclass
@@ -281,6 +310,10 @@ class ReplayTargetResult:
     observe_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
+    # the drafter's work at message boundaries (a session opened or closed, the context and
+    # files between two requests fed, a request started or finished) and the KV frees:
+    # outside the steps, so outside decode_s (a GPU lane's work synchronized before it stops)
+    message_s: float = 0.0
     counts_draft_time: bool = True
     # steps by the tokens their forward verified (rows + drafts): the cost model's price of
     # the run, step by step, as the replay evaluator prices its lanes
@@ -392,6 +425,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
     B = config.batch_size
     res = ReplayTargetResult(proposer.name, B, counts_draft_time=proposer.counts_draft_time)
     todo = [s for s in corpus.sessions if s.target_messages]
+    if config.order == "longest-first":  # (a stable sort: ties keep the corpus order)
+        todo.sort(key=lambda s: -replayed_tokens(s, config))
     tenant_of = (lambda s: s.sid) if config.tenant_by == "session" else (lambda s: s.agent)
     sessions_left: dict[str, int] = {}
     for s in todo:
@@ -428,9 +463,15 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             res.prefill_s += time.perf_counter() - t0
             res.prefill_tokens += sum(len(c) for _, c in real)
 
+    def message_work_done(t0: float) -> None:
+        """Counts the message-boundary work since ``t0`` (its device work included)."""
+        synchronize(dev)
+        res.message_s += time.perf_counter() - t0
+
     with torch.inference_mode():
         while config.max_steps is None or res.steps < config.max_steps:
             new: list[tuple[_Request, list[int]]] = []
+            t_msg, opened = time.perf_counter(), res.sessions
             while len(active) < B:
                 s = next(queue, None)
                 if s is None:
@@ -446,6 +487,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 res.messages += 1
                 new.append((req, ctx))
                 active.append(req)
+            if res.sessions > opened:
+                message_work_done(t_msg)
             prefill(new)
             if not active:
                 break
@@ -538,6 +581,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
 
             still: list[_Request] = []
             new = []
+            t_msg = time.perf_counter()
             for r in active:
                 if r.pos < r.end:
                     still.append(r)
@@ -558,6 +602,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     res.messages += 1
                     new.append((r, ctx))
                     still.append(r)
+            if len(still) < len(active) or new:  # a request ended
+                message_work_done(t_msg)
             active = still
             prefill(new)
         for r in active:  # stopped by max_steps

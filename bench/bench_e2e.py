@@ -17,8 +17,14 @@ Before the methods, ``--calibrate`` (on by default) measures verification time a
 per step on this runner, per batch size, and saves it as a ``CostModel`` JSON
 (``bench/results/cost-<model>-<gpu>.json``); agspec's batch budget in the same run uses it.
 
+Sessions enter the batch longest first (``--order``; ``ReplayTargetConfig.order``): the run
+replays a fixed set of them (``--sessions-per-slot`` times B) and drains at its end, and
+longest first keeps the batch nearer B (``mean_batch`` in each row).
+
 Reported per (method, B): output tokens/s, speedup over ``none`` at the same B, tau (tokens
-per request per step, bonus included), drafter / verification / commit ms per step, peak GPU
+per request per step, bonus included), drafter / verification / commit ms per step (the
+drafter's work between requests -- context and files fed, sessions opened and closed --
+spread over the steps as ``drafter_message_ms_per_step``, counted in its share), peak GPU
 memory, and the cost model's predicted speedup (``modelled_replay_speedup``: the replay
 evaluator's figure over this run's own steps, each priced ``cost(rows + drafted)``, drafting
 left out; ``modelled_verify_ms_per_step``: the same price per step, to set beside the
@@ -299,6 +305,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sessions-per-slot", type=float, default=2.0,
                     help="at batch size B, the first max(min-sessions, this * B) sessions run")
     ap.add_argument("--min-sessions", type=int, default=4)
+    ap.add_argument("--order", default="longest-first", choices=("longest-first", "given"),
+                    help="the order sessions enter the batch (ReplayTargetConfig.order): "
+                         "longest first keeps the batch fuller while it drains")
     ap.add_argument("--context", type=int, default=4096, help="context tokens per request")
     ap.add_argument("--max-message-tokens", type=int, default=1024,
                     help="target tokens per assistant message (0: whole messages)")
@@ -525,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                                  global_corpus=maybe_global)
         cfg = ReplayTargetConfig(batch_size=b, context_tokens=args.context,
                                  max_message_tokens=max_msg, messages_per_session=per_msg,
-                                 prefill=args.prefill, max_steps=steps)
+                                 prefill=args.prefill, max_steps=steps, order=args.order)
         sub = dataclasses.replace(corpus, sessions=tuple(sessions))
         res = run_replay_target(runner, sub, proposer, cfg, pool=pool,
                                 graphs=None if args.no_graphs else graphs,
@@ -572,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
             draft_ms = r.per_step_ms(r.draft_s) if r.counts_draft_time else 0.0
             # the drafter's commit, host time (part of commit ms)
             observe_ms = r.per_step_ms(r.observe_s) if r.counts_draft_time else 0.0
+            # its work between requests (context and files fed, sessions opened and
+            # closed), outside the steps, spread over them
+            message_ms = r.per_step_ms(r.message_s) if r.counts_draft_time else 0.0
             c = cost_for[b]
             # the replay evaluator's figure (replay_stats.add_replay_speedups): verification
             # time priced step by step, plain decoding's over this method's, drafting left out
@@ -586,12 +598,13 @@ def main(argv: list[str] | None = None) -> int:
                 "tau": r.tau,
                 "draft_ms_per_step": draft_ms,
                 "drafter_commit_ms_per_step": observe_ms,
+                "drafter_message_ms_per_step": message_ms,
                 "verify_ms_per_step": r.per_step_ms(r.verify_s),
                 "peak_mem_gb": peak / 1e9,
                 "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),
                 "step_ms": step_ms_run,
-                # the drafter's propose and commit
-                "draft_share_of_step": (draft_ms + observe_ms) / step_ms_run
+                # the drafter's propose and commit, and its work between requests
+                "draft_share_of_step": (draft_ms + observe_ms + message_ms) / step_ms_run
                 if step_ms_run else None,
                 "modelled_replay_speedup": base_ms / modelled_ms
                 if base_ms and modelled_ms else None,
@@ -767,6 +780,7 @@ def print_table(report: dict) -> None:
             ("commit ms", "commit_ms_per_step", ".2f"),
             ("of which drafter", "drafter_commit_ms_per_step", ".3f"),
             ("step ms", "step_ms", ".2f"),
+            ("msg ms", "drafter_message_ms_per_step", ".3f"), ("mean B", "mean_batch", ".1f"),
             ("plain", "plain_step_share", ".2f"), ("peak GB", "peak_mem_gb", ".1f")]
     for h, _, _ in cols:
         t.add_column(h, justify="left" if h == "method" else "right")

@@ -175,15 +175,18 @@ if [ -f .whl/dev-half0.agspec.gz ] && gunzip -c .whl/dev-half0.agspec.gz >/tmp/g
 fi
 # --prefill skip: each request's context KV is allocated, not computed (decode time does not
 # depend on the cached values); the full run (prefill real) is for a longer session.
+# --sessions-per-slot 2: 2B sessions at batch B, admitted longest first (--order), so the batch
+# stays near B while it drains (simulated on dev half 1 for plain decoding: mean batch 56 at
+# B=64 where one session per slot gave 36).
 step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
-  --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
+  --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
   --profile --profile-steps 3 "${GLOBAL[@]}" --results-dir /tmp/e2e \
   --out "$OUT/e2e-$DATE-h200.json"
 E2E_RC=$?
 if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time limit): eager steps
   step e2e-eager 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
-    --sessions-per-slot 1 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
+    --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
     --context 4096 --prefill skip --calibrate-repeats 3 --no-graphs "${GLOBAL[@]}" \
     --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200-eager.json"
 fi
@@ -242,7 +245,7 @@ json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
 # H200 on 2026-11-30, bench/results/index_build-20261130-h200.json)
 step e2e-eager-verify 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16 \
-  --methods none,agspec,suffix-decoding --sessions-per-slot 1 --min-sessions 4 \
+  --methods none,agspec,suffix-decoding --sessions-per-slot 2 --min-sessions 4 \
   --messages-per-session 2 --max-message-tokens 128 --context 4096 --prefill skip \
   --calibrate-repeats 3 --eager-verify "${GLOBAL[@]}" --results-dir /tmp/e2e-eager \
   --out "$OUT/e2e-$DATE-h200-eager-verify.json"

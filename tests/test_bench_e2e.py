@@ -24,7 +24,7 @@ from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter
 from agspec_gpu.replay_target import (
     DecodeGraphs, MetadataPool, OracleProposer, ReplayTargetConfig, _on_device, make_proposer,
-    run_replay_target,
+    replayed_tokens, run_replay_target,
 )
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
@@ -117,11 +117,13 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
             agspec["speedup"] / agspec["modelled_replay_speedup"])
         assert report["goals"]["agspec_verify_measured_over_modelled"][str(b)] == pytest.approx(
             agspec["verify_ms_per_step"] / agspec["modelled_verify_ms_per_step"])
-        # the drafter's share counts its commit (host time, within commit ms) beside propose
+        # the drafter's share counts its commit (host time, within commit ms) and its work
+        # between requests (outside the steps) beside propose
         assert 0 < agspec["drafter_commit_ms_per_step"] <= agspec["commit_ms_per_step"]
+        assert agspec["drafter_message_ms_per_step"] > 0
         assert agspec["draft_share_of_step"] == pytest.approx(
-            (agspec["draft_ms_per_step"] + agspec["drafter_commit_ms_per_step"])
-            / agspec["step_ms"])
+            (agspec["draft_ms_per_step"] + agspec["drafter_commit_ms_per_step"]
+             + agspec["drafter_message_ms_per_step"]) / agspec["step_ms"])
     assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("method,batch_size")
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
     assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2
@@ -173,8 +175,10 @@ def test_tau_equals_the_replay_evaluators(short_corpus, tok, batch_size):
     want = {r["drafter"]: r for r in replay.rows if r["agent"] == "all"}
     for name in names + ["oracle"]:
         proposer = make_proposer(name, tok, "cpu", batch_size)
+        # the replay evaluator admits sessions in the corpus order (agspec's batch budget
+        # depends on which requests share a step)
         cfg = ReplayTargetConfig(batch_size=batch_size, context_tokens=48,
-                                 max_message_tokens=None)
+                                 max_message_tokens=None, order="given")
         got = run_replay_target(runner, short_corpus, proposer, cfg, pool=pool, graphs=graphs)
         tau = want["agspec"]["oracle_tau"] if name == "oracle" else want[name]["tau"]
         assert got.tau == pytest.approx(tau), name
@@ -184,6 +188,55 @@ def test_tau_equals_the_replay_evaluators(short_corpus, tok, batch_size):
                 want[name]["modelled_ms"]), name
         assert got.messages == want["none"]["messages"]
         assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages  # all freed
+
+
+@pytest.fixture(scope="module")
+def multi_corpus(tok):
+    """Six real sessions, the k-th cut after its ``k % 3 + 1``-th assistant message:
+    sessions of one to three requests."""
+    if not DEV.is_dir():
+        pytest.skip("needs the dev trajectories")
+    picked = []
+    for s in bench_e2e.round_robin_by_agent(load_paths(DEV, limit=None)):
+        ends = [i for i, m in enumerate(s.messages) if m.role == "assistant" and i > 0]
+        if len(ends) >= 3:
+            cut = ends[len(picked) % 3]
+            picked.append(dataclasses.replace(s, messages=s.messages[:cut + 1]))
+        if len(picked) == 6:
+            break
+    return tokenize_sessions(picked, tok, capture_files=True)
+
+
+@pytest.mark.parametrize("order", ["longest-first", "given"])
+def test_sessions_enter_longest_first_and_replay_exactly_their_tokens(multi_corpus, tok, order):
+    """``order``: sessions enter the batch by the target tokens the run replays of each
+    (``replayed_tokens``, ties in corpus order) or in the corpus order; either way the run
+    emits exactly those tokens, and the drafter's work between requests is timed."""
+    runner, pool = tiny_runner(2, context=40)
+    cfg = ReplayTargetConfig(batch_size=2, context_tokens=40, max_message_tokens=4,
+                             messages_per_session=2, order=order)
+    sessions = [s for s in multi_corpus.sessions if s.target_messages]
+    size = {s.sid: replayed_tokens(s, cfg) for s in sessions}
+    assert len(set(size.values())) > 1 and max(size.values()) <= 8
+    want = sorted(size, key=lambda sid: -size[sid]) if order == "longest-first" else list(size)
+    for name in ("none", "agspec"):
+        seen: list[str] = []
+
+        def hook(step, kv):
+            for kv_id, _ in kv:
+                sid = kv_id.split("#")[0]
+                if sid not in seen:
+                    seen.append(sid)
+
+        res = run_replay_target(runner, multi_corpus, make_proposer(name, tok, "cpu", 2), cfg,
+                                pool=pool, step_hook=hook)
+        assert seen == want, name
+        assert res.tokens == sum(size.values()), name
+        assert res.sessions == len(sessions), name
+        assert res.messages == sum(min(len(s.target_messages), 2) for s in sessions), name
+        assert res.message_s > 0, name
+    with pytest.raises(ValueError, match="order"):
+        ReplayTargetConfig(batch_size=2, order="shortest-first")
 
 
 class DecoyOracle(OracleProposer):
