@@ -28,7 +28,8 @@ spread over the steps as ``drafter_message_ms_per_step``, counted in its share),
 memory, and the cost model's predicted speedup (``modelled_replay_speedup``: the replay
 evaluator's figure over this run's own steps, each priced ``cost(rows + drafted)``, drafting
 left out; ``modelled_verify_ms_per_step``: the same price per step, to set beside the
-measured ``verify_ms_per_step``); plus the memory bandwidth plain decoding reaches at B=1. JSON (``{"gpu", "model", "protocol", "rows", ...}``) and CSV go to ``--out``
+measured ``verify_ms_per_step``); plus the memory bandwidth plain decoding reaches at B=1.
+JSON (``{"gpu", "model", "protocol", "rows", ...}``) and CSV go to ``--out``
 (default ``bench/results/e2e-YYYYMMDD-<gpu>.json`` / ``.csv``).
 
 Usage::
@@ -458,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
           f"decode graphs: {graphs.uses_graphs}"
           f"{' (capture failed: ' + graphs.graph_error + ')' if graphs.graph_error else ''}, "
           f"verify graphs: {verify.uses_graphs if verify else 'off'}"
-          f"{' (capture failed: ' + verify.graph_error + ')' if verify and verify.graph_error else ''}; "
+          + (f" (capture failed: {verify.graph_error})" if verify and verify.graph_error
+             else "") + "; "
           f"setup {setup_s:.1f} s", flush=True)
 
     # ---------------------------------------------------------------- cost model
