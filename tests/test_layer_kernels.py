@@ -11,7 +11,6 @@ with triton 3.6), so interpreted bf16 may differ by a unit per rounding. On a GP
 run the compiled kernels on CUDA tensors and require bf16 equality too.
 """
 
-import inspect
 
 import pytest
 import torch
@@ -330,7 +329,20 @@ def test_kernels_compile_for_sm90():
     ])
 
 
-def test_rope_kernels_round_like_torch_in_float32_on_the_gpu():
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's keyword options, then launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.options = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.options.append({k: v for k, v in kwargs.items() if k.islower()})
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_rope_kernels_round_like_torch_in_float32_on_the_gpu(monkeypatch):
     """In fp32 the rotation's casts are no-ops, so the compiler would contract a product into
     the sum (one rounding where torch's ops round twice: a quarter of the elements differ
     on a GPU, which the interpreter never shows); the launchers turn fusion off and the
@@ -347,5 +359,20 @@ def test_rope_kernels_round_like_torch_in_float32_on_the_gpu():
         (_rope_append_kernel, append_sig, dict(HALF=64), off)])
     assert fused["fma_f32"] > 0  # the check sees a contraction where one is allowed
     assert rope32["fma_f32"] == 0 and append32["fma_f32"] == 0
-    for launcher in (rope, rope_append):  # the launchers pass the option
-        assert "enable_fp_fusion=False" in inspect.getsource(launcher)
+    # the launchers pass the option on every launch
+    import agspec_gpu.kernels.rope as rope_mod
+    import agspec_gpu.kernels.rope_append as append_mod
+
+    rec = {m: _LaunchRecorder(k) for m, k in ((rope_mod, _rope_kernel),
+                                              (append_mod, _rope_append_kernel))}
+    monkeypatch.setattr(rope_mod, "_rope_kernel", rec[rope_mod])
+    monkeypatch.setattr(append_mod, "_rope_append_kernel", rec[append_mod])
+    Q, H, Hkv, D = 3, 2, 1, 8
+    cos, sin = torch.randn(Q, D, device=DEV), torch.randn(Q, D, device=DEV)
+    rope(torch.randn(Q, H, D, device=DEV), cos, sin, use_triton=True)
+    page = torch.tensor([0, 0, 1], device=DEV)
+    offset = torch.tensor([0, 1, 0], device=DEV)
+    rope_append(torch.randn(Q, (H + 2 * Hkv) * D, device=DEV), cos, sin, page, offset,
+                torch.zeros(2, 2, 4, Hkv, D, device=DEV), H, Hkv, use_triton=True)
+    for r in rec.values():
+        assert r.options == [{"enable_fp_fusion": False}]
