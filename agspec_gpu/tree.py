@@ -48,11 +48,14 @@ class HostSizes(NamedTuple):
 
 
 def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: int, *,
-               sink_rows: int | None = None) -> HostSizes:
+               sink_rows: int | None = None, out: TreeMetadata | None = None) -> HostSizes:
     """The sizes :func:`plan_tree` computes for drafts of ``num_draft[b]`` nodes after
     ``prefix_lens[b]`` cached tokens (``qo_len = 1 + num_draft``, ``kv_len = prefix_len +
     qo_len``), from host numbers; ``sink_rows``: a last request of that many rows over one
-    KV entry (``plan_tree(sink_page=...)``)."""
+    KV entry (``plan_tree(sink_page=...)``). ``out``: the buffers the step is to be planned
+    into; a step that needs more rows, pages or mask bytes than they hold raises ValueError
+    (the planner's kernels would drop what does not fit, and a check of the sizes they
+    compute would wait for the device)."""
     n = np.asarray(num_draft, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
     if n.shape != prefix.shape or n.ndim != 1 or (n < 0).any() or (prefix < 0).any():
@@ -63,12 +66,60 @@ def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: 
     pages = -(-kv_len // page_size)
     last = kv_len - (pages - 1) * page_size
     if sink_rows is not None:
-        qo_len, pages, last = (np.append(x, v) for x, v in
-                               ((qo_len, sink_rows), (pages, 1), (last, 1)))
+        qo_len, kv_len, pages, last = (np.append(x, v) for x, v in (
+            (qo_len, sink_rows), (kv_len, 1), (pages, 1), (last, 1)))
+    qo_indptr, kv_indptr = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_len, pages))
+    if out is not None:
+        need = (int(qo_indptr[-1]), int(kv_indptr[-1]),
+                int(((qo_len * kv_len + 7) // 8).sum()))  # the kernels' mask layout
+        have = (out.capacity_q, out.kv_indices.numel(), out.packed_mask.numel())
+        if any(n > h for n, h in zip(need, have)):
+            raise ValueError(f"a step of {need[0]} rows, {need[1]} pages and {need[2]} mask "
+                             f"bytes exceeds the buffers' {have[0]}, {have[1]} and {have[2]}")
 
-    def indptr(x):
-        return torch.from_numpy(np.concatenate([[0], np.cumsum(x)]).astype(np.int32))
-    return HostSizes(indptr(qo_len), indptr(pages), torch.from_numpy(last.astype(np.int32)))
+    def i32(x):
+        return torch.from_numpy(x.astype(np.int32))
+    return HostSizes(i32(qo_indptr), i32(kv_indptr), i32(last))
+
+
+def padded_step_capacity(num_requests: int, max_qo_len: int, max_total_q: int,
+                         max_pages_per_seq: int, page_size: int, pool_pages: int, *,
+                         sink: bool) -> tuple[int, int]:
+    """``(max_total_pages, max_mask_bytes)`` that hold every padded step of a graph bucket
+    planned over a :class:`~agspec_gpu.kv_cache.PagedKVCache` of ``pool_pages`` pages: the
+    capacities to hand :meth:`TreeMetadata.empty` (``DecodeGraphs``, ``VerifyGraphs``).
+
+    A padded step: ``S = num_requests`` requests, ``b`` of them real and ``S - b`` padding
+    (no draft, prefix 0: ``qo_len = kv_len = 1``, one page), and with ``sink`` a last
+    request of one page and one KV entry over the rows left of ``Q = max_total_q``. A real
+    request has ``qo_len <= R = max_qo_len`` and its ``ceil(kv_len / page_size)`` pages are
+    pages it holds (allocated before planning): at most ``P = max_pages_per_seq``, and
+    distinct from every other request's (a pool page belongs to one sequence), so the real
+    requests' pages sum to at most ``pool_pages``. Hence, ``ps = page_size``:
+
+    - pages <= ``min(b * P, pool_pages) + (S - b) + sink <= min(S * P, pool_pages + S) +
+      sink`` (``b * P + S - b <= S * P`` as ``P >= 1``);
+    - mask bytes: request ``i`` takes ``ceil(qo_i * kv_i / 8)``, at most its bits / 8 plus
+      one. Every row sees at most ``P * ps`` columns: bytes <= ``Q * P * ps // 8 + S +
+      sink``. Or by the pool: real bits <= ``R * ps * (real pages) <= R * ps *
+      pool_pages``, a padding request 1 byte, the sink's ``Q - S`` rows at most
+      ``ceil((Q - S) / 8)`` bytes: bytes <= ``R * ps * pool_pages // 8 + S + sink *
+      ceil((Q - S) / 8)``.
+
+    The first bounds (``S * P``, ``Q * P * ps / 8``) alone grow with the page-table width
+    times the bucket; a decoder whose table is as wide as the pool would hold hundreds of
+    MB of mask per bucket for a pool that cannot fill them. ``host_sizes(..., out=...)``
+    checks a step against the capacities of its buffers.
+    """
+    S, R, Q, P, ps = num_requests, max_qo_len, max_total_q, max_pages_per_seq, page_size
+    if min(S, R, Q, P, ps, pool_pages) < 1:
+        raise ValueError(f"padded_step_capacity: sizes must be >= 1, got S={S}, R={R}, "
+                         f"Q={Q}, P={P}, page_size={ps}, pool_pages={pool_pages}")
+    k = int(sink)
+    pages = min(S * P, pool_pages + S) + k
+    mask_bytes = min(Q * P * ps // 8 + S + k,
+                     R * ps * pool_pages // 8 + S + k * -(-max(Q - S, 0) // 8))
+    return pages, mask_bytes
 
 
 @dataclass
@@ -204,7 +255,8 @@ class TreeMetadata:
         max_qo_len``, ``max_total_pages = max_batch_size * max_pages_per_seq``,
         ``max_mask_bytes = max_batch_size * ceil(max_qo_len * max_pages_per_seq *
         page_size / 8)``. Smaller values are a contract: the caller's drafts must fit (a
-        batch-level token budget does this for ``max_total_q``).
+        batch-level token budget does this for ``max_total_q``; :func:`padded_step_capacity`
+        bounds pages and mask bytes by the KV pool; ``host_sizes(..., out=...)`` checks).
         """
         B, R = max_batch_size, max_qo_len
         Q = max_total_q if max_total_q is not None else B * R
@@ -255,7 +307,9 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         ``B + 1`` requests. A CUDA graph of a fixed row count needs it.
     host : HostSizes, optional
         The step's sizes on the host (:func:`host_sizes` of the same sizes), kept as
-        ``maybe_host`` for FlashInfer's plan; they must equal what this plans.
+        ``maybe_host`` for FlashInfer's plan; they must equal what this plans. The
+        kernels drop what exceeds ``out``'s capacities (a check of the sizes they compute
+        would wait for the device): ``host_sizes(..., out=out)`` checks on the host.
     use_triton : bool, optional
         Forwarded to :func:`agspec_gpu.kernels.tree_mask.tree_mask`.
 

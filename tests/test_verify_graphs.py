@@ -220,3 +220,175 @@ def test_capture_plans_are_as_wide_as_real_steps_and_touch_only_the_null_page():
     assert torch.equal(cache.data[:, null + 1:], before[:, null + 1:])
     for table in (dg._inputs[4][0], vg._inputs[4].page_table):
         assert table.shape == (4, P) and bool((table == null).all())
+
+
+# ---------------------------------------------------------------- buffer capacities (the pool)
+def _need(qo, kv, ps):
+    """Pages and mask bytes plan_tree lays out for requests of these sizes."""
+    return (sum(-(-k // ps) for k in kv), sum(-(-q * k // 8) for q, k in zip(qo, kv)))
+
+
+def test_padded_step_capacity_holds_every_step_a_pool_allows():
+    """Random padded steps (real requests whose pages are distinct pool pages, padding
+    requests of one row and one KV entry, the sink over the bucket's rows left), biased to
+    the extremes: each fits the capacities, which are never above the width bounds."""
+    from agspec_gpu.tree import padded_step_capacity
+
+    rng = np.random.default_rng(0)
+    tight = [0, 0]
+    for _ in range(3000):
+        S, P, ps, pool = (int(rng.integers(1, n)) for n in (9, 13, 9, 41))
+        sink = bool(rng.integers(2))
+        N = int(rng.integers(0, 9)) if sink else 0  # decode steps: no draft, no sink
+        R, b = N + 1, int(rng.integers(0, S + 1))
+        big = rng.random() < 0.5
+        qo, kv, free = [], [], pool
+        for _ in range(b):
+            q = R if big else int(rng.integers(1, R + 1))
+            lo = -(-q // ps)
+            if lo > min(P, free):
+                break
+            pages = min(P, free) if big else int(rng.integers(lo, min(P, free) + 1))
+            free -= pages
+            qo.append(q)
+            kv.append(max(q, pages * ps - (0 if big else int(rng.integers(0, ps)))))
+        b = len(qo)
+        rows = sum(qo) + (S - b)
+        Q = next(q for q in row_buckets(S, N) if q >= rows + 1) if sink else S
+        qo += [1] * (S - b) + ([Q - rows] if sink else [])
+        kv += [1] * (S - b) + ([1] if sink else [])
+        pages, mask_bytes = _need(qo, kv, ps)
+        cap_pages, cap_bytes = padded_step_capacity(S, R, Q, P, ps, pool, sink=sink)
+        assert pages <= cap_pages and mask_bytes <= cap_bytes, (S, P, ps, pool, qo, kv)
+        assert cap_pages <= S * P + sink and cap_bytes <= Q * P * ps // 8 + S + sink
+        tight[0] += pages == cap_pages
+        tight[1] += mask_bytes >= cap_bytes - S - 1
+    assert min(tight) > 50  # the extremes were reached, not only the easy middle
+
+
+def _pool_runner(num_pages):
+    return PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_pages=num_pages, page_size=4,
+                                          max_seqs=8)
+
+
+def test_bucket_buffers_are_sized_by_the_pool():
+    """The page table is as wide as the pool (SpecDecoder's paged runner): every bucket's
+    page and mask buffers take the pool bound, well under the width bounds of old."""
+    from agspec_gpu.runners.graphs import DecodeGraphs
+    from agspec_gpu.tree import padded_step_capacity
+
+    runner = _pool_runner(96)
+    cache = runner.kv_cache
+    P, ps, R = cache.max_pages_per_seq, cache.page_size, 7
+    assert P == cache.num_pages == 96
+    vg = VerifyGraphs(runner, [1, 4], max_nodes=R - 1)
+    dg = DecodeGraphs(runner, [1, 4])
+    old_total, new_total = 0, 0
+    for (S, Q), meta in vg._meta.items():
+        old_pages, old_bytes = S * P + 1, Q * P * ps // 8 + S + 2
+        assert (meta.kv_indices.numel(), meta.packed_mask.numel()) == padded_step_capacity(
+            S, R, Q, P, ps, cache.num_pages, sink=True)
+        assert meta.kv_indices.numel() <= min(old_pages, cache.num_pages + S + 1)
+        pool_bytes = R * ps * cache.num_pages // 8 + S + (Q - S + 7) // 8
+        assert meta.packed_mask.numel() <= min(old_bytes, pool_bytes)
+        old_total += 4 * old_pages + old_bytes
+        new_total += 4 * meta.kv_indices.numel() + meta.packed_mask.numel()
+    top = vg._meta[4, vg.buckets[4][-1]]
+    assert top.kv_indices.numel() == 96 + 4 + 1 < 4 * 96 + 1
+    assert top.packed_mask.numel() == 7 * 4 * 96 // 8 + 4 + 4 < 29 * 96 * 4 // 8
+    assert new_total < old_total / 2
+    for S, meta in dg._meta.items():
+        assert meta.kv_indices.numel() == min(S * P, cache.num_pages + S)
+        assert meta.packed_mask.numel() == min(S * P * ps // 8, ps * cache.num_pages // 8) + S
+    assert dg._meta[4].packed_mask.numel() < 4 * -(-P * ps // 8)
+
+
+@pytest.mark.parametrize("lens", [[113], [33, 33, 33], [25, 25, 21, 21]])
+def test_steps_that_fill_the_pool_fit_and_equal_the_unpadded_step(lens):
+    """Worst cases for the pool bound: requests whose pages (after the step's allocation)
+    are the whole pool, their last pages full, each with a full ``max_nodes`` draft, in the
+    largest row bucket of their size (one padding request for 3 of 4). The padded step fits
+    the pool-sized buffers and gives the unpadded step's logits and KV; the Triton planner
+    (interpreted here, a GPU's in a graph) fills the same buffers with the same bytes."""
+    from agspec_gpu.tree import plan_tree
+
+    runner = _pool_runner(30)
+    cache = runner.kv_cache
+    N = 6
+    vg = VerifyGraphs(runner, [1, 4], max_nodes=N)
+    rng = np.random.default_rng(len(lens))
+    b = len(lens)
+    ids = [f"s{i}" for i in range(b)]
+    prompts = [rng.integers(0, 1000, n).tolist() for n in lens]
+    roots = runner.prefill(ids, prompts).argmax(-1).to(torch.int32)
+    sizes = [N] * b
+    draft = _draft(random_trees(rng, sizes, "random", vocab=1000), N)
+    before = cache.data.clone()
+    meta = runner.plan(ids, draft, roots, torch.tensor(lens, dtype=torch.int32),
+                       prefix_lens_host=lens, num_draft_host=sizes)
+    assert cache.num_free_pages == 0  # the step's pages are the whole pool
+    want = runner.forward(meta).clone()
+    want_kv = cache.data.clone()
+    cache.data.copy_(before)
+
+    pmeta, got = vg.verify(ids, draft, roots, lens, num_draft_host=sizes)
+    S, Q = vg.bucket(b, b + b * N)
+    assert Q == vg.buckets[S][-1] and pmeta.batch_size == S + 1
+    out = vg._meta[S, Q]
+    pages, mask_bytes = int(pmeta.kv_indptr[-1]), int(pmeta.mask_indptr[-1])
+    assert pages == cache.num_pages + (S - b) + 1 <= out.kv_indices.numel()
+    assert mask_bytes <= out.packed_mask.numel() < Q * cache.max_pages_per_seq * 4 // 8
+    kv = [n + 1 + N for n in lens] + [1] * (S - b + 1)
+    assert (pages, mask_bytes) == _need([1 + N] * b + [1] * (S - b) + [Q - S - b * N], kv, 4)
+    rows = b + b * N
+    assert pmeta.qo_indptr[:b + 1].tolist() == meta.qo_indptr[:b + 1].tolist()
+    torch.testing.assert_close(got[:rows], want[:rows], atol=1e-5, rtol=1e-5)
+    null = cache.null_page
+    torch.testing.assert_close(cache.data[:, :null], want_kv[:, :null])
+
+    # the same buffers planned by the Triton kernels (a GPU's planner): the same bytes
+    torch_bufs = [x.clone() for x in (out.kv_indices, out.packed_mask, out.mask_indptr,
+                                      out.kv_indptr, out.qo_indptr, out.kv_slots)]
+    for x in (out.kv_indices, out.packed_mask, out.kv_slots):
+        x.fill_(7)  # what an earlier, larger step left: the kernels rewrite the tails
+    inp = vg._inputs[S]
+    plan_tree(inp.draft, inp.root, inp.prefix, inp.page_table, 4, out=out,
+              sink_page=cache.null_page, use_triton=True)
+    for x, y in zip(torch_bufs, (out.kv_indices, out.packed_mask, out.mask_indptr,
+                                 out.kv_indptr, out.qo_indptr, out.kv_slots)):
+        assert torch.equal(x, y)
+
+
+def test_a_step_over_the_capacity_is_an_error_not_a_silent_overflow():
+    """The planner's kernels drop what exceeds their buffers (a check of the sizes they
+    compute would wait for the device); the step's sizes on the host, which VerifyGraphs
+    and DecodeGraphs compute for FlashInfer anyway, are checked against the buffers before
+    anything is launched."""
+    from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
+
+    draft = _draft([[(5, -1), (6, 0)], [(7, -1)]], 2)
+    roots = torch.tensor([1, 2], dtype=torch.int32)
+    prefix = torch.tensor([9, 3], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2, 8], [3, 4, 8, 8]], dtype=torch.int32)
+
+    def plan(**caps):
+        # rows 3 + 2 + sink 2 = 7; pages 3 + 2 + 1 = 6; mask bytes 5 + 2 + 1 = 8 (kv 12, 5)
+        out = TreeMetadata.empty(3, 3, 4, 4, "cpu", **caps)
+        host = host_sizes([2, 1], [9, 3], 4, sink_rows=2, out=out)
+        return plan_tree(draft, roots, prefix, table, 4, out=out, sink_page=8, host=host)
+
+    meta = plan(max_total_q=7, max_total_pages=6, max_mask_bytes=8)  # exactly enough
+    assert (int(meta.kv_indptr[-1]), int(meta.mask_indptr[-1])) == (6, 8)
+    for caps, have in (((7, 5, 8), "7, 5 and 8"), ((7, 6, 7), "7, 6 and 7"),
+                       ((6, 6, 8), "6, 6 and 8")):
+        with pytest.raises(ValueError, match=f"7 rows, 6 pages and 8 mask bytes exceeds "
+                                             f"the buffers' {have}"):
+            plan(**dict(zip(("max_total_q", "max_total_pages", "max_mask_bytes"), caps)))
+    # through VerifyGraphs: a bucket whose buffers were sized too small
+    runner = _pool_runner(30)
+    vg = VerifyGraphs(runner, [1], max_nodes=2)
+    S, Q = vg.bucket(1, 3)
+    vg._meta[S, Q] = TreeMetadata.empty(2, 3, 30, 4, "cpu", max_total_q=Q, max_total_pages=3)
+    with pytest.raises(ValueError, match="pages .* exceeds the buffers'"):
+        vg.verify(["a"], _draft([[(5, -1), (6, 0)]], 2), torch.tensor([1], dtype=torch.int32),
+                  [9], num_draft_host=[2])

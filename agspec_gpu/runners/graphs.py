@@ -19,7 +19,7 @@ from agspec_gpu.attention import flashinfer_workspace, num_sms, prefill_workspac
 from agspec_gpu.cuda_graph import capture, capture_error
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, synchronize
-from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
+from agspec_gpu.tree import TreeMetadata, host_sizes, padded_step_capacity, plan_tree
 
 
 class GraphAttention:
@@ -114,9 +114,13 @@ class DecodeGraphs(GraphSteps):
         cache = runner.kv_cache
         dev = runner.device
         P, ps = cache.max_pages_per_seq, cache.page_size
-        self._meta = {S: TreeMetadata.empty(S, 1, P, ps, dev, max_total_q=S,
-                                             max_mask_bytes=S * -(-P * ps // 8))
-                      for S in self.sizes}
+        self._meta = {}
+        for S in self.sizes:  # pages and mask bytes bounded by the pool too
+            pages, mask_bytes = padded_step_capacity(S, 1, S, P, ps, cache.num_pages,
+                                                     sink=False)
+            self._meta[S] = TreeMetadata.empty(S, 1, P, ps, dev, max_total_q=S,
+                                               max_total_pages=pages,
+                                               max_mask_bytes=mask_bytes)
         self._empty = {S: DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
                                      torch.zeros(S, 0, dtype=torch.int32, device=dev),
                                      torch.zeros(S, dtype=torch.int32, device=dev))
@@ -156,7 +160,8 @@ class DecodeGraphs(GraphSteps):
         # the sizes on the host too: FlashInfer's plan reads them there
         meta = plan_tree(self._empty[S], root, prefix, page_table, cache.page_size,
                          out=self._meta[S],
-                         host=host_sizes([0] * S, prefix_host, cache.page_size))
+                         host=host_sizes([0] * S, prefix_host, cache.page_size,
+                                         out=self._meta[S]))
         return S, meta
 
     @torch.inference_mode()

@@ -18,9 +18,11 @@ are those of the unpadded step (tested against it on CPU, where the same padded 
 runs eagerly through the torch backend).
 
 Buckets: ``S`` from ``batch_sizes``; ``Q = S + 1 + 8 * 2**j`` up to the most a bucket can
-need, ``S * (max_nodes + 1) + 1``. Each bucket owns its planner buffers, a FlashInfer
-wrapper planned before every replay (outside the graph: FlashInfer plans on the host), an
-attention output buffer and the logits the graph writes. Graphs share one memory pool.
+need, ``S * (max_nodes + 1) + 1``. Each bucket owns its planner buffers (their pages and
+mask bytes bounded by the KV pool as well as by the rows: ``padded_step_capacity``), a
+FlashInfer wrapper planned before every replay (outside the graph: FlashInfer plans on the
+host), an attention output buffer and the logits the graph writes. Graphs share one memory
+pool.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from agspec_gpu.attention import (flashinfer_plan, flashinfer_workspace, num_sms
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, copy_grouped, synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
-from agspec_gpu.tree import HostSizes, TreeMetadata, host_sizes, plan_tree
+from agspec_gpu.tree import (HostSizes, TreeMetadata, host_sizes, padded_step_capacity,
+                             plan_tree)
 
 
 class _StepInputs(NamedTuple):
@@ -93,11 +96,13 @@ class VerifyGraphs(GraphSteps):
         self._meta: dict[tuple[int, int], TreeMetadata] = {}
         for S in self.sizes:
             for Q in self.buckets[S]:
-                # masks: sum over requests of qo_len * kv_len bits <= Q * P * ps bits, plus a
-                # byte of rounding per request
+                # pages and mask bytes: bounded by the rows and the table width, and by the
+                # pool (a table as wide as the pool would size every bucket for S pools)
+                pages, mask_bytes = padded_step_capacity(S, max_nodes + 1, Q, P, ps,
+                                                         cache.num_pages, sink=True)
                 self._meta[S, Q] = TreeMetadata.empty(
                     S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
-                    max_total_pages=S * P + 1, max_mask_bytes=Q * P * ps // 8 + S + 2)
+                    max_total_pages=pages, max_mask_bytes=mask_bytes)
         i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
         self._inputs = {S: _StepInputs(i32(S, P).fill_(cache.null_page), i32(S), i32(S),
                                        DraftBatch(i32(S, max_nodes), i32(S, max_nodes), i32(S)))
@@ -163,7 +168,7 @@ class VerifyGraphs(GraphSteps):
                                                       draft.token_ids, draft.parents)])
         pad = [0] * (S - b)
         host = host_sizes([int(n) for n in num_draft_host] + pad, list(prefix_lens_host) + pad,
-                          cache.page_size, sink_rows=Q - S - total)
+                          cache.page_size, sink_rows=Q - S - total, out=self._meta[S, Q])
         meta = self._plan_padded(S, Q, inp.draft, inp.root, inp.prefix, inp.page_table,
                                  used_rows=S + total, host=host)
         return (S, Q), meta
