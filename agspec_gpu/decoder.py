@@ -47,7 +47,7 @@ from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
-from agspec_gpu.host import HostReader, to_device
+from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
 from agspec_gpu.requests import Requests, StepOutput, per_session, stop_lists
 from agspec_gpu.runners.hf import HFRunner, check_hf_model
 from agspec_gpu.runners.paged import PagedLlamaRunner
@@ -155,6 +155,10 @@ class SpecDecoder:
         global_corpus: optional read-only public corpus shared by every tenant: a
             :class:`GlobalCorpus` or the path of a file from ``agspec-gpu build-global``
             (loaded and checked against ``tokenizer``).
+
+    Every call runs on the model's device whatever device is current (a model on
+    ``cuda:1`` needs no ``torch.cuda.device(1)`` around the calls): a call that does device
+    work makes the model's GPU current and restores the caller's on return.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: DecoderConfig | None = None,
@@ -183,6 +187,30 @@ class SpecDecoder:
                              f"vocabulary has {vocab}: mismatched vocabularies")
         self.vocab_size = vocab or self.tokenizer.vocab_size
         device = self._device = next(model.parameters()).device
+        # the model's GPU is current in every public call that does device work (Triton
+        # launches and graph captures go to the current device), building included
+        self._cuda_index = cuda_index(device)
+        self._build(model, global_corpus)
+        self._sessions: dict[str, _SessionState] = {}
+        # continuous batching (submit / step): the requests waiting for room, the running batch
+        self._queue: list[Requests] = []
+        self._live: RunningBatch | None = None
+        self._proposed: list[str] | None = None  # the sessions of the last public propose
+        self._generating: set[str] = set()  # the sessions of the running generate() calls
+        self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
+        self._next = 0
+        # a per-instance prefix: one decoder never takes another decoder's session id for
+        # one of its own (possibly another tenant's session)
+        self._sid_prefix = f"d{uuid.uuid4().hex[:8]}-s"
+        # cumulative counters (host): verification steps, tokens emitted, draft tokens
+        # drafted and accepted
+        self._steps = self._tokens = self._drafted = self._accepted = 0
+
+    @device_guard
+    def _build(self, model: torch.nn.Module, global_corpus: GlobalCorpus | None) -> None:
+        """The decoder's device state: corpora, drafter (its graphs captured), the paged
+        runner and its verification graphs, the step's host reader, the sessions' KV."""
+        device = self._device
         self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
                                  vocab_size=self.vocab_size)
         drafter_cfg = self.config.drafter
@@ -209,23 +237,9 @@ class SpecDecoder:
             self._verify_graphs = self._capture_verify_graphs(drafter_cfg.max_nodes)
         # a step's host reads (draft sizes; output tokens and counts), sized for the largest
         self._reader = HostReader(self.config.max_batch * (drafter_cfg.max_nodes + 2), device)
-        self._sessions: dict[str, _SessionState] = {}
-        # continuous batching (submit / step): the requests waiting for room, the running batch
-        self._queue: list[Requests] = []
-        self._live: RunningBatch | None = None
-        self._proposed: list[str] | None = None  # the sessions of the last public propose
-        self._generating: set[str] = set()  # the sessions of the running generate() calls
-        self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         # each session's KV between generate calls (a call prefills what was appended since)
         self._kv = SessionKVCache(self._paged, self.config.kv_cache_tokens,
                                   reserve_tokens=1 + drafter_cfg.max_nodes)
-        self._next = 0
-        # a per-instance prefix: one decoder never takes another decoder's session id for
-        # one of its own (possibly another tenant's session)
-        self._sid_prefix = f"d{uuid.uuid4().hex[:8]}-s"
-        # cumulative counters (host): verification steps, tokens emitted, draft tokens
-        # drafted and accepted
-        self._steps = self._tokens = self._drafted = self._accepted = 0
 
     def _capture_verify_graphs(self, max_nodes: int) -> VerifyGraphs | None:
         """The paged runner's verification graphs, or None (:attr:`verify_graph_error` says
@@ -254,6 +268,7 @@ class SpecDecoder:
                 "prefill_tokens": self._kv.num_prefill_tokens}
 
     # ------------------------------------------------------------ lifecycle
+    @device_guard
     def open_session(self, tenant: str, role: str = "default",
                      prompt_ids: Sequence[int] | torch.Tensor = (),
                      session_id: str | None = None, text: str | None = None) -> str:
@@ -282,6 +297,7 @@ class SpecDecoder:
         self._add_files(tenant, files)
         return sid
 
+    @device_guard
     def append(self, sid: str, token_ids: Sequence[int] | torch.Tensor,
                text: str | None = None) -> list[str | None]:
         """Appends context the model did not generate (a tool output, a user turn).
@@ -316,10 +332,12 @@ class SpecDecoder:
         for f in files:
             self.store.add_workspace_file(tenant, f.path, f.text, first_line=f.first_line)
 
+    @device_guard
     def add_workspace_file(self, sid: str, path: str, text: str) -> int:
         """Indexes a file the session's tenant opened (all emission forms)."""
         return self.store.add_workspace_file(self._session(sid).tenant, path, text)
 
+    @device_guard
     def close_session(self, sid: str) -> None:
         """Frees the session's corpus and KV (ending its submitted request, if any); its
         text joins its tenant's history."""
@@ -334,6 +352,7 @@ class SpecDecoder:
         del self._sessions[sid]
         self._supersede([sid])
 
+    @device_guard
     def close_tenant(self, tenant: str) -> None:
         """Frees the tenant's workspace and history tiers (its sessions must be closed).
 
@@ -378,6 +397,7 @@ class SpecDecoder:
         return ids
 
     # ------------------------------------------------------------ your own loop
+    @device_guard
     def propose(self, session_ids: Sequence[str]) -> DraftBatch:
         """Draft trees for one verification step of ``session_ids`` (distinct, open).
 
@@ -400,11 +420,13 @@ class SpecDecoder:
         self._proposed = sids
         return draft
 
+    @device_guard
     def root_ids(self, session_ids: Sequence[str]) -> torch.Tensor:
         """``int32 [B]`` each session's last token: row 0 of its verification."""
         states = [self._session(s) for s in self._batch(session_ids)]
         return to_device([st.context[-1] for st in states], torch.int32, self._device)
 
+    @device_guard
     def tree_inputs(self, session_ids: Sequence[str], draft: DraftBatch) -> TreeInputs:
         """The verification forward's inputs for ``draft`` (:meth:`DraftBatch.tree_inputs`):
         ``[root, nodes]`` ids, positions from each session's cached length
@@ -416,6 +438,7 @@ class SpecDecoder:
                                  to_device([len(st.context) - 1 for st in states],
                                            torch.int64, dev))
 
+    @device_guard
     def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                generator: torch.Generator | None = None, *,
@@ -527,6 +550,7 @@ class SpecDecoder:
                              path_nodes=res.accepted_nodes, num_verified=num_verified)
 
     # ------------------------------------------------------------ generation
+    @device_guard
     @torch.no_grad()
     def generate(self, session_ids: Sequence[str], max_new_tokens: int | Sequence[int] = 256,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -554,6 +578,7 @@ class SpecDecoder:
                 False ends that session's request there (a client that went away), the
                 others go on. The call's sessions are busy for it (its ``append``,
                 ``generate``, ``propose``, ``submit`` or ``close_session`` of them raise).
+                It runs with the model's GPU current.
 
         Returns:
             The new tokens per session, in ``session_ids`` order.
@@ -614,6 +639,7 @@ class SpecDecoder:
         self._queue.append(reqs)
         self._supersede([sid])
 
+    @device_guard
     @torch.no_grad()
     def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:
         """Runs one step of the submitted requests; returns what each running one emitted.
@@ -659,6 +685,7 @@ class SpecDecoder:
             raise
         return out
 
+    @device_guard
     def cancel(self, session_id: str) -> None:
         """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
         the batch, its KV and what it emitted kept). A no-op for an idle session."""

@@ -33,7 +33,7 @@ from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, 
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
-from agspec_gpu.host import HostWriter, to_device
+from agspec_gpu.host import HostWriter, cuda_index, device_guard, to_device
 from agspec_gpu.kept_descriptors import KeptDescriptors
 from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.batch_budget import budget_keep
@@ -145,6 +145,9 @@ class Drafter:
         max_sessions: the most concurrently open sessions, idle ones included (default
             ``max_batch``); each holds a state slot (its recent-token ring and controller
             state, ``~4 * (max_depth + 8)`` bytes of device memory).
+
+    Its calls run on the store's device whatever device is current (each makes that GPU
+    current and restores the caller's).
     """
 
     def __init__(self, store: CorpusStore, config: DrafterConfig | None = None,
@@ -159,6 +162,9 @@ class Drafter:
         self.cost = cost or CostModel.default()
         self.max_batch, self.max_sessions = max_batch, max_sessions
         dev = store.arena.device
+        # the device current in every public call (Triton launches and graph captures go to
+        # the current device): below, only _step_graphs launches kernels
+        self._cuda_index = cuda_index(dev)
         D = store.config.max_depth
         # per-slot state has one spare row (slot max_sessions): the padding rows of a step
         # replayed as a CUDA graph read and write it, never a real session's
@@ -234,6 +240,7 @@ class Drafter:
         if self.config.cuda_graphs and dev.type == "cuda":
             self._graphs = self._step_graphs()
 
+    @device_guard
     def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
         """The propose and commit halves as :class:`StepGraphs` (``use_graphs=False``: padded
         but eager, what the CPU tests compare with unpadded steps); graphs are captured here."""
@@ -247,6 +254,7 @@ class Drafter:
         return graphs
 
     # ------------------------------------------------------------ lifecycle
+    @device_guard
     def open_session(self, sid: str, tenant: str, role: str = "default",
                      prompt_ids: torch.Tensor | list[int] = ()) -> None:
         if role not in self._roles:
@@ -267,6 +275,7 @@ class Drafter:
         self._push(torch.tensor([slot]), self.store._as_tokens(prompt_ids, "prompt_ids")[None, :],
                    None)
 
+    @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
         """Context the model did not generate (user / tool messages)."""
         t = self.store._as_tokens(tokens, "tokens")
@@ -274,6 +283,7 @@ class Drafter:
         self.store.append_session(sid, t)
         self._push(torch.tensor([self._slot_of(sid)]), t[None, :], None)
 
+    @device_guard
     def append_generated(self, sids: list[str], output_ids: torch.Tensor,
                          num_output: torch.Tensor) -> None:
         """Commits generated tokens that no draft proposed (e.g. the first token after a
@@ -281,6 +291,7 @@ class Drafter:
         self._forget(sids)
         self._observe(sids, output_ids, num_output, torch.zeros_like(num_output))
 
+    @device_guard
     def close_session(self, sid: str) -> None:
         slot = self._slot_of(sid)
         self._forget([sid])
@@ -306,6 +317,7 @@ class Drafter:
         ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, num)
 
     # ------------------------------------------------------------ propose
+    @device_guard
     def propose(self, sids: list[str], *, stable: bool = True) -> DraftBatch:
         """Draft trees for ``sids`` (in that order). ``stable=False``, for a loop that
         verifies and commits a draft before it proposes again: with CUDA graphs the draft's
@@ -516,6 +528,7 @@ class Drafter:
         return out
 
     # ------------------------------------------------------------ observe
+    @device_guard
     def observe(self, sids: list[str], output_ids: torch.Tensor, num_output: torch.Tensor,
                 num_accepted: torch.Tensor, *, num_output_host: Sequence[int] | None = None,
                 validate: bool = True, path_nodes: torch.Tensor | None = None,

@@ -91,7 +91,7 @@ class StepGraphs:
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.graph_error: str | None = None
         self._buckets: dict[tuple, dict] = {}
-        self._pool = None
+        self._pool = self._stream = None  # the graphs' memory pool and capture stream
 
     def bucket(self, B: int) -> int:
         S = next((s for s in self.sizes if s >= B), None)
@@ -215,10 +215,11 @@ class StepGraphs:
             return False
         saved = [t.clone() for t in self.state]
         try:
-            if self._pool is None:
+            if self._pool is None:  # the buckets share a pool, so one capture stream
                 self._pool = torch.cuda.graph_pool_handle()
+                self._stream = torch.cuda.Stream(self.device)
             buf["graph"], buf["out"] = capture(lambda: self._call(buf), self.device,
-                                               self.warmup, self._pool)
+                                               self.warmup, self._pool, self._stream)
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager
             self.graph_error = capture_error(exc)

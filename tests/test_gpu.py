@@ -11,11 +11,14 @@
   there the greedy token itself is a bf16 coin flip);
 * ``SpecDecoder`` on both runners: the paged one through its verification graphs, the default
   hf one (fp32) with per-session sampling and its kept KV on the device, freed at close;
+* with two GPUs, ``SpecDecoder`` on ``cuda:1`` while ``cuda:0`` is current (no device
+  context around the calls): graphs captured and kernels launched on the model's GPU;
 * the e2e benchmark's count of Triton compiles in a timed run sees a first launch.
 
 Every model here has head_dim 128 and bf16, so FlashInfer JIT-compiles one module.
 """
 
+import gc
 import importlib.util
 import sys
 from pathlib import Path
@@ -324,6 +327,85 @@ def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
         dec.close_session(sid)
     assert dec._kv.kept_tokens(sids[0]) == 0
     assert torch.cuda.memory_allocated() < held
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two GPUs")
+def test_spec_decoder_runs_on_its_models_gpu_not_the_current_one():
+    """Models on ``cuda:1`` while ``cuda:0`` is current, no ``torch.cuda.device(1)`` around
+    the calls: the decoders launch their Triton kernels and capture their graphs (drafter
+    steps; the paged runner's verification) on ``cuda:1``. The hf one (fp32) is plain
+    greedy decoding through ``generate``, the own loop and ``step``; the paged one's
+    graphed and eager runs agree up to the first bf16 near-tie. Every call gives ``cuda:0``
+    back, ``on_tokens`` runs on ``cuda:1``, and nothing stays allocated on ``cuda:0``."""
+    import transformers
+
+    from agspec_gpu import DecoderConfig, SpecDecoder
+    from agspec_gpu.runners.hf import HFRunner, greedy_generate
+    from test_step_api import run_until_idle
+
+    dev1 = torch.device("cuda", 1)
+    torch.cuda.set_device(0)
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100277, rope_theta=10000.0)
+    torch.manual_seed(7)
+    model = transformers.LlamaForCausalLM(config).to(dev1).eval()
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1000, 30)] * 3
+    gc.collect()  # (earlier tests' garbage freed now, not inside the comparison)
+    torch.cuda.synchronize(0)
+    on0 = torch.cuda.memory_allocated(0)
+    dec = SpecDecoder(model, "cl100k", DecoderConfig(max_batch=4))
+    assert dec.drafter._graphs is not None and dec.drafter._graphs[0].graph_error is None
+    assert torch.cuda.current_device() == 0
+    prompts = [prompt, prompt[:40]]
+    sids = [dec.open_session(t, "coder", p) for t, p in zip("tu", prompts)]
+    seen = []
+    gen = dec.generate(sids, max_new_tokens=16, eos_id=None,
+                       on_tokens=lambda sid, toks: seen.append(torch.cuda.current_device()))
+    assert torch.cuda.current_device() == 0 and set(seen) == {1}
+    runner = HFRunner(model)  # the user's own loop, verified by the model's own forward
+    runner.prefill([p + g[:-1] for p, g in zip(prompts, gen)])
+    for _ in range(3):
+        draft = dec.propose(sids)
+        res = dec.commit(sids, draft, runner.verify_padded(draft, dec.root_ids(sids)))
+        runner.commit(res)
+        for g, row, n in zip(gen, res.output_ids.tolist(), res.num_output.tolist()):
+            g += row[:n]
+    assert torch.cuda.current_device() == 0
+    got = run_until_idle(dec, submit_at={0: [(s, 8, {"eos_id": None}) for s in sids]})
+    for sid, p, g in zip(sids, prompts, gen):
+        g += got[sid]
+        assert g == greedy_generate(model, p, len(g))
+    for sid in sids:
+        dec.close_session(sid)
+    assert torch.cuda.current_device() == 0
+    del dec, runner, res, draft
+    torch.cuda.synchronize(0)
+    assert torch.cuda.memory_allocated(0) <= on0
+
+    bf16 = clear_margins(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100277, rope_theta=10000.0,
+        tie_word_embeddings=False)), 3).to(dev1)
+    gc.collect()
+    torch.cuda.synchronize(0)
+    on0 = torch.cuda.memory_allocated(0)  # (clear_margins made the model there first)
+    outs = []
+    for graphs in (True, False):
+        dec = SpecDecoder(bf16, "cl100k", DecoderConfig(runner="paged", max_batch=4,
+                                                        kv_cache_tokens=4096,
+                                                        cuda_graphs=graphs))
+        assert (dec._verify_graphs is not None) == graphs, dec.verify_graph_error
+        sids = [dec.open_session(t, "coder", p) for t, p in zip("tu", (prompt, prompt[:50]))]
+        outs.append(dec.generate(sids, max_new_tokens=24, eos_id=None))
+        assert torch.cuda.current_device() == 0
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+            for x, y in zip(*outs)]
+    assert min(same) >= 4, (same, outs)
+    del dec
+    torch.cuda.synchronize(0)
+    assert torch.cuda.memory_allocated(0) <= on0
 
 
 def _greedy_reference(runner, graphs, seq_id, prompt, num_tokens, forced=None):
