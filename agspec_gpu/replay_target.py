@@ -353,19 +353,19 @@ class _Timer:
     """Elapsed seconds of a span: CUDA events on a GPU (read after a sync), else wall."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         if self.cuda:
             self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def start(self) -> None:
         if self.cuda:
-            self._ev[0].record()
+            self._ev[0].record(torch.cuda.current_stream(self.device))
         else:
             self._t0 = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
-            self._ev[1].record()
+            self._ev[1].record(torch.cuda.current_stream(self.device))
         else:
             self._t1 = time.perf_counter()
 

@@ -205,11 +205,13 @@ class DecodeGraphs(GraphSteps):
             step()
         synchronize(dev)
         if dev.type == "cuda":
+            # on the runner's device's stream, whatever device is current
+            stream = torch.cuda.current_stream(dev)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record()
+            ev[0].record(stream)
             for _ in range(iters):
                 step()
-            ev[1].record()
+            ev[1].record(stream)
             synchronize(dev)
             return ev[0].elapsed_time(ev[1]) / iters
         t0 = time.perf_counter()
