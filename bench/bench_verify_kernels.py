@@ -8,6 +8,10 @@ argmax follows the chain for ``--accept`` nodes), a ``--vocab`` LM head (Llama-3
 in bf16 on CUDA, fp32 on CPU; the KV commit on a Llama-3-8B cache (``--layers`` layers of
 8 KV heads of 128, pages of 16).
 
+``plan-pool`` (CUDA) plans the same step into a verification graph's buffers: the page table
+as wide as a ``--pool-tokens`` KV pool (``SpecDecoder``'s paged runner: one row spans the
+pool), capacities from ``padded_step_capacity``, a sink.
+
 Acceptance is timed on the two logits layouts ``SpecDecoder`` has used: ``flat`` (the
 verification's ``[total_q, V]`` rows with ``qo_indptr``, what ``PagedBatch.verify_rows``
 returns) and ``padded`` (those rows first copied to ``[B, 1 + N, V]``, what the paged batch
@@ -32,7 +36,7 @@ import torch
 from agspec_gpu.accept import greedy_accept, pad_tree_logits, tree_qo_indptr
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
-from agspec_gpu.tree import TreeMetadata, plan_tree
+from agspec_gpu.tree import TreeMetadata, padded_step_capacity, plan_tree
 from bench_layer_kernels import timer, write_results  # bench/, the script's folder
 
 PAGE = 16
@@ -95,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accept", type=int, default=4, help="chain nodes the argmax accepts")
     ap.add_argument("--context", type=int, default=4096, help="KV tokens per request")
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--pool-tokens", type=int, default=1 << 20,
+                    help="plan-pool (CUDA): a graph bucket's plan over a page table as wide "
+                         "as a KV pool of this many tokens")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=100, help="ms of timing per measurement")
     ap.add_argument("--out", default=None)
@@ -120,6 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         plan = {t: (lambda t=t: plan_tree(draft, roots, prefix, table, PAGE, out=out,
                                           use_triton=t)) for t in (False, True)}
         add("plan", B, bench(plan[False]), bench(plan[True]) if gpu else None)
+        if gpu:  # a verify graph bucket's plan: a table as wide as the pool, a sink
+            Q = B * (N + 1) + 1
+            pool = -(-args.pool_tokens // PAGE)
+            wide = torch.zeros(B, pool, dtype=torch.int32, device=dev)
+            wide[:, :table.shape[1]] = table
+            pages, mask_bytes = padded_step_capacity(B, N + 1, Q, pool, PAGE, pool, sink=True)
+            out_pool = TreeMetadata.empty(B + 1, N + 1, pool, PAGE, dev, max_total_q=Q,
+                                          max_total_pages=pages, max_mask_bytes=mask_bytes)
+            add("plan-pool", B, None, bench(lambda: plan_tree(
+                draft, roots, prefix, wide, PAGE, out=out_pool, sink_page=0, use_triton=True)),
+                mask_mb=round(mask_bytes / 2**20, 1))
 
         def accept_flat():
             return greedy_accept(draft, flat, qo)

@@ -35,6 +35,7 @@ from agspec_gpu.kernels._launch import cdiv, next_pow2
 BLOCK_ROWS = 128
 BLOCK_PAGES = 128
 BLOCK_BYTES = 128
+MAX_MASK_PROGRAMS = 4096  # the mask kernel's grid at most (its programs loop over the rest)
 
 
 class TreeMaskBuffers(NamedTuple):
@@ -250,7 +251,7 @@ def _tree_rows_kernel(
 def _tree_mask_kernel(
     prefix_lens_ptr,  # *int32 [B]
     qo_indptr_ptr,  # *int32 [B + 1]  from _tree_rows_kernel
-    mask_indptr_ptr,  # *int32 [B + 1]  byte offsets, from _tree_rows_kernel
+    mask_indptr_ptr,  # *int32 [B + 1] (B + 2 with HAS_SINK)  bytes, from _tree_rows_kernel
     ancestors_ptr,  # *int32 [B, R, W]  from _tree_rows_kernel
     packed_mask_ptr,  # *uint8 [M]  out
     B,
@@ -260,48 +261,55 @@ def _tree_mask_kernel(
     BLOCK_BYTES: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    """Grid ``(byte blocks, B)``: each program packs ``BLOCK_BYTES`` bytes of one request.
+    """Grid ``(programs,)``, any count: program ``k`` packs the buffer's blocks ``k, k +
+    programs, ...`` of ``BLOCK_BYTES`` bytes, all requests' bytes as one flat range.
 
-    Element ``e = 8 * j + i`` of request ``b`` (byte ``j``, bit ``i``) is row ``e // kv_len``,
-    column ``c = e % kv_len``; it is set iff ``c < prefix_len`` or tree row ``c - prefix_len``
-    is an ancestor-or-self of the row. Bits past ``qo_len * kv_len`` are 0 (byte padding), and
-    so are the bytes past the batch's (``mask_indptr[B]``), zeroed in blocks strided over all
-    programs, but for the sink's (``HAS_SINK``: up to ``mask_indptr[B + 1]``), all ones.
+    Byte ``j < mask_indptr[B]`` belongs to the request ``b`` with ``mask_indptr[b] <= j <
+    mask_indptr[b + 1]`` (a binary search over the indptr, ``ceil(log2 B)`` steps: every
+    request has a byte, so the indptr strictly increases). Its element ``e = 8 * (j -
+    mask_indptr[b]) + i`` (bit ``i``) is row ``e // kv_len``, column ``c = e % kv_len``; it is
+    set iff ``c < prefix_len`` or tree row ``c - prefix_len`` is an ancestor-or-self of the
+    row. Bits past ``qo_len * kv_len`` are 0 (byte padding). Bytes past the batch's are 0
+    but for the sink's (``HAS_SINK``: up to ``mask_indptr[B + 1]``), all ones. The work is
+    the buffer's bytes, whatever the page table's width or the step's batch.
     """
-    blk = tl.program_id(0).to(tl.int64)  # axis 0: the large one (grid y/z are < 2**16)
-    b = tl.program_id(1).to(tl.int64)
-    qo_start = tl.load(qo_indptr_ptr + b).to(tl.int64)
-    qo_len = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - qo_start
-    prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
-    kv_len = prefix + qo_len
-    m_start = tl.load(mask_indptr_ptr + b).to(tl.int64)
-    num_bytes = tl.load(mask_indptr_ptr + b + 1).to(tl.int64) - m_start
-
-    j = blk * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
-    bit = tl.arange(0, 8)
-    e = j[:, None] * 8 + bit[None, :]  # [BLOCK_BYTES, 8]
-    inside = e < qo_len * kv_len
-    row = e // tl.maximum(kv_len, 1)
-    t = e % tl.maximum(kv_len, 1) - prefix  # tree column; < 0 inside the prefix
-    in_tree = inside & (t >= 0) & (row < R)
-    t_in = tl.where(in_tree, t, 0)  # a shift by a negative amount is undefined
-    word = tl.load(ancestors_ptr + (b * R + row) * W + t_in // 32, mask=in_tree, other=0)
-    visible = inside & ((t < 0) | (in_tree & (((word >> (t_in % 32)) & 1) != 0)))
-    byte = tl.sum(visible.to(tl.int32) << bit[None, :], axis=1)
-    tl.store(packed_mask_ptr + m_start + j, byte.to(tl.uint8),
-             mask=(j < num_bytes) & (m_start + j < M))
-
-    num_blocks = tl.num_programs(0)
     total = tl.load(mask_indptr_ptr + B).to(tl.int64)
     ones_end = total
     if HAS_SINK:
         ones_end = tl.load(mask_indptr_ptr + B + 1).to(tl.int64)
-    t = total + (b * num_blocks + blk) * BLOCK_BYTES
+    bit = tl.arange(0, 8)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_BYTES
     while t < M:
-        tail = t + tl.arange(0, BLOCK_BYTES)
-        tl.store(packed_mask_ptr + tail, tl.where(tail < ones_end, 255, 0).to(tl.uint8),
-                 mask=tail < M)
-        t += B * num_blocks * BLOCK_BYTES
+        j = t + tl.arange(0, BLOCK_BYTES)
+        live = j < total
+        lo = tl.zeros([BLOCK_BYTES], tl.int64)  # mask_indptr[lo] <= j < mask_indptr[hi]
+        hi = tl.zeros([BLOCK_BYTES], tl.int64) + B
+        span = B  # the largest hi - lo
+        while span > 1:
+            mid = (lo + hi) // 2
+            go = tl.load(mask_indptr_ptr + mid, mask=live, other=0).to(tl.int64) <= j
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+            span = (span + 1) // 2
+        b = lo
+        qo_start = tl.load(qo_indptr_ptr + b, mask=live, other=0).to(tl.int64)
+        qo_len = tl.load(qo_indptr_ptr + b + 1, mask=live, other=0).to(tl.int64) - qo_start
+        prefix = tl.load(prefix_lens_ptr + b, mask=live, other=0).to(tl.int64)
+        kv_len = tl.maximum(prefix + qo_len, 1)[:, None]
+        e = (j - tl.load(mask_indptr_ptr + b, mask=live, other=0).to(tl.int64))[:, None] * 8 \
+            + bit[None, :]  # [BLOCK_BYTES, 8]
+        inside = live[:, None] & (e < qo_len[:, None] * kv_len)
+        row = e // kv_len
+        col = e % kv_len - prefix[:, None]  # tree column; < 0 inside the prefix
+        in_tree = inside & (col >= 0) & (row < R)
+        col_in = tl.where(in_tree, col, 0)  # a shift by a negative amount is undefined
+        word = tl.load(ancestors_ptr + (b[:, None] * R + row) * W + col_in // 32, mask=in_tree,
+                       other=0)
+        visible = inside & ((col < 0) | (in_tree & (((word >> (col_in % 32)) & 1) != 0)))
+        byte = tl.sum(visible.to(tl.int32) << bit[None, :], axis=1)
+        byte = tl.where(live, byte, tl.where(j < ones_end, 255, 0))
+        tl.store(packed_mask_ptr + j, byte.to(tl.uint8), mask=j < M)
+        t += tl.num_programs(0) * BLOCK_BYTES
 
 
 def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
@@ -380,7 +388,8 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     kv_len = prefix + qo_len
     m_start = mask_indptr[:-1].long()
     num_bytes = mask_indptr[1:].long() - m_start
-    max_bytes = -(-R * max_pages * page_size // 8)
+    # a request's bytes: at most its rows times the table's columns, and the buffer's
+    max_bytes = min(-(-R * max_pages * page_size // 8), M)
     j = torch.arange(max_bytes, device=dev)
     e = j[None, :, None] * 8 + torch.arange(8, device=dev)[None, None, :]  # [1, J, 8]
     kvl = kv_len.clamp(min=1)[:, None, None]
@@ -542,8 +551,9 @@ def launch_tree_mask(token_ids: torch.Tensor, parents: torch.Tensor,
         0 if sink_page is None else sink_page, BLOCK_B=next_pow2(B),
         BLOCK_W=next_pow2(W), BLOCK_R=min(BLOCK_ROWS, next_pow2(R)),
         BLOCK_P=min(BLOCK_PAGES, next_pow2(max_pages)), HAS_SINK=bool(k))
-    max_bytes = -(-R * max_pages * page_size // 8)
-    _tree_mask_kernel[(cdiv(max_bytes, BLOCK_BYTES), B)](
+    # a grid sized by the buffer, not by the table's width times the batch: a table as wide
+    # as the KV pool would launch millions of programs, nearly all with nothing to do
+    _tree_mask_kernel[(max(1, min(cdiv(M, BLOCK_BYTES), MAX_MASK_PROGRAMS)),)](
         prefix_lens, out.qo_indptr, out.mask_indptr, out.ancestor_bits, out.packed_mask, B, R,
         W, M, BLOCK_BYTES=BLOCK_BYTES, HAS_SINK=bool(k))
     return out

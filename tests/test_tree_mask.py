@@ -226,6 +226,61 @@ def test_sink_takes_the_rows_left_over(sizes, prefix_lens):
     assert want["kv_slots"][total_q:].eq(-1).all() and want["input_ids"][total_q:].eq(0).all()
 
 
+class _GridRecorder:
+    """Stands in for a Triton kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("max_programs", [1, 3, 4096])
+@pytest.mark.parametrize("sizes,prefix_lens", [([6], [21]), ([3, 0, 8, 1], [40, 0, 17, 3]),
+                                                ([(3 * i) % 7 for i in range(33)],
+                                                 [(7 * i) % 19 for i in range(33)])])
+def test_mask_grid_follows_the_buffer_not_the_tables_width(monkeypatch, max_programs, sizes,
+                                                           prefix_lens):
+    """A page table as wide as a KV pool (a decoder's verify graphs: 2,048 pages here) and
+    buffers bounded by the pool (``padded_step_capacity``): the mask kernel launches one
+    program a block of the buffer (at most ``MAX_MASK_PROGRAMS``, each looping over the
+    blocks left: 1 and 3 make them loop), not a block of a full-width row per request (56
+    to 231 times as many here); Triton == torch, the sink's bytes and the tail included."""
+    import agspec_gpu.kernels.tree_mask as tm
+    from agspec_gpu.kernels._launch import cdiv
+    from agspec_gpu.tree import padded_step_capacity
+
+    B, ps, width, null = len(sizes), 4, 2048, 0
+    _, _, draft, roots, prefix, _, table = make_case(9, sizes, "random", prefix_lens, ps)
+    pool = int(table.max()) + 1
+    wide = torch.full((B, width), null, dtype=torch.int32)
+    wide[:, :table.shape[1]] = table
+    R, Q = draft.max_nodes + 1, sum(sizes) + B + 11
+    pages, mask_bytes = padded_step_capacity(B, R, Q, width, ps, pool, sink=True)
+    rec = _GridRecorder(tm._tree_mask_kernel)
+    monkeypatch.setattr(tm, "_tree_mask_kernel", rec)
+    monkeypatch.setattr(tm, "MAX_MASK_PROGRAMS", max_programs)
+    got = []
+    for use_triton in (False, True):
+        device = DEVICE if use_triton else torch.device("cpu")
+        out = TreeMetadata.empty(B + 1, R, width, ps, device, max_total_q=Q,
+                                 max_total_pages=pages, max_mask_bytes=mask_bytes)
+        out.packed_mask.fill_(7)  # dirty: every byte is rewritten
+        m = plan_tree(*on_device(draft, roots, prefix, wide, device=device), ps, out=out,
+                      sink_page=null, use_triton=use_triton)
+        got.append({name: getattr(m, name).cpu() for name in FIELDS if name != "ancestor_bits"})
+    for name, want in got[0].items():
+        assert torch.equal(got[1][name], want), first_mismatch(name, got[1][name], want)
+    plain = plan_tree(draft, roots, prefix, table, ps, use_triton=False)
+    nbytes = int(plain.mask_indptr[-1])
+    assert torch.equal(got[1]["packed_mask"][:nbytes], plain.packed_mask[:nbytes])
+    assert rec.grids == [(min(-(-mask_bytes // tm.BLOCK_BYTES), max_programs),)]
+    # the grid before: a program a block of a full-width row, per request
+    assert B * cdiv(cdiv(R * width * ps, 8), tm.BLOCK_BYTES) > 40 * rec.grids[0][0]
+
+
 def test_rejects_bad_inputs():
     _, _, draft, roots, prefix, _, page_table = make_case(1, [2], "chain", [0], 4)
     with pytest.raises(ValueError, match="page_table"):
