@@ -208,20 +208,33 @@ def test_verify_graph_equals_eager_step():
         lens = [n + 1 if i < b else n for i, n in enumerate(lens)]
 
 
-def test_spec_decoder_paged_runner_replays_verify_graphs():
-    """SpecDecoder(runner="paged") on a GPU captures VerifyGraphs and generates through them;
-    with cuda_graphs=False the same loop runs eagerly. Greedy output is the target's own:
-    the graphed and eager decoders agree up to the first bf16 near-tie."""
+def _paged_decoders(model: torch.nn.Module):
+    """``(graphs, decoder)``: ``SpecDecoder(runner="paged")`` over ``model`` with and then
+    without verification graphs (each checked to have them or not)."""
     from agspec_gpu import DecoderConfig, SpecDecoder
 
-    model = cl100k_llama(3)
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1000, 40)] * 3
-    outs = []
     for graphs in (True, False):
         dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
                                                          kv_cache_tokens=4096,
                                                          cuda_graphs=graphs))
         assert (dec._verify_graphs is not None) == graphs, dec.verify_graph_error
+        yield graphs, dec
+
+
+def _agreeing_prefixes(xs: list[list[int]], ys: list[list[int]]) -> list[int]:
+    """Per row, how many leading tokens ``xs`` and ``ys`` share."""
+    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+            for x, y in zip(xs, ys)]
+
+
+def test_spec_decoder_paged_runner_replays_verify_graphs():
+    """SpecDecoder(runner="paged") on a GPU captures VerifyGraphs and generates through them;
+    with cuda_graphs=False the same loop runs eagerly. Greedy output is the target's own:
+    the graphed and eager decoders agree up to the first bf16 near-tie."""
+    model = cl100k_llama(3)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1000, 40)] * 3
+    outs = []
+    for graphs, dec in _paged_decoders(model):
         assert dec.verify_graph_error is None
         if graphs:
             assert dec._verify_graphs.uses_graphs
@@ -236,8 +249,7 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
         for sid in sids:
             dec.close_session(sid)
         assert cache.num_free_pages == cache.num_pages
-    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-            for x, y in zip(*outs)]
+    same = _agreeing_prefixes(*outs)
     assert min(same) >= 4, (same, outs)
 
 
@@ -297,21 +309,27 @@ def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
     assert cache.num_free_pages == cache.num_pages
 
 
-def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
-    """The default (hf) runner on a GPU (fp32): a greedy session next to a sampled one is
-    plain greedy decoding, its second call continues the kept KV (device tensors), and
-    closing the sessions frees that memory."""
+def _fp32_llama_and_prompt(device: torch.device, seed: int) -> tuple:
+    """A tiny random fp32 Llama (cl100k's vocabulary) on ``device`` and a prompt of 30 ids
+    said three times (something for the drafter to find)."""
     import transformers
-
-    from agspec_gpu import SamplingParams, SpecDecoder
-    from agspec_gpu.runners.hf import greedy_generate
 
     config = transformers.LlamaConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=100277, rope_theta=10000.0)
-    torch.manual_seed(4)
-    model = transformers.LlamaForCausalLM(config).to(DEV).eval()
-    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1000, 30)] * 3
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    return model, [int(t) for t in np.random.default_rng(seed).integers(0, 1000, 30)] * 3
+
+
+def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
+    """The default (hf) runner on a GPU (fp32): a greedy session next to a sampled one is
+    plain greedy decoding, its second call continues the kept KV (device tensors), and
+    closing the sessions frees that memory."""
+    from agspec_gpu import SamplingParams, SpecDecoder
+    from agspec_gpu.runners.hf import greedy_generate
+
+    model, prompt = _fp32_llama_and_prompt(DEV, 4)
     dec = SpecDecoder(model, "cl100k")
     sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:40])]
     gen = torch.Generator(DEV).manual_seed(0)
@@ -338,20 +356,13 @@ def test_spec_decoder_runs_on_its_models_gpu_not_the_current_one():
     greedy decoding through ``generate``, the own loop and ``step``; the paged one's
     graphed and eager runs agree up to the first bf16 near-tie. Every call gives ``cuda:0``
     back, ``on_tokens`` runs on ``cuda:1``, and nothing stays allocated on ``cuda:0``."""
-    import transformers
-
     from agspec_gpu import DecoderConfig, SpecDecoder
     from agspec_gpu.runners.hf import HFRunner, greedy_generate
     from test_step_api import run_until_idle
 
     dev1 = torch.device("cuda", 1)
     torch.cuda.set_device(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=100277, rope_theta=10000.0)
-    torch.manual_seed(7)
-    model = transformers.LlamaForCausalLM(config).to(dev1).eval()
-    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1000, 30)] * 3
+    model, prompt = _fp32_llama_and_prompt(dev1, 7)
     gc.collect()  # (earlier tests' garbage freed now, not inside the comparison)
     torch.cuda.synchronize(0)
     on0 = torch.cuda.memory_allocated(0)
@@ -384,24 +395,16 @@ def test_spec_decoder_runs_on_its_models_gpu_not_the_current_one():
     torch.cuda.synchronize(0)
     assert torch.cuda.memory_allocated(0) <= on0
 
-    bf16 = clear_margins(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=100277, rope_theta=10000.0,
-        tie_word_embeddings=False)), 3).to(dev1)
+    bf16 = cl100k_llama(3).to(dev1)
     gc.collect()
     torch.cuda.synchronize(0)
     on0 = torch.cuda.memory_allocated(0)  # (clear_margins made the model there first)
     outs = []
-    for graphs in (True, False):
-        dec = SpecDecoder(bf16, "cl100k", DecoderConfig(runner="paged", max_batch=4,
-                                                        kv_cache_tokens=4096,
-                                                        cuda_graphs=graphs))
-        assert (dec._verify_graphs is not None) == graphs, dec.verify_graph_error
+    for _, dec in _paged_decoders(bf16):
         sids = [dec.open_session(t, "coder", p) for t, p in zip("tu", (prompt, prompt[:50]))]
         outs.append(dec.generate(sids, max_new_tokens=24, eos_id=None))
         assert torch.cuda.current_device() == 0
-    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-            for x, y in zip(*outs)]
+    same = _agreeing_prefixes(*outs)
     assert min(same) >= 4, (same, outs)
     del dec
     torch.cuda.synchronize(0)
