@@ -246,6 +246,39 @@ def _tree_rows_kernel(
         t += B * BLOCK_P
 
 
+@triton.jit
+def _mask_bytes(j, total, prefix_lens_ptr, qo_indptr_ptr, mask_indptr_ptr, ancestors_ptr, B, R,
+                W, BLOCK_BYTES: tl.constexpr):
+    """``int32 [BLOCK_BYTES]``: flat mask bytes ``j`` (those ``< total``; 0 elsewhere)."""
+    live = j < total
+    lo = tl.zeros([BLOCK_BYTES], tl.int64)  # mask_indptr[lo] <= j < mask_indptr[hi]
+    hi = tl.zeros([BLOCK_BYTES], tl.int64) + B
+    span = B  # the largest hi - lo
+    while span > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(mask_indptr_ptr + mid, mask=live, other=0).to(tl.int64) <= j
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+        span = (span + 1) // 2
+    b = lo
+    qo_start = tl.load(qo_indptr_ptr + b, mask=live, other=0).to(tl.int64)
+    qo_len = tl.load(qo_indptr_ptr + b + 1, mask=live, other=0).to(tl.int64) - qo_start
+    prefix = tl.load(prefix_lens_ptr + b, mask=live, other=0).to(tl.int64)
+    kv_len = tl.maximum(prefix + qo_len, 1)[:, None]
+    bit = tl.arange(0, 8)
+    e = (j - tl.load(mask_indptr_ptr + b, mask=live, other=0).to(tl.int64))[:, None] * 8 \
+        + bit[None, :]  # [BLOCK_BYTES, 8]
+    inside = live[:, None] & (e < qo_len[:, None] * kv_len)
+    row = e // kv_len
+    col = e % kv_len - prefix[:, None]  # tree column; < 0 inside the prefix
+    in_tree = inside & (col >= 0) & (row < R)
+    col_in = tl.where(in_tree, col, 0)  # a shift by a negative amount is undefined
+    word = tl.load(ancestors_ptr + (b[:, None] * R + row) * W + col_in // 32, mask=in_tree,
+                   other=0)
+    visible = inside & ((col < 0) | (in_tree & (((word >> (col_in % 32)) & 1) != 0)))
+    return tl.sum(visible.to(tl.int32) << bit[None, :], axis=1)
+
+
 @triton.jit(do_not_specialize=["B", "R", "W", "M"],  # as _tree_rows_kernel's
             do_not_specialize_on_alignment=["prefix_lens_ptr"])
 def _tree_mask_kernel(
@@ -265,49 +298,28 @@ def _tree_mask_kernel(
     programs, ...`` of ``BLOCK_BYTES`` bytes, all requests' bytes as one flat range.
 
     Byte ``j < mask_indptr[B]`` belongs to the request ``b`` with ``mask_indptr[b] <= j <
-    mask_indptr[b + 1]`` (a binary search over the indptr, ``ceil(log2 B)`` steps: every
-    request has a byte, so the indptr strictly increases). Its element ``e = 8 * (j -
-    mask_indptr[b]) + i`` (bit ``i``) is row ``e // kv_len``, column ``c = e % kv_len``; it is
-    set iff ``c < prefix_len`` or tree row ``c - prefix_len`` is an ancestor-or-self of the
-    row. Bits past ``qo_len * kv_len`` are 0 (byte padding). Bytes past the batch's are 0
-    but for the sink's (``HAS_SINK``: up to ``mask_indptr[B + 1]``), all ones. The work is
-    the buffer's bytes, whatever the page table's width or the step's batch.
+    mask_indptr[b + 1]`` (:func:`_mask_bytes`: a binary search over the indptr, ``ceil(log2
+    B)`` steps; every request has a byte, so the indptr strictly increases). Its element ``e
+    = 8 * (j - mask_indptr[b]) + i`` (bit ``i``) is row ``e // kv_len``, column ``c = e %
+    kv_len``; it is set iff ``c < prefix_len`` or tree row ``c - prefix_len`` is an
+    ancestor-or-self of the row. Bits past ``qo_len * kv_len`` are 0 (byte padding). Bytes
+    past the batch's are 0 but for the sink's (``HAS_SINK``: up to ``mask_indptr[B + 1]``),
+    all ones; a block wholly past the batch's only stores. The work is the buffer's bytes,
+    whatever the page table's width or the step's batch.
     """
     total = tl.load(mask_indptr_ptr + B).to(tl.int64)
     ones_end = total
     if HAS_SINK:
         ones_end = tl.load(mask_indptr_ptr + B + 1).to(tl.int64)
-    bit = tl.arange(0, 8)
     t = tl.program_id(0).to(tl.int64) * BLOCK_BYTES
     while t < M:
         j = t + tl.arange(0, BLOCK_BYTES)
-        live = j < total
-        lo = tl.zeros([BLOCK_BYTES], tl.int64)  # mask_indptr[lo] <= j < mask_indptr[hi]
-        hi = tl.zeros([BLOCK_BYTES], tl.int64) + B
-        span = B  # the largest hi - lo
-        while span > 1:
-            mid = (lo + hi) // 2
-            go = tl.load(mask_indptr_ptr + mid, mask=live, other=0).to(tl.int64) <= j
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid)
-            span = (span + 1) // 2
-        b = lo
-        qo_start = tl.load(qo_indptr_ptr + b, mask=live, other=0).to(tl.int64)
-        qo_len = tl.load(qo_indptr_ptr + b + 1, mask=live, other=0).to(tl.int64) - qo_start
-        prefix = tl.load(prefix_lens_ptr + b, mask=live, other=0).to(tl.int64)
-        kv_len = tl.maximum(prefix + qo_len, 1)[:, None]
-        e = (j - tl.load(mask_indptr_ptr + b, mask=live, other=0).to(tl.int64))[:, None] * 8 \
-            + bit[None, :]  # [BLOCK_BYTES, 8]
-        inside = live[:, None] & (e < qo_len[:, None] * kv_len)
-        row = e // kv_len
-        col = e % kv_len - prefix[:, None]  # tree column; < 0 inside the prefix
-        in_tree = inside & (col >= 0) & (row < R)
-        col_in = tl.where(in_tree, col, 0)  # a shift by a negative amount is undefined
-        word = tl.load(ancestors_ptr + (b[:, None] * R + row) * W + col_in // 32, mask=in_tree,
-                       other=0)
-        visible = inside & ((col < 0) | (in_tree & (((word >> (col_in % 32)) & 1) != 0)))
-        byte = tl.sum(visible.to(tl.int32) << bit[None, :], axis=1)
-        byte = tl.where(live, byte, tl.where(j < ones_end, 255, 0))
+        if t < total:  # a block with the batch's bytes (a scalar branch: the tail only stores)
+            byte = _mask_bytes(j, total, prefix_lens_ptr, qo_indptr_ptr, mask_indptr_ptr,
+                               ancestors_ptr, B, R, W, BLOCK_BYTES)
+            byte = tl.where(j < total, byte, tl.where(j < ones_end, 255, 0))
+        else:
+            byte = tl.where(j < ones_end, 255, 0)
         tl.store(packed_mask_ptr + j, byte.to(tl.uint8), mask=j < M)
         t += tl.num_programs(0) * BLOCK_BYTES
 
