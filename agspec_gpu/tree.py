@@ -184,8 +184,12 @@ class TreeMetadata:
                 raise ValueError(f"{f.name}: expected int32, got {x.dtype}")
             if x.device != self.input_ids.device:
                 raise ValueError(f"{f.name}: on {x.device}, input_ids on {self.input_ids.device}")
-        if self.packed_mask.dtype != torch.uint8:
-            raise ValueError(f"packed_mask: expected uint8, got {self.packed_mask.dtype}")
+        if self.packed_mask.dtype != torch.uint8 or self.packed_mask.ndim != 1:
+            raise ValueError(f"packed_mask: expected uint8 [M], got {self.packed_mask.dtype} "
+                             f"{tuple(self.packed_mask.shape)}")
+        if self.packed_mask.device != self.input_ids.device:
+            raise ValueError(f"packed_mask: on {self.packed_mask.device}, input_ids on "
+                             f"{self.input_ids.device}")
         for name in ("position_ids", "kv_slots"):
             if getattr(self, name).shape != (Q,):
                 raise ValueError(f"{name}: expected shape ({Q},), got "
@@ -247,8 +251,8 @@ class TreeMetadata:
     @staticmethod
     def empty(max_batch_size: int, max_qo_len: int, max_pages_per_seq: int, page_size: int,
               device: torch.device | str, *, max_total_q: int | None = None,
-              max_total_pages: int | None = None,
-              max_mask_bytes: int | None = None) -> "TreeMetadata":
+              max_total_pages: int | None = None, max_mask_bytes: int | None = None,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> "TreeMetadata":
         """Preallocated buffers for :func:`plan_tree` ``out=`` (a CUDA-graph-friendly pool).
 
         Capacities default to the static worst case: ``max_total_q = max_batch_size *
@@ -257,6 +261,10 @@ class TreeMetadata:
         page_size / 8)``. Smaller values are a contract: the caller's drafts must fit (a
         batch-level token budget does this for ``max_total_q``; :func:`padded_step_capacity`
         bounds pages and mask bytes by the KV pool; ``host_sizes(..., out=...)`` checks).
+
+        ``shared``: ``(int32 [>= P], uint8 [>= M])`` whose first ``P`` and ``M`` entries
+        become ``kv_indices`` and ``packed_mask``, for buffers that are never planned at
+        once (a runner's graph buckets: one plan a step, read before the next).
         """
         B, R = max_batch_size, max_qo_len
         Q = max_total_q if max_total_q is not None else B * R
@@ -267,10 +275,17 @@ class TreeMetadata:
         def i32(*shape):
             return torch.zeros(*shape, dtype=torch.int32, device=device)
 
+        if shared is None:
+            kv_indices, packed_mask = i32(P), torch.zeros(M, dtype=torch.uint8, device=device)
+        else:
+            if shared[0].numel() < P or shared[1].numel() < M:
+                raise ValueError(f"shared: {shared[0].numel()} pages and {shared[1].numel()} "
+                                 f"mask bytes for capacities of {P} and {M}")
+            kv_indices, packed_mask = shared[0][:P], shared[1][:M]
         return TreeMetadata(
             input_ids=i32(Q), position_ids=i32(Q), kv_slots=i32(Q), qo_indptr=i32(B + 1),
-            kv_indptr=i32(B + 1), kv_indices=i32(P), kv_last_page_len=i32(B).fill_(1),
-            packed_mask=torch.zeros(M, dtype=torch.uint8, device=device),
+            kv_indptr=i32(B + 1), kv_indices=kv_indices, kv_last_page_len=i32(B).fill_(1),
+            packed_mask=packed_mask,
             mask_indptr=i32(B + 1), ancestor_bits=i32(B, R, -(-R // 32)), page_size=page_size,
             max_qo_len=R, max_kv_len=max(R, max_pages_per_seq * page_size))
 

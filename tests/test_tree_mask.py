@@ -290,6 +290,13 @@ def test_rejects_bad_inputs():
     small = TreeMetadata.empty(1, 2, 4, 4, "cpu")
     with pytest.raises(ValueError, match="out"):
         plan_tree(draft, roots, prefix, page_table, 4, out=small)
+    pages, mask = torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="shared: 4 pages and 3 mask bytes"):
+        TreeMetadata.empty(1, 2, 4, 4, "cpu", shared=(pages, mask))  # 4 pages, 4 bytes
+    with pytest.raises(ValueError, match="packed_mask: expected uint8"):
+        TreeMetadata.empty(1, 2, 4, 4, "cpu", shared=(pages, mask.new_zeros(4).int()))
+    on_shared = TreeMetadata.empty(1, 2, 4, 4, "cpu", shared=(pages, mask[:0].new_zeros(9)))
+    assert on_shared.packed_mask.numel() == 4 and on_shared.kv_indices.numel() == 4
     with pytest.raises(ValueError, match="maybe_host"):  # sizes of another batch
         plan_tree(draft, roots, prefix, page_table, 4, host=host_sizes([2, 0], [0, 0], 4))
     assert plan_tree(draft, roots, prefix, page_table, 4,

@@ -294,6 +294,13 @@ def test_bucket_buffers_are_sized_by_the_pool():
         old_total += 4 * old_pages + old_bytes
         new_total += 4 * meta.kv_indices.numel() + meta.packed_mask.numel()
     top = vg._meta[4, vg.buckets[4][-1]]
+    # the buckets' page lists and masks are views of the largest's: one pair in memory
+    for meta in vg._meta.values():
+        for name in ("kv_indices", "packed_mask"):
+            x, y = getattr(meta, name), getattr(top, name)
+            assert x.data_ptr() == y.data_ptr() and x.numel() <= y.numel(), name
+            assert x.untyped_storage().nbytes() == y.numel() * y.element_size(), name
+    assert new_total > 3 * (4 * top.kv_indices.numel() + top.packed_mask.numel())
     assert top.kv_indices.numel() == 96 + 4 + 1 < 4 * 96 + 1
     assert top.packed_mask.numel() == 7 * 4 * 96 // 8 + 4 + 4 < 29 * 96 * 4 // 8
     assert new_total < old_total / 2

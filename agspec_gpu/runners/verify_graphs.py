@@ -19,10 +19,11 @@ runs eagerly through the torch backend).
 
 Buckets: ``S`` from ``batch_sizes``; ``Q = S + 1 + 8 * 2**j`` up to the most a bucket can
 need, ``S * (max_nodes + 1) + 1``. Each bucket owns its planner buffers (their pages and
-mask bytes bounded by the KV pool as well as by the rows: ``padded_step_capacity``), a
+mask bytes bounded by the KV pool as well as by the rows: ``padded_step_capacity``; the
+page list and the mask, the large ones, are views of one pair the buckets share), a
 FlashInfer wrapper planned before every replay (outside the graph: FlashInfer plans on the
 host), an attention output buffer and the logits the graph writes. Graphs share one memory
-pool.
+pool. So a step's plan and logits hold until the next step's plan, whatever its bucket.
 """
 
 from __future__ import annotations
@@ -93,16 +94,20 @@ class VerifyGraphs(GraphSteps):
         cache, dev = runner.kv_cache, runner.device
         P, ps = cache.max_pages_per_seq, cache.page_size
         self.buckets = {S: row_buckets(S, max_nodes) for S in self.sizes}
-        self._meta: dict[tuple[int, int], TreeMetadata] = {}
-        for S in self.sizes:
-            for Q in self.buckets[S]:
-                # pages and mask bytes: bounded by the rows and the table width, and by the
-                # pool (a table as wide as the pool would size every bucket for S pools)
-                pages, mask_bytes = padded_step_capacity(S, max_nodes + 1, Q, P, ps,
-                                                         cache.num_pages, sink=True)
-                self._meta[S, Q] = TreeMetadata.empty(
-                    S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
-                    max_total_pages=pages, max_mask_bytes=mask_bytes)
+        # pages and mask bytes: bounded by the rows and the table width, and by the pool (a
+        # table as wide as the pool would size every bucket for S pools)
+        caps = {(S, Q): padded_step_capacity(S, max_nodes + 1, Q, P, ps, cache.num_pages,
+                                             sink=True)
+                for S in self.sizes for Q in self.buckets[S]}
+        # one page list and one mask for every bucket, the largest's: a step plans one
+        # bucket and is read before the next plan (its logits are the graphs' pool's too)
+        shared = (torch.zeros(max(p for p, _ in caps.values()), dtype=torch.int32, device=dev),
+                  torch.zeros(max(m for _, m in caps.values()), dtype=torch.uint8, device=dev))
+        self._meta: dict[tuple[int, int], TreeMetadata] = {
+            (S, Q): TreeMetadata.empty(S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
+                                       max_total_pages=pages, max_mask_bytes=mask_bytes,
+                                       shared=shared)
+            for (S, Q), (pages, mask_bytes) in caps.items()}
         i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
         self._inputs = {S: _StepInputs(i32(S, P).fill_(cache.null_page), i32(S), i32(S),
                                        DraftBatch(i32(S, max_nodes), i32(S, max_nodes), i32(S)))
@@ -191,7 +196,8 @@ class VerifyGraphs(GraphSteps):
         """One verification forward: ``(meta, logits [Q, vocab])``; request ``i < b``'s rows
         are ``meta.qo_indptr[i]:meta.qo_indptr[i + 1]``. With graphs ``logits`` is the
         graph's buffer: read it before the next call (the buckets' graphs share one memory pool,
-        so any bucket's replay may reuse it)."""
+        so any bucket's replay may reuse it); ``meta``'s pages and mask too (the buckets share
+        them)."""
         key, meta = self.plan(seq_ids, draft, roots, prefix_lens_host, num_draft_host)
         if key in self._graphs:
             graph, wrapper, logits, _ = self._graphs[key]
