@@ -16,8 +16,8 @@ context match (what a drafter matching the context, as agspec does, could at bes
 ``top8``: the same among the 8 most recent per tier, the drafter's own candidates (what
 its tree, depth and budget could at best keep). ``first``: the agreement of the single
 candidate the drafter ranks first (the most recent occurrence in the tier with the longest
-match plus tier bonus), i.e. one chain drafted to full depth. oracle - ctx is out of reach of context
-matching; ctx - top8 is ranking; top8 - acc is the tree, depth and budget.
+match plus tier bonus), i.e. one chain drafted to full depth. oracle - ctx is out of reach of
+context matching; ctx - top8 is ranking; top8 - acc is the tree, depth and budget.
 
 Usage::
 

@@ -228,8 +228,8 @@ def test_swe_view_range_is_a_fragment():
     out = swe_out("Here's the result of running `cat -n` on /testbed/q.py:\n"
                   "    60\t    ValueError: x\n    61\t    \"\"\"\n    62\t    _re = r\"READ\"")
     c = one(capture_tool_output(msg, out))
-    assert (c.first_line, c.is_fragment, c.text) == (60, True,
-                                                     '    ValueError: x\n    """\n    _re = r"READ"\n')
+    assert (c.first_line, c.is_fragment, c.text) == (
+        60, True, '    ValueError: x\n    """\n    _re = r"READ"\n')
 
 
 def test_swe_view_clipped_drops_the_cut_line():

@@ -640,28 +640,26 @@ def test_every_request_opted_out_skips_the_drafter(runner, monkeypatch):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
-    """What one speculative step of the paged runner launches one by one on a GPU, counted
-    here on the CPU: every torch op, with the verification forward and the drafter's two
-    halves as the graph replays they are there (VerifyGraphs and the drafter's StepGraphs
-    run their padded steps eagerly here) and each Triton-backed function as its launches;
-    and what it allocates outside them: nothing (session 25: the match, the greedy walk and
-    its argmax write into buffers kept for the batch, the commit's KV lengths and the
-    drafter's padded commit inputs are written in place; six allocations before, and twelve
-    more inside the match's and the walk's launchers). Now 20-26 at B = 1 and 4 (session
-    28: the append also grows the drafter's kept lengths; 21-27 in session 27; session
-    26: the session tier's append is one launch, three ops before, and the commit's padding
-    is written only over columns that held data; 25-28 in session 25; session 24: the
-    match reads its queries from the drafter's ring and writes the candidate
-    windows in its own launch, two launches fewer; 27-33 in session 21: the match kernel
-    writes every level slot, so its two output fills went, and the step's host reads copy into a pinned buffer, as
-    uncounted here as the host-to-device copies; 30-36 in session 20, 31-37 in session
-    19; 60-64 before the drafter's graph inputs were copied one launch per dtype, the
-    verification step's inputs staged without re-padding every row, and the greedy walk
-    read the flat logits rows' argmax and wrote the bonus tokens itself). Before the
-    two-kernel planning (the sink included), the greedy acceptance in one launch,
-    host-counted stats, no vocabulary check of the decoder's own
-    drafts and no clones of them: 143-147 (counted the same way, the planner's fills as the
-    launches they were)."""
+    """What one speculative step of the paged runner launches one by one on a GPU, counted here on
+    the CPU: every torch op, with the verification forward and the drafter's two halves as the
+    graph replays they are there (VerifyGraphs and the drafter's StepGraphs run their padded
+    steps eagerly here) and each Triton-backed function as its launches; and what it allocates
+    outside them: nothing (session 25: the match, the greedy walk and its argmax write into
+    buffers kept for the batch, the commit's KV lengths and the drafter's padded commit inputs
+    are written in place; six allocations before, and twelve more inside the match's and the
+    walk's launchers). Now 20-26 at B = 1 and 4 (session 28: the append also grows the drafter's
+    kept lengths; 21-27 in session 27; session 26: the session tier's append is one launch,
+    three ops before, and the commit's padding is written only over columns that held data;
+    25-28 in session 25; session 24: the match reads its queries from the drafter's ring and
+    writes the candidate windows in its own launch, two launches fewer; 27-33 in session 21: the
+    match kernel writes every level slot, so its two output fills went, and the step's host
+    reads copy into a pinned buffer, as uncounted here as the host-to-device copies; 30-36 in
+    session 20, 31-37 in session 19; 60-64 before the drafter's graph inputs were copied one
+    launch per dtype, the verification step's inputs staged without re-padding every row, and
+    the greedy walk read the flat logits rows' argmax and wrote the bonus tokens itself). Before
+    the two-kernel planning (the sink included), the greedy acceptance in one launch,
+    host-counted stats, no vocabulary check of the decoder's own drafts and no clones of them:
+    143-147 (counted the same way, the planner's fills as the launches they were)."""
     import agspec_gpu.accept as accept_mod
     import agspec_gpu.drafter as drafter_mod
     import agspec_gpu.index as index_mod

@@ -206,7 +206,8 @@ def test_chains_follow_the_heaviest_child(tok):
     # B: X (2/3), then F2 (more recent of X's two) and on through the Y occurrence
     assert [t for t, _ in nodes(draft, 1)] == [X, F2, A, B, C, Y, F3, A]
     for b in range(2):
-        assert [p for _, p in nodes(draft, b)] == list(range(-1, int(draft.num_draft_tokens[b]) - 1))
+        assert [p for _, p in nodes(draft, b)] == list(
+            range(-1, int(draft.num_draft_tokens[b]) - 1))
     check_invariants(draft, 8)
 
 

@@ -89,7 +89,8 @@ def test_longest_prefix_empty_inputs():
     cid = arena.new_corpus()
     arena.append(cid, torch.tensor([1, 2, 3], dtype=torch.int32))
     assert longest_prefix(arena, torch.zeros(0, 5, dtype=torch.int32), []).shape == (0,)
-    assert longest_prefix(arena, torch.zeros(2, 0, dtype=torch.int32), [cid, cid]).tolist() == [0, 0]
+    assert longest_prefix(arena, torch.zeros(2, 0, dtype=torch.int32),
+                          [cid, cid]).tolist() == [0, 0]
     assert longest_prefix(arena, torch.full((1, 3), -1, dtype=torch.int32), [cid]).tolist() == [0]
 
 

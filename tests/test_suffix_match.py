@@ -501,7 +501,7 @@ def test_launcher_rejects_bad_descriptors():
                      use_triton=True)
 
 
-# ------------------------------------------------------------------------------ the drafter's launch
+# ------------------------------------------------------------------------- the drafter's launch
 def src_arena(max_depth: int, tail_tokens: int, texts: dict[str, list[int]]):
     """``texts`` in one arena, appended in chunks of 7 with a source code per chunk (so
     windows cross source changes): ``(arena, ids)``."""

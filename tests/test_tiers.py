@@ -40,7 +40,8 @@ def tok():
 
 
 def chain_drafter(store: CorpusStore, k: int = 32, max_batch: int = 64) -> Drafter:
-    return Drafter(store, DrafterConfig(calibrate=False, min_prob=0.0, tree=False, batch_budget=False,
+    return Drafter(store, DrafterConfig(calibrate=False, min_prob=0.0, tree=False,
+                                        batch_budget=False,
                                         controller=ControllerConfig(static_k=k)),
                    max_batch=max_batch)
 
