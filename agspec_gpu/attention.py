@@ -104,8 +104,8 @@ def prefill_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int,
     most ``max_rows`` query rows over ``max_requests`` requests) split KV is always on and
     ``tiles = max(cap, ceil(rows * group / cta_tile_q) + requests - 1)``: 409 MB for the
     Llama-3-8B verification bucket of 4,161 rows over 65 requests (64 and a sink), over
-    FlashInfer's 128 MiB default. Bounded here over every ``cta_tile_q`` the planner picks (16, 64, 128), with
-    16 MiB of room for its alignment; at least 128 MiB.
+    FlashInfer's 128 MiB default. Bounded here over every ``cta_tile_q`` the planner picks
+    (16, 64, 128), with 16 MiB of room for its alignment; at least 128 MiB.
     """
     group = num_qo_heads // num_kv_heads
     cap = 2 * num_sms // num_kv_heads
@@ -120,6 +120,17 @@ def flashinfer_workspace(num_bytes: int, device: torch.device | str) -> torch.Te
     """A FlashInfer float workspace, zeroed (FlashInfer asks for a zeroed buffer on first
     use)."""
     return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+
+
+def flashinfer_int_workspace(device: torch.device | str) -> torch.Tensor:
+    """An int workspace (a plan's work lists) of the size each FlashInfer 0.7 wrapper
+    allocates for itself (8 MiB), for wrappers that are never planned at once to share
+    (``wrapper.reset_workspace_buffer(float_workspace, int_workspace)`` before their
+    capture): a runner's graph buckets, each planned right before its replay on one stream,
+    as they share the float workspace. Otherwise a paged decoder's 49 verification and 7
+    decode graphs hold 448 MiB of them. (Each wrapper keeps its own pinned host copy, which
+    its plan fills before the copy to the device.)"""
+    return torch.zeros(8 << 20, dtype=torch.uint8, device=device)
 
 
 def num_sms(device: torch.device | str) -> int:

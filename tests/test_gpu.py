@@ -162,13 +162,18 @@ def test_decode_graph_equals_eager_step():
     roots = _prefill(runner, ids, prompts)
     lens = [len(p) for p in prompts]
     for step in range(6):
-        got = graphs.decode(ids, roots, lens).float().clone()
-        want = eager.decode(ids, roots, lens).float()  # rewrites the same KV slots
+        # sizes 4 and 1 in turn: their graphs share the FlashInfer workspaces, each planned
+        # right before its replay
+        n = 3 if step % 2 == 0 else 1
+        got = graphs.decode(ids[:n], roots[:n], lens[:n]).float().clone()
+        want = eager.decode(ids[:n], roots[:n], lens[:n]).float()  # the same KV slots
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=2e-2,
                                    msg=lambda m: f"step {step}: {m}")
-        roots = want.argmax(-1).to(torch.int32)
-        lens = [n + 1 for n in lens]
+        roots = torch.cat([want.argmax(-1).to(torch.int32), roots[n:]])
+        lens = [k + 1 for k in lens[:n]] + lens[n:]
+    wrappers = [g[1] for g in graphs._graphs.values()]
+    assert len({w._int_workspace_buffer.data_ptr() for w in wrappers}) == 1
     assert graphs.time_step(["a"], roots[:1], [lens[0] - 1], iters=3, warmup=1) > 0
 
 
@@ -236,8 +241,11 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
     outs = []
     for graphs, dec in _paged_decoders(model):
         assert dec.verify_graph_error is None
-        if graphs:
+        if graphs:  # (one int workspace, as one float workspace, for every bucket)
             assert dec._verify_graphs.uses_graphs
+            wrappers = [g[1] for g in dec._verify_graphs._graphs.values()]
+            assert len({w._int_workspace_buffer.data_ptr() for w in wrappers}) == 1
+            assert len({w._float_workspace_buffer.data_ptr() for w in wrappers}) == 1
         sids = [dec.open_session("t", "coder", prompt),
                 dec.open_session("u", "coder", prompt[:50])]
         outs.append(dec.generate(sids, max_new_tokens=24))

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from agspec_gpu.attention import flashinfer_workspace, num_sms, prefill_workspace_bytes
+from agspec_gpu.attention import (flashinfer_int_workspace, flashinfer_workspace, num_sms,
+                                  prefill_workspace_bytes)
 from agspec_gpu.cuda_graph import capture, capture_error
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, synchronize
@@ -241,6 +242,7 @@ class DecodeGraphs(GraphSteps):
         workspace = flashinfer_workspace(prefill_workspace_bytes(
             s.num_qo_heads, s.num_kv_heads, s.head_dim, num_sms(dev), max_rows=S_max,
             max_requests=S_max), dev)
+        int_workspace = flashinfer_int_workspace(dev)  # shared as the float one
         pool = torch.cuda.graph_pool_handle()
         for S in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             meta = self._meta[S]
@@ -254,6 +256,7 @@ class DecodeGraphs(GraphSteps):
             except TypeError:
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                                        **kwargs)
+            wrapper.reset_workspace_buffer(workspace, int_workspace)
             out = torch.empty(S, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
             meta = self._plan_padding(S)
             self._plan_wrapper(wrapper, meta)

@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from agspec_gpu.attention import (flashinfer_plan, flashinfer_workspace, num_sms,
-                                  prefill_workspace_bytes)
+from agspec_gpu.attention import (flashinfer_int_workspace, flashinfer_plan,
+                                  flashinfer_workspace, num_sms, prefill_workspace_bytes)
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, copy_grouped, synchronize
 from agspec_gpu.runners.graphs import GraphSteps, capture_forward
@@ -223,6 +223,7 @@ class VerifyGraphs(GraphSteps):
             prefill_workspace_bytes(s.num_qo_heads, s.num_kv_heads, s.head_dim, num_sms(dev),
                                     max_rows=Q, max_requests=S + 1)
             for S, Q in self._meta), dev)
+        int_workspace = flashinfer_int_workspace(dev)  # shared as the float one
         pool = torch.cuda.graph_pool_handle()
         for (S, Q) in sorted(self._meta, reverse=True):  # largest first: the rest reuse its pool
             out = self._meta[S, Q]
@@ -233,6 +234,7 @@ class VerifyGraphs(GraphSteps):
                 custom_mask_buf=out.packed_mask,
                 mask_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
                 backend="fa2")
+            wrapper.reset_workspace_buffer(workspace, int_workspace)
             attn_out = torch.empty(Q, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
             # the capture plan has the most rows a replay may have: S padding requests and
             # the sink over the rest
