@@ -185,7 +185,8 @@ class DecodeGraphs(GraphSteps):
     def step_fn(self, seq_ids: Sequence, roots: torch.Tensor,
                 prefix_lens_host: Sequence[int]) -> Callable[[], object]:
         """One decode step of ``seq_ids``, planned once, as a callable that repeats its
-        device work: the captured graph's ``replay`` (or the eager forward)."""
+        device work: the captured graph's ``replay`` (or the eager forward), valid until
+        the next plan of any size (the sizes' graphs share FlashInfer's workspaces)."""
         S, meta = self.plan(seq_ids, roots, prefix_lens_host)
         if S in self._graphs:
             graph, wrapper, _, _ = self._graphs[S]
