@@ -396,29 +396,36 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     pvalid = (cols[None, :] < num_pages[:, None]) & (pdst < P)
     out.kv_indices[pdst[pvalid]] = page_table[pvalid]
 
-    # packed mask: element e of request b is (row e // kv_len, column e % kv_len)
+    # packed mask: element e of request b is (row e // kv_len, column e % kv_len). A row's
+    # context columns are all visible, so the batch's bytes start as 255 and only those that
+    # hold a row's tree columns (at most ceil(R / 8) + 1 a row) are computed: O(M + B R^2),
+    # not O(B R max_kv_len) as a pass over every byte of every request would be
     kv_len = prefix + qo_len
     m_start = mask_indptr[:-1].long()
     num_bytes = mask_indptr[1:].long() - m_start
-    # a request's bytes: at most its rows times the table's columns, and the buffer's
-    max_bytes = min(-(-R * max_pages * page_size // 8), M)
-    j = torch.arange(max_bytes, device=dev)
-    e = j[None, :, None] * 8 + torch.arange(8, device=dev)[None, None, :]  # [1, J, 8]
-    kvl = kv_len.clamp(min=1)[:, None, None]
-    inside = e < (qo_len * kv_len)[:, None, None]
+    at = torch.arange(M, device=dev, dtype=torch.int32)
+    out.packed_mask.masked_fill_(at < mask_indptr[B], 255)
+    K = (R + 7) // 8 + 1
+    row0 = rows[None, :] * kv_len[:, None]  # [B, R] each row's first element
+    kb = (row0 + prefix[:, None])[..., None] // 8 + torch.arange(K, device=dev)  # [B, R, K]
+    last = (row0 + kv_len[:, None] - 1)[..., None] // 8
+    e = kb[..., None] * 8 + torch.arange(8, device=dev)  # [B, R, K, 8]
+    kvl = kv_len.clamp(min=1)[:, None, None, None]
+    inside = e < (qo_len * kv_len)[:, None, None, None]
     row = e // kvl
-    t = e % kvl - prefix[:, None, None]
+    t = e % kvl - prefix[:, None, None, None]
     in_tree = inside & (t >= 0) & (row < R)
     row = row.clamp(max=R - 1)
     tc = t.clamp(min=0)
-    bidx = torch.arange(B, device=dev)[:, None, None]
+    bidx = torch.arange(B, device=dev)[:, None, None, None]
     word = anc[bidx, row, (tc // 32).clamp(max=W - 1)]
     tree_bit = ((word >> (tc % 32).to(torch.int32)) & 1) != 0
     visible = inside & ((t < 0) | (in_tree & tree_bit))
     byte = (visible.to(torch.int32) << torch.arange(8, device=dev, dtype=torch.int32)).sum(-1)
-    mdst = m_start[:, None] + j[None, :]
-    mvalid = (j[None, :] < num_bytes[:, None]) & (mdst < M)
-    out.packed_mask[mdst[mvalid]] = byte[mvalid].to(torch.uint8)
+    mdst = m_start[:, None, None] + kb
+    mvalid = (rows[None, :, None] < qo_len[:, None, None]) & (kb <= last) & \
+        (kb < num_bytes[:, None, None]) & (mdst < M)
+    out.packed_mask[mdst[mvalid]] = byte[mvalid].to(torch.uint8)  # shared bytes: same value
     return out
 
 

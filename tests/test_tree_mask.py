@@ -27,6 +27,10 @@ CASES = [
     ([6, 1, 0, 3, 8], "random", [1, 0, 2, 5, 3], 1),
     ([40, 33], "chain", [3, 29], 16),  # more than 32 rows: two-word ancestor bitsets
     ([37, 0, 12], "random", [47, 48, 0], 16),
+    # long contexts: most of a row's bytes are context only (the torch path computes only
+    # the bytes holding tree columns), rows that start mid-byte, three-word bitsets
+    ([11, 0, 64], "random", [301, 1000, 77], 16),
+    ([2, 1, 5], "wide", [7, 9, 1001], 8),
     # a batch wider than a block of the prefix sums' smaller sizes, separators of empty trees
     ([(7 * i) % 11 if i % 4 else 0 for i in range(37)], "random",
      [(13 * i) % 29 for i in range(37)], 4),
