@@ -54,6 +54,7 @@ from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.running_batch import RunningBatch
+from agspec_gpu.scheduler import Scheduler
 from agspec_gpu.session_kv import SessionKVCache
 from agspec_gpu.stops import StopMatcher
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus
@@ -193,8 +194,7 @@ class SpecDecoder:
         self._build(model, global_corpus)
         self._sessions: dict[str, _SessionState] = {}
         # continuous batching (submit / step): the requests waiting for room, the running batch
-        self._queue: list[Requests] = []
-        self._live: RunningBatch | None = None
+        self._scheduler = Scheduler(self.config.max_batch, self._running_batch, self._advance)
         self._proposed: list[str] | None = None  # the sessions of the last public propose
         self._generating: set[str] = set()  # the sessions of the running generate() calls
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
@@ -614,7 +614,7 @@ class SpecDecoder:
                 self._advance(reqs, live.verify_step(generator), on_tokens)
         except BaseException as exc:
             self._generating.difference_update(sids)
-            _end_after(live, exc)
+            live.end_after(exc)
             raise
         self._generating.difference_update(sids)
         live.end()  # the requests still in the batch (those that left kept theirs then)
@@ -636,7 +636,7 @@ class SpecDecoder:
         reqs = self._requests([sid], max_new_tokens, sampling, stop, speculate, eos_id)
         if reqs.limits[0] == 0:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
-        self._queue.append(reqs)
+        self._scheduler.submit(reqs)
         self._supersede([sid])
 
     @device_guard
@@ -662,61 +662,24 @@ class SpecDecoder:
             requests still queued stay queued.
         """
         self._check_generator(generator)
-        live = self._live
-        room = self.config.max_batch - (0 if live is None else len(live.reqs.sids))
-        joining = self._queue[:room]
-        if not joining and live is None:
-            return []
-        try:
-            if joining:
-                del self._queue[:len(joining)]
-                live = self._live = self._join(live, joining)
-                new = live.prefill(generator)
-            else:
-                new = live.verify_step(generator)
-            self._advance(live.reqs, new)
-            r = live.reqs
-            out = [StepOutput(s, t, d) for s, t, d in zip(r.sids, new, r.done)]
-            self._leave_finished()  # their sessions are idle once step() returns
-        except BaseException as exc:
-            if self._live is not None:
-                live, self._live = self._live, None
-                _end_after(live, exc)
-            raise
-        return out
+        return self._scheduler.step(generator)
 
     @device_guard
     def cancel(self, session_id: str) -> None:
         """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
         the batch, its KV and what it emitted kept). A no-op for an idle session."""
         self._session(session_id)
-        self._queue = [q for q in self._queue if q.sids[0] != session_id]
-        live = self._live
-        if live is not None and session_id in live.reqs.sids:
-            live.reqs.done[live.reqs.sids.index(session_id)] = True
-            self._leave_finished()
-
-    def _leave_finished(self) -> None:
-        """The running batch's finished requests leave it (their KV kept); the batch ends
-        when none is left."""
-        live = self._live
-        if live is None or not any(live.reqs.done):
-            return
-        if all(live.reqs.done):
-            live.end()
-            self._live = None
-        else:
-            live.leave()
+        self._scheduler.cancel(session_id)
 
     @property
     def running(self) -> list[str]:
         """Sessions whose submitted request is in the running batch."""
-        return [] if self._live is None else list(self._live.reqs.sids)
+        return self._scheduler.running
 
     @property
     def queued(self) -> list[str]:
         """Sessions whose submitted request waits for room in the batch."""
-        return [q.sids[0] for q in self._queue]
+        return self._scheduler.queued
 
     def _check_idle(self, sids: list[str], name: str = "session_ids") -> None:
         hit = [s for s in sids if s in self._generating]
@@ -768,18 +731,6 @@ class SpecDecoder:
                             lambda params: self._sampling(params, len(params)), self._record,
                             self._reader)
 
-    def _join(self, live: RunningBatch | None, joining: list[Requests]) -> RunningBatch:
-        """A new batch: the running requests (their KV kept, to be continued), then
-        ``joining``'s."""
-        reqs = joining[0] if live is None else live.reqs
-        if live is not None:
-            live.end(handover=True)
-            self._live = None
-            reqs.extend(joining[0])
-        for q in joining[1:]:
-            reqs.extend(q)
-        return self._running_batch(reqs)
-
     def _advance(self, reqs: Requests, new: list[list[int]], on_tokens=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two
         never disagree, even when the call fails later), then streams them; a callback
@@ -798,15 +749,6 @@ class SpecDecoder:
                 error = error or exc
         if error is not None:
             raise error
-
-
-def _end_after(live: RunningBatch, exc: BaseException) -> None:
-    """Ends ``live`` after ``exc`` failed its call: an error of the ending (a runner left
-    broken) is noted on ``exc``, which the caller re-raises, rather than replacing it."""
-    try:
-        live.end()
-    except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
-        exc.add_note(f"then ending the running batch failed too: {cleanup!r}")
 
 
 def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:

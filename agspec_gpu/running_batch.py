@@ -151,3 +151,12 @@ class RunningBatch:
                      handover=handover)
         if isinstance(self.runner, PagedBatch):
             self.runner.close()
+
+    def end_after(self, exc: BaseException) -> None:
+        """Ends the batch after ``exc`` failed its call: an error of the ending (a runner
+        left broken) is noted on ``exc``, which the caller re-raises, rather than replacing
+        it."""
+        try:
+            self.end()
+        except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
+            exc.add_note(f"then ending the running batch failed too: {cleanup!r}")

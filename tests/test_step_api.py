@@ -153,6 +153,24 @@ def test_a_failed_step_ends_the_running_requests_and_keeps_sessions_in_step(monk
     assert dec.store.nbytes(tier=CorpusTier.SESSION, tenant="t0") > 0
 
 
+def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note(
+        monkeypatch):
+    """The error that failed the step is the one raised; a second one while ending the
+    batch is noted on it, not raised in its place, and the batch is gone either way."""
+    from agspec_gpu.running_batch import RunningBatch
+    dec = decoder("paged", max_batch=2)
+    a = dec.open_session("t0", "coder", list(prompts()[0]))
+    dec.submit(a, max_new_tokens=30, eos_id=None)
+    dec.step()
+    monkeypatch.setattr(dec.drafter, "propose", lambda sids, **kw: 1 / 0)
+    monkeypatch.setattr(RunningBatch, "end", lambda self, handover=False: [][0])
+    with pytest.raises(ZeroDivisionError) as info:
+        dec.step()
+    assert any("ending the running batch failed too: IndexError" in n
+               for n in info.value.__notes__)
+    assert dec.running == [] and dec.queued == []
+
+
 def test_sampled_and_greedy_requests_share_a_batch():
     """A sampled request next to greedy ones (joining at different steps): the greedy ones
     stay plain greedy, the sampled one emits its limit; a seeded generator repeats it."""
