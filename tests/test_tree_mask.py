@@ -383,3 +383,27 @@ def test_the_launcher_alone_allocates_checks_and_plans_what_plan_tree_plans(use_
                               for name, x in zip(TreeMaskBuffers._fields, got)))
     with pytest.raises(ValueError, match="out.qo_indptr"):
         tree_mask(*args, out=small)
+
+
+@pytest.mark.parametrize("sizes,prefix_lens,page_size,max_q,max_mask_bytes", [
+    ([6, 3], [21, 40], 4, 20, 37), ([11, 0, 9], [300, 5, 77], 16, 20, 500),
+    ([2, 7], [9, 13], 8, 4, 5)])
+def test_capacities_smaller_than_the_step_drop_the_same_tail(sizes, prefix_lens, page_size,
+                                                             max_q, max_mask_bytes):
+    """Buffers too small for the step (``host_sizes(out=)`` is the check that raises): both
+    paths write what fits and drop the rest alike, rows and mask bytes."""
+    _, _, draft, roots, prefix, _, table = make_case(3, sizes, "random", prefix_lens,
+                                                     page_size)
+    R, got = draft.max_nodes + 1, []
+    for use_triton in (False, True):
+        device = DEVICE if use_triton else torch.device("cpu")
+        out = TreeMetadata.empty(len(sizes), R, table.shape[1], page_size, device,
+                                 max_total_q=max_q, max_mask_bytes=max_mask_bytes)
+        out.packed_mask.fill_(7)
+        m = plan_tree(*on_device(draft, roots, prefix, table, device=device), page_size,
+                      out=out, use_triton=use_triton)
+        got.append({name: getattr(m, name).cpu() for name in FIELDS})
+    assert int(got[0]["mask_indptr"][-1]) > max_mask_bytes or \
+        int(got[0]["qo_indptr"][-1]) > max_q
+    for name, want in got[0].items():
+        assert torch.equal(got[1][name], want), first_mismatch(name, got[1][name], want)
