@@ -20,6 +20,7 @@ Continuous batching (a server's loop: requests join and leave a running batch)::
     dec.submit(sid, max_new_tokens=256)                # queued; joins at the next step
     for out in dec.step():                             # StepOutput per running request
         stream(out.session_id, out.token_ids)          # out.finished: it left the batch
+                                                       # (out.finish_reason: eos, stop, length)
 
 Inside your own loop, with your own model and KV cache::
 
@@ -721,7 +722,7 @@ class SpecDecoder:
         stops = stop_lists(stop, n)
         return Requests(list(sids), [self._sessions[s] for s in sids], list(limits),
                         list(params), [StopMatcher(self.tokenizer.decode, s) for s in stops],
-                        [eos] * n, list(spec), [[] for _ in sids], [False] * n)
+                        [eos] * n, list(spec), [[] for _ in sids], [None] * n)
 
     # ------------------------------------------------------------ the running batch
     def _running_batch(self, reqs: Requests) -> RunningBatch:
@@ -744,7 +745,7 @@ class SpecDecoder:
         for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
             try:
                 if toks and on_tokens(sid, toks) is False:
-                    reqs.done[b] = True
+                    reqs.cancel(b)
             except Exception as exc:  # noqa: BLE001 - raised below, after the others
                 error = error or exc
         if error is not None:

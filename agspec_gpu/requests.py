@@ -31,7 +31,17 @@ class Requests:
     eos: list[int | None]
     spec: list[bool]                        # False: opted out of speculation
     outs: list[list[int]]                   # what each request emitted (the caller's lists)
-    done: list[bool]
+    finish: list[str | None]                # why each ended (FINISH_REASONS); None: running
+
+    @property
+    def done(self) -> tuple[bool, ...]:
+        """Whether each request ended (read-only: :meth:`cancel` or :meth:`emit` end one)."""
+        return tuple(f is not None for f in self.finish)
+
+    def cancel(self, row: int) -> None:
+        """Ends request ``row`` at what it emitted (its caller's doing), unless it ended."""
+        if self.finish[row] is None:
+            self.finish[row] = "cancelled"
 
     def select(self, rows: list[int]) -> None:
         """Keeps rows ``rows``, in that order."""
@@ -50,20 +60,27 @@ class Requests:
 
     def emit(self, new: list[list[int]]) -> list[list[int]]:
         """Appends each request's new tokens to its output, ending at its EOS, a stop string
-        (its matcher sees every token it takes) or its limit (then ``done[b]``); returns what
-        each request took of ``new[b]``. Every row must still be running."""
+        (its matcher sees every token it takes) or its limit (then ``finish[b]`` says which:
+        ``"eos"`` before ``"stop"`` before ``"length"`` when one token is several); returns
+        what each request took of ``new[b]``. Every row must still be running."""
         taken: list[list[int]] = [[] for _ in new]
         for b, toks in enumerate(new):
             take, out, eos = taken[b], self.outs[b], self.eos[b]
             for t in toks:
                 take.append(t)
                 stopped = self.stop[b].push(t)  # the matcher sees every token taken
-                if stopped or (eos is not None and t == eos) or \
-                        len(out) + len(take) >= self.limits[b]:
-                    self.done[b] = True
+                reason = "eos" if eos is not None and t == eos else "stop" if stopped else \
+                    "length" if len(out) + len(take) >= self.limits[b] else None
+                if reason is not None:
+                    self.finish[b] = reason
                     break
             out.extend(take)
         return taken
+
+
+# why a request ended: its end token, one of its stop strings, its max_new_tokens, or its
+# caller (cancel(), an on_tokens callback that returned False)
+FINISH_REASONS = ("eos", "stop", "length", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -76,11 +93,16 @@ class StepOutput:
             complete a stop string).
         finished: it ended in this step (EOS, a stop string or its limit); it has left
             the batch when ``step`` returns, its KV kept.
+        finish_reason: why it ended (None while it runs): ``"eos"`` (the last token is its
+            end token), ``"stop"`` (the tokens end with one of its stop strings) or
+            ``"length"`` (it emitted ``max_new_tokens``); a server's ``finish_reason``
+            (OpenAI's ``"stop"`` is ``"eos"`` or ``"stop"`` here).
     """
 
     session_id: str
     token_ids: list[int]
     finished: bool
+    finish_reason: str | None = None
 
 
 def stop_lists(stop, n: int) -> list[list[str]]:

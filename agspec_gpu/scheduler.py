@@ -67,7 +67,7 @@ class Scheduler:
                 new = live.verify_step(generator)
             self._advance(live.reqs, new)
             r = live.reqs
-            out = [StepOutput(s, t, d) for s, t, d in zip(r.sids, new, r.done)]
+            out = [StepOutput(s, t, f is not None, f) for s, t, f in zip(r.sids, new, r.finish)]
             self._leave_finished()  # their sessions are idle once step() returns
         except BaseException as exc:
             if self._live is not None:
@@ -82,7 +82,7 @@ class Scheduler:
         self._queue = [q for q in self._queue if q.sids[0] != sid]
         live = self._live
         if live is not None and sid in live.reqs.sids:
-            live.reqs.done[live.reqs.sids.index(sid)] = True
+            live.reqs.cancel(live.reqs.sids.index(sid))
             self._leave_finished()
 
     def _leave_finished(self) -> None:

@@ -39,6 +39,8 @@ def run_until_idle(dec: SpecDecoder, log: list | None = None, submit_at: dict | 
         for e in events:
             assert isinstance(e, StepOutput) and e.session_id not in finished, e
             assert e.token_ids, e  # every running request emits at least one token a step
+            assert (e.finish_reason is not None) == e.finished, e
+            assert e.finish_reason in (None, "eos", "stop", "length"), e
             tokens.setdefault(e.session_id, []).extend(e.token_ids)
             if e.finished:
                 finished[e.session_id] = i
@@ -169,6 +171,34 @@ def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note
     assert any("ending the running batch failed too: IndexError" in n
                for n in info.value.__notes__)
     assert dec.running == [] and dec.queued == []
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_finish_reasons_say_why_each_request_ended(runner):
+    """Three requests in one batch end by their end token, a stop string and their limit;
+    ``StepOutput.finish_reason`` says which, on the step that ends each (None before)."""
+    P = [list(p) for p in prompts()]
+    refs = [greedy(VARIANT, P[i], 12, eos=None) for i in (1, 4, 6)]
+    k = next(i for i in range(3, 12) if refs[0][i] not in refs[0][:i])
+    stop_text = tok().decode(refs[1][:5])
+    dec = decoder(runner)
+    a, b, c = (dec.open_session(f"t{i}", "coder", P[j]) for i, j in enumerate((1, 4, 6)))
+    dec.submit(a, max_new_tokens=12, eos_id=refs[0][k])
+    dec.submit(b, max_new_tokens=12, eos_id=None, stop=stop_text)
+    dec.submit(c, max_new_tokens=7, eos_id=None)
+    reasons: dict[str, str] = {}
+    out: dict[str, list[int]] = {}
+    while dec.running or dec.queued:
+        for e in dec.step():
+            assert e.session_id not in reasons
+            out.setdefault(e.session_id, []).extend(e.token_ids)
+            if e.finished:
+                reasons[e.session_id] = e.finish_reason
+            else:
+                assert e.finish_reason is None
+    assert reasons == {a: "eos", b: "stop", c: "length"}
+    assert out[a] == refs[0][:k + 1] and out[c] == refs[2][:7]
+    assert out[b] == refs[1][:len(out[b])] and tok().decode(out[b]).endswith(stop_text)
 
 
 def test_sampled_and_greedy_requests_share_a_batch():
