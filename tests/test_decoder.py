@@ -1224,15 +1224,18 @@ def test_own_loop_with_the_models_own_forward_and_cache():
     the cache pruned to the root plus ``accepted_nodes``: plain greedy decoding's tokens."""
     from transformers import DynamicCache
 
+    from agspec_gpu.runners.hf import _cache_kwarg
+
     variant = VARIANTS[0]
     P = list(prompts()[3])
     g0 = greedy(variant, P, 45, eos=None)
     m, dec = model(variant), SpecDecoder(model(variant), tok())
+    kw = _cache_kwarg(m)  # `cache` (newer transformers) or `past_key_values`
     steer(dec, "t0", P + g0)
     sid = dec.open_session("t0", "coder", P)
     cache, out = DynamicCache(), []
     with torch.no_grad():
-        m(input_ids=torch.tensor([P[:-1]]), cache=cache, use_cache=True)  # all but the root
+        m(input_ids=torch.tensor([P[:-1]]), use_cache=True, **{kw: cache})  # all but the root
         for _ in range(8):
             draft = dec.propose([sid])
             inp = dec.tree_inputs([sid], draft)
@@ -1242,7 +1245,7 @@ def test_own_loop_with_the_models_own_forward_and_cache():
                                  inp.tree_mask], 2)
             mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]
             logits = m(input_ids=inp.input_ids, position_ids=inp.position_ids,
-                       attention_mask=mask, cache=cache, use_cache=True).logits
+                       attention_mask=mask, use_cache=True, **{kw: cache}).logits
             res = dec.commit([sid], draft, logits)
             n_acc = int(res.num_accepted[0])
             keep = torch.cat([torch.arange(past + 1),  # the context and the root

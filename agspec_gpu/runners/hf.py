@@ -47,8 +47,8 @@ from agspec_gpu.runners.common import (check_lengths_settled, check_verify_call,
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated);
-    # 4.x only knows `past_key_values`.
+    # later transformers 5.x releases renamed `past_key_values` to `cache` (the old name is
+    # deprecated; 5.25 has `cache`, 5.17 only `past_key_values`, as 4.x)
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
