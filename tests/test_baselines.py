@@ -68,8 +68,10 @@ def test_pld_hf_eos_truncates_draft():
 
 
 def _hf_reference(context: np.ndarray) -> list[int]:
+    # no end tokens: an empty tensor (transformers 4.x passes None to torch.isin)
     generator = PromptLookupCandidateGenerator(
-        num_output_tokens=10, max_matching_ngram_size=2, max_length=10**9
+        eos_token_id=torch.tensor([], dtype=torch.long), num_output_tokens=10,
+        max_matching_ngram_size=2, max_length=10**9
     )
     input_ids = torch.as_tensor(context, dtype=torch.long)[None]
     candidates, _ = generator.get_candidates(input_ids)

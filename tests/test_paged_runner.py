@@ -28,7 +28,12 @@ def tiny_model(kind: str):
             rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 16}
-        config = transformers.LlamaConfig(**TINY, rope_parameters=rope)
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            config = transformers.LlamaConfig(**TINY, rope_parameters=rope)
+        else:  # transformers 4.x: rope_theta, and the scaling without the default's
+            scaling = None if rope["rope_type"] == "default" else rope
+            config = transformers.LlamaConfig(**TINY, rope_theta=rope["rope_theta"],
+                                              rope_scaling=scaling)
         model = transformers.LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # zero biases and unit norms would hide a wrong use of them
