@@ -90,9 +90,10 @@ class DecoderConfig:
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
-            when the decoder is built, for batches of 1, 2, 4, ... up to ``max_batch``; each
-            bucket keeps its logits: about ``4 * max_batch * (1 + max_nodes) * vocab`` values
-            in all, ~4 GB in bf16 at max_batch 64, 64 nodes and a 128K vocabulary);
+            when the decoder is built, for batches of 1, 2, 4, ... up to ``max_batch``; the
+            buckets write their logits into one buffer of the largest bucket's
+            ``max_batch * (1 + max_nodes) + 1`` rows, ~1.07 GB in bf16 at max_batch 64, 64
+            nodes and a 128K vocabulary);
             False launches every step eagerly, as does a GPU without FlashInfer or a
             failed capture (:attr:`SpecDecoder.verify_graph_error` says why).
         profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace

@@ -174,6 +174,8 @@ def test_decode_graph_equals_eager_step():
         lens = [k + 1 for k in lens[:n]] + lens[n:]
     wrappers = [g[1] for g in graphs._graphs.values()]
     assert len({w._int_workspace_buffer.data_ptr() for w in wrappers}) == 1
+    # one logits buffer for every size, each graph writing its first rows
+    assert len({g[2].data_ptr() for g in graphs._graphs.values()}) == 1
     assert graphs.time_step(["a"], roots[:1], [lens[0] - 1], iters=3, warmup=1) > 0
 
 
@@ -246,6 +248,9 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
             wrappers = [g[1] for g in dec._verify_graphs._graphs.values()]
             assert len({w._int_workspace_buffer.data_ptr() for w in wrappers}) == 1
             assert len({w._float_workspace_buffer.data_ptr() for w in wrappers}) == 1
+            # and one logits buffer: the largest bucket's rows, not the sum over buckets
+            logits = [g[2] for g in dec._verify_graphs._graphs.values()]
+            assert len({x.data_ptr() for x in logits}) == 1
         sids = [dec.open_session("t", "coder", prompt),
                 dec.open_session("u", "coder", prompt[:50])]
         outs.append(dec.generate(sids, max_new_tokens=24))

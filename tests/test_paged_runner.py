@@ -59,8 +59,16 @@ def check_step(model, runner, seq_ids, histories, trees, roots, prefix_lens):
     draft = DraftBatch.from_lists(trees)
     meta = runner.plan(seq_ids, draft, torch.tensor(roots, dtype=torch.int32),
                        torch.tensor(prefix_lens, dtype=torch.int32))
+    before = runner.kv_cache.data.clone()
     logits = runner.forward(meta)
     assert logits.shape == (meta.capacity_q, 1000)
+    # into a caller's buffer (the graphs' shared logits): the same values, written there
+    after = runner.kv_cache.data.clone()
+    runner.kv_cache.data.copy_(before)
+    buf = torch.full((meta.capacity_q + 3, 1000), float("nan"))
+    got = runner.forward(meta, out=buf[:meta.capacity_q])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, logits)
+    assert torch.equal(runner.kv_cache.data, after) and buf[meta.capacity_q:].isnan().all()
     qo = meta.qo_indptr.tolist()
     with torch.no_grad():
         for b, tree in enumerate(trees):

@@ -275,8 +275,8 @@ class PagedLlamaRunner:
                          out=out, max_total_q=max_total_q, host=host)
 
     @torch.inference_mode()
-    def forward(self, meta: TreeMetadata, *,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, meta: TreeMetadata, *, logit_rows: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every query row of a planned step and writes their KV.
 
         Parameters
@@ -284,6 +284,8 @@ class PagedLlamaRunner:
         meta : TreeMetadata
         logit_rows : ``int [K]``, optional
             Only these query rows go through the LM head (prefill needs the last row only).
+        out : ``[meta.capacity_q, vocab]`` (or ``[K, vocab]``) in ``dtype``, optional
+            Where the LM head writes (a graph's buffer that several graphs share).
 
         Returns
         -------
@@ -318,7 +320,9 @@ class PagedLlamaRunner:
         h, _ = _add_norm(x, delta, self.final_norm, eps)
         if logit_rows is not None:
             h = h[logit_rows.long()]
-        return F.linear(h, self.lm_head)
+        if out is None:
+            return F.linear(h, self.lm_head)
+        return torch.mm(h, self.lm_head.t(), out=out)  # F.linear's product, into out
 
     @torch.inference_mode()
     def prefill(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]],

@@ -20,9 +20,10 @@ runs eagerly through the torch backend).
 Buckets: ``S`` from ``batch_sizes``; ``Q = S + 1 + 8 * 2**j`` up to the most a bucket can
 need, ``S * (max_nodes + 1) + 1``. Each bucket owns its planner buffers (their pages and
 mask bytes bounded by the KV pool as well as by the rows: ``padded_step_capacity``; the
-page list and the mask, the large ones, are views of one pair the buckets share), a
+page list and the mask, the large ones, are views of one pair the buckets share) and a
 FlashInfer wrapper planned before every replay (outside the graph: FlashInfer plans on the
-host), an attention output buffer and the logits the graph writes. Graphs share one memory
+host); the attention output and the logits a graph writes are the first rows of one
+buffer each that all buckets share, as are FlashInfer's workspaces and the graphs' memory
 pool. So a step's plan and logits hold until the next step's plan, whatever its bucket.
 """
 
@@ -37,7 +38,7 @@ from agspec_gpu.attention import (flashinfer_int_workspace, flashinfer_plan,
                                   flashinfer_workspace, num_sms, prefill_workspace_bytes)
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, copy_grouped, synchronize
-from agspec_gpu.runners.graphs import GraphSteps, capture_forward
+from agspec_gpu.runners.graphs import GraphSteps, capture_forward, shared_outputs
 from agspec_gpu.tree import (HostSizes, TreeMetadata, host_sizes, padded_step_capacity,
                              plan_tree)
 
@@ -224,6 +225,9 @@ class VerifyGraphs(GraphSteps):
                                     max_rows=Q, max_requests=S + 1)
             for S, Q in self._meta), dev)
         int_workspace = flashinfer_int_workspace(dev)  # shared as the float one
+        # one attention output and one logits buffer too: a step reads its logits before
+        # the next step replays any bucket
+        attn_buf, logits_buf = shared_outputs(runner, max(Q for _, Q in self._meta))
         pool = torch.cuda.graph_pool_handle()
         for (S, Q) in sorted(self._meta, reverse=True):  # largest first: the rest reuse its pool
             out = self._meta[S, Q]
@@ -235,7 +239,6 @@ class VerifyGraphs(GraphSteps):
                 mask_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
                 backend="fa2")
             wrapper.reset_workspace_buffer(workspace, int_workspace)
-            attn_out = torch.empty(Q, s.num_qo_heads, s.head_dim, dtype=runner.dtype, device=dev)
             # the capture plan has the most rows a replay may have: S padding requests and
             # the sink over the rest
             empty = DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
@@ -247,6 +250,7 @@ class VerifyGraphs(GraphSteps):
             meta = self._plan_padded(S, Q, empty, zeros, zeros, self._inputs[S].page_table,
                                      used_rows=S)
             self._plan_wrapper(wrapper, meta)
-            graph, logits, view = capture_forward(runner, wrapper, attn_out, meta, warmup, pool)
+            graph, logits, view = capture_forward(runner, wrapper, attn_buf[:Q], meta, warmup,
+                                                  pool, logits_buf[:Q])
             self._graphs[S, Q] = (graph, wrapper, logits, view)
         synchronize(dev)
