@@ -323,7 +323,7 @@ class Drafter:
         verifies and commits a draft before it proposes again: with CUDA graphs the draft's
         tensors are views of the graph's buffers (no clones), overwritten by the next
         propose of a batch of the same bucket."""
-        with nvtx.annotate("agspec.propose", color="green"):
+        with nvtx.annotate("agspec.drafter.propose", color="green"):
             return self._propose(sids, stable)
 
     def _propose(self, sids: list[str], stable: bool = True) -> DraftBatch:
@@ -559,7 +559,7 @@ class Drafter:
         (every ``tail_tokens`` appended tokens; one read each on a GPU: the size of the
         level).
         """
-        with nvtx.annotate("agspec.commit", color="red"):
+        with nvtx.annotate("agspec.drafter.commit", color="red"):
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
                           validate, path_nodes, num_verified)
 

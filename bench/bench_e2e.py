@@ -42,8 +42,9 @@ Usage::
 Profiling: ``--profile`` writes one ``torch.profiler`` Chrome trace (open it in Perfetto or
 chrome://tracing) of ``--profile-steps`` steps of ``--profile-method`` at the largest batch,
 after ``--profile-warmup`` steps. The loop marks NVTX ranges ``e2e.propose`` /
-``e2e.verify`` / ``e2e.commit`` / ``e2e.prefill`` (and the drafter ``agspec.propose`` /
-``agspec.commit``), so under Nsight Systems the phases are visible:
+``e2e.verify`` / ``e2e.commit`` / ``e2e.prefill`` (and the drafter's
+``agspec.drafter.propose`` / ``agspec.drafter.commit``), so under Nsight Systems the phases
+are visible:
 ``nsys profile -t cuda,nvtx -o e2e python bench/bench_e2e.py --batch-sizes 16 --methods agspec``.
 """
 

@@ -201,6 +201,42 @@ def test_finish_reasons_say_why_each_request_ended(runner):
     assert out[b] == refs[1][:len(out[b])] and tok().decode(out[b]).endswith(stop_text)
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_a_step_marks_its_phases_with_nvtx_ranges(runner, monkeypatch):
+    """What nsys shows of a speculative step: propose, verify and commit in that order, the
+    drafter's own part nested in propose and commit (the user's loop marks the same)."""
+    import contextlib
+
+    import nvtx
+
+    ranges: list[tuple[int, str]] = []
+    depth = [0]
+
+    @contextlib.contextmanager
+    def annotate(message=None, **kw):
+        ranges.append((depth[0], message))
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+    P = list(prompts()[3])
+    dec = decoder(runner)
+    steer(dec, "t0", P + greedy(VARIANT, P, 20, eos=None))
+    sid = dec.open_session("t0", "coder", P)
+    dec.submit(sid, max_new_tokens=12, eos_id=None)
+    dec.step()  # the join: a prefill, no ranges of a speculative step
+    monkeypatch.setattr(nvtx, "annotate", annotate)
+    dec.step()
+    assert ranges == [(0, "agspec.propose"), (1, "agspec.drafter.propose"),
+                      (0, "agspec.verify"), (0, "agspec.commit"),
+                      (1, "agspec.drafter.commit")]
+    ranges.clear()
+    draft = dec.propose([dec.open_session("t0", "coder", P)])
+    assert ranges == [(0, "agspec.propose"), (1, "agspec.drafter.propose")] and draft
+
+
 def test_sampled_and_greedy_requests_share_a_batch():
     """A sampled request next to greedy ones (joining at different steps): the greedy ones
     stay plain greedy, the sampled one emits its limit; a seeded generator repeats it."""
