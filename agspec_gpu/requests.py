@@ -31,7 +31,9 @@ class Requests:
     eos: list[int | None]
     spec: list[bool]                        # False: opted out of speculation
     outs: list[list[int]]                   # what each request emitted (the caller's lists)
-    finish: list[str | None]                # why each ended (FINISH_REASONS); None: running
+    # why each ended: "eos", "stop" (a stop string), "length" (its limit) or "cancelled"
+    # (cancel(), an on_tokens callback that returned False); None: running
+    finish: list[str | None]
 
     @property
     def done(self) -> tuple[bool, ...]:
@@ -76,11 +78,6 @@ class Requests:
                     break
             out.extend(take)
         return taken
-
-
-# why a request ended: its end token, one of its stop strings, its max_new_tokens, or its
-# caller (cancel(), an on_tokens callback that returned False)
-FINISH_REASONS = ("eos", "stop", "length", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -44,19 +44,20 @@ class GraphAttention:
 
 
 def capture_forward(runner, wrapper, out: torch.Tensor, meta: TreeMetadata, warmup: int,
-                    pool, logits: torch.Tensor) -> tuple:
+                    pool, logits_out: torch.Tensor) -> tuple:
     """Captures ``runner.forward(meta)`` as a CUDA graph with ``wrapper`` (planned for
     ``meta``) as its attention, writing the attention into ``out`` and the logits into
-    ``logits`` (``[meta.capacity_q, vocab]``); ``(graph, logits, view)``.
+    ``logits_out`` (``[meta.capacity_q, vocab]``); ``(graph, logits, view)``, ``logits``
+    being ``logits_out``.
 
-    ``out`` and ``logits`` may be views of buffers that other graphs write too (one replays
+    ``out`` and ``logits_out`` may be views of buffers that other graphs write too (one replays
     at a time, read before the next). ``view`` is the runner's copy that holds the graph's
     attention: keep it as long as the graph.
     """
     view = copy.copy(runner)  # same weights and KV cache, the graph's attention
     view.attention = GraphAttention(wrapper, out)
-    graph, logits = capture(lambda: view.forward(meta, out=logits), runner.device, warmup,
-                            pool)
+    graph, logits = capture(lambda: view.forward(meta, out=logits_out), runner.device,
+                            warmup, pool)
     return graph, logits, view
 
 
