@@ -6,10 +6,11 @@ from agspec_gpu.decoder import DecoderConfig, SpecDecoder
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kv_cache import KVCacheFull
-from agspec_gpu.requests import StepOutput
+from agspec_gpu.requests import SessionStats, StepOutput
 from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig
 
 __all__ = ["PAD_ID", "ControllerConfig", "CorpusStore", "CorpusTier", "DecoderConfig",
            "DraftBatch", "Drafter", "DrafterConfig", "KVCacheFull", "RoleProfile",
-           "SamplingParams", "SpecDecoder", "StepOutput", "TierConfig", "TreeInputs"]
+           "SamplingParams", "SessionStats", "SpecDecoder", "StepOutput", "TierConfig",
+           "TreeInputs"]
 __version__ = "0.1.0"

@@ -49,7 +49,7 @@ from agspec_gpu.controller import load_profiles
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
-from agspec_gpu.requests import Requests, StepOutput, per_session, stop_lists
+from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
 from agspec_gpu.runners.hf import HFRunner, check_hf_model
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -57,7 +57,6 @@ from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.running_batch import RunningBatch
 from agspec_gpu.scheduler import Scheduler
 from agspec_gpu.session_kv import SessionKVCache
-from agspec_gpu.stops import StopMatcher
 from agspec_gpu.tiers import CorpusStore, GlobalCorpus, TierConfig, load_global_corpus
 from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
@@ -140,14 +139,6 @@ class DecoderConfig:
         return 4 * self.max_batch if self.max_sessions is None else self.max_sessions
 
 
-@dataclass
-class _SessionState:
-    tenant: str
-    context: list[int]
-    closed: bool = False
-    message: list[int] = field(default_factory=list)  # generated since the last append
-
-
 class SpecDecoder:
     """Speculative decoding for any Hugging Face causal LM.
 
@@ -194,7 +185,7 @@ class SpecDecoder:
         # launches and graph captures go to the current device), building included
         self._cuda_index = cuda_index(device)
         self._build(model, global_corpus)
-        self._sessions: dict[str, _SessionState] = {}
+        self._sessions: dict[str, SessionState] = {}
         # continuous batching (submit / step): the requests waiting for room, the running batch
         self._scheduler = Scheduler(self.config.max_batch, self._running_batch, self._advance)
         self._proposed: list[str] | None = None  # the sessions of the last public propose
@@ -295,7 +286,7 @@ class SpecDecoder:
             raise ValueError(f"session_id {sid!r} already exists")
         files = capture_tool_output(None, text) if text is not None else []
         self.drafter.open_session(sid, tenant, role, ids)
-        self._sessions[sid] = _SessionState(tenant, list(ids))
+        self._sessions[sid] = SessionState(tenant, role, list(ids))
         self._add_files(tenant, files)
         return sid
 
@@ -343,14 +334,13 @@ class SpecDecoder:
     def close_session(self, sid: str) -> None:
         """Frees the session's corpus and KV (ending its submitted request, if any); its
         text joins its tenant's history."""
-        st = self._session(sid)
+        self._session(sid)
         if sid in self._generating:
             raise ValueError(f"sid: session {sid!r} is in a running generate() call (its "
                              f"on_tokens returning False ends its request there)")
         self.cancel(sid)
         self.drafter.close_session(sid)
         self._kv.drop(sid)
-        st.closed = True
         del self._sessions[sid]
         self._supersede([sid])
 
@@ -368,7 +358,14 @@ class SpecDecoder:
                              f"first")
         self.store.close_tenant(tenant)
 
-    def _session(self, sid: str) -> _SessionState:
+    def session_stats(self, sid: str) -> SessionStats:
+        """Session ``sid``'s figures since it opened: tokens generated, verification steps,
+        drafted and accepted tokens (its own share of :attr:`stats`; tokens per step and
+        acceptance rate as properties) and why its last request ended (``generate`` returns
+        tokens only: this says whether each ended at EOS, a stop string or its limit)."""
+        return self._session(sid).stats()
+
+    def _session(self, sid: str) -> SessionState:
         if not isinstance(sid, str):
             raise KeyError(f"session id: expected a str, got {type(sid).__name__}")
         st = self._sessions.get(sid)
@@ -495,8 +492,8 @@ class SpecDecoder:
                               qo_indptr)
             n_out, rows = self._reader.read(res.num_output, res.output_ids)
             self._record(sids, res, n_out, n_out, num_draft)
-            _extend_contexts([self._sessions[s] for s in sids],
-                             [r[:n] for r, n in zip(rows, n_out)])
+            for s, r, n in zip(sids, rows, n_out):
+                self._sessions[s].extend(r[:n])
         self._proposed = None
         return res
 
@@ -543,6 +540,12 @@ class SpecDecoder:
         self._tokens += sum(taken)
         self._drafted += sum(num_draft)
         self._accepted += sum(num_output) - len(num_output)
+        for sid, t, n_out, n_draft in zip(sids, taken, num_output, num_draft):
+            st = self._sessions[sid]
+            st.num_steps += 1
+            st.num_step_tokens += t
+            st.num_drafted += n_draft
+            st.num_accepted += n_out - 1
         # the ids are the model's own and the counts are on the host: no read back; the
         # device counts are the step's own unless a request ended inside it
         cut = res.num_output if taken == num_output else \
@@ -580,10 +583,12 @@ class SpecDecoder:
                 False ends that session's request there (a client that went away), the
                 others go on. The call's sessions are busy for it (its ``append``,
                 ``generate``, ``propose``, ``submit`` or ``close_session`` of them raise).
-                It runs with the model's GPU current.
+                It runs with the model's GPU current; for a request's last tokens,
+                ``session_stats(sid).finish_reason`` already says why it ends.
 
         Returns:
-            The new tokens per session, in ``session_ids`` order.
+            The new tokens per session, in ``session_ids`` order (why each ended:
+            ``session_stats(sid).finish_reason``).
 
         Raises:
             KeyError / ValueError naming the argument before anything changes. An error
@@ -601,8 +606,9 @@ class SpecDecoder:
             raise ValueError(f"on_tokens: expected a callable or None, got "
                              f"{type(on_tokens).__name__}")
         self._supersede(sids)
+        reqs.start()
         outs = reqs.outs  # every session's output list; the batch keeps those that run
-        run = [b for b, m in enumerate(reqs.limits) if m > 0]  # a limit of 0: not in the batch
+        run = [b for b, d in enumerate(reqs.done) if not d]  # a limit of 0: not in the batch
         reqs.select(run)
         if not run:
             return outs
@@ -639,6 +645,7 @@ class SpecDecoder:
         if reqs.limits[0] == 0:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
         self._scheduler.submit(reqs)
+        reqs.start()
         self._supersede([sid])
 
     @device_guard
@@ -710,20 +717,10 @@ class SpecDecoder:
     def _requests(self, sids, max_new_tokens, sampling, stop, speculate, eos_id) -> Requests:
         """The requests of ``sids`` with per-session arguments, validated (nothing changes
         on an error); their outputs are new lists."""
-        n = len(sids)
-        limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
-        if any(isinstance(m, bool) or m < 0 for m in limits):
-            raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
-        spec = per_session(speculate, n, "speculate", bool)
-        params = per_session(sampling, n, "sampling", (SamplingParams, type(None)))
-        eos = self.tokenizer.eos_id if eos_id == -1 else eos_id
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, Integral) or
-                                not 0 <= eos < self.vocab_size):
-            raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {self.vocab_size})")
-        stops = stop_lists(stop, n)
-        return Requests(list(sids), [self._sessions[s] for s in sids], list(limits),
-                        list(params), [StopMatcher(self.tokenizer.decode, s) for s in stops],
-                        [eos] * n, list(spec), [[] for _ in sids], [None] * n)
+        return Requests.build(sids, [self._sessions[s] for s in sids], max_new_tokens, sampling,
+                              stop, speculate,
+                              self.tokenizer.eos_id if eos_id == -1 else eos_id,
+                              self.vocab_size, self.tokenizer.decode)
 
     # ------------------------------------------------------------ the running batch
     def _running_batch(self, reqs: Requests) -> RunningBatch:
@@ -739,7 +736,8 @@ class SpecDecoder:
         that returns False marks its request done. A callback that raises does not keep
         the others from their tokens (each joined its context): the first error is raised
         once every session had its call."""
-        _extend_contexts(reqs.states, new)
+        for st, toks in zip(reqs.states, new):
+            st.extend(toks)
         if on_tokens is None:
             return
         error = None
@@ -751,13 +749,6 @@ class SpecDecoder:
                 error = error or exc
         if error is not None:
             raise error
-
-
-def _extend_contexts(states: list[_SessionState], new: list[list[int]]) -> None:
-    """Each session's context (and its message since the last append) takes its tokens."""
-    for st, toks in zip(states, new):
-        st.context.extend(toks)
-        st.message.extend(toks)
 
 
 def _check_draft(draft, num_sessions: int) -> None:

@@ -10,21 +10,94 @@ step's tokens it takes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from numbers import Integral
-from typing import Any
+from typing import Callable
 
 from agspec_gpu.accept import SamplingParams
 from agspec_gpu.stops import StopMatcher
 
 
 @dataclass
+class SessionState:
+    """The decoder's record of one open session (host): its context and its counters."""
+
+    tenant: str
+    role: str
+    context: list[int]                      # prompt, appended and generated tokens
+    message: list[int] = field(default_factory=list)  # generated since the last append
+    num_generated: int = 0                  # tokens it generated, in all its requests
+    num_steps: int = 0                      # verification steps it was in
+    num_step_tokens: int = 0                # tokens those steps emitted for it
+    num_drafted: int = 0                    # draft tokens verified for it
+    num_accepted: int = 0                   # of those, accepted
+    finish_reason: str | None = None        # why its last request ended (Requests.finish)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Takes tokens the model generated (context and message)."""
+        self.context.extend(tokens)
+        self.message.extend(tokens)
+        self.num_generated += len(tokens)
+
+    def stats(self) -> "SessionStats":
+        return SessionStats(self.tenant, self.role, len(self.context), self.num_generated,
+                            self.num_steps, self.num_step_tokens, self.num_drafted,
+                            self.num_accepted, self.finish_reason)
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """One session's figures since it opened (:meth:`SpecDecoder.session_stats
+    <agspec_gpu.decoder.SpecDecoder.session_stats>`): what speculation bought each request,
+    which a server reports per request next to the decoder's cumulative ``stats``.
+
+    Attributes:
+        tenant, role: as opened.
+        context_len: tokens of its context (prompt, appended and generated).
+        num_generated: tokens it generated (every ``generate``, ``step`` and ``commit``;
+            a request's first token comes from its prefill, the rest from verification
+            steps).
+        num_steps: verification steps it was in (one target forward each, shared with the
+            batch).
+        num_step_tokens: tokens those steps emitted for it (accepted draft tokens and the
+            bonus, cut where a request ended).
+        num_drafted: draft tokens verified for it (0 for a request that opted out).
+        num_accepted: of those, the ones the target accepted.
+        finish_reason: why its last request ended: ``"eos"``, ``"stop"``, ``"length"`` (as
+            :class:`StepOutput`'s) or ``"cancelled"`` (``cancel``, an ``on_tokens`` that
+            returned False); None: no request yet, one queued or running, or the last one
+            ended on an error.
+    """
+
+    tenant: str
+    role: str
+    context_len: int
+    num_generated: int
+    num_steps: int
+    num_step_tokens: int
+    num_drafted: int
+    num_accepted: int
+    finish_reason: str | None
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per verification step (tau; 1.0 is plain decoding; 0.0 before a step)."""
+        return self.num_step_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0.0 before a draft)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+@dataclass
 class Requests:
     """Requests in the order of their runner rows; :meth:`select` and :meth:`extend` keep
-    every list in step. ``states`` are the decoder's per-session records (``context``)."""
+    every list in step. ``states`` are their sessions' records, which take each request's
+    finish reason when it ends."""
 
     sids: list[str]
-    states: list[Any]
+    states: list[SessionState]
     limits: list[int]                       # max new tokens of each request
     params: list[SamplingParams | None]     # None: greedy
     stop: list[StopMatcher]
@@ -40,10 +113,44 @@ class Requests:
         """Whether each request ended (read-only: :meth:`cancel` or :meth:`emit` end one)."""
         return tuple(f is not None for f in self.finish)
 
+    @classmethod
+    def build(cls, sids: list[str], states: list[SessionState], max_new_tokens, sampling, stop,
+              speculate, eos: int | None, vocab_size: int,
+              decode: Callable[[list[int]], str]) -> "Requests":
+        """The requests of ``sids`` from a call's per-session arguments (as ``generate``
+        takes them), validated (nothing changes on an error); their outputs are new lists.
+        ``eos``: the end token of every request (None: none); ``decode``: the tokenizer's,
+        for the stop strings."""
+        n = len(sids)
+        limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
+        if any(isinstance(m, bool) or m < 0 for m in limits):
+            raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
+        spec = per_session(speculate, n, "speculate", bool)
+        params = per_session(sampling, n, "sampling", (SamplingParams, type(None)))
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, Integral) or
+                                not 0 <= eos < vocab_size):
+            raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {vocab_size})")
+        stops = stop_lists(stop, n)
+        return cls(list(sids), list(states), [int(m) for m in limits], list(params),
+                   [StopMatcher(decode, s) for s in stops], [eos] * n, list(spec),
+                   [[] for _ in sids], [None] * n)
+
+    def start(self) -> None:
+        """The requests begin (their sessions' last finish reasons are cleared); one of no
+        tokens (a limit of 0) ends at once, at its ``"length"``."""
+        for b, st in enumerate(self.states):
+            st.finish_reason = None
+            if self.limits[b] == 0:
+                self._end(b, "length")
+
     def cancel(self, row: int) -> None:
         """Ends request ``row`` at what it emitted (its caller's doing), unless it ended."""
         if self.finish[row] is None:
-            self.finish[row] = "cancelled"
+            self._end(row, "cancelled")
+
+    def _end(self, row: int, reason: str) -> None:
+        self.finish[row] = reason
+        self.states[row].finish_reason = reason
 
     def select(self, rows: list[int]) -> None:
         """Keeps rows ``rows``, in that order."""
@@ -74,7 +181,7 @@ class Requests:
                 reason = "eos" if eos is not None and t == eos else "stop" if stopped else \
                     "length" if len(out) + len(take) >= self.limits[b] else None
                 if reason is not None:
-                    self.finish[b] = reason
+                    self._end(b, reason)
                     break
             out.extend(take)
         return taken

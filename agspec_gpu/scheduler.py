@@ -79,6 +79,9 @@ class Scheduler:
     def cancel(self, sid: str) -> None:
         """Ends ``sid``'s request now (queued: dropped; running: leaves the batch, its KV
         and what it emitted kept); a no-op when it has none."""
+        for q in self._queue:
+            if q.sids[0] == sid:
+                q.cancel(0)
         self._queue = [q for q in self._queue if q.sids[0] != sid]
         live = self._live
         if live is not None and sid in live.reqs.sids:

@@ -22,7 +22,8 @@ import torch
 
 import agspec_gpu
 import agspec_gpu.host
-from agspec_gpu import CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SpecDecoder
+from agspec_gpu import (CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SessionStats,
+                        SpecDecoder)
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -1147,6 +1148,11 @@ def test_own_loop_propose_commit_is_lossless(variant):
     assert len(outs[0]) > 45 and outs[0][:45] == g0  # the steered draft ran whole
     s = dec.stats
     assert s["steps"] == 10 and s["accepted"] >= 20 and s["tokens"] == sum(map(len, outs))
+    for sid, p, o in zip(sids, P, outs):  # each session's share; no request: no reason
+        st = dec.session_stats(sid)
+        assert (st.num_steps, st.num_generated, st.num_step_tokens, st.context_len) == \
+            (10, len(o), len(o), len(p) + len(o)) and st.finish_reason is None, st
+    assert sum(dec.session_stats(x).num_accepted for x in sids) == s["accepted"]
     more = dec.generate(sids[:2], max_new_tokens=6)
     for p, o, m in zip(P, outs, more):
         assert m == greedy(variant, p + o, 6)
@@ -1418,6 +1424,63 @@ def test_on_tokens_returning_false_ends_only_that_request(runner):
     ctx = [p + o for p, o in zip(P, out)]
     assert [dec._sessions[s].context for s in sids] == ctx
     assert_greedy(dec, variant, sids, ctx, n=8)
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_session_stats_are_each_sessions_share_and_say_why_it_ended(runner):
+    """``session_stats``: per session, the steps it was in, the tokens they emitted, drafted
+    and accepted tokens (summing to the decoder's ``stats``), and why its last request
+    ended: its limit (0 included), a stop string, its callback; None while it runs. A
+    steered session shows its speedup, an opted-out one plain decoding's 1 token a step."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 6, 1, 7, 2)]
+    g = greedy(variant, P[0], 45, eos=None)
+    refs = [greedy(variant, p, 20, eos=None) for p in P[1:]]
+    stop_text = tok().decode(refs[3][:6])
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=4096))
+    steer(dec, "t0", P[0] + g)
+    sids = [dec.open_session(f"t{i}", "planner" if i else "coder", p)
+            for i, p in enumerate(P)]
+    assert dec.session_stats(sids[0]) == SessionStats("t0", "coder", len(P[0]), 0, 0, 0, 0, 0,
+                                                      None)
+    assert dec.session_stats(sids[1]).role == "planner"
+    seen = {sid: [] for sid in sids}  # the reason each callback saw
+
+    def on_tokens(sid, toks):
+        seen[sid].append(dec.session_stats(sid).finish_reason)
+        return sid != sids[2] or dec.session_stats(sid).num_generated < 3
+
+    out = dec.generate(sids, max_new_tokens=[45, 20, 20, 0, 20], eos_id=None,
+                       speculate=[True, False, True, True, True],
+                       stop=[[], [], [], [], [stop_text]], on_tokens=on_tokens)
+    assert out[0] == g and out[1] == refs[0] and out[3] == []
+    stats = [dec.session_stats(s) for s in sids]
+    assert [st.finish_reason for st in stats] == ["length", "length", "cancelled", "length",
+                                                  "stop"]
+    for sid, st in zip(sids, stats):  # None while it ran; its last tokens tell why it ends
+        last = None if st.finish_reason == "cancelled" else st.finish_reason
+        assert seen[sid] == ([None] * (len(seen[sid]) - 1) + [last] if seen[sid] else []), sid
+    for st, p, o in zip(stats, P, out):
+        assert st.context_len == len(p) + len(o) and st.num_generated == len(o), st
+        # a call's first token comes from its prefill, every other one from a step
+        assert st.num_step_tokens == max(len(o) - 1, 0), st
+    total = dec.stats
+    for key, name in (("tokens", "num_step_tokens"), ("drafted", "num_drafted"),
+                      ("accepted", "num_accepted")):
+        assert sum(getattr(st, name) for st in stats) == total[key], key
+    assert max(st.num_steps for st in stats) == total["steps"]
+    assert stats[0].tokens_per_step > 4 and stats[0].acceptance_rate > 0.5, stats[0]
+    assert stats[1].num_drafted == 0 and stats[1].tokens_per_step == 1.0
+    assert stats[1].acceptance_rate == 0.0 and stats[3].num_steps == 0
+    # a second call adds to the counts and sets its own reasons
+    more = dec.generate(sids[:2], max_new_tokens=[5, 0])
+    again = dec.session_stats(sids[0])
+    assert again.num_generated == len(g) + len(more[0]) and again.num_steps > stats[0].num_steps
+    assert dec.session_stats(sids[1]).finish_reason == "length"
+    dec.close_session(sids[0])
+    with pytest.raises(KeyError, match="unknown or closed"):
+        dec.session_stats(sids[0])
 
 
 # ---------------------------------------------------------------- failures inside generate

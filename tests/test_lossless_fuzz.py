@@ -160,11 +160,14 @@ def run_case(seed: int) -> Counter:
         else:
             seen["submit/step rounds"] += 1
             outs = continuous(dec, batch, limits, sampling, eos, rng, generator)
+        end = td.tok().eos_id if eos == -1 else eos
         for sid, n, params, out in zip(batch, limits, sampling, outs):
+            st = dec.session_stats(sid)  # why it ended: its end token first, else its limit
+            assert st.finish_reason == ("eos" if out and out[-1] == end else "length"), st
+            assert st.context_len == len(context[sid]) + len(out), st
             if params.is_greedy:  # the greedy ones stay plain greedy decoding
                 assert out == td.greedy(variant, context[sid], n, eos), (seed, rnd, sid)
-            else:
-                end = td.tok().eos_id if eos == -1 else eos  # it ends the output, if there
+            else:  # the end token ends the output, if there
                 assert 1 <= len(out) <= n and all(0 <= t < td.VOCAB for t in out), out
                 assert end not in out[:-1], (end, out)
             context[sid] += out

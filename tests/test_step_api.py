@@ -112,9 +112,14 @@ def test_busy_sessions_bad_submissions_and_cancel():
         for e in dec.step():
             got.setdefault(e.session_id, []).extend(e.token_ids)
     assert dec.running == [a, b] and dec.queued == [c]
+    assert [dec.session_stats(s).finish_reason for s in (a, b, c)] == [None] * 3
     dec.cancel(c)  # queued: dropped
     dec.cancel(a)  # running: leaves now, KV kept
     assert dec.running == [b] and dec.queued == []
+    assert [dec.session_stats(s).finish_reason for s in (a, b, c)] == \
+        ["cancelled", None, "cancelled"]
+    st = dec.session_stats(a)  # it joined (its prefill's token), then two steps
+    assert st.num_generated == len(got[a]) == st.num_step_tokens + 1 and st.num_steps == 2
     assert got[a] == greedy(VARIANT, P[0], len(got[a]), eos=None)
     assert dec._kv.kept_tokens(a) > 0
     assert dec.generate([a], max_new_tokens=5, eos_id=None)[0] == \
@@ -197,6 +202,7 @@ def test_finish_reasons_say_why_each_request_ended(runner):
             else:
                 assert e.finish_reason is None
     assert reasons == {a: "eos", b: "stop", c: "length"}
+    assert {s: dec.session_stats(s).finish_reason for s in reasons} == reasons
     assert out[a] == refs[0][:k + 1] and out[c] == refs[2][:7]
     assert out[b] == refs[1][:len(out[b])] and tok().decode(out[b]).endswith(stop_text)
 
