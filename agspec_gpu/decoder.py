@@ -187,7 +187,8 @@ class SpecDecoder:
         self._build(model, global_corpus)
         self._sessions: dict[str, SessionState] = {}
         # continuous batching (submit / step): the requests waiting for room, the running batch
-        self._scheduler = Scheduler(self.config.max_batch, self._running_batch, self._advance)
+        self._scheduler = Scheduler(self.config.max_batch, self._running_batch, self._advance,
+                                    self._kv.fits)
         self._proposed: list[str] | None = None  # the sessions of the last public propose
         self._generating: set[str] = set()  # the sessions of the running generate() calls
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
@@ -653,7 +654,9 @@ class SpecDecoder:
     def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:
         """Runs one step of the submitted requests; returns what each running one emitted.
 
-        If requests wait and the batch has room, they join: one forward prefills them
+        If requests wait and the batch has room, they join (in submission order, each once
+        the KV pool holds it to its ``max_new_tokens`` beside the running requests; one
+        that fits nowhere runs alone, when nothing else does): one forward prefills them
         (after their sessions' kept KV) and gives every running request one token, as a
         plain decoding step does (``runner="paged"``: the running requests' KV stays in
         place; ``"hf"``: the padded cache is rebuilt, one copy of their KV per join).

@@ -67,7 +67,7 @@ class RunningBatch:
         token; for a request that was running, one plain decoding step."""
         reqs = self.reqs
         logits = self.kv.prefill(self.runner, reqs.sids, [st.context for st in reqs.states],
-                                 max(reqs.remaining()))
+                                 reqs.remaining())
         self.sampling = self._sampling_rows(reqs.params)
         self.caps = self.no_draft = None
         first = sample_tokens(logits[:, None, :], self.sampling, generator)[:, 0]
@@ -105,6 +105,10 @@ class RunningBatch:
         # nodes, not the drafter's static max_nodes
         width = max(max(num_draft), 1)
         if isinstance(runner, PagedBatch):
+            # the batch's growth comes before idle sessions' kept KV (as at its prefill):
+            # a request that left, or a session between its calls, gives its pages up
+            # before a draft is cut or the step raises
+            self.kv.free_idle(runner.pages_needed(width))
             width, num_draft, fitted = runner.fit_draft(width, num_draft, draft)
             cut, draft = cut or fitted is not draft, fitted
         draft = draft.narrowed(width)

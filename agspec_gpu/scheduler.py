@@ -5,6 +5,15 @@ each ``step`` either admits waiting requests (one prefill forward that also give
 running request a token) or runs one speculative step of the batch. Requests that end leave
 the batch before ``step`` returns, their KV kept for their sessions' next call. The decoder
 owns the sessions; this owns only the queue and the running batch.
+
+Admission reserves KV as a token budget does (TGI's router, SGLang's conservative mode):
+a waiting request joins only when the KV pool holds every running and joining request's
+context, its remaining ``max_new_tokens`` and a step's draft, idle sessions' kept KV
+counted as free. Without preemption, that is what keeps a new request from running the
+batch out of pages mid-way, which would end every running request. Admission is in order:
+the first request that does not fit waits, and those behind it wait too (no starvation of
+a long prompt). One that does not fit even alone runs when nothing else does, as far as the
+pool allows (a ``KVCacheFull`` then ends that request only).
 """
 
 from __future__ import annotations
@@ -25,12 +34,16 @@ class Scheduler:
         new_batch: ``Requests -> RunningBatch`` on the decoder's runner, drafter and KV.
         advance: ``(reqs, new_tokens)``: the decoder extends the sessions' contexts by the
             tokens a step emitted (before the scheduler reads who is done).
+        fits: ``(sids, contexts, max_new_tokens) -> bool``: whether the KV pool holds these
+            requests to their ends (:meth:`SessionKVCache.fits
+            <agspec_gpu.session_kv.SessionKVCache.fits>`).
     """
 
     def __init__(self, max_batch: int, new_batch: Callable[[Requests], RunningBatch],
-                 advance: Callable[[Requests, list[list[int]]], None]) -> None:
+                 advance: Callable[[Requests, list[list[int]]], None],
+                 fits: Callable[[list[str], list[list[int]], list[int]], bool]) -> None:
         self.max_batch = max_batch
-        self._new_batch, self._advance = new_batch, advance
+        self._new_batch, self._advance, self._fits = new_batch, advance, fits
         self._queue: list[Requests] = []  # one session's request each, in submission order
         self._live: RunningBatch | None = None
 
@@ -54,8 +67,7 @@ class Scheduler:
         joining; their sessions in step at what they emitted) and is raised; requests still
         queued stay queued."""
         live = self._live
-        room = self.max_batch - (0 if live is None else len(live.reqs.sids))
-        joining = self._queue[:room]
+        joining = self._admitted(live)
         if not joining and live is None:
             return []
         try:
@@ -87,6 +99,27 @@ class Scheduler:
         if live is not None and sid in live.reqs.sids:
             live.reqs.cancel(live.reqs.sids.index(sid))
             self._leave_finished()
+
+    def _admitted(self, live: RunningBatch | None) -> list[Requests]:
+        """The waiting requests that join now: in order, while the batch has room and the
+        KV pool holds them to their ends beside the running ones; the first request alone
+        when nothing runs (it runs as far as the pool allows)."""
+        room = self.max_batch - (0 if live is None else len(live.reqs.sids))
+        sids, contexts, limits = [], [], []
+        if live is not None:
+            r = live.reqs
+            sids, contexts, limits = list(r.sids), [st.context for st in r.states], \
+                r.remaining()
+        take = 0
+        for q in self._queue[:room]:
+            sids, contexts, limits = sids + q.sids, contexts + [q.states[0].context], \
+                limits + q.remaining()
+            if not self._fits(sids, contexts, limits):
+                break
+            take += 1
+        if take == 0 and live is None:
+            take = min(len(self._queue), 1)
+        return self._queue[:take]
 
     def _leave_finished(self) -> None:
         """The running batch's finished requests leave it (their KV kept); the batch ends

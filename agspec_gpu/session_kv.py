@@ -68,9 +68,10 @@ class SessionKVCache:
         self._kept.pop(sid, None)
 
     def prefill(self, runner: HFRunner | PagedBatch, sids: list[str],
-                contexts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
-        """Starts ``runner``'s batch on ``contexts``, each after its session's kept KV;
-        returns ``[B, V]`` logits after each context."""
+                contexts: list[list[int]], max_new_tokens: list[int]) -> torch.Tensor:
+        """Starts ``runner``'s batch on ``contexts``, each after its session's kept KV
+        (``max_new_tokens``: what each request may still emit); returns ``[B, V]`` logits
+        after each context."""
         self._calls += 1
         kept = [self._kept.setdefault(s, _Kept()) for s in sids]
         for k in kept:
@@ -123,8 +124,50 @@ class SessionKVCache:
                 self.drop(sid)
                 total += neg
 
+    def fits(self, sids: list[str], contexts: list[list[int]], max_new_tokens: list[int]
+             ) -> bool:
+        """Whether the pool holds every one of ``sids`` grown to its context, its
+        ``max_new_tokens`` and the reserve, once idle sessions' KV is freed (those not in a
+        running batch); always True for ``hf``. A scheduler's admission test: a batch that
+        passes it never runs short of pages (unless other calls take them meanwhile)."""
+        if self.paged is None:
+            return True
+        cache = self.paged.kv_cache
+        return self._pages_to_grow(sids, contexts, max_new_tokens) <= \
+            cache.num_free_pages + self._freeable(set(sids))
+
+    def free_idle(self, num_pages: int) -> None:
+        """Frees idle sessions' KV (not in a running batch), least recently generated
+        first, until ``num_pages`` pages are free or no idle session holds any."""
+        cache = self.paged.kv_cache
+        for _, sid in self._idle(set()):
+            if cache.num_free_pages >= num_pages:
+                break
+            self.drop(sid)
+
+    def _pages_to_grow(self, sids: list[str], contexts: list[list[int]],
+                       max_new_tokens: list[int]) -> int:
+        """Pages ``sids`` add to hold each context, its ``max_new_tokens`` and the reserve
+        (a sequence grows no further than ``max_pages_per_seq``)."""
+        cache = self.paged.kv_cache
+        most = cache.max_pages_per_seq * cache.page_size
+        return sum(cache.pages_needed(s, min(len(ctx) + m + self.reserve_tokens, most))
+                   for s, ctx, m in zip(sids, contexts, max_new_tokens))
+
+    def _freeable(self, exclude: set[str]) -> int:
+        """Pages held by idle sessions outside ``exclude``."""
+        cache = self.paged.kv_cache
+        return sum(cache.capacity(sid) // cache.page_size for _, sid in self._idle(exclude))
+
+    def _idle(self, exclude: set[str]) -> list[tuple[int, str]]:
+        """``(last_used, sid)`` of the sessions outside ``exclude`` whose KV is in the pool
+        and in no running batch, least recently generated first."""
+        cache = self.paged.kv_cache
+        return sorted((k.last_used, sid) for sid, k in self._kept.items()
+                      if sid not in exclude and sid in cache and not k.in_use)
+
     def _make_room(self, sids: list[str], contexts: list[list[int]],
-                   max_new_tokens: int) -> None:
+                   max_new_tokens: list[int]) -> None:
         """Frees the KV of sessions outside ``sids``, least recently generated first, until
         the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens`` +
         the reserve); a call that still does not fit runs (its drafts shrink to the pages
@@ -132,24 +175,16 @@ class SessionKVCache:
         raises). Raises :class:`KVCacheFull` before freeing anything when not even the
         contexts and the first step fit."""
         cache = self.paged.kv_cache
-        ps, extra = cache.page_size, max_new_tokens + self.reserve_tokens
-        most = cache.max_pages_per_seq * ps  # a sequence grows no further
-        need = sum(cache.pages_needed(s, min(len(ctx) + extra, most))
-                   for s, ctx in zip(sids, contexts))
-        batch = set(sids)
-        idle = sorted((k.last_used, sid) for sid, k in self._kept.items()
-                      if sid not in batch and sid in cache and not k.in_use)
-        first_step = 2 if max_new_tokens > 1 else 0  # the root and one node
+        ps = cache.page_size
+        need = self._pages_to_grow(sids, contexts, max_new_tokens)
+        first_step = 2 if max(max_new_tokens) > 1 else 0  # the root and one node
         least = sum(cache.pages_needed(s, len(ctx) + first_step)
                     for s, ctx in zip(sids, contexts))
-        can_free = sum(cache.capacity(sid) // ps for _, sid in idle)
+        can_free = self._freeable(set(sids))
         if least > cache.num_free_pages + can_free:
             raise KVCacheFull(
                 f"kv_cache_tokens: {len(sids)} sessions' contexts need {least} pages of {ps} "
                 f"tokens, the pool has {cache.num_pages} ({cache.num_free_pages} free, "
                 f"{can_free} held by idle sessions); raise DecoderConfig.kv_cache_tokens or "
                 f"generate for fewer sessions at a time")
-        for _, sid in idle:
-            if cache.num_free_pages >= need:
-                break
-            self.drop(sid)
+        self.free_idle(need)

@@ -311,6 +311,24 @@ def test_paged_pool_running_short_shrinks_drafts_then_raises_and_keeps_state(mon
     assert cache.num_free_pages == cache.num_pages
 
 
+def test_a_step_short_of_pages_frees_the_kv_of_a_request_that_ended():
+    """A request that ended keeps its KV for its session's next call, but the call's
+    running requests come first: when their next step needs its pages, it is freed (the
+    batch's own growth outranks idle KV, as at the call's start) rather than a draft cut
+    or the call raising KVCacheFull; outputs stay plain greedy decoding."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[1]), sum((list(p) for p in prompts()), [])[:200]]  # 23, 200 tokens
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
+                                                           kv_cache_tokens=8 * 32))
+    a, b = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+    # B's 200 tokens hold 26 of the 32 pages when it ends; A then grows past what is left
+    out = dec.generate([a, b], max_new_tokens=[60, 2], eos_id=None)
+    assert out == [greedy(variant, P[0], 60, eos=None), greedy(variant, P[1], 2, eos=None)]
+    assert dec._kv.kept_tokens(a) > 60 and dec._kv.kept_tokens(b) == 0  # B made room
+    assert dec.generate([b], max_new_tokens=4, eos_id=None) == \
+        [greedy(variant, P[1] + out[1], 4, eos=None)]  # prefilled again, still exact
+
+
 def test_paged_pool_too_small_for_the_contexts_raises_before_evicting():
     """Contexts that cannot fit even after freeing every idle session's KV: KVCacheFull
     before anything is freed; the idle session keeps its KV and continues."""

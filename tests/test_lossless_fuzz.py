@@ -120,11 +120,15 @@ def run_case(seed: int) -> Counter:
     """One random case; returns what it covered: rounds by kind, proposes checked."""
     rng = random.Random(seed)
     variant = rng.choice(td.VARIANTS)
+    runner = rng.choice(["hf", "paged"])
+    # a tight page pool: a few sessions at a time, only through submit / step, whose
+    # admission never lets a batch run out of pages (each request fits alone)
+    tight = runner == "paged" and rng.random() < 0.3
     cfg = DecoderConfig(
         tiers=TierConfig(use_global=False, tail_tokens=rng.choice([4, 8, 32, 1024])),
         drafter=DrafterConfig(max_positions=rng.choice([1, 4, 8])),
-        max_batch=rng.choice([2, 4, 8]), runner=rng.choice(["hf", "paged"]),
-        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=1 << 13)
+        max_batch=rng.choice([2, 4, 8]), runner=runner,
+        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=1 << (9 if tight else 13))
     tenant_of: dict[str, str] = {}
     seen = Counter()
     dec = checked_decoder(cfg, variant, tenant_of, seen)
@@ -153,7 +157,8 @@ def run_case(seed: int) -> Counter:
             sampling = [rng.choice([GREEDY, *SAMPLED]) for _ in batch]
         seen["sampled rounds"] += not all(p.is_greedy for p in sampling)
         seen["end-token rounds"] += eos != -1
-        if rng.random() < 0.5:
+        seen["tight-pool rounds"] += tight
+        if rng.random() < 0.5 and not tight:
             seen["generate rounds"] += 1
             outs = dec.generate(batch, max_new_tokens=limits, sampling=sampling, eos_id=eos,
                                 generator=generator)

@@ -178,6 +178,40 @@ def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note
     assert dec.running == [] and dec.queued == []
 
 
+def test_a_request_the_kv_pool_cannot_hold_beside_the_batch_waits_for_room():
+    """Admission reserves KV: a long prompt submitted while a request runs waits in the
+    queue (and the request behind it too: in order) instead of joining and running the
+    batch out of pages, which would end both; it joins once the pool holds it. A request
+    whose context fits nowhere runs alone when nothing else does, and its KVCacheFull ends
+    it only: the next one runs. Every output is plain greedy decoding."""
+    from agspec_gpu import KVCacheFull
+    P = [list(p) for p in prompts()]
+    long = sum(P, [])[:200]  # 26 of the pool's 32 pages of 8
+    dec = decoder("paged", kv_cache_tokens=8 * 32, max_batch=3)
+    a, b, c = (dec.open_session(f"t{i}", "coder", p)
+               for i, p in enumerate((P[0], long, P[1])))
+    huge = dec.open_session("t3", "coder", sum(P, [])[:300])  # more than the whole pool
+    dec.submit(a, max_new_tokens=40, eos_id=None)
+    first = dec.step()[0].token_ids
+    dec.submit(b, max_new_tokens=10, eos_id=None)
+    dec.submit(c, max_new_tokens=5, eos_id=None)  # it would fit, but waits behind B
+    log: list = []
+    out = run_until_idle(dec, log)
+    waited = [i for i, ran, queued in log if queued == [b, c]]
+    assert waited and all(ran == [a] for i, ran, _ in log if i in waited)
+    assert not any(a in ran and b in ran for _, ran, _ in log)  # B never ran beside A
+    assert first + out[a] == greedy(VARIANT, P[0], 40, eos=None)
+    assert out[b] == greedy(VARIANT, long, 10, eos=None)
+    assert out[c] == greedy(VARIANT, P[1], 5, eos=None)
+    dec.submit(huge, max_new_tokens=5)
+    dec.submit(a, max_new_tokens=5, eos_id=None)
+    with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
+        dec.step()
+    assert dec.queued == [a] and dec.session_stats(huge).finish_reason is None
+    ctx = dec._sessions[a].context
+    assert run_until_idle(dec)[a] == greedy(VARIANT, ctx[:-5], 5, eos=None)
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_finish_reasons_say_why_each_request_ended(runner):
     """Three requests in one batch end by their end token, a stop string and their limit;

@@ -121,16 +121,22 @@ class PagedBatch:
         self._prefix_host = [self._prefix_host[b] for b in rows]
         self._prefix = self._prefix[to_device(rows, torch.int64, self.device)]
 
+    def pages_needed(self, width: int) -> int:
+        """Pages a step verifying ``width`` nodes per request adds to the batch's sequences
+        (each request's KV grows to ``prefix + 1 + width`` slots). Host arithmetic."""
+        cache = self.runner.kv_cache
+        return sum(cache.pages_needed(s, p + 1 + width)
+                   for s, p in zip(self._seq_ids, self._prefix_host))
+
     def fit_width(self, width: int) -> int:
         """The most nodes per request, at most ``width``, that a step can verify with the
         pool's free pages (each request's KV grows to ``prefix + 1 + nodes`` slots); 0 when
         not even one fits. Host arithmetic, no device read."""
         check_lengths_settled(self._lengths_owed, "fit_width")
-        cache = self.runner.kv_cache
+        free = self.runner.kv_cache.num_free_pages
 
         def fits(w: int) -> bool:
-            return sum(cache.pages_needed(s, p + 1 + w) for s, p in
-                       zip(self._seq_ids, self._prefix_host)) <= cache.num_free_pages
+            return self.pages_needed(w) <= free
 
         if fits(width):  # the common case: one pass
             return width
