@@ -63,11 +63,11 @@ from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
-    """Decoder settings: tiers, drafting, the largest batch ``generate`` serves, the runner.
+    """Decoder settings: tiers, drafting, the largest batch a step runs, the runner.
 
     Attributes:
-        max_batch: the most sessions of one ``generate`` call or ``propose`` step, and the
-            most submitted requests that ``step`` runs at once (the rest wait).
+        max_batch: the most sessions of one ``propose`` step, and the most requests that
+            a ``generate`` call or ``step`` runs at once (the rest wait their turn).
         max_sessions: the most concurrently open sessions, idle ones included (an agent
             waiting on a tool keeps its session, its corpus and its kept KV); None: ``4 *
             max_batch``. Each open session holds a drafter state slot (a few hundred bytes)
@@ -254,9 +254,9 @@ class SpecDecoder:
     def stats(self) -> dict[str, int]:
         """Cumulative ``steps`` (verification steps), ``tokens`` (emitted by them),
         ``drafted`` and ``accepted`` draft tokens, ``prefills`` (prefill forwards: one per
-        ``generate`` call and per join of :meth:`step`, each also emitting a token per
-        request) and ``prefill_tokens`` (the context tokens they ran, past each session's
-        kept KV)."""
+        join, a ``generate`` call's first step or a later one, or :meth:`step`'s, each
+        also emitting a token per running request) and ``prefill_tokens`` (the context
+        tokens they ran, past each session's kept KV)."""
         return {"steps": self._steps, "tokens": self._tokens, "drafted": self._drafted,
                 "accepted": self._accepted, "prefills": self._kv.num_prefills,
                 "prefill_tokens": self._kv.num_prefill_tokens}
@@ -498,15 +498,16 @@ class SpecDecoder:
         self._proposed = None
         return res
 
-    def _batch(self, session_ids: Sequence[str]) -> list[str]:
-        """``session_ids`` as a list, checked: distinct, open, at most ``max_batch``."""
+    def _batch(self, session_ids: Sequence[str], bounded: bool = True) -> list[str]:
+        """``session_ids`` as a list, checked: distinct, open, at most ``max_batch`` (when
+        ``bounded``: they run as one batch)."""
         if isinstance(session_ids, str) or not isinstance(session_ids, Iterable):
             raise ValueError(f"session_ids: expected a list of session ids, got "
                              f"{session_ids!r}")
         sids = list(session_ids)
-        if len(sids) > self.config.max_batch:
+        if bounded and len(sids) > self.config.max_batch:
             raise ValueError(f"session_ids: {len(sids)} sessions exceed DecoderConfig."
-                             f"max_batch={self.config.max_batch}; generate for them in "
+                             f"max_batch={self.config.max_batch}; propose for them in "
                              f"batches, or raise max_batch")
         for s in sids:
             self._session(s)
@@ -568,10 +569,15 @@ class SpecDecoder:
         """Generates for a batch of sessions; returns the new tokens per session.
 
         A request that ends (EOS, a stop string, its limit, its callback) leaves the batch
-        before the next step, its KV kept: the rest run on without its row and pages.
+        before the next step, its KV kept: the rest run on without its row and pages. At
+        most ``max_batch`` requests run at once; the others wait, in order, and join as
+        requests end, as submitted ones do in :meth:`step` (``runner="paged"``: each once
+        the KV pool holds it to its ``max_new_tokens`` beside those running; one that fits
+        nowhere runs alone).
 
         Args:
-            session_ids: open sessions (distinct, not submitted to :meth:`step`).
+            session_ids: open sessions (distinct, not submitted to :meth:`step`), any
+                number.
             max_new_tokens: per session: one limit for all, or one per session.
             sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
@@ -599,7 +605,7 @@ class SpecDecoder:
             raises does not keep the step's other sessions from their calls; the first
             error is raised after them).
         """
-        sids = self._batch(session_ids)
+        sids = self._batch(session_ids, bounded=False)
         self._check_idle(sids)
         reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id)
         self._check_generator(generator)
@@ -608,26 +614,22 @@ class SpecDecoder:
                              f"{type(on_tokens).__name__}")
         self._supersede(sids)
         reqs.start()
-        outs = reqs.outs  # every session's output list; the batch keeps those that run
-        run = [b for b, d in enumerate(reqs.done) if not d]  # a limit of 0: not in the batch
-        reqs.select(run)
-        if not run:
-            return outs
-        live = self._running_batch(reqs)
+        # the call's own queue and running batch (beside the submitted requests'): the
+        # requests join at its first step, or as requests end and the KV pool holds them
+        call = Scheduler(self.config.max_batch, self._running_batch,
+                         lambda r, new: self._advance(r, new, on_tokens), self._kv.fits)
+        for row, done in zip(reqs.rows(), reqs.done):
+            if not done:  # a limit of 0 ended at once
+                call.submit(row)
         # busy until the call returns: a callback's append, generate, propose, submit or
         # close_session of them would move a context under the running batch
         self._generating.update(sids)
         try:
-            self._advance(reqs, live.prefill(generator), on_tokens)
-            while not all(reqs.done):
-                self._advance(reqs, live.verify_step(generator), on_tokens)
-        except BaseException as exc:
+            while call.running or call.queued:
+                call.step(generator)  # an error ends the running requests; the rest never ran
+        finally:
             self._generating.difference_update(sids)
-            live.end_after(exc)
-            raise
-        self._generating.difference_update(sids)
-        live.end()  # the requests still in the batch (those that left kept theirs then)
-        return outs
+        return reqs.outs
 
     # ------------------------------------------------------------ continuous batching
     def submit(self, session_id: str, max_new_tokens: int = 256,

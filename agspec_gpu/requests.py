@@ -152,6 +152,12 @@ class Requests:
         self.finish[row] = reason
         self.states[row].finish_reason = reason
 
+    def rows(self) -> list["Requests"]:
+        """One :class:`Requests` per row, sharing this one's records (its output lists,
+        sessions and stop matchers): each joins a batch on its own."""
+        return [Requests(*([getattr(self, f.name)[b]] for f in fields(self)))
+                for b in range(len(self.sids))]
+
     def select(self, rows: list[int]) -> None:
         """Keeps rows ``rows``, in that order."""
         for f in fields(self):

@@ -50,13 +50,15 @@ def model(vocab: int, args, dev: torch.device, dtype: torch.dtype) -> torch.nn.M
     return transformers.LlamaForCausalLM(cfg).to(dev, dtype).eval()
 
 
-def run(dec: SpecDecoder, prompts: list[list[int]], B: int, speculate: bool, args,
-        dev: torch.device) -> dict:
-    """``B`` requests stepped ``warmup + steps`` times (plus ``profile_steps`` profiled)."""
+def run(dec: SpecDecoder, prompts: list[list[int]], B: int, speculate: bool, limit: int,
+        args, dev: torch.device) -> dict:
+    """``B`` requests stepped ``warmup + steps`` times (plus ``profile_steps`` profiled);
+    ``limit``: more tokens than a request can emit in them."""
     sids = [dec.open_session(f"t{i}", "coder", prompts[i % len(prompts)]) for i in range(B)]
     for sid in sids:  # no request ends while it is measured (cancelled after)
-        dec.submit(sid, max_new_tokens=1 << 20, speculate=speculate, eos_id=None)
+        dec.submit(sid, max_new_tokens=limit, speculate=speculate, eos_id=None)
     dec.step()  # the join: prefill, one token each
+    assert dec.running == sids, "the KV pool did not admit every request"
     start = dec.stats
     times = []
     for _ in range(args.warmup + args.steps):
@@ -118,15 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                for p in sorted(src.glob("*.py"))[:16]]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     # KV for the most a request can hold: its prompt and every step accepting a whole draft
+    # (its limit), the reserve of a step's draft that admission counts, a page of rounding
     cfg = DecoderConfig(runner="paged", max_batch=max(sizes))
     steps = args.warmup + args.steps + args.profile_steps + 2
+    limit = steps * (1 + cfg.drafter.max_nodes)
     cfg = replace(cfg, kv_cache_tokens=max(sizes) * (
-        args.prompt_tokens + steps * (2 + cfg.drafter.max_nodes) + 64))
+        args.prompt_tokens + limit + 1 + cfg.drafter.max_nodes + cfg.page_size))
     dec = SpecDecoder(model(tok.vocab_size, args, dev, dtype), tok, cfg)
     rows = []
     for B in sizes:
         for speculate in (True, False):
-            r = run(dec, prompts, B, speculate, args, dev)
+            r = run(dec, prompts, B, speculate, limit, args, dev)
             rows.append(r)
             counts = (f"launches {r['launches_per_step']:.1f}  syncs {r['syncs_per_step']:.1f}  "
                       f"GPU activities {r['gpu_activities_per_step']:.1f}"

@@ -279,54 +279,43 @@ def test_paged_session_kv_is_evicted_least_recent_first(monkeypatch):
 
 
 def test_paged_pool_running_short_shrinks_drafts_then_raises_and_keeps_state(monkeypatch):
-    """A call that outgrows the page pool: its drafts shrink to the pages left (output still
-    plain greedy decoding), then the step that cannot get one more slot per session raises
-    KVCacheFull naming kv_cache_tokens; each session's context holds what was emitted (its
-    session tier too, its KV a prefix of it), and once a session is closed the other one
-    continues as plain greedy decoding."""
+    """A call whose requests the page pool cannot hold together to their limits runs them
+    in turn (the second waits, then joins), output still plain greedy decoding. A request
+    that outgrows the pool alone: its drafts shrink to the pages left, then the step that
+    cannot get one more slot raises KVCacheFull naming kv_cache_tokens; the session's
+    context holds what was emitted (its session tier too, its KV a prefix of it), and once
+    it is closed the other session continues as plain greedy decoding."""
     variant = VARIANTS[0]
-    P = [list(prompts()[i]) for i in (3, 1)]  # 97 and 23 tokens: 16 pages of 8 prefilled
+    P = [list(prompts()[i]) for i in (3, 1)]  # 97 and 23 tokens; the pool: 20 pages of 8
     g = greedy(variant, P[0], 45)
     dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
                                                            kv_cache_tokens=8 * 20))
-    steer(dec, "t0", P[0] + g)  # 45-token drafts: more than the pool has room for
+    # long drafts: more than the pool has room for in the second call
+    steer(dec, "t0", P[0] + greedy(variant, P[0], 125, eos=None))
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     fits = record_fit_width(monkeypatch)
+    prefilled = record_prefills(dec, monkeypatch)
+    out = dec.generate(sids, max_new_tokens=45)
+    assert out == [g, greedy(variant, P[1], 45)]
+    assert prefilled == [[len(P[0])], [len(P[1])]]  # one after the other
+    fits.clear()
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
-        dec.generate(sids, max_new_tokens=45)
+        dec.generate(sids[:1], max_new_tokens=80)  # 142 + 80 tokens > the pool's 160
     monkeypatch.undo()
     assert any(0 < got < width for width, got in fits), fits  # drafts were cut to fit
     assert fits[-1][1] == 0
     cache = dec._paged.kv_cache
-    for sid, p in zip(sids, P):
-        ctx = dec._sessions[sid].context
-        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
-        assert held == ctx and len(ctx) > len(p) + 1
-        assert ctx[len(p):] == greedy(variant, p, len(ctx) - len(p), eos=None)
-        assert 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
+    sid, p = sids[0], P[0] + g
+    ctx = dec._sessions[sid].context
+    held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+    assert held == ctx and len(ctx) > len(p) + 1
+    assert ctx[len(p):] == greedy(variant, p, len(ctx) - len(p), eos=None)
+    assert 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
+    dec.close_session(sid)
+    ctx = list(dec._sessions[sids[1]].context)
+    assert dec.generate(sids[1:], max_new_tokens=8) == [greedy(variant, ctx, 8)]
     dec.close_session(sids[1])
-    ctx = list(dec._sessions[sids[0]].context)
-    assert dec.generate(sids[:1], max_new_tokens=8) == [greedy(variant, ctx, 8)]
-    dec.close_session(sids[0])
     assert cache.num_free_pages == cache.num_pages
-
-
-def test_a_step_short_of_pages_frees_the_kv_of_a_request_that_ended():
-    """A request that ended keeps its KV for its session's next call, but the call's
-    running requests come first: when their next step needs its pages, it is freed (the
-    batch's own growth outranks idle KV, as at the call's start) rather than a draft cut
-    or the call raising KVCacheFull; outputs stay plain greedy decoding."""
-    variant = VARIANTS[0]
-    P = [list(prompts()[1]), sum((list(p) for p in prompts()), [])[:200]]  # 23, 200 tokens
-    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner="paged", page_size=8,
-                                                           kv_cache_tokens=8 * 32))
-    a, b = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
-    # B's 200 tokens hold 26 of the 32 pages when it ends; A then grows past what is left
-    out = dec.generate([a, b], max_new_tokens=[60, 2], eos_id=None)
-    assert out == [greedy(variant, P[0], 60, eos=None), greedy(variant, P[1], 2, eos=None)]
-    assert dec._kv.kept_tokens(a) > 60 and dec._kv.kept_tokens(b) == 0  # B made room
-    assert dec.generate([b], max_new_tokens=4, eos_id=None) == \
-        [greedy(variant, P[1] + out[1], 4, eos=None)]  # prefilled again, still exact
 
 
 def test_paged_pool_too_small_for_the_contexts_raises_before_evicting():
@@ -1556,6 +1545,33 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
     assert_greedy(dec, variant, sids, [list(dec._sessions[s].context) for s in sids], n=8)
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_a_failed_generate_of_more_sessions_than_max_batch(runner):
+    """A call of more sessions than ``max_batch`` that fails while some wait: the running
+    ones keep what they emitted (their next call continues it), the waiting ones never ran
+    (context and KV as before); the sessions are idle again, and the next call of all of
+    them is plain greedy decoding."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (1, 4, 6)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(
+        runner=runner, max_batch=2, page_size=8, kv_cache_tokens=4096))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+
+    def on_tokens(sid, toks):
+        if len(dec._sessions[sid].context) - len(P[sids.index(sid)]) >= 3:
+            raise Boom
+
+    with pytest.raises(Boom):
+        dec.generate(sids, max_new_tokens=20, eos_id=None, on_tokens=on_tokens)
+    ctx = [list(dec._sessions[s].context) for s in sids]
+    assert ctx[2] == P[2] and dec._kv.kept_tokens(sids[2]) == 0  # it waited, never ran
+    for c, p in zip(ctx[:2], P):
+        assert len(c) > len(p) and c[len(p):] == greedy(variant, p, len(c) - len(p), eos=None)
+    assert [dec.session_stats(s).finish_reason for s in sids] == [None] * 3
+    assert dec.generate(sids, max_new_tokens=6, eos_id=None) == \
+        [greedy(variant, c, 6, eos=None) for c in ctx]
+
+
 # ---------------------------------------------------------------- close
 def test_close_session_frees_memory():
     variant = VARIANTS[1]
@@ -1586,8 +1602,10 @@ def test_close_session_frees_memory():
 def test_more_open_sessions_than_max_batch(runner):
     """Agents keep their sessions open while they wait on tools: a decoder holds up to
     ``max_sessions`` open sessions (default 4x ``max_batch``) and generates for any
-    ``max_batch`` of them at a time, each keeping its KV between calls; a larger batch or
-    one session too many raises naming the setting, and changes nothing."""
+    ``max_batch`` of them at a time, each keeping its KV between calls; one session too
+    many, or a larger ``propose`` batch, raises naming the setting and changes nothing. A
+    ``generate`` of more sessions runs ``max_batch`` at once, the others joining as
+    requests end."""
     variant = VARIANTS[0]
     P = [list(p) for p in prompts()]
     dec = SpecDecoder(model(variant), tok(), DecoderConfig(
@@ -1600,10 +1618,11 @@ def test_more_open_sessions_than_max_batch(runner):
     with pytest.raises(ValueError, match="max_sessions=5"):
         dec.open_session("t5", "coder", P[5])
     with pytest.raises(ValueError, match="max_batch=2"):
-        dec.generate(sids[:3], max_new_tokens=4)
-    with pytest.raises(ValueError, match="max_batch=2"):
         dec.propose(sids[2:5])
-    outs = {}
+    three = dec.generate(sids[:3], max_new_tokens=[4, 9, 6])
+    assert three == [greedy(variant, P[i], n) for i, n in zip(range(3), (4, 9, 6))]
+    assert dec.stats["prefills"] == 2  # two ran, the third joined when the first ended
+    outs = {i: o for i, o in enumerate(three)}
     for pair in ([0, 1], [2, 3], [4, 0], [1, 3]):  # every session, some twice, in new pairs
         out = dec.generate([sids[i] for i in pair], max_new_tokens=12)
         for i, o in zip(pair, out):

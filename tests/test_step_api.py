@@ -212,6 +212,29 @@ def test_a_request_the_kv_pool_cannot_hold_beside_the_batch_waits_for_room():
     assert run_until_idle(dec)[a] == greedy(VARIANT, ctx[:-5], 5, eos=None)
 
 
+def test_a_step_short_of_pages_frees_idle_kv_first():
+    """A generate call beside the running batch leaves its session's KV in the pool; when
+    the batch's next step needs those pages, that idle KV is freed (least recently used
+    first: the batch's growth outranks it, as at a join) rather than a draft cut to
+    nothing and every running request ended by KVCacheFull; outputs stay plain greedy
+    decoding, and the evicted session prefills again at its next call."""
+    P = [list(prompts()[1]), sum((list(p) for p in prompts()), [])[:200]]  # 23, 200 tokens
+    dec = decoder("paged", kv_cache_tokens=8 * 32)
+    a, c = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+    dec.submit(a, max_new_tokens=100, eos_id=None)
+    got = dec.step()[0].token_ids + dec.step()[0].token_ids
+    # C's 200 tokens take 26 of the 32 pages and stay there when its call ends
+    assert dec.generate([c], max_new_tokens=2, eos_id=None) == \
+        [greedy(VARIANT, P[1], 2, eos=None)]
+    assert dec._kv.kept_tokens(c) > 0
+    out = run_until_idle(dec)
+    assert got + out[a] == greedy(VARIANT, P[0], 100, eos=None)
+    assert dec._kv.kept_tokens(a) > 100 and dec._kv.kept_tokens(c) == 0  # C made room
+    ctx = list(dec._sessions[c].context)
+    assert dec.generate([c], max_new_tokens=4, eos_id=None) == \
+        [greedy(VARIANT, ctx, 4, eos=None)]
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_finish_reasons_say_why_each_request_ended(runner):
     """Three requests in one batch end by their end token, a stop string and their limit;
