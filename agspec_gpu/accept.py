@@ -36,6 +36,7 @@ import torch
 
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.kernels.tree_accept import greedy_tree_accept, path_outputs_torch, tree_accept
+from agspec_gpu.seeding import seeded_uniforms
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +48,19 @@ class SamplingParams:
         top_k: keep the ``top_k`` largest logits (and every logit tied with the k-th),
             0 disables.
         top_p: nucleus mass in ``(0, 1]``; 1.0 disables.
+        seed: None (the call's generator), or an int in ``[0, 2**63)``: the token at
+            sequence position ``t`` is drawn with a uniform that depends on ``(seed, t)``
+            only (:func:`~agspec_gpu.seeding.seeded_uniforms`), so the request's output is
+            a function of its context and seed: the same in any batch, and with or
+            without speculation (the tree's levels draw what plain decoding draws at
+            each position; up to float rounding between a verification's logits and a
+            decode step's).
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):
@@ -68,6 +77,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or
+                                      isinstance(self.seed, bool) or
+                                      not 0 <= self.seed < 1 << 63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -82,16 +95,21 @@ class BatchSampling:
         temperature: ``float32 [B]`` (0 = greedy).
         top_k: ``int64 [B]`` (0 = off).
         top_p_drop: ``float32 [B]``: ``1 - top_p``, the nucleus's dropped mass (0 = off).
-        max_top_k, any_top_p, all_greedy, any_greedy: host-known flags of the rows.
+        seed: ``int64 [B]`` (0 where unseeded); seeded: ``bool [B]``.
+        max_top_k, any_top_p, all_greedy, any_greedy, any_seeded: host-known flags of the
+            rows (``any_seeded``: a sampled row has a seed; a greedy row's seed is moot).
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p_drop: torch.Tensor
+    seed: torch.Tensor
+    seeded: torch.Tensor
     max_top_k: int
     any_top_p: bool
     all_greedy: bool
     any_greedy: bool
+    any_seeded: bool
 
     @staticmethod
     def of(params: "SamplingParams | list[SamplingParams]", device: torch.device | str
@@ -102,12 +120,15 @@ class BatchSampling:
         if not ps or not all(isinstance(p, SamplingParams) for p in ps):
             raise ValueError("sampling: expected SamplingParams or a non-empty list of them")
         greedy = [p.is_greedy for p in ps]
+        seeded = [p.seed is not None and not p.is_greedy for p in ps]
         return BatchSampling(
             torch.tensor([p.temperature for p in ps], dtype=torch.float32).to(device),
             torch.tensor([p.top_k for p in ps], dtype=torch.int64).to(device),
             torch.tensor([1.0 - p.top_p for p in ps], dtype=torch.float32).to(device),
+            torch.tensor([p.seed or 0 for p in ps], dtype=torch.int64).to(device),
+            torch.tensor(seeded).to(device),
             max(p.top_k for p in ps), any(p.top_p < 1.0 for p in ps), all(greedy),
-            any(greedy))
+            any(greedy), any(seeded))
 
     @property
     def num_rows(self) -> int:
@@ -386,14 +407,29 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | BatchSampling) -
 
 
 def sample_tokens(logits: torch.Tensor, sampling: BatchSampling,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``logits [B, ..., V]`` from the target distribution (row ``b``
-    by ``sampling``'s row ``b``; the argmax, lower id on ties, where it is greedy)."""
+                  generator: torch.Generator | None = None,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits [B, V]`` from the target distribution (row ``b`` by
+    ``sampling``'s row ``b``; the argmax, lower id on ties, where it is greedy; a seeded
+    row by inverse CDF at its uniform for ``positions[b]``, the sequence position of the
+    token drawn, ``int64 [B]``, needed when ``sampling.any_seeded``)."""
     if sampling.all_greedy:
         return logits.argmax(dim=-1)
     p = target_probs(logits.float(), sampling)
-    return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(
-        p.shape[:-1])
+    x = torch.multinomial(p, 1, generator=generator)[:, 0]
+    if sampling.any_seeded:
+        u = seeded_uniforms(sampling.seed, _checked_positions(positions, x.shape[0]))
+        x = torch.where(sampling.seeded, _sample_rows(logits, sampling, u), x)
+    return x
+
+
+def _checked_positions(positions: torch.Tensor | None, B: int) -> torch.Tensor:
+    """``positions``: what a batch with seeded rows must be given."""
+    if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (B,):
+        raise ValueError(f"positions: a seeded request needs the sequence position of each "
+                         f"row's draw, int64 [{B}], got "
+                         f"{getattr(positions, 'shape', positions)}")
+    return positions
 
 
 def _sample_rows(logits: torch.Tensor, params: BatchSampling, u: torch.Tensor) -> torch.Tensor:
@@ -410,7 +446,8 @@ def _sample_rows(logits: torch.Tensor, params: BatchSampling, u: torch.Tensor) -
 def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None,
                   sampling: SamplingParams | BatchSampling,
                   generator: torch.Generator | None = None, *,
-                  max_depth: int | None = None) -> AcceptResult:
+                  max_depth: int | None = None,
+                  positions: torch.Tensor | None = None) -> AcceptResult:
     """Multi-branch rejection sampling for deterministic drafts.
 
     At the current node (starting at the root) draw ``x`` from the target distribution
@@ -434,6 +471,9 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
         generator: the random stream (on the logits' device). Every call draws exactly
             ``B`` uniforms per level for ``D + 1`` levels, whatever is accepted, so results
             are a deterministic function of the generator state.
+        positions: ``int64 [B]``, the sequence position of each request's first draw (its
+            root's + 1): level ``d`` of a seeded row draws with the uniform of its seed at
+            ``positions[b] + d`` (needed when ``sampling`` has seeded rows).
 
     Returns:
         :class:`AcceptResult`.
@@ -450,6 +490,8 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
     B, N = draft.token_ids.shape
     D = _depth_bound(draft, max_depth)
     dev = draft.token_ids.device
+    if s.any_seeded:
+        positions = _checked_positions(positions, B).long()
     valid = torch.arange(N, device=dev)[None, :] < draft.num_draft_tokens[:, None]
     parents = draft.parents.long()
     tokens = draft.token_ids.long()
@@ -461,6 +503,8 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
     accepted = torch.full((B, D), PAD_ID, dtype=torch.long, device=dev)
     for d in range(D + 1):
         u = torch.rand(B, generator=generator, device=dev)
+        if s.any_seeded:  # the generator's stream advances alike
+            u = torch.where(s.seeded, seeded_uniforms(s.seed, positions + d), u.double())
         # finished requests re-read a valid row; their draw is discarded
         x = _sample_rows(rows[row_start + 1 + cur], s, u)
         if d < D:
@@ -478,14 +522,14 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
 
 def accept_tree(draft: DraftBatch, logits: torch.Tensor, sampling: BatchSampling,
                 generator: torch.Generator | None = None,
-                qo_indptr: torch.Tensor | None = None, out: AcceptBuffers | None = None
-                ) -> AcceptResult:
+                qo_indptr: torch.Tensor | None = None, out: AcceptBuffers | None = None,
+                positions: torch.Tensor | None = None) -> AcceptResult:
     """:func:`greedy_accept` where every row of ``sampling`` is greedy (into ``out``),
-    else :func:`sample_accept` (greedy rows there stay greedy); ``logits [B, 1 + N, V]``,
-    or ``[total_q, V]`` with ``qo_indptr``."""
+    else :func:`sample_accept` (greedy rows there stay greedy; ``positions`` for its
+    seeded rows); ``logits [B, 1 + N, V]``, or ``[total_q, V]`` with ``qo_indptr``."""
     if sampling.all_greedy:
         return greedy_accept(draft, logits, qo_indptr, out=out)
-    return sample_accept(draft, logits, qo_indptr, sampling, generator)
+    return sample_accept(draft, logits, qo_indptr, sampling, generator, positions=positions)
 
 
 NO_TOKEN = -2  # truth padding past the end of a message: no draft token equals it

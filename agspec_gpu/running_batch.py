@@ -57,6 +57,9 @@ class RunningBatch:
         # batch of another call, suspended or not, never writes them
         self.accept_out = AcceptBuffers(len(reqs.sids), drafter.config.max_nodes, self.device)
         self.root: torch.Tensor | None = None       # int32 [B]: last emitted token, not cached
+        # int64 [B]: each request's next sequence position (its root's + 1), where a
+        # seeded request's next draw is keyed; kept only when the batch has one
+        self.next_pos: torch.Tensor | None = None
         self.sampling: BatchSampling | None = None
         self.caps: torch.Tensor | None = None       # int32 [B] draft caps (opt-outs)
         self.no_draft: DraftBatch | None = None     # B trees of one padding node (all opted out)
@@ -70,7 +73,11 @@ class RunningBatch:
                                  reqs.remaining())
         self.sampling = self._sampling_rows(reqs.params)
         self.caps = self.no_draft = None
-        first = sample_tokens(logits[:, None, :], self.sampling, generator)[:, 0]
+        pos = None
+        if self.sampling.any_seeded:
+            pos = to_device([len(st.context) for st in reqs.states], torch.int64, self.device)
+        first = sample_tokens(logits, self.sampling, generator, pos)
+        self.next_pos = None if pos is None else pos + 1
         self.root = first.to(torch.int32)
         new = reqs.emit([[t] for t in self.reader.read(self.root)[0]])
         self.drafter.append_generated(reqs.sids, self.root[:, None],
@@ -116,13 +123,15 @@ class RunningBatch:
             # the paged runner's flat rows (no [B, 1 + N, V] copy), the hf runner's padded
             logits, qo_indptr = runner.verify_rows(draft, self.root, num_draft_host=num_draft)
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
-                              out=self.accept_out)
+                              out=self.accept_out, positions=self.next_pos)
         with nvtx.annotate("agspec.commit"):
             # host read 2 of 2, its copy queued; the KV commit needs no host value: queued
             # behind it, it runs while the host waits and then emits the tokens
             self.reader.start(res.num_output, res.output_ids)
             runner.commit_kv(res)
             self.root = res.bonus_ids().to(torch.int32)
+            if self.next_pos is not None:
+                self.next_pos += res.num_output
             n_out, rows = self.reader.wait()
             runner.commit_lengths([n - 1 for n in n_out])
             new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
@@ -142,7 +151,10 @@ class RunningBatch:
                      [reqs.states[r].context for r in gone], rows=gone)
         self.runner.select_rows(stay)
         reqs.select(stay)
-        self.root = self.root[to_device(stay, torch.int64, self.root.device)]
+        rows = to_device(stay, torch.int64, self.root.device)
+        self.root = self.root[rows]
+        if self.next_pos is not None:
+            self.next_pos = self.next_pos[rows]
         self.sampling = self._sampling_rows(reqs.params)
         self.caps = self.no_draft = None
 

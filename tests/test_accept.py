@@ -169,9 +169,12 @@ def test_sampling_params_validation():
     SamplingParams(0.0, 5, 0.5)
     for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-1),
                 dict(top_p=0.0), dict(top_p=1.5), dict(temperature=1e-40),
-                dict(temperature=1e-50), dict(temperature=1e39)):  # float32: 0 or subnormal, inf
+                dict(temperature=1e-50), dict(temperature=1e39),  # float32: 0 or subnormal, inf
+                dict(seed=-1), dict(seed=1 << 63), dict(seed=True), dict(seed=1.5),
+                dict(seed="7")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+    assert SamplingParams(seed=(1 << 63) - 1).seed == (1 << 63) - 1
 
 
 def test_extreme_temperatures_keep_the_target():
@@ -321,6 +324,76 @@ def test_sampled_distribution_matches_target(params):
     assert tv1 < 0.015 and tv2 < 0.02, (tv1, tv2)
     # every acceptance depth occurs, so all branches of the walk were exercised
     assert set(res.num_accepted.unique().tolist()) == {0, 1, 2}
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _ks(u: torch.Tensor) -> float:
+    """Kolmogorov-Smirnov statistic ``sqrt(n) * D`` of ``u`` against U(0, 1)."""
+    u = u.sort().values
+    n = u.numel()
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    return max((i / n - u).max().item(), (u - (i - 1) / n).max().item()) * n ** 0.5
+
+
+def test_seeded_uniforms_are_a_fixed_hash_and_uniform():
+    """The seeded stream is lowbias32 chained over the seed's halves and the position (the
+    same integers on any device: checked against plain Python ints, whose products never
+    overflow), and uniform over positions and over seeds (KS below its 1% critical value)."""
+    from agspec_gpu.seeding import seeded_uniforms
+    cases = [(0, 0), (1, 0), (0, 1), (7, 12345), ((1 << 63) - 1, (1 << 31) + 5),
+             (0x5EADBEEF12345678, 99)]
+    seeds, pos = (torch.tensor(c, dtype=torch.int64) for c in zip(*cases))
+    want = [(_lowbias32(_lowbias32(_lowbias32(s & 0xFFFFFFFF) ^ (s >> 32)) ^ p) + 0.5)
+            / 2 ** 32 for s, p in cases]
+    assert seeded_uniforms(seeds, pos).tolist() == want
+    for u in (seeded_uniforms(torch.tensor(3), torch.arange(50000)),
+              seeded_uniforms(torch.arange(50000), torch.tensor(11)),
+              seeded_uniforms(torch.arange(50000) << 32, torch.tensor(0))):
+        assert 0 < u.min() and u.max() < 1 and _ks(u) < 1.63
+
+
+def test_seeded_rows_draw_what_plain_sampling_draws():
+    """A seeded request draws position ``t`` with its seed's uniform for ``t``: walking a
+    draft tree emits exactly the tokens that plain sampling (an empty draft a step) emits
+    from the same seed and positions, whatever the generator; the tokens follow the target
+    across seeds; and its unseeded neighbours still use the generator."""
+    B = 12000
+    one = DraftBatch.from_lists([STAT_TREE])
+    d = DraftBatch(one.token_ids.expand(B, -1), one.parents.expand(B, -1),
+                   one.num_draft_tokens.expand(B))
+    params = [SamplingParams(0.9, seed=1000 + b) if b % 4 else SamplingParams(0.9)
+              for b in range(B)]
+    rows = BatchSampling.of(params, "cpu")
+    seeded = torch.tensor([p.seed is not None for p in params])
+    pos = torch.arange(B, dtype=torch.int64) % 97 + 5  # where each request's draw is
+    runs = [sample_accept(d, _markov_rows(d, torch.full((B,), ROOT)), None, rows,
+                          torch.Generator().manual_seed(g), positions=pos) for g in (1, 2)]
+    tree = runs[0]
+    assert torch.equal(tree.output_ids[seeded], runs[1].output_ids[seeded])
+    assert not torch.equal(tree.output_ids[~seeded], runs[1].output_ids[~seeded])
+    assert set(tree.num_accepted[seeded].unique().tolist()) == {0, 1, 2}
+    empty = DraftBatch(torch.empty(B, 0, dtype=torch.int32),
+                       torch.empty(B, 0, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+    last = torch.full((B,), ROOT)
+    for k in range(3):  # plain sampling, one position a step
+        plain = sample_accept(empty, _markov_rows(empty, last), None, rows,
+                              torch.Generator().manual_seed(k), positions=pos + k)
+        last = plain.output_ids[:, 0]
+        here = seeded & (tree.num_output > k)
+        assert torch.equal(tree.output_ids[here, k], last[here]), k
+    first = tree.output_ids[seeded, 0].long()
+    tv = 0.5 * (torch.bincount(first, minlength=6) / first.numel()
+                - target_probs(MARKOV[ROOT], params[1])).abs().sum()
+    assert tv < 0.03, tv
+    with pytest.raises(ValueError, match="positions"):
+        sample_accept(d, _markov_rows(d, torch.full((B,), ROOT)), None, rows)
 
 
 def test_capped_draft_is_a_prefix_of_each_tree():

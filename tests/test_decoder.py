@@ -846,6 +846,41 @@ def test_sampling_deterministic_under_seed_and_greedy_limits():
     assert _sampled(variant, P, g, SamplingParams(temperature=1.0, top_k=1), 7) == refs
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_seeded_sampling_is_the_same_in_any_batch_and_without_speculation(runner):
+    """``SamplingParams(seed=...)``: a request's sampled output depends on its context and
+    seed only. One batch with speculation (drafts accepted, some sessions unseeded or
+    greedy beside them), each session alone without speculation, another generator and
+    more sessions than max_batch all give the seeded sessions the same tokens; another
+    seed gives other tokens."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 0, 7, 5)]
+    g = greedy(variant, P[0], 30)
+    cfg = DecoderConfig(runner=runner, page_size=8, kv_cache_tokens=4096, max_batch=4)
+
+    def run(sids_of, params, speculate=True, seed=0, max_batch=4):
+        dec = SpecDecoder(model(variant), tok(), replace(cfg, max_batch=max_batch))
+        steer(dec, "t0", P[0] + g)  # drafts that low-temperature sampling accepts
+        sids = [dec.open_session(f"t{i}", "coder", P[i]) for i in sids_of]
+        out = dec.generate(sids, max_new_tokens=30, sampling=[params[i] for i in sids_of],
+                           speculate=speculate, eos_id=None,
+                           generator=torch.Generator().manual_seed(seed))
+        return dict(zip(sids_of, out)), dec.session_stats(sids[0])
+
+    cold = [SamplingParams(0.05, top_k=3, seed=11), SamplingParams(0.9, seed=12),
+            SamplingParams(0.9), SamplingParams(0.0, seed=13)]
+    together, stats = run([0, 1, 2, 3], cold)
+    assert stats.num_accepted > 0, stats  # the seeded request walked accepted drafts
+    for i in (0, 1, 3):
+        alone, _ = run([i], cold, speculate=False, seed=5)
+        assert alone[i] == together[i], i
+    assert together[3] == greedy(variant, P[3], 30, eos=None)
+    waves, _ = run([1, 3, 0], cold, seed=9, max_batch=1)  # one at a time, in another order
+    assert all(waves[i] == together[i] for i in (0, 1, 3))
+    other, _ = run([1], [None, SamplingParams(0.9, seed=99)])
+    assert other[1] != together[1]
+
+
 def test_per_session_sampling_and_limits():
     """One batch, per-session SamplingParams and max_new_tokens (as a server batches
     requests of different roles): the greedy sessions are plain greedy decoding whatever
@@ -1349,6 +1384,14 @@ def test_own_loop_sampling_commits_sampled_tokens():
         assert len(o) >= 6 and all(0 <= t < VOCAB for t in o)
         held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
         assert held == p + o  # the session tier holds exactly the sampled context
+    # seeded: the own loop's commits draw what generate's plain sampling draws
+    seeded = [SamplingParams(temperature=1.0, top_k=50, seed=s) for s in (5, 6)]
+    P, dec, sids, runner = _two_sessions_and_a_runner(variant)
+    outs = own_loop(dec, runner, sids, 6, sampling=seeded)
+    _, plain, sids, _ = _two_sessions_and_a_runner(variant)
+    ref = plain.generate(sids, max_new_tokens=max(map(len, outs)), sampling=seeded,
+                         speculate=False, eos_id=None)
+    assert [r[:len(o)] for r, o in zip(ref, outs)] == outs
 
 
 # ---------------------------------------------------------------- streaming

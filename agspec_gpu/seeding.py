@@ -1,0 +1,44 @@
+"""Counter-based uniforms for seeded requests: one number per (seed, sequence position).
+
+A seeded request (``SamplingParams(seed=...)``) draws the token at sequence position ``t``
+with the uniform ``seeded_uniforms(seed, t)``, a pure function of the two: no generator
+state, so its output depends on its context and seed alone, whatever batch it runs in, and
+a speculative step (which samples positions ``t, t + 1, ...`` down the tree, one per
+level) draws what plain decoding draws at each position. Pure integer tensor ops: the same
+numbers on a CPU and a GPU, and nothing to capture or advance in a CUDA graph.
+
+The hash is Wellons' ``lowbias32`` (bias ~0.17 of the best known 32-bit two-round mix),
+chained over the seed's two 32-bit halves and the position. Products are split in 16-bit
+halves, so no int64 product overflows on any backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``x`` in ``[0, 2**32)`` (int64), no product past 2**48."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of ``x`` in ``[0, 2**32)`` (int64)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniforms(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``float64`` uniforms in ``(0, 1)``, one per element: a hash of ``seed`` (int64, in
+    ``[0, 2**63)``) and ``position`` (int64, ``>= 0``; only its low 32 bits count),
+    broadcast together. 32 bits of resolution: ``(h + 0.5) / 2**32``."""
+    seed, position = seed.long(), position.long()
+    h = _mix32(seed & _M32)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    h = _mix32(h ^ (position & _M32))
+    return (h.double() + 0.5) / 4294967296.0
