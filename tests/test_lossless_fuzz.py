@@ -38,7 +38,9 @@ pytest.importorskip("transformers")
 SEEDS = range(6)
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = (SamplingParams(), SamplingParams(temperature=0.7, top_k=20),
-           SamplingParams(temperature=1.3, top_p=0.9))
+           SamplingParams(temperature=1.3, top_p=0.9),
+           # seeded: plain seeded sampling's tokens, whatever the batch and the drafts
+           SamplingParams(temperature=0.1, top_k=5, seed=7), SamplingParams(0.9, seed=1 << 40))
 
 
 def check_kept_descriptors(drafter) -> None:
@@ -172,6 +174,10 @@ def run_case(seed: int) -> Counter:
             assert st.context_len == len(context[sid]) + len(out), st
             if params.is_greedy:  # the greedy ones stay plain greedy decoding
                 assert out == td.greedy(variant, context[sid], n, eos), (seed, rnd, sid)
+            elif params.seed is not None:  # the seeded ones plain seeded sampling
+                assert out == td.seeded_sample(variant, context[sid], n, params, eos), \
+                    (seed, rnd, sid)
+                seen["seeded requests"] += 1
             else:  # the end token ends the output, if there
                 assert 1 <= len(out) <= n and all(0 <= t < td.VOCAB for t in out), out
                 assert end not in out[:-1], (end, out)
