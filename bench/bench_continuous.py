@@ -23,7 +23,8 @@ and favour the waves, whose late steps carry few rows).
 
 Usage::
 
-    python bench/bench_continuous.py [--agents 8] [--turns 4] [--max-turn 96] [--runner hf] [--json out.json]
+    python bench/bench_continuous.py [--agents 8] [--turns 4] [--max-turn 96] [--runner hf]
+        [--kv-cache-tokens N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt", type=int, default=512, help="most tokens of a prompt or "
                     "of one appended tool output")
     ap.add_argument("--runner", choices=("hf", "paged"), default="hf")
+    ap.add_argument("--kv-cache-tokens", type=int, default=1 << 16,
+                    help="DecoderConfig.kv_cache_tokens (paged: the page pool; a small one "
+                    "makes requests wait for room)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, policy in (("waves (generate)", waves), ("continuous (submit/step)", continuous)):
         dec = SpecDecoder(model, tok, DecoderConfig(runner=args.runner, max_batch=args.agents,
-                                                    kv_cache_tokens=1 << 16))
+                                                    kv_cache_tokens=args.kv_cache_tokens))
         sids = [dec.open_session(f"agent{b}", "coder", p) for b, (p, _) in enumerate(plans)]
         t0 = time.perf_counter()
         r = policy(dec, sids, [plan for _, plan in plans])
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "device": "cpu", "runner": args.runner, "agents": args.agents,
+            "kv_cache_tokens": args.kv_cache_tokens,
             "turns": args.turns, "max_turn": args.max_turn,
             "trajectories": str(args.trajectories), "turn_limits": [
                 [limit for limit, _ in plan] for _, plan in plans], "rows": rows},
