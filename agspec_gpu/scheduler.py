@@ -105,6 +105,8 @@ class Scheduler:
         KV pool holds them to their ends beside the running ones; the first request alone
         when nothing runs (it runs as far as the pool allows)."""
         room = self.max_batch - (0 if live is None else len(live.reqs.sids))
+        if not self._queue or room == 0:  # a step with nobody to admit reads no contexts
+            return []
         sids, contexts, limits = [], [], []
         if live is not None:
             r = live.reqs
