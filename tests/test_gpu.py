@@ -292,33 +292,46 @@ def test_spec_decoder_step_api_on_cuda():
 
 
 def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
-    """The paged decoder with its verify graphs, a pool too small for the call: drafts are
-    cut to the pages left inside the graphs' buckets, KVCacheFull ends the call naming
-    kv_cache_tokens, each session's context equals its session tier, and once a session is
-    closed the other continues."""
+    """The paged decoder with its verify graphs, a pool too small for a request: drafts
+    are cut to the pages left inside the graphs' buckets, KVCacheFull ends the call naming
+    kv_cache_tokens, the session's context equals its session tier, and once it is closed
+    another session continues. Two requests the pool cannot hold together run in turn
+    (the second joins when the first ends), both to their limits."""
     from agspec_gpu import DecoderConfig, KVCacheFull, SpecDecoder
     from tiny_models import record_fit_width
 
     model = cl100k_llama(5)
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 40)] * 3
+    big = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4))
+    plain = big.generate([big.open_session("t", "coder", prompt)], max_new_tokens=250,
+                         speculate=False, eos_id=None)[0]
+    del big
     dec = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
                                                      page_size=16, kv_cache_tokens=16 * 20))
-    # a closed session of the tenant holds the prompt and more: long drafts
-    dec.close_session(dec.open_session("t", "coder", prompt * 2))
-    sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])]
+    # a closed session of the tenant holds the prompt and its continuation: long drafts,
+    # accepted, until one is cut to the pages left
+    dec.close_session(dec.open_session("t", "coder", prompt + plain))
+    a, b = dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])
     fits = record_fit_width(monkeypatch)
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
-        dec.generate(sids, max_new_tokens=200, eos_id=None)
+        dec.generate([a], max_new_tokens=250, eos_id=None)  # 120 + 250 > the pool's 320
     monkeypatch.undo()
     assert fits[-1][1] == 0 and any(0 < got < width for width, got in fits), fits
-    for sid in sids:
-        ctx = dec._sessions[sid].context
-        held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
-        assert held == ctx and 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
-    dec.close_session(sids[1])
-    assert len(dec.generate(sids[:1], max_new_tokens=8, eos_id=None)[0]) == 8
-    dec.close_session(sids[0])
+    ctx = dec._sessions[a].context
+    held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
+    assert held == ctx and 0 < dec._kv.kept_tokens(a) <= len(ctx) - 1
+    assert dec._sessions[b].context == prompt[:50] and dec._kv.kept_tokens(b) == 0
+    dec.close_session(a)
+    assert len(dec.generate([b], max_new_tokens=8, eos_id=None)[0]) == 8
+    dec.close_session(b)
     cache = dec._paged.kv_cache
+    assert cache.num_free_pages == cache.num_pages
+    c, d = dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])
+    prefills = dec.stats["prefills"]
+    out = dec.generate([c, d], max_new_tokens=150, eos_id=None)  # together: > 320 tokens
+    assert [len(o) for o in out] == [150, 150] and dec.stats["prefills"] == prefills + 2
+    for sid in (c, d):
+        dec.close_session(sid)
     assert cache.num_free_pages == cache.num_pages
 
 
@@ -337,8 +350,9 @@ def _fp32_llama_and_prompt(device: torch.device, seed: int) -> tuple:
 
 def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
     """The default (hf) runner on a GPU (fp32): a greedy session next to a sampled one is
-    plain greedy decoding, its second call continues the kept KV (device tensors), and
-    closing the sessions frees that memory."""
+    plain greedy decoding, its second call continues the kept KV (device tensors), a
+    seeded request samples the same tokens with and without speculation, and closing the
+    sessions frees that memory."""
     from agspec_gpu import SamplingParams, SpecDecoder
     from agspec_gpu.runners.hf import greedy_generate
 
@@ -352,6 +366,11 @@ def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
     assert dec._kv.kept_tokens(sids[0]) == len(prompt) + 23
     more = dec.generate(sids[:1], max_new_tokens=8, eos_id=None)
     assert more[0] == greedy_generate(model, prompt + out[0], 8)
+    # seeded sampling: the same tokens with and without speculation, on the device too
+    sids += [dec.open_session("v", "coder", prompt), dec.open_session("w", "coder", prompt)]
+    x, y = dec.generate(sids[2:], max_new_tokens=24, eos_id=None, speculate=[True, False],
+                        sampling=SamplingParams(temperature=0.8, seed=3), generator=gen)
+    assert x == y and len(x) == 24
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     for sid in sids:
