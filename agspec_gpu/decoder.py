@@ -631,6 +631,9 @@ class SpecDecoder:
         try:
             while call.running or call.queued:
                 call.step(generator)  # an error ends the running requests; the rest never ran
+        except BaseException:
+            reqs.fail()  # "error": the ones that ran and the ones still waiting
+            raise
         finally:
             self._generating.difference_update(sids)
         return reqs.outs

@@ -64,9 +64,9 @@ class SessionStats:
         num_drafted: draft tokens verified for it (0 for a request that opted out).
         num_accepted: of those, the ones the target accepted.
         finish_reason: why its last request ended: ``"eos"``, ``"stop"``, ``"length"`` (as
-            :class:`StepOutput`'s) or ``"cancelled"`` (``cancel``, an ``on_tokens`` that
-            returned False); None: no request yet, one queued or running, or the last one
-            ended on an error.
+            :class:`StepOutput`'s), ``"cancelled"`` (``cancel``, an ``on_tokens`` that
+            returned False) or ``"error"`` (the step or ``generate`` call it was in
+            raised); None: no request yet, or one queued or running.
     """
 
     tenant: str
@@ -104,8 +104,9 @@ class Requests:
     eos: list[int | None]
     spec: list[bool]                        # False: opted out of speculation
     outs: list[list[int]]                   # what each request emitted (the caller's lists)
-    # why each ended: "eos", "stop" (a stop string), "length" (its limit) or "cancelled"
-    # (cancel(), an on_tokens callback that returned False); None: running
+    # why each ended: "eos", "stop" (a stop string), "length" (its limit), "cancelled"
+    # (cancel(), an on_tokens callback that returned False) or "error" (a failed step or
+    # call ended it); None: running
     finish: list[str | None]
 
     @property
@@ -147,6 +148,13 @@ class Requests:
         """Ends request ``row`` at what it emitted (its caller's doing), unless it ended."""
         if self.finish[row] is None:
             self._end(row, "cancelled")
+
+    def fail(self) -> None:
+        """Ends every request still running at what it emitted: an error ended their step
+        (or their call)."""
+        for row, f in enumerate(self.finish):
+            if f is None:
+                self._end(row, "error")
 
     def _end(self, row: int, reason: str) -> None:
         self.finish[row] = reason

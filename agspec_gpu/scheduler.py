@@ -84,7 +84,11 @@ class Scheduler:
         except BaseException as exc:
             if self._live is not None:
                 live, self._live = self._live, None
+                live.reqs.fail()
                 live.end_after(exc)
+            else:  # the new batch was never made: its requests, running and joining
+                for q in ([] if live is None else [live.reqs]) + joining:
+                    q.fail()
             raise
         return out
 

@@ -1636,7 +1636,7 @@ def test_a_failed_generate_of_more_sessions_than_max_batch(runner):
     assert ctx[2] == P[2] and dec._kv.kept_tokens(sids[2]) == 0  # it waited, never ran
     for c, p in zip(ctx[:2], P):
         assert len(c) > len(p) and c[len(p):] == greedy(variant, p, len(c) - len(p), eos=None)
-    assert [dec.session_stats(s).finish_reason for s in sids] == [None] * 3
+    assert [dec.session_stats(s).finish_reason for s in sids] == ["error"] * 3
     assert dec.generate(sids, max_new_tokens=6, eos_id=None) == \
         [greedy(variant, c, 6, eos=None) for c in ctx]
 

@@ -147,6 +147,7 @@ def test_a_failed_step_ends_the_running_requests_and_keeps_sessions_in_step(monk
         dec.step()
     monkeypatch.setattr(dec.drafter, "propose", propose)
     assert dec.running == [] and dec.queued == [c]
+    assert [dec.session_stats(s).finish_reason for s in (a, b, c)] == ["error", "error", None]
     for s in (a, b):
         ctx = dec._sessions[s].context
         held = dec.store.arena.corpus_tokens(dec.store.session(s).corpus).tolist()
@@ -207,7 +208,8 @@ def test_a_request_the_kv_pool_cannot_hold_beside_the_batch_waits_for_room():
     dec.submit(a, max_new_tokens=5, eos_id=None)
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
         dec.step()
-    assert dec.queued == [a] and dec.session_stats(huge).finish_reason is None
+    assert dec.queued == [a] and dec.session_stats(huge).finish_reason == "error"
+    assert dec.session_stats(a).finish_reason is None  # still queued
     ctx = dec._sessions[a].context
     assert run_until_idle(dec)[a] == greedy(VARIANT, ctx[:-5], 5, eos=None)
 
