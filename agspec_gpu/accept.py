@@ -419,7 +419,7 @@ def sample_tokens(logits: torch.Tensor, sampling: BatchSampling,
     x = torch.multinomial(p, 1, generator=generator)[:, 0]
     if sampling.any_seeded:
         u = seeded_uniforms(sampling.seed, _checked_positions(positions, x.shape[0]))
-        x = torch.where(sampling.seeded, _sample_rows(logits, sampling, u), x)
+        x = torch.where(sampling.seeded, _inverse_cdf(p, u), x)
     return x
 
 
@@ -433,14 +433,19 @@ def _checked_positions(positions: torch.Tensor | None, B: int) -> torch.Tensor:
 
 
 def _sample_rows(logits: torch.Tensor, params: BatchSampling, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of one token per row of ``logits [B, V]`` with uniforms ``u [B]``.
+    """Inverse-CDF sample of one token per row of ``logits [B, V]`` with uniforms ``u [B]``."""
+    return _inverse_cdf(target_probs(logits, params), u)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [B, V]`` at uniforms ``u [B]``.
 
     ``searchsorted(right=True)`` never returns a zero-probability token; scaling ``u`` by the
     total keeps the last token reachable when the float64 cumsum ends a hair below 1.
     """
-    cdf = target_probs(logits, params).double().cumsum(-1)
+    cdf = probs.double().cumsum(-1)
     x = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
-    return x.clamp(max=logits.shape[-1] - 1)
+    return x.clamp(max=probs.shape[-1] - 1)
 
 
 def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None,

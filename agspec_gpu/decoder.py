@@ -488,13 +488,13 @@ class SpecDecoder:
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
             _check_qo_indptr(qo_indptr, num_draft, logits)
-        rows = self._sampling(sampling, len(sids))
+        params = self._sampling(sampling, len(sids))
         pos = None  # a seeded request's draws are keyed by sequence position
-        if rows.any_seeded:
+        if params.any_seeded:
             pos = to_device([len(self._sessions[s].context) for s in sids], torch.int64,
                             logits.device)
         with nvtx.annotate("agspec.commit"):
-            res = accept_tree(draft, logits, rows, generator, qo_indptr, positions=pos)
+            res = accept_tree(draft, logits, params, generator, qo_indptr, positions=pos)
             n_out, rows = self._reader.read(res.num_output, res.output_ids)
             self._record(sids, res, n_out, n_out, num_draft)
             for s, r, n in zip(sids, rows, n_out):

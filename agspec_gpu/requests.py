@@ -111,7 +111,8 @@ class Requests:
 
     @property
     def done(self) -> tuple[bool, ...]:
-        """Whether each request ended (read-only: :meth:`cancel` or :meth:`emit` end one)."""
+        """Whether each request ended (read-only: :meth:`start`, :meth:`emit`,
+        :meth:`cancel` and :meth:`fail` end requests)."""
         return tuple(f is not None for f in self.finish)
 
     @classmethod
