@@ -115,8 +115,8 @@ class RunningBatch:
             # the batch's growth comes before idle sessions' kept KV (as at its prefill):
             # a request that left, or a session between its calls, gives its pages up
             # before a draft is cut or the step raises
-            self.kv.free_idle(runner.pages_needed(width))
-            width, num_draft, fitted = runner.fit_draft(width, num_draft, draft)
+            width, num_draft, fitted = runner.fit_draft(width, num_draft, draft,
+                                                        self.kv.free_idle)
             cut, draft = cut or fitted is not draft, fitted
         draft = draft.narrowed(width)
         with nvtx.annotate("agspec.verify"):

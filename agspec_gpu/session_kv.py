@@ -140,8 +140,6 @@ class SessionKVCache:
         """Frees idle sessions' KV (not in a running batch), least recently generated
         first, until ``num_pages`` pages are free or no idle session holds any."""
         cache = self.paged.kv_cache
-        if cache.num_free_pages >= num_pages:  # the common case: no sort of the sessions
-            return
         for _, sid in self._idle(set()):
             if cache.num_free_pages >= num_pages:
                 break

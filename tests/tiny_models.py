@@ -31,8 +31,8 @@ def record_fit_width(monkeypatch) -> list[tuple[int, int]]:
 
     fits, fit_width = [], PagedBatch.fit_width
 
-    def recorded(self, width):
-        fits.append((width, fit_width(self, width)))
+    def recorded(self, width, make_room=None):
+        fits.append((width, fit_width(self, width, make_room)))
         return fits[-1][1]
 
     monkeypatch.setattr(PagedBatch, "fit_width", recorded)

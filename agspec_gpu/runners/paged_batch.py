@@ -20,7 +20,7 @@ with a session's KV from one ``generate`` to the next.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -128,17 +128,23 @@ class PagedBatch:
         return sum(cache.pages_needed(s, p + 1 + width)
                    for s, p in zip(self._seq_ids, self._prefix_host))
 
-    def fit_width(self, width: int) -> int:
+    def fit_width(self, width: int, make_room: Callable[[int], None] | None = None) -> int:
         """The most nodes per request, at most ``width``, that a step can verify with the
         pool's free pages (each request's KV grows to ``prefix + 1 + nodes`` slots); 0 when
-        not even one fits. Host arithmetic, no device read."""
+        not even one fits. ``make_room(pages)``, when ``width`` does not fit: the caller
+        frees pages (idle KV) toward that many free first. Host arithmetic, no device
+        read."""
         check_lengths_settled(self._lengths_owed, "fit_width")
-        free = self.runner.kv_cache.num_free_pages
+        cache = self.runner.kv_cache
+        need = self.pages_needed(width)
+        if need > cache.num_free_pages and make_room is not None:
+            make_room(need)
+        free = cache.num_free_pages
 
         def fits(w: int) -> bool:
             return self.pages_needed(w) <= free
 
-        if fits(width):  # the common case: one pass
+        if need <= free:  # the common case: one pass
             return width
         if not fits(1):
             return 0
@@ -148,12 +154,14 @@ class PagedBatch:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def fit_draft(self, width: int, num_draft: list[int], draft: DraftBatch
+    def fit_draft(self, width: int, num_draft: list[int], draft: DraftBatch,
+                  make_room: Callable[[int], None] | None = None
                   ) -> tuple[int, list[int], DraftBatch]:
-        """``(width, num_draft, draft)`` cut to what the page pool holds now (a shorter
-        draft changes the speed, never the tokens); raises :class:`KVCacheFull` naming
-        ``kv_cache_tokens`` when not even the root and one node per request fit."""
-        fit = self.fit_width(width)
+        """``(width, num_draft, draft)`` cut to what the page pool holds now, after
+        ``make_room`` (:meth:`fit_width`) (a shorter draft changes the speed, never the
+        tokens); raises :class:`KVCacheFull` naming ``kv_cache_tokens`` when not even the
+        root and one node per request fit."""
+        fit = self.fit_width(width, make_room)
         if fit == width:
             return width, num_draft, draft
         if fit == 0:
