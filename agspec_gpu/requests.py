@@ -152,10 +152,11 @@ class Requests:
 
     def fail(self) -> None:
         """Ends every request still running at what it emitted: an error ended their step
-        (or their call)."""
+        (or their call). A row that ended in a batch of its own (:meth:`rows`) keeps its
+        reason: its session's record holds it."""
         for row, f in enumerate(self.finish):
             if f is None:
-                self._end(row, "error")
+                self._end(row, self.states[row].finish_reason or "error")
 
     def _end(self, row: int, reason: str) -> None:
         self.finish[row] = reason
@@ -164,8 +165,11 @@ class Requests:
     def rows(self) -> list["Requests"]:
         """One :class:`Requests` per row, sharing this one's records (its output lists,
         sessions and stop matchers): each joins a batch on its own."""
-        return [Requests(*([getattr(self, f.name)[b]] for f in fields(self)))
-                for b in range(len(self.sids))]
+        return [self.row(b) for b in range(len(self.sids))]
+
+    def row(self, b: int) -> "Requests":
+        """Row ``b`` alone, sharing this one's records (:meth:`rows`)."""
+        return Requests(*([getattr(self, f.name)[b]] for f in fields(self)))
 
     def select(self, rows: list[int]) -> None:
         """Keeps rows ``rows``, in that order."""

@@ -1641,6 +1641,26 @@ def test_a_failed_generate_of_more_sessions_than_max_batch(runner):
         [greedy(variant, c, 6, eos=None) for c in ctx]
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_a_request_that_ended_before_its_call_failed_keeps_its_finish_reason(runner):
+    """``generate`` fails after one of its requests ended at its limit: that one says
+    ``"length"``, the one the error cut short ``"error"``."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (1, 4)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, max_batch=2))
+    a, b = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+
+    def on_tokens(sid, toks):
+        if sid == b and dec.session_stats(a).finish_reason is not None:
+            raise Boom
+
+    with pytest.raises(Boom):
+        dec.generate([a, b], max_new_tokens=[2, 30], eos_id=None, on_tokens=on_tokens)
+    assert dec.session_stats(a).finish_reason == "length"
+    assert dec.session_stats(b).finish_reason == "error"
+    assert len(dec._sessions[b].context) < len(P[1]) + 30
+
+
 # ---------------------------------------------------------------- close
 def test_close_session_frees_memory():
     variant = VARIANTS[1]
