@@ -80,10 +80,11 @@ class DecoderConfig:
             ``page_size``. With either runner each session keeps its KV between ``generate``
             calls (a call prefills only the tokens appended since) until ``close_session``
             frees it; ``paged``: a call that needs pages frees idle sessions' KV, least
-            recently generated first, a step short of pages verifies shorter drafts, and
+            recently generated first, a step short of pages verifies shorter drafts, then
+            preempts its newest requests (``admission``), and
             :class:`~agspec_gpu.kv_cache.KVCacheFull` (naming ``kv_cache_tokens``) ends a
-            call whose sessions cannot get two more slots each (a step's root and one
-            draft node); ``hf``: the sessions keep at most ``kv_cache_tokens`` tokens of KV
+            request that cannot get two more slots alone (a step's root and one draft
+            node); ``hf``: the sessions keep at most ``kv_cache_tokens`` tokens of KV
             in all (the least recently generated are freed first), each in tensors of its
             own between calls.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
@@ -97,6 +98,14 @@ class DecoderConfig:
             failed capture (:attr:`SpecDecoder.verify_graph_error` says why).
         profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
             those of the drafter's roles of the same name (other roles are kept).
+        admission: ``runner="paged"``: when a waiting request joins the running batch
+            (:mod:`~agspec_gpu.scheduler`). ``"reserve"``: once the KV pool holds it and
+            the running requests to their ``max_new_tokens`` (a batch never outgrows the
+            pool); ``"optimistic"``: once it holds their contexts and one step, more
+            requests at once when most end well before their limits; a batch that outgrows
+            the pool preempts its newest requests (they wait again, their KV kept until
+            the pages are needed, then recomputed). Either way a step short of pages
+            preempts rather than fails while more than one request runs.
     """
 
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -108,6 +117,7 @@ class DecoderConfig:
     kv_cache_tokens: int = 1 << 15
     cuda_graphs: bool = True
     profiles: str | None = None
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         for name, cls in (("tiers", TierConfig), ("drafter", DrafterConfig)):
@@ -130,6 +140,9 @@ class DecoderConfig:
                              f"({self.max_batch}): a batch is made of open sessions")
         if self.runner not in ("hf", "paged"):
             raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
+        if self.admission not in ("reserve", "optimistic"):
+            raise ValueError(f"admission must be 'reserve' or 'optimistic', got "
+                             f"{self.admission!r}")
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
             raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
 
@@ -199,6 +212,7 @@ class SpecDecoder:
         # cumulative counters (host): verification steps, tokens emitted, draft tokens
         # drafted and accepted
         self._steps = self._tokens = self._drafted = self._accepted = 0
+        self._preemptions = 0  # those of finished generate() calls
 
     @device_guard
     def _build(self, model: torch.nn.Module, global_corpus: GlobalCorpus | None) -> None:
@@ -233,7 +247,8 @@ class SpecDecoder:
         self._reader = HostReader(self.config.max_batch * (drafter_cfg.max_nodes + 2), device)
         # each session's KV between generate calls (a call prefills what was appended since)
         self._kv = SessionKVCache(self._paged, self.config.kv_cache_tokens,
-                                  reserve_tokens=1 + drafter_cfg.max_nodes)
+                                  reserve_tokens=1 + drafter_cfg.max_nodes,
+                                  reserve_new_tokens=self.config.admission == "reserve")
 
     def _capture_verify_graphs(self, max_nodes: int) -> VerifyGraphs | None:
         """The paged runner's verification graphs, or None (:attr:`verify_graph_error` says
@@ -256,10 +271,12 @@ class SpecDecoder:
         ``drafted`` and ``accepted`` draft tokens, ``prefills`` (prefill forwards: one per
         join, a ``generate`` call's first step or a later one, or :meth:`step`'s, each
         also emitting a token per running request) and ``prefill_tokens`` (the context
-        tokens they ran, past each session's kept KV)."""
+        tokens they ran, past each session's kept KV) and ``preemptions`` (requests that
+        left a running batch unfinished to wait for room, :mod:`~agspec_gpu.scheduler`)."""
         return {"steps": self._steps, "tokens": self._tokens, "drafted": self._drafted,
                 "accepted": self._accepted, "prefills": self._kv.num_prefills,
-                "prefill_tokens": self._kv.num_prefill_tokens}
+                "prefill_tokens": self._kv.num_prefill_tokens,
+                "preemptions": self._preemptions + self._scheduler.num_preemptions}
 
     # ------------------------------------------------------------ lifecycle
     @device_guard
@@ -576,8 +593,8 @@ class SpecDecoder:
         before the next step, its KV kept: the rest run on without its row and pages. At
         most ``max_batch`` requests run at once; the others wait, in order, and join as
         requests end, as submitted ones do in :meth:`step` (``runner="paged"``: each once
-        the KV pool holds it to its ``max_new_tokens`` beside those running; one that fits
-        nowhere runs alone).
+        the KV pool holds it beside those running, as ``DecoderConfig.admission`` says;
+        one that fits nowhere runs alone).
 
         Args:
             session_ids: open sessions (distinct, not submitted to :meth:`step`), any
@@ -636,6 +653,7 @@ class SpecDecoder:
             raise
         finally:
             self._generating.difference_update(sids)
+            self._preemptions += call.num_preemptions
         return reqs.outs
 
     # ------------------------------------------------------------ continuous batching
@@ -664,13 +682,16 @@ class SpecDecoder:
         """Runs one step of the submitted requests; returns what each running one emitted.
 
         If requests wait and the batch has room, they join (in submission order, each once
-        the KV pool holds it to its ``max_new_tokens`` beside the running requests; one
-        that fits nowhere runs alone, when nothing else does): one forward prefills them
+        the KV pool holds it beside the running requests, as ``DecoderConfig.admission``
+        says; one that fits nowhere runs alone, when nothing else does): one forward
+        prefills them
         (after their sessions' kept KV) and gives every running request one token, as a
         plain decoding step does (``runner="paged"``: the running requests' KV stays in
         place; ``"hf"``: the padded cache is rebuilt, one copy of their KV per join).
-        Otherwise one speculative step (propose, verify, accept, commit). Greedy requests
-        stay plain greedy decoding whatever joins or leaves around them. Requests that end
+        Otherwise one speculative step (propose, verify, accept, commit), after the newest
+        requests leave the batch unfinished to wait again if the pool cannot hold the step
+        (``runner="paged"``, :mod:`~agspec_gpu.scheduler`). Greedy requests stay plain
+        greedy decoding whatever joins, leaves or is preempted around them. Requests that end
         leave the batch before ``step`` returns (their KV kept), so their sessions take
         ``append`` and a new ``submit`` at once.
 

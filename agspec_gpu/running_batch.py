@@ -144,9 +144,28 @@ class RunningBatch:
 
     def leave(self) -> None:
         """Takes the finished requests out of the batch and the runner (keeping their KV)."""
+        self._drop([r for r, d in enumerate(self.reqs.done) if d])
+
+    def step_fits(self) -> bool:
+        """Whether the next step can verify each request's root and one draft node
+        (``paged``: after freeing idle sessions' KV as far as it needs); always for
+        ``hf``. Host arithmetic."""
+        return not isinstance(self.runner, PagedBatch) or \
+            self.runner.fit_width(1, self.kv.free_idle) > 0
+
+    def preempt(self) -> Requests:
+        """Takes the newest request (the last row) out of the batch unfinished and returns
+        it, to wait again: its KV is kept as an idle session's (freed only if the pool
+        needs the pages; else its next prefill continues it)."""
+        last = len(self.reqs.sids) - 1
+        row = self.reqs.row(last)
+        self._drop([last])
+        return row
+
+    def _drop(self, gone: list[int]) -> None:
+        """Takes rows ``gone`` out of the batch and the runner, keeping their KV."""
         reqs = self.reqs
-        gone = [r for r, d in enumerate(reqs.done) if d]
-        stay = [r for r, d in enumerate(reqs.done) if not d]
+        stay = [r for r in range(len(reqs.sids)) if r not in gone]
         self.kv.keep(self.runner, [reqs.sids[r] for r in gone],
                      [reqs.states[r].context for r in gone], rows=gone)
         self.runner.select_rows(stay)

@@ -6,14 +6,22 @@ running request a token) or runs one speculative step of the batch. Requests tha
 the batch before ``step`` returns, their KV kept for their sessions' next call. The decoder
 owns the sessions; this owns only the queue and the running batch.
 
-Admission reserves KV as a token budget does (TGI's router, SGLang's conservative mode):
-a waiting request joins only when the KV pool holds every running and joining request's
-context, its remaining ``max_new_tokens`` and a step's draft, idle sessions' kept KV
-counted as free. Without preemption, that is what keeps a new request from running the
-batch out of pages mid-way, which would end every running request. Admission is in order:
-the first request that does not fit waits, and those behind it wait too (no starvation of
-a long prompt). One that does not fit even alone runs when nothing else does, as far as the
-pool allows (a ``KVCacheFull`` then ends that request only).
+Admission (``fits``), by default (``DecoderConfig.admission="reserve"``), reserves KV as
+a token budget does (TGI's router, SGLang's conservative mode): a waiting request joins
+only when the KV pool holds every running and joining request's context, its remaining
+``max_new_tokens`` and a step's draft, idle sessions' kept KV counted as free; such a batch
+never runs short of pages. ``"optimistic"`` (vLLM's way) counts the contexts and one step
+only, so more requests run at once when most end well before their limits. Admission is in
+order: the first request that does not fit waits, and those behind it wait too (no
+starvation of a long prompt). One that does not fit even alone runs when nothing else does,
+as far as the pool allows (a ``KVCacheFull`` then ends that request only).
+
+Preemption: when the pool cannot give the running batch's next step one draft node per
+request (idle sessions' KV freed first), the newest request leaves the batch unfinished and
+waits again at the head of the queue, until the batch fits or one request is left. Its KV
+stays in the pool as an idle session's, freed only if the pages are needed (then it is
+recomputed when the request joins again: vLLM's preemption by recompute); it resumes where
+it stopped, its output the same tokens (greedy, seeded), or the same distribution.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ class Scheduler:
         advance: ``(reqs, new_tokens)``: the decoder extends the sessions' contexts by the
             tokens a step emitted (before the scheduler reads who is done).
         fits: ``(sids, contexts, max_new_tokens) -> bool``: whether the KV pool holds these
-            requests to their ends (:meth:`SessionKVCache.fits
+            requests (to their ends, or for a step: :meth:`SessionKVCache.fits
             <agspec_gpu.session_kv.SessionKVCache.fits>`).
     """
 
@@ -46,6 +54,7 @@ class Scheduler:
         self._new_batch, self._advance, self._fits = new_batch, advance, fits
         self._queue: list[Requests] = []  # one session's request each, in submission order
         self._live: RunningBatch | None = None
+        self.num_preemptions = 0  # requests that left the running batch to wait again
 
     @property
     def running(self) -> list[str]:
@@ -76,6 +85,7 @@ class Scheduler:
                 live = self._live = self._join(live, joining)
                 new = live.prefill(generator)
             else:
+                self._preempt(live)
                 new = live.verify_step(generator)
             self._advance(live.reqs, new)
             r = live.reqs
@@ -126,6 +136,14 @@ class Scheduler:
         if take == 0 and live is None:
             take = min(len(self._queue), 1)
         return self._queue[:take]
+
+    def _preempt(self, live: RunningBatch) -> None:
+        """While the running batch's next step does not fit the KV pool and more than one
+        request runs, its newest request goes back to the head of the queue (the newest
+        first out, so they rejoin in their order)."""
+        while len(live.reqs.sids) > 1 and not live.step_fits():
+            self._queue.insert(0, live.preempt())
+            self.num_preemptions += 1
 
     def _leave_finished(self) -> None:
         """The running batch's finished requests leave it (their KV kept); the batch ends

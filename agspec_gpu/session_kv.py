@@ -44,13 +44,18 @@ class SessionKVCache:
         budget_tokens: ``hf``: the most tokens kept over all sessions.
         reserve_tokens: ``paged``: tokens a call may write per session beyond its context
             and ``max_new_tokens`` (the root and a draft tree).
+        reserve_new_tokens: ``paged``: :meth:`fits` and a prefill's room hold each
+            request's ``max_new_tokens`` too (``DecoderConfig.admission="reserve"``);
+            False: its context and one step only (``"optimistic"``: the scheduler
+            preempts when the batch outgrows the pool).
     """
 
     def __init__(self, paged: PagedLlamaRunner | None, budget_tokens: int,
-                 reserve_tokens: int) -> None:
+                 reserve_tokens: int, reserve_new_tokens: bool = True) -> None:
         self.paged = paged
         self.budget_tokens = budget_tokens
         self.reserve_tokens = reserve_tokens
+        self.reserve_new_tokens = reserve_new_tokens
         self._kept: dict[str, _Kept] = {}
         self._calls = 0  # the least-recently-generated clock
         self.num_prefills = 0        # cumulative: prefill forwards,
@@ -127,9 +132,10 @@ class SessionKVCache:
     def fits(self, sids: list[str], contexts: list[list[int]], max_new_tokens: list[int]
              ) -> bool:
         """Whether the pool holds every one of ``sids`` grown to its context, its
-        ``max_new_tokens`` and the reserve, once idle sessions' KV is freed (those not in a
-        running batch); always True for ``hf``. A scheduler's admission test: a batch that
-        passes it never runs short of pages (unless other calls take them meanwhile)."""
+        ``max_new_tokens`` (unless not ``reserve_new_tokens``) and the reserve, once idle
+        sessions' KV is freed (those not in a running batch); always True for ``hf``. A
+        scheduler's admission test: with ``reserve_new_tokens``, a batch that passes it
+        never runs short of pages (unless other calls take them meanwhile)."""
         if self.paged is None:
             return True
         cache = self.paged.kv_cache
@@ -147,10 +153,13 @@ class SessionKVCache:
 
     def _pages_to_grow(self, sids: list[str], contexts: list[list[int]],
                        max_new_tokens: list[int]) -> int:
-        """Pages ``sids`` add to hold each context, its ``max_new_tokens`` and the reserve
-        (a sequence grows no further than ``max_pages_per_seq``)."""
+        """Pages ``sids`` add to hold each context, its ``max_new_tokens`` (if
+        ``reserve_new_tokens``) and the reserve (a sequence grows no further than
+        ``max_pages_per_seq``)."""
         cache = self.paged.kv_cache
         most = cache.max_pages_per_seq * cache.page_size
+        if not self.reserve_new_tokens:
+            max_new_tokens = [0] * len(sids)
         return sum(cache.pages_needed(s, min(len(ctx) + m + self.reserve_tokens, most))
                    for s, ctx, m in zip(sids, contexts, max_new_tokens))
 
@@ -169,10 +178,10 @@ class SessionKVCache:
     def _make_room(self, sids: list[str], contexts: list[list[int]],
                    max_new_tokens: list[int]) -> None:
         """Frees the KV of sessions outside ``sids``, least recently generated first, until
-        the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens`` +
-        the reserve); a call that still does not fit runs (its drafts shrink to the pages
-        left, a step that cannot get two more slots per session, its root and one node,
-        raises). Raises :class:`KVCacheFull` before freeing anything when not even the
+        the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens``,
+        if ``reserve_new_tokens``, + the reserve); a call that still does not fit runs (its
+        drafts shrink to the pages left, then its newest requests are preempted, and a lone
+        request that cannot get two more slots, its root and one node, raises). Raises :class:`KVCacheFull` before freeing anything when not even the
         contexts and the first step fit."""
         cache = self.paged.kv_cache
         ps = cache.page_size

@@ -1061,7 +1061,8 @@ def test_arguments_of_the_wrong_type_are_named():
     m = model(variant)
     for kw in (dict(max_batch=2.5), dict(max_batch=True), dict(max_batch="4"),
                dict(max_sessions=4.5), dict(page_size=2.5), dict(kv_cache_tokens=4096.5),
-               dict(cuda_graphs="no"), dict(profiles=3)):
+               dict(cuda_graphs="no"), dict(profiles=3), dict(admission="vllm"),
+               dict(admission=None)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             DecoderConfig(**kw)
     for kw in (dict(temperature="1"), dict(temperature=None), dict(temperature=True),

@@ -123,14 +123,18 @@ def run_case(seed: int) -> Counter:
     rng = random.Random(seed)
     variant = rng.choice(td.VARIANTS)
     runner = rng.choice(["hf", "paged"])
-    # a tight page pool: a few requests at a time (generate's and step's admission never
-    # lets a batch run out of pages: each request fits alone)
+    # a tight page pool: a few requests at a time (each request fits alone; reserving
+    # admission never lets a batch run out of pages, optimistic admission preempts)
     tight = runner == "paged" and rng.random() < 0.3
     cfg = DecoderConfig(
         tiers=TierConfig(use_global=False, tail_tokens=rng.choice([4, 8, 32, 1024])),
-        drafter=DrafterConfig(max_positions=rng.choice([1, 4, 8])),
+        # (small trees in a tight pool: a step's reserve below the requests' growth, so
+        # that optimistic admission outgrows the pool and preempts)
+        drafter=DrafterConfig(max_positions=rng.choice([1, 4, 8]),
+                              max_nodes=rng.choice([8, 16]) if tight else 64),
         max_batch=rng.choice([2, 4, 8]), runner=runner,
-        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=1 << (9 if tight else 13))
+        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=320 if tight else 1 << 13,
+        admission=rng.choice(["reserve", "optimistic"]))
     tenant_of: dict[str, str] = {}
     seen = Counter()
     dec = checked_decoder(cfg, variant, tenant_of, seen)
@@ -150,7 +154,7 @@ def run_case(seed: int) -> Counter:
     for rnd in range(rng.randint(2, 4)):
         open_sids = list(context)
         batch = rng.sample(open_sids, rng.randint(1, len(open_sids)))
-        limits = [rng.choice([1, 8, 16, 24]) for _ in batch]
+        limits = [rng.choice([1, 8, 16, 24] if not tight else [8, 48, 64]) for _ in batch]
         eos = -1  # the tokenizer's; or a token the first request will emit, to end there
         if rng.random() < 0.3:
             eos = rng.choice(td.greedy(variant, context[batch[0]], limits[0]))
@@ -196,6 +200,7 @@ def run_case(seed: int) -> Counter:
         elif event < 0.75 and len(open_sids) > 1:
             dec.close_session(sid)
             del context[sid]
+    seen["preemptions"] += dec.stats["preemptions"]
     for sid in context:
         dec.close_session(sid)
     return seen

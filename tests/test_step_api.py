@@ -7,8 +7,9 @@ import torch
 
 from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder, StepOutput
 from agspec_gpu.runners.hf import HFRunner
+from agspec_gpu.drafter import DrafterConfig
 from test_decoder import (VARIANTS, greedy, model, own_loop, prompts, record_hf_prefills,
-                          record_prefills, steer, tok)
+                          record_prefills, seeded_sample, steer, tok)
 
 VARIANT = VARIANTS[0]
 
@@ -403,6 +404,91 @@ def test_a_generate_call_never_evicts_a_running_requests_kv():
     while dec.running:
         got += dec.step()[0].token_ids
     assert got == greedy(VARIANT, P[0], 40, eos=None)
+
+
+def test_optimistic_admission_runs_more_requests_and_preempts_the_newest():
+    """``admission="optimistic"``: four requests whose limits the pool cannot hold together
+    all start at once (``"reserve"`` runs three, the fourth waits); when the batch outgrows
+    the pool, its newest request goes back to the head of the queue (ahead of a later
+    submission) and rejoins once there is room. Every output, the preempted greedy one's
+    and a seeded one's, is what plain decoding gives, and it took fewer steps."""
+    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]  # 23, 5, 1 and 140 tokens
+    seeded = SamplingParams(temperature=0.8, seed=11)
+    late = list(prompts()[5])
+    steps = {}
+    for admission in ("reserve", "optimistic"):
+        dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission=admission,
+                      drafter=DrafterConfig(max_nodes=8))
+        sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+        e = dec.open_session("t4", "coder", late)
+        kw = [dict(eos_id=None)] * 3 + [dict(eos_id=None, sampling=seeded)]
+        log: list = []
+        out = run_until_idle(dec, log, submit_at={
+            0: [(s, 70, k) for s, k in zip(sids, kw)], 1: [(e, 8, dict(eos_id=None))]})
+        for sid, p in zip(sids[:3], P):
+            assert out[sid] == greedy(VARIANT, p, 70, eos=None), (admission, sid)
+        assert out[sids[3]] == seeded_sample(VARIANT, P[3], 70, seeded, eos=None)
+        assert out[e] == greedy(VARIANT, late, 8, eos=None)
+        assert [dec.session_stats(s).finish_reason for s in sids + [e]] == ["length"] * 5
+        steps[admission] = len(log)
+        if admission == "reserve":
+            assert log[0][1] == sids[:3] and dec.stats["preemptions"] == 0
+            continue
+        assert log[0][1] == sids and dec.stats["preemptions"] >= 1
+        cut = next(i for i, ran, _ in log if sids[3] not in ran)
+        assert log[cut][2] == [sids[3], e]  # preempted: at the head, ahead of e
+        assert any(sids[3] in ran for _, ran, _ in log[cut:])  # it rejoined
+    assert steps["optimistic"] < steps["reserve"], steps
+
+
+@pytest.mark.parametrize("then", ["cancel", "close"])
+def test_a_preempted_request_can_be_cancelled_or_closed_while_it_waits(then):
+    """A preempted request waits like a queued one: ``cancel`` ends it at what it emitted
+    (plain greedy so far; its session takes ``append`` and a new request, which continues
+    as plain greedy decoding), ``close_session`` frees its KV; the others run on."""
+    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
+    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
+                  drafter=DrafterConfig(max_nodes=8))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    for sid in sids:
+        dec.submit(sid, max_new_tokens=70, eos_id=None)
+    out: dict[str, list[int]] = {s: [] for s in sids}
+    last = sids[3]
+    for _ in range(100):  # until the newest is preempted
+        for e in dec.step():
+            out[e.session_id] += e.token_ids
+        if dec.queued:
+            break
+    assert dec.queued == [last] and len(dec.running) == 3
+    assert 0 < len(out[last]) < 70 and out[last] == greedy(VARIANT, P[3], len(out[last]),
+                                                           eos=None)
+    if then == "cancel":
+        dec.cancel(last)
+        assert dec.session_stats(last).finish_reason == "cancelled" and not dec.queued
+        tool = tok().encode("$ ls\n")
+        dec.append(last, tool)
+        ctx = P[3] + out[last] + tool
+        dec.submit(last, max_new_tokens=6, eos_id=None)
+    else:
+        dec.close_session(last)
+        assert last not in dec._paged.kv_cache and not dec.queued
+    rest = run_until_idle(dec)
+    for sid, p in zip(sids[:3], P):
+        assert out[sid] + rest[sid] == greedy(VARIANT, p, 70, eos=None)
+    if then == "cancel":
+        assert rest[last] == greedy(VARIANT, ctx, 6, eos=None)
+
+
+def test_generate_with_optimistic_admission_preempts_within_the_call():
+    """``generate`` runs its requests through its own scheduler: optimistic admission and
+    preemption there too (counted in ``stats``), the outputs plain greedy decoding."""
+    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
+    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
+                  drafter=DrafterConfig(max_nodes=8))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    assert dec.generate(sids, max_new_tokens=70, eos_id=None) == \
+        [greedy(VARIANT, p, 70, eos=None) for p in P]
+    assert dec.stats["preemptions"] >= 1
 
 
 @pytest.mark.parametrize("runner,seed", [("hf", 0), ("paged", 1)])
