@@ -21,10 +21,20 @@ the same at any batch size up to a few dozen requests, so forwards are what a GP
 follows; on a CPU the time follows the rows a forward carries (CPU seconds are printed too,
 and favour the waves, whose late steps carry few rows).
 
+KV admission (``--runner paged --admission reserve optimistic``): a server sets one
+``max_new_tokens`` for every turn (``--max-new-tokens``, say 1024) and the model ends most
+turns well before it. Here a turn still ends at its real length, the client stopping it
+(``on_tokens`` returning False, or ``cancel``; the random model never writes the
+trajectory's end token), while the decoder only knows the limit: ``reserve`` admits a turn
+once the pool holds it to that limit, ``optimistic`` once it holds its context and a step,
+preempting when the batch outgrows the pool. Tokens a turn emits in its last step past its
+length are not counted.
+
 Usage::
 
     python bench/bench_continuous.py [--agents 8] [--turns 4] [--max-turn 96] [--runner hf]
-        [--kv-cache-tokens N] [--json out.json]
+        [--kv-cache-tokens N] [--max-new-tokens N] [--admission reserve [optimistic]]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,18 +82,44 @@ def forwards(dec: SpecDecoder) -> int:
     return s["steps"] + s["prefills"]
 
 
-def waves(dec: SpecDecoder, sids, plans) -> dict:
+class TurnEnds:
+    """Each running turn's real length; with a server's ``max_new_tokens`` the client stops
+    a turn there itself. ``take`` counts a turn's new tokens, up to its length."""
+
+    def __init__(self, max_new_tokens: int | None) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.left: dict[str, int] = {}
+
+    def limit(self, sid: str, length: int) -> int:
+        """The turn's ``max_new_tokens`` (its length, or the server's limit)."""
+        self.left[sid] = length
+        return self.max_new_tokens or length
+
+    def take(self, sid: str, tokens: list[int]) -> tuple[int, bool]:
+        """``(tokens counted, whether the turn reached its length)``."""
+        n = min(len(tokens), self.left[sid])
+        self.left[sid] -= n
+        return n, self.left[sid] == 0
+
+
+def waves(dec: SpecDecoder, sids, plans, ends: TurnEnds) -> dict:
     """Every round, one ``generate`` over the agents with a turn left."""
     turn = [0] * len(sids)
     latencies, tokens = [], 0
+
+    def on_tokens(sid: str, toks: list[int]) -> bool:
+        nonlocal tokens
+        n, done = ends.take(sid, toks)
+        tokens += n
+        return not done  # False: the client stops the turn
+
     while True:
         ready = [b for b in range(len(sids)) if turn[b] < len(plans[b])]
         if not ready:
             break
         start = forwards(dec)
-        outs = dec.generate([sids[b] for b in ready], eos_id=None,
-                            max_new_tokens=[plans[b][turn[b]][0] for b in ready])
-        tokens += sum(map(len, outs))
+        dec.generate([sids[b] for b in ready], eos_id=None, on_tokens=on_tokens,
+                     max_new_tokens=[ends.limit(sids[b], plans[b][turn[b]][0]) for b in ready])
         latencies += [forwards(dec) - start] * len(ready)  # every turn waits for the call
         for b in ready:
             dec.append(sids[b], plans[b][turn[b]][1])
@@ -91,25 +127,29 @@ def waves(dec: SpecDecoder, sids, plans) -> dict:
     return {"tokens": tokens, "turn_latencies": latencies}
 
 
-def continuous(dec: SpecDecoder, sids, plans) -> dict:
+def continuous(dec: SpecDecoder, sids, plans, ends: TurnEnds) -> dict:
     """``submit`` each agent's turn; as one ends, append its tool output and submit the next."""
     turn = [0] * len(sids)
     index = {s: b for b, s in enumerate(sids)}
     started, latencies, tokens = {}, [], 0
     for b, sid in enumerate(sids):
-        dec.submit(sid, max_new_tokens=plans[b][0][0], eos_id=None)
+        dec.submit(sid, max_new_tokens=ends.limit(sid, plans[b][0][0]), eos_id=None)
         started[sid] = forwards(dec)
     while dec.running or dec.queued:
         for out in dec.step():
-            tokens += len(out.token_ids)
-            if not out.finished:
+            n, done = ends.take(out.session_id, out.token_ids)
+            tokens += n
+            if not (done or out.finished):
                 continue
+            if not out.finished:
+                dec.cancel(out.session_id)  # the client stops the turn at its length
             b = index[out.session_id]
             latencies.append(forwards(dec) - started[out.session_id])
             dec.append(out.session_id, plans[b][turn[b]][1])
             turn[b] += 1
             if turn[b] < len(plans[b]):
-                dec.submit(out.session_id, max_new_tokens=plans[b][turn[b]][0], eos_id=None)
+                dec.submit(out.session_id, eos_id=None,
+                           max_new_tokens=ends.limit(out.session_id, plans[b][turn[b]][0]))
                 started[out.session_id] = forwards(dec)
     return {"tokens": tokens, "turn_latencies": latencies}
 
@@ -126,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-tokens", type=int, default=1 << 16,
                     help="DecoderConfig.kv_cache_tokens (paged: the page pool; a small one "
                     "makes requests wait for room)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="every turn's max_new_tokens, as a server sets it (the client stops "
+                    "each turn at its real length); default: each turn's length")
+    ap.add_argument("--admission", nargs="+", choices=("reserve", "optimistic"),
+                    default=["reserve"], help="DecoderConfig.admission, each in turn")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -134,34 +179,42 @@ def main(argv: list[str] | None = None) -> int:
     plans = agent_turns(Path(args.trajectories), tok, args.agents, args.turns, args.max_turn,
                         args.max_prompt)
     rows = []
-    for name, policy in (("waves (generate)", waves), ("continuous (submit/step)", continuous)):
-        dec = SpecDecoder(model, tok, DecoderConfig(runner=args.runner, max_batch=args.agents,
-                                                    kv_cache_tokens=args.kv_cache_tokens))
-        sids = [dec.open_session(f"agent{b}", "coder", p) for b, (p, _) in enumerate(plans)]
-        t0 = time.perf_counter()
-        r = policy(dec, sids, [plan for _, plan in plans])
-        seconds = time.perf_counter() - t0
-        lat = sorted(r.pop("turn_latencies"))
-        s = dec.stats
-        rows.append({"policy": name, "forwards": forwards(dec), "prefill_forwards": s["prefills"],
-                     "prefill_tokens": s["prefill_tokens"],
-                     "verification_steps": s["steps"], "tokens": r["tokens"],
-                     "drafted": s["drafted"], "accepted": s["accepted"], "turns": len(lat),
-                     "turn_latency_forwards_p50": lat[len(lat) // 2],
-                     "turn_latency_forwards_max": lat[-1],
-                     "turn_latency_forwards_mean": sum(lat) / len(lat), "cpu_seconds": seconds})
-        print(f"{name:26} {forwards(dec):5d} forwards ({s['prefills']:3d} prefills)  "
-              f"{r['tokens']:6d} tokens  turn latency in forwards: p50 "
-              f"{lat[len(lat) // 2]:4d}  mean {sum(lat) / len(lat):6.1f}  max {lat[-1]:4d}  "
-              f"({seconds:.1f} CPU-s)")
-    w, c = rows
-    mean = [r["turn_latency_forwards_mean"] for r in rows]
-    print(f"continuous against waves: {w['forwards'] / c['forwards']:.2f}x fewer forwards, "
-          f"mean turn latency {mean[0] / mean[1]:.2f}x shorter (in forwards)")
+    for admission in args.admission:
+        for name, policy in (("waves (generate)", waves),
+                             ("continuous (submit/step)", continuous)):
+            dec = SpecDecoder(model, tok, DecoderConfig(
+                runner=args.runner, max_batch=args.agents, admission=admission,
+                kv_cache_tokens=args.kv_cache_tokens))
+            sids = [dec.open_session(f"agent{b}", "coder", p) for b, (p, _) in enumerate(plans)]
+            t0 = time.perf_counter()
+            r = policy(dec, sids, [plan for _, plan in plans], TurnEnds(args.max_new_tokens))
+            seconds = time.perf_counter() - t0
+            lat = sorted(r.pop("turn_latencies"))
+            s = dec.stats
+            rows.append({"policy": name, "admission": admission, "forwards": forwards(dec),
+                         "prefill_forwards": s["prefills"], "prefill_tokens": s["prefill_tokens"],
+                         "preemptions": s["preemptions"],
+                         "verification_steps": s["steps"], "tokens": r["tokens"],
+                         "drafted": s["drafted"], "accepted": s["accepted"], "turns": len(lat),
+                         "turn_latency_forwards_p50": lat[len(lat) // 2],
+                         "turn_latency_forwards_max": lat[-1],
+                         "turn_latency_forwards_mean": sum(lat) / len(lat),
+                         "cpu_seconds": seconds})
+            print(f"{name:26} {admission:10} {forwards(dec):5d} forwards ({s['prefills']:3d} "
+                  f"prefills, {s['prefill_tokens']:6d} tokens, {s['preemptions']:3d} "
+                  f"preemptions)  {r['tokens']:6d} tokens  turn latency in forwards: p50 "
+                  f"{lat[len(lat) // 2]:4d}  mean {sum(lat) / len(lat):6.1f}  max "
+                  f"{lat[-1]:4d}  ({seconds:.1f} CPU-s)")
+    for admission in args.admission:
+        w, c = [r for r in rows if r["admission"] == admission]
+        print(f"{admission}: continuous against waves: {w['forwards'] / c['forwards']:.2f}x "
+              f"fewer forwards, mean turn latency "
+              f"{w['turn_latency_forwards_mean'] / c['turn_latency_forwards_mean']:.2f}x "
+              f"shorter (in forwards)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "device": "cpu", "runner": args.runner, "agents": args.agents,
-            "kv_cache_tokens": args.kv_cache_tokens,
+            "kv_cache_tokens": args.kv_cache_tokens, "max_new_tokens": args.max_new_tokens,
             "turns": args.turns, "max_turn": args.max_turn,
             "trajectories": str(args.trajectories), "turn_limits": [
                 [limit for limit, _ in plan] for _, plan in plans], "rows": rows},

@@ -384,6 +384,15 @@ def test_bench_continuous_smoke(tmp_path):
     for r in report["rows"]:
         assert r["turns"] == 4 and r["forwards"] == r["verification_steps"] + \
             r["prefill_forwards"] and r["turn_latency_forwards_max"] >= 1
+    # a server's limit, the client stopping each turn at its length; both admissions
+    assert bench_continuous.main(["--agents", "2", "--turns", "2", "--max-turn", "6",
+                                  "--max-prompt", "64", "--runner", "paged",
+                                  "--max-new-tokens", "40", "--admission", "reserve",
+                                  "optimistic", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["admission"], r["tokens"], r["turns"]) for r in report["rows"]] == \
+        [(a, limits, 4) for a in ("reserve", "reserve", "optimistic", "optimistic")]
+    assert report["max_new_tokens"] == 40 and all(r["preemptions"] == 0 for r in report["rows"])
 
 
 def test_a_generate_call_never_evicts_a_running_requests_kv():
