@@ -488,6 +488,90 @@ def test_a_preempted_request_can_be_cancelled_or_closed_while_it_waits(then):
         assert rest[last] == greedy(VARIANT, ctx, 6, eos=None)
 
 
+@pytest.mark.parametrize("seed", [1])
+def test_random_requests_outgrowing_the_pool_stay_plain_decoding(seed):
+    """Optimistic admission, random long requests of five sessions on a pool that holds
+    two or three: requests are preempted and rejoin while others are cancelled or
+    submitted anew; every greedy request's tokens are plain greedy decoding and every
+    seeded one's plain seeded sampling (one seed here: the references are full forwards
+    a token)."""
+    import random
+
+    rng = random.Random(seed)
+    seeded = SamplingParams(temperature=0.9, top_k=50, seed=seed)
+    which = (3, 6, 2, 5, 7)  # 97, 140, 60, 44 and 41 tokens; the pool: 320
+    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
+                  drafter=DrafterConfig(max_nodes=rng.choice([4, 8, 16])))
+    sids = [dec.open_session(f"t{i % 2}", "coder", list(prompts()[i])) for i in which]
+    ctx = {s: list(prompts()[i]) for s, i in zip(sids, which)}
+    req: dict[str, tuple] = {}  # sid -> (context at submission, limit, params, tokens)
+    ended = 0
+    for _ in range(400):
+        busy = set(dec.running) | set(dec.queued)
+        for s in sids:
+            if s not in busy and rng.random() < 0.5 and ended < 12:
+                if s in req:  # its request that ended: plain decoding's tokens
+                    base, n, params, toks = req[s]
+                    want = greedy(VARIANT, base, n, eos=None) if params is None else \
+                        seeded_sample(VARIANT, base, n, params, eos=None)
+                    assert toks == want[:len(toks)], (s, len(toks), n)
+                params = seeded if rng.random() < 0.3 else None
+                n = rng.randint(20, 90)
+                dec.submit(s, max_new_tokens=n, sampling=params, eos_id=None)
+                req[s] = (list(ctx[s]), n, params, [])
+        if busy and rng.random() < 0.03:
+            s = rng.choice(sorted(busy))
+            dec.cancel(s)
+            ended += 1
+        if not dec.running and not dec.queued:
+            break
+        for e in dec.step():
+            req[e.session_id][3].extend(e.token_ids)
+            ctx[e.session_id] += e.token_ids
+            ended += e.finished
+    for s, (base, n, params, toks) in req.items():  # the last request of each session
+        want = greedy(VARIANT, base, n, eos=None) if params is None else \
+            seeded_sample(VARIANT, base, n, params, eos=None)
+        assert toks == want[:len(toks)], (s, len(toks), n)
+    assert not dec.running and not dec.queued
+    assert dec.stats["preemptions"] >= 2, dec.stats
+    for s in sids:
+        assert dec._sessions[s].context == ctx[s]
+
+
+def test_preempting_several_requests_queues_them_in_their_batch_order():
+    """When one step needs two requests out, the two newest go back to the head of the
+    queue in their batch order (ahead of what waited before); never the last one."""
+    from agspec_gpu.requests import Requests, SessionState
+    from agspec_gpu.scheduler import Scheduler
+
+    def reqs(sids):
+        return Requests.build(sids, [SessionState("t", "coder", [1]) for _ in sids], 5,
+                              None, (), True, None, 10, str)
+
+    class Live:
+        def __init__(self, sids, room):
+            self.reqs, self.room = reqs(sids), room
+
+        def step_fits(self):
+            return len(self.reqs.sids) <= self.room
+
+        def preempt(self):
+            row = self.reqs.row(len(self.reqs.sids) - 1)
+            self.reqs.select(list(range(len(self.reqs.sids) - 1)))
+            return row
+
+    sched = Scheduler(4, None, None, None)
+    sched.submit(reqs(["e"]))
+    live = Live(["a", "b", "c", "d"], room=2)
+    sched._preempt(live)
+    assert live.reqs.sids == ["a", "b"] and sched.queued == ["c", "d", "e"]
+    assert sched.num_preemptions == 2
+    live = Live(["a"], room=0)  # a lone request is never preempted (its step raises)
+    sched._preempt(live)
+    assert live.reqs.sids == ["a"] and sched.num_preemptions == 2
+
+
 def test_generate_with_optimistic_admission_preempts_within_the_call():
     """``generate`` runs its requests through its own scheduler: optimistic admission and
     preemption there too (counted in ``stats``), the outputs plain greedy decoding."""
