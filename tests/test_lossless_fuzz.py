@@ -123,8 +123,10 @@ def run_case(seed: int) -> Counter:
     rng = random.Random(seed)
     variant = rng.choice(td.VARIANTS)
     runner = rng.choice(["hf", "paged"])
-    # a tight page pool: a few requests at a time (each request fits alone; reserving
-    # admission never lets a batch run out of pages, optimistic admission preempts)
+    # a tight page pool: a few requests at a time. Each session fits alone at its
+    # longest (140 prompt tokens + 4 rounds of up to 48 new and 40 appended + a step's 17
+    # = 509 slots); reserving admission never lets a batch run out of pages, optimistic
+    # admission preempts
     tight = runner == "paged" and rng.random() < 0.3
     cfg = DecoderConfig(
         tiers=TierConfig(use_global=False, tail_tokens=rng.choice([4, 8, 32, 1024])),
@@ -133,7 +135,7 @@ def run_case(seed: int) -> Counter:
         drafter=DrafterConfig(max_positions=rng.choice([1, 4, 8]),
                               max_nodes=rng.choice([8, 16]) if tight else 64),
         max_batch=rng.choice([2, 4, 8]), runner=runner,
-        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=320 if tight else 1 << 13,
+        page_size=rng.choice([4, 8, 16]), kv_cache_tokens=576 if tight else 1 << 13,
         admission=rng.choice(["reserve", "optimistic"]))
     tenant_of: dict[str, str] = {}
     seen = Counter()
@@ -154,7 +156,7 @@ def run_case(seed: int) -> Counter:
     for rnd in range(rng.randint(2, 4)):
         open_sids = list(context)
         batch = rng.sample(open_sids, rng.randint(1, len(open_sids)))
-        limits = [rng.choice([1, 8, 16, 24] if not tight else [8, 48, 64]) for _ in batch]
+        limits = [rng.choice([1, 8, 16, 24] if not tight else [8, 24, 48]) for _ in batch]
         eos = -1  # the tokenizer's; or a token the first request will emit, to end there
         if rng.random() < 0.3:
             eos = rng.choice(td.greedy(variant, context[batch[0]], limits[0]))
