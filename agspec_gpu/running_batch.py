@@ -149,9 +149,15 @@ class RunningBatch:
     def step_fits(self) -> bool:
         """Whether the next step can verify each request's root and one draft node
         (``paged``: after freeing idle sessions' KV as far as it needs); always for
-        ``hf``. Host arithmetic."""
-        return not isinstance(self.runner, PagedBatch) or \
-            self.runner.fit_width(1, self.kv.free_idle) > 0
+        ``hf``. Host arithmetic, O(1) while the pool has a few pages free per request."""
+        if not isinstance(self.runner, PagedBatch):
+            return True
+        cache = self.runner.runner.kv_cache
+        # each request holds pages for its cached prefix: two more slots add at most
+        # ceil(2 / page_size) pages to it (the common case needs no per-request sum)
+        if cache.num_free_pages >= len(self.reqs.sids) * -(-2 // cache.page_size):
+            return True
+        return self.runner.fit_width(1, self.kv.free_idle) > 0
 
     def preempt(self) -> Requests:
         """Takes the newest request (the last row) out of the batch unfinished and returns
