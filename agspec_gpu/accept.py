@@ -73,8 +73,11 @@ class SamplingParams:
         if not (self.temperature == 0.0 or f32.tiny <= self.temperature <= f32.max):
             raise ValueError(f"temperature must be 0 or in [{f32.tiny:.3g}, {f32.max:.3g}] "
                              f"(float32), got {self.temperature}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        # the device rows are int64: a larger k (any k >= the vocabulary is off) would fail
+        # inside a step, ending the other requests of its batch
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or \
+                not 0 <= self.top_k < 1 << 63:
+            raise ValueError(f"top_k must be an int in [0, 2**63), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (not isinstance(self.seed, int) or

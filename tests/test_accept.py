@@ -168,13 +168,14 @@ def test_greedy_matches_reference_walk(case):
 def test_sampling_params_validation():
     SamplingParams(0.0, 5, 0.5)
     for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-1),
-                dict(top_p=0.0), dict(top_p=1.5), dict(temperature=1e-40),
+                dict(top_k=1 << 63), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=1e-40),
                 dict(temperature=1e-50), dict(temperature=1e39),  # float32: 0 or subnormal, inf
                 dict(seed=-1), dict(seed=1 << 63), dict(seed=True), dict(seed=1.5),
                 dict(seed="7")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert SamplingParams(seed=(1 << 63) - 1).seed == (1 << 63) - 1
+    assert SamplingParams(top_k=(1 << 63) - 1).top_k == (1 << 63) - 1  # off: k >= vocabulary
 
 
 def test_extreme_temperatures_keep_the_target():
