@@ -213,6 +213,7 @@ class SpecDecoder:
         # drafted and accepted
         self._steps = self._tokens = self._drafted = self._accepted = 0
         self._preemptions = 0  # those of finished generate() calls
+        self._calls: list[Scheduler] = []  # the running generate() calls' schedulers
 
     @device_guard
     def _build(self, model: torch.nn.Module, global_corpus: GlobalCorpus | None) -> None:
@@ -276,7 +277,8 @@ class SpecDecoder:
         return {"steps": self._steps, "tokens": self._tokens, "drafted": self._drafted,
                 "accepted": self._accepted, "prefills": self._kv.num_prefills,
                 "prefill_tokens": self._kv.num_prefill_tokens,
-                "preemptions": self._preemptions + self._scheduler.num_preemptions}
+                "preemptions": self._preemptions + self._scheduler.num_preemptions +
+                sum(c.num_preemptions for c in self._calls)}
 
     # ------------------------------------------------------------ lifecycle
     @device_guard
@@ -645,6 +647,7 @@ class SpecDecoder:
         # busy until the call returns: a callback's append, generate, propose, submit or
         # close_session of them would move a context under the running batch
         self._generating.update(sids)
+        self._calls.append(call)  # its preemptions count in stats while it runs
         try:
             while call.running or call.queued:
                 call.step(generator)  # an error ends the running requests; the rest never ran
@@ -653,6 +656,7 @@ class SpecDecoder:
             raise
         finally:
             self._generating.difference_update(sids)
+            self._calls.remove(call)
             self._preemptions += call.num_preemptions
         return reqs.outs
 

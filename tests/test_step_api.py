@@ -574,14 +574,17 @@ def test_preempting_several_requests_queues_them_in_their_batch_order():
 
 def test_generate_with_optimistic_admission_preempts_within_the_call():
     """``generate`` runs its requests through its own scheduler: optimistic admission and
-    preemption there too (counted in ``stats``), the outputs plain greedy decoding."""
+    preemption there too (counted in ``stats`` as they happen: a streaming callback sees
+    them), the outputs plain greedy decoding."""
     P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
     dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
                   drafter=DrafterConfig(max_nodes=8))
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
-    assert dec.generate(sids, max_new_tokens=70, eos_id=None) == \
+    seen = []
+    assert dec.generate(sids, max_new_tokens=70, eos_id=None,
+                        on_tokens=lambda sid, toks: seen.append(dec.stats["preemptions"])) == \
         [greedy(VARIANT, p, 70, eos=None) for p in P]
-    assert dec.stats["preemptions"] >= 1
+    assert seen[-1] == dec.stats["preemptions"] >= 1
 
 
 @pytest.mark.parametrize("runner,seed", [("hf", 0), ("paged", 1)])
