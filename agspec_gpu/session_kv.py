@@ -181,8 +181,9 @@ class SessionKVCache:
         the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens``,
         if ``reserve_new_tokens``, + the reserve); a call that still does not fit runs (its
         drafts shrink to the pages left, then its newest requests are preempted, and a lone
-        request that cannot get two more slots, its root and one node, raises). Raises :class:`KVCacheFull` before freeing anything when not even the
-        contexts and the first step fit."""
+        request that cannot get two more slots, its root and one node, raises). Raises
+        :class:`KVCacheFull` before freeing anything when not even the contexts and the
+        first step fit."""
         cache = self.paged.kv_cache
         ps = cache.page_size
         need = self._pages_to_grow(sids, contexts, max_new_tokens)
@@ -191,9 +192,11 @@ class SessionKVCache:
                     for s, ctx in zip(sids, contexts))
         can_free = self._freeable(set(sids))
         if least > cache.num_free_pages + can_free:
+            total = sum(-(-(len(ctx) + first_step) // ps) for ctx in contexts)
             raise KVCacheFull(
-                f"kv_cache_tokens: {len(sids)} sessions' contexts need {least} pages of {ps} "
-                f"tokens, the pool has {cache.num_pages} ({cache.num_free_pages} free, "
-                f"{can_free} held by idle sessions); raise DecoderConfig.kv_cache_tokens or "
-                f"generate for fewer sessions at a time")
+                f"kv_cache_tokens: {len(sids)} sessions' contexts and first step need {total} "
+                f"pages of {ps} tokens ({total - least} already theirs, {least} more), the "
+                f"pool has {cache.num_pages} ({cache.num_free_pages} free, {can_free} held by "
+                f"idle sessions); raise DecoderConfig.kv_cache_tokens or generate for fewer "
+                f"sessions at a time")
         self.free_idle(need)
