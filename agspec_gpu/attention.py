@@ -207,6 +207,11 @@ def flashinfer_plan(wrapper, meta: TreeMetadata, num_qo_heads: int, num_kv_heads
     ``kv_last_page_len`` there, which for device tensors waits for every kernel queued before
     (the drafter's, the planner's). With ``meta.maybe_host`` it gets them from the host and
     copies them into its device buffers without waiting; they equal what the planner wrote.
+
+    Contract: between two plans of one wrapper the host waits for the device once (every
+    loop here reads its step's tokens back). FlashInfer writes its plan into one pinned
+    host buffer per wrapper and copies it to the device asynchronously, so a second plan
+    issued before the first copy ran would overwrite the first step's plan.
     """
     host = meta.maybe_host
     if host is None:

@@ -239,7 +239,8 @@ class DecodeGraphs(GraphSteps):
     # ------------------------------------------------------------------ capture
     def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
         s, host = self.runner.shape, meta.maybe_host
-        # BatchDecode's plan copies the indptrs to the host too: from the host, no wait
+        # BatchDecode's plan copies the indptrs to the host too: from the host, no wait (and
+        # one host wait between two plans of a wrapper: attention.flashinfer_plan says why)
         kv, indices, last = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len) \
             if host is None else (host.kv_indptr, meta.kv_indices[:int(host.kv_indptr[-1])],
                                   host.kv_last_page_len)
