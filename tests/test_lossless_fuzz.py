@@ -14,8 +14,13 @@ propose the drafter's kept match descriptors (updated in place between steps, se
 :mod:`agspec_gpu.kept_descriptors`) are also compared with a fresh gather from the index
 arena, which is what they stand in for.
 
+A second kind of case (:func:`run_preemption_case`) drives ``submit`` / ``step`` in a pool
+that holds two or three requests with optimistic admission, so that batches preempt, and
+ends preempted requests in every way.
+
 The suite runs a few seeds; more from the command line, e.g. ``python
-tests/test_lossless_fuzz.py 0 200`` (about 5 s a case on a small CPU).
+tests/test_lossless_fuzz.py 0 200`` (about 5 s a case on a small CPU; ``... 0 20
+--preempt`` for the preemption cases, about 20 s each).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import test_decoder as td
 from agspec_gpu import DecoderConfig, SamplingParams, SpecDecoder
 from agspec_gpu.drafter import DrafterConfig
+from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.tiers import TierConfig
 
 pytest.importorskip("transformers")
@@ -213,12 +219,132 @@ def test_generate_equals_greedy_on_random_cases(seed):
     assert run_case(seed)["proposes checked"] > 0
 
 
-if __name__ == "__main__":
+def check_pool(dec: SpecDecoder, context: dict[str, list[int]]) -> None:
+    """The pool's pages are free or held by an open session, each once; each session's
+    context is what it was given and emitted."""
+    cache = dec._paged.kv_cache
+    held = [p for seq, pages in cache._pages.items() for p in pages]
+    assert len(set(held + cache._free_pages)) == len(held) + cache.num_free_pages == \
+        cache.num_pages, (len(held), cache.num_free_pages)
+    assert set(cache._pages) <= set(context), "KV of a closed session"
+    for sid, ctx in context.items():
+        assert dec._sessions[sid].context == ctx, sid
+
+
+def run_preemption_case(seed: int) -> Counter:
+    """A pool that holds two or three requests, optimistic admission and long limits, so
+    that running batches outgrow the pool and preempt: requests submitted as sessions go
+    idle, cancels and closes that pick preempted (queued, part-emitted) requests, re-opened
+    sessions, tool outputs, ``generate`` calls between steps, seeded sampled requests.
+    Every token a request emits extends plain greedy decoding (or plain seeded sampling)
+    of its context at submission; pages and contexts are checked after every step."""
+    rng = random.Random(seed)
+    variant = rng.choice(td.VARIANTS)
+    cfg = DecoderConfig(tiers=TierConfig(use_global=False),
+                        drafter=DrafterConfig(max_nodes=rng.choice([1, 2, 4, 8])),
+                        max_batch=rng.choice([2, 3, 4, 5]), max_sessions=32, runner="paged",
+                        page_size=rng.choice([1, 2, 4, 8, 16]),
+                        kv_cache_tokens=rng.choice([200, 256, 320]), admission="optimistic")
+    dec = SpecDecoder(td.model(variant), td.tok(), cfg)
+    seeded = SamplingParams(temperature=0.9, top_k=50, seed=seed)
+    prompts = [list(p) for p in td.prompts() if len(p) <= 100]
+    context: dict[str, list[int]] = {}
+    req: dict[str, tuple] = {}  # sid: (context at submission, limit, sampling, emitted)
+    seen = Counter()
+
+    def open_one() -> None:
+        prompt = prompts[rng.randrange(len(prompts))]
+        context[dec.open_session(f"t{rng.randrange(3)}", "coder", prompt)] = list(prompt)
+
+    def expected(sid: str) -> list[int]:
+        ctx, n, params, _ = req[sid]
+        if params is None:
+            return td.greedy(variant, ctx, n, eos=None)
+        return td.seeded_sample(variant, ctx, n, params, eos=None)
+
+    for _ in range(rng.randint(3, 6)):
+        open_one()
+    ended = 0
+    for _ in range(300):
+        busy = set(dec.running) | set(dec.queued)
+        for sid in list(context):  # idle sessions take a tool output and a new request
+            if sid not in busy and ended < 12 and rng.random() < 0.5:
+                if rng.random() < 0.2:
+                    extra = td.other_text(rng.randint(1, 10), at=rng.randrange(2000))
+                    dec.append(sid, extra)
+                    context[sid] += extra
+                params = seeded if rng.random() < 0.2 else None
+                n = rng.randint(10, 120)
+                dec.submit(sid, max_new_tokens=n, sampling=params, eos_id=None)
+                req[sid] = (list(context[sid]), n, params, [])
+        preempted = [sid for sid in dec.queued if req[sid][3]]
+        if preempted and rng.random() < 0.15:
+            sid = rng.choice(preempted)
+            seen["preempted requests ended"] += 1
+            ended += 1
+            if rng.random() < 0.5 or len(context) == 1:
+                dec.cancel(sid)
+                assert dec.session_stats(sid).finish_reason == "cancelled"
+            else:
+                dec.close_session(sid)
+                del context[sid], req[sid]
+                if rng.random() < 0.7:
+                    open_one()
+        idle = [s for s in context if s not in set(dec.running) | set(dec.queued)]
+        if idle and rng.random() < 0.04:  # a generate call beside the submitted requests
+            batch, n = rng.sample(idle, min(len(idle), 2)), rng.randint(1, 10)
+            seen["generate calls"] += 1
+            try:
+                outs = dec.generate(batch, max_new_tokens=n, eos_id=None)
+            except KVCacheFull:  # the submitted requests hold the pool: what ran is greedy
+                seen["generate calls short of pages"] += 1
+                outs = [dec._sessions[s].context[len(context[s]):] for s in batch]
+            for sid, out in zip(batch, outs):
+                assert out == td.greedy(variant, context[sid], len(out), eos=None), seed
+                context[sid] += out
+        if not dec.running and not dec.queued:
+            if ended >= 12:
+                break
+            continue
+        running = dec.running
+        try:
+            outs = dec.step()
+        except KVCacheFull:  # a lone request outgrew the pool: the step's requests end there
+            seen["steps short of pages"] += 1
+            for sid in running:
+                assert dec.session_stats(sid).finish_reason == "error"
+                assert dec._sessions[sid].context == context[sid]
+            ended += len(running)
+            continue
+        for out in outs:
+            sid = out.session_id
+            emitted = req[sid][3]
+            emitted += out.token_ids
+            context[sid] += out.token_ids
+            assert emitted == expected(sid)[:len(emitted)], (seed, sid, len(emitted))
+            if out.finished:
+                ended += 1
+                assert out.finish_reason == "length" and len(emitted) == req[sid][1]
+        check_pool(dec, context)
+    seen["preemptions"] += dec.stats["preemptions"]
+    for sid in list(context):
+        dec.close_session(sid)
+    assert dec._paged.kv_cache.num_free_pages == dec._paged.kv_cache.num_pages
+    return seen
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_preempting_batches_equal_greedy_on_random_cases(seed):
+    assert run_preemption_case(seed)["preemptions"] > 0
+
+
+if __name__ == "__main__":  # seeds LO..HI; with --preempt the preemption cases
     lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    case = run_preemption_case if "--preempt" in sys.argv[3:] else run_case
     failures, seen = 0, Counter()
     for s in range(lo, hi):
         try:
-            seen += run_case(s)
+            seen += case(s)
             print("ok", s, flush=True)
         except AssertionError as e:
             failures += 1
