@@ -193,10 +193,12 @@ class SessionKVCache:
         can_free = self._freeable(set(sids))
         if least > cache.num_free_pages + can_free:
             total = sum(-(-(len(ctx) + first_step) // ps) for ctx in contexts)
+            running = sum(cache.capacity(sid) // ps for sid, k in self._kept.items()
+                          if k.in_use and sid not in sids)  # another batch's (step, generate)
             raise KVCacheFull(
                 f"kv_cache_tokens: {len(sids)} sessions' contexts and first step need {total} "
                 f"pages of {ps} tokens ({total - least} already theirs, {least} more), the "
                 f"pool has {cache.num_pages} ({cache.num_free_pages} free, {can_free} held by "
-                f"idle sessions); raise DecoderConfig.kv_cache_tokens or generate for fewer "
-                f"sessions at a time")
+                f"idle sessions, {running} by running requests); raise DecoderConfig."
+                f"kv_cache_tokens or generate for fewer sessions at a time")
         self.free_idle(need)

@@ -238,6 +238,27 @@ def test_a_step_short_of_pages_frees_idle_kv_first():
         [greedy(VARIANT, ctx, 4, eos=None)]
 
 
+def test_generate_beside_a_batch_that_holds_the_pool_says_so():
+    """A ``generate`` call cannot preempt the submitted requests' batch (each runs its own
+    scheduler): when that batch holds the pages the call needs, KVCacheFull says how many
+    the running requests hold, before anything changes; the batch runs on, plain greedy,
+    and the call succeeds once it ended."""
+    from agspec_gpu import KVCacheFull
+    P = [list(p) for p in prompts()]
+    long = sum(P, [])[:200]  # 26 of the pool's 32 pages of 8
+    dec = decoder("paged", kv_cache_tokens=8 * 32)
+    a, b = dec.open_session("t0", "coder", long), dec.open_session("t1", "coder", P[3])
+    dec.submit(a, max_new_tokens=20, eos_id=None)
+    first = dec.step()[0].token_ids
+    held = dec._paged.kv_cache.capacity(a) // 8
+    with pytest.raises(KVCacheFull, match=f"{held} by running requests"):
+        dec.generate([b], max_new_tokens=4, eos_id=None)  # 97 tokens: 13 pages
+    assert dec._sessions[b].context == P[3] and dec.running == [a]
+    assert first + run_until_idle(dec)[a] == greedy(VARIANT, long, 20, eos=None)
+    assert dec.generate([b], max_new_tokens=4, eos_id=None) == \
+        [greedy(VARIANT, P[3], 4, eos=None)]
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_finish_reasons_say_why_each_request_ended(runner):
     """Three requests in one batch end by their end token, a stop string and their limit;
