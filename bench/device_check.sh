@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The H200 device check of issues 6 and 7: the GPU tests, the layer-kernel benchmark and a
-# reduced end-to-end run (Llama-3-8B architecture, B = 1, 16, 64; then B = 1, 16 with eager
-# verification steps, for the CUDA graphs' share), everything under $OUT, < 8 minutes.
+# The device check of issues 6 and 7 (their goals are H200 figures; an H100, the device
+# tool's first kind, runs it the same, and every file it writes names the GPU it ran on):
+# the GPU tests, the layer-kernel benchmark and a reduced end-to-end run (Llama-3-8B
+# architecture, B = 1, 16, 64; then B = 1, 16 with eager verification steps, for the CUDA
+# graphs' share), everything under $OUT, < 8 minutes.
 # (The index-build benchmark ran on 2026-11-30: bench/results/index_build-20261130-h200.json.)
 #
 # How to call it (device tool, from the repository root; it needs the carried wheels):
 #
-#     run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=500)
+#     run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=500,
+#         kind="nvidia-h200")      # the issues' GPU; without kind, an H100 (or an H200)
 #
 # .whl/ (git-ignored) must hold, for Python 3.12 manylinux x86_64:
 #   flashinfer_python-0.7.2.post1-*.whl, pruned (bench/prune_flashinfer_wheel.py),
@@ -26,11 +29,11 @@
 #   bash bench/prepare_device_carry.sh .venv/bin/python
 #
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
-# status and time), e2e-<date>-h200.json/.csv (rewritten after every run, so a cut-short e2e
-# keeps its finished rows), cost-llama3-8b-h200.json, trace-e2e.json.gz (one torch.profiler
+# status and time), e2e-<date>-<gpu>.json/.csv (rewritten after every run, so a cut-short e2e
+# keeps its finished rows), cost-llama3-8b-<gpu>.json, trace-e2e.json.gz (one torch.profiler
 # trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
 # bench_decoder_step, bench_match, bench_host_staging and bench_launch_overhead),
-# e2e-<date>-h200-eager-verify.json,
+# e2e-<date>-<gpu>-eager-verify.json (<gpu>: h200, h100-80gb-hbm3, ... as nvidia-smi names it),
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
@@ -42,6 +45,10 @@ LOG=$OUT/check.log
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-450}
 DATE=$(date +%Y%m%d)
+# the GPU's name as bench_e2e.py's slug() writes it: "NVIDIA H200" -> h200
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 \
+  | tr 'A-Z' 'a-z' | sed 's/nvidia//; s/[^a-z0-9]/-/g; s/^-*//; s/-*$//')
+GPU=${GPU:-gpu}
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 
 log() { echo "$*" | tee -a "$LOG"; }
@@ -182,13 +189,13 @@ step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,
   --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
   --profile --profile-steps 3 "${GLOBAL[@]}" --results-dir /tmp/e2e \
-  --out "$OUT/e2e-$DATE-h200.json"
+  --out "$OUT/e2e-$DATE-$GPU.json"
 E2E_RC=$?
 if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time limit): eager steps
   step e2e-eager 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
     --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
     --context 4096 --prefill skip --calibrate-repeats 3 --no-graphs "${GLOBAL[@]}" \
-    --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-h200-eager.json"
+    --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-$GPU-eager.json"
 fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
@@ -248,7 +255,7 @@ step e2e-eager-verify 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --b
   --methods none,agspec,suffix-decoding --sessions-per-slot 2 --min-sessions 4 \
   --messages-per-session 2 --max-message-tokens 128 --context 4096 --prefill skip \
   --calibrate-repeats 3 --eager-verify "${GLOBAL[@]}" --results-dir /tmp/e2e-eager \
-  --out "$OUT/e2e-$DATE-h200-eager-verify.json"
-rm -f "$OUT/e2e-$DATE-h200-eager-verify.csv"  # the JSON holds the rows (8 files come back)
+  --out "$OUT/e2e-$DATE-$GPU-eager-verify.json"
+rm -f "$OUT/e2e-$DATE-$GPU-eager-verify.csv"  # the JSON holds the rows (8 files come back)
 
 log "=== done in $(($(date +%s) - START))s; files: $(ls "$OUT" | tr '\n' ' ')"

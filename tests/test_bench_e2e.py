@@ -95,7 +95,8 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
     assert rc == 0
     report = json.loads(out.read_text())
     for key in ("gpu", "model", "protocol", "rows", "decode_bandwidth_gbps",
-                "decode_bandwidth_fraction", "decode_cuda_graphs", "verify_cuda_graphs",
+                "decode_bandwidth_fraction", "peak_bandwidth_gbps", "decode_cuda_graphs",
+                "verify_cuda_graphs",
                 "cost_model", "goals"):
         assert key in report, key
     assert report["gpu"] == "cpu" and report["model"] == "tiny"

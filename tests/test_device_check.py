@@ -26,7 +26,7 @@ GLOBAL = "--global /tmp/global.agspec --half 1"
 EXPAND = [('"${GLOBAL[@]}"', "--global-corpus /tmp/global.agspec --half 1"),
           ("${GLOBAL:+" + GLOBAL + "}", GLOBAL),
           ('"$TRAJ_DIR"', "/tmp/traj"), ("$TRAJ", "/tmp/traj/a.jsonl.gz"),
-          ('"$OUT', '"/tmp/out'), ("$DATE", "20261202")]
+          ('"$OUT', '"/tmp/out'), ("$DATE", "20261202"), ("$GPU", "h200")]
 
 
 def _logical_lines() -> list[str]:
@@ -131,3 +131,41 @@ def test_the_trajectory_folder_of_the_carried_files(traj, want, tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert got == want
 
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                  "NVIDIA A100-SXM4-80GB", ""])
+def test_the_files_name_the_gpu_as_bench_e2e_does(name, tmp_path, monkeypatch):
+    """``$GPU``, the tag of the files the script writes, is ``bench_e2e.slug`` of the name
+    ``nvidia-smi`` gives (the device tool lends H100s and H200s: an H100's run must not be
+    saved as an H200's); no name (no nvidia-smi): ``gpu``."""
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_e2e
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n[ -n '{name}' ] && echo '{name}'\n")
+    smi.chmod(0o755)
+    lines = _logical_lines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("GPU=$(nvidia-smi"))
+    assert lines[at + 1] == "GPU=${GPU:-gpu}"
+    got = subprocess.run(["bash", "-c", "\n".join(lines[at:at + 2]) + '; printf %s "$GPU"'],
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert got == (bench_e2e.slug(name) if name else "gpu")
+
+
+@pytest.mark.parametrize("name, gbps", [
+    ("NVIDIA H200", 4800.0), ("NVIDIA H200 NVL", 4800.0), ("NVIDIA H100 80GB HBM3", 3350.0),
+    ("NVIDIA H100 PCIe", 2000.0), ("NVIDIA H100 NVL", 3900.0),
+    ("NVIDIA A100-SXM4-80GB", 2039.0), ("NVIDIA A100-SXM4-40GB", 1555.0),
+    ("NVIDIA L40S", 864.0), ("NVIDIA GeForce RTX 4090", None)])
+def test_the_bandwidth_goal_is_a_fraction_of_the_gpu_it_ran_on(name, gbps, monkeypatch):
+    """Plain decode's bandwidth fraction (issue 7: >= 70% at B = 1) divides by the peak of
+    the GPU that ran it, not the H200's on every GPU; an unknown GPU gets no fraction."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_e2e
+
+    got, note = bench_e2e.peak_bandwidth_gbps(name)
+    assert got == gbps and name in note
