@@ -11,6 +11,7 @@ rebuilds stay rare.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -95,8 +96,7 @@ class DocumentCorpus:
         """
         if doc_id in self._docs:
             raise ValueError(f"doc_id {doc_id!r} is already in the corpus")
-        tensors = [(torch.as_tensor(t, dtype=torch.int32).to(self.arena.device), src)
-                   for t, src in parts]
+        tensors = [(torch.as_tensor(t, dtype=torch.int32), src) for t, src in parts]
         size = sum(1 + t.numel() for t, _ in tensors)
         if self.budget_tokens is not None and self.evict == "error" and \
                 self.num_tokens + size > self.budget_tokens:
@@ -106,7 +106,12 @@ class DocumentCorpus:
         placed = []
         for t, src in tensors:
             start = self.num_tokens
-            self.arena.append(self.cid, torch.cat([sep, t]), src)
+            # the part's separators, its own first and any in its text, found where the text
+            # is on the host (else the arena reads them)
+            seps = [0, *(torch.nonzero(t < 0, as_tuple=True)[0] + 1).tolist()] \
+                if t.device.type == "cpu" else None
+            self.arena.append(self.cid, torch.cat([sep, t.to(self.arena.device)]), src,
+                              separators=seps)
             placed.append(_Part(start, start + 1 + t.numel(), src))
         self._docs[doc_id] = placed
         if self.budget_tokens is not None and self.num_tokens > self.budget_tokens:
@@ -135,11 +140,14 @@ class DocumentCorpus:
 
     def _rebuild(self) -> None:
         old = self.arena.corpus_tokens(self.cid).clone()
+        old_seps = self.arena.separators(self.cid)
         self.arena.free(self.cid)
         keep = sum(p.end - p.start for parts in self._docs.values() for p in parts)
         self.cid = self.arena.new_corpus(max(1 << 10, 2 * keep))
         for parts in self._docs.values():
             for p in parts:
                 start = self.num_tokens
-                self.arena.append(self.cid, old[p.start:p.end], p.src)
+                seps = old_seps[bisect_left(old_seps, p.start):bisect_left(old_seps, p.end)]
+                self.arena.append(self.cid, old[p.start:p.end], p.src,
+                                  separators=[i - p.start for i in seps])
                 p.start, p.end = start, start + (p.end - p.start)

@@ -30,7 +30,7 @@ from agspec_gpu.host import HostWriter, canonical_device, to_device
 from agspec_gpu.kernels.arena_append import arena_append
 from agspec_gpu.kernels.suffix_match import (KEY_SEQ_SHIFT, MatchDescriptors, MatchResult,
                                              prefix_keys, suffix_match)
-from agspec_gpu.suffix_array import build_context_array
+from agspec_gpu.suffix_array import build_context_array, num_context_positions
 
 __all__ = ["IndexConfig", "IndexArena", "SuffixIndex", "MatchResult"]
 
@@ -75,6 +75,9 @@ class _Corpus:
     tok_cap: int
     n: int = 0
     levels: list[_Level] = field(default_factory=list)
+    # ascending positions of its separators (negative tokens), kept on the host: a level's
+    # size is counted from them (num_context_positions), not read back from the device
+    seps: list[int] = field(default_factory=list)
 
     @property
     def tail_start(self) -> int:
@@ -144,6 +147,7 @@ class IndexArena:
         self.tokens[c.tok_base:c.tok_base + tokens.numel()] = tokens
         self.src[c.tok_base:c.tok_base + tokens.numel()] = src
         c.n = tokens.numel()
+        c.seps = _separators(tokens)
         base = self._alloc_sa(sa.numel())
         c = self._corpora[cid]
         self.sa[base:base + sa.numel()] = sa.to(self.device, torch.int32)
@@ -190,39 +194,50 @@ class IndexArena:
     def doc_ends(self, cid: int) -> torch.Tensor:
         """``int64 [m]``: the positions ``c`` that end a document, a token at ``c - 1`` and a
         separator or the corpus end at ``c`` (the continuations the index leaves out; for the
-        oracle, evaluation only: it reads the corpus, one scan per corpus length)."""
+        oracle, evaluation only; from the recorded separators, one copy per corpus length)."""
         c = self._get(cid)
         hit = self._doc_ends.get(cid)
         if hit is None or hit[0] != c.n:
-            seg = self.tokens[c.tok_base:c.tok_base + c.n]
-            ends = torch.nonzero((seg[1:] < 0) & (seg[:-1] >= 0), as_tuple=True)[0] + 1
-            if c.n and int(seg[-1]) >= 0:
-                ends = torch.cat([ends, ends.new_full((1,), c.n)])
-            hit = self._doc_ends[cid] = (c.n, ends)
+            prev = [-2, *c.seps]  # a separator ends a document unless one precedes it
+            ends = [s for p, s in zip(prev, c.seps) if s >= 1 and p != s - 1]
+            if c.n and prev[-1] != c.n - 1:
+                ends.append(c.n)
+            hit = self._doc_ends[cid] = (
+                c.n, torch.tensor(ends, dtype=torch.int64, device=self.device))
         return hit[1]
+
+    def separators(self, cid: int) -> list[int]:
+        """Ascending positions of the separators (negative tokens) of corpus ``cid``: the
+        host's record, no read of the device."""
+        return list(self._get(cid).seps)
 
     def num_levels(self, cid: int) -> int:
         return len(self._get(cid).levels)
 
     # ---------------------------------------------------------------- appends
-    def append(self, cid: int, tokens: torch.Tensor, src: int = 0) -> None:
+    def append(self, cid: int, tokens: torch.Tensor, src: int = 0, *,
+               separators: Sequence[int] | None = None) -> None:
         """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``.
 
-        ``src`` tags the tokens (tier / emission form) for per-source statistics. Nothing is
-        read back from the device: a level is built once the tail holds ``tail_tokens``
-        positions, a count the host knows.
+        ``src`` tags the tokens (tier / emission form) for per-source statistics.
+        ``separators``: the ascending positions in ``tokens`` of its negative values, when
+        the caller knows them (``()``: token ids only); None: found in ``tokens``, a read of
+        the device on a GPU. Nothing else is read back: a level is built once the tail holds
+        ``tail_tokens`` positions, and its size is counted from the recorded separators.
         """
         c = self._get(cid)
         tokens = _check_tokens(tokens, "tokens", self.device)
         m = tokens.numel()
         if m == 0:
             return
+        seps = _separators(tokens) if separators is None else list(separators)
         if c.n + m > c.tok_cap:
             self._relocate(cid, max(2 * c.tok_cap, c.n + m))
             c = self._corpora[cid]
         start = c.tok_base + c.n
         self.tokens[start:start + m] = tokens
         self.src[start:start + m] = src
+        c.seps += [c.n + i for i in seps]
         c.n += m
         self._table.add_tokens([cid], [m])
         self._maybe_index(cid)
@@ -233,7 +248,10 @@ class IndexArena:
         to corpus ``cids[i]``, for every row at once: the same corpora as :meth:`append` per
         row, in one launch (``kernels/arena_append.py``) instead of a few copies per row (a
         decode step's commit appends to every request's session corpus). ``counts`` are
-        host ints; the corpora must be distinct. Nothing is read back from the device.
+        host ints; the corpora must be distinct; the appended tokens are ids, no separators
+        (a model's output: a level's size is counted from the separators :meth:`append`
+        records; on a CPU a level build checks that count). Nothing is read back from the
+        device, level builds included.
 
         ``totals``: ``int32 [len(cids)]`` lengths a caller mirrors on the device (any
         stride), grown by the counts in the same launch."""
@@ -289,7 +307,8 @@ class IndexArena:
     def _add_level(self, cid: int, lo: int, hi: int) -> None:
         c = self._corpora[cid]
         seg = self.tokens[c.tok_base:c.tok_base + c.n]
-        sa = build_context_array(seg, lo, hi, self.config.max_depth)
+        sa = build_context_array(seg, lo, hi, self.config.max_depth,
+                                 num_selected=num_context_positions(c.seps, lo, hi))
         base = self._alloc_sa(sa.numel())
         c = self._corpora[cid]  # _alloc_sa may compact
         self.sa[base:base + sa.numel()] = sa
@@ -558,6 +577,11 @@ def _check_lengths(lengths: torch.Tensor, queries: torch.Tensor, device: torch.d
         if bool((used & (queries < 0)).any()):
             raise ValueError("queries must not contain negative tokens in the used suffix")
     return lengths.contiguous()
+
+
+def _separators(tokens: torch.Tensor) -> list[int]:
+    """Ascending positions of the negative values of ``tokens`` (a read, on a GPU)."""
+    return torch.nonzero(tokens < 0, as_tuple=True)[0].tolist()
 
 
 def _move(src: torch.Tensor, at: int, dst: torch.Tensor, to: int, n: int) -> None:

@@ -14,12 +14,16 @@ length grows ``k``-fold (the last round's blocks overlap to cover exactly ``dept
 sorts by ``max_depth + 1`` tokens so that a match's continuation token is ordered too.
 Ties (identical first ``depth`` tokens) keep ascending position order: every sort is stable.
 On a CPU the rounds stop once every rank is distinct; on a GPU every round runs (knowing
-the rank count is a wait for the device), so a build reads the device once, for the size of
-its selection of positions. A session corpus builds a level every ``tail_tokens`` appended
-tokens, inside a decode step's commit.
+the rank count is a wait for the device), so a build reads the device at most once, for the
+size of its selection of positions, and not at all when the caller knows that size
+(``num_selected``: the index counts it from the separators it records). A session corpus
+builds a level every ``tail_tokens`` appended tokens, inside a decode step's commit.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
 
 import torch
 
@@ -35,6 +39,20 @@ def _dense_rank(key: torch.Tensor, count: bool) -> tuple[torch.Tensor, torch.Ten
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     num = (int(rank_sorted[-1]) if rank_sorted.numel() else 0) if count else None
     return rank, order, num
+
+
+def _compress(values: torch.Tensor, keep: torch.Tensor, num: int) -> torch.Tensor:
+    """``values[keep]`` for a mask of ``num`` set elements that the caller knows: one scatter
+    (each kept element to its rank among the kept, the rest to a spare slot past the end)
+    instead of a boolean index, which waits for the device to learn its size. On a CPU, where
+    that costs nothing, a wrong ``num`` raises."""
+    if values.device.type == "cpu" and int(keep.sum()) != num:
+        raise ValueError(f"num_selected: {num} positions given, the selection holds "
+                         f"{int(keep.sum())}")
+    dst = torch.cumsum(keep, 0).sub_(1).clamp_(max=num)
+    dst = torch.where(keep, dst, num)
+    out = torch.empty(num + 1, dtype=values.dtype, device=values.device)
+    return out.scatter_(0, dst, values)[:num]
 
 
 def _ranks_per_key(m: int) -> int:
@@ -57,8 +75,8 @@ def _check_range(fn: str, tokens: torch.Tensor, lo: int, hi: int, depth: int) ->
 
 
 def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
-                       early_stop: bool | None = None, after_token: bool = False
-                       ) -> torch.Tensor:
+                       early_stop: bool | None = None, after_token: bool = False,
+                       num_selected: int | None = None) -> torch.Tensor:
     """Sorts the non-separator positions in ``[lo, hi)`` by their first ``depth`` tokens.
 
     Args:
@@ -70,12 +88,15 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
             The result is the same either way (distinct ranks keep their order).
         after_token: keep only positions ``p`` whose predecessor ``tokens[p - 1]`` is a
             token too (``lo >= 1``), in the same selection.
+        num_selected: the number of positions selected (``m`` below) when the caller knows
+            it (a CPU checks it): then nothing is read from the device without
+            ``early_stop``.
 
     Returns:
         ``int32 [m]``: the positions ``p`` in ``[lo, hi)`` with ``tokens[p] >= 0``, sorted by
         ``tokens[p : p + depth]`` (shorter-by-END and separator-terminated suffixes first),
         ties in ascending position. Without ``early_stop`` the one read from the device is
-        the selection's size.
+        the selection's size, unless ``num_selected`` gives it.
     """
     n = _check_range("build_suffix_array", tokens, lo, hi, depth)
     if after_token and lo < 1:
@@ -86,6 +107,9 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
     win = tokens[lo:end].to(torch.int64)
     m = win.numel()
     if hi == lo:
+        if num_selected:
+            raise ValueError(f"num_selected: {num_selected} positions given, the range is "
+                             f"empty")
         return torch.empty(0, dtype=torch.int32, device=tokens.device)
     # rank 0 is END (beyond the window); token values get dense ranks >= 1 in value order
     rank, order, num = _dense_rank(win, early_stop)
@@ -107,11 +131,13 @@ def build_suffix_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
     keep = (order < (hi - lo)) & (win[order] >= 0)
     if after_token:
         keep &= tokens[(order + (lo - 1)).clamp(max=n - 1)] >= 0
-    return (order[keep] + lo).to(torch.int32)
+    picked = order[keep] if num_selected is None else _compress(order, keep, num_selected)
+    return (picked + lo).to(torch.int32)
 
 
 def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
-                        early_stop: bool | None = None) -> torch.Tensor:
+                        early_stop: bool | None = None, num_selected: int | None = None
+                        ) -> torch.Tensor:
     """The suffix array of the reversed text over continuation positions ``[lo, hi)``.
 
     Args:
@@ -125,11 +151,15 @@ def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
         ``tokens[c - 1], tokens[c - 2], ..., tokens[c - depth]`` (``END`` before position 0,
         so shorter contexts first; separators below tokens), equal contexts in descending
         position. Every key is final once ``c < n``: appends never change it. ``early_stop``
-        as :func:`build_suffix_array`'s: without it, one read of the device per build.
+        and ``num_selected`` (the number of such ``c``, :func:`num_context_positions`) as
+        :func:`build_suffix_array`'s: without either, one read of the device per build.
     """
     _check_range("build_context_array", tokens, lo, hi, depth)
     lo = max(lo, 1)  # position 0 has an empty context
     if hi <= lo:
+        if num_selected:
+            raise ValueError(f"num_selected: {num_selected} positions given, the selection "
+                             f"is empty")
         return torch.empty(0, dtype=torch.int32, device=tokens.device)
     # rev[j] = tokens[hi - 1 - j] over the tokens any key reads; key(c) is the suffix of rev
     # at j = hi - c, and the end of rev is position 0's start only when a = 0 (else it lies
@@ -138,5 +168,17 @@ def build_context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *,
     rev = tokens[a:hi].flip(0)
     # rev[j] = tokens[c - 1] >= 0 and, after_token, rev[j - 1] = tokens[c] >= 0: one selection
     j = build_suffix_array(rev, 1, hi - lo + 1, depth, early_stop=early_stop,
-                           after_token=True)
+                           after_token=True, num_selected=num_selected)
     return (hi - j).to(torch.int32)
+
+
+def num_context_positions(separators: Sequence[int], lo: int, hi: int) -> int:
+    """How many positions :func:`build_context_array` selects in ``[lo, hi)`` of a text whose
+    negative values sit exactly at ``separators`` (ascending): the ``c >= 1`` with neither
+    ``c`` nor ``c - 1`` among them. Host arithmetic over the separators near the range."""
+    lo = max(lo, 1)
+    if hi <= lo:
+        return 0
+    near = separators[bisect_left(separators, lo - 1):bisect_left(separators, hi)]
+    out = {c for s in near for c in (s, s + 1) if lo <= c < hi}
+    return hi - lo - len(out)

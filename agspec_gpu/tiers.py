@@ -132,7 +132,7 @@ class CorpusStore:
         ids = self._as_tokens(prompt_ids, "prompt_ids")
         t = self._tenants.setdefault(tenant, _Tenant())
         cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
-        self.arena.append(cid, ids, source_code(CorpusTier.SESSION))
+        self.arena.append(cid, ids, source_code(CorpusTier.SESSION), separators=())
         self._sessions[sid] = _Session(tenant, cid)
         t.sessions.add(sid)
         self.epoch += 1
@@ -146,7 +146,7 @@ class CorpusStore:
         per-step commit)."""
         s = self.session(sid)
         t = tokens if checked else self._as_tokens(tokens, "tokens")
-        self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION))
+        self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION), separators=())
 
     def append_sessions(self, sids: Sequence[str], tokens: torch.Tensor,
                         counts: Sequence[int], *,

@@ -1137,7 +1137,9 @@ def test_per_step_path_reads_nothing_back_to_the_host(tok, monkeypatch):
     reads a tensor back to the host (``item``/``tolist``/``bool``/``int``/``float``/
     ``numpy``/``nonzero``), so on a GPU it runs ahead of the device. The match itself is left
     out: on a GPU it is one Triton launch; here it runs the CPU torch path, which may read.
-    Index merges (every ``tail_tokens`` appended tokens) may read too: none happens here."""
+    A level build (every ``tail_tokens`` appended tokens) checks its size on a CPU, a read:
+    none happens here (on a GPU a build reads nothing: ``tests/test_index.py``'s meta-device
+    build, and ``test_drafter_step_does_not_sync_on_cuda``)."""
     store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=4096))
     d = Drafter(store, DrafterConfig(), max_batch=4)
     text = tok.encode("def f(x):\n    return x + 1\n\n" * 6)
@@ -1235,15 +1237,16 @@ def test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda(tok):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_drafter_step_does_not_sync_on_cuda(tok):
+@pytest.mark.parametrize("tail_tokens", [64, 3])
+def test_drafter_step_does_not_sync_on_cuda(tok, tail_tokens):
     """propose + observe (host counts, no validation) queue work without waiting for the GPU:
-    under ``torch.cuda.set_sync_debug_mode("error")`` a synchronizing call raises. Steps that
-    build an index level are not part of it (they read lengths back), so the test appends
-    fewer tokens than the tail holds."""
+    under ``torch.cuda.set_sync_debug_mode("error")`` a synchronizing call raises. With a
+    3-token tail the checked steps build index levels too (a level's size is counted from
+    the separators the arena records, not read back: session 37)."""
     dev = torch.device("cuda")
     code = "def area(r):\n    return 3.14159 * r * r\n\n" * 8 + "print(area(2))\n" * 3
     ids = tok.encode(code)
-    store = CorpusStore(tok, TierConfig(tail_tokens=64), device=dev)
+    store = CorpusStore(tok, TierConfig(tail_tokens=tail_tokens), device=dev)
     d = Drafter(store, DrafterConfig(), max_batch=4)
     for i in range(2):
         d.open_session(f"s{i}", "t", prompt_ids=ids[: len(ids) - 5 * i])
@@ -1260,6 +1263,8 @@ def test_drafter_step_does_not_sync_on_cuda(tok):
     step()  # compiles the match kernel
     torch.cuda.synchronize()
     assert store.arena.num_levels(store.session("s0").corpus) >= 1  # levels are searched too
+    corpora = [store.arena._corpora[store.session(sid).corpus] for sid in sids]
+    tails = [c.tail_start for c in corpora]
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
@@ -1267,6 +1272,8 @@ def test_drafter_step_does_not_sync_on_cuda(tok):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(draft.num_draft_tokens.min()) > 0  # the repeated code is drafted
+    built = [c.tail_start for c in corpora] != tails  # a level over the tail, or not
+    assert built == (tail_tokens == 3)
 
 
 def test_observe_counts_only_the_verified_nodes_of_a_cut_draft(tok):

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agspec_gpu.index import IndexArena, IndexConfig, SuffixIndex
-from agspec_gpu.suffix_array import build_context_array, build_suffix_array
+from agspec_gpu.suffix_array import (build_context_array, build_suffix_array,
+                                     num_context_positions)
 from index_reference import descriptors_reference, match_reference
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True,
@@ -343,7 +344,8 @@ def test_a_flush_builds_one_level_over_its_merged_range(tail_tokens, ratio, monk
     builds = []
     build = index_mod.build_context_array
     monkeypatch.setattr(index_mod, "build_context_array",
-                        lambda seg, lo, hi, d: builds.append((lo, hi)) or build(seg, lo, hi, d))
+                        lambda seg, lo, hi, d, **kw: builds.append((lo, hi)) or
+                        build(seg, lo, hi, d, **kw))
     arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=tail_tokens, merge_ratio=ratio))
     cid = arena.new_corpus()
     corpus = stdlib_tokens(700)
@@ -422,9 +424,18 @@ def test_build_equals_sorted(build, reference, cv, depth, data):
     lo = data.draw(st.integers(0, len(tokens)))
     hi = data.draw(st.integers(lo, len(tokens)))
     early_stop = data.draw(st.sampled_from([None, True, False]))  # False: a GPU's rounds
+    want = reference(tokens, lo, hi, depth)
     out = build(t32(tokens), lo, hi, depth, early_stop=early_stop)
     assert out.dtype == torch.int32
-    assert out.tolist() == reference(tokens, lo, hi, depth)
+    assert out.tolist() == want
+    if build is build_context_array:  # the size counted on the host from the separators
+        seps = [i for i, t in enumerate(tokens) if t < 0]
+        num = num_context_positions(seps, lo, hi)
+        assert num == len(want)
+        out = build(t32(tokens), lo, hi, depth, early_stop=early_stop, num_selected=num)
+        assert out.dtype == torch.int32 and out.tolist() == want
+        with pytest.raises(ValueError, match="num_selected"):  # a CPU checks the count
+            build(t32(tokens), lo, hi, depth, num_selected=num + 1)
 
 
 def _device_reads(fn) -> int:
@@ -468,6 +479,40 @@ def test_build_reads_the_device_once_without_early_stop(build, reference):
                 assert n == reads, (early_stop, n)
             else:  # a read per round: more than one
                 assert n > 1, n
+
+
+def test_context_build_with_its_size_reads_nothing():
+    """With its selection's size counted on the host (``num_selected``: the arena records
+    its corpora's separators), a GPU's build (no early stop) reads nothing back: a level
+    built inside a decode step's commit does not wait for the device. Checked on the meta
+    device, where every op whose output size depends on the data (a boolean selection,
+    ``nonzero``) or a scalar read raises; on the CPU the dispatcher sees one read, the
+    CPU's own check of the count (free there)."""
+    toks = stdlib_tokens(1100)
+    toks[::37] = [-1] * len(toks[::37])
+    seps = [i for i, t in enumerate(toks) if t < 0]
+    for lo, hi in ((0, 1024), (70, 1100), (1099, 1100)):
+        num = num_context_positions(seps, lo, hi)
+        out = []
+        assert _device_reads(lambda: out.append(build_context_array(
+            t32(toks), lo, hi, 33, early_stop=False, num_selected=num))) == 1
+        assert out[0].tolist() == context_reference(toks, lo, hi, 33)
+        meta = torch.empty(len(toks), dtype=torch.int32, device="meta")
+        assert build_context_array(meta, lo, hi, 33, early_stop=False,
+                                   num_selected=num).shape == (num,)
+    with pytest.raises(NotImplementedError):  # the meta device does see a selection
+        build_context_array(meta, 0, 1024, 33, early_stop=False)
+
+
+@pytest.mark.parametrize("seps, lo, hi", [
+    ([], 0, 0), ([], 0, 5), ([0], 0, 5), ([4], 0, 5), ([2, 3], 0, 8), ([0, 1, 2], 1, 3),
+    ([5], 5, 6), ([5], 6, 9), ([9], 3, 9), ([1, 3, 5, 7], 0, 9), ([3], 4, 4)])
+def test_num_context_positions(seps, lo, hi):
+    """The positions ``c`` of ``[max(lo, 1), hi)`` with neither ``c`` nor ``c - 1`` a
+    separator, against a text that has its separators exactly there."""
+    toks = [-1 if i in seps else 7 for i in range(10)]
+    want = [c for c in range(max(lo, 1), hi) if toks[c] >= 0 and toks[c - 1] >= 0]
+    assert num_context_positions(seps, lo, hi) == len(want)
 
 
 @pytest.mark.parametrize("depth", [33, 64])
@@ -626,7 +671,8 @@ def test_arena_corpora_are_isolated_and_batched():
 
 def test_append_rows_equals_one_append_per_row():
     """The batched commit append: same tokens, sources, levels and matches as appending
-    each row on its own, through relocations, level builds, zero counts and separators."""
+    each row on its own, through relocations, level builds, zero counts and separators
+    (appended on their own: the rows are token ids, a model's output)."""
     cfg = IndexConfig(max_depth=8, tail_tokens=5)
     one, rows = IndexArena(cfg, initial_tokens=16), IndexArena(cfg, initial_tokens=16)
     rng = random.Random(5)
@@ -635,10 +681,12 @@ def test_append_rows_equals_one_append_per_row():
     for step in range(60):
         batch = rng.sample(cids, rng.randint(1, 4))
         M = rng.randint(1, 6)
-        toks = [[rng.randrange(4) if rng.random() > 0.1 else -1 for _ in range(M)]
-                for _ in batch]
+        toks = [[rng.randrange(4) for _ in range(M)] for _ in batch]
         counts = [rng.randint(0, M) for _ in batch]
         src = step % 3
+        if rng.random() < 0.2:  # a document boundary
+            for x in (one, rows):
+                x.append(batch[0], t32([-1]), src)
         for cid, t, m in zip(batch, toks, counts):
             one.append(cid, t32(t[:m]), src)
         rows.append_rows(batch, t32(sum(toks, [])).view(len(batch), M), counts, src)
@@ -653,6 +701,9 @@ def test_append_rows_equals_one_append_per_row():
         rows_of(one.match(q, lens, ids, max_positions=4), 4)
     with pytest.raises(ValueError, match="at most once"):
         rows.append_rows([cids[0], cids[0]], t32([1, 2]).view(2, 1), [1, 1])
+    rows.append_rows([cids[0]], t32([1, -1]).view(1, 2), [1])  # past its count: padding
+    with pytest.raises(ValueError, match="num_selected"):  # not ids: on a CPU the level
+        rows.append_rows([cids[0]], t32([-1, 2, 3, 4, 5]).view(1, 5), [5])  # build says so
     with pytest.raises(ValueError, match="counts"):
         rows.append_rows([cids[0]], t32([1, 2]).view(1, 2), [3])
     with pytest.raises(ValueError, match="tokens"):
