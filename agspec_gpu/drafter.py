@@ -554,10 +554,9 @@ class Drafter:
                 were never verified: they count neither as drafted nor as reached (the
                 controller's depth, the tier weights, the calibration).
 
-        With ``num_output_host`` and ``validate=False`` nothing is read back to the host:
-        the step's only device-to-host reads are the periodic level builds of a corpus
-        (every ``tail_tokens`` appended tokens; one read each on a GPU: the size of the
-        level).
+        With ``num_output_host`` and ``validate=False`` nothing is read back to the host,
+        the periodic level builds of a corpus included (every ``tail_tokens`` appended
+        tokens: the arena counts a level's size from the separators it records).
         """
         with nvtx.annotate("agspec.drafter.commit", color="red"):
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
