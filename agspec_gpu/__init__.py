@@ -2,7 +2,8 @@
 
 from agspec_gpu.accept import SamplingParams
 from agspec_gpu.controller import ControllerConfig, RoleProfile
-from agspec_gpu.decoder import DecoderConfig, SpecDecoder
+from agspec_gpu.decoder import SpecDecoder
+from agspec_gpu.decoder_config import DecoderConfig
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kv_cache import KVCacheFull

@@ -1,0 +1,101 @@
+"""DecoderConfig: the settings of a :class:`~agspec_gpu.decoder.SpecDecoder`, checked when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from numbers import Integral
+from pathlib import Path
+
+from agspec_gpu.drafter import DrafterConfig
+from agspec_gpu.tiers import TierConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """Decoder settings: tiers, drafting, the largest batch a step runs, the runner.
+
+    Attributes:
+        max_batch: the most sessions of one ``propose`` step, and the most requests that
+            a ``generate`` call or ``step`` runs at once (the rest wait their turn).
+        max_sessions: the most concurrently open sessions, idle ones included (an agent
+            waiting on a tool keeps its session, its corpus and its kept KV); None: ``4 *
+            max_batch``. Each open session holds a drafter state slot (a few hundred bytes)
+            and, with ``runner="paged"``, a page-table row (``4 * kv_cache_tokens /
+            page_size`` bytes).
+        runner: ``"hf"`` runs the model's own forward (any HF causal LM, a DynamicCache);
+            ``"paged"`` converts a Llama/Qwen2-family model once into a
+            :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
+            attention on a GPU) with a KV pool of ``kv_cache_tokens`` slots in pages of
+            ``page_size``. With either runner each session keeps its KV between ``generate``
+            calls (a call prefills only the tokens appended since) until ``close_session``
+            frees it; ``paged``: a call that needs pages frees idle sessions' KV, least
+            recently generated first, a step short of pages verifies shorter drafts, then
+            preempts its newest requests (``admission``), and
+            :class:`~agspec_gpu.kv_cache.KVCacheFull` (naming ``kv_cache_tokens``) ends a
+            request that cannot get two more slots alone (a step's root and one draft
+            node); ``hf``: the sessions keep at most ``kv_cache_tokens`` tokens of KV
+            in all (the least recently generated are freed first), each in tensors of its
+            own between calls.
+        cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
+            step (a plain decode step too) replays a CUDA graph of its padded (requests,
+            rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured
+            when the decoder is built, for batches of 1, 2, 4, ... up to ``max_batch``; the
+            buckets write their logits into one buffer of the largest bucket's
+            ``max_batch * (1 + max_nodes) + 1`` rows, ~1.07 GB in bf16 at max_batch 64, 64
+            nodes and a 128K vocabulary);
+            False launches every step eagerly, as does a GPU without FlashInfer or a
+            failed capture (:attr:`SpecDecoder.verify_graph_error` says why).
+        profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
+            those of the drafter's roles of the same name (other roles are kept).
+        admission: ``runner="paged"``: when a waiting request joins the running batch
+            (:mod:`~agspec_gpu.scheduler`). ``"reserve"``: once the KV pool holds it and
+            the running requests to their ``max_new_tokens`` (a batch never outgrows the
+            pool); ``"optimistic"``: once it holds their contexts and one step, more
+            requests at once when most end well before their limits; a batch that outgrows
+            the pool preempts its newest requests (they wait again, their KV kept until
+            the pages are needed, then recomputed). Either way a step short of pages
+            preempts rather than fails while more than one request runs.
+    """
+
+    tiers: TierConfig = field(default_factory=TierConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    max_batch: int = 64
+    max_sessions: int | None = None
+    runner: str = "hf"
+    page_size: int = 16
+    kv_cache_tokens: int = 1 << 15
+    cuda_graphs: bool = True
+    profiles: str | None = None
+    admission: str = "reserve"
+
+    def __post_init__(self) -> None:
+        for name, cls in (("tiers", TierConfig), ("drafter", DrafterConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name}: expected a {cls.__name__}, got "
+                                 f"{type(getattr(self, name)).__name__}")
+        for name in ("max_batch", "max_sessions", "page_size", "kv_cache_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, Integral) and not isinstance(v, bool)) and \
+                    not (name == "max_sessions" and v is None):
+                raise ValueError(f"{name}: expected an int, got {v!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
+        if self.profiles is not None and not isinstance(self.profiles, (str, Path)):
+            raise ValueError(f"profiles: expected a path or None, got {self.profiles!r}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_sessions is not None and self.max_sessions < self.max_batch:
+            raise ValueError(f"max_sessions ({self.max_sessions}) must be >= max_batch "
+                             f"({self.max_batch}): a batch is made of open sessions")
+        if self.runner not in ("hf", "paged"):
+            raise ValueError(f"runner must be 'hf' or 'paged', got {self.runner!r}")
+        if self.admission not in ("reserve", "optimistic"):
+            raise ValueError(f"admission must be 'reserve' or 'optimistic', got "
+                             f"{self.admission!r}")
+        if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
+            raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
+
+    @property
+    def session_limit(self) -> int:
+        """``max_sessions``, or ``4 * max_batch`` when it is None."""
+        return 4 * self.max_batch if self.max_sessions is None else self.max_sessions
