@@ -291,6 +291,56 @@ def test_spec_decoder_step_api_on_cuda():
     assert cache.num_free_pages == cache.num_pages
 
 
+def test_spec_decoder_step_waits_only_in_its_host_reads_on_cuda(monkeypatch):
+    """A graphed step of the paged decoder waits for the GPU only in its HostReader's reads
+    (the draft sizes; the emitted tokens and counts): under ``torch.cuda.set_sync_debug_mode
+    ("error")``, lifted inside those reads alone, any other synchronizing call raises (a
+    pageable host-to-device copy, an ``.item()``, a boolean index). An 8-token tail builds
+    index levels inside the checked steps: a level's size is counted on the host."""
+    from agspec_gpu import DecoderConfig, SpecDecoder, TierConfig
+    from agspec_gpu.host import HostReader
+
+    model = cl100k_llama(7)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1000, 40)] * 3
+    dec = SpecDecoder(model, "cl100k", DecoderConfig(
+        runner="paged", max_batch=4, kv_cache_tokens=4096, tiers=TierConfig(tail_tokens=8)))
+    assert dec._verify_graphs is not None, dec.verify_graph_error
+    reads = []
+    wait = HostReader.wait
+
+    def allowed_wait(self):
+        reads.append(1)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(HostReader, "wait", allowed_wait)
+    sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])]
+    for sid in sids:
+        dec.submit(sid, max_new_tokens=60, eos_id=None)
+    for _ in range(3):  # the joins' prefill, first graph replays
+        dec.step()
+    corpora = [dec.store.arena._corpora[dec.store.session(sid).corpus] for sid in sids]
+    tails = [c.tail_start for c in corpora]
+    torch.cuda.synchronize()
+    checked = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while dec.running and checked < 8:
+            before = len(reads)
+            assert all(e.token_ids for e in dec.step())
+            assert len(reads) - before <= 2, len(reads) - before
+            checked += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert checked >= 4 and [c.tail_start for c in corpora] != tails  # levels were built
+    for sid in sids:
+        dec.cancel(sid)
+        dec.close_session(sid)
+
+
 def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
     """The paged decoder with its verify graphs, a pool too small for a request: drafts
     are cut to the pages left inside the graphs' buckets, KVCacheFull ends the call naming
