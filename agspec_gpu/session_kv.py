@@ -34,6 +34,8 @@ class _Kept:
     tensors: SessionKV | None = None  # runner="hf": those tokens' keys / values
     last_used: int = 0               # the call that last generated for the session
     in_use: bool = False             # a running batch holds it (prefilled, not yet kept)
+    views: bool = False              # hf: ``tensors`` are views of a handed-over batch's
+                                     # whole cache (a join), for the prefill that follows
 
 
 class SessionKVCache:
@@ -88,9 +90,15 @@ class SessionKVCache:
         self.num_prefill_tokens += sum(len(c) - k.length for c, k in zip(contexts, kept))
         if isinstance(runner, PagedBatch):
             return runner.prefill(contexts, seq_ids=sids, cached=[k.length for k in kept])
-        logits = runner.prefill(contexts, past=[k.tensors for k in kept])
+        try:
+            logits = runner.prefill(contexts, past=[k.tensors for k in kept])
+        except BaseException:
+            for k in kept:  # a handed-over cache must not stay alive whole (it may have
+                if k.views:  # failed for memory): these sessions prefill anew next time
+                    k.length, k.tensors, k.views = 0, None, False
+            raise
         for k in kept:  # the batch's cache holds it now; keep() cuts it anew
-            k.length, k.tensors = 0, None
+            k.length, k.tensors, k.views = 0, None, False
         return logits
 
     def keep(self, runner: HFRunner | PagedBatch, sids: list[str],
@@ -104,7 +112,8 @@ class SessionKVCache:
         before its batch had a committed prefix keeps the sessions' earlier KV: those slots
         are never rewritten. ``handover``: a :meth:`prefill` of these sessions follows at
         once and ``runner`` is done (a join): ``hf`` keeps views of its cache instead of
-        copies, so their KV is copied once (into the next batch), not twice."""
+        copies, so their KV is copied once (into the next batch), not twice; if that
+        prefill fails, the views are dropped (they would keep the whole cache alive)."""
         for sid in sids:  # no longer the batch's: evictable again
             self._kept[sid].in_use = False
         paged = isinstance(runner, PagedBatch)
@@ -119,6 +128,7 @@ class SessionKVCache:
             if not paged:
                 k.tensors = runner.session_kv(b, k.length, copy=not handover) \
                     if k.length > 0 else None
+                k.views = handover and k.tensors is not None
         if not paged and not handover:  # (handed-over KV is the next batch's at once)
             held = sorted((k.last_used, -k.length, sid) for sid, k in self._kept.items()
                           if k.tensors is not None)

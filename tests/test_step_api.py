@@ -162,6 +162,42 @@ def test_a_failed_step_ends_the_running_requests_and_keeps_sessions_in_step(monk
     assert dec.store.nbytes(tier=CorpusTier.SESSION, tenant="t0") > 0
 
 
+def test_a_failed_join_prefill_drops_the_handed_over_views(monkeypatch):
+    """``hf``: a join hands the running requests' KV to the new batch as views of the old
+    batch's whole cache. If that prefill fails (say for memory), the views are dropped, not
+    kept alive with the whole cache; those sessions prefill anew at their next request, and
+    their output is still plain greedy decoding."""
+    from agspec_gpu.runners.hf import HFRunner
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf")
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[1])
+    dec.submit(a, max_new_tokens=30, eos_id=None)
+    dec.step()
+    dec.step()
+    prefill = HFRunner.prefill
+
+    def oom(self, *args, **kw):
+        raise MemoryError("no room for the joined batch")
+
+    monkeypatch.setattr(HFRunner, "prefill", oom)
+    dec.submit(b, max_new_tokens=5, eos_id=None)
+    with pytest.raises(MemoryError):
+        dec.step()
+    monkeypatch.setattr(HFRunner, "prefill", prefill)
+    assert dec.running == [] and dec.session_stats(a).finish_reason == "error"
+    kept = dec._kv._kept[a]
+    assert kept.tensors is None and not kept.views and dec._kv.kept_tokens(a) == 0
+    ctx = list(dec._sessions[a].context)
+    held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
+    assert held == ctx
+    dec.submit(a, max_new_tokens=6, eos_id=None)
+    dec.submit(b, max_new_tokens=5, eos_id=None)
+    out = run_until_idle(dec)
+    assert out[a] == greedy(VARIANT, ctx, 6, eos=None)
+    assert out[b] == greedy(VARIANT, P[1], 5, eos=None)
+    assert not any(k.views for k in dec._kv._kept.values())
+
+
 def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note(
         monkeypatch):
     """The error that failed the step is the one raised; a second one while ending the
