@@ -260,6 +260,24 @@ def flatten_tree_logits(logits: torch.Tensor, num_draft_tokens: torch.Tensor) ->
     return logits[keep]
 
 
+def rows_without_finite_max(draft: DraftBatch, logits: torch.Tensor,
+                            qo_indptr: torch.Tensor | None = None) -> torch.Tensor:
+    """``bool [B]``: request ``b`` has a row (its root's or a node's; padding rows are
+    ignored) whose maximum is not finite: a NaN or ``+inf`` anywhere in it, or ``-inf``
+    throughout. Such a row names no next token (its argmax is the NaN's column, its softmax
+    NaN), so a caller's logits holding one are a model fault, not a distribution. One
+    reduction over the logits; no host sync."""
+    rows, _ = _tree_rows(draft, logits, qo_indptr)
+    bad = ~torch.isfinite(rows.amax(-1)) if rows.shape[0] else rows.new_zeros(0, dtype=torch.bool)
+    if logits.ndim == 3:
+        B, N = draft.token_ids.shape
+        real = torch.arange(1 + N, device=logits.device) <= draft.num_draft_tokens[:, None]
+        return (bad.view(B, 1 + N) & real).any(-1)
+    # flat rows: request b's count of bad rows from the running count at its bounds
+    cum = torch.nn.functional.pad(bad.cumsum(0), (1, 0))
+    return cum[qo_indptr[1:].long()] > cum[qo_indptr[:-1].long()]
+
+
 def _tree_rows(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``rows [R, V]`` and ``row_start [B]`` (row of each request's root; int64, or

@@ -157,8 +157,11 @@ def load_profiles(path: str | Path,
     its ``"default"``); the roles of ``base`` the file does not name are kept as they are.
     Without ``base`` only the file's roles are returned (initial scale 1.0).
     """
-    obj = json.loads(Path(path).read_text())
+    if not Path(path).is_file():
+        raise ValueError(f"profiles: no profile file at {path} (write one with "
+                         f"`agspec-gpu profile`)")
     try:
+        obj = json.loads(Path(path).read_text())
         caps = {r: int(v["draft_cap"]) for r, v in obj["roles"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"profiles {path}: not an agspec-gpu profile file ({exc})") from exc

@@ -42,12 +42,14 @@ from typing import Callable, Iterable, Sequence
 import nvtx
 import torch
 
-from agspec_gpu.accept import AcceptResult, BatchSampling, SamplingParams, accept_tree
+from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, accept_tree,
+                               rows_without_finite_max)
 from agspec_gpu.attention import FlashInferPagedAttention
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
+from agspec_gpu.checks import check_text
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.decoder_config import DecoderConfig
-from agspec_gpu.draft_batch import DraftBatch, TreeInputs
+from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
@@ -205,8 +207,8 @@ class SpecDecoder:
         ids = self._ids(prompt_ids, "prompt_ids")
         if not ids:
             raise ValueError("prompt_ids must not be empty")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"text: expected a str or None, got {type(text).__name__}")
+        if text is not None:
+            check_text(text, "text")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id: expected a non-empty str or None, got "
                              f"{session_id!r}")
@@ -238,8 +240,8 @@ class SpecDecoder:
         st = self._session(sid)
         self._check_idle([sid], "sid")
         ids = self._ids(token_ids, "token_ids")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"text: expected a str or None, got {type(text).__name__}")
+        if text is not None:
+            check_text(text, "text")
         command = self.tokenizer.decode(st.message) if st.message else None
         files = capture_agent_writes(command) if command else []
         if text is not None:
@@ -310,11 +312,18 @@ class SpecDecoder:
                 raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
             if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
                 raise ValueError(f"{name}: expected integer token ids, got {ids.dtype}")
+            if ids.layout != torch.strided or ids.is_meta:
+                raise ValueError(f"{name}: expected a dense tensor holding data, got a "
+                                 f"{'meta' if ids.is_meta else ids.layout} tensor")
             ids = ids.tolist()
+        what = (f"{name}: expected token ids (a list of int or a 1-D integer tensor), got "
+                f"{type(ids).__name__}")
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-            raise ValueError(f"{name}: expected token ids (a list of int or a 1-D integer "
-                             f"tensor), got {type(ids).__name__}")
-        ids = list(ids)
+            raise ValueError(what)
+        try:
+            ids = list(ids)
+        except TypeError:  # (an iterable type whose instance is not: a 0-d numpy array)
+            raise ValueError(what) from None
         odd = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
         if odd:
             raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
@@ -361,7 +370,7 @@ class SpecDecoder:
         ``[root, nodes]`` ids, positions from each session's cached length
         ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask."""
         states = [self._session(s) for s in self._batch(session_ids)]
-        _check_draft(draft, len(states))
+        check_draft(draft, len(states))
         dev = draft.token_ids.device
         return draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64, dev),
                                  to_device([len(st.context) - 1 for st in states],
@@ -399,7 +408,7 @@ class SpecDecoder:
         if self._proposed != sids:
             raise ValueError("session_ids: commit() must follow propose() of the same "
                              f"sessions in the same order (last propose: {self._proposed})")
-        _check_draft(draft, len(sids))
+        check_draft(draft, len(sids))
         B, N = draft.token_ids.shape
         lead = "total_q" if qo_indptr is not None else f"{B}, {1 + N}"
         if not isinstance(logits, torch.Tensor) or \
@@ -424,7 +433,12 @@ class SpecDecoder:
                             logits.device)
         with nvtx.annotate("agspec.commit"):
             res = accept_tree(draft, logits, params, generator, qo_indptr, positions=pos)
-            n_out, rows = self._reader.read(res.num_output, res.output_ids)
+            faulty = rows_without_finite_max(draft, logits, qo_indptr)
+            n_out, rows, faulty = self._reader.read(res.num_output, res.output_ids, faulty)
+            if any(faulty):  # (nothing committed: propose() stands, commit may be retried)
+                raise ValueError(
+                    f"logits: the rows of session(s) {[s for s, f in zip(sids, faulty) if f]}"
+                    f" hold a NaN or +inf, or only -inf (no next token): a model fault")
             self._record(sids, res, n_out, n_out, num_draft)
             for s, r, n in zip(sids, rows, n_out):
                 self._sessions[s].extend(r[:n])
@@ -531,7 +545,9 @@ class SpecDecoder:
             ``session_stats(sid).finish_reason``).
 
         Raises:
-            KeyError / ValueError naming the argument before anything changes. An error
+            KeyError / ValueError naming the argument before anything changes, as does
+            :class:`~agspec_gpu.kv_cache.KVCacheFull` for a session whose context and first
+            step exceed even an empty KV pool (``runner="paged"``). An error
             raised later (in a step, or by ``on_tokens``) leaves each session's context,
             session tier and kept KV in step at what was emitted before it: the next call
             continues from there. Every token emitted was passed to ``on_tokens`` (one that
@@ -579,7 +595,9 @@ class SpecDecoder:
         The request joins the running batch at the next step with room (``max_batch``
         requests run at once; the rest wait in submission order). Arguments as
         :meth:`generate`'s, for one session. The session is busy until the request ends
-        (``generate``, ``propose``, ``append`` and another ``submit`` of it raise).
+        (``generate``, ``propose``, ``append`` and another ``submit`` of it raise). A
+        request that could not run even alone in an empty KV pool raises
+        :class:`~agspec_gpu.kv_cache.KVCacheFull` here, queueing nothing.
         """
         sid = self._batch([session_id])[0]
         self._check_idle([sid])
@@ -663,11 +681,14 @@ class SpecDecoder:
 
     def _requests(self, sids, max_new_tokens, sampling, stop, speculate, eos_id) -> Requests:
         """The requests of ``sids`` with per-session arguments, validated (nothing changes
-        on an error); their outputs are new lists."""
-        return Requests.build(sids, [self._sessions[s] for s in sids], max_new_tokens, sampling,
-                              stop, speculate,
+        on an error, a request that could not run even alone in the KV pool included);
+        their outputs are new lists."""
+        states = [self._sessions[s] for s in sids]
+        reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
                               self.tokenizer.eos_id if eos_id == -1 else eos_id,
                               self.vocab_size, self.tokenizer.decode)
+        self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits)
+        return reqs
 
     # ------------------------------------------------------------ the running batch
     def _running_batch(self, reqs: Requests) -> RunningBatch:
@@ -696,16 +717,6 @@ class SpecDecoder:
                 error = error or exc
         if error is not None:
             raise error
-
-
-def _check_draft(draft, num_sessions: int) -> None:
-    """``draft``: a :class:`DraftBatch` of one tree per session."""
-    if not isinstance(draft, DraftBatch):
-        raise ValueError(f"draft: expected the DraftBatch of propose(), got "
-                         f"{type(draft).__name__}")
-    if draft.token_ids.shape[0] != num_sessions:
-        raise ValueError(f"draft: batch {draft.token_ids.shape[0]} != {num_sessions} "
-                         f"session_ids")
 
 
 def _check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> None:

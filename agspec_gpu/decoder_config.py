@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from numbers import Integral
 from pathlib import Path
 
+from agspec_gpu.checks import check_int_fields
 from agspec_gpu.drafter import DrafterConfig
 from agspec_gpu.tiers import TierConfig
 
@@ -73,11 +73,8 @@ class DecoderConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name}: expected a {cls.__name__}, got "
                                  f"{type(getattr(self, name)).__name__}")
-        for name in ("max_batch", "max_sessions", "page_size", "kv_cache_tokens"):
-            v = getattr(self, name)
-            if not (isinstance(v, Integral) and not isinstance(v, bool)) and \
-                    not (name == "max_sessions" and v is None):
-                raise ValueError(f"{name}: expected an int, got {v!r}")
+        check_int_fields(self, ("max_batch", "max_sessions", "page_size", "kv_cache_tokens"),
+                         optional=("max_sessions",))
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
         if self.profiles is not None and not isinstance(self.profiles, (str, Path)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,3 +193,28 @@ class DraftBatch:
                 tok[b, j], par[b, j] = tid, p
         num = torch.tensor([len(t) for t in trees], dtype=torch.int32)
         return DraftBatch(tok.to(device), par.to(device), num.to(device))
+
+
+def check_draft(draft: Any, num_sessions: int) -> None:
+    """``draft`` is a :class:`DraftBatch` of one tree per session, of integer tensors
+    whose shapes agree; ValueError naming ``draft`` (or its field) if not. The values are
+    :meth:`DraftBatch.checked_sizes`' to check, in its one device read."""
+    if not isinstance(draft, DraftBatch):
+        raise ValueError(f"draft: expected the DraftBatch of propose(), got "
+                         f"{type(draft).__name__}")
+    for name in ("token_ids", "parents", "num_draft_tokens"):
+        t = getattr(draft, name)
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or \
+                t.dtype == torch.bool or t.dim() != (1 if name == "num_draft_tokens" else 2):
+            raise ValueError(f"draft.{name}: expected an integer tensor "
+                             f"{'[B]' if name == 'num_draft_tokens' else '[B, N]'}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{list(getattr(t, 'shape', ()))}")
+    if draft.parents.shape != draft.token_ids.shape or \
+            draft.num_draft_tokens.shape[0] != draft.token_ids.shape[0]:
+        raise ValueError(f"draft: token_ids {list(draft.token_ids.shape)}, parents "
+                         f"{list(draft.parents.shape)} and num_draft_tokens "
+                         f"{list(draft.num_draft_tokens.shape)} disagree")
+    if draft.token_ids.shape[0] != num_sessions:
+        raise ValueError(f"draft: batch {draft.token_ids.shape[0]} != {num_sessions} "
+                         f"session_ids")

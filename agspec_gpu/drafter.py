@@ -29,6 +29,7 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.checks import check_int_fields
 from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
@@ -117,6 +118,9 @@ class DrafterConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
+        check_int_fields(self, ("max_positions", "max_scan", "max_candidate_rows",
+                                "max_draft_depth", "max_nodes", "min_match", "candidate_slack"),
+                         optional=("max_scan", "max_candidate_rows"))
         if self.max_positions < 1 or self.max_draft_depth < 1 or self.max_nodes < 1:
             raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
         if self.max_scan is not None and self.max_scan < 1:

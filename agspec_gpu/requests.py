@@ -15,6 +15,7 @@ from numbers import Integral
 from typing import Callable
 
 from agspec_gpu.accept import SamplingParams
+from agspec_gpu.checks import check_text
 from agspec_gpu.stops import StopMatcher
 
 
@@ -131,7 +132,8 @@ class Requests:
         params = per_session(sampling, n, "sampling", (SamplingParams, type(None)))
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, Integral) or
                                 not 0 <= eos < vocab_size):
-            raise ValueError(f"eos_id: {eos} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"eos_id: expected None or an int in the vocabulary [0, "
+                             f"{vocab_size}), got {eos!r}")
         stops = stop_lists(stop, n)
         return cls(list(sids), list(states), [int(m) for m in limits], list(params),
                    [StopMatcher(decode, s) for s in stops], [eos] * n, list(spec),
@@ -245,6 +247,8 @@ def stop_lists(stop, n: int) -> list[list[str]]:
         lists = [stop] * n
     if not all(isinstance(x, str) and x for xs in lists for x in xs):
         raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+    for x in {x for xs in lists for x in xs}:
+        check_text(x, "stop")
     return lists
 
 

@@ -152,6 +152,26 @@ class SessionKVCache:
         return self._pages_to_grow(sids, contexts, max_new_tokens) <= \
             cache.num_free_pages + self._freeable(set(sids))
 
+    def check_fits_alone(self, sids: list[str], contexts: list[list[int]],
+                         max_new_tokens: list[int]) -> None:
+        """Raises :class:`KVCacheFull` naming ``kv_cache_tokens`` (and the session) when a
+        request could not run even alone in an empty pool: its context and first step (the
+        root and one node) need more pages than the pool, or a sequence, has. A call checks
+        this before anything runs, so no other request of it emits first. A no-op for
+        ``hf`` and for requests of limit 0."""
+        if self.paged is None:
+            return
+        cache = self.paged.kv_cache
+        ps, most = cache.page_size, min(cache.num_pages, cache.max_pages_per_seq)
+        for sid, ctx, m in zip(sids, contexts, max_new_tokens):
+            need = -(-(len(ctx) + (2 if m > 1 else 0)) // ps)
+            if m > 0 and need > most:
+                raise KVCacheFull(
+                    f"kv_cache_tokens: session {sid!r}'s context ({len(ctx)} tokens) and "
+                    f"first step need {need} pages of {ps} tokens, more than the pool's "
+                    f"{most} for one sequence even with every other session's KV freed; "
+                    f"raise DecoderConfig.kv_cache_tokens or shorten its context")
+
     def free_idle(self, num_pages: int) -> None:
         """Frees idle sessions' KV (not in a running batch), least recently generated
         first, until ``num_pages`` pages are free or no idle session holds any."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from agspec_gpu.checks import check_text
 from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
@@ -219,10 +220,9 @@ class CorpusStore:
         number of tokens added.
         """
         _check_tenant(tenant)
-        if path is not None and not isinstance(path, str):
-            raise ValueError(f"path: expected a str or None, got {type(path).__name__}")
-        if not isinstance(text, str):
-            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        if path is not None:
+            check_text(path, "path")
+        check_text(text, "text")
         if not self.config.use_workspace or not text:
             return 0
         t = self._tenants.setdefault(tenant, _Tenant())

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from agspec_gpu.accept import (AcceptBuffers, AcceptResult, BatchSampling, SamplingParams,
                                flatten_tree_logits, greedy_accept, pad_tree_logits,
-                               sample_accept, target_probs, tree_qo_indptr)
+                               rows_without_finite_max, sample_accept, target_probs,
+                               tree_qo_indptr)
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 
 V = 16
@@ -73,6 +74,33 @@ def test_empty_drafts():
     d = DraftBatch.from_lists([[], []])
     res = greedy_accept(d, one_hot_logits([[3], [11]]), tree_qo_indptr(d))
     check(res, [[], []], [[3], [11]])
+
+
+@pytest.mark.parametrize("fault", ["nan", "inf", "-inf row"])
+def test_rows_without_finite_max_names_the_faulty_requests(fault):
+    """A NaN or +inf anywhere in a root's or node's row, or a row of -inf only, flags its
+    request, in both layouts; padding rows (past ``1 + n_b``) never do; -inf entries in a
+    row with a finite maximum (a masked vocabulary) are fine."""
+    d = DraftBatch.from_lists([CHAIN, [], BRANCHY, [(2, -1)]])
+    flat = one_hot_logits([[5, 7, 0, 1], [4], [7, 8, 0, 8, 1, 2], [2, 13]])
+    indptr = tree_qo_indptr(d)
+    flat[:, 0] = float("-inf")
+    assert rows_without_finite_max(d, flat, indptr).tolist() == [False] * 4
+    padded = pad_tree_logits(flat, indptr, d.max_nodes)
+    padded[1, 1:] = float("nan")  # request 1 has no nodes: rows 1.. are padding
+    assert rows_without_finite_max(d, padded).tolist() == [False] * 4
+    for row, req in ((0, 0), (4, 1), (10, 2), (12, 3)):  # the first / last rows of each
+        bad = flat.clone()
+        if fault == "-inf row":
+            bad[row] = float("-inf")
+        else:
+            bad[row, 9] = float(fault)
+        want = [b == req for b in range(4)]
+        assert rows_without_finite_max(d, bad, indptr).tolist() == want
+        assert rows_without_finite_max(d, pad_tree_logits(bad, indptr, d.max_nodes)).tolist() \
+            == want
+    empty = DraftBatch.from_lists([])
+    assert rows_without_finite_max(empty, torch.zeros(0, V), tree_qo_indptr(empty)).numel() == 0
 
 
 def test_ragged_batch_flat_and_padded_agree():

@@ -17,13 +17,14 @@ import functools
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import agspec_gpu
 import agspec_gpu.host
-from agspec_gpu import (CorpusTier, DecoderConfig, DraftBatch, SamplingParams, SessionStats,
-                        SpecDecoder)
+from agspec_gpu import (CorpusTier, DecoderConfig, DraftBatch, DrafterConfig, SamplingParams,
+                        SessionStats, SpecDecoder)
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -536,8 +537,15 @@ def test_append_captures_the_files_an_agent_reads_and_writes():
     assert follows[0] >= 8 and follows[1] < follows[0] // 2, follows
     # bad text: a clear error, the session unchanged
     n = len(dec._sessions[a].context)
-    with pytest.raises(ValueError, match="text"):
-        dec.append(a, [1, 2], text=b"bytes")
+    surrogate = "1|def f():\n2|    return '\ud800'\n"  # (json.loads of a lone \\ud800)
+    for bad in (b"bytes", surrogate):
+        with pytest.raises(ValueError, match="text"):
+            dec.append(a, [1, 2], text=bad)
+    for call in (lambda: dec.add_workspace_file(a, "f.py", surrogate),
+                 lambda: dec.add_workspace_file(a, "\udcff.py", "x = 1\n"),
+                 lambda: dec.generate([a], max_new_tokens=2, stop=["ok", "\udcff"])):
+        with pytest.raises(ValueError, match=r"(text|path|stop): .* has no UTF-8 form"):
+            call()
     assert len(dec._sessions[a].context) == n and dec.append(a, [1, 2]) == []
 
 
@@ -553,8 +561,9 @@ def test_open_session_captures_the_files_its_prompt_shows():
                  if m.role == "tool" and capture_tool_output(None, m.content))
     file_text = capture_tool_output(None, shown)[0].text
     dec = SpecDecoder(model(VARIANTS[1]), tok())
-    with pytest.raises(ValueError, match="text"):
-        dec.open_session("t0", "coder", [1, 2, 3], text=b"bytes")
+    for bad in (b"bytes", shown + "\ud800"):  # (a lone surrogate: no UTF-8 form)
+        with pytest.raises(ValueError, match="text"):
+            dec.open_session("t0", "coder", [1, 2, 3], text=bad)
     assert not dec._sessions and dec.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") == 0
     dec.open_session("t0", "coder", tok().encode(shown), text=shown)
     dec.open_session("t1", "coder", [1, 2, 3])  # no text: nothing captured
@@ -1065,6 +1074,12 @@ def test_arguments_of_the_wrong_type_are_named():
                dict(admission=None)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             DecoderConfig(**kw)
+    for kw in (dict(max_nodes=2.5), dict(max_positions="8"), dict(max_scan=1.5),
+               dict(max_candidate_rows=True), dict(min_match=1.0)):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}: expected an int"):
+            DrafterConfig(**kw)
+    with pytest.raises(ValueError, match="profiles: no profile file"):
+        SpecDecoder(m, tok(), DecoderConfig(profiles="/nonexistent/profiles.json"))
     for kw in (dict(temperature="1"), dict(temperature=None), dict(temperature=True),
                dict(temperature=float("inf")), dict(top_k=True), dict(top_p="0.5")):
         with pytest.raises(ValueError, match=next(iter(kw))):
@@ -1083,6 +1098,12 @@ def test_arguments_of_the_wrong_type_are_named():
         dec.generate([sids[0], [sids[1]]], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         dec.generate(sids, max_new_tokens=torch.tensor(1))
+    with pytest.raises(ValueError, match="eos_id: expected None or an int"):
+        dec.generate(sids, max_new_tokens=4, eos_id=torch.tensor(5))
+    for bad in (torch.tensor([1, 2], device="meta"), torch.tensor([1, 2]).to_sparse(),
+                np.array(5)):
+        with pytest.raises(ValueError, match="token_ids: expected"):
+            dec.append(sids[0], bad)
     with pytest.raises(ValueError, match="on_tokens"):  # before the prefill, not after it
         dec.generate(sids, max_new_tokens=4, on_tokens=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -1095,6 +1116,13 @@ def test_arguments_of_the_wrong_type_are_named():
             dec.commit(sids, draft, logits, sampling=SamplingParams(0.7), generator=gen)
     with pytest.raises(ValueError, match="generator"):  # greedy too: checked all the same
         dec.commit(sids, draft, logits, generator=5)
+    num = draft.num_draft_tokens
+    for bad, name in (((draft.token_ids, draft.parents, num.float()), "num_draft_tokens"),
+                      ((draft.token_ids.float(), draft.parents, num), "token_ids"),
+                      ((draft.token_ids, draft.parents[:, :1], num), "parents"),
+                      ((draft.token_ids, draft.parents, num[:, None]), "num_draft_tokens")):
+        with pytest.raises(ValueError, match=f"draft.*{name}"):
+            dec.commit(sids, DraftBatch(*bad), logits)
     assert dec.stats["steps"] == 0
     assert_greedy(dec, variant, sids, P)
 
@@ -1285,6 +1313,10 @@ def test_flat_commit_bad_qo_indptr_raises_and_commits_nothing():
     for bad in (logits[None], logits[:, :VOCAB - 1]):
         with pytest.raises(ValueError, match="logits"):
             dec.commit(sids, draft, bad, qo_indptr=qo)
+    nan = logits.clone()
+    nan[int(qo[1]) + n[1], 3] = float("nan")  # the second session's last node's row
+    with pytest.raises(ValueError, match=rf"logits: .*\['{sids[1]}'\] hold a NaN"):
+        dec.commit(sids, draft, nan, qo_indptr=qo)
     assert dec.stats["steps"] == 0  # nothing was committed
     res = dec.commit(sids, draft, logits, qo_indptr=qo.long())  # int64 is fine
     batch.commit(res)
@@ -1386,7 +1418,20 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
         dec.propose([])
     with pytest.raises(ValueError, match="sampling"):  # one SamplingParams per session
         dec.commit(sids, draft, logits, sampling=[SamplingParams()])
+    # a model fault in a row that chooses a token: NaN, +inf, all -inf (greedy or sampled)
+    n1 = int(draft.num_draft_tokens[1])
+    for b, row, value in ((0, 0, "nan"), (1, n1, "inf"), (1, 0, "-inf row")):
+        bad = logits.clone()
+        if value == "-inf row":
+            bad[b, row] = float("-inf")
+        else:
+            bad[b, row, 7] = float(value)
+        for sampling in (None, SamplingParams(temperature=1.0, seed=3)):
+            with pytest.raises(ValueError, match=rf"logits: .*\['{sids[b]}'\] hold a NaN"):
+                dec.commit(sids, draft, bad, sampling=sampling)
     assert dec.stats["steps"] == 0  # nothing was committed
+    if n1 < N:  # a padding row's NaN is no token's row: ignored
+        logits[1, 1 + n1:] = float("nan")
     res = dec.commit(sids, draft, logits)  # the real step still commits
     runner.commit(res)
     with pytest.raises(ValueError, match="session_ids"):  # one commit per propose

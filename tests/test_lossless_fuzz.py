@@ -275,7 +275,13 @@ def run_preemption_case(seed: int) -> Counter:
                     context[sid] += extra
                 params = seeded if rng.random() < 0.2 else None
                 n = rng.randint(10, 120)
-                dec.submit(sid, max_new_tokens=n, sampling=params, eos_id=None)
+                try:
+                    dec.submit(sid, max_new_tokens=n, sampling=params, eos_id=None)
+                except KVCacheFull:  # its context alone outgrew the pool: refused, not queued
+                    seen["submissions refused (context > pool)"] += 1
+                    assert sid not in dec.queued and sid not in dec.running
+                    ended += 1
+                    continue
                 req[sid] = (list(context[sid]), n, params, [])
         preempted = [sid for sid in dec.queued if req[sid][3]]
         if preempted and rng.random() < 0.15:

@@ -220,8 +220,9 @@ def test_a_request_the_kv_pool_cannot_hold_beside_the_batch_waits_for_room():
     """Admission reserves KV: a long prompt submitted while a request runs waits in the
     queue (and the request behind it too: in order) instead of joining and running the
     batch out of pages, which would end both; it joins once the pool holds it. A request
-    whose context fits nowhere runs alone when nothing else does, and its KVCacheFull ends
-    it only: the next one runs. Every output is plain greedy decoding."""
+    whose context fits nowhere, not even alone in an empty pool, is refused when submitted
+    (a generate call of it runs none of its sessions): nothing queues, nothing changes.
+    Every output is plain greedy decoding."""
     from agspec_gpu import KVCacheFull
     P = [list(p) for p in prompts()]
     long = sum(P, [])[:200]  # 26 of the pool's 32 pages of 8
@@ -241,14 +242,17 @@ def test_a_request_the_kv_pool_cannot_hold_beside_the_batch_waits_for_room():
     assert first + out[a] == greedy(VARIANT, P[0], 40, eos=None)
     assert out[b] == greedy(VARIANT, long, 10, eos=None)
     assert out[c] == greedy(VARIANT, P[1], 5, eos=None)
-    dec.submit(huge, max_new_tokens=5)
+    refused = rf"kv_cache_tokens: session '{huge}''s context \(300 tokens\)"
+    with pytest.raises(KVCacheFull, match=refused):
+        dec.submit(huge, max_new_tokens=5)
+    assert dec.queued == [] and dec.session_stats(huge).finish_reason is None
+    ctx = list(dec._sessions[c].context)
+    with pytest.raises(KVCacheFull, match=refused):  # before C emits anything
+        dec.generate([c, huge], max_new_tokens=5, eos_id=None)
+    assert dec._sessions[c].context == ctx and dec.stats["prefills"] == 3
     dec.submit(a, max_new_tokens=5, eos_id=None)
-    with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
-        dec.step()
-    assert dec.queued == [a] and dec.session_stats(huge).finish_reason == "error"
-    assert dec.session_stats(a).finish_reason is None  # still queued
-    ctx = dec._sessions[a].context
-    assert run_until_idle(dec)[a] == greedy(VARIANT, ctx[:-5], 5, eos=None)
+    ctx = list(dec._sessions[a].context)
+    assert run_until_idle(dec)[a] == greedy(VARIANT, ctx, 5, eos=None)
 
 
 def test_a_step_short_of_pages_frees_idle_kv_first():
