@@ -3,7 +3,8 @@
 Subcommands:
 
 - ``replay PATH...``: teacher-forced acceptance replay of trajectory files through drafters;
-  prints a table, writes JSON (DESIGN.md "Replay output"), CSV and plots on request.
+  prints a table, writes JSON (the design's "Replay output", ../shared/DESIGN.md), CSV and
+  plots on request.
 - ``demo [REPO]``: the same on sessions built from a git repository's history (the current
   one by default), with no outside data; runs in well under a minute.
 - ``profile TRAJ... -o profiles.json``: per-role draft caps from replayed acceptance curves.

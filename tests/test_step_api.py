@@ -281,8 +281,9 @@ def test_a_step_short_of_pages_frees_idle_kv_first():
 def test_generate_beside_a_batch_that_holds_the_pool_says_so():
     """A ``generate`` call cannot preempt the submitted requests' batch (each runs its own
     scheduler): when that batch holds the pages the call needs, KVCacheFull says how many
-    the running requests hold, before anything changes; the batch runs on, plain greedy,
-    and the call succeeds once it ended."""
+    the running requests hold, before anything changes (or, for a request that fits at
+    first and outgrows the pages left, at its step, its tokens kept); the batch runs on,
+    plain greedy, and the call succeeds once it ended."""
     from agspec_gpu import KVCacheFull
     P = [list(p) for p in prompts()]
     long = sum(P, [])[:200]  # 26 of the pool's 32 pages of 8
@@ -294,6 +295,15 @@ def test_generate_beside_a_batch_that_holds_the_pool_says_so():
     with pytest.raises(KVCacheFull, match=f"{held} by running requests"):
         dec.generate([b], max_new_tokens=4, eos_id=None)  # 97 tokens: 13 pages
     assert dec._sessions[b].context == P[3] and dec.running == [a]
+    # a request whose context and first step fit beside the batch but whose growth does
+    # not: its call runs until the pages left are spent, then its step says who holds them;
+    # what it emitted stays in its session (plain greedy)
+    c = dec.open_session("t2", "coder", P[1])
+    with pytest.raises(KVCacheFull, match=f"held by this batch's 1 sessions, {held} by other"):
+        dec.generate([c], max_new_tokens=60, eos_id=None)
+    got = dec._sessions[c].context[len(P[1]):]
+    assert 0 < len(got) < 60 and got == greedy(VARIANT, P[1], len(got), eos=None)
+    assert dec.session_stats(c).finish_reason == "error" and dec.running == [a]
     assert first + run_until_idle(dec)[a] == greedy(VARIANT, long, 20, eos=None)
     assert dec.generate([b], max_new_tokens=4, eos_id=None) == \
         [greedy(VARIANT, P[3], 4, eos=None)]

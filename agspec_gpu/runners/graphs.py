@@ -117,8 +117,10 @@ class DecodeGraphs(GraphSteps):
 
     Example
     -------
-    >>> graphs = DecodeGraphs(runner, [1, 2, 4])
-    >>> logits = graphs.decode(["s0"], torch.tensor([42]), [17])     # [1, vocab]
+    A runner on a GPU whose pool holds sequence ``"s0"`` (17 tokens cached)::
+
+        graphs = DecodeGraphs(runner, [1, 2, 4])
+        logits = graphs.decode(["s0"], torch.tensor([42]), [17])     # [1, vocab]
     """
 
     def __init__(self, runner, batch_sizes: Sequence[int], *, use_graphs: bool | None = None,

@@ -165,10 +165,13 @@ class PagedLlamaRunner:
 
     Example
     -------
-    >>> runner = PagedLlamaRunner.from_pretrained("Qwen2.5-0.5B", num_pages=4096, device="cuda")
-    >>> last_logits = runner.prefill(["s0"], [prompt_ids])               # [1, vocab]
-    >>> meta = runner.plan(["s0"], draft, root_ids, prefix_lens)         # a tree step
-    >>> logits = runner.forward(meta)                                    # [meta.capacity_q, V]
+    From a local checkpoint folder (HF config and safetensors; nothing is downloaded)::
+
+        runner = PagedLlamaRunner.from_pretrained("/models/Qwen2.5-0.5B", num_pages=4096,
+                                                  device="cuda")
+        last_logits = runner.prefill(["s0"], [prompt_ids])               # [1, vocab]
+        meta = runner.plan(["s0"], draft, root_ids, prefix_lens)         # a tree step
+        logits = runner.forward(meta)                                    # [meta.capacity_q, V]
     """
 
     def __init__(self, config, weights: Mapping[str, torch.Tensor], *, num_pages: int,

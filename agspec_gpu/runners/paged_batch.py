@@ -166,11 +166,15 @@ class PagedBatch:
             return width, num_draft, draft
         if fit == 0:
             cache = self.runner.kv_cache
+            own = sum(cache.capacity(s) for s in self._seq_ids) // cache.page_size
+            others = cache.num_pages - cache.num_free_pages - own
             raise KVCacheFull(
                 f"kv_cache_tokens: the page pool ({cache.num_pages} pages of "
-                f"{cache.page_size}, {cache.num_free_pages} free) cannot hold the next step "
-                f"of {self.batch_size} sessions; raise DecoderConfig.kv_cache_tokens, or "
-                f"generate for fewer sessions or fewer tokens at a time")
+                f"{cache.page_size}, {cache.num_free_pages} free; {own} held by this "
+                f"batch's {self.batch_size} sessions, {others} by other sessions: a batch "
+                f"running beside it, or KV it could not free) cannot hold its next step; "
+                f"raise DecoderConfig.kv_cache_tokens, or generate for fewer sessions or "
+                f"fewer tokens at a time")
         return fit, [min(n, fit) for n in num_draft], draft.capped(fit)
 
     @torch.no_grad()

@@ -79,9 +79,12 @@ class VerifyGraphs(GraphSteps):
 
     Example
     -------
-    >>> vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=16)
-    >>> meta, logits = vg.verify(["s0"], draft, roots, [17], num_draft_host=[5])
-    >>> logits[:6]          # the root's and the 5 nodes' rows, as meta.qo_indptr[:2] says
+    A runner on a GPU whose pool holds sequence ``"s0"`` (17 tokens cached), a draft of 5
+    nodes::
+
+        vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=16)
+        meta, logits = vg.verify(["s0"], draft, roots, [17], num_draft_host=[5])
+        logits[:6]          # the root's and the 5 nodes' rows, as meta.qo_indptr[:2] says
     """
 
     def __init__(self, runner, batch_sizes: Sequence[int], max_nodes: int, *,
