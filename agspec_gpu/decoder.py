@@ -403,6 +403,11 @@ class SpecDecoder:
             draft tokens, then the bonus token: the next root) and ``accepted_nodes`` (the
             draft nodes whose KV your cache keeps, after the root's). The tokens join each
             session's context, its session tier and the controller.
+
+        Raises:
+            KeyError / ValueError naming the argument, nothing committed (the proposal
+            stands: a corrected commit may follow), for bad arguments and for ``logits``
+            whose rows that choose a token hold a NaN or +inf, or only -inf (a model fault).
         """
         sids = self._batch(session_ids)
         if self._proposed != sids:
