@@ -404,16 +404,18 @@ def target_probs(logits: torch.Tensor, params: SamplingParams | BatchSampling) -
     temp = s.temperature.view(row)
     # shifted by the row's max before the scaling (the same distribution): a tiny
     # temperature sends the others to -inf, never the max to inf (inf - inf: NaN)
-    x = logits.float()
-    top = x.amax(-1, keepdim=True)
-    x = (x - torch.where(top.isfinite(), top, 0.0)) / torch.where(temp > 0, temp, 1.0)
+    raw = logits.float()
+    top = raw.amax(-1, keepdim=True)
+    x = (raw - torch.where(top.isfinite(), top, 0.0)) / torch.where(temp > 0, temp, 1.0)
     V = x.shape[-1]
     if s.max_top_k > 0:
+        # the k-th logit is found among the logits themselves: the shift and scaling keep
+        # the order but may round two logits a few ulp apart into a tie
         k = min(s.max_top_k, V)
         idx = (s.top_k - 1).clamp(0, k - 1).view(row).expand(*x.shape[:-1], 1)
-        kth = torch.topk(x, k, dim=-1).values.gather(-1, idx)
+        kth = torch.topk(raw, k, dim=-1).values.gather(-1, idx)
         on = ((s.top_k > 0) & (s.top_k < V)).view(row)
-        x = x.masked_fill(on & (x < kth), float("-inf"))
+        x = x.masked_fill(on & (raw < kth), float("-inf"))
     if s.any_top_p:
         sorted_x, order = torch.sort(x, dim=-1, stable=True)
         drop = s.top_p_drop.view(row)
@@ -528,9 +530,11 @@ def sample_accept(draft: DraftBatch, logits: torch.Tensor, qo_indptr: torch.Tens
     bonus = torch.full((B,), PAD_ID, dtype=torch.long, device=dev)
     accepted = torch.full((B, D), PAD_ID, dtype=torch.long, device=dev)
     for d in range(D + 1):
-        u = torch.rand(B, generator=generator, device=dev)
+        # float64: a float32 uniform has 24 bits, which would round every token's
+        # probability to a multiple of 2**-24 (a total-variation error ~1e-3 at V = 152k)
+        u = torch.rand(B, generator=generator, device=dev, dtype=torch.float64)
         if s.any_seeded:  # the generator's stream advances alike
-            u = torch.where(s.seeded, seeded_uniforms(s.seed, positions + d), u.double())
+            u = torch.where(s.seeded, seeded_uniforms(s.seed, positions + d), u)
         # finished requests re-read a valid row; their draw is discarded
         x = _sample_rows(rows[row_start + 1 + cur], s, u)
         if d < D:

@@ -8,8 +8,8 @@ level) draws what plain decoding draws at each position. Pure integer tensor ops
 numbers on a CPU and a GPU, and nothing to capture or advance in a CUDA graph.
 
 The hash is Wellons' ``lowbias32`` (bias ~0.17 of the best known 32-bit two-round mix),
-chained over the seed's two 32-bit halves and the position. Products are split in 16-bit
-halves, so no int64 product overflows on any backend.
+chained over the seed's two 32-bit halves and the position (twice over the position).
+Products are split in 16-bit halves, so no int64 product overflows on any backend.
 """
 
 from __future__ import annotations
@@ -40,5 +40,8 @@ def seeded_uniforms(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     seed, position = seed.long(), position.long()
     h = _mix32(seed & _M32)
     h = _mix32(h ^ ((seed >> 32) & _M32))
-    h = _mix32(h ^ (position & _M32))
+    # two rounds on the position: after one, positions a few low bits apart (t, t + 1)
+    # drew measurably dependent uniforms across seeds (a 2-D chi-square of z = +44 over
+    # 4M seeds at t = 1001, 1002); the second round removes it
+    h = _mix32(_mix32(h ^ (position & _M32)))
     return (h.double() + 0.5) / 4294967296.0

@@ -219,6 +219,32 @@ def test_extreme_temperatures_keep_the_target():
     torch.testing.assert_close(p, torch.tensor([[0.2] * 5 + [0.0]] * 2))
 
 
+def test_top_k_keeps_no_near_tie_that_scaling_rounds_into_one():
+    """top-k compares the logits themselves: 2e-8 and 1e-8 are distinct logits (the 2nd
+    and 3rd) although ``logit - max`` rounds both to -1.0 in float32; top_k = 2 keeps two
+    tokens, as Hugging Face's warper does, at any temperature."""
+    logits = torch.tensor([[1.0, 2e-8, 1e-8, -5.0]])
+    for t in (1.0, 0.3, 7.0):
+        p = target_probs(logits, SamplingParams(t, top_k=2))
+        assert p[0, 2] == 0 and p[0, 3] == 0 and p[0, :2].sum() > 0.999, (t, p)
+
+
+def test_unseeded_draws_are_float64_uniforms_of_the_generator():
+    """An unseeded level draws ``torch.rand(B, dtype=float64)`` from the generator: 53 bits,
+    not float32's 24, which round every token's probability to a multiple of 2**-24. The
+    walk's tokens are the inverse CDF at those uniforms (an empty draft: one level)."""
+    B, V = 4096, 300
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(3)) * 4
+    d = DraftBatch.from_lists([[]] * B)
+    params = SamplingParams(0.8, top_p=0.97)
+    res = sample_accept(d, logits, tree_qo_indptr(d), params,
+                        torch.Generator().manual_seed(11))
+    u = torch.rand(B, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    cdf = target_probs(logits, params).double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    assert torch.equal(res.output_ids[:, 0].long(), want.clamp(max=V - 1))
+
+
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 5, 1.0),
                                     SamplingParams(1.0, 0, 0.8), SamplingParams(1.3, 7, 0.6)])
 def test_target_probs_matches_hf_warpers(params):
@@ -372,20 +398,37 @@ def _ks(u: torch.Tensor) -> float:
 
 
 def test_seeded_uniforms_are_a_fixed_hash_and_uniform():
-    """The seeded stream is lowbias32 chained over the seed's halves and the position (the
-    same integers on any device: checked against plain Python ints, whose products never
-    overflow), and uniform over positions and over seeds (KS below its 1% critical value)."""
+    """The seeded stream is lowbias32 chained over the seed's halves and, twice, the
+    position (the same integers on any device: checked against plain Python ints, whose
+    products never overflow), and uniform over positions and over seeds (KS below its 1%
+    critical value)."""
     from agspec_gpu.seeding import seeded_uniforms
     cases = [(0, 0), (1, 0), (0, 1), (7, 12345), ((1 << 63) - 1, (1 << 31) + 5),
              (0x5EADBEEF12345678, 99)]
     seeds, pos = (torch.tensor(c, dtype=torch.int64) for c in zip(*cases))
-    want = [(_lowbias32(_lowbias32(_lowbias32(s & 0xFFFFFFFF) ^ (s >> 32)) ^ p) + 0.5)
-            / 2 ** 32 for s, p in cases]
+    want = [(_lowbias32(_lowbias32(_lowbias32(_lowbias32(s & 0xFFFFFFFF) ^ (s >> 32)) ^ p))
+             + 0.5) / 2 ** 32 for s, p in cases]
     assert seeded_uniforms(seeds, pos).tolist() == want
     for u in (seeded_uniforms(torch.tensor(3), torch.arange(50000)),
               seeded_uniforms(torch.arange(50000), torch.tensor(11)),
               seeded_uniforms(torch.arange(50000) << 32, torch.tensor(0))):
         assert 0 < u.min() and u.max() < 1 and _ks(u) < 1.63
+
+
+def test_seeded_uniforms_of_nearby_positions_are_independent_across_seeds():
+    """A request's consecutive draws are independent over seeds: the 2-D histogram (64 x 64)
+    of the uniforms at ``t`` and ``t + dt`` over 2M seeds is flat (|z| of its chi-square
+    < 4). One round of the hash on the position gave z = +22 at (1001, 1002), whose low
+    bits differ in two places, and +8 at (1000, 1002)."""
+    from agspec_gpu.seeding import seeded_uniforms
+    n, K = 1 << 21, 64
+    seeds = torch.arange(n)
+    for t, dt in ((1001, 1), (1000, 2)):
+        u1, u2 = (seeded_uniforms(seeds, torch.tensor(p)) for p in (t, t + dt))
+        counts = torch.bincount((u1 * K).long() * K + (u2 * K).long(), minlength=K * K)
+        expected, df = n / K ** 2, K * K - 1
+        chi2 = ((counts.double() - expected) ** 2 / expected).sum().item()
+        assert abs(chi2 - df) / (2 * df) ** 0.5 < 4, (t, dt, chi2)
 
 
 def test_seeded_rows_draw_what_plain_sampling_draws():
