@@ -433,17 +433,19 @@ def sample_tokens(logits: torch.Tensor, sampling: BatchSampling,
                   generator: torch.Generator | None = None,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits [B, V]`` from the target distribution (row ``b`` by
-    ``sampling``'s row ``b``; the argmax, lower id on ties, where it is greedy; a seeded
-    row by inverse CDF at its uniform for ``positions[b]``, the sequence position of the
-    token drawn, ``int64 [B]``, needed when ``sampling.any_seeded``)."""
+    ``sampling``'s row ``b``; the argmax, lower id on ties, where it is greedy; else by
+    inverse CDF, as :func:`sample_accept`'s levels draw: at a float64 uniform of
+    ``generator``, or for a seeded row at its uniform for ``positions[b]``, the sequence
+    position of the token drawn, ``int64 [B]``, needed when ``sampling.any_seeded``)."""
     if sampling.all_greedy:
         return logits.argmax(dim=-1)
     p = target_probs(logits.float(), sampling)
-    x = torch.multinomial(p, 1, generator=generator)[:, 0]
+    u = torch.rand(p.shape[0], generator=generator, device=p.device, dtype=torch.float64)
     if sampling.any_seeded:
-        u = seeded_uniforms(sampling.seed, _checked_positions(positions, x.shape[0]))
-        x = torch.where(sampling.seeded, _inverse_cdf(p, u), x)
-    return x
+        u = torch.where(sampling.seeded,
+                        seeded_uniforms(sampling.seed, _checked_positions(positions, u.shape[0])),
+                        u)
+    return _inverse_cdf(p, u)
 
 
 def _checked_positions(positions: torch.Tensor | None, B: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from agspec_gpu.accept import (AcceptBuffers, AcceptResult, BatchSampling, SamplingParams,
                                flatten_tree_logits, greedy_accept, pad_tree_logits,
-                               rows_without_finite_max, sample_accept, target_probs,
-                               tree_qo_indptr)
+                               rows_without_finite_max, sample_accept, sample_tokens,
+                               target_probs, tree_qo_indptr)
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 
 V = 16
@@ -230,7 +230,7 @@ def test_top_k_keeps_no_near_tie_that_scaling_rounds_into_one():
 
 
 def test_unseeded_draws_are_float64_uniforms_of_the_generator():
-    """An unseeded level draws ``torch.rand(B, dtype=float64)`` from the generator: 53 bits,
+    """An unseeded level (and a plain step's token) draws ``torch.rand(B, dtype=float64)`` from the generator: 53 bits,
     not float32's 24, which round every token's probability to a multiple of 2**-24. The
     walk's tokens are the inverse CDF at those uniforms (an empty draft: one level)."""
     B, V = 4096, 300
@@ -243,6 +243,10 @@ def test_unseeded_draws_are_float64_uniforms_of_the_generator():
     cdf = target_probs(logits, params).double().cumsum(-1)
     want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     assert torch.equal(res.output_ids[:, 0].long(), want.clamp(max=V - 1))
+    # a plain step's first token draws the same way (greedy rows: the argmax)
+    rows = BatchSampling.of([params, SamplingParams(0.0)] * (B // 2), "cpu")
+    got = sample_tokens(logits, rows, torch.Generator().manual_seed(11))
+    assert torch.equal(got[::2], want[::2]) and torch.equal(got[1::2], logits[1::2].argmax(-1))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 0, 1.0), SamplingParams(1.0, 5, 1.0),
