@@ -268,7 +268,7 @@ def rows_without_finite_max(draft: DraftBatch, logits: torch.Tensor,
     NaN), so a caller's logits holding one are a model fault, not a distribution. One
     reduction over the logits; no host sync."""
     rows, _ = _tree_rows(draft, logits, qo_indptr)
-    bad = ~torch.isfinite(rows.amax(-1)) if rows.shape[0] else rows.new_zeros(0, dtype=torch.bool)
+    bad = ~torch.isfinite(rows.amax(-1))
     if logits.ndim == 3:
         B, N = draft.token_ids.shape
         real = torch.arange(1 + N, device=logits.device) <= draft.num_draft_tokens[:, None]

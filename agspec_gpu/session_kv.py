@@ -164,7 +164,7 @@ class SessionKVCache:
         cache = self.paged.kv_cache
         ps, most = cache.page_size, min(cache.num_pages, cache.max_pages_per_seq)
         for sid, ctx, m in zip(sids, contexts, max_new_tokens):
-            need = -(-(len(ctx) + (2 if m > 1 else 0)) // ps)
+            need = -(-(len(ctx) + _first_step_tokens(m)) // ps)
             if m > 0 and need > most:
                 raise KVCacheFull(
                     f"kv_cache_tokens: session {sid!r}'s context ({len(ctx)} tokens) and "
@@ -217,7 +217,7 @@ class SessionKVCache:
         cache = self.paged.kv_cache
         ps = cache.page_size
         need = self._pages_to_grow(sids, contexts, max_new_tokens)
-        first_step = 2 if max(max_new_tokens) > 1 else 0  # the root and one node
+        first_step = _first_step_tokens(max(max_new_tokens))
         least = sum(cache.pages_needed(s, len(ctx) + first_step)
                     for s, ctx in zip(sids, contexts))
         can_free = self._freeable(set(sids))
@@ -232,3 +232,9 @@ class SessionKVCache:
                 f"idle sessions, {running} by running requests); raise DecoderConfig."
                 f"kv_cache_tokens or generate for fewer sessions at a time")
         self.free_idle(need)
+
+
+def _first_step_tokens(max_new_tokens: int) -> int:
+    """KV slots a request's first step needs beyond its context: the root and one node, or
+    none when it emits at most one token (that step drafts nothing)."""
+    return 2 if max_new_tokens > 1 else 0
