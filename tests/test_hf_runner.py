@@ -250,11 +250,18 @@ def test_runner_misuse_raises():
     with pytest.raises(ValueError, match="twice"):
         runner.verify(d, torch.tensor([3]))
     # the commit in two halves: between them the host lengths are not known yet
+    before = runner.session_kv(0, 2)
     runner.commit_kv(greedy_accept(d, torch.zeros(1, 2, VOCAB)))
     for call in (lambda: runner.verify(d, torch.tensor([3])),
-                 lambda: runner.select_rows([0]), lambda: runner.session_kv(0, 1)):
+                 lambda: runner.select_rows([0])):
         with pytest.raises(ValueError, match="between commit_kv"):
             call()
+    # the slots committed before stay readable (a call interrupted here keeps them)
+    during = runner.session_kv(0, 2)
+    assert during.length == 2 and all(torch.equal(a, b) for a, b in
+                                      zip(before.keys + before.values, during.keys + during.values))
+    with pytest.raises(ValueError, match=r"length: 3 outside \(0, 2\]"):
+        runner.session_kv(0, 3)
     with pytest.raises(ValueError, match="num_accepted_host: 2 counts for 1"):
         runner.commit_lengths([0, 0])
     runner.commit_lengths([0])

@@ -348,15 +348,19 @@ class HFRunner:
         return cache
 
     def session_kv(self, b: int, length: int, *, copy: bool = True) -> SessionKV:
-        """Request ``b``'s first ``length`` committed KV slots (``length <= seq_lens[b]``),
-        to pass to a later :meth:`prefill` of the same model: a copy, or with
+        """Request ``b``'s first ``length`` committed KV slots (``length <= seq_lens[b]``;
+        between :meth:`commit_kv` and :meth:`commit_lengths`, ``<= seq_lens_host[b]``,
+        the lengths before that commit), to pass to a later :meth:`prefill` of the same model: a copy, or with
         ``copy=False`` views of this batch's cache (no copy, but they keep the whole cache
         alive: for a prefill that follows at once, after which this batch is done)."""
         if self._seq_lens is None:
             raise ValueError("session_kv: no batch: call prefill() first")
-        check_lengths_settled(self._lengths_owed, "session_kv")
-        # a pending verify appended its tree after the committed slots: they are intact
-        committed = self._width if self._pending is None else self._pending[0]
+        # a pending verify appended its tree after the committed slots, a commit whose
+        # lengths are owed its path after the host lengths: the slots below are intact
+        if self._lengths_owed:  # (a call interrupted between the halves keeps these)
+            committed = self._lens_host[b]
+        else:
+            committed = self._width if self._pending is None else self._pending[0]
         if not 0 < length <= committed:
             raise ValueError(f"length: {length} outside (0, {committed}]")
 
