@@ -39,6 +39,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import nvtx
 import torch
 
@@ -267,9 +268,7 @@ class SpecDecoder:
         """Frees the session's corpus and KV (ending its submitted request, if any); its
         text joins its tenant's history."""
         self._session(sid)
-        if sid in self._generating:
-            raise ValueError(f"sid: session {sid!r} is in a running generate() call (its "
-                             f"on_tokens returning False ends its request there)")
+        self._check_idle([sid], "sid", submitted_ok=True)
         self.cancel(sid)
         self.drafter.close_session(sid)
         self._kv.drop(sid)
@@ -540,8 +539,9 @@ class SpecDecoder:
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step; returning
                 False ends that session's request there (a client that went away), the
-                others go on. The call's sessions are busy for it (its ``append``,
-                ``generate``, ``propose``, ``submit`` or ``close_session`` of them raise).
+                others go on; None or True go on, any other return raises TypeError. The
+                call's sessions are busy for it (its ``append``, ``generate``,
+                ``propose``, ``submit``, ``cancel`` or ``close_session`` of them raise).
                 It runs with the model's GPU current; for a request's last tokens,
                 ``session_stats(sid).finish_reason`` already says why it ends.
 
@@ -646,8 +646,11 @@ class SpecDecoder:
     @device_guard
     def cancel(self, session_id: str) -> None:
         """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
-        the batch, its KV and what it emitted kept). A no-op for an idle session."""
+        the batch, its KV and what it emitted kept). A no-op for an idle session; raises
+        ValueError for one in a running :meth:`generate` (its ``on_tokens`` returning
+        False ends its request)."""
         self._session(session_id)
+        self._check_idle([session_id], "session_id", submitted_ok=True)
         self._scheduler.cancel(session_id)
 
     @property
@@ -660,11 +663,14 @@ class SpecDecoder:
         """Sessions whose submitted request waits for room in the batch."""
         return self._scheduler.queued
 
-    def _check_idle(self, sids: list[str], name: str = "session_ids") -> None:
+    def _check_idle(self, sids: list[str], name: str = "session_ids",
+                    submitted_ok: bool = False) -> None:
         hit = [s for s in sids if s in self._generating]
         if hit:
             raise ValueError(f"{name}: session {hit[0]!r} is in a running generate() call "
                              f"(its on_tokens returning False ends its request there)")
+        if submitted_ok:
+            return
         busy = set(self.running) | set(self.queued)
         hit = [s for s in sids if s in busy]
         if hit:
@@ -706,9 +712,9 @@ class SpecDecoder:
     def _advance(self, reqs: Requests, new: list[list[int]], on_tokens=None) -> None:
         """Extends each session's context by the tokens its drafter tier just took (the two
         never disagree, even when the call fails later), then streams them; a callback
-        that returns False marks its request done. A callback that raises does not keep
-        the others from their tokens (each joined its context): the first error is raised
-        once every session had its call."""
+        that returns False marks its request done. A callback that raises (a
+        ``KeyboardInterrupt`` too) does not keep the others from their tokens (each joined
+        its context): the first error is raised once every session had its call."""
         for st, toks in zip(reqs.states, new):
             st.extend(toks)
         if on_tokens is None:
@@ -716,12 +722,22 @@ class SpecDecoder:
         error = None
         for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
             try:
-                if toks and on_tokens(sid, toks) is False:
+                if toks and _ends_request(sid, on_tokens(sid, toks)):
                     reqs.cancel(b)
-            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the others
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _ends_request(sid: str, returned) -> bool:
+    """What an ``on_tokens`` return says: None or True go on, False (numpy's too) ends the
+    request. Anything else raises: a count of 0 (a ``write`` of an empty chunk, say) must
+    not end a stream, nor a count end none."""
+    if returned is None or isinstance(returned, (bool, np.bool_)):
+        return returned is not None and not returned
+    raise TypeError(f"on_tokens: returned {type(returned).__name__} {returned!r} for session "
+                    f"{sid!r}; return None or True to go on, False to end its request")
 
 
 def _check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> None:

@@ -1488,7 +1488,7 @@ def test_on_tokens_streams_exactly_the_output():
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_sessions_of_a_running_generate_are_busy_for_its_callback(runner):
     """A streaming callback may not move a session of its own call (append, generate,
-    propose, submit, close_session raise naming it: the running batch holds its KV and
+    propose, submit, close_session, cancel raise naming it: the running batch holds its KV and
     context); it may generate for another session, and once the call returns its sessions
     are idle again. Every output is plain greedy decoding of its context."""
     variant = VARIANTS[0]
@@ -1500,10 +1500,10 @@ def test_sessions_of_a_running_generate_are_busy_for_its_callback(runner):
     refused, nested = [], []
 
     def on_tokens(sid, toks):
-        if len(refused) < 5:
+        if len(refused) < 6:
             for call in (lambda: dec.append(a, [1, 2]), lambda: dec.generate([b]),
                          lambda: dec.propose([a, c]), lambda: dec.submit(b),
-                         lambda: dec.close_session(a)):
+                         lambda: dec.close_session(a), lambda: dec.cancel(b)):
                 with pytest.raises(ValueError, match="running generate"):
                     call()
                 refused.append(sid)
@@ -1511,7 +1511,7 @@ def test_sessions_of_a_running_generate_are_busy_for_its_callback(runner):
             nested.append(dec.generate([c], max_new_tokens=6)[0])
 
     out = dec.generate([a, b], max_new_tokens=30, on_tokens=on_tokens)
-    assert len(refused) == 5 and nested
+    assert len(refused) == 6 and nested
     assert out == [greedy(variant, P[0], 30), greedy(variant, P[1], 30)]
     assert nested[0] == greedy(variant, P[2], 6)
     for sid, p, o in zip((a, b, c), P, out + nested):
@@ -1546,6 +1546,31 @@ def test_on_tokens_returning_false_ends_only_that_request(runner):
     ctx = [p + o for p, o in zip(P, out)]
     assert [dec._sessions[s].context for s in sids] == ctx
     assert_greedy(dec, variant, sids, ctx, n=8)
+
+
+def test_on_tokens_returns_none_true_or_false():
+    """``on_tokens`` returning numpy's False ends its request as False does; a return that is
+    no bool (a ``write``'s count of 0, say) raises TypeError naming ``on_tokens`` once
+    every session had the step's call, rather than ending a stream or going on silently."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig())
+    a, b = (dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P))
+    out = dec.generate([a, b], max_new_tokens=12, eos_id=None,
+                       on_tokens=lambda sid, toks: np.bool_(sid != a))
+    assert 0 < len(out[0]) < 12 and len(out[1]) == 12
+    assert dec.session_stats(a).finish_reason == "cancelled"
+    calls = []
+
+    def on_tokens(sid, toks):
+        calls.append(sid)
+        return 0 if sid == a else None
+
+    with pytest.raises(TypeError, match=r"on_tokens: returned int 0 for session .*False to end"):
+        dec.generate([a, b], max_new_tokens=12, eos_id=None, on_tokens=on_tokens)
+    assert calls == [a, b]
+    assert [dec.session_stats(s).finish_reason for s in (a, b)] == ["error"] * 2
+    assert_greedy(dec, variant, [a, b], [list(dec._sessions[s].context) for s in (a, b)], n=4)
 
 
 @pytest.mark.parametrize("runner", ["hf", "paged"])
@@ -1611,10 +1636,11 @@ class Boom(RuntimeError):
 
 
 @pytest.mark.parametrize("runner", ["hf", "paged"])
-@pytest.mark.parametrize("where", ["on_tokens", "propose"])
+@pytest.mark.parametrize("where", ["on_tokens", "interrupt", "propose"])
 def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where,
                                                                    monkeypatch):
-    """A call that fails half-way (the user's streaming callback raises, or a step fails):
+    """A call that fails half-way (the user's streaming callback raises, a Ctrl-C in it
+    included, or a step fails):
     each session's context holds exactly what was streamed to it (the raising callback's
     chunk included: the sessions after it in the batch still get theirs) and what its
     session tier took, the paged KV stays a prefix of it, and the next call is plain greedy
@@ -1628,12 +1654,13 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     streamed = {sid: [] for sid in sids}
     calls = []
+    error = KeyboardInterrupt if where == "interrupt" else Boom
 
     def on_tokens(sid, toks):
         calls.append(sid)
         streamed[sid] += toks
-        if where == "on_tokens" and len(calls) == 5:  # third step, first session
-            raise Boom
+        if where != "propose" and len(calls) == 5:  # third step, first session
+            raise error
 
     propose = dec.drafter.propose
 
@@ -1644,10 +1671,10 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
 
     if where == "propose":
         monkeypatch.setattr(dec.drafter, "propose", failing_propose)
-    with pytest.raises(Boom):
+    with pytest.raises(error):
         dec.generate(sids, max_new_tokens=45, on_tokens=on_tokens)
     monkeypatch.undo()
-    if where == "on_tokens":  # the second session had its call in the failing step
+    if where != "propose":  # the second session had its call in the failing step
         assert calls[5:] == [sids[1]], calls
     for sid, p in zip(sids, P):
         ctx = dec._sessions[sid].context
@@ -1658,6 +1685,43 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
         if runner == "paged":
             assert 0 < dec._kv.kept_tokens(sid) <= len(ctx) - 1
     assert_greedy(dec, variant, sids, [list(dec._sessions[s].context) for s in sids], n=8)
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_an_interrupt_between_the_commits_halves_keeps_the_kv_before_it(runner, monkeypatch):
+    """A Ctrl-C while a step waits for its accepted tokens (after the KV commit, before the
+    host lengths): the step emitted nothing, each session keeps the KV of the context it
+    had (the slots below the pending commit's are intact), and its next call prefills
+    only the rest and is plain greedy decoding."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(runner=runner, page_size=8,
+                                                           kv_cache_tokens=2048))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    cls = HFRunner if runner == "hf" else PagedBatch
+    commit_lengths, calls = cls.commit_lengths, []
+
+    def interrupted(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return commit_lengths(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "commit_lengths", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate(sids, max_new_tokens=30, eos_id=None)
+    monkeypatch.undo()
+    ctx = [list(dec._sessions[s].context) for s in sids]
+    for s, c, p in zip(sids, ctx, P):
+        kept = dec._kv.kept_tokens(s)
+        assert c[len(p):] == greedy(variant, p, len(c) - len(p), eos=None)
+        assert len(p) < kept == len(c) - 1, (kept, len(c))  # all but the root
+        if runner == "hf":
+            assert dec._kv._kept[s].tensors.length == kept
+    before = dec.stats["prefill_tokens"]
+    assert dec.generate(sids, max_new_tokens=6, eos_id=None) == \
+        [greedy(variant, c, 6, eos=None) for c in ctx]
+    assert dec.stats["prefill_tokens"] - before == len(sids)  # each its root alone
 
 
 @pytest.mark.parametrize("runner", ["hf", "paged"])
