@@ -541,8 +541,11 @@ class Drafter:
 
         Args:
             output_ids: ``int32 [B, M]`` accepted draft tokens then the bonus, -1 padded.
-            num_output: ``int32 [B]`` valid tokens per row (accepted + 1).
-            num_accepted: ``int32 [B]`` draft tokens accepted.
+            num_output: ``int32 [B]`` valid tokens per row (accepted + 1, or fewer: a
+                request that ended inside the step), at most ``M``.
+            num_accepted: ``int32 [B]`` draft tokens accepted (at most
+                ``max_draft_depth``; more than ``num_output[b] - 1`` when the loop emitted
+                fewer tokens than it verified: a request that ended inside the step).
             num_output_host: ``num_output`` as host ints, when the caller has them (a
                 serving loop does: it emits the tokens); otherwise they are read back.
             validate: check that the committed ids are in the vocabulary (a read back of
@@ -581,16 +584,30 @@ class Drafter:
         out = cast(output_ids, torch.int32, dev)
         nout = cast(num_output, num_output.dtype, dev)
         nacc = cast(num_accepted, num_accepted.dtype, dev)
-        if num_output_host is not None and len(num_output_host) != len(sids):
-            raise ValueError(f"num_output_host: {len(num_output_host)} counts for "
-                             f"{len(sids)} sessions")
+        B = len(sids)
+        for name, t in (("output_ids", out), ("num_output", nout), ("num_accepted", nacc)):
+            if t.shape[:1] != (B,) or t.ndim != (2 if t is out else 1):
+                raise ValueError(f"{name}: expected {'[B, M]' if t is out else '[B]'} with "
+                                 f"B = {B} sessions, got {list(t.shape)}")
+        M = out.shape[1]
+        if num_output_host is not None and (len(num_output_host) != B or
+                                            any(not 0 <= n <= M for n in num_output_host)):
+            raise ValueError(f"num_output_host: expected {B} counts in [0, {M}], got "
+                             f"{list(num_output_host)}")
         # validate before any state changes: a bad row must not half-commit the batch
         if validate:
             V = self.store.vocab_size
-            used = torch.arange(out.shape[1], device=dev)[None, :] < \
-                nout.to(torch.int64)[:, None]
-            if bool(((out < 0) | (out >= V))[used].any()) or \
-                    bool((nout > out.shape[1]).any()):
+            used = torch.arange(M, device=dev)[None, :] < nout.to(torch.int64)[:, None]
+            bad_ids, bad_out, bad_acc = torch.stack([
+                ((out < 0) | (out >= V))[used].any(), ((nout < 0) | (nout > M)).any(),
+                ((nacc < 0) | (nacc > self.config.max_draft_depth)).any()]).tolist()
+            if bad_out:
+                raise ValueError(f"num_output: counts must be in [0, {M}] (output_ids' "
+                                 f"columns)")
+            if bad_acc:
+                raise ValueError(f"num_accepted: counts must be in [0, "
+                                 f"{self.config.max_draft_depth}] (max_draft_depth)")
+            if bad_ids:
                 raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
                                  "num_output[b] columns of each row")
         pending = self._pending.pop(tuple(sids), None)

@@ -1052,6 +1052,48 @@ def test_lifecycle_errors(tok):
         Drafter(CorpusStore(tok, TierConfig(use_global=False)), max_batch=2, max_sessions=0)
 
 
+def test_observe_refuses_bad_counts_before_the_proposal_is_taken(tok):
+    """Counts of ``observe`` out of range (a negative or too wide ``num_output``, a negative
+    ``num_accepted`` or one deeper than ``max_draft_depth``, rows that are not the batch's,
+    host counts that disagree) raise naming the argument, and the proposal stands: a
+    retry with good counts commits it."""
+    _, d = make(tok)
+    ids = tok.encode("def f(x):\n    return x + 1\n\ndef f(x):\n")
+    for s in ("a", "b"):
+        d.open_session(s, "t", prompt_ids=ids)
+    sids = ["a", "b"]
+    d.propose(sids)
+    out = torch.tensor([[ids[0], ids[1]], [ids[2], -1]], dtype=torch.int32)
+    good_n, good_a = torch.tensor([2, 1], dtype=torch.int32), torch.tensor([1, 0],
+                                                                         dtype=torch.int32)
+    depth = d.config.max_draft_depth
+    bad = [
+        (dict(num_output=torch.tensor([-1, 1], dtype=torch.int32)), "num_output: counts"),
+        (dict(num_output=torch.tensor([3, 1], dtype=torch.int32)), r"num_output: .*\[0, 2\]"),
+        (dict(num_accepted=torch.tensor([-2, 0], dtype=torch.int32)), "num_accepted"),
+        (dict(num_accepted=torch.tensor([depth + 1, 0], dtype=torch.int32)),
+         rf"num_accepted: .*\[0, {depth}\]"),
+        (dict(num_output=good_n[:1]), r"num_output: expected \[B\] with B = 2"),
+        (dict(num_accepted=good_a[:, None]), r"num_accepted: expected \[B\]"),
+        (dict(output_ids=out[0]), r"output_ids: expected \[B, M\]"),
+        (dict(num_output_host=[2, 5]), r"num_output_host: expected 2 counts in \[0, 2\]"),
+        (dict(num_output_host=[2]), "num_output_host"),
+        (dict(output_ids=out.masked_fill(out == ids[2], 10 ** 7)), "output_ids: token ids"),
+    ]
+    for change, match in bad:
+        kw = dict(output_ids=out, num_output=good_n, num_accepted=good_a) | change
+        with pytest.raises(ValueError, match=match):
+            d.observe(sids, kw.pop("output_ids"), kw.pop("num_output"), kw.pop("num_accepted"),
+                      **kw)
+        assert tuple(sids) in d._pending  # nothing was taken
+    held = [d.store.arena.corpus_tokens(d.store.session(s).corpus).tolist() for s in sids]
+    assert held == [ids, ids]
+    d.observe(sids, out, good_n, good_a)
+    assert tuple(sids) not in d._pending
+    assert [d.store.arena.corpus_tokens(d.store.session(s).corpus).tolist() for s in sids] \
+        == [ids + ids[:2], ids + ids[2:3]]
+
+
 @pytest.mark.parametrize("kwargs", [dict(max_positions=0), dict(max_draft_depth=0),
                                     dict(max_nodes=0), dict(min_match=0),
                                     dict(candidate_slack=-1), dict(min_prob=1.0),
