@@ -213,10 +213,15 @@ class SpecDecoder:
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id: expected a non-empty str or None, got "
                              f"{session_id!r}")
-        sid = session_id or f"{self._sid_prefix}{self._next}"
-        self._next += 1
-        if sid in self._sessions:
-            raise ValueError(f"session_id {sid!r} already exists")
+        if session_id is None:  # the next unused id (a caller may have chosen one like it)
+            while f"{self._sid_prefix}{self._next}" in self._sessions:
+                self._next += 1
+            sid = f"{self._sid_prefix}{self._next}"
+            self._next += 1
+        elif session_id in self._sessions:
+            raise ValueError(f"session_id {session_id!r} already exists")
+        else:
+            sid = session_id
         files = capture_tool_output(None, text) if text is not None else []
         self.drafter.open_session(sid, tenant, role, ids)
         self._sessions[sid] = SessionState(tenant, role, list(ids))

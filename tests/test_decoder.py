@@ -1056,9 +1056,18 @@ def test_bad_token_ids_and_survivors():
                dict(generator="seed")):
         with pytest.raises(ValueError, match=next(iter(kw))):
             dec.generate(sids, **{"max_new_tokens": 4, **kw})
-    for bad in (3, ""):
+    for bad in (3, "", sids[0]):
         with pytest.raises(ValueError, match="session_id"):
             dec.open_session("t0", "coder", [1, 2], session_id=bad)
+    # a caller's id of the automatic ids' form: the next automatic id passes it by
+    probe = dec.open_session("t0", "coder", [1, 2])
+    prefix, n = probe.rsplit("s", 1)
+    taken = [dec.open_session("t0", "coder", [1, 2], session_id=f"{prefix}s{int(n) + k}")
+             for k in (2, 3)]
+    auto = dec.open_session("t0", "coder", [1, 2])
+    assert auto not in sids + taken + [probe] and auto.startswith(prefix)
+    for s in taken + [probe, auto]:
+        dec.close_session(s)
     assert_greedy(dec, variant, sids, P)
 
 
