@@ -92,13 +92,14 @@ class Scheduler:
             out = [StepOutput(s, t, f is not None, f) for s, t, f in zip(r.sids, new, r.finish)]
             self._leave_finished()  # their sessions are idle once step() returns
         except BaseException as exc:
+            for q in joining:  # out of the queue: they end here, joined or not (a join
+                q.fail()       # that failed handing the old batch over left them outside)
             if self._live is not None:
                 live, self._live = self._live, None
                 live.reqs.fail()
                 live.end_after(exc)
-            else:  # the new batch was never made: its requests, running and joining
-                for q in ([] if live is None else [live.reqs]) + joining:
-                    q.fail()
+            elif live is not None:  # the new batch was never made
+                live.reqs.fail()
             raise
         return out
 

@@ -113,7 +113,9 @@ class SessionKVCache:
         are never rewritten. ``handover``: a :meth:`prefill` of these sessions follows at
         once and ``runner`` is done (a join): ``hf`` keeps views of its cache instead of
         copies, so their KV is copied once (into the next batch), not twice; if that
-        prefill fails, the views are dropped (they would keep the whole cache alive)."""
+        prefill fails, the views are dropped (they would keep the whole cache alive). An
+        ``hf`` copy that runs out of memory keeps nothing for its session (its next call
+        prefills it)."""
         for sid in sids:  # no longer the batch's: evictable again
             self._kept[sid].in_use = False
         paged = isinstance(runner, PagedBatch)
@@ -126,8 +128,13 @@ class SessionKVCache:
             k = self._kept[sid]
             k.length = min(lens[b], len(ctx) - 1)
             if not paged:
-                k.tensors = runner.session_kv(b, k.length, copy=not handover) \
-                    if k.length > 0 else None
+                # kept KV is a cache: with no memory for its copy, the session's next call
+                # prefills it, and the step that emitted the tokens still returns them
+                try:
+                    k.tensors = runner.session_kv(b, k.length, copy=not handover) \
+                        if k.length > 0 else None
+                except torch.OutOfMemoryError:
+                    k.length, k.tensors = 0, None
                 k.views = handover and k.tensors is not None
         if not paged and not handover:  # (handed-over KV is the next batch's at once)
             held = sorted((k.last_used, -k.length, sid) for sid, k in self._kept.items()

@@ -216,6 +216,74 @@ def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note
     assert dec.running == [] and dec.queued == []
 
 
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_a_join_that_fails_handing_the_batch_over_ends_the_joining_requests(runner,
+                                                                          monkeypatch):
+    """A join that fails while the running batch hands its KV over (a Ctrl-C there): the
+    joining requests, already out of the queue, end with ``"error"`` beside the running
+    ones, instead of being neither queued, running nor ended (a server loop stepping
+    while anything runs or waits would never finish them). Both sessions go on losslessly."""
+    from agspec_gpu.session_kv import SessionKVCache
+    P = [list(p) for p in prompts()]
+    dec = decoder(runner)
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[2])
+    dec.submit(a, max_new_tokens=30, eos_id=None)
+    dec.step()
+    dec.step()
+    dec.submit(b, max_new_tokens=10, eos_id=None)
+    keep = SessionKVCache.keep
+
+    def interrupted(self, *args, handover=False, **kw):
+        if handover:
+            raise KeyboardInterrupt
+        return keep(self, *args, handover=handover, **kw)
+
+    monkeypatch.setattr(SessionKVCache, "keep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dec.step()
+    monkeypatch.undo()
+    assert dec.running == [] and dec.queued == []
+    assert [dec.session_stats(s).finish_reason for s in (a, b)] == ["error", "error"]
+    ctx = [list(dec._sessions[s].context) for s in (a, b)]
+    assert ctx[1] == P[2]
+    for s in (a, b):
+        dec.submit(s, max_new_tokens=6, eos_id=None)
+    out = run_until_idle(dec)
+    assert [out[a], out[b]] == [greedy(VARIANT, c, 6, eos=None) for c in ctx]
+
+
+def test_a_kv_copy_out_of_memory_as_a_request_leaves_still_returns_the_step(monkeypatch):
+    """``hf``: a request that ends leaves the batch with a copy of its KV; a copy that runs
+    out of memory keeps nothing for that session (its next call prefills it) rather than
+    failing the step, whose tokens are already in every session's context: each token a
+    context took is one ``step`` returned, and the other request runs on."""
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf")
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[2])
+    dec.submit(a, max_new_tokens=8, eos_id=None)
+    dec.submit(b, max_new_tokens=20, eos_id=None)
+    session_kv = HFRunner.session_kv
+
+    def oom(self, b_, length, *, copy=True):
+        if copy:
+            raise torch.OutOfMemoryError("no room for the leaving request's KV")
+        return session_kv(self, b_, length, copy=copy)
+
+    dec.step()
+    monkeypatch.setattr(HFRunner, "session_kv", oom)
+    out = run_until_idle(dec)
+    monkeypatch.undo()
+    assert dec._kv.kept_tokens(a) == dec._kv.kept_tokens(b) == 0
+    for s, p, n in ((a, P[0], 8), (b, P[2], 20)):
+        assert dec._sessions[s].context == p + greedy(VARIANT, p, n, eos=None)
+        assert dec.session_stats(s).finish_reason == "length"
+        assert out[s] == dec._sessions[s].context[len(p) + 1:]  # after the first step's
+    before = dec.stats["prefill_tokens"]
+    assert dec.generate([a], max_new_tokens=4, eos_id=None) == \
+        [greedy(VARIANT, dec._sessions[a].context[:-4], 4, eos=None)]
+    assert dec.stats["prefill_tokens"] - before == len(P[0]) + 8
+
+
 def test_a_request_the_kv_pool_cannot_hold_beside_the_batch_waits_for_room():
     """Admission reserves KV: a long prompt submitted while a request runs waits in the
     queue (and the request behind it too: in order) instead of joining and running the
