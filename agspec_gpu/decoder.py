@@ -557,7 +557,8 @@ class SpecDecoder:
         Raises:
             KeyError / ValueError naming the argument before anything changes, as does
             :class:`~agspec_gpu.kv_cache.KVCacheFull` for a session whose context and first
-            step exceed even an empty KV pool (``runner="paged"``). An error
+            step exceed even an empty KV pool, or the pages the submitted requests'
+            running batch leaves (``runner="paged"``). An error
             raised later (in a step, or by ``on_tokens``) leaves each session's context,
             session tier and kept KV in step at what was emitted before it: the next call
             continues from there. Every token emitted was passed to ``on_tokens`` (one that
@@ -566,7 +567,9 @@ class SpecDecoder:
         """
         sids = self._batch(session_ids, bounded=False)
         self._check_idle(sids)
-        reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id)
+        # a call runs while the submitted requests' batch keeps its pages
+        reqs = self._requests(sids, max_new_tokens, sampling, stop, speculate, eos_id,
+                              beside_running=True)
         self._check_generator(generator)
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens: expected a callable or None, got "
@@ -695,15 +698,18 @@ class SpecDecoder:
         if generator is not None and generator.device.type != self._device.type:
             raise ValueError(f"generator: on {generator.device}, the model on {self._device}")
 
-    def _requests(self, sids, max_new_tokens, sampling, stop, speculate, eos_id) -> Requests:
+    def _requests(self, sids, max_new_tokens, sampling, stop, speculate, eos_id,
+                  beside_running: bool = False) -> Requests:
         """The requests of ``sids`` with per-session arguments, validated (nothing changes
-        on an error, a request that could not run even alone in the KV pool included);
-        their outputs are new lists."""
+        on an error, a request that could not run even alone in the KV pool, or beside
+        the running batches' pages for ``beside_running``, included); their outputs are
+        new lists."""
         states = [self._sessions[s] for s in sids]
         reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
                               self.tokenizer.eos_id if eos_id == -1 else eos_id,
                               self.vocab_size, self.tokenizer.decode)
-        self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits)
+        self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
+                                  beside_running)
         return reqs
 
     # ------------------------------------------------------------ the running batch

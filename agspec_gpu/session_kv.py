@@ -160,16 +160,19 @@ class SessionKVCache:
             cache.num_free_pages + self._freeable(set(sids))
 
     def check_fits_alone(self, sids: list[str], contexts: list[list[int]],
-                         max_new_tokens: list[int]) -> None:
+                         max_new_tokens: list[int], beside_running: bool = False) -> None:
         """Raises :class:`KVCacheFull` naming ``kv_cache_tokens`` (and the session) when a
         request could not run even alone in an empty pool: its context and first step (the
-        root and one node) need more pages than the pool, or a sequence, has. A call checks
-        this before anything runs, so no other request of it emits first. A no-op for
-        ``hf`` and for requests of limit 0."""
+        root and one node) need more pages than the pool, or a sequence, has;
+        ``beside_running`` (a ``generate`` call, which runs while the running batches hold
+        their pages): more than the pool has beside them. A call checks this before
+        anything runs, so no other request of it emits first. A no-op for ``hf`` and for
+        requests of limit 0."""
         if self.paged is None:
             return
         cache = self.paged.kv_cache
         ps, most = cache.page_size, min(cache.num_pages, cache.max_pages_per_seq)
+        running = self._running_pages(set(sids)) if beside_running else 0
         for sid, ctx, m in zip(sids, contexts, max_new_tokens):
             need = -(-(len(ctx) + _first_step_tokens(m)) // ps)
             if m > 0 and need > most:
@@ -178,6 +181,13 @@ class SessionKVCache:
                     f"first step need {need} pages of {ps} tokens, more than the pool's "
                     f"{most} for one sequence even with every other session's KV freed; "
                     f"raise DecoderConfig.kv_cache_tokens or shorten its context")
+            if m > 0 and need > cache.num_pages - running:
+                raise KVCacheFull(
+                    f"kv_cache_tokens: session {sid!r}'s context ({len(ctx)} tokens) and "
+                    f"first step need {need} pages of {ps} tokens, more than the "
+                    f"{cache.num_pages - running} the pool has beside the running requests' "
+                    f"{running} (step() the submitted requests to their end first, or "
+                    f"raise DecoderConfig.kv_cache_tokens)")
 
     def free_idle(self, num_pages: int) -> None:
         """Frees idle sessions' KV (not in a running batch), least recently generated
@@ -199,6 +209,13 @@ class SessionKVCache:
             max_new_tokens = [0] * len(sids)
         return sum(cache.pages_needed(s, min(len(ctx) + m + self.reserve_tokens, most))
                    for s, ctx, m in zip(sids, contexts, max_new_tokens))
+
+    def _running_pages(self, exclude: set[str]) -> int:
+        """Pages held by sessions outside ``exclude`` in a running batch (``step``'s, a
+        ``generate`` call's): not freeable while it runs."""
+        cache = self.paged.kv_cache
+        return sum(cache.capacity(sid) // cache.page_size for sid, k in self._kept.items()
+                   if k.in_use and sid not in exclude)
 
     def _freeable(self, exclude: set[str]) -> int:
         """Pages held by idle sessions outside ``exclude``."""
@@ -230,8 +247,7 @@ class SessionKVCache:
         can_free = self._freeable(set(sids))
         if least > cache.num_free_pages + can_free:
             total = sum(-(-(len(ctx) + first_step) // ps) for ctx in contexts)
-            running = sum(cache.capacity(sid) // ps for sid, k in self._kept.items()
-                          if k.in_use and sid not in sids)  # another batch's (step, generate)
+            running = self._running_pages(set(sids))
             raise KVCacheFull(
                 f"kv_cache_tokens: {len(sids)} sessions' contexts and first step need {total} "
                 f"pages of {ps} tokens ({total - least} already theirs, {least} more), the "

@@ -349,8 +349,9 @@ def test_a_step_short_of_pages_frees_idle_kv_first():
 def test_generate_beside_a_batch_that_holds_the_pool_says_so():
     """A ``generate`` call cannot preempt the submitted requests' batch (each runs its own
     scheduler): when that batch holds the pages the call needs, KVCacheFull says how many
-    the running requests hold, before anything changes (or, for a request that fits at
-    first and outgrows the pages left, at its step, its tokens kept); the batch runs on,
+    the running requests hold, before any of the call's sessions runs (or, for a request
+    that fits at first and outgrows the pages left, at its step, its tokens kept); the
+    batch runs on,
     plain greedy, and the call succeeds once it ended."""
     from agspec_gpu import KVCacheFull
     P = [list(p) for p in prompts()]
@@ -360,9 +361,12 @@ def test_generate_beside_a_batch_that_holds_the_pool_says_so():
     dec.submit(a, max_new_tokens=20, eos_id=None)
     first = dec.step()[0].token_ids
     held = dec._paged.kv_cache.capacity(a) // 8
-    with pytest.raises(KVCacheFull, match=f"{held} by running requests"):
-        dec.generate([b], max_new_tokens=4, eos_id=None)  # 97 tokens: 13 pages
-    assert dec._sessions[b].context == P[3] and dec.running == [a]
+    small = dec.open_session("t3", "coder", P[0])
+    with pytest.raises(KVCacheFull, match=f"beside the running requests' {held}"):
+        # 97 tokens: 13 pages; the small session fits, but does not run first
+        dec.generate([small, b], max_new_tokens=4, eos_id=None)
+    assert dec._sessions[b].context == P[3] and dec._sessions[small].context == P[0]
+    assert dec.running == [a] and dec.session_stats(small).finish_reason is None
     # a request whose context and first step fit beside the batch but whose growth does
     # not: its call runs until the pages left are spent, then its step says who holds them;
     # what it emitted stays in its session (plain greedy)
