@@ -389,14 +389,22 @@ def _cmd_build_global(args, console) -> int:
     t0 = time.perf_counter()
     if not args.src and not args.trajectories:
         raise ValueError("give --src and/or --trajectories")
-    if not Path(args.out).parent.is_dir() or Path(args.out).is_dir():
-        raise ValueError(f"-o {args.out}: not a file path in an existing directory")
     g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
               max_depth=args.max_depth, suffixes=tuple(args.suffix),
               trajectories=list(args.trajectories), half=args.half)
     _say(console, f"wrote {args.out}: {g.tokens.numel():,} tokens in "
          f"{time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _check_outputs(args) -> None:
+    """Each output file asked for can be written where it is named: before a run that takes
+    minutes, not after it."""
+    for key, option in (("json", "--json"), ("csv", "--csv"), ("plot", "--plot"),
+                        ("out", "-o")):
+        out = getattr(args, key, None)
+        if out is not None and (not Path(out).parent.is_dir() or Path(out).is_dir()):
+            raise ValueError(f"{option} {out}: not a file path in an existing directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -415,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"replay": _cmd_replay, "demo": _cmd_demo, "profile": _cmd_profile,
                 "build-global": _cmd_build_global}
     try:
+        _check_outputs(args)
         status = commands[args.command](args, console)
     except Unavailable as exc:
         _say(console, f"agspec-gpu {args.command}: {exc}", style="red")

@@ -32,9 +32,12 @@ import gzip
 import itertools
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
+
+from agspec_gpu.checks import check_text
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Roles of other chat APIs that mean the same thing as one of ours.
@@ -153,6 +156,8 @@ def _iter_path(path: Path) -> Iterator[Session]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*")
                        if p.is_file() and p.name.lower().endswith(_DIR_SUFFIXES))
+        if not files:
+            raise TrajectoryError(f"{path}: no trajectory files (*{', *'.join(_DIR_SUFFIXES)})")
         for f in files:
             yield from _iter_file(f)
     elif path.is_file():
@@ -187,7 +192,7 @@ def _read_text(path: Path) -> str:
     try:
         with _open_binary(path) as fh:
             data = fh.read()
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise TrajectoryError(f"{path}: cannot read ({e})") from None
     try:
         return data.decode("utf-8")
@@ -219,6 +224,15 @@ def _text(content: Any, where: str) -> str:
         return "".join(parts)
     raise TrajectoryError(f"{where}: 'content' must be a string or a list of text parts, "
                           f"got {type(content).__name__}")
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text``, which UTF-8 can encode (JSON's ``"\\ud800"`` decodes to a lone surrogate,
+    which no tokenizer reads)."""
+    try:
+        return check_text(text, where)
+    except ValueError as e:
+        raise TrajectoryError(str(e)) from None
 
 
 def _tool_call(call: Any, where: str) -> tuple[str, str]:
@@ -263,6 +277,7 @@ def _convert_messages(raw: Any, where: str, *, relabel_observations: bool) -> tu
         content = _text(m.get("content"), at)
         if calls:
             content = render_tool_calls(content, [_tool_call(c, at) for c in calls])
+        content = _utf8(content, at)
         if role == "user" and relabel_observations:
             role, seen_user = ("tool" if seen_user else "user"), True
         out.append(Message(role, content))
@@ -274,18 +289,22 @@ def _convert_messages(raw: Any, where: str, *, relabel_observations: bool) -> tu
 
 def _iter_jsonl(path: Path) -> Iterator[Session]:
     fh = _open_binary(path)
+    read_any = False
     try:
         with fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
+                read_any = True
                 try:
                     rec = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                     raise TrajectoryError(f"{path}:{lineno}: invalid JSON ({e})") from None
                 yield _jsonl_session(rec, path, lineno)
-    except (OSError, EOFError) as e:  # truncated or corrupt gzip stream
+    except (OSError, EOFError, zlib.error) as e:  # truncated or corrupt gzip stream
         raise TrajectoryError(f"{path}: cannot read ({e})") from None
+    if not read_any:
+        raise TrajectoryError(f"{path}: no records (an empty file)")
 
 
 def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
@@ -294,10 +313,7 @@ def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
         raise TrajectoryError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "messages" not in rec:
         raise TrajectoryError(f"{where}: missing key 'messages'")
-    if not isinstance(rec.get("meta") or {}, dict):
-        raise TrajectoryError(f"{where}: 'meta' must be an object, got "
-                              f"{type(rec['meta']).__name__}")
-    meta = dict(rec.get("meta") or {})
+    meta = _meta(rec, where)
     if "agent" in rec:
         # Normalized dataset record: content is already rendered; keep it byte for byte.
         raw = rec["messages"]
@@ -313,7 +329,7 @@ def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
             if not isinstance(m["content"], str):
                 raise TrajectoryError(f"{where}: message {i}: 'content' must be a string, "
                                       f"got {type(m['content']).__name__}")
-            msgs.append(Message(m["role"], m["content"]))
+            msgs.append(Message(m["role"], _utf8(m["content"], f"{where}: message {i}")))
         if "agent_version" in rec:
             meta.setdefault("agent_version", rec["agent_version"])
         messages, agent = tuple(msgs), str(rec["agent"])
@@ -336,6 +352,8 @@ def _json_sessions(path: Path, base: str) -> Iterator[Session]:
         raise TrajectoryError(
             f"{path}:{e.lineno}: invalid JSON ({e.msg}, line {e.lineno} column {e.colno})"
         ) from None
+    except RecursionError:
+        raise TrajectoryError(f"{path}: invalid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise TrajectoryError(f"{path}: expected a JSON object, got {type(data).__name__}")
     if "history" in data:
@@ -345,6 +363,14 @@ def _json_sessions(path: Path, base: str) -> Iterator[Session]:
     else:
         raise TrajectoryError(f"{path}: missing key 'history' (SWE-agent) or 'messages' "
                               f"(mini-swe-agent / chat)")
+
+
+def _meta(obj: dict, where: str) -> dict:
+    """A copy of ``obj["meta"]`` (an object, or absent)."""
+    meta = obj.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise TrajectoryError(f"{where}: 'meta' must be an object, got {type(meta).__name__}")
+    return dict(meta)
 
 
 def _dig(obj: Any, *keys: str) -> Any:
@@ -388,7 +414,7 @@ def _mini_or_chat_session(data: dict, path: Path, base: str) -> Session:
     if not is_mini:
         return Session(id=str(data.get("id", instance)), agent=str(data.get("agent", "chat")),
                        model=str(data.get("model") or ""), source=str(path),
-                       messages=messages, meta=dict(data.get("meta") or {}))
+                       messages=messages, meta=_meta(data, f"{path}"))
     model_raw = str(_dig(info, "config", "model", "model_name") or "")
     model = model_raw.lstrip("@")  # some configs prefix the provider with '@'
     meta = {"instance_id": instance, "exit_status": info.get("exit_status")}

@@ -557,6 +557,11 @@ def test_cli_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
           str(tmp_path / "no" / "g.agspec")], "not a file path"),
         (["build-global", "--src", str(tmp_path / "empty"), "-o", str(tmp_path / "g")],
          "no text to index"),
+        # output paths are checked before the run, naming the option
+        (replay + [traj("ok.jsonl"), "--json", str(tmp_path / "no" / "r.json")],
+         "--json " + str(tmp_path / "no" / "r.json") + ": not a file path"),
+        (["profile", traj("ok.jsonl"), "-o", str(tmp_path)], "-o " + str(tmp_path)),
+        (replay + [str(tmp_path / "empty"), traj("ok.jsonl")], "no trajectory files"),
     ]
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
     (tmp_path / "empty").mkdir()

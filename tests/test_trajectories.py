@@ -466,6 +466,43 @@ def test_aider_and_path_errors(tmp_path):
         load_sessions(notes, limit=-1)
 
 
+def test_more_malformed_inputs_are_named(tmp_path):
+    """Found by an audit that raised tracebacks or loaded nothing silently: corrupt deflate
+    data in a gzip file, JSON nested too deeply, a chat ``.json`` whose 'meta' is no object,
+    a lone surrogate in a message (no tokenizer reads it), an empty file and a directory
+    without trajectory files each raise TrajectoryError naming the file."""
+    rec = json.dumps(CHAT).encode() + b"\n"
+    corrupt = bytearray(gzip.compress(rec * 20))
+    for i in range(20, 40):  # inside the deflate stream: zlib.error, not a header error
+        corrupt[i] ^= 0xFF
+    (tmp_path / "corrupt.jsonl.gz").write_bytes(bytes(corrupt))
+    (tmp_path / "deep.traj.json").write_text("[" * 100_000)
+    (tmp_path / "meta.json").write_text(json.dumps({**CHAT, "meta": [1, 2]}))
+    surrogate = {**NORMALIZED, "messages": [{"role": "user", "content": "x"},
+                                            {"role": "assistant", "content": "ab\ud800"}]}
+    (tmp_path / "lone.jsonl").write_text(json.dumps(surrogate) + "\n")  # JSON's \ud800 escape
+    chat = {"messages": [{"role": "user", "content": "x"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "\udfff"}]}]}
+    (tmp_path / "lone_chat.jsonl").write_text(json.dumps(chat) + "\n")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "empty.jsonl.gz").write_bytes(gzip.compress(b""))
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "notes.txt").write_text("x")
+    cases = [("corrupt.jsonl.gz", r"corrupt\.jsonl\.gz: cannot read"),
+             ("deep.traj.json", r"deep\.traj\.json: invalid JSON \(nested too deeply\)"),
+             ("meta.json", r"meta\.json: 'meta' must be an object, got list"),
+             ("lone.jsonl", r"lone\.jsonl:1: message 1: '\\ud800' at character 2 has no UTF-8"),
+             ("lone_chat.jsonl", r"lone_chat\.jsonl:1: message 1: .* no UTF-8 form"),
+             ("empty.jsonl", r"empty\.jsonl: no records"),
+             ("empty.jsonl.gz", r"empty\.jsonl\.gz: no records"),
+             ("nothing", r"nothing: no trajectory files")]
+    for name, match in cases:
+        with pytest.raises(TrajectoryError, match=match):
+            load_sessions(tmp_path / name)
+    with pytest.raises(TrajectoryError, match="nothing: no trajectory files"):
+        load_paths([tmp_path / "nothing", tmp_path / "corrupt.jsonl.gz"], limit=1)
+
+
 # ----------------------------------------------------------------------------- directories
 
 
