@@ -50,7 +50,7 @@ from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.checks import check_text
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.decoder_config import DecoderConfig
-from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
+from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
@@ -384,7 +384,8 @@ class SpecDecoder:
     def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                generator: torch.Generator | None = None, *,
-               qo_indptr: torch.Tensor | None = None) -> AcceptResult:
+               qo_indptr: torch.Tensor | None = None, eos_id: int | None = None,
+               max_new_tokens: int | Sequence[int] | None = None) -> AcceptResult:
         """Accepts a verified step of the last :meth:`propose` of ``session_ids``.
 
         Args:
@@ -401,12 +402,21 @@ class SpecDecoder:
             sampling: None or temperature 0 = greedy (the output is the target's greedy
                 tokens); else multi-branch rejection sampling (the target distribution).
                 One :class:`SamplingParams` for all, or one per session.
+            eos_id: an end token (-1: the tokenizer's; None: none): a session's output ends
+                with its first one, the draft tokens accepted after it are not taken.
+            max_new_tokens: the most tokens each session takes from this step (what its
+                request may still emit; >= 1): one for all, or one per session; None: no
+                limit.
 
         Returns:
             :class:`AcceptResult`: per session ``output_ids[b, :num_output[b]]`` (the accepted
             draft tokens, then the bonus token: the next root) and ``accepted_nodes`` (the
             draft nodes whose KV your cache keeps, after the root's). The tokens join each
-            session's context, its session tier and the controller.
+            session's context, its session tier and the controller. A session that
+            ``eos_id`` or ``max_new_tokens`` ended keeps the tokens up to its end only:
+            ``num_output`` counts them, ``num_accepted = num_output - 1`` and the rest is
+            ``PAD_ID`` (its last token is the root a next step would take), and
+            ``session_stats(sid).finish_reason`` says ``"eos"`` or ``"length"``.
 
         Raises:
             KeyError / ValueError naming the argument, nothing committed (the proposal
@@ -431,6 +441,14 @@ class SpecDecoder:
         if logits.device != draft.token_ids.device:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
         self._check_generator(generator)
+        ends = None  # the sessions' end rules: the Requests that generate() would build
+        if eos_id is not None or max_new_tokens is not None:
+            limits = (1 << 62) if max_new_tokens is None else max_new_tokens
+            ends = Requests.build(sids, [self._sessions[s] for s in sids], limits, None, (),
+                                  True, self.tokenizer.eos_id if eos_id == -1 else eos_id,
+                                  self.vocab_size, self.tokenizer.decode)
+            if 0 in ends.limits:
+                raise ValueError(f"max_new_tokens: expected ints >= 1, got {max_new_tokens!r}")
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
@@ -448,11 +466,15 @@ class SpecDecoder:
                 raise ValueError(
                     f"logits: the rows of session(s) {[s for s, f in zip(sids, faulty) if f]}"
                     f" hold a NaN or +inf, or only -inf (no next token): a model fault")
-            self._record(sids, res, n_out, n_out, num_draft)
-            for s, r, n in zip(sids, rows, n_out):
-                self._sessions[s].extend(r[:n])
+            new = [r[:n] for r, n in zip(rows, n_out)]
+            if ends is not None:
+                new = ends.emit(new)
+            taken = list(map(len, new))
+            self._record(sids, res, taken, n_out, num_draft)
+            for s, toks in zip(sids, new):
+                self._sessions[s].extend(toks)
         self._proposed = None
-        return res
+        return res if taken == n_out else _cut(res, taken)
 
     def _batch(self, session_ids: Sequence[str], bounded: bool = True) -> list[str]:
         """``session_ids`` as a list, checked: distinct, open, at most ``max_batch`` (when
@@ -749,6 +771,18 @@ def _ends_request(sid: str, returned) -> bool:
         return returned is not None and not returned
     raise TypeError(f"on_tokens: returned {type(returned).__name__} {returned!r} for session "
                     f"{sid!r}; return None or True to go on, False to end its request")
+
+
+def _cut(res: AcceptResult, taken: list[int]) -> AcceptResult:
+    """``res`` with each request's output cut to its first ``taken[b]`` tokens (the last of
+    them its root), ``PAD_ID`` after them."""
+    n = to_device(taken, torch.int32, res.output_ids.device)
+    cols = torch.arange(res.output_ids.shape[1], device=n.device)[None, :]
+    return AcceptResult(num_accepted=n - 1,
+                        accepted_nodes=res.accepted_nodes.masked_fill(
+                            cols[:, :-1] >= (n - 1)[:, None], PAD_ID),
+                        output_ids=res.output_ids.masked_fill(cols >= n[:, None], PAD_ID),
+                        num_output=n)
 
 
 def _check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ import agspec_gpu
 import agspec_gpu.host
 from agspec_gpu import (CorpusTier, DecoderConfig, DraftBatch, DrafterConfig, SamplingParams,
                         SessionStats, SpecDecoder)
+from agspec_gpu.draft_batch import PAD_ID
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -1233,6 +1234,53 @@ def own_loop(dec, runner, sids, steps, between=None, flat=False,
         for b, (row, n) in enumerate(zip(res.output_ids.tolist(), res.num_output.tolist())):
             outs[b] += row[:n]
     return outs
+
+
+def test_commit_ends_a_session_at_its_end_token_or_its_limit():
+    """``commit(eos_id=, max_new_tokens=)``: a step whose accepted draft runs past the end
+    token, or past what the request may still emit, gives each session the tokens up to its
+    end only (they alone join its context; the result is cut to them, its last token the
+    root), and ``finish_reason`` says why; without them every accepted token joins, as
+    before. Bad values raise naming the argument, and the proposal stands."""
+    dec = SpecDecoder(model(VARIANTS[0]), tok())
+    eos = dec.tokenizer.eos_id
+    P = list(prompts()[3])
+    cont = [5, 6, eos, 7, 8, 9, 10, 11]
+    steer(dec, "t0", P + cont)
+    sids = [dec.open_session("t0", "coder", P) for _ in range(3)]
+
+    def target(draft):  # logits of a target that continues as the history did
+        logits = torch.zeros(*draft.token_ids.shape[:1], 1 + draft.max_nodes, VOCAB)
+        for b in range(draft.batch_size):
+            depth = {}
+            logits[b, 0, cont[0]] = 10
+            for j, p in enumerate(draft.parents[b, :int(draft.num_draft_tokens[b])].tolist()):
+                depth[j] = 1 if p == -1 else depth[p] + 1
+                logits[b, 1 + j, cont[depth[j]] if depth[j] < len(cont) else 99] = 10
+        return logits
+
+    draft = dec.propose(sids)
+    logits = target(draft)
+    for bad, match in ((dict(max_new_tokens=0), "max_new_tokens"),
+                       (dict(max_new_tokens=[1, 2]), "max_new_tokens"),
+                       (dict(eos_id=VOCAB), "eos_id")):
+        with pytest.raises(ValueError, match=match):
+            dec.commit(sids, draft, logits, **bad)
+    res = dec.commit(sids, draft, logits, eos_id=-1, max_new_tokens=[10, 2, 1 << 20])
+    assert res.num_output.tolist() == [3, 2, 3] and res.num_accepted.tolist() == [2, 1, 2]
+    assert res.output_ids.tolist()[0][:4] == [5, 6, eos, PAD_ID]
+    assert res.output_ids.tolist()[1][:3] == [5, 6, PAD_ID]
+    assert (res.accepted_nodes[1, 1:] == PAD_ID).all() and res.bonus_ids().tolist() == \
+        [eos, 6, eos]
+    assert [dec._sessions[s].context[len(P):] for s in sids] == [[5, 6, eos], [5, 6],
+                                                                  [5, 6, eos]]
+    assert [dec.session_stats(s).finish_reason for s in sids] == ["eos", "length", "eos"]
+    # without end rules every accepted token joins (the draft ran past the end token)
+    again = dec.open_session("t0", "coder", P)
+    d2 = dec.propose([again])
+    res2 = dec.commit([again], d2, target(d2))
+    assert res2.num_output.tolist()[0] > 3
+    assert dec._sessions[again].context[len(P):len(P) + 4] == [5, 6, eos, 7]
 
 
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
