@@ -599,7 +599,7 @@ class Drafter:
             V = self.store.vocab_size
             used = torch.arange(M, device=dev)[None, :] < nout.to(torch.int64)[:, None]
             bad_ids, bad_out, bad_acc = torch.stack([
-                ((out < 0) | (out >= V))[used].any(), ((nout < 0) | (nout > M)).any(),
+                (((out < 0) | (out >= V)) & used).any(), ((nout < 0) | (nout > M)).any(),
                 ((nacc < 0) | (nacc > self.config.max_draft_depth)).any()]).tolist()
             if bad_out:
                 raise ValueError(f"num_output: counts must be in [0, {M}] (output_ids' "

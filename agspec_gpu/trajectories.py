@@ -414,7 +414,7 @@ def _mini_or_chat_session(data: dict, path: Path, base: str) -> Session:
     if not is_mini:
         return Session(id=str(data.get("id", instance)), agent=str(data.get("agent", "chat")),
                        model=str(data.get("model") or ""), source=str(path),
-                       messages=messages, meta=_meta(data, f"{path}"))
+                       messages=messages, meta=_meta(data, str(path)))
     model_raw = str(_dig(info, "config", "model", "model_name") or "")
     model = model_raw.lstrip("@")  # some configs prefix the provider with '@'
     meta = {"instance_id": instance, "exit_status": info.get("exit_status")}

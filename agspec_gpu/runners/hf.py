@@ -350,9 +350,10 @@ class HFRunner:
     def session_kv(self, b: int, length: int, *, copy: bool = True) -> SessionKV:
         """Request ``b``'s first ``length`` committed KV slots (``length <= seq_lens[b]``;
         between :meth:`commit_kv` and :meth:`commit_lengths`, ``<= seq_lens_host[b]``,
-        the lengths before that commit), to pass to a later :meth:`prefill` of the same model: a copy, or with
-        ``copy=False`` views of this batch's cache (no copy, but they keep the whole cache
-        alive: for a prefill that follows at once, after which this batch is done)."""
+        the lengths before that commit), to pass to a later :meth:`prefill` of the same
+        model: a copy, or with ``copy=False`` views of this batch's cache (no copy, but
+        they keep the whole cache alive: for a prefill that follows at once, after which
+        this batch is done)."""
         if self._seq_lens is None:
             raise ValueError("session_kv: no batch: call prefill() first")
         # a pending verify appended its tree after the committed slots, a commit whose
