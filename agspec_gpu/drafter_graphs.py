@@ -41,6 +41,11 @@ from agspec_gpu.cuda_graph import capture, capture_error
 # fn(**inputs with S rows, num_requests=int64 []) -> output tensors with S rows
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
+# a bucket's captured outputs: a key no input name (a str) can take; the drafter's commit
+# has an input named "out"
+_OUTPUTS = ("graph outputs",)
+_BOOKKEEPING = ("num_requests", "clean_from", "last_b", "graph")  # a bucket's str keys
+
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
@@ -84,6 +89,9 @@ class StepGraphs:
     def __init__(self, fn: StepFn, max_batch: int, device: torch.device,
                  pads: Mapping[str, int | float], *, state: Sequence[torch.Tensor] = (),
                  use_graphs: bool | None = None, warmup: int = 2) -> None:
+        clash = sorted(set(pads) & set(_BOOKKEEPING))
+        if clash:
+            raise ValueError(f"pads: input names {clash} are a bucket's own keys")
         self.fn, self.device, self.pads, self.warmup = fn, device, dict(pads), warmup
         self.state = list(state)
         self.sizes = sorted({1 << k for k in range(max_batch.bit_length())
@@ -180,11 +188,11 @@ class StepGraphs:
                 return self.fn(**inputs, **plan.staged, num_requests=B)
             buf["graph"].replay()
             if not clone:  # the graph's outputs, B rows: views made once per B
-                views = buf.get(("out", B))
+                views = buf.get((_OUTPUTS, B))
                 if views is None:
-                    views = buf[("out", B)] = tuple(o[:B] for o in buf["out"])
+                    views = buf[(_OUTPUTS, B)] = tuple(o[:B] for o in buf[_OUTPUTS])
                 return views
-            out = buf["out"]
+            out = buf[_OUTPUTS]
         else:
             out = self._call(buf)
         assert out[0].shape[0] == plan.bucket_size
@@ -218,7 +226,7 @@ class StepGraphs:
             if self._pool is None:  # the buckets share a pool, so one capture stream
                 self._pool = torch.cuda.graph_pool_handle()
                 self._stream = torch.cuda.Stream(self.device)
-            buf["graph"], buf["out"] = capture(lambda: self._call(buf), self.device,
+            buf["graph"], buf[_OUTPUTS] = capture(lambda: self._call(buf), self.device,
                                                self.warmup, self._pool, self._stream)
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager
