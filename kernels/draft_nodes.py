@@ -32,6 +32,9 @@ from agspec_gpu.kernels._launch import next_pow2
 PAD_ID = -1
 _PAD = tl.constexpr(PAD_ID)  # what a kernel may read of it
 _TIE_BITS = 20  # the tie-break (depth * C + candidate) fits below the key's bits
+# emit_nodes keeps a [BLOCK_N, BLOCK_N] parent compare in registers: spill-free up to 128
+# nodes on sm_90, and over 1024 it exceeds Triton's 2**20 elements a block; wider: torch
+MAX_BLOCK_N = 128
 
 
 # C (candidates) and N (kept nodes) follow the batch's corpora: not specialized
@@ -143,7 +146,8 @@ def emit_nodes(order: torch.Tensor, num: torch.Tensor, W: torch.Tensor, S: torch
     """``(token_ids int32, parents int32, sources int8, depth int64, calib_row int64)``, each
     ``[B, N]``, of the first ``num int64 [B]`` entries of ``order int64 [B, N]`` over windows
     ``W``, sources ``S int32 [B, C, K]``, representatives ``rep int64 [B, C, K]`` and rows
-    ``calib_row int64 [B, C]``. Triton on CUDA (or when ``use_triton``), torch otherwise."""
+    ``calib_row int64 [B, C]``. Triton on CUDA (or when ``use_triton``) up to
+    ``MAX_BLOCK_N`` nodes, torch otherwise."""
     for name, t, ndim in (("order", order, 2), ("W", W, 3)):
         if t.dim() != ndim:
             raise ValueError(f"{name}: expected {ndim} dims, got shape {list(t.shape)}")
@@ -157,7 +161,7 @@ def emit_nodes(order: torch.Tensor, num: torch.Tensor, W: torch.Tensor, S: torch
                   ("calib_row", calib_row))
     if use_triton is None:
         use_triton = order.is_cuda
-    if not use_triton:
+    if not use_triton or N > MAX_BLOCK_N:
         return emit_nodes_torch(order, num, W, S, rep, calib_row)
     dev = order.device
     tok = torch.empty(B, N, dtype=torch.int32, device=dev)

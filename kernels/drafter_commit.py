@@ -35,6 +35,10 @@ import triton.language as tl
 from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
+# the path lookups are [BLOCK_N, BLOCK_N] compares in registers: spill-free up to 128 draft
+# nodes on sm_90, and over 1024 they exceed Triton's 2**20 elements a block; wider: torch
+MAX_BLOCK_N = 128
+
 
 # the output and draft widths follow the batch: not specialized
 # slots: a view of the drafter's staging ring without a graph (any alignment)
@@ -113,7 +117,8 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
                    seen: torch.Tensor, accepted: torch.Tensor, *, calib_depth: int,
                    use_triton: bool | None = None) -> torch.Tensor:
     """Launcher (see the module docstring for every argument): validates, then runs the
-    Triton kernel on CUDA (or when ``use_triton``), the torch path otherwise. Returns
+    Triton kernel on CUDA (or when ``use_triton``) up to ``MAX_BLOCK_N`` draft nodes, the
+    torch path otherwise. Returns
     ``acc_src int64 [B, M]``; updates the state and adds to the accumulators."""
     B, M = out.shape
     N = src.shape[1]
@@ -142,7 +147,7 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
                          f"{seen.shape[0]} cells, got {calib_depth!r}")
     if use_triton is None:
         use_triton = out.is_cuda
-    if not use_triton:
+    if not use_triton or N > MAX_BLOCK_N:
         return drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth,
                                     calib_row, path, recent, recent_len, match_cap, drafted,
                                     hits, seen, accepted, calib_depth=calib_depth)

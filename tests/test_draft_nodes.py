@@ -15,7 +15,8 @@ import agspec_gpu.drafter as drafter_mod
 from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kernels.draft_nodes import (_best_first_kernel, _emit_nodes_kernel, best_first,
-                                            best_first_torch, emit_nodes, emit_nodes_torch)
+                                            best_first_torch, emit_nodes, emit_nodes_torch,
+                                            MAX_BLOCK_N)
 from agspec_gpu.kernels.node_probs import node_probs_torch
 from agspec_gpu.tiers import CorpusStore, TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
@@ -51,15 +52,17 @@ def test_best_first_kernel_equals_torch_path(B, C, K, N, max_nodes, kind):
         assert torch.equal(a.cpu(), b.cpu()), name
 
 
-@pytest.mark.parametrize("B,C,K", [(1, 1, 1), (2, 3, 5), (3, 16, 32), (2, 24, 7)])
-def test_emit_nodes_kernel_equals_torch_path_on_real_tries(B, C, K):
+@pytest.mark.parametrize("B,C,K,max_n", [(1, 1, 1, 64), (2, 3, 5, 64), (3, 16, 32, 64),
+                                         (2, 24, 7, 64), (2, 8, 32, MAX_BLOCK_N),
+                                         (1, 16, 32, 300)])  # wider than a block: torch
+def test_emit_nodes_kernel_equals_torch_path_on_real_tries(B, C, K, max_n):
     rng = random.Random(B + C + K)
     for trial in range(3):
         case = random_case(rng, B, C, K, vocab=2 + trial, dyadic=True)
         key, rep, row, _ = node_probs_torch(**case, num_tiers=T, max_match=L, min_prob=0.0,
                                             calibrate=True)
-        N = min(64, C * K)
-        order, _, keep = best_first_torch(key, C, K, N, 64)
+        N = min(max_n, C * K)
+        order, _, keep = best_first_torch(key, C, K, N, max_n)
         num = torch.tensor([rng.randint(0, int(x)) for x in keep], dtype=torch.int64)
         args = [t.to(DEV) for t in (order, num, case["W"], case["S"], rep, row)]
         got = emit_nodes(*args, use_triton=True)
@@ -211,4 +214,5 @@ def test_kernels_compile_for_sm90():
               row_ptr="*i64", tok_ptr="*i32", par_ptr="*i32", src_ptr="*i8", nd_ptr="*i64",
               nrow_ptr="*i64", C="i32", K="i32", N="i32", BLOCK_N="constexpr")
     compile_all_for_sm90([(_best_first_kernel, s1, dict(BLOCK=512)),
-                          (_emit_nodes_kernel, s2, dict(BLOCK_N=64))])
+                          (_emit_nodes_kernel, s2, dict(BLOCK_N=64)),
+                          (_emit_nodes_kernel, s2, dict(BLOCK_N=MAX_BLOCK_N))])

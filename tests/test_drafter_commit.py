@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from agspec_gpu.kernels.drafter_commit import (_drafter_commit_kernel, drafter_commit,
-                                               drafter_commit_torch)
+from agspec_gpu.kernels.drafter_commit import (MAX_BLOCK_N, _drafter_commit_kernel,
+                                               drafter_commit, drafter_commit_torch)
 from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,6 +90,7 @@ def run_both(case: dict, K: int, spare_slot: int | None = None):
 SHAPES = [  # (B, N, M, D, S)
     (0, 8, 4, 8, 4), (1, 1, 1, 1, 2), (1, 1, 2, 4, 2), (3, 8, 9, 32, 5), (4, 16, 5, 3, 6),
     (5, 64, 33, 32, 9), (2, 40, 50, 16, 3), (6, 7, 7, 7, 8),
+    (2, MAX_BLOCK_N, 20, 16, 3), (2, 2 * MAX_BLOCK_N + 1, 20, 16, 3),  # the widest block; torch
 ]
 
 
@@ -184,4 +185,6 @@ def test_kernel_compiles_for_sm90():
                seen_ptr="*fp64", cacc_ptr="*fp64", M="i32", N="i32", D="i32", K="i32",
                NUM_TIERS="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr")
     compile_all_for_sm90([(_drafter_commit_kernel, sig,
-                           dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32))])
+                           dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32)),
+                          (_drafter_commit_kernel, sig,  # the widest block: no spill either
+                           dict(NUM_TIERS=4, BLOCK_N=MAX_BLOCK_N, BLOCK_D=32))])
