@@ -289,11 +289,15 @@ class Drafter:
 
     @device_guard
     def append_generated(self, sids: list[str], output_ids: torch.Tensor,
-                         num_output: torch.Tensor) -> None:
+                         num_output: torch.Tensor, num_output_host: Sequence[int] | None = None,
+                         validate: bool = True) -> None:
         """Commits generated tokens that no draft proposed (e.g. the first token after a
-        prefill): ``output_ids int32 [B, M]``, ``num_output int32 [B]``."""
+        prefill): ``output_ids int32 [B, M]``, ``num_output int32 [B]``. With
+        ``num_output_host`` (the counts as host ints) and ``validate=False`` (the caller
+        vouches for the ids: its model's own) nothing is read back, as in :meth:`observe`."""
         self._forget(sids)
-        self._observe(sids, output_ids, num_output, torch.zeros_like(num_output))
+        self._observe(sids, output_ids, num_output, torch.zeros_like(num_output),
+                      num_output_host, validate)
 
     @device_guard
     def close_session(self, sid: str) -> None:

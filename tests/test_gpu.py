@@ -308,13 +308,14 @@ def test_spec_decoder_step_waits_only_in_its_host_reads_on_cuda(monkeypatch):
     reads = []
     wait = HostReader.wait
 
-    def allowed_wait(self):
+    def allowed_wait(self):  # the mode it found is back after the read
         reads.append(1)
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("default")
         try:
             return wait(self)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
 
     monkeypatch.setattr(HostReader, "wait", allowed_wait)
     sids = [dec.open_session("t", "coder", prompt), dec.open_session("u", "coder", prompt[:50])]

@@ -857,3 +857,28 @@ def test_own_loop_interleaves_with_served_requests():
         run_until_idle(dec)
         with pytest.raises(ValueError, match="commit\\(\\) must follow propose"):
             dec.commit([a], draft, torch.zeros(1, 1 + draft.max_nodes, dec.vocab_size))
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_the_loops_drafter_commits_read_nothing_back(runner, monkeypatch):
+    """Every drafter commit of a serving step, the first token after a join's prefill
+    included, passes its counts from the host and skips validation (its ids are the model's
+    own): on a GPU either would wait for the device (the H100 run of 2026-12-05 caught the
+    prefill's commit reading its counts and checking its ids)."""
+    from agspec_gpu.drafter import Drafter
+
+    calls = []
+    observe = Drafter._observe
+
+    def recorded(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
+                 validate=True, *args, **kwargs):
+        calls.append((num_output_host is not None, validate))
+        return observe(self, sids, output_ids, num_output, num_accepted, num_output_host,
+                       validate, *args, **kwargs)
+
+    monkeypatch.setattr(Drafter, "_observe", recorded)
+    P = [list(p) for p in prompts()]
+    dec = decoder(runner)
+    sids = [dec.open_session("t", "coder", P[i]) for i in range(2)]
+    run_until_idle(dec, submit_at={0: [(sids[0], 12)], 2: [(sids[1], 9)]})
+    assert len(calls) > 4 and all(c == (True, False) for c in calls), calls

@@ -601,10 +601,11 @@ def test_windows_at_corpus_ends_without_queries_and_of_empty_batches(W):
             assert m.windows.shape == (len(cids), 3, W)
             assert (m.windows.tolist(), m.window_sources.tolist()) == \
                 window_definition(ar, ar.descriptors(cids), m.positions.cpu(), W)
-    empty = torch.zeros(0, 4, dtype=torch.int32)
+    empty = torch.zeros(0, 4, dtype=torch.int32, device=DEV)  # the arena's device
     got = [suffix_match(ar.tokens, ar.sa, ar.descriptors([ids["pair"]] * 2), empty,
-                        torch.zeros(0, dtype=torch.int32), max_depth=4, max_positions=2,
-                        query_rows=torch.tensor([-1, -1]), window=W, src=ar.src,
+                        torch.zeros(0, dtype=torch.int32, device=DEV), max_depth=4,
+                        max_positions=2, query_rows=torch.tensor([-1, -1], device=DEV),
+                        window=W, src=ar.src,
                         use_triton=u) for u in (False, True)]
     assert_same(*got)
     assert (got[1].length == 0).all() and (got[1].windows == -1).all()

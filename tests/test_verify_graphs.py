@@ -6,6 +6,8 @@ GPU the same metadata is replayed through a captured graph (tests/test_gpu.py); 
 eagerly through the torch backend, which consumes the same FlashInfer-layout metadata.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -353,7 +355,11 @@ def test_steps_that_fill_the_pool_fit_and_equal_the_unpadded_step(lens):
     null = cache.null_page
     torch.testing.assert_close(cache.data[:, :null], want_kv[:, :null])
 
-    # the same buffers planned by the Triton kernels (a GPU's planner): the same bytes
+    # the same buffers planned by the Triton kernels (a GPU's planner): the same bytes.
+    # The runner is on the CPU: its tensors reach Triton only in the interpreter (on a GPU
+    # machine test_gpu.py's graphed steps plan with the kernels)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
     torch_bufs = [x.clone() for x in (out.kv_indices, out.packed_mask, out.mask_indptr,
                                       out.kv_indptr, out.qo_indptr, out.kv_slots)]
     for x in (out.kv_indices, out.packed_mask, out.kv_slots):
