@@ -416,7 +416,8 @@ class SpecDecoder:
             ``eos_id`` or ``max_new_tokens`` ended keeps the tokens up to its end only:
             ``num_output`` counts them, ``num_accepted = num_output - 1`` and the rest is
             ``PAD_ID`` (its last token is the root a next step would take), and
-            ``session_stats(sid).finish_reason`` says ``"eos"`` or ``"length"``.
+            ``session_stats(sid).finish_reason`` says ``"eos"`` or ``"length"`` (None for a
+            session this step did not end: its request runs).
 
         Raises:
             KeyError / ValueError naming the argument, nothing committed (the proposal
@@ -442,13 +443,15 @@ class SpecDecoder:
             raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
         self._check_generator(generator)
         ends = None  # the sessions' end rules: the Requests that generate() would build
+        if max_new_tokens is not None and any(
+                isinstance(m, bool) or m < 1
+                for m in per_session(max_new_tokens, len(sids), "max_new_tokens", Integral)):
+            raise ValueError(f"max_new_tokens: expected ints >= 1, got {max_new_tokens!r}")
         if eos_id is not None or max_new_tokens is not None:
             limits = (1 << 62) if max_new_tokens is None else max_new_tokens
             ends = Requests.build(sids, [self._sessions[s] for s in sids], limits, None, (),
                                   True, self.tokenizer.eos_id if eos_id == -1 else eos_id,
                                   self.vocab_size, self.tokenizer.decode)
-            if 0 in ends.limits:
-                raise ValueError(f"max_new_tokens: expected ints >= 1, got {max_new_tokens!r}")
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
@@ -467,6 +470,8 @@ class SpecDecoder:
                     f"logits: the rows of session(s) {[s for s, f in zip(sids, faulty) if f]}"
                     f" hold a NaN or +inf, or only -inf (no next token): a model fault")
             new = [r[:n] for r, n in zip(rows, n_out)]
+            for s in sids:  # each session's own-loop request runs, unless this step ends it
+                self._sessions[s].finish_reason = None
             if ends is not None:
                 new = ends.emit(new)
             taken = list(map(len, new))
@@ -516,6 +521,14 @@ class SpecDecoder:
         request ended; ``num_draft``: the verified draft sizes (host); ``num_verified``:
         the same on the device when the loop cut the drafter's proposal (opt-outs, a
         draft fitted to the KV pool; :meth:`Drafter.observe`)."""
+        # the ids are the model's own and the counts are on the host: no read back; the
+        # device counts are the step's own unless a request ended inside it. First: a
+        # drafter that raises leaves the counters as they were
+        cut = res.num_output if taken == num_output else \
+            to_device(taken, torch.int32, res.output_ids.device)
+        self.drafter.observe(sids, res.output_ids, cut, res.num_accepted,
+                             num_output_host=taken, validate=False,
+                             path_nodes=res.accepted_nodes, num_verified=num_verified)
         self._steps += 1
         self._tokens += sum(taken)
         self._drafted += sum(num_draft)
@@ -526,13 +539,6 @@ class SpecDecoder:
             st.num_step_tokens += t
             st.num_drafted += n_draft
             st.num_accepted += n_out - 1
-        # the ids are the model's own and the counts are on the host: no read back; the
-        # device counts are the step's own unless a request ended inside it
-        cut = res.num_output if taken == num_output else \
-            to_device(taken, torch.int32, res.output_ids.device)
-        self.drafter.observe(sids, res.output_ids, cut, res.num_accepted,
-                             num_output_host=taken, validate=False,
-                             path_nodes=res.accepted_nodes, num_verified=num_verified)
 
     # ------------------------------------------------------------ generation
     @device_guard

@@ -1261,7 +1261,9 @@ def test_commit_ends_a_session_at_its_end_token_or_its_limit():
 
     draft = dec.propose(sids)
     logits = target(draft)
-    for bad, match in ((dict(max_new_tokens=0), "max_new_tokens"),
+    for bad, match in ((dict(max_new_tokens=0), "max_new_tokens: expected ints >= 1"),
+                       (dict(max_new_tokens=-1), "max_new_tokens: expected ints >= 1"),
+                       (dict(max_new_tokens=True), "max_new_tokens: expected ints >= 1"),
                        (dict(max_new_tokens=[1, 2]), "max_new_tokens"),
                        (dict(eos_id=VOCAB), "eos_id")):
         with pytest.raises(ValueError, match=match):
@@ -1275,12 +1277,19 @@ def test_commit_ends_a_session_at_its_end_token_or_its_limit():
     assert [dec._sessions[s].context[len(P):] for s in sids] == [[5, 6, eos], [5, 6],
                                                                   [5, 6, eos]]
     assert [dec.session_stats(s).finish_reason for s in sids] == ["eos", "length", "eos"]
+    # the next request's steps run: a step that ends nothing clears the last reason, with
+    # end rules or without
+    for sid, rules in ((sids[1], dict(eos_id=-1)), (sids[0], {})):
+        d = dec.propose([sid])
+        dec.commit([sid], d, torch.zeros(1, 1 + d.max_nodes, VOCAB), **rules)  # token 0
+        assert dec.session_stats(sid).finish_reason is None
     # without end rules every accepted token joins (the draft ran past the end token)
     again = dec.open_session("t0", "coder", P)
     d2 = dec.propose([again])
     res2 = dec.commit([again], d2, target(d2))
     assert res2.num_output.tolist()[0] > 3
     assert dec._sessions[again].context[len(P):len(P) + 4] == [5, 6, eos, 7]
+    assert dec.session_stats(again).finish_reason is None
 
 
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
