@@ -142,6 +142,7 @@ class IndexArena:
         max_depth)`` for this arena's ``max_depth`` (the global tier checks a checksum).
         """
         _check_tokens(tokens, "tokens", self.device)
+        _check_corpus_size(0, tokens.numel())
         cid = self.new_corpus(max(tokens.numel(), 16))
         c = self._corpora[cid]
         self.tokens[c.tok_base:c.tok_base + tokens.numel()] = tokens
@@ -230,6 +231,7 @@ class IndexArena:
         m = tokens.numel()
         if m == 0:
             return
+        _check_corpus_size(c.n, m)
         seps = _separators(tokens) if separators is None else list(separators)
         if c.n + m > c.tok_cap:
             self._relocate(cid, max(2 * c.tok_cap, c.n + m))
@@ -265,6 +267,8 @@ class IndexArena:
         if any(m < 0 or m > M for m in counts):
             raise ValueError(f"counts: each in [0, {M}], got {list(counts)}")
         corpora = [self._get(cid) for cid in cids]  # relocation and compaction keep them
+        for c, m in zip(corpora, counts):
+            _check_corpus_size(c.n, m)
         for cid, c, m in zip(cids, corpora, counts):  # grow first: relocation moves corpora
             if c.n + m > c.tok_cap:
                 self._relocate(cid, max(2 * c.tok_cap, c.n + m))
@@ -577,6 +581,19 @@ def _check_lengths(lengths: torch.Tensor, queries: torch.Tensor, device: torch.d
         if bool((used & (queries < 0)).any()):
             raise ValueError("queries must not contain negative tokens in the used suffix")
     return lengths.contiguous()
+
+
+# a corpus's positions, lengths and suffix-array entries are int32 (the match kernel's
+# descriptors, ``sa``): a corpus holds at most this many tokens
+MAX_CORPUS_TOKENS = (1 << 31) - 1
+
+
+def _check_corpus_size(n: int, m: int) -> None:
+    """Raises ValueError naming ``tokens`` when ``m`` more tokens would take a corpus of
+    ``n`` past :data:`MAX_CORPUS_TOKENS` (its int32 positions would wrap silently)."""
+    if n + m > MAX_CORPUS_TOKENS:
+        raise ValueError(f"tokens: {m} more tokens would take a corpus of {n} past "
+                         f"{MAX_CORPUS_TOKENS} (int32 positions)")
 
 
 def _separators(tokens: torch.Tensor) -> list[int]:

@@ -45,6 +45,7 @@ class HostSizes(NamedTuple):
     qo_indptr: torch.Tensor  # int32 [B + 1]
     kv_indptr: torch.Tensor  # int32 [B + 1]
     kv_last_page_len: torch.Tensor  # int32 [B]
+    num_mask_bytes: int  # the packed mask's bytes (mask_indptr[-1])
 
 
 def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: int, *,
@@ -69,9 +70,13 @@ def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: 
         qo_len, kv_len, pages, last = (np.append(x, v) for x, v in (
             (qo_len, sink_rows), (kv_len, 1), (pages, 1), (last, 1)))
     qo_indptr, kv_indptr = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_len, pages))
+    mask_bytes = int(((qo_len * kv_len + 7) // 8).sum())  # the kernels' mask layout
+    if mask_bytes >= 1 << 31:  # FlashInfer's mask_indptr (and the planner's) are int32
+        raise ValueError(f"num_draft, prefix_lens: the step's packed mask takes {mask_bytes} "
+                         f"bytes, past int32 offsets; verify fewer rows at once (a smaller "
+                         f"prefill chunk or batch)")
     if out is not None:
-        need = (int(qo_indptr[-1]), int(kv_indptr[-1]),
-                int(((qo_len * kv_len + 7) // 8).sum()))  # the kernels' mask layout
+        need = (int(qo_indptr[-1]), int(kv_indptr[-1]), mask_bytes)
         have = (out.capacity_q, out.kv_indices.numel(), out.packed_mask.numel())
         if any(n > h for n, h in zip(need, have)):
             raise ValueError(f"a step of {need[0]} rows, {need[1]} pages and {need[2]} mask "
@@ -79,7 +84,7 @@ def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: 
 
     def i32(x):
         return torch.from_numpy(x.astype(np.int32))
-    return HostSizes(i32(qo_indptr), i32(kv_indptr), i32(last))
+    return HostSizes(i32(qo_indptr), i32(kv_indptr), i32(last), mask_bytes)
 
 
 def padded_step_capacity(num_requests: int, max_qo_len: int, max_total_q: int,
@@ -350,8 +355,11 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
     if page_table.dim() != 2 or page_table.shape[0] != B:
         raise ValueError(f"page_table: expected shape ({B}, max_pages), got "
                          f"{tuple(page_table.shape)}")
-    if out is None:
-        out = TreeMetadata.empty(B, R, max_pages, page_size, device, max_total_q=max_total_q)
+    if out is None:  # with the host's sizes, the step's own pages and mask bytes
+        out = TreeMetadata.empty(
+            B, R, max_pages, page_size, device, max_total_q=max_total_q,
+            max_total_pages=None if host is None else int(host.kv_indptr[-1]),
+            max_mask_bytes=None if host is None else host.num_mask_bytes)
     elif out.batch_size < B or out.max_qo_len < R or out.page_size != page_size:
         raise ValueError(f"out: buffers for batch {out.batch_size}, max_qo_len "
                          f"{out.max_qo_len}, page_size {out.page_size} cannot plan batch {B}, "

@@ -51,7 +51,7 @@ def _kv_compact_kernel(
     ROW,  # num_kv_heads * head_dim
     BLOCK_COLS: tl.constexpr,
 ):
-    """Grid ``(2 * column blocks, L, B)``: keys/values x column block, layer, request.
+    """Grid ``(B, L, 2 * column blocks)``: request, layer, keys/values x column block.
 
     For ``i = 0 .. A - 1`` with ``node = accepted[b, i] >= 0`` and ``node != i``, copies
     columns ``[blk * BLOCK_COLS, ...)`` of the row at logical slot ``prefix + 1 + node`` to
@@ -60,9 +60,9 @@ def _kv_compact_kernel(
     s // page_size] * stride_page + kv * page_size * ROW + (s % page_size) * ROW``. A move
     whose source page is not among request ``b``'s (or not in ``kv_indices``) is skipped.
     """
-    pid = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)  # the batch on axis 0: up to 2**31 - 1 requests
     layer = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    pid = tl.program_id(2).to(tl.int64)
     kv = pid % 2
     cols = (pid // 2) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     cmask = cols < ROW
@@ -162,6 +162,6 @@ def kv_compact(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch
     L, _, _, page_size, H, D = kv_data.shape
     row = H * D
     block = min(MAX_BLOCK_COLS, next_pow2(row))
-    _kv_compact_kernel[(2 * cdiv(row, block), L, B)](
+    _kv_compact_kernel[(B, L, 2 * cdiv(row, block))](
         kv_data, kv_indptr, kv_indices, prefix_lens, accepted_nodes, kv_data.stride(0),
         kv_data.stride(1), kv_indices.shape[0], A, page_size, row, BLOCK_COLS=block)

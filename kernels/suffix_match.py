@@ -60,6 +60,8 @@ from typing import NamedTuple
 
 import torch
 
+from agspec_gpu.kernels._launch import next_pow2
+
 END = -(2**31)  # value of positions past the end of a corpus; below every separator
 PAD_ID = -1  # window entries past a corpus's end, or of a missing position
 
@@ -162,8 +164,8 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                  max_lengths: torch.Tensor | None = None, window: int = 0,
                  src: torch.Tensor | None = None, out: MatchResult | None = None,
                  checked: bool = False) -> MatchResult:
-    """Launcher: validates (:func:`check_match_args`) and runs the Triton kernel on CUDA,
-    the torch path otherwise.
+    """Launcher: validates (:func:`check_match_args`) and runs the Triton kernel on CUDA
+    (while :func:`triton_tiles_fit`), the torch path otherwise.
 
     Args:
         tokens: ``int32 [T]`` arena tokens. sa: ``int32 [S]`` arena suffix arrays.
@@ -196,7 +198,7 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
                          src=src, out=out)
     if use_triton is None:
         use_triton = tokens.is_cuda
-    if use_triton:
+    if use_triton and triton_tiles_fit(max_positions, window):
         from agspec_gpu.kernels.suffix_match_triton import launch_suffix_match
 
         return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
@@ -211,6 +213,17 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
         m.windows, m.window_sources = match_windows_torch(tokens, src, desc.tok_base,
                                                           desc.num_tokens, m.positions, window)
     return m if out is None else copy_result(m, out)
+
+
+# Triton's most elements in one block tensor
+MAX_TILE_NUMEL = 1 << 20
+
+
+def triton_tiles_fit(max_positions: int, window: int) -> bool:
+    """Whether the Triton kernel's ``[BLOCK_P, BLOCK_P]`` merge and ``[BLOCK_P, BLOCK_W]``
+    window tiles fit a block (``BLOCK_P = next_pow2(P)``: ``P <= 1024``); wider: torch."""
+    bp, bw = next_pow2(max(max_positions, 1)), next_pow2(max(window, 1))
+    return bp * max(bp, bw) <= MAX_TILE_NUMEL
 
 
 def copy_result(m: MatchResult, out: MatchResult) -> MatchResult:

@@ -75,7 +75,7 @@ import triton.language as tl
 
 from agspec_gpu.kernels._launch import next_pow2
 from agspec_gpu.kernels.suffix_match import (END, MatchDescriptors, MatchResult,
-                                             check_match_args)
+                                             check_match_args, triton_tiles_fit)
 
 _END = tl.constexpr(END)  # int32 value of positions before the start of a corpus
 _BLOCK_C = 32  # level-range entries merged into the top-P per step
@@ -381,6 +381,10 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
     check_match_args(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                      max_positions=max_positions, max_scan=max_scan, query_rows=query_rows,
                      max_lengths=max_lengths, window=window, src=src, out=out)
+    if not triton_tiles_fit(max_positions, window):
+        raise ValueError(f"max_positions, window: {max_positions} positions of {window} "
+                         f"tokens exceed the kernel's tiles (2**20 elements: at most 1024 "
+                         f"positions); suffix_match runs the torch path for them")
     return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                                max_positions=max_positions, max_scan=max_scan, fan=fan,
                                query_rows=query_rows, max_lengths=max_lengths, window=window,

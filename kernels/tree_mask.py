@@ -343,7 +343,7 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     kv_lens = prefix_lens + qo_lens
     num_pages = (kv_lens + page_size - 1) // page_size
     for indptr, counts in ((qo_indptr, qo_lens), (kv_indptr, num_pages),
-                           (mask_indptr, (qo_lens * kv_lens + 7) // 8)):
+                           (mask_indptr, (qo_lens.long() * kv_lens + 7) // 8)):
         indptr[:1].zero_()
         torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
     out.kv_last_page_len[:B].copy_(kv_lens - (num_pages - 1) * page_size)

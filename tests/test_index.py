@@ -1003,3 +1003,24 @@ def test_cuda_index_equals_cpu_and_reference():
         gpu.match(q, lens.cuda())  # queries on the CPU, index on the GPU
     with pytest.raises(ValueError, match="tokens"):
         gpu.append(t32([1, 2]))
+
+
+def test_a_corpus_past_int32_positions_is_refused_before_it_changes(monkeypatch):
+    """Positions, lengths and suffix-array entries of a corpus are int32: a corpus that
+    would pass 2**31 - 1 tokens is refused, naming ``tokens``, by every way in (the limit
+    lowered here: the real one takes 8 GB of tokens), and the corpus is left as it was."""
+    import agspec_gpu.index as index
+
+    monkeypatch.setattr(index, "MAX_CORPUS_TOKENS", 40)
+    ar = index.IndexArena(index.IndexConfig(max_depth=8, tail_tokens=16))
+    cid = ar.new_corpus()
+    ar.append(cid, torch.arange(30, dtype=torch.int32))
+    for call in (lambda: ar.append(cid, torch.arange(11, dtype=torch.int32)),
+                 lambda: ar.append_rows([cid], torch.zeros(1, 11, dtype=torch.int32), [11]),
+                 lambda: ar.add_prebuilt(torch.arange(41, dtype=torch.int32),
+                                         torch.zeros(0, dtype=torch.int32), 0)):
+        with pytest.raises(ValueError, match="tokens: .* past 40"):
+            call()
+    assert ar.num_tokens(cid) == 30 and ar.corpus_tokens(cid).tolist() == list(range(30))
+    ar.append_rows([cid], torch.zeros(1, 11, dtype=torch.int32), [10])  # up to the limit
+    assert ar.num_tokens(cid) == 40

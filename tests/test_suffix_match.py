@@ -721,3 +721,25 @@ def test_compiles_for_sm90():
         specs.append((_suffix_match_kernel, dict(_SIGNATURE, **{k: "constexpr" for k in const}),
                       const, LAUNCH_OPTIONS))
     compile_all_for_sm90(specs)
+
+
+def test_positions_past_the_kernels_tiles_take_the_torch_path():
+    """The kernel merges positions in a ``[BLOCK_P, BLOCK_P]`` tile: past 1024 positions
+    (Triton's 2**20 elements a block) ``suffix_match`` runs the torch path whatever
+    ``use_triton`` says, and the Triton launcher refuses them naming the arguments."""
+    from agspec_gpu.kernels.suffix_match import triton_tiles_fit
+    from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
+
+    assert triton_tiles_fit(1024, 33) and not triton_tiles_fit(1025, 1)
+    assert triton_tiles_fit(8, 4096) and not triton_tiles_fit(512, 4096)
+    ar, ids = arena(4, 3)
+    cids = [ids["repeat"], ids["period2"]]  # dozens of occurrences each (then -1 padding)
+    desc = ar.descriptors(cids)
+    q, lengths = t32([[3, 3], [0, 1]]).to(DEV), t32([2, 2]).to(DEV)
+    got, want = (suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=4,
+                              max_positions=1025, use_triton=u) for u in (True, False))
+    assert_same(want, got)
+    assert got.positions.shape == (len(cids), 1025)
+    with pytest.raises(ValueError, match="max_positions, window"):
+        suffix_match_triton(ar.tokens, ar.sa, desc, q, lengths, max_depth=4,
+                            max_positions=1025)

@@ -62,6 +62,7 @@ def test_triton_matches_torch_and_reference(sizes, kind, prefix_lens, page_size)
     for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len"):
         assert getattr(m, name).tolist() == ref[name], name
     host = host_sizes(sizes, prefix_lens, page_size)  # what FlashInfer plans with
+    assert host.num_mask_bytes == nbytes
     for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
         assert getattr(host, name).dtype == torch.int32
         assert getattr(host, name).tolist() == ref[name], name
@@ -308,6 +309,30 @@ def test_rejects_bad_inputs():
     for bad in (([1, 2], [0]), ([-1], [0]), ([1], [-3])):
         with pytest.raises(ValueError, match="num_draft, prefix_lens"):
             host_sizes(*bad, 4)
+    # a step whose packed mask passes int32 offsets (FlashInfer's mask_indptr): 513 rows
+    # over 2**25 cached tokens, 2.15e9 bytes
+    with pytest.raises(ValueError, match="num_draft, prefix_lens: the step's packed mask"):
+        host_sizes([512], [1 << 25], 16)
+    assert host_sizes([511], [(1 << 25) - 600], 16).num_mask_bytes < 1 << 31
+
+
+def test_a_plan_without_buffers_holds_the_steps_own_sizes():
+    """Given the host's sizes, ``plan_tree`` without ``out`` allocates the step's own pages
+    and mask bytes, not the page table's width times the batch (a prefill chunk of one long
+    context among short ones held 0.5 GB of zeroed mask at batch 64), and plans the same."""
+    sizes, prefix_lens, ps = [3, 0, 5], [40, 2, 9], 4
+    _, _, draft, roots, prefix, _, table = make_case(3, sizes, "random", prefix_lens, ps)
+    wide = torch.cat([table, table.new_zeros(3, 30)], 1)  # a table wider than the step
+    host = host_sizes(sizes, prefix_lens, ps)
+    exact = plan_tree(draft, roots, prefix, wide, ps, host=host)
+    static = plan_tree(draft, roots, prefix, wide, ps)
+    assert exact.packed_mask.numel() == host.num_mask_bytes == int(static.mask_indptr[-1])
+    assert exact.kv_indices.numel() == int(host.kv_indptr[-1]) < static.kv_indices.numel()
+    assert static.packed_mask.numel() > 4 * host.num_mask_bytes
+    for name in FIELDS:
+        a, b = getattr(exact, name), getattr(static, name)
+        n = min(a.numel(), b.numel())
+        assert torch.equal(a.flatten()[:n], b.flatten()[:n]), name
 
 
 def test_plans_of_any_batch_share_the_compiled_kernels():
