@@ -280,7 +280,7 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
          f"{', '.join(drafters)}")
     progress = None if args.no_progress else _RichProgress(console)
     with tempfile.TemporaryDirectory(prefix="agspec-halves-") as tmp:
-        halves = _cross_half_globals(args, tokenizer, tmp, console) \
+        halves = _cross_half_globals(sessions, tokenizer, tmp, console) \
             if getattr(args, "cross_halves", False) else None
         try:
             report = run_replay(corpus, drafters, tokenizer, config, progress=progress,
@@ -300,8 +300,10 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     return report
 
 
-def _cross_half_globals(args, tokenizer, tmp: str, console) -> tuple[str, str]:
-    """Global corpora of half 0 and half 1 of the replayed trajectory files, in ``tmp``."""
+def _cross_half_globals(sessions: list, tokenizer, tmp: str, console) -> tuple[str, str]:
+    """Global corpora of half 0 and half 1 of the replayed sessions, in ``tmp``: those the
+    run loaded (``--max-sessions`` cuts them as it cuts the replay, and a warm
+    SuffixDecoding's cache holds their responses too)."""
     from agspec_gpu.tiers import TierConfig, build_global_corpus
 
     out = []
@@ -309,7 +311,7 @@ def _cross_half_globals(args, tokenizer, tmp: str, console) -> tuple[str, str]:
         t0 = time.perf_counter()
         path = str(Path(tmp) / f"half{h}.agspec")
         g = build_global_corpus([], tokenizer, path, max_depth=TierConfig().max_depth,
-                                trajectories=list(args.paths), half=h)
+                                sessions=sessions, half=h)
         _say(console, f"global tier of half {h}: {g.tokens.numel():,} tokens "
              f"({time.perf_counter() - t0:.1f}s)")
         out.append(path)

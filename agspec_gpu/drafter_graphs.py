@@ -41,9 +41,9 @@ from agspec_gpu.cuda_graph import capture, capture_error
 # fn(**inputs with S rows, num_requests=int64 []) -> output tensors with S rows
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
-# a bucket's captured outputs: a key no input name (a str) can take; the drafter's commit
-# has an input named "out"
-_OUTPUTS = ("graph outputs",)
+# a bucket's captured outputs: a key no input name (a str) can take (the drafter's commit
+# has an input named "out")
+GRAPH_OUTPUTS = ("graph outputs",)
 _BOOKKEEPING = ("num_requests", "clean_from", "last_b", "graph")  # a bucket's str keys
 
 
@@ -188,11 +188,11 @@ class StepGraphs:
                 return self.fn(**inputs, **plan.staged, num_requests=B)
             buf["graph"].replay()
             if not clone:  # the graph's outputs, B rows: views made once per B
-                views = buf.get((_OUTPUTS, B))
+                views = buf.get((GRAPH_OUTPUTS, B))
                 if views is None:
-                    views = buf[(_OUTPUTS, B)] = tuple(o[:B] for o in buf[_OUTPUTS])
+                    views = buf[(GRAPH_OUTPUTS, B)] = tuple(o[:B] for o in buf[GRAPH_OUTPUTS])
                 return views
-            out = buf[_OUTPUTS]
+            out = buf[GRAPH_OUTPUTS]
         else:
             out = self._call(buf)
         assert out[0].shape[0] == plan.bucket_size
@@ -226,7 +226,7 @@ class StepGraphs:
             if self._pool is None:  # the buckets share a pool, so one capture stream
                 self._pool = torch.cuda.graph_pool_handle()
                 self._stream = torch.cuda.Stream(self.device)
-            buf["graph"], buf[_OUTPUTS] = capture(lambda: self._call(buf), self.device,
+            buf["graph"], buf[GRAPH_OUTPUTS] = capture(lambda: self._call(buf), self.device,
                                                self.warmup, self._pool, self._stream)
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager

@@ -274,6 +274,8 @@ class OracleLane(BatchedLane):
     lengths are monotone in the position (a suffix of an occurrence is an occurrence, and
     corpora only grow), so this greedy choice is the fewest-steps schedule: its ``tau``
     bounds every drafter whose drafts come from the same corpora and are at most ``k`` deep.
+    Not SuffixDecoding's: its response cache is shared by every session of the shard, any
+    tenant's, and can hold text these corpora do not (a few steps in ten thousand).
 
     The answers come a window of positions at a time
     (:func:`agspec_gpu.oracle.message_prefix_lengths`), windows doubling along a message.

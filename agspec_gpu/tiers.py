@@ -372,7 +372,7 @@ def session_half(task_id: str) -> int:
 def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | Path,
                         max_depth: int = 32, suffixes: tuple[str, ...] = (".py",),
                         max_tokens: int = 50_000_000, trajectories: list[str | Path] = (),
-                        half: int | None = None) -> GlobalCorpus:
+                        half: int | None = None, sessions: Sequence = ()) -> GlobalCorpus:
     """Builds and saves the global tier from public text.
 
     Args:
@@ -381,6 +381,8 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
         trajectories: public agent trajectory files; each session is one document (its
             messages tokenized one by one, as the replay does).
         half: only sessions with ``session_half(task_id) == half`` (None: all).
+        sessions: loaded :class:`~agspec_gpu.trajectories.Session` objects, taken as the
+            trajectories' sessions are (after them).
     """
     docs: list[list[int]] = []
     files: list[Path] = []
@@ -399,16 +401,18 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
             continue
     docs += tokenizer.encode_batch(texts)
     session_ids, task_ids = [], []
+    loaded = list(sessions)
     if trajectories:
         from agspec_gpu.trajectories import load_paths
 
-        for sess in load_paths(list(trajectories)):
-            if half is not None and session_half(sess.task_id) != half:
-                continue
-            ids = tokenizer.encode_batch([m.content for m in sess.messages])
-            docs.append([t for m in ids for t in m])
-            session_ids.append(sess.id)
-            task_ids.append(sess.task_id)
+        loaded = load_paths(list(trajectories)) + loaded
+    for sess in loaded:
+        if half is not None and session_half(sess.task_id) != half:
+            continue
+        ids = tokenizer.encode_batch([m.content for m in sess.messages])
+        docs.append([t for m in ids for t in m])
+        session_ids.append(sess.id)
+        task_ids.append(sess.task_id)
     if not any(docs):
         raise ValueError(f"no text to index: no file with suffix {', '.join(suffixes)} in "
                          f"src, and no trajectory session with text")

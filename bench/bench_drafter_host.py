@@ -40,6 +40,7 @@ import torch
 import agspec_gpu.drafter as drafter_mod
 import agspec_gpu.index as index_mod
 from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.drafter_graphs import GRAPH_OUTPUTS
 from agspec_gpu.tiers import CorpusStore, TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
@@ -81,7 +82,7 @@ def stub_replays(graphs) -> None:
 
     def captured(buf: dict) -> bool:
         if "graph" not in buf:
-            buf["out"], buf["graph"] = graphs._call(buf), _NoReplay()
+            buf[GRAPH_OUTPUTS], buf["graph"] = graphs._call(buf), _NoReplay()
         return True
     graphs._captured = captured
 

@@ -839,6 +839,12 @@ def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
     rows = {r["agent"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["c-agent"]["tau"] < 1.5 < 5 < rows["a-agent"]["tau"]
     assert main(["replay", str(path), "--cross-halves", "--half", "0", "--no-progress"]) == 2
+    # --max-sessions cuts the global tiers as it cuts the replay (as a warm SuffixDecoding's
+    # cache is cut): C, not loaded, held B's answer, so B finds it nowhere
+    assert main(["replay", str(path), "--cross-halves", "--drafter", "agspec", "--no-progress",
+                 "--no-oracle", "--max-sessions", "2", "--json", str(out)]) == 0
+    rows = {r["agent"]: r for r in json.loads(out.read_text())["results"]}
+    assert "c-agent" not in rows and rows["b-agent"]["tau"] < 1.5 < 5 < rows["a-agent"]["tau"]
 
 
 def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
