@@ -32,7 +32,8 @@
 # status and time), e2e-<date>-<gpu>.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-<gpu>.json, trace-e2e.json.gz (one torch.profiler
 # trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
-# bench_decoder_step, bench_match, bench_host_staging and bench_launch_overhead),
+# bench_decoder_step, bench_match, bench_host_staging, bench_launch_overhead and
+# bench_tree_attention),
 # e2e-<date>-<gpu>-eager-verify.json (<gpu>: h200, h100-80gb-hbm3, ... as nvidia-smi names it),
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
@@ -200,6 +201,12 @@ fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
+# ---------------------------------------------------------------- tree attention, split
+# the custom-mask prefill (25.9 ms of a B = 64 step on the H100, 1.3 TB/s) against the
+# prefix unmasked + the tree masked, merged by log-sum-exp: same output, the time of each
+step bench_tree_attention 45 python3 bench/bench_tree_attention.py --device cuda \
+  --batch-sizes 1,16,64 --context 4096 --nodes 4 --out /tmp/bench/tree_attention
+
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 180 "${PYTEST[@]}" \
   tests/test_candidate_rows.py \
@@ -240,13 +247,13 @@ step bench_host_staging 60 python3 bench/bench_host_staging.py --device cuda \
 # greedy walk, the planner, the KV commit), real launches
 step bench_launch_overhead 30 python3 bench/bench_launch_overhead.py --device cuda \
   --batch-sizes 1,16,64 --out /tmp/bench/launch_overhead
-# one file for the six (at most 8 files come back): {"layer_kernels": ..., ...}
+# one file for the seven (at most 8 files come back): {"layer_kernels": ..., ...}
 python3 -c "
 import json, os, sys
 out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
-" layer_kernels verify_kernels decoder_step match host_staging launch_overhead
+" layer_kernels verify_kernels decoder_step match host_staging launch_overhead tree_attention
 
 # the verification graphs' share of the e2e result: the same run with eager verification
 # steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the

@@ -15,6 +15,8 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   ``bench_drafter``: the matrix's rows beside plain decoding and the oracle bound;
   ``bench_frontier``: every family's points (agspec, SuffixDecoding, both PLDs, none) beside
   the oracle bound, which is above the agspec and PLD points.
+* ``bench_tree_attention``: the split (prefix unmasked, tree masked, merged by log-sum-exp)
+  equals the custom-mask reference backend, at page-aligned and unaligned prefixes.
 """
 
 import json
@@ -35,6 +37,7 @@ import bench_host_staging  # noqa: E402
 import bench_launch_overhead  # noqa: E402
 import bench_layer_kernels  # noqa: E402
 import bench_match  # noqa: E402
+import bench_tree_attention  # noqa: E402
 import bench_verify_kernels  # noqa: E402
 
 
@@ -216,3 +219,15 @@ def test_bench_frontier_smoke(tmp_path, monkeypatch):
         assert r["tau_over_oracle"] == pytest.approx(r["tau"] / oracle)
         if r["family"] != "suffix-decoding":
             assert oracle >= r["tau"], r["point"]
+
+
+def test_bench_tree_attention_smoke(tmp_path):
+    for context in (48, 37):  # a prefix ending on a page boundary, and inside a page
+        out = tmp_path / f"ta{context}"
+        assert bench_tree_attention.main(["--device", "cpu", "--context", str(context),
+                                          "--batch-sizes", "1,3", "--nodes", "6",
+                                          "--qo-heads", "4", "--kv-heads", "2",
+                                          "--head-dim", "16", "--out", str(out)]) == 0
+        rows = json.loads(out.with_suffix(".json").read_text())["results"]
+        assert [r["batch_size"] for r in rows] == [1, 3]
+        assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
