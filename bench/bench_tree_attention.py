@@ -13,8 +13,11 @@ sees the whole prefix. So:
   packed mask;
 - ``split``: the prefix without a mask (non-causal, the same paged cache, its pages up to
   the prefix) and the tree over the pages that hold its slots with the mask (the columns of
-  the first page that precede the root masked off), then ``flashinfer.merge_state`` of the
-  two outputs by their log-sum-exps. Same module (fa2, paged), no new JIT compile.
+  the first page that precede the root masked off), then the two outputs merged by their
+  log-sum-exps (base 2, FlashInfer's) in torch: a few elementwise kernels, counted in the
+  split's time, where a runner would fuse them. Both parts use the prebuilt fa2 paged
+  module; the tree's mask is packed on the host (FlashInfer's own packing and its
+  ``merge_state`` would each JIT-compile another module on the device).
 
 On CUDA both run FlashInfer (bf16) and the split's output is compared with the custom one;
 on CPU both run in torch (fp32: the split's page and mask slicing against the reference
@@ -96,10 +99,24 @@ def attend_torch(q, cache, rows, pages, lens, masks, scale):
     return out, lse
 
 
-def merge_torch(o1, s1, o2, s2):
-    """Attention over two KV segments from each one's output and log-sum-exp."""
-    s = torch.logaddexp(s1, s2)
-    return o1 * (s1 - s).exp()[..., None] + o2 * (s2 - s).exp()[..., None]
+def merge_torch(o1, s1, o2, s2, base2: bool = False):
+    """Attention over two KV segments from each one's output and log-sum-exp (natural, or
+    base 2 with ``base2``: FlashInfer's), in ``o1``'s dtype."""
+    if base2:
+        s = torch.logaddexp2(s1, s2)
+        w1, w2 = torch.exp2(s1 - s), torch.exp2(s2 - s)
+    else:
+        s = torch.logaddexp(s1, s2)
+        w1, w2 = (s1 - s).exp(), (s2 - s).exp()
+    return (o1.float() * w1[..., None] + o2.float() * w2[..., None]).to(o1.dtype)
+
+
+def packed_mask(masks: list[torch.Tensor], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(uint8 bits, int32 byte offsets [B + 1])``: each request's row-major mask packed
+    little-endian and padded to a byte, concatenated (FlashInfer's layout)."""
+    segs = [np.packbits(m.numpy().reshape(-1), bitorder="little") for m in masks]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in segs])]).astype(np.int32)
+    return (torch.from_numpy(np.concatenate(segs)).to(dev), torch.from_numpy(offsets).to(dev))
 
 
 def run_batch(B: int, args, dev: torch.device) -> dict:
@@ -129,30 +146,36 @@ def run_batch(B: int, args, dev: torch.device) -> dict:
 
         ref = make_attention_backend(dev, H, Hkv, D, PAGE, dtype=dtype)
         ref.plan(meta)
-        want = ref.run(q, cache)
+        want = torch.empty_like(q)
+        ref.run(q, cache, out=want)
         ws = [torch.zeros(256 << 20, dtype=torch.uint8, device=dev) for _ in range(2)]
         pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws[0], "NHD", backend="fa2")
         tree = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws[1], "NHD", backend="fa2")
         qo_indptr = meta.maybe_host.qo_indptr.to(dev)
         pre.plan(qo_indptr, *paged_args(pre_pages, pre_len, dev), H, Hkv, D, PAGE,
                  causal=False, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
-        flat_mask = torch.cat([m.flatten() for m in masks]).to(dev)
+        bits, byte_indptr = packed_mask(masks, dev)
         tree.plan(qo_indptr, *paged_args(tree_pages, tree_len, dev), H, Hkv, D, PAGE,
-                  custom_mask=flat_mask, sm_scale=scale, q_data_type=dtype,
+                  packed_custom_mask=bits, sm_scale=scale, q_data_type=dtype,
                   kv_data_type=dtype)
+        # as agspec_gpu.attention.flashinfer_plan: given only packed bits, plan() keeps
+        # element offsets where the kernel reads byte offsets (flashinfer#2201)
+        tree._mask_indptr_buf[:B + 1].copy_(byte_indptr)
         nq = rows[-1][1]
+        outs = [torch.empty(nq, H, D, dtype=dtype, device=dev) for _ in range(2)]
+        lses = [torch.empty(nq, H, dtype=torch.float32, device=dev) for _ in range(2)]
 
         def split():
-            o1, s1 = pre.run(q[:nq], cache, return_lse=True)
-            o2, s2 = tree.run(q[:nq], cache, return_lse=True)
-            return flashinfer.merge_state(o1, s1, o2, s2)[0]
+            pre.run(q[:nq], cache, out=outs[0], lse=lses[0], return_lse=True)
+            tree.run(q[:nq], cache, out=outs[1], lse=lses[1], return_lse=True)
+            return merge_torch(outs[0], lses[0], outs[1], lses[1], base2=True)
 
         got = split()
         row["max_abs_diff"] = float((got.float() - want[:nq].float()).abs().max())
         t = timer(dev, args.repeats)
-        row["custom_us"] = t(lambda: ref.run(q, cache))
+        row["custom_us"] = t(lambda: ref.run(q, cache, out=want))
         row["split_us"] = t(split)
-        row["prefix_only_us"] = t(lambda: pre.run(q[:nq], cache))
+        row["prefix_only_us"] = t(lambda: pre.run(q[:nq], cache, out=outs[0]))
         row["speedup"] = row["custom_us"] / row["split_us"]
         row["custom_tb_s"] = row["kv_gb_per_call"] / row["custom_us"] * 1e-3
         row["split_tb_s"] = row["kv_gb_per_call"] / row["split_us"] * 1e-3
@@ -190,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['split_us']:9.1f} us ({r['split_tb_s']:.2f} TB/s)  {r['speedup']:.2f}x  "
             f"prefix alone {r['prefix_only_us']:.1f} us  ")
         print(f"B={B:<4d} {timing}max |split - custom| {r['max_abs_diff']:.2e}", flush=True)
-    write_results("tree_attention", args, dev,
-                  torch.bfloat16 if dev.type == "cuda" else torch.float32, rows)
+        # after every batch size: a run its time limit cuts keeps the rows it finished
+        write_results("tree_attention", args, dev,
+                      torch.bfloat16 if dev.type == "cuda" else torch.float32, rows)
     return 0
 
 
