@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 import numpy as np
 import torch
 
-from agspec_gpu.host import synchronize
+from agspec_gpu.host import HostWriter, synchronize
 from agspec_gpu.baselines import HOST_DRAFTERS, HostDrafter, make_host_drafter
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
@@ -198,6 +198,9 @@ class BatchedLane:
         self.oracle_key = oracle_key
         self._roles = {r.name for r in getattr(getattr(drafter, "config", None), "roles", ())}
         self._last_path: tuple[list[str], torch.Tensor] | None = None  # step() -> observe()
+        # the step's tokens and counts reach the device through a pinned ring, as a serving
+        # loop's host lists do (a pageable copy blocks the host until the GPU catches up)
+        self._writer = HostWriter(1 << 16, self.device)
 
     def open_session(self, sid: str, tenant: str, role: str, prompt: np.ndarray) -> None:
         # The agent format is the role when the drafter has a profile for it (profiles are
@@ -229,13 +232,14 @@ class BatchedLane:
 
     def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
                 num_accepted: np.ndarray, path_nodes: torch.Tensor | None = None) -> None:
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(  # noqa: E731
-            self.device)
         if path_nodes is None and self._last_path is not None and self._last_path[0] == sids:
             path_nodes = self._last_path[1]  # this step's acceptance, found by step()
         self._last_path = None
+        out, nout, nacc = self._writer.write((output_ids.ravel(), torch.int32),
+                                             (num_output, torch.int32),
+                                             (num_accepted, torch.int32))
         # trajectory tokens, counts on the host: the serving loop's sync-free commit
-        self.drafter.observe(sids, to(output_ids), to(num_output), to(num_accepted),
+        self.drafter.observe(sids, out.view(output_ids.shape), nout, nacc,
                              num_output_host=num_output.tolist(), validate=False,
                              path_nodes=path_nodes)
 
