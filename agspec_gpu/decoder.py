@@ -385,7 +385,9 @@ class SpecDecoder:
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                generator: torch.Generator | None = None, *,
                qo_indptr: torch.Tensor | None = None, eos_id: int | None = None,
-               max_new_tokens: int | Sequence[int] | None = None) -> AcceptResult:
+               max_new_tokens: int | Sequence[int] | None = None,
+               stop: str | Sequence[str] | Sequence[Sequence[str]] | None = None
+               ) -> AcceptResult:
         """Accepts a verified step of the last :meth:`propose` of ``session_ids``.
 
         Args:
@@ -407,6 +409,10 @@ class SpecDecoder:
             max_new_tokens: the most tokens each session takes from this step (what its
                 request may still emit; >= 1): one for all, or one per session; None: no
                 limit.
+            stop: stop strings (as :meth:`generate` takes them): a session's output ends
+                with the first token after which one of them appears in the text it
+                generated since its last :meth:`append` (its message; a stop string that
+                the message already holds near its end ends it at this step's first token).
 
         Returns:
             :class:`AcceptResult`: per session ``output_ids[b, :num_output[b]]`` (the accepted
@@ -416,8 +422,8 @@ class SpecDecoder:
             ``eos_id`` or ``max_new_tokens`` ended keeps the tokens up to its end only:
             ``num_output`` counts them, ``num_accepted = num_output - 1`` and the rest is
             ``PAD_ID`` (its last token is the root a next step would take), and
-            ``session_stats(sid).finish_reason`` says ``"eos"`` or ``"length"`` (None for a
-            session this step did not end: its request runs).
+            ``session_stats(sid).finish_reason`` says ``"eos"``, ``"stop"`` or ``"length"``
+            (None for a session this step did not end: its request runs).
 
         Raises:
             KeyError / ValueError naming the argument, nothing committed (the proposal
@@ -447,10 +453,11 @@ class SpecDecoder:
                 isinstance(m, bool) or m < 1
                 for m in per_session(max_new_tokens, len(sids), "max_new_tokens", Integral)):
             raise ValueError(f"max_new_tokens: expected ints >= 1, got {max_new_tokens!r}")
-        if eos_id is not None or max_new_tokens is not None:
+        if eos_id is not None or max_new_tokens is not None or stop is not None:
             limits = (1 << 62) if max_new_tokens is None else max_new_tokens
-            ends = Requests.build(sids, [self._sessions[s] for s in sids], limits, None, (),
-                                  True, self.tokenizer.eos_id if eos_id == -1 else eos_id,
+            ends = Requests.build(sids, [self._sessions[s] for s in sids], limits, None,
+                                  () if stop is None else stop, True,
+                                  self.tokenizer.eos_id if eos_id == -1 else eos_id,
                                   self.vocab_size, self.tokenizer.decode)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
@@ -472,7 +479,9 @@ class SpecDecoder:
             new = [r[:n] for r, n in zip(rows, n_out)]
             for s in sids:  # each session's own-loop request runs, unless this step ends it
                 self._sessions[s].finish_reason = None
-            if ends is not None:
+            if ends is not None:  # the stop strings see the message so far
+                for matcher, s in zip(ends.stop, sids):
+                    matcher.seed(self._sessions[s].message)
                 new = ends.emit(new)
             taken = list(map(len, new))
             self._record(sids, res, taken, n_out, num_draft)

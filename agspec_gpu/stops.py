@@ -47,15 +47,37 @@ class StopMatcher:
         # positions of the last ``_window`` tokens that decode to some text
         self._texts: deque[int] = deque(maxlen=self._window)
 
+    def seed(self, tokens: Sequence[int]) -> None:
+        """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own
+        loop's next step, its message so far). Only the tail that a window can reach is
+        kept (twice the window's tokens with text), so seeding a long output decodes a few
+        of its tokens, not all of it; a stop string already near its end ends the request
+        at the next token. Call it before any :meth:`push`."""
+        if self.tokens:
+            raise ValueError("seed(): the matcher has taken tokens already")
+        if not self.stops:
+            return
+        start, seen = len(tokens), 0
+        while start > 0 and seen < 2 * self._window:
+            start -= 1
+            seen += not self._is_textless(tokens[start])
+        for t in tokens[start:]:
+            self.tokens.append(t)
+            if not self._is_textless(t):
+                self._texts.append(len(self.tokens) - 1)
+
+    def _is_textless(self, token: int) -> bool:
+        textless = self._textless.get(token)
+        if textless is None:
+            textless = self._textless[token] = self._decode([token]) == ""
+        return textless
+
     def push(self, token: int) -> bool:
         """Appends ``token``; True if a stop string appears in the output now."""
         self.tokens.append(token)
         if not self.stops:
             return False
-        textless = self._textless.get(token)
-        if textless is None:
-            textless = self._textless[token] = self._decode([token]) == ""
-        if not textless:
+        if not self._is_textless(token):
             self._texts.append(len(self.tokens) - 1)
         start = self._texts[0] if len(self._texts) == self._window else 0
         text = self._decode(self.tokens[start:])

@@ -1292,6 +1292,51 @@ def test_commit_ends_a_session_at_its_end_token_or_its_limit():
     assert dec.session_stats(again).finish_reason is None
 
 
+def test_commit_ends_a_session_at_a_stop_string_across_steps():
+    """``commit(stop=)``: the output ends with the token that completes a stop string in
+    the text the session generated since its last append, inside an accepted draft or
+    across two commits (the message so far seeds the matcher); the tokens after it do not
+    join, ``finish_reason`` says ``"stop"``, and an append starts a new message."""
+    dec = SpecDecoder(model(VARIANTS[0]), tok())
+    P = list(prompts()[3])
+    cont = [5, 6, 7, 8, 9, 10, 11, 12]  # "&'()*+,-"
+    steer(dec, "t0", P + cont)
+
+    def target(draft, at):  # a target that continues as the history did from cont[at]
+        logits = torch.zeros(draft.batch_size, 1 + draft.max_nodes, VOCAB)
+        for b in range(draft.batch_size):
+            depth = {}
+            logits[b, 0, cont[at]] = 10
+            for j, p in enumerate(draft.parents[b, :int(draft.num_draft_tokens[b])].tolist()):
+                depth[j] = 1 if p == -1 else depth[p] + 1
+                d = at + depth[j]
+                logits[b, 1 + j, cont[d] if d < len(cont) else 99] = 10
+        return logits
+
+    a, b = (dec.open_session("t0", "coder", P) for _ in range(2))
+    d = dec.propose([a, b])
+    with pytest.raises(ValueError, match="stop"):
+        dec.commit([a, b], d, target(d, 0), stop=[""])
+    res = dec.commit([a, b], d, target(d, 0), stop=[["()"], ["+"]])  # inside the draft
+    assert res.num_output.tolist() == [4, 6]
+    assert [dec._sessions[s].context[len(P):] for s in (a, b)] == [cont[:4], cont[:6]]
+    assert [dec.session_stats(s).finish_reason for s in (a, b)] == ["stop", "stop"]
+    # across steps: "()" spans the last token of one commit and the first of the next
+    c = dec.open_session("t0", "coder", P)
+    d = dec.propose([c])
+    dec.commit([c], d, target(d, 0), max_new_tokens=3)
+    assert dec._sessions[c].context[len(P):] == cont[:3]
+    d = dec.propose([c])
+    res = dec.commit([c], d, target(d, 3), stop="()")
+    assert res.num_output.tolist() == [1] and dec._sessions[c].context[len(P):] == cont[:4]
+    assert dec.session_stats(c).finish_reason == "stop"
+    # an append starts a new message: the old ")" no longer counts
+    dec.append(c, [5])
+    d = dec.propose([c])
+    res = dec.commit([c], d, torch.zeros(1, 1 + d.max_nodes, VOCAB), stop=")")
+    assert res.num_output.tolist() == [1] and dec.session_stats(c).finish_reason is None
+
+
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
 def test_own_loop_propose_commit_is_lossless(variant):
     """propose / root_ids / commit around the user's own verifier (an HFRunner whose KV

@@ -143,3 +143,45 @@ def test_no_stops_and_bad_stops():
     for bad in ([""], ["x", ""], [3], [None]):
         with pytest.raises(ValueError, match="stops"):
             StopMatcher(tok().decode, bad)
+
+
+def seeded(tokens, stops, k) -> int | None:
+    """``matched`` for a matcher seeded with ``tokens[:k]`` (an own loop's message so far)
+    that takes the rest: the count includes the seeded tokens."""
+    m = StopMatcher(tok().decode, stops)
+    m.seed(tokens[:k])
+    for j, t in enumerate(tokens[k:], k + 1):
+        if m.push(t):
+            return j
+    return None
+
+
+def test_a_seeded_matcher_ends_where_the_reference_does():
+    """Seeded with an output that holds no stop string yet, then given the rest: the same
+    token as the reference over the whole output, cut anywhere (inside a multi-byte
+    character, between ids without text, far into a long output)."""
+    rng = random.Random(5)
+    cases = [tok().encode(t)[:300] for t in session_texts()[:4]]
+    cases.append(tok().encode("def 函数(参数):  # 返回 ✓ — naïve café 🦀🐍 ok\n" * 3))
+    cases.append(tok().encode("x = 1") + [100261 + k % 15 for k in range(12)] +
+                 tok().encode("\ny = 2\n") * 3)
+    vocab = tok().vocab_size - 100
+    cases.append([rng.randrange(vocab) for _ in range(150)])
+    for tokens in cases:
+        text = tok().decode(tokens)
+        for stops in stops_from(text, rng, 5) + [["\ufffd"], ["1\ny"], ["🐍 o"]]:
+            want = reference(tokens, stops)
+            for k in sorted({0, 1, len(tokens) // 2, len(tokens) - 1,
+                             rng.randrange(len(tokens))}):
+                if want is None or want > k:
+                    assert seeded(tokens, stops, k) == want, (stops, k)
+
+
+def test_seeding_a_long_output_decodes_a_window_of_it():
+    decoded = []
+    m = StopMatcher(lambda ids: (decoded.append(len(ids)), tok().decode(ids))[1], ["\x00"])
+    m.seed(tok().encode("\n".join(session_texts()))[:3000])
+    assert len(m.tokens) <= 2 * (len("\x00".encode()) + 8) + 20 and len(decoded) < 100
+    assert not m.push(tok().encode(" x")[0])
+    with pytest.raises(ValueError, match="seed"):
+        m.seed([1, 2])
