@@ -218,7 +218,7 @@ def flashinfer_plan(wrapper, meta: TreeMetadata, num_qo_heads: int, num_kv_heads
         qo, kv, last, indices = (meta.qo_indptr, meta.kv_indptr, meta.kv_last_page_len,
                                  meta.kv_indices)
     else:
-        qo, kv, last = host
+        qo, kv, last = host.qo_indptr, host.kv_indptr, host.kv_last_page_len
         indices = meta.kv_indices[:int(kv[-1])]
     wrapper.plan(qo, kv, indices, last, num_qo_heads, num_kv_heads, head_dim, meta.page_size,
                  packed_custom_mask=meta.packed_mask, sm_scale=sm_scale, q_data_type=dtype,

@@ -150,3 +150,39 @@ def test_flashinfer_workspace_holds_the_split_kv_scratch_of_the_largest_graph_pl
     assert prefill_workspace_bytes(32, 8, 128, 132) == 128 << 20
     eager_mqa = flashinfer_needs(64, 1, 128, 132, 0, 0, 128)
     assert prefill_workspace_bytes(64, 1, 128, 132) > eager_mqa > 128 << 20
+
+
+class _RecordingWrapper:
+    """A stand-in for FlashInfer's prefill wrapper: records what ``plan`` is given."""
+
+    def __init__(self, B: int):
+        self._mask_indptr_buf = torch.full((B + 1,), -1, dtype=torch.int32)
+        self.planned = None
+
+    def plan(self, *args, **kwargs):
+        self.planned = (args, kwargs)
+
+
+@pytest.mark.parametrize("with_host", [False, True])
+def test_flashinfer_plan_hands_the_steps_sizes_to_the_wrapper(with_host):
+    """What ``flashinfer_plan`` gives ``wrapper.plan`` (run here with a stub: the GPU tests
+    run the real one), from the device metadata or from the host sizes a loop holds: the
+    same indptrs, pages and packed mask, and the byte offsets of the mask in the wrapper's
+    ``mask_indptr`` (a field added to ``HostSizes`` broke this unpacking once, on every GPU
+    step, with no CPU test to see it)."""
+    from agspec_gpu.attention import flashinfer_plan
+
+    sizes, prefix_lens, ps = [2, 0, 5], [7, 1, 30], 4
+    _, _, draft, roots, prefix, _, table = make_case(2, sizes, "random", prefix_lens, ps)
+    host = host_sizes(sizes, prefix_lens, ps) if with_host else None
+    meta = plan_tree(draft, roots, prefix, table, ps, host=host)
+    w = _RecordingWrapper(len(sizes))
+    flashinfer_plan(w, meta, 8, 2, 16, 0.25, torch.bfloat16)
+    (qo, kv, indices, last, *dims), kw = w.planned
+    assert dims == [8, 2, 16, ps]
+    for got, want in ((qo, meta.qo_indptr), (kv, meta.kv_indptr), (last, meta.kv_last_page_len)):
+        assert torch.equal(got.cpu(), want.cpu())
+    n = int(meta.kv_indptr[-1])  # the pages (the device buffer's padding may follow them)
+    assert torch.equal(indices[:n].cpu(), meta.kv_indices[:n].cpu())
+    assert kw["packed_custom_mask"] is meta.packed_mask and kw["sm_scale"] == 0.25
+    assert torch.equal(w._mask_indptr_buf, meta.mask_indptr)
