@@ -410,9 +410,9 @@ class SpecDecoder:
                 request may still emit; >= 1): one for all, or one per session; None: no
                 limit.
             stop: stop strings (as :meth:`generate` takes them): a session's output ends
-                with the first token after which one of them appears in the text it
-                generated since its last :meth:`append` (its message; a stop string that
-                the message already holds near its end ends it at this step's first token).
+                with the first token that completes one of them in the text it generated
+                since its last :meth:`append` (its message: a stop string may begin in an
+                earlier step's tokens; one the message already held does not count).
 
         Returns:
             :class:`AcceptResult`: per session ``output_ids[b, :num_output[b]]`` (the accepted

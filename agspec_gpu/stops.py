@@ -9,6 +9,7 @@ string, and confirms a hit on the whole output.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Callable, Sequence
 
@@ -43,16 +44,18 @@ class StopMatcher:
         self._decode = decode
         self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
         self.tokens: list[int] = []
+        self._seed_text = ""  # what seeded tokens decode to (seed)
         self._textless: dict[int, bool] = {}  # per id: decodes alone to nothing
         # positions of the last ``_window`` tokens that decode to some text
         self._texts: deque[int] = deque(maxlen=self._window)
 
     def seed(self, tokens: Sequence[int]) -> None:
         """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own
-        loop's next step, its message so far). Only the tail that a window can reach is
-        kept (twice the window's tokens with text), so seeding a long output decodes a few
-        of its tokens, not all of it; a stop string already near its end ends the request
-        at the next token. Call it before any :meth:`push`."""
+        loop's next step, its message so far): from now on a stop string counts only where
+        it ends in text that the pushed tokens add, not in text the seeded output already
+        decodes to (which may hold one). Only the tail that a window can reach is kept
+        (twice the window's tokens with text), so seeding a long output decodes a few of its
+        tokens, not all of it. Call it before any :meth:`push`."""
         if self.tokens:
             raise ValueError("seed(): the matcher has taken tokens already")
         if not self.stops:
@@ -65,6 +68,7 @@ class StopMatcher:
             self.tokens.append(t)
             if not self._is_textless(t):
                 self._texts.append(len(self.tokens) - 1)
+        self._seed_text = self._decode(self.tokens)
 
     def _is_textless(self, token: int) -> bool:
         textless = self._textless.get(token)
@@ -83,7 +87,10 @@ class StopMatcher:
         text = self._decode(self.tokens[start:])
         if not any(s in text for s in self.stops):
             return False
-        if start == 0:
+        if start == 0 and not self._seed_text:
             return True  # the window was the whole output
         text = self._decode(self.tokens)
-        return any(s in text for s in self.stops)
+        # past the seeded text (where the output's text first differs from it: a
+        # character the seed left cut decodes whole now)
+        new = len(os.path.commonprefix([self._seed_text, text]))
+        return any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in self.stops)

@@ -3,6 +3,7 @@ and end at the first token after which a stop string appears (real cl100k tokens
 agent sessions, plus multi-byte text, byte-fragment tokens and periodic text)."""
 
 import functools
+import os
 import random
 from pathlib import Path
 
@@ -156,25 +157,56 @@ def seeded(tokens, stops, k) -> int | None:
     return None
 
 
+def reference_after(tokens, stops, k) -> int | None:
+    """The reference for a request that goes on after ``tokens[:k]``: the first ``j > k``
+    whose whole decoded output holds a stop string ending past the text ``tokens[:k]``
+    decodes to (past where the two texts first differ)."""
+    seed = tok().decode(tokens[:k])
+    for j in range(k + 1, len(tokens) + 1):
+        text = tok().decode(tokens[:j])
+        new = len(os.path.commonprefix([seed, text]))
+        if any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in stops):
+            return j
+    return None
+
+
 def test_a_seeded_matcher_ends_where_the_reference_does():
-    """Seeded with an output that holds no stop string yet, then given the rest: the same
-    token as the reference over the whole output, cut anywhere (inside a multi-byte
-    character, between ids without text, far into a long output)."""
+    """Seeded with an output cut anywhere (inside a multi-byte character, between ids
+    without text, far into a long output, after a stop string it already holds), then
+    given the rest: the token the whole-output reference ends at, counting only stop
+    strings that end in the new text; without a stop in the seed, the plain reference's."""
     rng = random.Random(5)
     cases = [tok().encode(t)[:300] for t in session_texts()[:4]]
     cases.append(tok().encode("def 函数(参数):  # 返回 ✓ — naïve café 🦀🐍 ok\n" * 3))
+    cases.append(tok().encode("🦀🐍 日本語 " * 12))
     cases.append(tok().encode("x = 1") + [100261 + k % 15 for k in range(12)] +
                  tok().encode("\ny = 2\n") * 3)
     vocab = tok().vocab_size - 100
     cases.append([rng.randrange(vocab) for _ in range(150)])
     for tokens in cases:
         text = tok().decode(tokens)
-        for stops in stops_from(text, rng, 5) + [["\ufffd"], ["1\ny"], ["🐍 o"]]:
-            want = reference(tokens, stops)
+        for stops in stops_from(text, rng, 5) + [["\ufffd"], ["\ufffd\ufffd"], ["1\ny"],
+                                                 ["🐍 o"]]:
+            plain = reference(tokens, stops)
             for k in sorted({0, 1, len(tokens) // 2, len(tokens) - 1,
-                             rng.randrange(len(tokens))}):
-                if want is None or want > k:
-                    assert seeded(tokens, stops, k) == want, (stops, k)
+                             rng.randrange(len(tokens)), rng.randrange(len(tokens))}):
+                want = reference_after(tokens, stops, k)
+                assert seeded(tokens, stops, k) == want, (stops, k)
+                if plain is None or plain > k:  # nothing to hold back: the plain reference
+                    assert want == plain, (stops, k)
+
+
+def test_a_stop_string_the_seed_holds_does_not_end_the_request():
+    """An own loop that went on past a stop string (or never asked for it) and asks for it
+    now: only a new occurrence ends the request, however near the old one is."""
+    head = tok().encode("done STOP")
+    for gap in (0, 1, 3, 24):
+        tail = tok().encode(" x" * gap) + tok().encode(" more STOP again")
+        tokens = head + tail
+        k = len(head) + gap
+        got = seeded(tokens, ["STOP"], k)
+        assert got == reference_after(tokens, ["STOP"], k) == \
+            len(head) + len(tok().encode(" x" * gap) + tok().encode(" more STOP")), gap
 
 
 def test_seeding_a_long_output_decodes_a_window_of_it():
