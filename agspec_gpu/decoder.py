@@ -477,14 +477,21 @@ class SpecDecoder:
                     f"logits: the rows of session(s) {[s for s, f in zip(sids, faulty) if f]}"
                     f" hold a NaN or +inf, or only -inf (no next token): a model fault")
             new = [r[:n] for r, n in zip(rows, n_out)]
-            for s in sids:  # each session's own-loop request runs, unless this step ends it
-                self._sessions[s].finish_reason = None
-            if ends is not None:  # the stop strings see the message so far
-                for matcher, s in zip(ends.stop, sids):
-                    matcher.seed(self._sessions[s].message)
-                new = ends.emit(new)
-            taken = list(map(len, new))
-            self._record(sids, res, taken, n_out, num_draft)
+            states = [self._sessions[s] for s in sids]
+            reasons = [st.finish_reason for st in states]  # back if the drafter raises
+            try:
+                for st in states:  # each own-loop request runs, unless this step ends it
+                    st.finish_reason = None
+                if ends is not None:  # the stop strings see the message so far
+                    for matcher, st in zip(ends.stop, states):
+                        matcher.seed(st.message)
+                    new = ends.emit(new)
+                taken = list(map(len, new))
+                self._record(sids, res, taken, n_out, num_draft)
+            except BaseException:
+                for st, reason in zip(states, reasons):
+                    st.finish_reason = reason
+                raise
             for s, toks in zip(sids, new):
                 self._sessions[s].extend(toks)
         self._proposed = None

@@ -1337,6 +1337,25 @@ def test_commit_ends_a_session_at_a_stop_string_across_steps():
     assert res.num_output.tolist() == [1] and dec.session_stats(c).finish_reason is None
 
 
+def test_a_commit_whose_drafter_raises_changes_no_counter_or_reason(monkeypatch):
+    """The drafter's commit runs before the counters and the contexts change, and the
+    sessions' finish reasons come back when it raises."""
+    dec = SpecDecoder(model(VARIANTS[0]), tok())
+    sid = dec.open_session("t0", "coder", list(prompts()[3]))
+    dec.generate([sid], max_new_tokens=2)
+    before = (dec.session_stats(sid), dict(dec.stats), list(dec._sessions[sid].context))
+    assert before[0].finish_reason == "length"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("drafter fault")
+
+    d = dec.propose([sid])
+    monkeypatch.setattr(dec.drafter, "observe", broken)
+    with pytest.raises(RuntimeError, match="drafter fault"):
+        dec.commit([sid], d, torch.zeros(1, 1 + d.max_nodes, VOCAB), stop="x", eos_id=-1)
+    assert (dec.session_stats(sid), dict(dec.stats), dec._sessions[sid].context) == before
+
+
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
 def test_own_loop_propose_commit_is_lossless(variant):
     """propose / root_ids / commit around the user's own verifier (an HFRunner whose KV
