@@ -152,7 +152,7 @@ def test_flashinfer_workspace_holds_the_split_kv_scratch_of_the_largest_graph_pl
     assert prefill_workspace_bytes(64, 1, 128, 132) > eager_mqa > 128 << 20
 
 
-class _RecordingWrapper:
+class RecordingWrapper:
     """A stand-in for FlashInfer's prefill wrapper: records what ``plan`` is given."""
 
     def __init__(self, B: int):
@@ -176,7 +176,7 @@ def test_flashinfer_plan_hands_the_steps_sizes_to_the_wrapper(with_host):
     _, _, draft, roots, prefix, _, table = make_case(2, sizes, "random", prefix_lens, ps)
     host = host_sizes(sizes, prefix_lens, ps) if with_host else None
     meta = plan_tree(draft, roots, prefix, table, ps, host=host)
-    w = _RecordingWrapper(len(sizes))
+    w = RecordingWrapper(len(sizes))
     flashinfer_plan(w, meta, 8, 2, 16, 0.25, torch.bfloat16)
     (qo, kv, indices, last, *dims), kw = w.planned
     assert dims == [8, 2, 16, ps]

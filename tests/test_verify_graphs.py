@@ -15,6 +15,7 @@ import torch
 from agspec_gpu import DraftBatch
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.verify_graphs import VerifyGraphs, row_buckets
+from test_attention import RecordingWrapper
 from test_paged_runner import tiny_model
 from tree_reference import random_trees
 
@@ -75,6 +76,14 @@ def test_padded_step_equals_unpadded(seed):
         for m in (pmeta, meta) if meta.maybe_host is not None else (pmeta,):
             for name in ("qo_indptr", "kv_indptr", "kv_last_page_len"):
                 assert getattr(m.maybe_host, name).tolist() == getattr(m, name).tolist(), name
+            assert m.maybe_host.num_mask_bytes == int(m.mask_indptr[-1])
+        # what a graphed step's FlashInfer plan is handed (a stub here): the padded step's
+        planned = RecordingWrapper(S + 1)
+        vg._plan_wrapper(planned, pmeta)
+        (qo, kv, _, last, *_), _ = planned.planned
+        assert qo.tolist() == pmeta.qo_indptr.tolist() and kv.tolist() == pmeta.kv_indptr.tolist()
+        assert last.tolist() == pmeta.kv_last_page_len.tolist()
+        assert planned._mask_indptr_buf.tolist() == pmeta.mask_indptr.tolist()
         assert pmeta.batch_size == S + 1 and pmeta.capacity_q == Q
         assert int(pmeta.qo_indptr[-1]) == Q  # every bucket row belongs to a request
         rows = b + n
@@ -405,3 +414,25 @@ def test_a_step_over_the_capacity_is_an_error_not_a_silent_overflow():
     with pytest.raises(ValueError, match="pages .* exceeds the buffers'"):
         vg.verify(["a"], _draft([[(5, -1), (6, 0)]], 2), torch.tensor([1], dtype=torch.int32),
                   [9], num_draft_host=[2])
+
+
+def test_a_decode_graphs_plan_hands_flashinfer_the_steps_host_sizes():
+    """A plain-decode bucket's FlashInfer plan (a stub here: the GPU tests run the real
+    one) gets the padded step's pages from the host sizes, equal to the device plan's."""
+    from agspec_gpu.runners.graphs import DecodeGraphs
+
+    runner = _pool_runner(40)
+    graphs = DecodeGraphs(runner, [1, 2, 4])
+    ids = ["a", "b", "c"]
+    prompts = [list(range(1, n + 1)) for n in (9, 23, 5)]
+    roots = runner.prefill(ids, prompts).argmax(-1).to(torch.int32)
+    S, meta = graphs.plan(ids, roots, [len(p) for p in prompts])
+    assert S == 4 and meta.maybe_host is not None
+    planned = RecordingWrapper(S)
+    graphs._plan_wrapper(planned, meta)
+    (kv, indices, last, *dims), kw = planned.planned
+    assert kv.tolist() == meta.kv_indptr[:S + 1].tolist()
+    assert last.tolist() == meta.kv_last_page_len[:S].tolist()
+    assert indices.tolist() == meta.kv_indices[:int(meta.kv_indptr[S])].tolist()
+    assert dims[:3] == [runner.shape.num_qo_heads, runner.shape.num_kv_heads,
+                        runner.shape.head_dim] and kw["pos_encoding_mode"] == "NONE"
