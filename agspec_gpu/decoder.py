@@ -148,7 +148,7 @@ class SpecDecoder:
             try:
                 self._paged = PagedLlamaRunner.from_hf_model(
                     model, num_pages=pages, page_size=cfg.page_size, max_seqs=cfg.session_limit,
-                    max_pages_per_seq=pages)
+                    max_pages_per_seq=pages, split_attention=cfg.tree_attention == "split")
             except ValueError as exc:
                 raise ValueError(f"model: runner='paged' takes Llama/Qwen2-family models "
                                  f"({exc})") from exc

@@ -55,6 +55,12 @@ class DecoderConfig:
             the pool preempts its newest requests (they wait again, their KV kept until
             the pages are needed, then recomputed). Either way a step short of pages
             preempts rather than fails while more than one request runs.
+        tree_attention: ``runner="paged"``: how a verification step attends to its trees.
+            ``"split"``: each row over its prefix unmasked (FlashInfer's fast path), its
+            tree apart, the two merged by their log-sum-exps (:mod:`agspec_gpu.attention`);
+            ``"custom"``: one batch prefill with FlashInfer's packed custom mask, whose
+            mask is its slow path (1.3 TB/s of an H100's 3.35 at B = 64 over 4,096-token
+            prefixes). Both compute the same attention (the CPU tests compare them).
     """
 
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -67,6 +73,7 @@ class DecoderConfig:
     cuda_graphs: bool = True
     profiles: str | None = None
     admission: str = "reserve"
+    tree_attention: str = "split"
 
     def __post_init__(self) -> None:
         for name, cls in (("tiers", TierConfig), ("drafter", DrafterConfig)):
@@ -89,6 +96,9 @@ class DecoderConfig:
         if self.admission not in ("reserve", "optimistic"):
             raise ValueError(f"admission must be 'reserve' or 'optimistic', got "
                              f"{self.admission!r}")
+        if self.tree_attention not in ("split", "custom"):
+            raise ValueError(f"tree_attention must be 'split' or 'custom', got "
+                             f"{self.tree_attention!r}")
         if self.page_size < 1 or self.kv_cache_tokens < self.page_size:
             raise ValueError("need page_size >= 1 and kv_cache_tokens >= page_size")
 

@@ -84,8 +84,9 @@ class MetadataPool:
     def __init__(self, max_batch: int, max_nodes: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device | str) -> None:
         self.max_nodes = max_nodes
+        # with the prefix pages' buffers: a split runner plans them (a few KB)
         self._buf = TreeMetadata.empty(max_batch, max_nodes + 1, max_pages_per_seq, page_size,
-                                       device)
+                                       device, with_prefix=True)
         self._rows: dict[int, TreeMetadata] = {}  # by capacity: plan_tree keeps its views
 
     def rows(self, num_rows: int) -> TreeMetadata:
@@ -665,7 +666,8 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
                                    torch.tensor(per, dtype=torch.int32, device=dev))
                 # capacity = the step's real rows, as the loop's MetadataPool hands out
                 out = TreeMetadata.empty(B, N + 1, cache.max_pages_per_seq, cache.page_size,
-                                         dev, max_total_q=-(-(B + n) // 8) * 8)
+                                         dev, max_total_q=-(-(B + n) // 8) * 8,
+                                         with_prefix=True)
                 fits = verify_graphs is not None and N <= verify_graphs.max_nodes \
                     and B <= verify_graphs.sizes[-1]
                 times = []

@@ -32,6 +32,7 @@ import torch
 
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels._launch import cast
+from agspec_gpu.kernels.prefix_pages import PrefixPages, prefix_pages as plan_prefix_pages
 from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs,
                                          check_tree_out, launch_tree_mask)
 
@@ -46,6 +47,9 @@ class HostSizes(NamedTuple):
     kv_indptr: torch.Tensor  # int32 [B + 1]
     kv_last_page_len: torch.Tensor  # int32 [B]
     num_mask_bytes: int  # the packed mask's bytes (mask_indptr[-1])
+    # a split attention's prefix part (plan_tree(prefix_pages=True), TreeMetadata.maybe_prefix)
+    prefix_kv_indptr: torch.Tensor  # int32 [B + 1]
+    prefix_kv_last_page_len: torch.Tensor  # int32 [B]
 
 
 def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: int, *,
@@ -66,10 +70,15 @@ def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: 
     kv_len = prefix + qo_len
     pages = -(-kv_len // page_size)
     last = kv_len - (pages - 1) * page_size
+    # the prefix part (kernels/prefix_pages.py): no prefix is one entry on the first page
+    prefix_pages = np.maximum(-(-prefix // page_size), 1)
+    prefix_last = np.where(prefix > 0, prefix - (prefix_pages - 1) * page_size, 1)
     if sink_rows is not None:
-        qo_len, kv_len, pages, last = (np.append(x, v) for x, v in (
-            (qo_len, sink_rows), (kv_len, 1), (pages, 1), (last, 1)))
-    qo_indptr, kv_indptr = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_len, pages))
+        qo_len, kv_len, pages, last, prefix_pages, prefix_last = (np.append(x, v) for x, v in (
+            (qo_len, sink_rows), (kv_len, 1), (pages, 1), (last, 1), (prefix_pages, 1),
+            (prefix_last, 1)))
+    qo_indptr, kv_indptr, prefix_indptr = (np.concatenate([[0], np.cumsum(x)])
+                                           for x in (qo_len, pages, prefix_pages))
     mask_bytes = int(((qo_len * kv_len + 7) // 8).sum())  # the kernels' mask layout
     if mask_bytes >= 1 << 31:  # FlashInfer's mask_indptr (and the planner's) are int32
         raise ValueError(f"num_draft, prefix_lens: the step's packed mask takes {mask_bytes} "
@@ -84,7 +93,8 @@ def host_sizes(num_draft: Sequence[int], prefix_lens: Sequence[int], page_size: 
 
     def i32(x):
         return torch.from_numpy(x.astype(np.int32))
-    return HostSizes(i32(qo_indptr), i32(kv_indptr), i32(last), mask_bytes)
+    return HostSizes(i32(qo_indptr), i32(kv_indptr), i32(last), mask_bytes, i32(prefix_indptr),
+                     i32(prefix_last))
 
 
 def padded_step_capacity(num_requests: int, max_qo_len: int, max_total_q: int,
@@ -158,6 +168,11 @@ class TreeMetadata:
             its request's columns ``0 .. kv_len - 1`` (debugging and tests only).
         maybe_host: :class:`HostSizes` or None: ``qo_indptr``, ``kv_indptr`` and
             ``kv_last_page_len`` on the host, when the planner's caller knew them.
+        maybe_prefix: :class:`~agspec_gpu.kernels.prefix_pages.PrefixPages` or None: the
+            pages of each request's prefix alone, for a split tree attention (an unmasked
+            prefix part, the tree apart: :mod:`agspec_gpu.kernels.tree_attention`); planned
+            by ``plan_tree(prefix_pages=True)``.
+        has_sink: the last request is a sink (``plan_tree(sink_page=...)``): it has no tree.
     """
 
     input_ids: torch.Tensor
@@ -175,6 +190,8 @@ class TreeMetadata:
     max_kv_len: int
     maybe_tree_mask: torch.Tensor | None = None
     maybe_host: HostSizes | None = None
+    maybe_prefix: PrefixPages | None = None
+    has_sink: bool = False
 
     def __post_init__(self) -> None:
         # plan_tree's views of these buffers by step shape (not a field: filled as planned)
@@ -213,6 +230,13 @@ class TreeMetadata:
                 self.maybe_tree_mask.dtype != torch.bool
                 or self.maybe_tree_mask.shape != (Q, self.max_kv_len)):
             raise ValueError(f"maybe_tree_mask: expected bool [{Q}, {self.max_kv_len}]")
+        p = self.maybe_prefix
+        if p is not None and (p.kv_indptr.shape != (B + 1,) or p.kv_last_page_len.shape != (B,)
+                              or p.prefix_lens.shape != (B,)
+                              or any(x.dtype != torch.int32 or x.device != self.input_ids.device
+                                     for x in p)):
+            raise ValueError(f"maybe_prefix: expected int32 buffers of {B} requests on "
+                             f"{self.input_ids.device}")
         h = self.maybe_host
         if h is not None and (h.qo_indptr.shape != (B + 1,) or h.kv_indptr.shape != (B + 1,)
                               or h.kv_last_page_len.shape != (B,)):
@@ -257,7 +281,8 @@ class TreeMetadata:
     def empty(max_batch_size: int, max_qo_len: int, max_pages_per_seq: int, page_size: int,
               device: torch.device | str, *, max_total_q: int | None = None,
               max_total_pages: int | None = None, max_mask_bytes: int | None = None,
-              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> "TreeMetadata":
+              shared: tuple[torch.Tensor, ...] | None = None,
+              with_prefix: bool = False) -> "TreeMetadata":
         """Preallocated buffers for :func:`plan_tree` ``out=`` (a CUDA-graph-friendly pool).
 
         Capacities default to the static worst case: ``max_total_q = max_batch_size *
@@ -269,7 +294,11 @@ class TreeMetadata:
 
         ``shared``: ``(int32 [>= P], uint8 [>= M])`` whose first ``P`` and ``M`` entries
         become ``kv_indices`` and ``packed_mask``, for buffers that are never planned at
-        once (a runner's graph buckets: one plan a step, read before the next).
+        once (a runner's graph buckets: one plan a step, read before the next); with
+        ``with_prefix`` a third, ``int32 [>= P]``, for the prefix pages.
+
+        ``with_prefix``: also the buffers of ``maybe_prefix`` (``plan_tree(prefix_pages=
+        True)``; a request's prefix pages are no more than its pages, so ``P`` holds them).
         """
         B, R = max_batch_size, max_qo_len
         Q = max_total_q if max_total_q is not None else B * R
@@ -282,24 +311,31 @@ class TreeMetadata:
 
         if shared is None:
             kv_indices, packed_mask = i32(P), torch.zeros(M, dtype=torch.uint8, device=device)
+            prefix_indices = i32(P) if with_prefix else None
         else:
-            if shared[0].numel() < P or shared[1].numel() < M:
+            if shared[0].numel() < P or shared[1].numel() < M or (
+                    with_prefix and (len(shared) < 3 or shared[2].numel() < P)):
                 raise ValueError(f"shared: {shared[0].numel()} pages and {shared[1].numel()} "
-                                 f"mask bytes for capacities of {P} and {M}")
+                                 f"mask bytes (and {[x.numel() for x in shared[2:]]} prefix "
+                                 f"pages) for capacities of {P} and {M}"
+                                 f"{f' and {P} prefix pages' if with_prefix else ''}")
             kv_indices, packed_mask = shared[0][:P], shared[1][:M]
+            prefix_indices = shared[2][:P] if with_prefix else None
+        prefix = None if not with_prefix else PrefixPages(i32(B + 1), prefix_indices,
+                                                          i32(B).fill_(1), i32(B))
         return TreeMetadata(
             input_ids=i32(Q), position_ids=i32(Q), kv_slots=i32(Q), qo_indptr=i32(B + 1),
             kv_indptr=i32(B + 1), kv_indices=kv_indices, kv_last_page_len=i32(B).fill_(1),
             packed_mask=packed_mask,
             mask_indptr=i32(B + 1), ancestor_bits=i32(B, R, -(-R // 32)), page_size=page_size,
-            max_qo_len=R, max_kv_len=max(R, max_pages_per_seq * page_size))
+            max_qo_len=R, max_kv_len=max(R, max_pages_per_seq * page_size), maybe_prefix=prefix)
 
 
 def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tensor,
               page_table: torch.Tensor, page_size: int, *, max_total_q: int | None = None,
               out: TreeMetadata | None = None, with_dense_mask: bool = False,
               sink_page: int | None = None, host: HostSizes | None = None,
-              use_triton: bool | None = None) -> TreeMetadata:
+              prefix_pages: bool = False, use_triton: bool | None = None) -> TreeMetadata:
     """Plans one tree-verification step for a batch, entirely on the device.
 
     Parameters
@@ -330,8 +366,12 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         ``maybe_host`` for FlashInfer's plan; they must equal what this plans. The
         kernels drop what exceeds ``out``'s capacities (a check of the sizes they compute
         would wait for the device): ``host_sizes(..., out=out)`` checks on the host.
+    prefix_pages : bool
+        Also plan ``maybe_prefix``, each request's prefix pages alone
+        (:func:`agspec_gpu.kernels.prefix_pages.prefix_pages`), for a split tree attention;
+        ``out`` must hold its buffers (``TreeMetadata.empty(with_prefix=True)``).
     use_triton : bool, optional
-        Forwarded to :func:`agspec_gpu.kernels.tree_mask.tree_mask`.
+        Forwarded to :func:`agspec_gpu.kernels.tree_mask.tree_mask` (and ``prefix_pages``).
 
     Returns
     -------
@@ -359,7 +399,8 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         out = TreeMetadata.empty(
             B, R, max_pages, page_size, device, max_total_q=max_total_q,
             max_total_pages=None if host is None else int(host.kv_indptr[-1]),
-            max_mask_bytes=None if host is None else host.num_mask_bytes)
+            max_mask_bytes=None if host is None else host.num_mask_bytes,
+            with_prefix=prefix_pages)
     elif out.batch_size < B or out.max_qo_len < R or out.page_size != page_size:
         raise ValueError(f"out: buffers for batch {out.batch_size}, max_qo_len "
                          f"{out.max_qo_len}, page_size {out.page_size} cannot plan batch {B}, "
@@ -373,16 +414,20 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
     if out.batch_size < nb:
         raise ValueError(f"out: buffers for batch {out.batch_size} cannot plan {B} requests "
                          f"and a sink")
+    if prefix_pages and out.maybe_prefix is None:
+        raise ValueError("out: no prefix-page buffers for prefix_pages=True (TreeMetadata."
+                         "empty(with_prefix=True))")
 
     # the step's views of out, and out's checks, made once per shape: a planner reusing its
     # buffers pays a step only for the checks of its inputs and the launch (the views, the
     # result's checks and out's took ~35 us of a step's host time when rebuilt every step)
-    key = (nb, B, R, max_pages, page_size)
+    key = (nb, B, R, max_pages, page_size, prefix_pages)
     views = out._plans.get(key)
     if views is None:
         if len(out._plans) >= _MAX_PLAN_SHAPES:  # a pool planned at page-table widths that
             out._plans.clear()                   # keep growing: start over, stay bounded
-        views = out._plans[key] = _plan_views(out, nb, B, N, max_pages, page_size, sink_page)
+        views = out._plans[key] = _plan_views(out, nb, B, N, max_pages, page_size, sink_page,
+                                              prefix_pages)
     buffers, planned = views
     tok, par, num, root, prefix, table = (_int32(x) for x in (
         draft.token_ids, draft.parents, draft.num_draft_tokens, root_ids, prefix_lens,
@@ -391,6 +436,9 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
     # sizes, indptrs, rows, pages and mask (and the sink): two kernels on a GPU
     launch_tree_mask(tok, par, num, root, prefix, table, page_size, buffers,
                      sink_page=sink_page, use_triton=use_triton)
+    if prefix_pages:
+        plan_prefix_pages(prefix, table, page_size, planned.maybe_prefix, sink_page=sink_page,
+                          use_triton=use_triton)
     meta = planned if host is None else planned.with_host(host)
     if with_dense_mask:
         dense = unpack_mask(meta)  # [B, R, max_kv_len]
@@ -412,7 +460,8 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _plan_views(out: TreeMetadata, nb: int, B: int, N: int, max_pages: int, page_size: int,
-                sink_page: int | None) -> tuple[TreeMaskBuffers, TreeMetadata]:
+                sink_page: int | None, prefix_pages: bool
+                ) -> tuple[TreeMaskBuffers, TreeMetadata]:
     """The buffers :func:`plan_tree` hands the kernels and the metadata it returns for a
     step of ``nb`` planned requests (``B`` and the sink) of ``N``-node drafts: views of
     ``out``, checked once."""
@@ -425,10 +474,15 @@ def _plan_views(out: TreeMetadata, nb: int, B: int, N: int, max_pages: int, page
                               out.input_ids, out.position_ids, out.kv_slots, out.kv_indices,
                               out.packed_mask, ancestor_bits[:B])
     check_tree_out(buffers, B, N, out.device, sink_page)
+    prefix = None
+    if prefix_pages:
+        p = out.maybe_prefix
+        prefix = PrefixPages(p.kv_indptr[:nb + 1], p.kv_indices, p.kv_last_page_len[:nb],
+                             p.prefix_lens[:nb])
     meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
                    kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
                    max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None,
-                   maybe_host=None)
+                   maybe_host=None, maybe_prefix=prefix, has_sink=sink_page is not None)
     return buffers, meta
 
 

@@ -344,6 +344,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eager-verify", action="store_true",
                     help="verification steps run eagerly over exact-size metadata (the "
                          "padded CUDA-graph buckets off; plain decode still graphed)")
+    ap.add_argument("--tree-attention", default="split", choices=("split", "custom"),
+                    help="verification attention: the prefix unmasked and the tree apart "
+                         "(split), or FlashInfer's custom mask over both (DecoderConfig)")
     ap.add_argument("--calibrate", action="store_true", help="calibrate the cost model and exit")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip calibration (agspec uses --cost-model or the default model)")
@@ -460,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     runner = PagedLlamaRunner(config, RandomWeights(config, device, dtype, args.seed),
                               num_pages=num_pages, page_size=ps, max_seqs=max_b + 2,
-                              max_pages_per_seq=max_pages_per_seq, device=device, dtype=dtype)
+                              max_pages_per_seq=max_pages_per_seq, device=device, dtype=dtype,
+                              split_attention=args.tree_attention == "split")
     graph_sizes = sorted({1 << k for k in range(max_b.bit_length()) if (1 << k) <= max_b} |
                          set(batch_sizes))
     graphs = DecodeGraphs(runner, graph_sizes, use_graphs=False if args.no_graphs else None)
@@ -516,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                     "dtype": str(dtype).removeprefix("torch."), "context_tokens": calib_ctx,
                     "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
                     "verify_cuda_graphs": verify.uses_graphs if verify else False,
+                    "tree_attention": "split" if runner.splits(args.max_draft_nodes)
+                    else "custom",
                     "by_batch_size": {str(b): [list(p) for p in c.points]
                                       for b, c in cost_for.items()}}
         write_atomic(cost_path, json.dumps(cost_obj, indent=2) + "\n")
@@ -674,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_kernels": decode_kernels,
             "decode_cuda_graphs": graphs.uses_graphs,
             "decode_graph_error": graphs.graph_error,
+            "tree_attention": "split" if runner.splits(args.max_draft_nodes) else "custom",
             "verify_cuda_graphs": verify.uses_graphs if verify else False,
             "verify_graph_error": verify.graph_error if verify else None,
             "verify_graph_buckets": sum(len(v) for v in verify.buckets.values())

@@ -2,8 +2,8 @@
 # The device check of issues 6 and 7 (their goals are H200 figures; an H100, the device
 # tool's first kind, runs it the same, and every file it writes names the GPU it ran on):
 # the GPU tests, the layer-kernel benchmark and a reduced end-to-end run (Llama-3-8B
-# architecture, B = 1, 16, 64; then B = 1, 16 with eager verification steps, for the CUDA
-# graphs' share), everything under $OUT, < 8 minutes.
+# architecture, B = 1, 16, 64, split tree attention; then B = 16, 64 with FlashInfer's custom
+# mask, for the split's share), everything under $OUT, < 8 minutes.
 # (The index-build benchmark ran on 2026-11-30: bench/results/index_build-20261130-h200.json.)
 #
 # How to call it (device tool, from the repository root; it needs the carried wheels):
@@ -34,7 +34,7 @@
 # trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
 # bench_decoder_step, bench_match, bench_host_staging, bench_launch_overhead and
 # bench_tree_attention),
-# e2e-<date>-<gpu>-eager-verify.json (<gpu>: h200, h100-80gb-hbm3, ... as nvidia-smi names it),
+# e2e-<date>-<gpu>-custom-mask.json (<gpu>: h200, h100-80gb-hbm3, ... as nvidia-smi names it),
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
 # step that would start too late is skipped and says so, so one hang cannot eat the budget.
@@ -123,6 +123,15 @@ fi.plan(meta)
 fi.run(torch.randn(meta.capacity_q, 32, 128, device=dev, dtype=torch.bfloat16), cache)
 torch.cuda.synchronize()
 print(f"batch prefill (custom mask, fa2, bf16, hd128): {time.time() - t:.1f} s", flush=True)
+t = time.time()  # the split: the same module unmasked (lse out), then the Triton tree kernel
+split = FlashInferPagedAttention(32, 8, 128, 16, device=dev, dtype=torch.bfloat16, split=True)
+meta = plan_tree(d, i32(5), i32(40), torch.arange(4, dtype=torch.int32, device=dev)[None], 16,
+                 prefix_pages=True)
+split.plan(meta)
+split.run(torch.randn(meta.capacity_q, 32, 128, device=dev, dtype=torch.bfloat16), cache)
+torch.cuda.synchronize()
+print(f"split tree attention (unmasked prefill + tree kernel): {time.time() - t:.1f} s",
+      flush=True)
 t = time.time()
 import flashinfer
 ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
@@ -192,20 +201,33 @@ step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,
   --profile --profile-steps 3 "${GLOBAL[@]}" --results-dir /tmp/e2e \
   --out "$OUT/e2e-$DATE-$GPU.json"
 E2E_RC=$?
-if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time limit): eager steps
-  step e2e-eager 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
+if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time limit): the
+  # custom mask, the configuration the 2026-12-05 H100 run measured
+  step e2e-custom-all 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b \
+    --batch-sizes 1,16,64 --tree-attention custom \
     --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
-    --context 4096 --prefill skip --calibrate-repeats 3 --no-graphs "${GLOBAL[@]}" \
-    --results-dir /tmp/e2e --out "$OUT/e2e-$DATE-$GPU-eager.json"
+    --context 4096 --prefill skip --calibrate-repeats 3 "${GLOBAL[@]}" \
+    --results-dir /tmp/e2e-custom --out "$OUT/e2e-$DATE-$GPU-custom-mask.json"
+  rm -f "$OUT/e2e-$DATE-$GPU-custom-mask.csv"
 fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
 # ---------------------------------------------------------------- tree attention, split
-# the custom-mask prefill (25.9 ms of a B = 64 step on the H100, 1.3 TB/s) against the
-# prefix unmasked + the tree masked, merged by log-sum-exp: same output, the time of each
+# the custom-mask prefill (25.9 ms of a B = 64 step on the H100, 1.3 TB/s) against the split
+# (the prefix unmasked + the tree kernel, merged): same output, the time of each
 step bench_tree_attention 45 python3 bench/bench_tree_attention.py --device cuda \
   --batch-sizes 1,16,64 --context 4096 --nodes 4 --out /tmp/bench/tree_attention
+# the split's share of the e2e result: agspec with the custom mask, beside plain decoding in
+# the same run (the methods that verify trees are the ones it changes)
+if [ "$E2E_RC" -eq 0 ] || [ "$E2E_RC" -eq 124 ]; then
+  step e2e-custom-mask 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b \
+    --batch-sizes 16,64 --methods none,agspec --tree-attention custom --sessions-per-slot 2 \
+    --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 --context 4096 \
+    --prefill skip --calibrate-repeats 3 "${GLOBAL[@]}" --results-dir /tmp/e2e-custom \
+    --out "$OUT/e2e-$DATE-$GPU-custom-mask.json"
+  rm -f "$OUT/e2e-$DATE-$GPU-custom-mask.csv"  # the JSON holds the rows (8 files come back)
+fi
 
 # ---------------------------------------------------------------- kernel tests
 step pytest-kernels 180 "${PYTEST[@]}" \
@@ -213,7 +235,7 @@ step pytest-kernels 180 "${PYTEST[@]}" \
   tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
   tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
   tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
-  tests/test_suffix_match.py tests/test_arena_append.py
+  tests/test_suffix_match.py tests/test_arena_append.py tests/test_tree_attention.py
 
 # ---------------------------------------------------------------- drafter step, graphed vs eager
 # propose and commit timed alone on the same replayed steps, DrafterConfig(cuda_graphs=True/False)
@@ -254,15 +276,5 @@ out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
 " layer_kernels verify_kernels decoder_step match host_staging launch_overhead tree_attention
-
-# the verification graphs' share of the e2e result: the same run with eager verification
-# steps (as before them), fewer methods and batch sizes (bench_index_build: measured on the
-# H200 on 2026-11-30, bench/results/index_build-20261130-h200.json)
-step e2e-eager-verify 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16 \
-  --methods none,agspec,suffix-decoding --sessions-per-slot 2 --min-sessions 4 \
-  --messages-per-session 2 --max-message-tokens 128 --context 4096 --prefill skip \
-  --calibrate-repeats 3 --eager-verify "${GLOBAL[@]}" --results-dir /tmp/e2e-eager \
-  --out "$OUT/e2e-$DATE-$GPU-eager-verify.json"
-rm -f "$OUT/e2e-$DATE-$GPU-eager-verify.csv"  # the JSON holds the rows (8 files come back)
 
 log "=== done in $(($(date +%s) - START))s; files: $(ls "$OUT" | tr '\n' ' ')"

@@ -186,3 +186,34 @@ def test_flashinfer_plan_hands_the_steps_sizes_to_the_wrapper(with_host):
     assert torch.equal(indices[:n].cpu(), meta.kv_indices[:n].cpu())
     assert kw["packed_custom_mask"] is meta.packed_mask and kw["sm_scale"] == 0.25
     assert torch.equal(w._mask_indptr_buf, meta.mask_indptr)
+
+
+@pytest.mark.parametrize("with_host", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+def test_flashinfer_prefix_plan_hands_the_prefix_pages_unmasked(with_host, sink):
+    """``flashinfer_plan_prefix`` (a split step's prefix part): the step's rows, the prefix
+    pages and last-page lengths (from the device plan, or the host's equal copy), no mask,
+    ``causal=False``."""
+    from agspec_gpu.attention import flashinfer_plan_prefix
+    from agspec_gpu.tree import TreeMetadata
+
+    sizes, prefix_lens, ps = [2, 0, 5], [7, 0, 30], 4
+    _, _, draft, roots, prefix, _, table = make_case(4, sizes, "random", prefix_lens, ps)
+    Q = sum(sizes) + 3 + 4 * sink
+    host = host_sizes(sizes, prefix_lens, ps, sink_rows=4 if sink else None) \
+        if with_host else None
+    out = TreeMetadata.empty(4, 6, table.shape[1], ps, "cpu", max_total_q=Q, with_prefix=True)
+    meta = plan_tree(draft, roots, prefix, table, ps, out=out, host=host, prefix_pages=True,
+                     sink_page=int(table.max()) + 1 if sink else None)
+    w = RecordingWrapper(len(sizes) + sink)
+    flashinfer_plan_prefix(w, meta, 8, 2, 16, 0.25, torch.bfloat16)
+    (qo, kv, indices, last, *dims), kw = w.planned
+    p = meta.maybe_prefix
+    assert dims == [8, 2, 16, ps] and kw["causal"] is False and kw["sm_scale"] == 0.25
+    assert "packed_custom_mask" not in kw and "custom_mask" not in kw
+    for got, want in ((qo, meta.qo_indptr), (kv, p.kv_indptr), (last, p.kv_last_page_len)):
+        assert torch.equal(got.cpu(), want.cpu())
+    n = int(p.kv_indptr[-1])
+    assert torch.equal(indices[:n], p.kv_indices[:n])
+    # request 1 has no prefix: one entry on its first page, which the tree kernel ignores
+    assert p.prefix_lens.tolist()[:3] == [7, 0, 30] and p.kv_last_page_len.tolist()[:3] == [3, 1, 2]

@@ -15,8 +15,8 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   ``bench_drafter``: the matrix's rows beside plain decoding and the oracle bound;
   ``bench_frontier``: every family's points (agspec, SuffixDecoding, both PLDs, none) beside
   the oracle bound, which is above the agspec and PLD points.
-* ``bench_tree_attention``: the split (prefix unmasked, tree masked, merged by log-sum-exp)
-  equals the custom-mask reference backend, at page-aligned and unaligned prefixes.
+* ``bench_tree_attention``: the split backend (prefix unmasked, the tree kernel merging the
+  tree) equals the custom-mask backend, at page-aligned and unaligned prefixes.
 """
 
 import json
@@ -232,19 +232,3 @@ def test_bench_tree_attention_smoke(tmp_path):
         assert [r["batch_size"] for r in rows] == [1, 3]
         assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
 
-
-def test_bench_tree_attention_gpu_helpers_on_cpu():
-    """What only the CUDA path uses: FlashInfer's layout of the host-packed mask (row-major,
-    little-endian, each request padded to a byte) and the merge of base-2 log-sum-exps."""
-    import torch
-
-    m = [torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool), torch.ones(1, 9, dtype=torch.bool)]
-    bits, offsets = bench_tree_attention.packed_mask(m, "cpu")
-    assert bits.tolist() == [0b111101, 0xFF, 1] and offsets.tolist() == [0, 1, 3]
-    g = torch.Generator().manual_seed(0)
-    o1, o2 = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g)
-    s1, s2 = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
-    ln2 = torch.log(torch.tensor(2.0))
-    torch.testing.assert_close(
-        bench_tree_attention.merge_torch(o1, s1 / ln2, o2, s2 / ln2, base2=True),
-        bench_tree_attention.merge_torch(o1, s1, o2, s2))

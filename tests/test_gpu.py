@@ -63,8 +63,10 @@ def clear_margins(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.to(DEV, torch.bfloat16).eval()
 
 
-def tiny_runner(seed: int = 0, num_pages: int = 256, max_seqs: int = 8) -> PagedLlamaRunner:
-    """A random 2-layer Llama, head_dim 128 (GQA 2:1), bf16, FlashInfer attention.
+def tiny_runner(seed: int = 0, num_pages: int = 256, max_seqs: int = 8,
+                split: bool = True) -> PagedLlamaRunner:
+    """A random 2-layer Llama, head_dim 128 (GQA 2:1), bf16, FlashInfer attention (split
+    tree attention, or the custom mask's).
 
     The LM head is scaled up so that greedy tokens are mostly decided by clear margins.
     """
@@ -75,7 +77,7 @@ def tiny_runner(seed: int = 0, num_pages: int = 256, max_seqs: int = 8) -> Paged
         num_key_value_heads=1, vocab_size=VOCAB, rope_theta=10000.0, tie_word_embeddings=False)
     model = clear_margins(transformers.LlamaForCausalLM(config), seed)
     runner = PagedLlamaRunner.from_hf_model(model, num_pages=num_pages, page_size=16,
-                                            max_seqs=max_seqs)
+                                            max_seqs=max_seqs, split_attention=split)
     assert isinstance(runner.attention, FlashInferPagedAttention)
     return runner
 
@@ -93,9 +95,12 @@ def cl100k_llama(seed: int) -> torch.nn.Module:
     return clear_margins(transformers.LlamaForCausalLM(config), seed)
 
 
-def test_flashinfer_equals_torch_backend_at_llama3_8b_shape():
+@pytest.mark.parametrize("split", [False, True])
+def test_flashinfer_equals_torch_backend_at_llama3_8b_shape(split):
+    """FlashInfer's custom mask, or its unmasked prefix and the tree kernel (split), equal
+    the torch reference's custom mask."""
     H, Hkv, D, ps = 32, 8, 128, 16
-    fi = FlashInferPagedAttention(H, Hkv, D, ps, device=DEV, dtype=torch.bfloat16)
+    fi = FlashInferPagedAttention(H, Hkv, D, ps, device=DEV, dtype=torch.bfloat16, split=split)
     ref = TorchPagedAttention(H, Hkv, D, ps)
     cases = [(1, [37, 0, 5, 64, 1], [4095, 17, 2048, 3000, 1]),  # ragged, an empty draft
              (2, [64], [4096]), (3, [0, 0, 0], [100, 4000, 7])]  # one big tree; plain decode
@@ -107,12 +112,12 @@ def test_flashinfer_equals_torch_backend_at_llama3_8b_shape():
         pool = MetadataPool(len(sizes), max(sizes + [1]), page_table.shape[1], ps, DEV)
         # capacity trimmed to the real rows (+ rounding), as the replay-target loop plans
         meta = plan_tree(draft, roots, prefix, page_table, ps,
-                         out=pool.rows(len(sizes) + sum(sizes)))
+                         out=pool.rows(len(sizes) + sum(sizes)), prefix_pages=split)
         g = torch.Generator(device=DEV).manual_seed(seed)
         cache = torch.randn(int(page_table.max()) + 1, 2, ps, Hkv, D, generator=g,
                             device=DEV).to(torch.bfloat16)
         q = torch.randn(meta.capacity_q, H, D, generator=g, device=DEV).to(torch.bfloat16)
-        ref.plan(meta)
+        ref.plan(meta)  # the custom mask (a backend built with split=False)
         fi.plan(meta)
         torch.testing.assert_close(fi.run(q, cache).float(), ref.run(q, cache).float(),
                                    atol=2e-2, rtol=2e-2, msg=lambda m: f"case {seed}: {m}")
@@ -179,12 +184,14 @@ def test_decode_graph_equals_eager_step():
     assert graphs.time_step(["a"], roots[:1], [lens[0] - 1], iters=3, warmup=1) > 0
 
 
-def test_verify_graph_equals_eager_step():
+@pytest.mark.parametrize("split", [False, True])
+def test_verify_graph_equals_eager_step(split):
     """A padded verification bucket replayed as a CUDA graph equals the exact-size eager
     step: the real requests' logits and the KV they write (padding writes the null page)."""
-    runner = tiny_runner(seed=2, num_pages=512)
+    runner = tiny_runner(seed=2, num_pages=512, split=split)
     vg = VerifyGraphs(runner, [1, 2, 4], max_nodes=8)
     assert vg.uses_graphs, vg.graph_error
+    assert vg.split == split
     cache = runner.kv_cache
     rng = np.random.default_rng(2)
     ids = ["a", "b", "c"]
@@ -515,9 +522,10 @@ def _greedy_reference(runner, graphs, seq_id, prompt, num_tokens, forced=None):
     return tokens, logits, (top2[:, 0] - top2[:, 1]).cpu()
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("graphed_verify", [False, True])
-def test_greedy_tree_verification_is_lossless(graphed_verify):
-    runner = tiny_runner(seed=1, num_pages=512)
+def test_greedy_tree_verification_is_lossless(graphed_verify, split):
+    runner = tiny_runner(seed=1, num_pages=512, split=split)
     graphs = DecodeGraphs(runner, [1, 2, 4])
     verify = VerifyGraphs(runner, [4], max_nodes=16) if graphed_verify else None
     assert verify is None or verify.uses_graphs, verify.graph_error

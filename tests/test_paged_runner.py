@@ -80,10 +80,14 @@ def check_step(model, runner, seq_ids, histories, trees, roots, prefix_lens):
     return meta
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
-def test_prefill_tree_step_and_commit_match_hf(kind):
+def test_prefill_tree_step_and_commit_match_hf(kind, split):
+    """Tree steps (split attention, or the custom mask) and prefill chunks (the custom mask
+    always) equal the HF model's logits of every path."""
     model = tiny_model(kind)
-    runner = PagedLlamaRunner.from_hf_model(model, num_pages=96, page_size=4, max_seqs=4)
+    runner = PagedLlamaRunner.from_hf_model(model, num_pages=96, page_size=4, max_seqs=4,
+                                            split_attention=split)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, 1000, n)] for n in (7, 12, 1)]
     seq_ids = ["a", "b", "c"]

@@ -27,9 +27,9 @@ def test_row_buckets():
     assert b[0] == 25 and b[-1] == 16 * 65 + 1 and b == sorted(set(b))
 
 
-def _runner():
+def _runner(split: bool = True):
     return PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_pages=96, page_size=4,
-                                          max_seqs=8)
+                                          max_seqs=8, split_attention=split)
 
 
 def _draft(trees, width):
@@ -41,11 +41,12 @@ def _draft(trees, width):
     return DraftBatch(tok, par, d.num_draft_tokens)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_padded_step_equals_unpadded(seed):
+@pytest.mark.parametrize("seed,split", [(0, True), (1, True), (2, True), (0, False)])
+def test_padded_step_equals_unpadded(seed, split):
     rng = np.random.default_rng(seed)
-    runner = _runner()
+    runner = _runner(split)
     vg = VerifyGraphs(runner, [1, 4], max_nodes=6)
+    assert vg.split == split
     assert not vg.uses_graphs and vg.graph_error is None  # CPU: eager, same metadata
     ids = ["a", "b", "c"]
     prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 23, 5)]
@@ -80,10 +81,15 @@ def test_padded_step_equals_unpadded(seed):
         # what a graphed step's FlashInfer plan is handed (a stub here): the padded step's
         planned = RecordingWrapper(S + 1)
         vg._plan_wrapper(planned, pmeta)
-        (qo, kv, _, last, *_), _ = planned.planned
-        assert qo.tolist() == pmeta.qo_indptr.tolist() and kv.tolist() == pmeta.kv_indptr.tolist()
-        assert last.tolist() == pmeta.kv_last_page_len.tolist()
-        assert planned._mask_indptr_buf.tolist() == pmeta.mask_indptr.tolist()
+        (qo, kv, _, last, *_), kw = planned.planned
+        pages = pmeta.maybe_prefix if split else pmeta  # split: the prefix part, unmasked
+        assert qo.tolist() == pmeta.qo_indptr.tolist() and kv.tolist() == pages.kv_indptr.tolist()
+        assert last.tolist() == pages.kv_last_page_len.tolist()
+        if split:
+            assert kw["causal"] is False and "packed_custom_mask" not in kw
+            assert pmeta.maybe_prefix.prefix_lens.tolist() == pre + [0] * (S - b) + [1]
+        else:
+            assert planned._mask_indptr_buf.tolist() == pmeta.mask_indptr.tolist()
         assert pmeta.batch_size == S + 1 and pmeta.capacity_q == Q
         assert int(pmeta.qo_indptr[-1]) == Q  # every bucket row belongs to a request
         rows = b + n

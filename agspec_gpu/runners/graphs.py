@@ -43,19 +43,20 @@ class GraphAttention:
         return self.wrapper.run(q, kv_cache, out=self.out)
 
 
-def capture_forward(runner, wrapper, out: torch.Tensor, meta: TreeMetadata, warmup: int,
-                    pool, logits_out: torch.Tensor) -> tuple:
-    """Captures ``runner.forward(meta)`` as a CUDA graph with ``wrapper`` (planned for
-    ``meta``) as its attention, writing the attention into ``out`` and the logits into
-    ``logits_out`` (``[meta.capacity_q, vocab]``); ``(graph, logits, view)``, ``logits``
-    being ``logits_out``.
+def capture_forward(runner, attention, meta: TreeMetadata, warmup: int, pool,
+                    logits_out: torch.Tensor) -> tuple:
+    """Captures ``runner.forward(meta)`` as a CUDA graph with ``attention`` (a
+    :class:`GraphAttention` whose wrapper is planned for ``meta``, or another with its
+    ``plan`` / ``run``) as its attention, writing the logits into ``logits_out``
+    (``[meta.capacity_q, vocab]``); ``(graph, logits, view)``, ``logits`` being
+    ``logits_out``.
 
-    ``out`` and ``logits_out`` may be views of buffers that other graphs write too (one replays
-    at a time, read before the next). ``view`` is the runner's copy that holds the graph's
-    attention: keep it as long as the graph.
+    The attention's output and ``logits_out`` may be views of buffers that other graphs write
+    too (one replays at a time, read before the next). ``view`` is the runner's copy that
+    holds the graph's attention: keep it as long as the graph.
     """
     view = copy.copy(runner)  # same weights and KV cache, the graph's attention
-    view.attention = GraphAttention(wrapper, out)
+    view.attention = attention
     graph, logits = capture(lambda: view.forward(meta, out=logits_out), runner.device,
                             warmup, pool)
     return graph, logits, view
@@ -279,8 +280,8 @@ class DecodeGraphs(GraphSteps):
             wrapper.reset_workspace_buffer(workspace, int_workspace)
             meta = self._plan_padding(S)
             self._plan_wrapper(wrapper, meta)
-            graph, logits, view = capture_forward(runner, wrapper, attn_buf[:S], meta, warmup,
-                                                  pool, logits_buf[:S])
+            graph, logits, view = capture_forward(runner, GraphAttention(wrapper, attn_buf[:S]),
+                                                  meta, warmup, pool, logits_buf[:S])
             self._graphs[S] = (graph, wrapper, logits, view)
         torch.cuda.synchronize(dev)
 

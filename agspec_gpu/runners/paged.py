@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from agspec_gpu.attention import make_attention_backend
+from agspec_gpu.attention import SPLIT_MAX_QO_LEN, make_attention_backend
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import canonical_device
 from agspec_gpu.kernels.rms_norm import rms_norm
@@ -162,6 +162,10 @@ class PagedLlamaRunner:
         KV pool size; ``max_seqs`` / ``max_pages_per_seq`` bound the page tables.
     device, dtype
         Where and in which dtype weights, activations and KV live.
+    split_attention : bool
+        Verify trees with a split attention (:mod:`agspec_gpu.attention`): the prefix
+        unmasked, the tree apart, merged. Steps of more than ``SPLIT_MAX_QO_LEN`` rows per
+        request (prefill chunks) keep the custom mask.
 
     Example
     -------
@@ -176,7 +180,8 @@ class PagedLlamaRunner:
 
     def __init__(self, config, weights: Mapping[str, torch.Tensor], *, num_pages: int,
                  page_size: int = 16, max_seqs: int = 256, max_pages_per_seq: int | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 split_attention: bool = True) -> None:
         self.shape = s = ModelShape.from_hf_config(config)
         self.device, self.dtype = canonical_device(device), dtype
         self.page_size = page_size
@@ -219,7 +224,8 @@ class PagedLlamaRunner:
                                      max_pages_per_seq=max_pages_per_seq)
         self.attention = make_attention_backend(self.device, s.num_qo_heads, s.num_kv_heads,
                                                 s.head_dim, page_size, dtype=dtype,
-                                                sm_scale=s.head_dim ** -0.5)
+                                                sm_scale=s.head_dim ** -0.5,
+                                                split=split_attention)
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, **kwargs) -> "PagedLlamaRunner":
@@ -275,7 +281,13 @@ class PagedLlamaRunner:
             host_sizes(num_draft_host, prefix_lens_host, self.page_size)
         return plan_tree(draft, root_ids.to(self.device, torch.int32),
                          prefix_lens.to(self.device, torch.int32), page_table, self.page_size,
-                         out=out, max_total_q=max_total_q, host=host)
+                         out=out, max_total_q=max_total_q, host=host,
+                         prefix_pages=self.splits(draft.max_nodes))
+
+    def splits(self, max_nodes: int) -> bool:
+        """Whether steps of trees of up to ``max_nodes`` nodes attend split (the backend was
+        built so, and the trees are small)."""
+        return self.attention.split and 1 + max_nodes <= SPLIT_MAX_QO_LEN
 
     @torch.inference_mode()
     def forward(self, meta: TreeMetadata, *, logit_rows: torch.Tensor | None = None,

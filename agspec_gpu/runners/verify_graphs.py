@@ -25,6 +25,11 @@ FlashInfer wrapper planned before every replay (outside the graph: FlashInfer pl
 host); the attention output and the logits a graph writes are the first rows of one
 buffer each that all buckets share, as are FlashInfer's workspaces and the graphs' memory
 pool. So a step's plan and logits hold until the next step's plan, whatever its bucket.
+
+With a split runner (``PagedLlamaRunner(split_attention=True)`` and trees small enough:
+``runner.splits(max_nodes)``) a bucket's wrapper plans the prefix part, unmasked, over the
+prefix pages its planner writes too, and the graph runs the tree kernel after it
+(:class:`SplitGraphAttention`); the prefix outputs and log-sum-exps are shared buffers too.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from typing import NamedTuple
 import torch
 
 from agspec_gpu.attention import (flashinfer_int_workspace, flashinfer_plan,
-                                  flashinfer_workspace, num_sms, prefill_workspace_bytes)
+                                  flashinfer_plan_prefix, flashinfer_workspace, num_sms,
+                                  prefill_workspace_bytes)
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, copy_grouped, synchronize
-from agspec_gpu.runners.graphs import GraphSteps, capture_forward, shared_outputs
+from agspec_gpu.kernels.tree_attention import tree_attention
+from agspec_gpu.runners.graphs import GraphAttention, GraphSteps, capture_forward, shared_outputs
 from agspec_gpu.tree import (HostSizes, TreeMetadata, host_sizes, padded_step_capacity,
                              plan_tree)
 
@@ -51,6 +58,30 @@ class _StepInputs(NamedTuple):
     prefix: torch.Tensor
     root: torch.Tensor
     draft: DraftBatch
+
+
+class SplitGraphAttention:
+    """A bucket's split attention inside its graph: the prefix wrapper (CUDA-graph mode,
+    planned before each replay, outside the graph) writes each row's output and base-2
+    log-sum-exp over its prefix into ``o_prefix`` / ``lse``, then the tree kernel merges
+    each row's tree into ``out``, reading the bucket's planned buffers (``meta``)."""
+
+    def __init__(self, wrapper, out: torch.Tensor, o_prefix: torch.Tensor, lse: torch.Tensor,
+                 meta: TreeMetadata, sm_scale: float) -> None:
+        self.wrapper, self.out, self.meta, self.sm_scale = wrapper, out, meta, sm_scale
+        self.o_prefix, self.lse = o_prefix, lse
+
+    def plan(self, meta: TreeMetadata) -> None:
+        pass
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        self.wrapper.run(q, kv_cache, out=self.o_prefix, lse=self.lse, return_lse=True)
+        m = self.meta
+        return tree_attention(q, kv_cache, m.kv_slots, m.qo_indptr, m.ancestor_bits,
+                              m.maybe_prefix.prefix_lens, self.o_prefix, self.lse,
+                              num_tree=m.batch_size - m.has_sink, sm_scale=self.sm_scale,
+                              out=self.out)
 
 
 def row_buckets(S: int, max_nodes: int) -> list[int]:
@@ -94,6 +125,7 @@ class VerifyGraphs(GraphSteps):
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.runner, self.max_nodes = runner, max_nodes
+        self.split = runner.splits(max_nodes)  # the prefix unmasked, the tree apart
         self.sizes = sorted(set(int(b) for b in batch_sizes))
         cache, dev = runner.kv_cache, runner.device
         P, ps = cache.max_pages_per_seq, cache.page_size
@@ -105,12 +137,15 @@ class VerifyGraphs(GraphSteps):
                 for S in self.sizes for Q in self.buckets[S]}
         # one page list and one mask for every bucket, the largest's: a step plans one
         # bucket and is read before the next plan (its logits are the graphs' pool's too)
-        shared = (torch.zeros(max(p for p, _ in caps.values()), dtype=torch.int32, device=dev),
+        max_pages = max(p for p, _ in caps.values())
+        shared = (torch.zeros(max_pages, dtype=torch.int32, device=dev),
                   torch.zeros(max(m for _, m in caps.values()), dtype=torch.uint8, device=dev))
+        if self.split:  # the prefix pages: no more than the pages
+            shared += (torch.zeros(max_pages, dtype=torch.int32, device=dev),)
         self._meta: dict[tuple[int, int], TreeMetadata] = {
             (S, Q): TreeMetadata.empty(S + 1, max_nodes + 1, P, ps, dev, max_total_q=Q,
                                        max_total_pages=pages, max_mask_bytes=mask_bytes,
-                                       shared=shared)
+                                       shared=shared, with_prefix=self.split)
             for (S, Q), (pages, mask_bytes) in caps.items()}
         i32 = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
         self._inputs = {S: _StepInputs(i32(S, P).fill_(cache.null_page), i32(S), i32(S),
@@ -191,7 +226,8 @@ class VerifyGraphs(GraphSteps):
             raise ValueError(f"bucket ({S}, {Q}) has no row left for the sink")
         return plan_tree(draft, root, prefix, page_table.contiguous(),
                          self.runner.kv_cache.page_size, out=self._meta[S, Q],
-                         sink_page=self.runner.kv_cache.null_page, host=host)
+                         sink_page=self.runner.kv_cache.null_page, host=host,
+                         prefix_pages=self.split)
 
     @torch.inference_mode()
     def verify(self, seq_ids: Sequence[Hashable], draft: DraftBatch, roots: torch.Tensor,
@@ -213,8 +249,9 @@ class VerifyGraphs(GraphSteps):
     # ------------------------------------------------------------------ capture (GPU)
     def _plan_wrapper(self, wrapper, meta: TreeMetadata) -> None:
         s = self.runner.shape
-        flashinfer_plan(wrapper, meta, s.num_qo_heads, s.num_kv_heads, s.head_dim,
-                        s.head_dim ** -0.5, self.runner.dtype)
+        plan = flashinfer_plan_prefix if self.split else flashinfer_plan
+        plan(wrapper, meta, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.head_dim ** -0.5,
+             self.runner.dtype)
 
     def _capture(self, warmup: int) -> None:
         import flashinfer
@@ -230,30 +267,44 @@ class VerifyGraphs(GraphSteps):
         int_workspace = flashinfer_int_workspace(dev)  # shared as the float one
         # one attention output and one logits buffer too: a step reads its logits before
         # the next step replays any bucket
-        attn_buf, logits_buf = shared_outputs(runner, max(Q for _, Q in self._meta))
+        max_q = max(Q for _, Q in self._meta)
+        attn_buf, logits_buf = shared_outputs(runner, max_q)
+        if self.split:  # the prefix part's outputs, shared as the attention's
+            prefix_buf = torch.empty_like(attn_buf)
+            lse_buf = torch.empty(max_q, s.num_qo_heads, dtype=torch.float32, device=dev)
         pool = torch.cuda.graph_pool_handle()
         for (S, Q) in sorted(self._meta, reverse=True):  # largest first: the rest reuse its pool
             out = self._meta[S, Q]
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=out.qo_indptr[:S + 2],
-                paged_kv_indptr_buf=out.kv_indptr[:S + 2], paged_kv_indices_buf=out.kv_indices,
-                paged_kv_last_page_len_buf=out.kv_last_page_len[:S + 1],
-                custom_mask_buf=out.packed_mask,
-                mask_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
-                backend="fa2")
+            if self.split:  # unmasked over the prefix pages
+                p = out.maybe_prefix
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=out.qo_indptr[:S + 2],
+                    paged_kv_indptr_buf=p.kv_indptr[:S + 2], paged_kv_indices_buf=p.kv_indices,
+                    paged_kv_last_page_len_buf=p.kv_last_page_len[:S + 1], backend="fa2")
+            else:
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=out.qo_indptr[:S + 2],
+                    paged_kv_indptr_buf=out.kv_indptr[:S + 2],
+                    paged_kv_indices_buf=out.kv_indices,
+                    paged_kv_last_page_len_buf=out.kv_last_page_len[:S + 1],
+                    custom_mask_buf=out.packed_mask,
+                    mask_indptr_buf=torch.zeros(S + 2, dtype=torch.int32, device=dev),
+                    backend="fa2")
             wrapper.reset_workspace_buffer(workspace, int_workspace)
-            # the capture plan has the most rows a replay may have: S padding requests and
-            # the sink over the rest
-            empty = DraftBatch(torch.zeros(S, 0, dtype=torch.int32, device=dev),
-                               torch.zeros(S, 0, dtype=torch.int32, device=dev),
-                               torch.zeros(S, dtype=torch.int32, device=dev))
+            # the capture plan has the most rows a replay may have: S padding requests (no
+            # nodes, over the bucket's own draft buffers: a real step's width, which the
+            # tree kernel's strides take) and the sink over the rest
+            inp = self._inputs[S]
             zeros = torch.zeros(S, dtype=torch.int32, device=dev)
             # the bucket's own page table (all null pages until a step): as wide as a real
             # step's, so the planner's kernels compile the variants real steps launch here
-            meta = self._plan_padded(S, Q, empty, zeros, zeros, self._inputs[S].page_table,
+            meta = self._plan_padded(S, Q, inp.draft, zeros, zeros, inp.page_table,
                                      used_rows=S)
             self._plan_wrapper(wrapper, meta)
-            graph, logits, view = capture_forward(runner, wrapper, attn_buf[:Q], meta, warmup,
-                                                  pool, logits_buf[:Q])
+            attention = GraphAttention(wrapper, attn_buf[:Q]) if not self.split else \
+                SplitGraphAttention(wrapper, attn_buf[:Q], prefix_buf[:Q], lse_buf[:Q], meta,
+                                    s.head_dim ** -0.5)
+            graph, logits, view = capture_forward(runner, attention, meta, warmup, pool,
+                                                  logits_buf[:Q])
             self._graphs[S, Q] = (graph, wrapper, logits, view)
         synchronize(dev)
