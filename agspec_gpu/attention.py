@@ -33,7 +33,8 @@ from agspec_gpu.kernels.tree_attention import tree_attention
 from agspec_gpu.tree import TreeMetadata, unpack_mask
 
 # the most rows per request a split step may carry: verification trees. A prefill chunk
-# (hundreds of rows of one chain) runs the custom mask: the tree kernel has no tensor cores
+# (``PagedLlamaRunner.prefill``, up to hundreds of rows of one chain) runs the custom mask
+# whatever its length: the tree kernel has no tensor cores
 SPLIT_MAX_QO_LEN = 128
 
 

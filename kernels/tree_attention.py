@@ -69,15 +69,20 @@ def _tree_attention_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_B: tl.constexpr,
 ):
     """Grid ``(Q, H_kv)``: row ``i`` and KV head ``h``, for query heads ``h * G + g``."""
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    # the row's request: how many requests end at or before it
-    bb = tl.arange(0, BLOCK_B)
-    ends = tl.load(qo_indptr_ptr + 1 + bb, mask=bb < num_requests, other=2147483647)
-    b = tl.sum((ends <= row).to(tl.int32), axis=0)
+    # the row's request b: the first whose rows end past it (a binary search over the
+    # indptr: no block as wide as the batch, so one compile serves every batch size)
+    lo = tl.zeros((), tl.int32)
+    hi = tl.zeros((), tl.int32) + num_requests
+    while lo < hi:
+        mid = (lo + hi) // 2
+        past = tl.load(qo_indptr_ptr + mid + 1).to(tl.int64) <= row
+        lo = tl.where(past, mid + 1, lo)
+        hi = tl.where(past, hi, mid)
+    b = lo
     total = tl.load(qo_indptr_ptr + num_requests).to(tl.int64)
     valid = row < total
     start = tl.load(qo_indptr_ptr + b, mask=valid, other=0).to(tl.int64)
@@ -280,5 +285,5 @@ def tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_slots: torch.Tens
     _tree_attention_kernel[(Q, Hkv)](
         q, kv_cache, kv_slots, qo_indptr, ancestor_bits, prefix_lens, o_prefix, lse_prefix,
         out, nb, num_tree, R, W, kv_cache.shape[2], sm_scale * LOG2E, H=H, G=G, GP=GP, D=D,
-        BLOCK_D=BLOCK_D, BLOCK_T=next_pow2(block_t), BLOCK_B=max(2, next_pow2(nb)))
+        BLOCK_D=BLOCK_D, BLOCK_T=next_pow2(block_t))
     return out

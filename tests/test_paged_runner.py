@@ -299,3 +299,26 @@ def test_forward_with_the_triton_layer_kernels_equals_the_torch_path(kind, monke
         assert torch.equal(got, ref)
     for got, ref in zip(run({"rope_append", "rms_norm", "silu_mul"}), want):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_split_runner_prefills_with_the_custom_mask_and_verifies_split():
+    """``split_attention``: tree steps plan the prefix pages (the split), prefill chunks of
+    any length do not (the tree kernel has no tensor cores); a step whose trees exceed
+    ``SPLIT_MAX_QO_LEN`` rows per request keeps the custom mask too."""
+    from agspec_gpu.attention import SPLIT_MAX_QO_LEN
+
+    runner = PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_pages=96, page_size=4,
+                                            max_seqs=4)
+    seen = []
+    forward = runner.forward
+    runner.forward = lambda meta, **kw: (seen.append(meta.maybe_prefix), forward(meta, **kw))[1]
+    last = runner.prefill(["a"], [list(range(1, 8))], chunk_size=3)
+    assert len(seen) == 3 and all(p is None for p in seen)
+    draft = DraftBatch.from_lists([[(5, -1), (6, 0)]])
+    meta = runner.plan(["a"], draft, last.argmax(-1).to(torch.int32),
+                       torch.tensor([7], dtype=torch.int32))
+    assert meta.maybe_prefix is not None and meta.maybe_prefix.prefix_lens.tolist() == [7]
+    assert runner.splits(SPLIT_MAX_QO_LEN - 1) and not runner.splits(SPLIT_MAX_QO_LEN)
+    custom = PagedLlamaRunner.from_hf_model(tiny_model("llama"), num_pages=96, page_size=4,
+                                            max_seqs=4, split_attention=False)
+    assert not custom.splits(1)

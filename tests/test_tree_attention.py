@@ -255,7 +255,8 @@ def test_a_split_plan_needs_prefix_buffers():
 
 def test_launches_of_any_batch_share_the_compiled_kernels():
     """The step's row, request and page counts change every step and are not specialized:
-    one compile per model shape (and per power-of-two batch block)."""
+    the tree kernel compiles once per model shape whatever the batch (the prefix pages once
+    per power-of-two batch block, as the planner's kernels)."""
     def launch(case):
         meta, q, cache, _ = split_and_custom(case, 4, 2, extra_rows=0)
         o, lse = prefix_part(meta, q, cache, case[3])
@@ -266,7 +267,7 @@ def test_launches_of_any_batch_share_the_compiled_kernels():
                                       use_triton=True)
 
     cases = [([3, 0, 9], "random", [17, 0, 4], 4), ([4, 7, 1], "wide", [16, 1, 2], 4),
-             ([35, 2, 5, 1], "random", [2, 9, 3, 3], 4)]
+             ([35, 2, 5, 1, 0], "random", [2, 9, 3, 3, 0], 4), ([2], "chain", [5], 4)]
     assert assert_one_compile_per_config(_tree_attention_kernel, [launch(c) for c in cases]) == 1
 
     def plan(lens, width):
@@ -287,10 +288,10 @@ def test_tree_kernel_compiles_for_sm90(G, D, block_t):
            "lse_prefix_ptr": "*fp32", "out_ptr": ptr, "num_requests": "i32", "num_tree": "i32",
            "R": "i32", "W": "i32", "page_size": "i32", "sm_scale_log2": "fp32",
            "H": "constexpr", "G": "constexpr", "GP": "constexpr", "D": "constexpr",
-           "BLOCK_D": "constexpr", "BLOCK_T": "constexpr", "BLOCK_B": "constexpr"}
+           "BLOCK_D": "constexpr", "BLOCK_T": "constexpr"}
     GP = 1 << (G - 1).bit_length()
     compile_for_sm90(_tree_attention_kernel, sig, {
-        "H": 8 * G, "G": G, "GP": GP, "D": D, "BLOCK_D": D, "BLOCK_T": block_t, "BLOCK_B": 128})
+        "H": 8 * G, "G": G, "GP": GP, "D": D, "BLOCK_D": D, "BLOCK_T": block_t})
 
 
 def test_prefix_pages_kernel_compiles_for_sm90():

@@ -164,8 +164,9 @@ class PagedLlamaRunner:
         Where and in which dtype weights, activations and KV live.
     split_attention : bool
         Verify trees with a split attention (:mod:`agspec_gpu.attention`): the prefix
-        unmasked, the tree apart, merged. Steps of more than ``SPLIT_MAX_QO_LEN`` rows per
-        request (prefill chunks) keep the custom mask.
+        unmasked, the tree apart, merged. Prefill chunks (:meth:`prefill`) and steps of
+        more than ``SPLIT_MAX_QO_LEN`` rows per request keep the custom mask: the tree
+        kernel has no tensor cores.
 
     Example
     -------
@@ -258,7 +259,7 @@ class PagedLlamaRunner:
              num_slots_host: Sequence[int] | None = None,
              num_draft_host: Sequence[int] | None = None,
              out: TreeMetadata | None = None,
-             max_total_q: int | None = None) -> TreeMetadata:
+             max_total_q: int | None = None, split: bool = True) -> TreeMetadata:
         """Allocates pages for a step of ``seq_ids`` and plans it (:func:`plan_tree`).
 
         Each sequence gets room for ``num_slots_host[b]`` slots (at least ``prefix_len + 1 +
@@ -268,6 +269,7 @@ class PagedLlamaRunner:
         knows them (the forward then runs on those rows, not on ``B * (1 + max_nodes)``).
         ``num_draft_host``: ``draft.num_draft_tokens`` as host ints, if the caller holds them:
         FlashInfer then plans without reading the device (``TreeMetadata.maybe_host``).
+        ``split=False``: the custom mask even where the runner splits (a prefill chunk).
         """
         if prefix_lens_host is None:
             prefix_lens_host = prefix_lens.tolist()
@@ -282,7 +284,7 @@ class PagedLlamaRunner:
         return plan_tree(draft, root_ids.to(self.device, torch.int32),
                          prefix_lens.to(self.device, torch.int32), page_table, self.page_size,
                          out=out, max_total_q=max_total_q, host=host,
-                         prefix_pages=self.splits(draft.max_nodes))
+                         prefix_pages=split and self.splits(draft.max_nodes))
 
     def splits(self, max_nodes: int) -> bool:
         """Whether steps of trees of up to ``max_nodes`` nodes attend split (the backend was
@@ -383,7 +385,7 @@ class PagedLlamaRunner:
                              torch.tensor(pre, dtype=torch.int32), prefix_lens_host=pre,
                              num_slots_host=[p + len(c) for p, c in zip(pre, chunks)],
                              num_draft_host=[len(c) - 1 for c in chunks],
-                             max_total_q=sum(map(len, chunks)))
+                             max_total_q=sum(map(len, chunks)), split=False)
             last[torch.tensor(active, device=self.device)] = self.forward(
                 meta, logit_rows=meta.qo_indptr[1:] - 1)
             for b, c in zip(active, chunks):
