@@ -23,17 +23,25 @@ _DEFAULT_POINTS = ((1, 6.5), (16, 6.6), (64, 7.0), (128, 7.8), (256, 9.5), (512,
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Piecewise-linear step time in ms over ``(num_tokens, ms)`` points.
+    """Piecewise-linear step time in ms over ``(num_tokens, ms)`` points, or a staircase.
 
     Above the last point the last segment is extrapolated; below the first point the time is
     the first point's (a forward over fewer tokens than the smallest measured is no cheaper
     than it: a measured curve that starts at ``B`` tokens, one per request, says nothing of
     fewer, and its first segment may be a jump, e.g. from a CUDA-graph decode step to an
     eager verification step, that must not be extrapolated down to zero).
+
+    ``steps``: each point is the right edge of a padded bucket, and every count after the
+    previous point costs what the point does (a CUDA-graph verification step pads its rows
+    to the bucket's: ``VerifyGraphs``). Interpolated instead, the curve would price the
+    tokens just past an edge as nearly free where they pay the whole next bucket, and a
+    batch budget would buy them; as a staircase, it fills a bucket before it opens the
+    next.
     """
 
     points: tuple[tuple[int, float], ...] = _DEFAULT_POINTS
     source: str = "default: 8B bf16 on H200 (documented estimate, not a measurement)"
+    steps: bool = False
 
     def __post_init__(self) -> None:
         if len(self.points) < 2:
@@ -43,6 +51,8 @@ class CostModel:
             raise ValueError("points: num_tokens must be distinct, ascending and >= 1")
         if not all(0 < p[1] < math.inf for p in self.points):  # (also rejects NaN)
             raise ValueError("points: times must be positive and finite")
+        if not isinstance(self.steps, bool):
+            raise ValueError(f"steps: expected a bool, got {self.steps!r}")
 
     @classmethod
     def default(cls) -> "CostModel":
@@ -53,23 +63,30 @@ class CostModel:
         xs = [p[0] for p in self.points]
         if num_tokens <= xs[0]:
             return self.points[0][1]
+        if self.steps and num_tokens <= xs[-1]:  # the first edge at or past it
+            return self.points[bisect.bisect_left(xs, num_tokens)][1]
         i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(xs) - 1)
         (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
         return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)
 
     def to_json(self) -> dict:
-        return {"points": [list(p) for p in self.points], "source": self.source}
+        return {"points": [list(p) for p in self.points], "source": self.source,
+                "steps": self.steps}
 
     @classmethod
     def from_json(cls, obj: dict | str | Path) -> "CostModel":
-        """From ``{"points": [[num_tokens, ms], ...], "source": ...}`` or a file of it;
-        ValueError naming the file (or ``cost model``) for anything else."""
+        """From ``{"points": [[num_tokens, ms], ...], "source": ..., "steps": ...}`` (no
+        ``steps``: interpolated) or a file of it; ValueError naming the file (or ``cost
+        model``) for anything else."""
         where = f"cost model {obj}" if isinstance(obj, (str, Path)) else "cost model"
         try:
             if isinstance(obj, (str, Path)):
                 obj = json.loads(Path(obj).read_text())
             points = tuple((int(a), float(b)) for a, b in obj["points"])
-            return cls(points, str(obj.get("source", "")))
+            steps = obj.get("steps", False)
+            if not isinstance(steps, bool):
+                raise ValueError(f"steps: expected a bool, got {steps!r}")
+            return cls(points, str(obj.get("source", "")), steps)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError,
                 AttributeError) as exc:
             raise ValueError(f"{where}: expected {{\"points\": [[num_tokens, ms], ...]}} "

@@ -634,6 +634,12 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     most ``max_nodes``), as the loop runs it, else eagerly. The KV contents
     are whatever the pages hold: timing does not depend on them.
 
+    With ``verify_graphs`` the model is a staircase (``CostModel.steps``): their buckets
+    hold ``S + 1 + 8 * 2**j`` rows for ``S`` requests, a step of ``b <= S`` requests and
+    ``n`` draft tokens needs ``S + n + 1`` of them (its padding requests' and the sink's
+    rows included), so ``n = 8 * 2**j``, the points from 8 up, are the buckets' edges at
+    any ``b``, and a step costs what the edge at or past it does.
+
     Returns
     -------
     :class:`CostModel` over those points (the form ``Drafter``'s batch budget consumes).
@@ -695,4 +701,5 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
         for sid in ids:
             cache.free(sid)
     return CostModel(tuple(points), source or f"measured: {B} requests x {context_tokens} "
-                     f"tokens of KV, plan + forward + argmax, median of {repeats}")
+                     f"tokens of KV, plan + forward + argmax, median of {repeats}",
+                     steps=verify_graphs is not None)

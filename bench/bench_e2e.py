@@ -497,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         obj = json.loads(Path(args.cost_model).read_text())
         for b in batch_sizes:
             pts = obj.get("by_batch_size", {}).get(str(b))
-            cost_for[b] = CostModel.from_json({"points": pts, "source": obj.get("source", "")}) \
+            cost_for[b] = CostModel.from_json({"points": pts, "source": obj.get("source", ""),
+                                               "steps": obj.get("steps", False)}) \
                 if pts else CostModel.from_json(obj)
         cost_path = Path(args.cost_model)
     elif not args.no_calibrate or args.calibrate:
@@ -516,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     cost_for[b].points), flush=True)
         first = cost_for[batch_sizes[0]]
         cost_obj = {"points": [list(p) for p in cost_for.get(1, first).points],
-                    "source": cost_for.get(1, first).source, "model": args.model, "gpu": gpu,
+                    "source": cost_for.get(1, first).source, "steps": first.steps,
+                    "model": args.model, "gpu": gpu,
                     "dtype": str(dtype).removeprefix("torch."), "context_tokens": calib_ctx,
                     "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
                     "verify_cuda_graphs": verify.uses_graphs if verify else False,

@@ -303,6 +303,35 @@ def test_cost_model_interpolates_and_extrapolates():
     assert h200_b16.step_ms(10.6) == 10.6 and h200_b16.step_ms(14.4) == 10.6
 
 
+def test_cost_model_staircase_prices_a_bucket_by_its_edge():
+    """``steps``: a padded bucket's every count costs its right edge (the first point at or
+    past it); past the last point the last segment is extrapolated, before the first the
+    first point's time, as interpolated."""
+    c = CostModel(((1, 2.0), (11, 4.0), (21, 24.0)), steps=True)
+    assert [c.step_ms(n) for n in (1, 2, 10, 11, 12, 20.5, 21)] == [2.0, 4.0, 4.0, 4.0, 24.0,
+                                                                   24.0, 24.0]
+    assert c.step_ms(31) == pytest.approx(44.0) and c.step_ms(0) == 2.0
+    with pytest.raises(ValueError, match="steps"):
+        CostModel(((1, 2.0), (11, 4.0)), steps=1)
+    with pytest.raises(ValueError, match="steps"):
+        CostModel.from_json({"points": [[1, 2.0], [11, 4.0]], "steps": "yes"})
+    # the batch budget fills the bucket it pays for (tokens before its edge are free): it
+    # stops at an edge, or where the draft runs out; interpolated, the same points let it
+    # stop inside a bucket it pays for whole
+    stairs = CostModel(((4, 2.0), (12, 3.0), (28, 4.0), (60, 6.0)), steps=True)
+    ramp = CostModel(stairs.points)
+    g = torch.Generator().manual_seed(0)
+    inside = 0
+    for _ in range(200):
+        M = int(torch.randint(1, 60, (), generator=g))
+        scores = torch.rand(M, generator=g, dtype=torch.float64).sort(descending=True).values
+        n = int(batch_budget(scores, 4, stairs))
+        assert n in (0, M) or 4 + n in (12, 28, 60), (n, M)
+        n_ramp = int(batch_budget(scores, 4, ramp))
+        inside += n_ramp not in (0, M) and 4 + n_ramp not in (12, 28, 60)
+    assert inside > 20  # what the staircase fixes
+
+
 def test_cost_model_default_is_monotone():
     c = CostModel.default()
     ts = [c.step_ms(n) for n in range(1, 4097, 7)]
@@ -312,6 +341,9 @@ def test_cost_model_default_is_monotone():
 def test_cost_model_json_round_trip(tmp_path):
     c = CostModel(((1, 2.0), (64, 2.5), (512, 9.0)), source="measured")
     assert CostModel.from_json(c.to_json()) == c
+    stairs = CostModel(c.points, "measured, padded buckets", steps=True)
+    assert CostModel.from_json(stairs.to_json()) == stairs
+    assert CostModel.from_json({"points": [list(p) for p in c.points]}).steps is False
     p = tmp_path / "cost.json"
     p.write_text(json.dumps(c.to_json()))
     assert CostModel.from_json(p) == c

@@ -442,3 +442,28 @@ def test_a_decode_graphs_plan_hands_flashinfer_the_steps_host_sizes():
     assert indices.tolist() == meta.kv_indices[:int(meta.kv_indptr[S])].tolist()
     assert dims[:3] == [runner.shape.num_qo_heads, runner.shape.num_kv_heads,
                         runner.shape.head_dim] and kw["pos_encoding_mode"] == "NONE"
+
+
+def test_the_buckets_edges_are_the_calibrations_points():
+    """A step of ``b <= S`` requests and ``n`` draft tokens needs ``S + n + 1`` bucket rows,
+    so ``n = 8 * 2**j`` fills bucket ``j`` exactly whatever ``b``, and one token more opens
+    the next: the cost model a calibration through the graphs measures at ``b + 8 * 2**j``
+    is a staircase with these edges (``CostModel.steps``)."""
+    vg = VerifyGraphs(_runner(), [1, 4, 16], max_nodes=64, use_graphs=False)
+    for S in (1, 4, 16):
+        for b in {S // 2 + 1, S}:  # the steps S takes: smallest S >= b
+            for n in (8 << j for j in range(8) if (8 << j) < S * 64):
+                assert vg.bucket(b, b + n) == (S, S + 1 + n), (b, n)
+                assert vg.bucket(b, b + n + 1)[1] > S + 1 + n
+
+
+def test_a_calibration_through_the_graphs_is_a_staircase():
+    from agspec_gpu.replay_target import calibrate_cost_model
+
+    runner = _runner()
+    vg = VerifyGraphs(runner, [2], max_nodes=8, use_graphs=False)
+    cost = calibrate_cost_model(runner, 2, 9, max_draft_tokens=16, repeats=1, warmup=0,
+                                verify_graphs=vg)
+    assert cost.steps and [x for x, _ in cost.points] == [2, 3, 4, 6, 10, 18]
+    assert not calibrate_cost_model(runner, 2, 9, max_draft_tokens=4, repeats=1,
+                                    warmup=0).steps
