@@ -266,7 +266,8 @@ class Drafter:
         if not self._free:
             raise ValueError(f"max_sessions={self.max_sessions} sessions are already open "
                              f"(close one, or raise max_sessions)")
-        self.store.open_session(sid, tenant, prompt_ids)
+        ids = self.store._as_tokens(prompt_ids, "prompt_ids")  # checked once, on the host
+        self.store.open_session(sid, tenant, ids, checked=True)
         slot = self._free.pop()
         self._slot[sid] = slot
         self.recent_len[slot] = 0
@@ -276,15 +277,14 @@ class Drafter:
         p = self._roles[role]
         self.scale[slot] = p.initial_scale
         self.cap[slot] = min(p.draft_cap, self.config.max_draft_depth)
-        self._push(torch.tensor([slot]), self.store._as_tokens(prompt_ids, "prompt_ids")[None, :],
-                   None)
+        self._push(torch.tensor([slot]), ids[None, :], None)
 
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
         """Context the model did not generate (user / tool messages)."""
         t = self.store._as_tokens(tokens, "tokens")
         self._forget([sid])
-        self.store.append_session(sid, t)
+        self.store.append_session(sid, t, checked=True)
         self._push(torch.tensor([self._slot_of(sid)]), t[None, :], None)
 
     @device_guard

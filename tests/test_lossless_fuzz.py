@@ -142,7 +142,9 @@ def run_case(seed: int) -> Counter:
                               max_nodes=rng.choice([8, 16]) if tight else 64),
         max_batch=rng.choice([2, 4, 8]), runner=runner,
         page_size=rng.choice([4, 8, 16]), kv_cache_tokens=576 if tight else 1 << 13,
-        admission=rng.choice(["reserve", "optimistic"]))
+        admission=rng.choice(["reserve", "optimistic"]),
+        # drawn apart: the other draws (and so what each seed covers) are as before
+        tree_attention=random.Random(seed ^ 0x5EED).choice(["split", "custom"]))
     tenant_of: dict[str, str] = {}
     seen = Counter()
     dec = checked_decoder(cfg, variant, tenant_of, seen)
