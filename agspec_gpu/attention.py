@@ -38,6 +38,18 @@ from agspec_gpu.tree import TreeMetadata, unpack_mask
 SPLIT_MAX_QO_LEN = 128
 
 
+def attend_tree(meta: TreeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
+                o_prefix: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """A split step's tree part, merged with its prefix part (``o_prefix [Q, H, D]``,
+    ``lse fp32 [Q, H]`` base 2): :func:`~agspec_gpu.kernels.tree_attention.tree_attention`
+    over ``meta``'s rows, slots, ancestors and prefix lengths (a sink, when planned, has
+    no tree)."""
+    return tree_attention(q, kv_cache, meta.kv_slots, meta.qo_indptr, meta.ancestor_bits,
+                          meta.maybe_prefix.prefix_lens, o_prefix, lse,
+                          num_tree=meta.batch_size - meta.has_sink, sm_scale=sm_scale, out=out)
+
+
 def _gather(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
             kv_last_page_len: torch.Tensor, page_size: int, R: int, K: int) -> tuple:
     """``(rows [B, R], row_valid, kv_page [B, K], kv_offset, col_valid)``: each request's
@@ -139,10 +151,7 @@ class TorchPagedAttention:
         o_prefix[rows] = o[valid].to(q.dtype)
         lse[rows] = torch.logsumexp(scores, dim=-1).permute(0, 3, 1, 2).reshape(
             B, R, H)[valid] / math.log(2.0)
-        return tree_attention(q, kv_cache, meta.kv_slots, meta.qo_indptr, meta.ancestor_bits,
-                              meta.maybe_prefix.prefix_lens, o_prefix, lse,
-                              num_tree=meta.batch_size - meta.has_sink, sm_scale=self.sm_scale,
-                              out=out)
+        return attend_tree(meta, q, kv_cache, o_prefix, lse, self.sm_scale, out)
 
 
 def prefill_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -280,10 +289,7 @@ class FlashInferPagedAttention:
         o_prefix, lse = self._prefix_out[:Q], self._prefix_lse[:Q]
         self._prefix_wrapper.run(q[:n], kv_cache, out=o_prefix[:n], lse=lse[:n],
                                  return_lse=True)
-        return tree_attention(q, kv_cache, meta.kv_slots, meta.qo_indptr, meta.ancestor_bits,
-                              meta.maybe_prefix.prefix_lens, o_prefix, lse,
-                              num_tree=meta.batch_size - meta.has_sink, sm_scale=self.sm_scale,
-                              out=out)
+        return attend_tree(meta, q, kv_cache, o_prefix, lse, self.sm_scale, out)
 
 
 def flashinfer_plan(wrapper, meta: TreeMetadata, num_qo_heads: int, num_kv_heads: int,

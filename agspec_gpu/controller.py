@@ -119,8 +119,8 @@ def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: C
         if table is None:
             raise ValueError("table: required when num_requests is a tensor")
     elif table is None or table.numel() < num_requests + M + 1:
-        table = cost_table(cost, scores.device, num_requests + M)
-    return budget_count_torch(scores[:M], num_requests, table)
+        table = cost_table(cost, scores.device, max(num_requests, cost.table_base() or 0) + M)
+    return budget_count_torch(scores[:M], num_requests, table, cost.table_base())
 
 
 # ---------------------------------------------------------------- offline profiling

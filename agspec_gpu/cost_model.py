@@ -36,12 +36,16 @@ class CostModel:
     to the bucket's: ``VerifyGraphs``). Interpolated instead, the curve would price the
     tokens just past an edge as nearly free where they pay the whole next bucket, and a
     batch budget would buy them; as a staircase, it fills a bucket before it opens the
-    next.
+    next. ``requests``: the batch the points were measured at (``B``: a point is ``B + n``
+    tokens). A graph bucket's edges are draft counts ``n``, the same at any batch, so a
+    staircase with ``requests`` prices ``b`` requests and ``n`` draft tokens at ``B + n``
+    (:meth:`step_ms` with ``num_requests``, :meth:`table_base` for the batch budget).
     """
 
     points: tuple[tuple[int, float], ...] = _DEFAULT_POINTS
     source: str = "default: 8B bf16 on H200 (documented estimate, not a measurement)"
     steps: bool = False
+    requests: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.points) < 2:
@@ -53,13 +57,28 @@ class CostModel:
             raise ValueError("points: times must be positive and finite")
         if not isinstance(self.steps, bool):
             raise ValueError(f"steps: expected a bool, got {self.steps!r}")
+        if self.requests is not None and (isinstance(self.requests, bool) or
+                                          not isinstance(self.requests, int) or
+                                          self.requests < 0):
+            raise ValueError(f"requests: expected an int >= 0 or None, got {self.requests!r}")
 
     @classmethod
     def default(cls) -> "CostModel":
         return cls()
 
-    def step_ms(self, num_tokens: float) -> float:
-        """Time of one forward pass over ``num_tokens`` tokens (whole batch)."""
+    def table_base(self) -> int | None:
+        """Where the batch budget reads a step of ``n`` draft tokens: at ``requests + n``
+        for a staircase measured at ``requests`` requests; None: at ``b + n`` (``b``: the
+        step's requests)."""
+        return self.requests if self.steps else None
+
+    def step_ms(self, num_tokens: float, num_requests: int | None = None) -> float:
+        """Time of one forward pass over ``num_tokens`` tokens (whole batch); with
+        ``num_requests`` (the step's roots, ``num_tokens`` counting them) a staircase with
+        ``requests`` prices its draft tokens at ``requests + num_tokens - num_requests``."""
+        base = self.table_base()
+        if base is not None and num_requests is not None:
+            num_tokens = base + num_tokens - num_requests
         xs = [p[0] for p in self.points]
         if num_tokens <= xs[0]:
             return self.points[0][1]
@@ -71,7 +90,7 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {"points": [list(p) for p in self.points], "source": self.source,
-                "steps": self.steps}
+                "steps": self.steps, "requests": self.requests}
 
     @classmethod
     def from_json(cls, obj: dict | str | Path) -> "CostModel":
@@ -83,10 +102,8 @@ class CostModel:
             if isinstance(obj, (str, Path)):
                 obj = json.loads(Path(obj).read_text())
             points = tuple((int(a), float(b)) for a, b in obj["points"])
-            steps = obj.get("steps", False)
-            if not isinstance(steps, bool):
-                raise ValueError(f"steps: expected a bool, got {steps!r}")
-            return cls(points, str(obj.get("source", "")), steps)
+            return cls(points, str(obj.get("source", "")), obj.get("steps", False),
+                       obj.get("requests"))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError,
                 AttributeError) as exc:
             raise ValueError(f"{where}: expected {{\"points\": [[num_tokens, ms], ...]}} "
@@ -104,26 +121,44 @@ class StepTokenCounts:
     """
 
     counts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    # steps counted with their requests: {(num_tokens, num_requests): steps}, for a
+    # staircase that prices draft tokens (CostModel.table_base)
+    by_requests: dict[tuple[int, int], int] = field(default_factory=dict)
 
-    def add(self, num_tokens: int) -> None:
-        """Counts one step that verifies ``num_tokens`` tokens (>= 0)."""
+    def add(self, num_tokens: int, num_requests: int | None = None) -> None:
+        """Counts one step that verifies ``num_tokens`` tokens (>= 0), ``num_requests`` of
+        them its roots when the caller knows them."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_requests is not None and not 0 <= num_requests <= num_tokens:
+            raise ValueError(f"num_requests must be in [0, num_tokens={num_tokens}], got "
+                             f"{num_requests}")
         self._grow(num_tokens + 1)
         self.counts[num_tokens] += 1
+        if num_requests is not None:
+            key = (num_tokens, num_requests)
+            self.by_requests[key] = self.by_requests.get(key, 0) + 1
 
     def merge(self, other: "StepTokenCounts") -> None:
         self._grow(other.counts.size)
         self.counts[:other.counts.size] += other.counts
+        for key, n in other.by_requests.items():
+            self.by_requests[key] = self.by_requests.get(key, 0) + n
 
     @property
     def num_steps(self) -> int:
         return int(self.counts.sum())
 
     def modelled_ms(self, cost_model: CostModel) -> float:
-        """``sum over steps of cost_model.step_ms(tokens of the step)``."""
-        n = np.nonzero(self.counts)[0]
-        return float(sum(int(self.counts[i]) * cost_model.step_ms(int(i)) for i in n))
+        """``sum over steps of cost_model.step_ms(tokens of the step)`` (with the step's
+        requests where it was counted with them: a staircase's draft-token pricing)."""
+        counts = self.counts.copy()
+        total = 0.0
+        for (t, r), k in self.by_requests.items():
+            counts[t] -= k
+            total += k * cost_model.step_ms(t, num_requests=r)
+        n = np.nonzero(counts)[0]
+        return total + float(sum(int(counts[i]) * cost_model.step_ms(int(i)) for i in n))
 
     def _grow(self, size: int) -> None:
         if size > self.counts.size:

@@ -227,7 +227,8 @@ class Drafter:
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # every step's costs: B requests plus at most max_nodes nodes each
-        self._cost_table = cost_table(self.cost, dev, max_batch * (1 + self.config.max_nodes))
+        self._cost_table = cost_table(self.cost, dev, max(max_batch, self.cost.table_base() or 0)
+                                      + max_batch * self.config.max_nodes)
         # proposals not yet observed, by their batch's session ids: an own loop's propose /
         # observe may interleave with a serving loop's steps of other sessions
         self._pending: dict[tuple[str, ...], tuple] = {}
@@ -266,8 +267,7 @@ class Drafter:
         if not self._free:
             raise ValueError(f"max_sessions={self.max_sessions} sessions are already open "
                              f"(close one, or raise max_sessions)")
-        ids = self.store._as_tokens(prompt_ids, "prompt_ids")  # checked once, on the host
-        self.store.open_session(sid, tenant, ids, checked=True)
+        ids = self.store.open_session(sid, tenant, prompt_ids)  # the ids, checked once
         slot = self._free.pop()
         self._slot[sid] = slot
         self.recent_len[slot] = 0
@@ -513,7 +513,8 @@ class Drafter:
             # every request keeps at most max_nodes: the batch's best B * N scores hold all it
             # may keep (padding rows score nothing: they never add gain, only cost). One
             # kernel on a GPU.
-            keep_n = budget_keep(ranked, keep_n, num_requests, self._cost_table)
+            keep_n = budget_keep(ranked, keep_n, num_requests, self._cost_table,
+                                 table_base=self.cost.table_base())
         # the kept nodes (topological: a parent never ranks below its child)
         tok, parent, srcs, nd, node_row = emit_nodes(order, keep_n, W, S, rep, calib_row)
         return tok, parent, keep_n.to(torch.int32), srcs, nd, node_row

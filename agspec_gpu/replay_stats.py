@@ -101,7 +101,7 @@ class ReplayStats:
             codes = agent[rows] * _SOURCE_CODES + maybe_sources[rows, cols]
             self.source_hist += np.bincount(
                 codes, minlength=A * _SOURCE_CODES).reshape(A, _SOURCE_CODES)
-        self.step_tokens.add(B + int(drafted.sum()))
+        self.step_tokens.add(B + int(drafted.sum()), B)
         self.batch_steps += 1
         self.batch_rows += B
 

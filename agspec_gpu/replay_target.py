@@ -570,7 +570,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             res.steps += 1
             res.plain_steps += n_total == 0
             res.request_steps += n_active
-            res.step_tokens.add(n_active + n_total)
+            res.step_tokens.add(n_active + n_total, n_active)
             res.tokens += int(produced.sum())
             res.drafted += n_total
             res.accepted += int(accepted.sum())
@@ -634,11 +634,14 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     most ``max_nodes``), as the loop runs it, else eagerly. The KV contents
     are whatever the pages hold: timing does not depend on them.
 
-    With ``verify_graphs`` the model is a staircase (``CostModel.steps``): their buckets
-    hold ``S + 1 + 8 * 2**j`` rows for ``S`` requests, a step of ``b <= S`` requests and
-    ``n`` draft tokens needs ``S + n + 1`` of them (its padding requests' and the sink's
-    rows included), so ``n = 8 * 2**j``, the points from 8 up, are the buckets' edges at
-    any ``b``, and a step costs what the edge at or past it does.
+    With ``verify_graphs`` the model is a staircase (``CostModel.steps``, ``requests =
+    batch_size``): their buckets hold ``S + 1 + 8 * 2**j`` rows for ``S`` requests, a step
+    of ``b <= S`` requests and ``n`` draft tokens needs ``S + n + 1`` of them (its padding
+    requests' and the sink's rows included), so the bucket edges are draft counts, ``n = 8
+    * 2**j`` (the points from 8 up), whatever ``b``: the model prices a step of ``b``
+    requests and ``n`` tokens at the edge at or past ``batch_size + n``, and the batch
+    budget reads it there (``CostModel.table_base``). Draft counts past the graphs' largest
+    bucket run eagerly, unpadded: the staircase prices them at the next point, a bound.
 
     Returns
     -------
@@ -702,4 +705,4 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
             cache.free(sid)
     return CostModel(tuple(points), source or f"measured: {B} requests x {context_tokens} "
                      f"tokens of KV, plan + forward + argmax, median of {repeats}",
-                     steps=verify_graphs is not None)
+                     steps=verify_graphs is not None, requests=B)

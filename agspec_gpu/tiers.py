@@ -124,22 +124,24 @@ class CorpusStore:
                 global_corpus.indexed_end, source_code(CorpusTier.GLOBAL))
 
     # ------------------------------------------------------------ sessions
-    def open_session(self, sid: str, tenant: str, prompt_ids: torch.Tensor | list[int], *,
-                     checked: bool = False) -> None:
-        """Opens a session corpus holding ``prompt_ids``; ``checked``: the caller validated
-        them (:meth:`_as_tokens`: ``int32`` on the arena's device, in the vocabulary)."""
+    def open_session(self, sid: str, tenant: str,
+                     prompt_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Opens a session corpus holding ``prompt_ids``; returns them as checked
+        (``int32 [n]`` on the arena's device, in the vocabulary), for a caller that keeps
+        them too (the drafter's ring)."""
         if not isinstance(sid, str) or not sid:
             raise ValueError("sid must be a non-empty string")
         if sid in self._sessions:
             raise ValueError(f"sid {sid!r}: a session with this id already exists")
         _check_tenant(tenant)
-        ids = prompt_ids if checked else self._as_tokens(prompt_ids, "prompt_ids")
+        ids = self._as_tokens(prompt_ids, "prompt_ids")
         t = self._tenants.setdefault(tenant, _Tenant())
         cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
         self.arena.append(cid, ids, source_code(CorpusTier.SESSION), separators=())
         self._sessions[sid] = _Session(tenant, cid)
         t.sessions.add(sid)
         self.epoch += 1
+        return ids
 
     def append_session(self, sid: str, tokens: torch.Tensor | list[int], *,
                        checked: bool = False) -> None:

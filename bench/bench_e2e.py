@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                               num_pages=num_pages, page_size=ps, max_seqs=max_b + 2,
                               max_pages_per_seq=max_pages_per_seq, device=device, dtype=dtype,
                               split_attention=args.tree_attention == "split")
+    # what verification steps run: the split's prefix and tree, or the custom mask
+    tree_attention = "split" if runner.splits(args.max_draft_nodes) else "custom"
     graph_sizes = sorted({1 << k for k in range(max_b.bit_length()) if (1 << k) <= max_b} |
                          set(batch_sizes))
     graphs = DecodeGraphs(runner, graph_sizes, use_graphs=False if args.no_graphs else None)
@@ -497,8 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         obj = json.loads(Path(args.cost_model).read_text())
         for b in batch_sizes:
             pts = obj.get("by_batch_size", {}).get(str(b))
+            # a staircase is priced from the batch it was measured at: this row's
             cost_for[b] = CostModel.from_json({"points": pts, "source": obj.get("source", ""),
-                                               "steps": obj.get("steps", False)}) \
+                                               "steps": obj.get("steps", False),
+                                               "requests": b if obj.get("steps") else None}) \
                 if pts else CostModel.from_json(obj)
         cost_path = Path(args.cost_model)
     elif not args.no_calibrate or args.calibrate:
@@ -518,12 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         first = cost_for[batch_sizes[0]]
         cost_obj = {"points": [list(p) for p in cost_for.get(1, first).points],
                     "source": cost_for.get(1, first).source, "steps": first.steps,
+                    "requests": cost_for.get(1, first).requests,
                     "model": args.model, "gpu": gpu,
                     "dtype": str(dtype).removeprefix("torch."), "context_tokens": calib_ctx,
                     "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
                     "verify_cuda_graphs": verify.uses_graphs if verify else False,
-                    "tree_attention": "split" if runner.splits(args.max_draft_nodes)
-                    else "custom",
+                    "tree_attention": tree_attention,
                     "by_batch_size": {str(b): [list(p) for p in c.points]
                                       for b, c in cost_for.items()}}
         write_atomic(cost_path, json.dumps(cost_obj, indent=2) + "\n")
@@ -682,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_kernels": decode_kernels,
             "decode_cuda_graphs": graphs.uses_graphs,
             "decode_graph_error": graphs.graph_error,
-            "tree_attention": "split" if runner.splits(args.max_draft_nodes) else "custom",
+            "tree_attention": tree_attention,
             "verify_cuda_graphs": verify.uses_graphs if verify else False,
             "verify_graph_error": verify.graph_error if verify else None,
             "verify_graph_buckets": sum(len(v) for v in verify.buckets.values())

@@ -4,7 +4,9 @@ Verifying ``B`` roots plus ``n`` draft nodes costs ``cost(B + n)`` (measured per
 GPU) and returns ``B`` tokens plus the nodes' expected acceptances. Over the batch's node
 scores sorted descending, the budget keeps the ``n*`` that maximises ``(B + sum of the top
 n scores) / cost(B + n)`` (ties: the smaller ``n``), then cuts each request's nodes at the
-``n*``-th score.
+``n*``-th score. With a ``table_base`` the cost is read at ``table_base + n`` instead: a
+staircase measured at ``table_base`` requests whose edges are draft counts, the same at any
+batch (``CostModel.steps``: a CUDA-graph bucket's edges).
 
 The sums are exact: scores are summed as integers in units of ``2**-32`` (a probability to
 ~2e-10), so the kernel's parallel prefix sum and torch's sequential one agree bit for bit
@@ -36,7 +38,7 @@ def num_warps(block: int) -> int:
 
 
 # the batch size and request count are not specialized (one compile per block shape)
-@triton.jit(do_not_specialize=["nreq_val", "B"])
+@triton.jit(do_not_specialize=["nreq_val", "table_base", "B"])
 def _budget_keep_kernel(
     ranked_ptr,  # *float32 [B, N]  each request's node scores, best first; < -1.5: no node
     keep_ptr,  # *int64 [B]  nodes each request may keep (before the budget)
@@ -44,10 +46,12 @@ def _budget_keep_kernel(
     nreq_ptr,  # *int64 []  roots verified anyway (read when NREQ_FROM_PTR)
     table_ptr,  # *float64 [T]  cost(m), m = 0 .. T - 1
     nreq_val,
+    table_base,  # HAS_BASE: n draft nodes cost table[table_base + n] (else table[roots + n])
     B,
     N,
     T,
     NREQ_FROM_PTR: tl.constexpr,
+    HAS_BASE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -65,13 +69,17 @@ def _budget_keep_kernel(
     else:
         nreq = nreq_val + tl.zeros([], dtype=tl.int64)
     base = nreq * 4294967296
+    if HAS_BASE:
+        first = table_base + tl.zeros([], dtype=tl.int64)  # where n = 0 is priced
+    else:
+        first = nreq
     i = tl.arange(0, BLOCK_B * BLOCK_N)
     n = i + 1  # nodes taken with the i-th score
-    t = tl.load(table_ptr + tl.minimum(nreq + n, T - 1))
+    t = tl.load(table_ptr + tl.minimum(first + n, T - 1))
     gain = (base + tl.cumsum(q, axis=0)).to(tl.float64)
     ratio = tl.where(n <= B * N, gain / tl.maximum(t, 1e-9), -1.0)  # ratios are >= 0
     best, at = tl.max(ratio, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    t0 = tl.load(table_ptr + tl.minimum(nreq, T - 1))
+    t0 = tl.load(table_ptr + tl.minimum(first, T - 1))
     ratio0 = base.to(tl.float64) / tl.maximum(t0, 1e-9)
     nstar = tl.where(ratio0 >= best, 0, at + 1)
     nth = tl.sum(tl.where(i == nstar - 1, s, 0.0), axis=0)
@@ -82,26 +90,29 @@ def _budget_keep_kernel(
 
 
 def budget_count_torch(scores: torch.Tensor, num_requests: int | torch.Tensor,
-                       table: torch.Tensor) -> torch.Tensor:
+                       table: torch.Tensor, table_base: int | None = None) -> torch.Tensor:
     """``int64 []`` the ``n*`` of descending ``scores`` (``float [M]``, ``>= 0``) for
     ``num_requests`` roots (an int or an ``int64 []`` device tensor) under ``table``
-    (``float64``, ``cost(m)`` at index ``m``; indices past its end read its last entry)."""
+    (``float64``, ``cost(m)`` at index ``m``; indices past its end read its last entry),
+    ``n`` nodes priced at ``table[num_requests + n]``, or ``table[table_base + n]``."""
     M = scores.numel()
     q = (scores.double() * UNIT).long()
     gain = (torch.cat([q.new_zeros(1), torch.cumsum(q, 0)]) + num_requests * (1 << 32))
-    at = torch.arange(M + 1, device=scores.device) + num_requests
+    at = torch.arange(M + 1, device=scores.device) + (
+        num_requests if table_base is None else table_base)
     t = table.gather(0, at.clamp(max=table.numel() - 1))
     return torch.argmax(gain.double() / t.clamp(min=1e-9))
 
 
 def budget_keep_torch(ranked: torch.Tensor, keep_n: torch.Tensor,
-                      num_requests: int | torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+                      num_requests: int | torch.Tensor, table: torch.Tensor,
+                      table_base: int | None = None) -> torch.Tensor:
     """Pure-torch implementation of :func:`budget_keep`."""
     N = ranked.shape[1]
     rank = torch.arange(N, device=ranked.device)[None, :]
     flat = torch.where((ranked > -1.5) & (rank < keep_n[:, None]), ranked, -1.0)
     allv, _ = torch.sort(flat.reshape(-1), descending=True)
-    nstar = budget_count_torch(allv.clamp(min=0), num_requests, table)
+    nstar = budget_count_torch(allv.clamp(min=0), num_requests, table, table_base)
     # gather with a [1] index: indexing by the 0-d nstar would read it to the host
     nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
     thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
@@ -109,7 +120,8 @@ def budget_keep_torch(ranked: torch.Tensor, keep_n: torch.Tensor,
 
 
 def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | torch.Tensor,
-                table: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+                table: torch.Tensor, *, table_base: int | None = None,
+                use_triton: bool | None = None) -> torch.Tensor:
     """Each request's nodes after the batch budget.
 
     Parameters
@@ -120,6 +132,9 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
         real batch of a padded step).
     table : ``float64 [T]``, ``cost(m)`` at index ``m`` (``T > num_requests + B * N`` for
         exact costs; past its end the last entry is read).
+    table_base : ``n`` nodes cost ``table[table_base + n]`` (a staircase measured at
+        ``table_base`` requests, ``CostModel.table_base``); None: ``table[num_requests +
+        n]``.
     use_triton : Triton when True (also under ``TRITON_INTERPRET=1``), torch when False;
         default: Triton for CUDA tensors whose batch fits one program (``MAX_SCORES``).
 
@@ -141,6 +156,9 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
             num_requests < 0:
         raise ValueError(f"num_requests: expected an int >= 0 or an int64 [] tensor, got "
                          f"{num_requests!r}")
+    if table_base is not None and (isinstance(table_base, bool) or
+                                   not isinstance(table_base, int) or table_base < 0):
+        raise ValueError(f"table_base: expected an int >= 0 or None, got {table_base!r}")
     check_devices(("ranked", ranked), ("keep_n", keep_n), ("table", table),
                   *((("num_requests", num_requests),) if tensor_n else ()))
     # at least 16 rows: the small batch buckets share one compiled kernel
@@ -150,11 +168,13 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     if B == 0:
         return keep_n.clone()
     if not use_triton:
-        return budget_keep_torch(ranked, keep_n, num_requests, table)
+        return budget_keep_torch(ranked, keep_n, num_requests, table, table_base)
     out = torch.empty(B, dtype=torch.int64, device=ranked.device)
     _budget_keep_kernel[(1,)](ranked.contiguous(), keep_n.contiguous(), out,
                               num_requests if tensor_n else keep_n, table.contiguous(),
-                              0 if tensor_n else num_requests, B, N, table.numel(),
-                              NREQ_FROM_PTR=tensor_n, BLOCK_B=block_b, BLOCK_N=block_n,
+                              0 if tensor_n else num_requests,
+                              0 if table_base is None else table_base, B, N, table.numel(),
+                              NREQ_FROM_PTR=tensor_n, HAS_BASE=table_base is not None,
+                              BLOCK_B=block_b, BLOCK_N=block_n,
                               num_warps=num_warps(block_b * block_n))
     return out

@@ -113,6 +113,36 @@ def test_rejects_bad_inputs():
             budget_keep(**{**good, name: bad}, use_triton=True)
 
 
+def test_a_staircase_is_read_from_its_own_base_at_any_batch():
+    """``table_base``: a staircase measured at 8 requests (edges at 8 + 4, 8 + 12 rows) prices
+    n nodes at ``table[8 + n]`` whatever the batch: at 3 roots the kernel, the torch path and
+    a brute force over that pricing agree, and the cut is an edge in draft nodes (4 or 12),
+    where reading ``table[3 + n]`` would cut elsewhere."""
+    stairs = CostModel(((8, 2.0), (12, 3.0), (20, 4.0), (40, 9.0)), steps=True, requests=8)
+    table = cost_table(stairs, "cpu", 64)
+    g = torch.Generator().manual_seed(1)
+    cuts = set()
+    for _ in range(40):
+        ranked = torch.rand(3, 6, generator=g).sort(dim=1, descending=True).values
+        keep = torch.randint(0, 7, (3,), generator=g)
+        ranked, keep_d, table_d = ranked.to(DEV), keep.to(DEV), table.to(DEV)
+        want = budget_keep(ranked, keep_d, 3, table_d, table_base=8, use_triton=False)
+        for n in (3, torch.tensor(3, device=DEV)):
+            got = budget_keep(ranked, keep_d, n, table_d, table_base=8, use_triton=True)
+            assert torch.equal(got, want), (got, want)
+        flat = sorted((v for b, r in enumerate(ranked.cpu().tolist()) for j, v in
+                       enumerate(r) if j < int(keep[b])), reverse=True)
+        vals = [(3 + sum(flat[:n])) / stairs.step_ms(3 + n, num_requests=3)
+                for n in range(len(flat) + 1)]
+        nstar = vals.index(max(vals))
+        assert int(want.sum()) == nstar, (want, nstar)
+        assert nstar in (0, 4, 12, len(flat)), nstar
+        cuts.add(nstar)
+    assert {4, 12} & cuts
+    with pytest.raises(ValueError, match="table_base"):
+        budget_keep(rows([[0.5]], 1), torch.ones(1, dtype=torch.int64), 1, table, table_base=-1)
+
+
 def test_one_compile_per_batch_block():
     """The batch size and the request count are not specialized: batches within one
     power-of-two block share a compile."""
@@ -129,12 +159,14 @@ def test_one_compile_per_batch_block():
 
 def test_kernel_compiles_for_sm90():
     sig = dict(ranked_ptr="*fp32", keep_ptr="*i64", out_ptr="*i64", nreq_ptr="*i64",
-               table_ptr="*fp64", nreq_val="i32", B="i32", N="i32", T="i32",
-               NREQ_FROM_PTR="constexpr", BLOCK_B="constexpr", BLOCK_N="constexpr")
+               table_ptr="*fp64", nreq_val="i32", table_base="i32", B="i32", N="i32", T="i32",
+               NREQ_FROM_PTR="constexpr", HAS_BASE="constexpr", BLOCK_B="constexpr",
+               BLOCK_N="constexpr")
     # with the launcher's warps (one child process): no register spills up to 64 requests
     # x 64 nodes; at 128 requests 40 bytes at 32 warps (documented at num_warps), not more
     usage = compile_all_for_sm90([
-        (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=True, BLOCK_B=B, BLOCK_N=N),
+        (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=True, HAS_BASE=B == 16, BLOCK_B=B,
+                                        BLOCK_N=N),
          dict(num_warps=num_warps(B * N))) for B, N in ((64, 64), (16, 16), (128, 64))],
         max_spill_bytes=64)
     assert [u["spill_bytes"] > 0 for u in usage] == [False, False, True], usage

@@ -332,6 +332,32 @@ def test_cost_model_staircase_prices_a_bucket_by_its_edge():
     assert inside > 20  # what the staircase fixes
 
 
+def test_a_staircase_prices_draft_tokens_from_its_measured_batch():
+    """``requests``: measured at B = 8 requests, a staircase prices a step of ``b`` requests
+    and ``n`` draft tokens at ``8 + n`` (a graph bucket's edges are draft counts); without
+    ``num_requests``, or interpolated, at the step's own token count. The replay's step
+    counts price each step so where they know its requests."""
+    c = CostModel(((8, 2.0), (12, 3.0), (20, 4.0)), steps=True, requests=8)
+    assert c.table_base() == 8 and CostModel(c.points, requests=8).table_base() is None
+    assert c.step_ms(3 + 4, num_requests=3) == 3.0  # 8 + 4: the first bucket's edge
+    assert c.step_ms(3 + 5, num_requests=3) == 4.0  # 8 + 5: the next bucket
+    assert c.step_ms(3, num_requests=3) == 2.0 and c.step_ms(7) == 2.0
+    counts = StepTokenCounts()
+    counts.add(3 + 5, 3)
+    counts.add(13)  # no requests: priced at 13 tokens
+    assert counts.modelled_ms(c) == pytest.approx(4.0 + 4.0)
+    other = StepTokenCounts()
+    other.add(2 + 4, 2)
+    counts.merge(other)
+    assert counts.num_steps == 3 and counts.modelled_ms(c) == pytest.approx(11.0)
+    assert counts.modelled_ms(CostModel(c.points)) == pytest.approx(2.0 + 3.125 + 2.0)
+    with pytest.raises(ValueError, match="num_requests"):
+        counts.add(3, 4)
+    with pytest.raises(ValueError, match="requests"):
+        CostModel(c.points, requests=-1)
+    assert CostModel.from_json(c.to_json()) == c
+
+
 def test_cost_model_default_is_monotone():
     c = CostModel.default()
     ts = [c.step_ms(n) for n in range(1, 4097, 7)]

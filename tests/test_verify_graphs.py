@@ -464,6 +464,7 @@ def test_a_calibration_through_the_graphs_is_a_staircase():
     vg = VerifyGraphs(runner, [2], max_nodes=8, use_graphs=False)
     cost = calibrate_cost_model(runner, 2, 9, max_draft_tokens=16, repeats=1, warmup=0,
                                 verify_graphs=vg)
-    assert cost.steps and [x for x, _ in cost.points] == [2, 3, 4, 6, 10, 18]
+    assert cost.steps and cost.requests == 2 and cost.table_base() == 2
+    assert [x for x, _ in cost.points] == [2, 3, 4, 6, 10, 18]
     assert not calibrate_cost_model(runner, 2, 9, max_draft_tokens=4, repeats=1,
                                     warmup=0).steps

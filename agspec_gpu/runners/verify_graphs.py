@@ -39,12 +39,11 @@ from typing import NamedTuple
 
 import torch
 
-from agspec_gpu.attention import (flashinfer_int_workspace, flashinfer_plan,
+from agspec_gpu.attention import (attend_tree, flashinfer_int_workspace, flashinfer_plan,
                                   flashinfer_plan_prefix, flashinfer_workspace, num_sms,
                                   prefill_workspace_bytes)
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import HostWriter, copy_grouped, synchronize
-from agspec_gpu.kernels.tree_attention import tree_attention
 from agspec_gpu.runners.graphs import GraphAttention, GraphSteps, capture_forward, shared_outputs
 from agspec_gpu.tree import (HostSizes, TreeMetadata, host_sizes, padded_step_capacity,
                              plan_tree)
@@ -77,11 +76,8 @@ class SplitGraphAttention:
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
             out: torch.Tensor | None = None) -> torch.Tensor:
         self.wrapper.run(q, kv_cache, out=self.o_prefix, lse=self.lse, return_lse=True)
-        m = self.meta
-        return tree_attention(q, kv_cache, m.kv_slots, m.qo_indptr, m.ancestor_bits,
-                              m.maybe_prefix.prefix_lens, self.o_prefix, self.lse,
-                              num_tree=m.batch_size - m.has_sink, sm_scale=self.sm_scale,
-                              out=self.out)
+        return attend_tree(self.meta, q, kv_cache, self.o_prefix, self.lse, self.sm_scale,
+                           self.out)
 
 
 def row_buckets(S: int, max_nodes: int) -> list[int]:
