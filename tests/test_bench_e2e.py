@@ -100,6 +100,7 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
                 "cost_model", "goals"):
         assert key in report, key
     assert report["gpu"] == "cpu" and report["model"] == "tiny"
+    assert report["tree_attention"] == "split"  # the default: the prefix apart from the tree
     assert "teacher forcing" in report["protocol"]
     methods = {r["method"] for r in report["rows"]}
     assert {"none", "pld-hf", "agspec", "agspec-nobudget", "oracle"} <= methods
