@@ -32,7 +32,8 @@ import torch
 
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels._launch import cast
-from agspec_gpu.kernels.prefix_pages import PrefixPages, prefix_pages as plan_prefix_pages
+from agspec_gpu.kernels.prefix_pages import (PrefixPages, check_prefix_out,
+                                             launch_prefix_pages as plan_prefix_pages)
 from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs,
                                          check_tree_out, launch_tree_mask)
 
@@ -479,6 +480,7 @@ def _plan_views(out: TreeMetadata, nb: int, B: int, N: int, max_pages: int, page
         p = out.maybe_prefix
         prefix = PrefixPages(p.kv_indptr[:nb + 1], p.kv_indices, p.kv_last_page_len[:nb],
                              p.prefix_lens[:nb])
+        check_prefix_out(prefix, nb, out.device)
     meta = replace(out, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_indptr=mask_indptr,
                    kv_last_page_len=kv_last_page_len, ancestor_bits=ancestor_bits,
                    max_qo_len=R, max_kv_len=max(R, max_pages * page_size), maybe_tree_mask=None,

@@ -144,19 +144,37 @@ def prefix_pages(prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size:
     device = prefix_lens.device
     check_array("prefix_lens", prefix_lens, torch.int32, 1, device)
     check_array("page_table", page_table, torch.int32, 2, device)
-    for name in PrefixPages._fields:
-        check_array(f"out.{name}", getattr(out, name), torch.int32, 1, device)
     B, max_pages = page_table.shape
-    nb = B + (sink_page is not None)
     if prefix_lens.shape[0] != B:
         raise ValueError(f"prefix_lens: expected {B} entries, got {prefix_lens.shape[0]}")
     if max_pages < 1 and B:
         raise ValueError("page_table: every request needs a page")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    check_prefix_out(out, B + (sink_page is not None), device)
+    return launch_prefix_pages(prefix_lens, page_table, page_size, out, sink_page=sink_page,
+                               use_triton=use_triton)
+
+
+def check_prefix_out(out: PrefixPages, num_requests: int, device: torch.device) -> None:
+    """Raises ValueError unless ``out`` holds the plan of ``num_requests`` requests (the
+    sink included) on ``device``."""
+    for name in PrefixPages._fields:
+        check_array(f"out.{name}", getattr(out, name), torch.int32, 1, device)
+    nb = num_requests
     if out.kv_indptr.shape[0] < nb + 1 or out.kv_last_page_len.shape[0] < nb or \
             out.prefix_lens.shape[0] < nb:
         raise ValueError(f"out: buffers for fewer than {nb} requests")
+
+
+def launch_prefix_pages(prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                        out: PrefixPages, *, sink_page: int | None = None,
+                        use_triton: bool | None = None) -> PrefixPages:
+    """:func:`prefix_pages` without its checks, for a planner that checked its inputs
+    (``check_tree_inputs``) and its buffers (:func:`check_prefix_out`) once."""
+    device = prefix_lens.device
+    B, max_pages = page_table.shape
+    nb = B + (sink_page is not None)
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton or nb == 0:
