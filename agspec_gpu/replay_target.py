@@ -31,6 +31,7 @@ evaluator's (:mod:`agspec_gpu.replay`), so both report the same acceptance.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -49,6 +50,14 @@ from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.runners.graphs import DecodeGraphs
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tree import TreeMetadata
+
+
+@contextmanager
+def _phase(name: str, color: str):
+    """An NVTX range (nsys) that is a ``torch.profiler`` range too: the e2e's ``--profile``
+    trace shows the loop's phases (NVTX ranges do not reach it)."""
+    with nvtx.annotate(name, color=color), torch.profiler.record_function(name):
+        yield
 
 
 def protocol(context_tokens: int, dtype: str, prefill: str = "real") -> str:
@@ -452,7 +461,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
         real = [(r, ctx) for r, ctx in new if ctx]
         if not real:
             return
-        with nvtx.annotate("e2e.prefill", color="blue"):
+        with _phase("e2e.prefill", color="blue"):
             synchronize(dev)
             t0 = time.perf_counter()
             if config.prefill == "real":
@@ -510,7 +519,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                                 pad).astype(np.int32)
 
             t0 = time.perf_counter()
-            with nvtx.annotate("e2e.propose", color="green"):
+            with _phase("e2e.propose", color="green"):
                 draft = proposer.propose(sids, [r.s.tokens[:r.pos] for r in active], truth)
                 num_draft = np.array(reader.read(draft.num_draft_tokens)[0], dtype=np.int64)
             t1 = time.perf_counter()
@@ -519,7 +528,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 raise ValueError(f"{proposer.name}: a draft of {draft.max_nodes} nodes exceeds "
                                  f"the planner's max_nodes={pool.max_nodes}")
             prefix_host = [r.prefix_len for r in active]
-            with nvtx.annotate("e2e.verify", color="yellow"):
+            with _phase("e2e.verify", color="yellow"):
                 verify_timer.start()
                 roots, prefix_t = writer.write(([r.root for r in active], torch.int32),
                                                (prefix_host, torch.int32))
@@ -544,7 +553,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     true_t = writer.write((true_np.ravel(), torch.int32))[0].view(true_np.shape)
                     paths = teacher_forced_accept(draft, true_t)
                 verify_timer.stop()
-            with nvtx.annotate("e2e.commit", color="red"):
+            with _phase("e2e.commit", color="red"):
                 num_acc = np.zeros(n_active, dtype=np.int64)
                 if paths is not None:
                     num_acc = np.array(reader.read(paths.num_accepted)[0], dtype=np.int64)
@@ -557,8 +566,9 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 out_ids = truth(int(produced.max()), -1)
                 out_ids[np.arange(out_ids.shape[1])[None, :] >= produced[:, None]] = -1
                 t_obs = time.perf_counter()
-                proposer.observe(sids, out_ids, produced, accepted,
-                                 path_nodes=None if paths is None else paths.path_nodes)
+                with _phase("e2e.drafter_commit", color="orange"):
+                    proposer.observe(sids, out_ids, produced, accepted,
+                                     path_nodes=None if paths is None else paths.path_nodes)
                 observe_s = time.perf_counter() - t_obs
                 for b, r in enumerate(active):
                     p = int(produced[b])

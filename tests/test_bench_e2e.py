@@ -130,6 +130,10 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
     assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2
     assert report["trace"] and Path(report["trace"]).stat().st_size > 0
+    trace = json.loads(Path(report["trace"]).read_text())
+    names = {e.get("name") for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)}
+    # the loop's phases, as torch.profiler ranges (NVTX ranges do not reach the trace)
+    assert {"e2e.propose", "e2e.verify", "e2e.commit", "e2e.drafter_commit"} <= names
     # the plain decode step's time by kind: on a CPU, aten ops; the matmuls are there
     kernels = report["decode_kernels"]
     assert kernels["by_kind"]["matmul"]["ms"] > 0 and kernels["calls"] > 0
