@@ -277,7 +277,7 @@ class Drafter:
         p = self._roles[role]
         self.scale[slot] = p.initial_scale
         self.cap[slot] = min(p.draft_cap, self.config.max_draft_depth)
-        self._push(torch.tensor([slot]), ids[None, :], None)
+        self._push_one(slot, ids)
 
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
@@ -285,7 +285,7 @@ class Drafter:
         t = self.store._as_tokens(tokens, "tokens")
         self._forget([sid])
         self.store.append_session(sid, t, checked=True)
-        self._push(torch.tensor([self._slot_of(sid)]), t[None, :], None)
+        self._push_one(self._slot_of(sid), t)
 
     @device_guard
     def append_generated(self, sids: list[str], output_ids: torch.Tensor,
@@ -316,6 +316,19 @@ class Drafter:
         if sid not in self._slot:
             raise KeyError(f"session {sid!r} is unknown or closed")
         return self._slot[sid]
+
+    def _push_one(self, slot: int, toks: torch.Tensor) -> None:
+        """Appends one session's ``toks [m]`` (on the ring's device) to its recent ring: a
+        run as long as the ring replaces it (3 ops, as :func:`ring_push_torch` leaves it: the
+        last ``D`` tokens, fill and match cap ``D``; a context or tool output usually is);
+        a shorter one goes through :meth:`_push` (~17 ops)."""
+        D = self.recent.shape[1]
+        if toks.numel() < D:
+            self._push(torch.tensor([slot]), toks[None, :], None)
+            return
+        self.recent[slot] = toks[-D:]
+        self.recent_len[slot] = D
+        self.match_cap[slot] = D
 
     def _push(self, slots: torch.Tensor, toks: torch.Tensor, num: torch.Tensor | None) -> None:
         """Appends ``toks [b, M]`` (first ``num`` valid, all if None) to the recent ring."""

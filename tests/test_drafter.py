@@ -1346,3 +1346,33 @@ def test_observe_counts_only_the_verified_nodes_of_a_cut_draft(tok):
     assert full[2 * T:2 * T + n].sum() > 0  # the first level reached
     assert none[:T].sum() == 0 and none[2 * T:2 * T + n].sum() == 0
     assert int(drafters[2].prev_full.sum()) == 0
+
+
+def test_a_sessions_context_enters_its_ring_as_the_general_push_leaves_it(tok):
+    """``open_session`` / ``extend`` push one session's context: a run as long as the ring
+    replaces it in three ops; shorter runs (and an empty prompt) take the general push. The
+    ring, its fill and the match cap equal what ``ring_push_torch`` leaves, for runs
+    shorter than, equal to and longer than the ring, after a context already there."""
+    from agspec_gpu.kernels.drafter_commit import ring_push_torch
+
+    _, d = make(tok)
+    D = d.recent.shape[1]
+    want = [d.recent.clone(), d.recent_len.clone(), d.match_cap.clone()]
+    g = torch.Generator().manual_seed(0)
+    for i, runs in enumerate(([], [3], [D], [D + 5, 2], [1, D - 1, 3 * D])):
+        sid = f"s{i}"
+        prompt = torch.randint(0, 1000, (runs[0] if runs else 0,), generator=g).tolist()
+        d.open_session(sid, "t", "default", prompt)
+        slot = torch.tensor([d._slot[sid]])
+        want[0][slot] = 0
+        want[1][slot] = 0
+        want[2][slot] = d.store.config.max_depth
+        ring_push_torch(*want, slot, torch.tensor([prompt], dtype=torch.int32).view(1, -1),
+                        torch.tensor([len(prompt)]))
+        for m in runs[1:]:
+            toks = torch.randint(0, 1000, (m,), generator=g).tolist()
+            d.extend(sid, toks)
+            ring_push_torch(*want, slot, torch.tensor([toks], dtype=torch.int32),
+                            torch.tensor([m]))
+        for got, ref in zip((d.recent, d.recent_len, d.match_cap), want):
+            assert torch.equal(got[slot], ref[slot]), (runs, got[slot], ref[slot])
