@@ -468,3 +468,32 @@ def test_a_calibration_through_the_graphs_is_a_staircase():
     assert [x for x, _ in cost.points] == [2, 3, 4, 6, 10, 18]
     assert not calibrate_cost_model(runner, 2, 9, max_draft_tokens=4, repeats=1,
                                     warmup=0).steps
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_step_plans_into_the_views_its_bucket_was_captured_with(split):
+    """A captured graph reads the buffers its capture plan handed the attention (the split's
+    tree kernel takes the ancestor bitsets' row stride as an argument): every later plan of
+    the bucket must return views of the same storage, shapes and strides. The capture plans
+    over the bucket's own draft buffers (a real step's width) for that."""
+    runner = _runner(split)
+    vg = VerifyGraphs(runner, [4], max_nodes=6)
+    S, Q = vg.bucket(2, 2 + 8)  # the step's: 2 requests, 8 draft tokens
+    inp = vg._inputs[S]
+    zeros = torch.zeros(S, dtype=torch.int32)
+    captured = vg._plan_padded(S, Q, inp.draft, zeros, zeros, inp.page_table, used_rows=S)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1000, n).tolist() for n in (9, 14)]
+    roots = runner.prefill(["a", "b"], prompts).argmax(-1).to(torch.int32)
+    draft = _draft(random_trees(rng, [3, 5], "random", vocab=1000), 5)
+    key, meta = vg.plan(["a", "b"], draft, roots, [9, 14], [3, 5])
+    assert key == (S, Q)
+    names = ["kv_slots", "qo_indptr", "ancestor_bits", "kv_indptr", "kv_indices",
+             "kv_last_page_len", "input_ids", "position_ids"]
+    pairs = [(getattr(captured, n), getattr(meta, n)) for n in names]
+    if split:
+        pairs += list(zip(captured.maybe_prefix, meta.maybe_prefix))
+    else:
+        assert meta.maybe_prefix is None
+    for a, b in pairs:
+        assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
