@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from agspec_gpu.kernels.tree_attention import tree_attention
+from agspec_gpu.kernels.tree_attention import launch_tree_attention
 from agspec_gpu.tree import TreeMetadata, unpack_mask
 
 # the most rows per request a split step may carry: verification trees. A prefill chunk
@@ -44,10 +44,14 @@ def attend_tree(meta: TreeMetadata, q: torch.Tensor, kv_cache: torch.Tensor,
     """A split step's tree part, merged with its prefix part (``o_prefix [Q, H, D]``,
     ``lse fp32 [Q, H]`` base 2): :func:`~agspec_gpu.kernels.tree_attention.tree_attention`
     over ``meta``'s rows, slots, ancestors and prefix lengths (a sink, when planned, has
-    no tree)."""
-    return tree_attention(q, kv_cache, meta.kv_slots, meta.qo_indptr, meta.ancestor_bits,
-                          meta.maybe_prefix.prefix_lens, o_prefix, lse,
-                          num_tree=meta.batch_size - meta.has_sink, sm_scale=sm_scale, out=out)
+    no tree). Run every layer: its launcher's checks are left out (the plan was checked
+    when made, the callers check ``q``)."""
+    if out is None:
+        out = torch.empty_like(q)
+    return launch_tree_attention(q, kv_cache, meta.kv_slots, meta.qo_indptr,
+                                 meta.ancestor_bits, meta.maybe_prefix.prefix_lens, o_prefix,
+                                 lse, out, num_tree=meta.batch_size - meta.has_sink,
+                                 sm_scale=sm_scale)
 
 
 def _gather(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

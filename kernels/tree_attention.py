@@ -270,6 +270,21 @@ def tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_slots: torch.Tens
     else:
         check_tensors(("out", out, q.dtype, (Q, H, D)), contiguous=True)
         check_devices(("q", q), ("out", out))
+    return launch_tree_attention(q, kv_cache, kv_slots, qo_indptr, ancestor_bits, prefix_lens,
+                                 o_prefix, lse_prefix, out, num_tree=num_tree,
+                                 sm_scale=sm_scale, use_triton=use_triton)
+
+
+def launch_tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_slots: torch.Tensor,
+                          qo_indptr: torch.Tensor, ancestor_bits: torch.Tensor,
+                          prefix_lens: torch.Tensor, o_prefix: torch.Tensor,
+                          lse_prefix: torch.Tensor, out: torch.Tensor, *, num_tree: int,
+                          sm_scale: float, use_triton: bool | None = None) -> torch.Tensor:
+    """:func:`tree_attention` without its checks, for a backend that runs it every layer
+    over a plan checked when it was made (``plan_tree``) and a query it checked itself."""
+    device, (Q, H, D) = q.device, q.shape
+    nb = qo_indptr.shape[0] - 1
+    R, W = ancestor_bits.shape[1:]
     if Q == 0:
         return out
     if use_triton is None:
