@@ -7,7 +7,7 @@ shared device buffers, so that one batched query serves every request of a decod
   are separated by negative sentinels, which never equal a query token.
 * ``sa`` (``int32``): each corpus owns a few *levels*, oldest first: suffix arrays of the
   reversed text over contiguous ranges of continuation positions (each position sorted by the
-  ``max_depth`` tokens before it; :func:`~agspec_gpu.suffix_array.build_context_array`).
+  ``max_depth`` tokens before it; :func:`~agspec_gpu.kernels.suffix_array.context_array`).
   Positions past the last level form the *tail*, which the match kernel scans directly. A
   position's key is final as soon as it is appended, so when the tail holds ``tail_tokens``
   positions they become a new level, and levels of comparable size merge (a binary counter):
@@ -30,7 +30,7 @@ from agspec_gpu.host import HostWriter, canonical_device, to_device
 from agspec_gpu.kernels.arena_append import arena_append
 from agspec_gpu.kernels.suffix_match import (KEY_SEQ_SHIFT, MatchDescriptors, MatchResult,
                                              prefix_keys, suffix_match)
-from agspec_gpu.suffix_array import build_context_array, num_context_positions
+from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array, num_context_positions
 
 __all__ = ["IndexConfig", "IndexArena", "SuffixIndex", "MatchResult"]
 
@@ -121,6 +121,7 @@ class IndexArena:
         self._sa_garbage = 0
         self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
         self._writer = HostWriter(1 << 18, self.device)  # append_rows' starts and counts
+        self._work: torch.Tensor | None = None  # the level-build kernel's scratch (CUDA)
         # every live corpus's descriptor fields, kept in step with _corpora by _sync
         self._table = DescriptorTable()
 
@@ -309,14 +310,15 @@ class IndexArena:
         self._sync(cid)
 
     def _add_level(self, cid: int, lo: int, hi: int) -> None:
-        c = self._corpora[cid]
-        seg = self.tokens[c.tok_base:c.tok_base + c.n]
-        sa = build_context_array(seg, lo, hi, self.config.max_depth,
-                                 num_selected=num_context_positions(c.seps, lo, hi))
-        base = self._alloc_sa(sa.numel())
-        c = self._corpora[cid]  # _alloc_sa may compact
-        self.sa[base:base + sa.numel()] = sa
-        c.levels.append(self._new_level(c, base, sa.numel(), lo, hi))
+        num = num_context_positions(self._corpora[cid].seps, lo, hi)
+        base = self._alloc_sa(num)
+        c = self._corpora[cid]  # _alloc_sa may compact (move the corpus)
+        if self._work is None and self.device.type == "cuda":
+            self._work = torch.empty(2 * MAX_BLOCK, dtype=torch.int64, device=self.device)
+        # one launch on a GPU for a level of up to MAX_BLOCK positions, written in place
+        context_array(self.tokens[c.tok_base:c.tok_base + c.n], lo, hi, self.config.max_depth,
+                      num_selected=num, out=self.sa[base:base + num], work=self._work)
+        c.levels.append(self._new_level(c, base, num, lo, hi))
 
     def _new_level(self, c: _Corpus, base: int, m: int, lo: int, hi: int) -> _Level:
         """The level whose entries were just written at ``sa[base:base + m]`` (the top of

@@ -24,7 +24,7 @@ from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
 from agspec_gpu.index import IndexArena, IndexConfig
-from agspec_gpu.suffix_array import build_context_array
+from agspec_gpu.kernels.suffix_array import build_context_array
 from agspec_gpu.tokenizer import Tokenizer
 
 SEP = -1  # document separator in every corpus

@@ -32,8 +32,8 @@
 # status and time), e2e-<date>-<gpu>.json/.csv (rewritten after every run, so a cut-short e2e
 # keeps its finished rows), cost-llama3-8b-<gpu>.json, trace-e2e.json.gz (one torch.profiler
 # trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
-# bench_decoder_step, bench_match, bench_host_staging, bench_launch_overhead and
-# bench_tree_attention),
+# bench_decoder_step, bench_match, bench_host_staging, bench_launch_overhead,
+# bench_tree_attention and bench_suffix_array),
 # e2e-<date>-<gpu>-custom-mask.json (<gpu>: h200, h100-80gb-hbm3, ... as nvidia-smi names it),
 # drafter_step.json (bench/bench_drafter_step.py: propose / commit alone, graphed and eager).
 # Each step has its own timeout and the whole script a deadline (BUDGET_S, default 450 s): a
@@ -218,6 +218,12 @@ for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.
 # (the prefix unmasked + the tree kernel, merged): same output, the time of each
 step bench_tree_attention 45 python3 bench/bench_tree_attention.py --device cuda \
   --batch-sizes 1,16,64 --context 4096 --nodes 4 --out /tmp/bench/tree_attention
+# ---------------------------------------------------------------- a level build in one launch
+# the index's level build (every 256 appended tokens of a session, and at message
+# boundaries): the one-launch Triton kernel against the torch path's ~70 launches, host and
+# device time per build (the two compiles first)
+step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda \
+  --windows 320,1024,2048,4000 --out /tmp/bench/suffix_array
 # the split's share of the e2e result: agspec with the custom mask, beside plain decoding in
 # the same run (the methods that verify trees are the ones it changes)
 if [ "$E2E_RC" -eq 0 ] || [ "$E2E_RC" -eq 124 ]; then
@@ -235,7 +241,8 @@ step pytest-kernels 180 "${PYTEST[@]}" \
   tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
   tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
   tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
-  tests/test_suffix_match.py tests/test_arena_append.py tests/test_tree_attention.py
+  tests/test_suffix_match.py tests/test_arena_append.py tests/test_tree_attention.py \
+  tests/test_suffix_array.py
 
 # ---------------------------------------------------------------- drafter step, graphed vs eager
 # propose and commit timed alone on the same replayed steps, DrafterConfig(cuda_graphs=True/False)
@@ -269,12 +276,13 @@ step bench_host_staging 60 python3 bench/bench_host_staging.py --device cuda \
 # greedy walk, the planner, the KV commit), real launches
 step bench_launch_overhead 30 python3 bench/bench_launch_overhead.py --device cuda \
   --batch-sizes 1,16,64 --out /tmp/bench/launch_overhead
-# one file for the seven (at most 8 files come back): {"layer_kernels": ..., ...}
+# one file for the eight (at most 8 files come back): {"layer_kernels": ..., ...}
 python3 -c "
 import json, os, sys
 out = {n: json.load(open(f'/tmp/bench/{n}.json')) for n in sys.argv[1:]
        if os.path.exists(f'/tmp/bench/{n}.json')}
 json.dump(out, open('$OUT/kernels.json', 'w'), indent=1)
-" layer_kernels verify_kernels decoder_step match host_staging launch_overhead tree_attention
+" layer_kernels verify_kernels decoder_step match host_staging launch_overhead tree_attention \
+  suffix_array
 
 log "=== done in $(($(date +%s) - START))s; files: $(ls "$OUT" | tr '\n' ' ')"

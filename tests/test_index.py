@@ -1,4 +1,4 @@
-"""Tests for agspec_gpu.index (SuffixIndex, IndexArena) and agspec_gpu.suffix_array.
+"""Tests for agspec_gpu.index (SuffixIndex, IndexArena) and agspec_gpu.kernels.suffix_array.
 
 Everything is compared with the brute-force ``index_reference.match_reference``: hand-written
 golden cases (expected ``(length, count, positions)`` written out), hypothesis property tests
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agspec_gpu.index import IndexArena, IndexConfig, SuffixIndex
-from agspec_gpu.suffix_array import (build_context_array, build_suffix_array,
+from agspec_gpu.kernels.suffix_array import (build_context_array, build_suffix_array,
                                      num_context_positions)
 from index_reference import descriptors_reference, match_reference
 
@@ -342,8 +342,8 @@ def test_a_flush_builds_one_level_over_its_merged_range(tail_tokens, ratio, monk
     from agspec_gpu import index as index_mod
 
     builds = []
-    build = index_mod.build_context_array
-    monkeypatch.setattr(index_mod, "build_context_array",
+    build = index_mod.context_array
+    monkeypatch.setattr(index_mod, "context_array",
                         lambda seg, lo, hi, d, **kw: builds.append((lo, hi)) or
                         build(seg, lo, hi, d, **kw))
     arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=tail_tokens, merge_ratio=ratio))
@@ -540,7 +540,7 @@ def test_context_build_launches_few_ops(depth):
 def test_build_with_fewer_ranks_a_key(build, reference, k, monkeypatch):
     """Texts too long for four ranks in an int64 key (over 55,107 positions) pack three or
     two a round: forced here on small texts, every depth's blocks overlap as they must."""
-    import agspec_gpu.suffix_array as sa_mod
+    import agspec_gpu.kernels.suffix_array as sa_mod
 
     monkeypatch.setattr(sa_mod, "_ranks_per_key", lambda m: k)
     toks = stdlib_tokens(700)
@@ -552,7 +552,7 @@ def test_build_with_fewer_ranks_a_key(build, reference, k, monkeypatch):
 
 
 def test_ranks_per_key_fit_in_int64():
-    from agspec_gpu.suffix_array import _ranks_per_key
+    from agspec_gpu.kernels.suffix_array import _ranks_per_key
 
     for m, k in ((1, 4), (55_107, 4), (55_108, 3), (2_097_150, 3), (2_097_151, 2)):
         assert _ranks_per_key(m) == k, m

@@ -334,7 +334,7 @@ def test_reads_past_a_level_stay_inside_the_corpus():
     corpus's with larger positions; the torch path compared text at that foreign position
     (past the token buffer: IndexError, seen on the demo's workload). Now it is masked
     before any read; kernel and torch agree with the brute force."""
-    from agspec_gpu.suffix_array import build_context_array
+    from agspec_gpu.kernels.suffix_array import build_context_array
 
     g = torch.Generator().manual_seed(0)
     b_tok = torch.randint(0, 5, (100,), generator=g, dtype=torch.int32)  # corpus B first
@@ -383,7 +383,7 @@ def test_tails_and_keys_at_both_ends_of_a_tight_buffer():
     """Corpora at offset 0 and at the very end of a token buffer with no spare capacity:
     the tail's window (padded to the longest tail) leaves the buffer, and keys reach back
     past the corpus start. Torch path == kernel == brute force."""
-    from agspec_gpu.suffix_array import build_context_array
+    from agspec_gpu.kernels.suffix_array import build_context_array
 
     g = torch.Generator().manual_seed(3)
     a_tok = torch.randint(0, 3, (40,), generator=g, dtype=torch.int32)

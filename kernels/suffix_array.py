@@ -1,4 +1,5 @@
-"""Depth-bounded suffix arrays built on the device with torch sorts (prefix doubling).
+"""Depth-bounded suffix arrays built on the device (prefix doubling): torch sorts, and a
+Triton kernel that builds a small one in a single launch.
 
 A suffix array over positions ``[lo, hi)`` of a token tensor orders those positions by the
 first ``depth`` tokens of the suffix starting there. Tokens beyond the end of the tensor
@@ -18,6 +19,14 @@ the rank count is a wait for the device), so a build reads the device at most on
 size of its selection of positions, and not at all when the caller knows that size
 (``num_selected``: the index counts it from the separators it records). A session corpus
 builds a level every ``tail_tokens`` appended tokens, inside a decode step's commit.
+
+In torch a build is ~70 launches (four sorts, each with its ranking, and the selection):
+on a GPU ~0.7 ms of host time for a level of a few hundred positions, paid at every
+``tail_tokens`` appended tokens of every session and at every message boundary.
+:func:`context_array` builds a level of up to :data:`MAX_BLOCK` window positions in one
+launch of ``_context_array_kernel`` instead (one program: its sorts are Triton's bitonic
+``tl.sort`` over the whole window, the element index packed into the key's low bits so the
+order is total and ties keep position order), and larger ones with the torch path.
 """
 
 from __future__ import annotations
@@ -26,6 +35,11 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 import torch
+import triton
+import triton.language as tl
+
+from agspec_gpu.kernels._checks import check_array
+from agspec_gpu.kernels._launch import next_pow2
 
 
 def _dense_rank(key: torch.Tensor, count: bool) -> tuple[torch.Tensor, torch.Tensor, int | None]:
@@ -182,3 +196,127 @@ def num_context_positions(separators: Sequence[int], lo: int, hi: int) -> int:
     near = separators[bisect_left(separators, lo - 1):bisect_left(separators, hi)]
     out = {c for s in near for c in (s, s + 1) if lo <= c < hi}
     return hi - lo - len(out)
+
+
+# ----------------------------------------------------------------------------- one launch
+MAX_BLOCK = 4096  # window positions one program sorts (no register spills at 8 warps)
+_MIN_BLOCK = 1024  # one compile covers every smaller window (two configs in all)
+_KEY_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # a padding element's key: after every real one
+
+
+# lo, hi, W, num_selected: a level's range (not specialized: one compile per BLOCK)
+@triton.jit(do_not_specialize=["lo", "hi", "W", "num_selected"])
+def _context_array_kernel(
+    tokens_ptr,  # *int32 [n]  the corpus (negative = separator)
+    out_ptr,  # *int32 [num_selected]  out: the selected positions in key order
+    work_ptr,  # *int64 [2 * BLOCK]  scratch: a sort's keys, then the ranks by element
+    lo,
+    hi,
+    W,
+    num_selected,
+    DEPTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    IB: tl.constexpr,  # log2(BLOCK): the bits of an element index
+):
+    """One program. Element ``e < W`` is position ``c = hi - 1 - e`` read backwards: its
+    value is ``tokens[hi - 2 - e]`` (``tokens[c - 1]``), so the key of ``c`` is the run of
+    ``DEPTH`` values from element ``e`` on, and elements past ``W`` are ``END`` (rank 0).
+    Rounds as the torch path's (three blocks a round: an element index and three ranks of
+    ``IB + 1`` bits fit one int64 key); ties keep ascending ``e``, i.e. descending ``c``."""
+    e = tl.arange(0, BLOCK)
+    valid = e < W
+    RB: tl.constexpr = IB + 1  # a rank is in [0, W], W <= BLOCK
+    s = tl.zeros([BLOCK], dtype=tl.int64)
+    covered = 0
+    while covered < DEPTH:
+        if covered == 0:  # the values themselves, separators below tokens
+            k = tl.load(tokens_ptr + (hi - 2 - e), mask=valid, other=0).to(tl.int64) \
+                + 0x80000000
+            L = 1
+        else:
+            # dense ranks (from 1) of the last sort's keys, scattered to their elements
+            tl.store(work_ptr + e, s >> IB)
+            tl.debug_barrier()
+            prev = tl.load(work_ptr + e - 1, mask=e > 0, other=-1, cache_modifier=".cg")
+            rank = tl.cumsum(((s >> IB) != prev).to(tl.int64), 0)
+            tl.store(work_ptr + BLOCK + (s & (BLOCK - 1)), rank, mask=valid)
+            tl.debug_barrier()
+            # the blocks at e, e + covered (while it is short of the last) and e + L - covered
+            L = tl.minimum(3 * covered, DEPTH)
+            k = tl.load(work_ptr + BLOCK + e, mask=valid, other=0, cache_modifier=".cg")
+            if covered < L - covered:
+                at = e + covered
+                k = (k << RB) | tl.load(work_ptr + BLOCK + at, mask=at < W, other=0,
+                                        cache_modifier=".cg")
+            at = e + L - covered
+            k = (k << RB) | tl.load(work_ptr + BLOCK + at, mask=at < W, other=0,
+                                    cache_modifier=".cg")
+            # (the next round writes ranks only after its first barrier: past these reads)
+        s = tl.sort(tl.where(valid, (k << IB) | e, _KEY_MAX))
+        covered = L
+    # the selection, in key order: c in [lo, hi) with tokens[c - 1] and tokens[c] tokens
+    el = s & (BLOCK - 1)
+    before = tl.load(tokens_ptr + (hi - 2 - el), mask=valid, other=-1)
+    at_c = tl.load(tokens_ptr + (hi - 1 - el), mask=valid, other=-1)
+    keep = valid & (el < hi - lo) & (before >= 0) & (at_c >= 0)
+    slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(out_ptr + slot, (hi - 1 - el).to(tl.int32), mask=keep & (slot < num_selected))
+
+
+def context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *, num_selected: int,
+                  out: torch.Tensor | None = None, work: torch.Tensor | None = None,
+                  use_triton: bool | None = None, block: int | None = None) -> torch.Tensor:
+    """:func:`build_context_array` of ``tokens`` (``int32 [n]``) over ``[lo, hi)``, written
+    to ``out`` (``int32 [num_selected]``, e.g. a view of the arena's suffix-array buffer;
+    allocated when None) and returned.
+
+    ``num_selected``: the size of the selection (:func:`num_context_positions`), which the
+    caller knows (the kernel writes at most that many; the torch path on a CPU checks it).
+    ``work``: ``int64 [2 * MAX_BLOCK]`` scratch for the kernel, kept by a caller that
+    builds often (allocated when None). ``use_triton``: the kernel when True (also under
+    ``TRITON_INTERPRET=1``), torch when False; default: the kernel for CUDA tensors. Either
+    way a window (``hi - max(lo - depth, 0) - 1`` positions) over :data:`MAX_BLOCK` takes the
+    torch path. ``block``: the window one program sorts, a power of two at least the window
+    and at most :data:`MAX_BLOCK` (default: 1024 or 4096, two compiles in all; a test under
+    the interpreter passes a small one). Nothing is read back from the device.
+
+    Raises:
+        ValueError: a bad range, depth, ``num_selected``, ``out`` or ``work``.
+    """
+    dev = tokens.device
+    check_array("tokens", tokens, torch.int32, 1, dev)
+    _check_range("context_array", tokens, lo, hi, depth)
+    if isinstance(num_selected, bool) or not isinstance(num_selected, int) or \
+            not 0 <= num_selected <= max(hi - max(lo, 1), 0):
+        raise ValueError(f"num_selected: expected an int in [0, {max(hi - max(lo, 1), 0)}] "
+                         f"(positions in the range), got {num_selected!r}")
+    if out is None:
+        out = torch.empty(num_selected, dtype=torch.int32, device=dev)
+    check_array("out", out, torch.int32, 1, dev)
+    if out.numel() != num_selected:
+        raise ValueError(f"out: expected {num_selected} elements (num_selected), got "
+                         f"{out.numel()}")
+    lo = max(lo, 1)  # position 0 has an empty context
+    W = hi - 1 - max(0, lo - depth)  # the window: every value a key reads
+    if use_triton is None:
+        use_triton = dev.type == "cuda"
+    if not use_triton or W > MAX_BLOCK:
+        out.copy_(build_context_array(tokens, lo, hi, depth, num_selected=num_selected))
+        return out
+    if num_selected == 0:
+        return out
+    if block is None:
+        block = max(next_pow2(W), _MIN_BLOCK)
+    elif isinstance(block, bool) or not isinstance(block, int) or block < max(W, 2) or \
+            block > MAX_BLOCK or block & (block - 1):
+        raise ValueError(f"block: expected a power of two in [{max(next_pow2(W), 2)}, "
+                         f"{MAX_BLOCK}] (the window holds {W}), got {block!r}")
+    if work is None:
+        work = torch.empty(2 * MAX_BLOCK, dtype=torch.int64, device=dev)
+    check_array("work", work, torch.int64, 1, dev)
+    if work.numel() < 2 * block:
+        raise ValueError(f"work: expected at least {2 * block} elements, got {work.numel()}")
+    _context_array_kernel[(1,)](tokens, out, work, lo, hi, W, num_selected, DEPTH=depth,
+                                BLOCK=block, IB=block.bit_length() - 1,
+                                num_warps=4 if block <= 1024 else 8)
+    return out
