@@ -86,9 +86,13 @@ class DocumentCorpus:
         self._docs.move_to_end(doc_id)
         return True
 
-    def add(self, doc_id: Hashable, parts: Sequence[tuple[Sequence[int] | torch.Tensor, int]]
-            ) -> int:
+    def add(self, doc_id: Hashable, parts: Sequence[tuple[Sequence[int] | torch.Tensor, int]],
+            *, token_ids_only: bool = False) -> int:
         """Adds a document made of ``(tokens, src)`` parts; returns the tokens added.
+
+        ``token_ids_only``: the caller vouches that no part holds a separator (a negative
+        value; a session's text, say), so none is searched for: a part on a GPU is otherwise
+        read back to find them.
 
         Raises:
             ValueError: ``doc_id`` is already present.
@@ -108,7 +112,8 @@ class DocumentCorpus:
             start = self.num_tokens
             # the part's separators, its own first and any in its text, found where the text
             # is on the host (else the arena reads them)
-            seps = [0, *(torch.nonzero(t < 0, as_tuple=True)[0] + 1).tolist()] \
+            seps = [0] if token_ids_only else \
+                [0, *(torch.nonzero(t < 0, as_tuple=True)[0] + 1).tolist()] \
                 if t.device.type == "cpu" else None
             self.arena.append(self.cid, torch.cat([sep, t.to(self.arena.device)]), src,
                               separators=seps)

@@ -250,7 +250,9 @@ class CorpusStore:
     def _add_history(self, t: _Tenant, sid: str, tokens: torch.Tensor) -> None:
         if t.hist is None:
             t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru", 1.0)
-        t.hist.add((sid, t.num_closed), [(tokens, source_code(CorpusTier.HISTORY))])
+        # a session's text holds token ids only (its corpus takes no separators)
+        t.hist.add((sid, t.num_closed), [(tokens, source_code(CorpusTier.HISTORY))],
+                   token_ids_only=True)
         t.num_closed += 1
         t.version += 1
         self.epoch += 1

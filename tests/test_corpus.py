@@ -75,3 +75,27 @@ def test_nbytes_and_free():
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         DocumentCorpus(_arena(), **kwargs)
+
+
+def test_token_ids_only_parts_are_not_searched_for_separators():
+    """A caller that vouches for its parts (a session's text joining the history) gets the
+    same corpus, separators recorded and matches, without the search for negative values
+    (on a GPU a read of the device per part)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from op_count import CountOps
+
+    docs = [("a", [1, 2, 3, 4, 5, 6]), ("b", [7, 1, 2, 3, 8]), ("c", [9] * 7)]
+    want, got = DocumentCorpus(_arena()), DocumentCorpus(_arena())
+    count = CountOps()
+    for doc_id, toks in docs:
+        want.add(doc_id, [(torch.tensor(toks, dtype=torch.int32), 2)])
+        with count.mode:
+            got.add(doc_id, [(torch.tensor(toks, dtype=torch.int32), 2)], token_ids_only=True)
+    assert "nonzero" not in count.ops and "nonzero_numpy" not in count.ops, count.ops
+    assert got.arena.separators(got.cid) == want.arena.separators(want.cid) == [0, 7, 13]
+    assert torch.equal(got.arena.corpus_tokens(got.cid), want.arena.corpus_tokens(want.cid))
+    for q in ([1, 2, 3], [3, 8], [9, 9], [6, 7]):
+        assert _longest(got, q) == _longest(want, q)
