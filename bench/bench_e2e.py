@@ -70,6 +70,7 @@ from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize
+from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array
 from agspec_gpu.replay import tokenize_sessions
 from agspec_gpu.replay_target import (
     METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, calibrate_cost_model,
@@ -77,6 +78,7 @@ from agspec_gpu.replay_target import (
 )
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.runners.paged import PagedLlamaRunner
+from agspec_gpu.tiers import TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
 from triton_compiles import TritonCompiles
@@ -595,6 +597,12 @@ def main(argv: list[str] | None = None) -> int:
             z = torch.zeros(1, n, dtype=torch.int32, device=device)
             teacher_forced_accept(DraftBatch(z, z - 1, torch.full((1,), n, dtype=torch.int32,
                                                                   device=device)), z)
+        # the index's one-launch level build: one compile per block (1024, MAX_BLOCK), at
+        # the corpora's depth (a window of a few hundred positions at every tail flush,
+        # up to MAX_BLOCK when levels merge)
+        for w in (1000, MAX_BLOCK - 1):
+            context_array(torch.zeros(w + 1, dtype=torch.int32, device=device), 0, w + 1,
+                          TierConfig().max_depth, num_selected=w)
         for m in dict.fromkeys(["none", "agspec"] + methods):
             for b in batch_sizes if m in ("none", "agspec") else [min(2, max_b)]:
                 run(m, b, corpus.sessions[:max(b, 2)], steps=4)
