@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import nvtx
@@ -324,6 +324,11 @@ class ReplayTargetResult:
     # files between two requests fed, a request started or finished) and the KV frees:
     # outside the steps, so outside decode_s (a GPU lane's work synchronized before it stops)
     message_s: float = 0.0
+    # its host seconds by part ("open": sessions opened; "feed": the context and files
+    # between two requests, requests started and finished; "close": sessions and tenants
+    # closed; "kv_free": the finished requests' KV freed); message_s less their sum is the
+    # wait for the device at its end
+    message_parts: dict[str, float] = field(default_factory=dict)
     counts_draft_time: bool = True
     # steps by the tokens their forward verified (rows + drafts): the cost model's price of
     # the run, step by step, as the replay evaluator prices its lanes
@@ -340,6 +345,16 @@ class ReplayTargetResult:
 
     def per_step_ms(self, seconds: float) -> float:
         return 1e3 * seconds / self.steps if self.steps else 0.0
+
+    @contextmanager
+    def message_part(self, part: str) -> Iterator[None]:
+        """Adds the host time of the block to ``message_parts[part]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.message_parts[part] = self.message_parts.get(part, 0.0) + \
+                time.perf_counter() - t0
 
 
 @dataclass
@@ -488,11 +503,14 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     break
                 req = _Request(s, tenant_of(s))
                 prompt_end = int(s.bounds[s.target_messages[0]])
-                proposer.open_session(s.sid, req.tenant, s.agent, s.tokens[:prompt_end])
+                with res.message_part("open"):
+                    proposer.open_session(s.sid, req.tenant, s.agent, s.tokens[:prompt_end])
                 res.sessions += 1
-                ctx = _start_next(req, proposer, config, prompt_end)
+                with res.message_part("feed"):
+                    ctx = _start_next(req, proposer, config, prompt_end)
                 if ctx is None:  # no target message with context before it
-                    close(req)
+                    with res.message_part("close"):
+                        close(req)
                     continue
                 res.messages += 1
                 new.append((req, ctx))
@@ -598,17 +616,21 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     still.append(r)
                     continue
                 s = r.s
-                proposer.finish_message(s.sid)
-                cache.free(r.kv_id)
+                with res.message_part("kv_free"):
+                    cache.free(r.kv_id)
                 r.done_messages += 1
-                if r.end < r.msg_end:  # the cut-off rest of the message is context
-                    proposer.extend(s.sid, s.tokens[r.end:r.msg_end])
-                if s.maybe_files is not None and proposer.wants_files:
-                    for path, text, first_line in s.maybe_files[r.msg]:
-                        proposer.add_file(r.tenant, path, text, first_line)
-                ctx = _start_next(r, proposer, config, int(s.bounds[s.target_messages[0]]))
+                with res.message_part("feed"):
+                    proposer.finish_message(s.sid)
+                    if r.end < r.msg_end:  # the cut-off rest of the message is context
+                        proposer.extend(s.sid, s.tokens[r.end:r.msg_end])
+                    if s.maybe_files is not None and proposer.wants_files:
+                        for path, text, first_line in s.maybe_files[r.msg]:
+                            proposer.add_file(r.tenant, path, text, first_line)
+                    ctx = _start_next(r, proposer, config,
+                                      int(s.bounds[s.target_messages[0]]))
                 if ctx is None:
-                    close(r)
+                    with res.message_part("close"):
+                        close(r)
                 else:
                     res.messages += 1
                     new.append((r, ctx))

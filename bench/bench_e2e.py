@@ -644,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                 "draft_ms_per_step": draft_ms,
                 "drafter_commit_ms_per_step": observe_ms,
                 "drafter_message_ms_per_step": message_ms,
+                # its host time by part, per step (the rest of it: the wait for the device)
+                "message_host_ms_per_step_by_part": {
+                    k: r.per_step_ms(v) for k, v in sorted(r.message_parts.items())},
                 "verify_ms_per_step": r.per_step_ms(r.verify_s),
                 "peak_mem_gb": peak / 1e9,
                 "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),

@@ -123,6 +123,12 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
         # between requests (outside the steps) beside propose
         assert 0 < agspec["drafter_commit_ms_per_step"] <= agspec["commit_ms_per_step"]
         assert agspec["drafter_message_ms_per_step"] > 0
+        # its host time by part, at most the whole (which waits for the device too); a
+        # request cut by --max-steps is closed and freed after the loop, not in it
+        parts = agspec["message_host_ms_per_step_by_part"]
+        assert {"open", "feed"} <= set(parts) <= {"open", "feed", "close", "kv_free"}
+        assert min(parts.values()) > 0
+        assert sum(parts.values()) <= agspec["drafter_message_ms_per_step"] * 1.0001
         assert agspec["draft_share_of_step"] == pytest.approx(
             (agspec["draft_ms_per_step"] + agspec["drafter_commit_ms_per_step"]
              + agspec["drafter_message_ms_per_step"]) / agspec["step_ms"])
