@@ -17,6 +17,8 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   the oracle bound, which is above the agspec and PLD points.
 * ``bench_tree_attention``: the split backend (prefix unmasked, the tree kernel merging the
   tree) equals the custom-mask backend, at page-aligned and unaligned prefixes.
+* ``bench_suffix_array``: a row per window (the torch path on a CPU: the kernel's compare
+  with it runs on a GPU).
 """
 
 import json
@@ -37,6 +39,7 @@ import bench_host_staging  # noqa: E402
 import bench_launch_overhead  # noqa: E402
 import bench_layer_kernels  # noqa: E402
 import bench_match  # noqa: E402
+import bench_suffix_array  # noqa: E402
 import bench_tree_attention  # noqa: E402
 import bench_verify_kernels  # noqa: E402
 
@@ -232,3 +235,13 @@ def test_bench_tree_attention_smoke(tmp_path):
         assert [r["batch_size"] for r in rows] == [1, 3]
         assert all(r["max_abs_diff"] < 1e-5 for r in rows), rows
 
+
+
+def test_bench_suffix_array_smoke(tmp_path):
+    out = tmp_path / "sa"
+    assert bench_suffix_array.main(["--device", "cpu", "--windows", "50,300", "--repeats",
+                                    "2", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["window"], r["path"]) for r in rows] == [(50, "torch"), (300, "torch")]
+    assert all(r["host_us"] > 0 and r["activities"] > 0 and r["device_us"] is None
+               for r in rows)
