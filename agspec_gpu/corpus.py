@@ -92,10 +92,11 @@ class DocumentCorpus:
 
         ``token_ids_only``: the caller vouches that no part holds a separator (a negative
         value; a session's text, say), so none is searched for: a part on a GPU is otherwise
-        read back to find them.
+        read back to find them (one on the CPU is checked, which costs nothing there).
 
         Raises:
-            ValueError: ``doc_id`` is already present.
+            ValueError: ``doc_id`` is already present; with ``token_ids_only``, a part on the
+                CPU holds a negative value (the corpus is unchanged).
             BudgetExceeded: over budget with ``evict="error"`` (the corpus is unchanged).
         """
         if doc_id in self._docs:
@@ -108,6 +109,10 @@ class DocumentCorpus:
                                  f"{self.budget_tokens} ({self.num_tokens} held)")
         sep = torch.tensor([SEP], dtype=torch.int32, device=self.arena.device)
         placed = []
+        if token_ids_only and any(t.device.type == "cpu" and bool((t < 0).any())
+                                  for t, _ in tensors):
+            raise ValueError(f"parts: doc_id {doc_id!r} is added with token_ids_only, but a "
+                             f"part holds a negative value (a separator)")
         for t, src in tensors:
             start = self.num_tokens
             # the part's separators, its own first and any in its text, found where the text

@@ -316,8 +316,14 @@ class IndexArena:
         if self._work is None and self.device.type == "cuda":
             self._work = torch.empty(2 * MAX_BLOCK, dtype=torch.int64, device=self.device)
         # one launch on a GPU for a level of up to MAX_BLOCK positions, written in place
-        context_array(self.tokens[c.tok_base:c.tok_base + c.n], lo, hi, self.config.max_depth,
-                      num_selected=num, out=self.sa[base:base + num], work=self._work)
+        try:
+            context_array(self.tokens[c.tok_base:c.tok_base + c.n], lo, hi,
+                          self.config.max_depth, num_selected=num,
+                          out=self.sa[base:base + num], work=self._work)
+        except BaseException:  # (a wrong count, on a CPU): the entries go back, unwritten
+            self.sa[base:base + num] = 0
+            self._sa_top = base
+            raise
         c.levels.append(self._new_level(c, base, num, lo, hi))
 
     def _new_level(self, c: _Corpus, base: int, m: int, lo: int, hi: int) -> _Level:

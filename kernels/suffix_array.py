@@ -204,8 +204,10 @@ _MIN_BLOCK = 1024  # one compile covers every smaller window (two configs in all
 _KEY_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # a padding element's key: after every real one
 
 
-# lo, hi, W, num_selected: a level's range (not specialized: one compile per BLOCK)
-@triton.jit(do_not_specialize=["lo", "hi", "W", "num_selected"])
+# lo, hi, W, num_selected: a level's range (not specialized: one compile per BLOCK); tokens
+# and out: views of the arena's buffers at any offset (any alignment)
+@triton.jit(do_not_specialize=["lo", "hi", "W", "num_selected"],
+            do_not_specialize_on_alignment=["tokens_ptr", "out_ptr"])
 def _context_array_kernel(
     tokens_ptr,  # *int32 [n]  the corpus (negative = separator)
     out_ptr,  # *int32 [num_selected]  out: the selected positions in key order

@@ -99,3 +99,6 @@ def test_token_ids_only_parts_are_not_searched_for_separators():
     assert torch.equal(got.arena.corpus_tokens(got.cid), want.arena.corpus_tokens(want.cid))
     for q in ([1, 2, 3], [3, 8], [9, 9], [6, 7]):
         assert _longest(got, q) == _longest(want, q)
+    with pytest.raises(ValueError, match="token_ids_only"):  # checked where it is free
+        got.add("d", [(torch.tensor([4, -1, 4], dtype=torch.int32), 2)], token_ids_only=True)
+    assert "d" not in got and got.arena.separators(got.cid) == [0, 7, 13]

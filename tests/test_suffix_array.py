@@ -197,12 +197,44 @@ def test_the_arena_builds_its_levels_through_the_kernel(monkeypatch):
         rows_of(want.match(q, lens, [want_cid] * len(queries), max_positions=4), 4)
 
 
+def test_a_failed_build_gives_its_entries_back(monkeypatch):
+    """A level build that raises leaves the suffix-array buffer's top where it was (its
+    entries were allocated first, to be written in place), and the arena usable."""
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=16))
+    cid = arena.new_corpus()
+    arena.append(cid, t32(stdlib_tokens(40)))
+    top, sa = arena._sa_top, arena.sa.clone()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("build failed")
+
+    monkeypatch.setattr(index_mod, "context_array", fail)
+    with pytest.raises(RuntimeError, match="build failed"):
+        arena.append(cid, t32(stdlib_tokens(80)[40:]))
+    assert arena._sa_top == top and torch.equal(arena.sa[:sa.numel()], sa)
+    monkeypatch.undo()
+    arena.append(cid, t32(stdlib_tokens(100)[80:]))  # the tail's next flush builds again
+    assert arena.num_levels(cid) >= 1
+
+
 def test_one_compile_per_block():
-    """Ranges, windows and selections of any size share a block's compile."""
+    """Ranges, windows and selections of any size share a block's compile, and so do
+    tokens and outputs at any offset (the arena passes views of its buffers)."""
     rng = random.Random(2)
     toks = [rng.randrange(9) for _ in range(60)]
+
+    def at_offset(lo: int, hi: int, shift: int) -> None:
+        t = torch.zeros(shift + len(toks), dtype=torch.int32, device=DEV)
+        t[shift:] = t32(toks).to(DEV)
+        num = num_context_positions([], lo, hi)
+        out = torch.zeros(shift + num, dtype=torch.int32, device=DEV)
+        context_array(t[shift:], lo, hi, 8, num_selected=num, out=out[shift:],
+                      use_triton=True, block=64)
+        assert out[shift:].tolist() == context_reference(toks, lo, hi, 8)
+
     launches = [functools.partial(_kernel, toks, lo, hi, 8, block=64)
                 for lo, hi in ((0, 60), (1, 17), (5, 48), (16, 33), (30, 31))]
+    launches += [functools.partial(at_offset, 2, 50, shift) for shift in (1, 3, 4)]
     with recorded_specializations(_context_array_kernel) as seen:
         for launch in launches:
             launch()
