@@ -9,8 +9,11 @@ for windows of up to ``MAX_BLOCK`` positions.
 Per window size (real code tokens, ``[0, w)`` at the index's depth 64): the host time of
 one call (what the launches cost the CPU, the device not waited for), the device time (CUDA
 events around the call), and the GPU activities one call runs (kernels, copies, fills,
-from torch.profiler), median over ``--repeats``; the two paths' outputs are compared. On a
-CPU only the torch path runs (the kernel needs a GPU; its interpreter is a test tool).
+from torch.profiler), median over ``--repeats``; the paths' outputs are compared. A window
+of at most 512 positions (a tail flush's) also runs the kernel at block 512
+(``triton-512``): the library sorts it at 1024, its smaller compile, and this says whether a
+third compile would pay. On a CPU only the torch path runs (the kernel needs a GPU; its
+interpreter is a test tool).
 
 Usage::
 
@@ -83,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--windows: at most MAX_BLOCK={MAX_BLOCK} (larger ones take the "
                          f"torch path either way)")
     code, _ = load_code_tokens(max(windows) + 1, verbose=False)
-    paths = ("torch", "triton") if dev.type == "cuda" else ("torch",)
+    # (name, use_triton, block): the production blocks, and for a window that fits one a
+    # smaller block, 512 (one more compile: is a tail flush's sort worth it?)
+    paths = [("torch", False, None)]
+    if dev.type == "cuda":
+        paths.append(("triton", True, None))
     rows = []
     for w in windows:
         toks = torch.from_numpy(code[:w + 1].copy()).to(dev, torch.int32)
@@ -91,23 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         num = num_context_positions(seps, 0, w + 1)
         work = torch.empty(2 * MAX_BLOCK, dtype=torch.int64, device=dev)
         outs = {}
-        for path in paths:
+        small = [("triton-512", True, 512)] if dev.type == "cuda" and w <= 512 else []
+        for path, use_triton, block in paths + small:
             out = torch.empty(num, dtype=torch.int32, device=dev)
 
-            def build(out=out, path=path):
+            def build(out=out, use_triton=use_triton, block=block):
                 return context_array(toks, 0, w + 1, args.depth, num_selected=num, out=out,
-                                     work=work, use_triton=path == "triton")
+                                     work=work, use_triton=use_triton, block=block)
 
             r = time_build(build, dev, args.repeats)
             outs[path] = out.cpu()
             rows.append({"window": w, "path": path, **r})
-        if len(outs) == 2 and not torch.equal(outs["torch"], outs["triton"]):
-            raise SystemExit(f"window {w}: the kernel's suffix array differs from torch's")
+        for path, got in outs.items():
+            if not torch.equal(got, outs["torch"]):
+                raise SystemExit(f"window {w}: {path}'s suffix array differs from torch's")
     print(f"level build at depth {args.depth} on {dev} (median of {args.repeats})")
-    print(f"{'window':>7} {'path':>7} {'host us':>9} {'device us':>10} {'activities':>11}")
+    print(f"{'window':>7} {'path':>11} {'host us':>9} {'device us':>10} {'activities':>11}")
     for r in rows:
         dv = "-" if r["device_us"] is None else f"{r['device_us']:.1f}"
-        print(f"{r['window']:>7} {r['path']:>7} {r['host_us']:>9.1f} {dv:>10} "
+        print(f"{r['window']:>7} {r['path']:>11} {r['host_us']:>9.1f} {dv:>10} "
               f"{r['activities']:>11}")
     write_results("suffix_array", args, dev, torch.int32, rows)
     return 0
