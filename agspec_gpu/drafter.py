@@ -267,6 +267,10 @@ class Drafter:
         if not self._free:
             raise ValueError(f"max_sessions={self.max_sessions} sessions are already open "
                              f"(close one, or raise max_sessions)")
+        with nvtx.annotate("agspec.drafter.open_session", color="gray"):
+            self._open_session(sid, tenant, role, prompt_ids)
+
+    def _open_session(self, sid, tenant, role, prompt_ids) -> None:
         ids = self.store.open_session(sid, tenant, prompt_ids)  # the ids, checked once
         slot = self._free.pop()
         self._slot[sid] = slot
@@ -282,10 +286,11 @@ class Drafter:
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
         """Context the model did not generate (user / tool messages)."""
-        t = self.store._as_tokens(tokens, "tokens")
-        self._forget([sid])
-        self.store.append_session(sid, t, checked=True)
-        self._push_one(self._slot_of(sid), t)
+        with nvtx.annotate("agspec.drafter.extend", color="gray"):
+            t = self.store._as_tokens(tokens, "tokens")
+            self._forget([sid])
+            self.store.append_session(sid, t, checked=True)
+            self._push_one(self._slot_of(sid), t)
 
     @device_guard
     def append_generated(self, sids: list[str], output_ids: torch.Tensor,
@@ -301,6 +306,10 @@ class Drafter:
 
     @device_guard
     def close_session(self, sid: str) -> None:
+        with nvtx.annotate("agspec.drafter.close_session", color="gray"):
+            self._close_session(sid)
+
+    def _close_session(self, sid: str) -> None:
         slot = self._slot_of(sid)
         self._forget([sid])
         self.store.close_session(sid)
