@@ -17,6 +17,7 @@ writes every field it promises (the CPU figures themselves say nothing of a GPU'
   the oracle bound, which is above the agspec and PLD points.
 * ``bench_tree_attention``: the split backend (prefix unmasked, the tree kernel merging the
   tree) equals the custom-mask backend, at page-aligned and unaligned prefixes.
+* ``bench_message_ops``: a row per boundary call and level build, the kernel's fewer.
 * ``bench_suffix_array``: a row per window (the torch path on a CPU: the kernel's compare
   with it runs on a GPU).
 """
@@ -39,6 +40,7 @@ import bench_host_staging  # noqa: E402
 import bench_launch_overhead  # noqa: E402
 import bench_layer_kernels  # noqa: E402
 import bench_match  # noqa: E402
+import bench_message_ops  # noqa: E402
 import bench_suffix_array  # noqa: E402
 import bench_tree_attention  # noqa: E402
 import bench_verify_kernels  # noqa: E402
@@ -245,3 +247,14 @@ def test_bench_suffix_array_smoke(tmp_path):
     assert [(r["window"], r["path"]) for r in rows] == [(50, "torch"), (300, "torch")]
     assert all(r["host_us"] > 0 and r["activities"] > 0 and r["device_us"] is None
                for r in rows)
+
+
+def test_bench_message_ops_smoke(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the dev files' default path is the repository's
+    out = tmp_path / "mo"
+    assert bench_message_ops.main(["--sessions", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    by = {(r["call"], r["level_build"]): r["launches_per_call"] for r in rows}
+    for call in ("open_session", "extend", "close_session"):
+        assert 0 < by[(call, "kernel")] <= by[(call, "torch")], call
+    assert by[("open_session", "kernel")] < by[("open_session", "torch")]
