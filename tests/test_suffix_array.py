@@ -250,3 +250,35 @@ def test_kernel_compiles_for_sm90():
         (_context_array_kernel, sig, dict(DEPTH=64, BLOCK=b, IB=b.bit_length() - 1),
          dict(num_warps=w)) for b, w in ((1024, 4), (MAX_BLOCK, 8))])
     assert len(usage) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [600, MAX_BLOCK + 600], ids=["kernel", "torch"])
+def test_a_level_build_waits_for_nothing_on_cuda(tokens):
+    """An append that flushes the tail into a level (merging the one before) reads nothing
+    back from the GPU, through the kernel (a window up to MAX_BLOCK) or the torch path:
+    under ``set_sync_debug_mode("error")`` any wait raises. Its levels equal a CPU
+    arena's."""
+    toks = stdlib_tokens(tokens)
+    seps = [i for i, x in enumerate(toks) if x < 0]
+    half = tokens // 2
+    parts = [(toks[:half], [s for s in seps if s < half]),
+             (toks[half:], [s - half for s in seps if s >= half])]
+    config = IndexConfig(max_depth=64, tail_tokens=256)
+    arenas = [IndexArena(config, "cuda"), IndexArena(config, "cpu")]
+    cids = [a.new_corpus(2 * tokens) for a in arenas]
+    for arena, cid in zip(arenas, cids):
+        arena.append(cid, t32(parts[0][0]).to(arena.device), separators=parts[0][1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        arenas[0].append(cids[0], t32(parts[1][0]).cuda(), separators=parts[1][1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    arenas[1].append(cids[1], t32(parts[1][0]), separators=parts[1][1])
+    got, want = (a._corpora[c].levels for a, c in zip(arenas, cids))
+    assert [(x.pos_lo, x.pos_hi) for x in got] == [(x.pos_lo, x.pos_hi) for x in want]
+    assert got and got[-1].pos_hi - got[-1].pos_lo > 256  # a flush that merged
+    for g, w in zip(got, want):
+        assert torch.equal(arenas[0].sa[g.sa_base:g.sa_base + g.sa_len].cpu(),
+                           arenas[1].sa[w.sa_base:w.sa_base + w.sa_len])
