@@ -442,7 +442,10 @@ def test_a_step_marks_its_phases_with_nvtx_ranges(runner, monkeypatch):
                       (0, "agspec.verify"), (0, "agspec.commit"),
                       (1, "agspec.drafter.commit")]
     ranges.clear()
-    draft = dec.propose([dec.open_session("t0", "coder", P)])
+    sid2 = dec.open_session("t0", "coder", P)  # message-boundary work has its own ranges
+    assert ranges == [(0, "agspec.drafter.open_session")]
+    ranges.clear()
+    draft = dec.propose([sid2])
     assert ranges == [(0, "agspec.propose"), (1, "agspec.drafter.propose")] and draft
 
 
