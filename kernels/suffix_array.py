@@ -283,7 +283,8 @@ def context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *, num_sel
     the interpreter passes a small one). Nothing is read back from the device.
 
     Raises:
-        ValueError: a bad range, depth, ``num_selected``, ``out`` or ``work``.
+        ValueError: naming the argument: ``tokens`` not ``int32 [n]`` and contiguous, a bad
+            range or depth, ``num_selected``, ``out``, ``block`` or ``work``.
     """
     dev = tokens.device
     check_array("tokens", tokens, torch.int32, 1, dev)
