@@ -312,6 +312,12 @@ class ReplayTargetResult:
     drafted: int = 0
     accepted: int = 0
     decode_s: float = 0.0  # wall time of the decode steps (oracle: less its lookup)
+    # the steps with a full batch (batch_size requests), their tokens and wall time: the
+    # throughput while the queue holds work, without the run's drain (whose last requests
+    # step with a part-empty batch at nearly a full step's cost)
+    full_steps: int = 0
+    full_tokens: int = 0
+    full_decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0  # plan + forward + argmax + acceptance (CUDA events on a GPU)
     commit_s: float = 0.0
@@ -342,6 +348,10 @@ class ReplayTargetResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def full_batch_tokens_per_s(self) -> float:
+        return self.full_tokens / self.full_decode_s if self.full_decode_s else 0.0
 
     def per_step_ms(self, seconds: float) -> float:
         return 1e3 * seconds / self.steps if self.steps else 0.0
@@ -607,7 +617,12 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
             res.draft_s += t1 - t0
             res.observe_s += observe_s
             res.verify_s += verify_timer.seconds()
-            res.decode_s += (t2 - t0) if proposer.counts_draft_time else (t2 - t1)
+            step_s = (t2 - t0) if proposer.counts_draft_time else (t2 - t1)
+            res.decode_s += step_s
+            if n_active == B:  # a full batch: the steady state of a loaded server
+                res.full_steps += 1
+                res.full_tokens += int(produced.sum())
+                res.full_decode_s += step_s
             res.commit_s += t2 - t1 - verify_timer.seconds()
 
             still: list[_Request] = []

@@ -110,8 +110,14 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
             assert f in row and row[f] is not None, (row["method"], f)
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
         assert row["jit_compiles"] == 0  # the torch paths: nothing for Triton to compile
+        # the full-batch steps are a subset of the run's (every step at B = 1)
+        assert 0 <= row["full_batch_step_share"] <= 1
+        if row["batch_size"] == 1:
+            assert row["full_batch_step_share"] == 1
+            assert row["full_batch_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
         if row["method"] == "none":
             assert row["speedup"] == pytest.approx(1.0) and row["tau"] == pytest.approx(1.0)
+            assert row["full_batch_speedup"] == pytest.approx(1.0)
             assert row["modelled_replay_speedup"] == pytest.approx(1.0)
     for b in (1, 2):  # the goals read the step-by-step figure
         agspec = next(r for r in report["rows"] if r["method"] == "agspec" and r["batch_size"] == b)
