@@ -270,7 +270,8 @@ class Drafter:
         with nvtx.annotate("agspec.drafter.open_session", color="gray"):
             self._open_session(sid, tenant, role, prompt_ids)
 
-    def _open_session(self, sid, tenant, role, prompt_ids) -> None:
+    def _open_session(self, sid: str, tenant: str, role: str,
+                      prompt_ids: torch.Tensor | list[int]) -> None:
         ids = self.store.open_session(sid, tenant, prompt_ids)  # the ids, checked once
         slot = self._free.pop()
         self._slot[sid] = slot
