@@ -239,7 +239,11 @@ class Drafter:
         self._match_outs: dict[tuple[int, int], tuple] = {}
         self._commit_plans: dict[tuple[int, int], tuple] = {}  # by (B, N): _commit_plan
         self._match_scratch: MatchResult | None = None
-        self._kept = KeptDescriptors(dev)  # the match's descriptors, between steps
+        # the match's descriptors, between steps (a deferred commit's tail may run past
+        # tail_tokens by a step's tokens until it settles)
+        self._kept = KeptDescriptors(dev, slack=self.config.max_draft_depth + 1)
+        # a deferred observe's (grid key or None, descriptor version, arena ticket)
+        self._deferred: tuple | None = None
         self._match_args: tuple = ()  # weak references to the last match's checked tensors
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
@@ -564,7 +568,7 @@ class Drafter:
     def observe(self, sids: list[str], output_ids: torch.Tensor, num_output: torch.Tensor,
                 num_accepted: torch.Tensor, *, num_output_host: Sequence[int] | None = None,
                 validate: bool = True, path_nodes: torch.Tensor | None = None,
-                num_verified: torch.Tensor | None = None) -> None:
+                num_verified: torch.Tensor | None = None, defer: bool = False) -> None:
         """Commits verification results for the last ``propose(sids)``.
 
         Args:
@@ -592,13 +596,46 @@ class Drafter:
         With ``num_output_host`` and ``validate=False`` nothing is read back to the host,
         the periodic level builds of a corpus included (every ``tail_tokens`` appended
         tokens: the arena counts a level's size from the separators it records).
+
+        ``defer=True`` (with ``validate=False``, ``num_output_host`` None and ``M <=
+        max_draft_depth + 1``) commits before the host has the counts: a loop queues it
+        right behind its verification and acceptance, so the commit's host time runs while
+        the device verifies, and passes the counts to :meth:`settle` once it has read them
+        (they must equal ``num_output``). The device half and the session corpora's tokens
+        are queued now; the corpora's lengths on the host and their level builds wait for
+        :meth:`settle`. In between, a ``propose`` of the same ``sids`` drafts from the
+        committed state as after a plain observe, and any call that needs the corpora's
+        lengths reads the counts back first (one sync, the same state).
         """
         with nvtx.annotate("agspec.drafter.commit", color="red"):
+            if defer:
+                if validate or num_output_host is not None:
+                    raise ValueError("defer: needs validate=False and no num_output_host "
+                                     "(a deferred commit reads nothing back)")
+                if output_ids.dim() == 2 and \
+                        output_ids.shape[1] > self.config.max_draft_depth + 1:
+                    raise ValueError(f"output_ids: a deferred commit takes at most "
+                                     f"max_draft_depth + 1 = {self.config.max_draft_depth + 1}"
+                                     f" columns, got {output_ids.shape[1]}")
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
-                          validate, path_nodes, num_verified)
+                          validate, path_nodes, num_verified, defer)
+
+    def settle(self, num_output_host: Sequence[int] | None = None) -> None:
+        """Completes a deferred :meth:`observe`: ``num_output_host`` are its ``num_output``
+        as host ints (read back when None). Nothing to do when none waits, or when a call
+        in between settled it already."""
+        d, self._deferred = self._deferred, None
+        arena = self.store.arena
+        if d is None or arena.unsettled != d[2]:
+            return
+        key, version, _ = d
+        arena.settle(None if num_output_host is None else [int(n) for n in num_output_host])
+        if key is not None:  # the kept descriptors grew on the device already
+            self._kept.appended(arena, key, version)
 
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
-                 validate=True, path_nodes=None, num_verified=None) -> None:
+                 validate=True, path_nodes=None, num_verified=None, defer=False) -> None:
+        self.settle()  # a deferred commit the caller left (its counts read back)
         dev = self.recent.device
         # the batch's grid from its propose, while current: its slots and session corpora
         grid = self._grid if self._grid_key == (self.store.epoch, tuple(sids)) else None
@@ -682,16 +719,25 @@ class Drafter:
             self.last_accepted_sources = acc_src
         else:
             self._push(slots, out.clamp(min=0), nout)
-        counts = nout.tolist() if num_output_host is None else [int(n) for n in num_output_host]
+        if defer:  # the device's counts: the arena settles them later
+            counts = nout
+        elif num_output_host is None:
+            counts = nout.tolist()
+        else:
+            counts = [int(n) for n in num_output_host]
         # validated above, or the caller vouches for the ids; one scatter for every session
         # (the kept descriptors' session lengths, while current, grow in the same launch)
-        version = self.store.arena.descriptor_version
+        arena = self.store.arena
+        version = arena.descriptor_version
         self.store.append_sessions(
             sids, out.contiguous(), counts,
             corpus_ids=None if grid is None else grid[1][::grid[3]],
-            totals=None if grid is None else self._kept.lengths(self.store.arena, self._grid_key))
-        if grid is not None:
-            self._kept.appended(self.store.arena, self._grid_key, version)
+            totals=None if grid is None else self._kept.lengths(arena, self._grid_key))
+        if defer:
+            self._deferred = (None if grid is None else self._grid_key, version,
+                              arena.unsettled)
+        elif grid is not None:
+            self._kept.appended(arena, self._grid_key, version)
 
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made

@@ -122,12 +122,17 @@ class IndexArena:
         self._doc_ends: dict[int, tuple[int, torch.Tensor]] = {}  # cid -> (n, ends)
         self._writer = HostWriter(1 << 18, self.device)  # append_rows' starts and counts
         self._work: torch.Tensor | None = None  # the level-build kernel's scratch (CUDA)
+        # a deferred append_rows: (cids, its counts in _counts, columns, ticket) until settle()
+        self._unsettled: tuple[list[int], torch.Tensor, int, int] | None = None
+        self._counts = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._tickets = 0
         # every live corpus's descriptor fields, kept in step with _corpora by _sync
         self._table = DescriptorTable()
 
     # ---------------------------------------------------------------- lifecycle
     def new_corpus(self, capacity: int = 256) -> int:
         """Allocates an empty corpus and returns its id."""
+        self.settle()  # an allocation may move every corpus: their lengths first
         cid = self._next_id
         self._next_id += 1
         cap = max(int(capacity), 16)
@@ -245,8 +250,9 @@ class IndexArena:
         self._table.add_tokens([cid], [m])
         self._maybe_index(cid)
 
-    def append_rows(self, cids: Sequence[int], tokens: torch.Tensor, counts: Sequence[int],
-                    src: int = 0, totals: torch.Tensor | None = None) -> None:
+    def append_rows(self, cids: Sequence[int], tokens: torch.Tensor,
+                    counts: Sequence[int] | torch.Tensor, src: int = 0,
+                    totals: torch.Tensor | None = None) -> None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``tokens [len(cids), M]`` (int32)
         to corpus ``cids[i]``, for every row at once: the same corpora as :meth:`append` per
         row, in one launch (``kernels/arena_append.py``) instead of a few copies per row (a
@@ -256,8 +262,18 @@ class IndexArena:
         records; on a CPU a level build checks that count). Nothing is read back from the
         device, level builds included.
 
+        ``counts`` may instead be an integer tensor ``[len(cids)]`` on the arena's device
+        (values in ``[0, M]``, the caller's contract): the append is *deferred*. The tokens
+        are written in the same one launch (room for ``M`` per corpus made first), but the
+        corpora's lengths on the host, and the level builds they make due, wait for
+        :meth:`settle`, which takes the counts as host ints once the caller has read them
+        (a loop that queues its commit before it waits for the step's results). Until then
+        only the device knows the lengths (``totals``); every other call of the arena
+        settles first, reading the counts back.
+
         ``totals``: ``int32 [len(cids)]`` lengths a caller mirrors on the device (any
         stride), grown by the counts in the same launch."""
+        self.settle()
         if tokens.dim() != 2 or tokens.shape[0] != len(cids) or len(counts) != len(cids):
             raise ValueError(f"tokens: expected [{len(cids)}, M] with {len(cids)} counts, got "
                              f"{tuple(tokens.shape)} and {len(counts)} counts")
@@ -265,27 +281,74 @@ class IndexArena:
             raise ValueError("cids: each corpus at most once per call")
         _check_tokens(tokens.view(-1), "tokens", self.device)
         M = tokens.shape[1]
-        if any(m < 0 or m > M for m in counts):
-            raise ValueError(f"counts: each in [0, {M}], got {list(counts)}")
+        deferred = isinstance(counts, torch.Tensor)
+        if deferred:
+            if counts.dim() != 1 or counts.device != self.device or \
+                    counts.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"counts: expected an int32/int64 [{len(cids)}] tensor on "
+                                 f"{self.device}, got {counts.dtype} {tuple(counts.shape)} on "
+                                 f"{counts.device}")
+            room = [M] * len(cids)  # the most each corpus may grow by
+        else:
+            if any(m < 0 or m > M for m in counts):
+                raise ValueError(f"counts: each in [0, {M}], got {list(counts)}")
+            room = counts
         corpora = [self._get(cid) for cid in cids]  # relocation and compaction keep them
-        for c, m in zip(corpora, counts):
+        for c, m in zip(corpora, room):
             _check_corpus_size(c.n, m)
-        for cid, c, m in zip(cids, corpora, counts):  # grow first: relocation moves corpora
+        for cid, c, m in zip(cids, corpora, room):  # grow first: relocation moves corpora
             if c.n + m > c.tok_cap:
                 self._relocate(cid, max(2 * c.tok_cap, c.n + m))
-        tail = self.config.tail_tokens  # due: the corpora whose tail becomes a level
-        due = [cid for cid, c, m in zip(cids, corpora, counts)
-               if m and c.n + m - c.tail_start >= tail]
-        if any(counts):  # where each row's run starts, and its length: one copy, one launch
-            starts, num = self._writer.write(([c.tok_base + c.n for c in corpora], torch.int64),
-                                             (counts, torch.int64))
+        if deferred or any(counts):  # where each row's run starts, its length: one launch
+            at = ([c.tok_base + c.n for c in corpora], torch.int64)
+            if deferred:  # the counts copied: the caller's buffer may be reused
+                if self._counts.numel() < len(cids):
+                    self._counts = torch.zeros(2 * len(cids), dtype=torch.int64,
+                                               device=self.device)
+                (starts,), num = self._writer.write(at), self._counts[:len(cids)]
+                num.copy_(counts)
+            else:
+                starts, num = self._writer.write(at, (counts, torch.int64))
             arena_append(self.tokens, self.src, tokens.contiguous(), starts, num, code=src,
                          totals=totals)
+        if deferred:
+            self._tickets += 1
+            self._unsettled = (list(cids), num, M, self._tickets)
+        else:
+            self._appended(list(cids), counts)
+
+    def settle(self, counts: Sequence[int] | None = None) -> None:
+        """Completes a deferred :meth:`append_rows` (nothing when none waits): ``counts``
+        are its device counts as host ints, read back here when None. The corpora then hold
+        their rows, and each whose tail reached ``tail_tokens`` builds its level."""
+        if self._unsettled is None:
+            return
+        cids, dev_counts, M, _ = self._unsettled
+        if counts is None:
+            counts = dev_counts.tolist()
+        elif len(counts) != len(cids) or any(not 0 <= m <= M for m in counts):
+            raise ValueError(f"counts: expected {len(cids)} counts in [0, {M}] (the "
+                             f"deferred append's), got {list(counts)}")
+        self._unsettled = None
+        self._appended(cids, counts)
+
+    @property
+    def unsettled(self) -> int | None:
+        """The ticket of the deferred append that waits for :meth:`settle` (they count up
+        from 1), or None."""
+        return None if self._unsettled is None else self._unsettled[3]
+
+    def _appended(self, cids: list[int], counts: Sequence[int]) -> None:
+        """The host's side of an append of ``counts[i]`` ids to each corpus ``cids[i]``,
+        written to the device already: lengths, then the level builds that became due."""
+        tail = self.config.tail_tokens
+        corpora = [self._corpora[cid] for cid in cids]
         for c, m in zip(corpora, counts):  # every corpus holds its rows before any level
             c.n += m                        # build: a build may compact the token arena
         self._table.add_tokens(cids, counts)
-        for cid in due:
-            self._maybe_index(cid)
+        for cid, c, m in zip(cids, corpora, counts):
+            if m and c.n - c.tail_start >= tail:
+                self._maybe_index(cid)
 
     def _maybe_index(self, cid: int) -> None:
         """Indexes the tail of ``cid`` as a new level once it holds ``tail_tokens``
@@ -431,6 +494,7 @@ class IndexArena:
         :meth:`MatchDescriptors.packed` takes them: ``(int64 fields, int32 fields, max
         levels, max tail)`` (gathered from the descriptor table; the int32 fields in an
         int64 array, converted where they are copied)."""
+        self.settle()
         try:
             return self._table.gather(corpus_ids)
         except KeyError as e:
@@ -486,6 +550,7 @@ class IndexArena:
                             max_scan=max_scan, use_triton=use_triton, sa_key=self.sa_key)
 
     def _get(self, cid: int) -> _Corpus:
+        self.settle()  # (a deferred append's lengths, read back: a sync)
         try:
             return self._corpora[cid]
         except KeyError:

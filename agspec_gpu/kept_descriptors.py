@@ -30,9 +30,13 @@ class KeptDescriptors:
     Parameters
     ----------
     device : where the buffers live (the arena's device)
+    slack : the most tokens a deferred commit appends to a session corpus before the
+        arena settles (:meth:`IndexArena.append_rows`): its tail may outgrow
+        ``tail_tokens - 1`` by that much while the kept descriptors serve a propose
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, slack: int = 0) -> None:
+        self.slack = slack
         self._i64 = torch.empty(0, dtype=torch.int64, device=device)
         self._i32 = torch.empty(0, dtype=torch.int32, device=device)
         self.key: tuple | None = None  # the grid the descriptors describe
@@ -47,7 +51,8 @@ class KeptDescriptors:
         ``writer`` (one copy per dtype). ``max_tail``, which bounds the torch path's tail
         scan (the kernel does not read it), is the gather's or ``tail_tokens - 1``,
         whichever is larger: a session corpus's tail stays below ``tail_tokens`` until a
-        build, which moves the version."""
+        build, which moves the version (below ``tail_tokens + slack`` while a deferred
+        commit waits for it)."""
         if key == self.key and self.version == arena.descriptor_version:
             return self.desc
         i64, i32, max_levels, max_tail = arena.descriptor_fields(rows_cid)
@@ -59,7 +64,8 @@ class KeptDescriptors:
         writer.copy_to(d64, i64)
         writer.copy_to(d32, i32)
         self.desc = MatchDescriptors.packed(d64, d32, len(rows_cid), max_levels,
-                                            max(max_tail, arena.config.tail_tokens - 1))
+                                            max(max_tail,
+                                                arena.config.tail_tokens - 1 + self.slack))
         self.key, self.version = key, arena.descriptor_version
         self._session_lengths = self.desc.num_tokens.view(-1, Rs)[:, 0]  # a view, made once
         return self.desc

@@ -46,7 +46,7 @@ from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.replay import (ReplayCorpus, TokenizedSession, feed_until_message,
                                next_target_message)
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, OracleLane
-from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.accept import NO_TOKEN, AcceptedPaths, teacher_forced_accept
 from agspec_gpu.runners.graphs import DecodeGraphs
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tree import TreeMetadata
@@ -159,6 +159,31 @@ class AgspecProposer(BatchedLane):
     def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
                 ) -> DraftBatch:
         return self.drafter.propose(sids, stable=False)  # verified, committed, then the next
+
+    @property
+    def max_output(self) -> int:
+        """Columns of the true continuation :meth:`commit_queued` reads (the most tokens a
+        step emits)."""
+        return self.drafter.config.max_draft_depth + 1
+
+    def commit_queued(self, sids: list[str], truth: torch.Tensor, paths: AcceptedPaths,
+                      remaining: torch.Tensor) -> None:
+        """The step's commit, queued behind its acceptance before the loop reads that back
+        (``Drafter.observe(defer=True)``: the drafter's host time runs while the device
+        verifies): ``truth int32 [B, >= max_output]`` the true continuations, ``remaining
+        [B]`` the tokens each request has left, both on the device. The loop then passes
+        the emitted counts it read to :meth:`settle`."""
+        rem = remaining.to(paths.num_accepted.dtype)
+        nacc = torch.minimum(paths.num_accepted, rem)
+        nout = torch.minimum(nacc + 1, rem)
+        cols = torch.arange(self.max_output, device=truth.device)
+        out = torch.where(cols[None, :] < nout[:, None], truth[:, :self.max_output], -1)
+        self.drafter.observe(sids, out, nout, nacc, validate=False,
+                             path_nodes=paths.path_nodes, defer=True)
+
+    def settle(self, num_output: np.ndarray) -> None:
+        """The counts of the last :meth:`commit_queued`, as the loop emitted them."""
+        self.drafter.settle(num_output.tolist())
 
 
 class OracleProposer(OracleLane):
@@ -324,6 +349,10 @@ class ReplayTargetResult:
     # the drafter's commit (observe): host time, inside commit_s (its kernels' GPU time,
     # overlapped with the host, lands in the step's final synchronize)
     observe_s: float = 0.0
+    # the host time of a commit queued before the loop waits for its step's acceptance
+    # (AgspecProposer.commit_queued): it runs while the device verifies; observe_s then
+    # holds the settle after the wait only
+    observe_queued_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     # the drafter's work at message boundaries (a session opened or closed, the context and
@@ -578,13 +607,22 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 # by the trajectory's tokens (the replay target)
                 logits.argmax(dim=-1)
                 paths = None
-                if n_total:
-                    true_np = truth(draft.max_nodes, NO_TOKEN)
-                    true_t = writer.write((true_np.ravel(), torch.int32))[0].view(true_np.shape)
+                queued = n_total and isinstance(proposer, AgspecProposer)
+                if n_total:  # (wide enough for a queued commit's emitted tokens too)
+                    W = max(draft.max_nodes, proposer.max_output if queued else 0)
+                    true_np = truth(W, NO_TOKEN)
+                    true_t, rem_t = writer.write((true_np.ravel(), torch.int32),
+                                                 (remaining, torch.int32))
+                    true_t = true_t.view(true_np.shape)
                     paths = teacher_forced_accept(draft, true_t)
                 verify_timer.stop()
             with _phase("e2e.commit", color="red"):
                 num_acc = np.zeros(n_active, dtype=np.int64)
+                if queued:  # before the host waits for the step: its host time overlaps
+                    t_obs = time.perf_counter()
+                    with _phase("e2e.drafter_commit_queued", color="orange"):
+                        proposer.commit_queued(sids, true_t, paths, rem_t)
+                    res.observe_queued_s += time.perf_counter() - t_obs
                 if paths is not None:
                     num_acc = np.array(reader.read(paths.num_accepted)[0], dtype=np.int64)
                     A = int(num_acc.max())
@@ -597,8 +635,11 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 out_ids[np.arange(out_ids.shape[1])[None, :] >= produced[:, None]] = -1
                 t_obs = time.perf_counter()
                 with _phase("e2e.drafter_commit", color="orange"):
-                    proposer.observe(sids, out_ids, produced, accepted,
-                                     path_nodes=None if paths is None else paths.path_nodes)
+                    if queued:
+                        proposer.settle(produced)
+                    else:
+                        proposer.observe(sids, out_ids, produced, accepted,
+                                         path_nodes=None if paths is None else paths.path_nodes)
                 observe_s = time.perf_counter() - t_obs
                 for b, r in enumerate(active):
                     p = int(produced[b])

@@ -155,14 +155,15 @@ class CorpusStore:
         self.arena.append(s.corpus, t, source_code(CorpusTier.SESSION), separators=())
 
     def append_sessions(self, sids: Sequence[str], tokens: torch.Tensor,
-                        counts: Sequence[int], *,
+                        counts: Sequence[int] | torch.Tensor, *,
                         corpus_ids: Sequence[int] | None = None,
                         totals: torch.Tensor | None = None) -> None:
         """Appends row ``i``'s first ``counts[i]`` tokens of ``int32 [len(sids), M]`` to
         session ``sids[i]`` (distinct sessions), all rows in one scatter. The caller vouches
         for the ids (the drafter's per-step commit: validated, or the model's own), and for
         ``corpus_ids``, the sessions' corpora when it holds them (from ``corpora_of`` at
-        this :attr:`epoch`). ``totals``: as :meth:`IndexArena.append_rows`'s."""
+        this :attr:`epoch`). ``counts`` on the device defer the append (until
+        ``arena.settle``), and ``totals`` is as :meth:`IndexArena.append_rows`'s."""
         cids = [self.session(sid).corpus for sid in sids] if corpus_ids is None else corpus_ids
         self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION),
                                totals=totals)

@@ -168,6 +168,7 @@ step pytest 180 "${PYTEST[@]}" \
   tests/test_layer_kernels.py tests/test_host.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
+  "tests/test_drafter.py::test_deferred_commit_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_step_graphs_draft_and_commit_what_eager_steps_do_on_cuda" \
   --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[1-dtype0]" \
   --deselect "tests/test_attention.py::test_flashinfer_matches_torch_backend[16-dtype0]"

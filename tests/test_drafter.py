@@ -1376,3 +1376,128 @@ def test_a_sessions_context_enters_its_ring_as_the_general_push_leaves_it(tok):
                             torch.tensor([m]))
         for got, ref in zip((d.recent, d.recent_len, d.match_cap), want):
             assert torch.equal(got[slot], ref[slot]), (runs, got[slot], ref[slot])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deferred_commit_does_not_sync_on_cuda(tok):
+    """The overlapped loop's order, observe(defer=True), the next propose, then settle with
+    the counts the loop read, queues work without waiting for the GPU (a 3-token tail:
+    the settles build levels), and leaves the state a plain observe does."""
+    dev = torch.device("cuda")
+    code = "def area(r):\n    return 3.14159 * r * r\n\n" * 8 + "print(area(2))\n" * 3
+    ids = tok.encode(code)
+    store = CorpusStore(tok, TierConfig(tail_tokens=3), device=dev)
+    d = Drafter(store, DrafterConfig(), max_batch=4)
+    for i in range(2):
+        d.open_session(f"s{i}", "t", prompt_ids=ids[: len(ids) - 5 * i])
+    sids = ["s0", "s1"]
+    n = torch.ones(2, dtype=torch.int32, device=dev)
+
+    def commit(draft):
+        out = draft.token_ids[:, :1].clamp(min=0).to(torch.int32)  # one emitted token each
+        d.observe(sids, out, n, torch.zeros(2, dtype=torch.int32, device=dev),
+                  validate=False, defer=True)
+        return d.propose(sids)  # before the loop has the counts
+
+    draft = commit(d.propose(sids))  # compiles the kernels
+    d.settle([1, 1])
+    torch.cuda.synchronize()
+    cid = store.session("s0").corpus
+    n0, tail = store.arena.num_tokens(cid), store.arena._corpora[cid].tail_start
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            draft = commit(draft)
+            d.settle([1, 1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert store.arena.num_tokens(cid) == n0 + 4
+    assert store.arena._corpora[cid].tail_start > tail  # levels were built at the settles
+    assert int(draft.num_draft_tokens.min()) > 0
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_deferred_observe_commits_what_observe_does(tok, padded):
+    """observe(defer=True), the commit a loop queues before it reads the step's results,
+    then settle(counts): the same state as observe with host counts, step after step, level
+    builds included (an 8-token tail: most steps make one due), whether the loop settles at
+    once, proposes the same sessions first (the kept descriptors serve the match while the
+    host's lengths lag; whole ranges read, so tail and levels sample the same positions),
+    or leaves the settle to the next call (which reads the counts back). Padded: the
+    commit's device half as the CUDA-graph buckets run it."""
+    code = ("def area(r):\n    return 3.14159 * r * r\n\n" * 4 +
+            "class Box:\n    def __init__(self, w):\n        self.w = w\n" * 3)
+    ids = tok.encode(code)
+    ds = []
+    for _ in range(2):
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=8))
+        d = Drafter(store, DrafterConfig(max_scan=None), max_batch=4, max_sessions=6)
+        if padded:
+            d._graphs = d._step_graphs(use_graphs=False)
+        for i in range(6):
+            d.open_session(f"s{i}", f"t{i % 2}", prompt_ids=ids[:10 + 3 * i])
+        ds.append(d)
+    plain, deferred = ds
+    pos = {f"s{i}": 10 + 3 * i for i in range(6)}
+    batches = [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4], [5, 0, 1, 2], [1], [1], [2, 3, 4, 5],
+               [2, 3, 4, 5], [0, 5]] * 2
+    for step, rows in enumerate(batches):
+        sids = [f"s{i}" for i in rows]
+        drafts = [d.propose(sids) for d in ds]
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        K1 = plain.config.max_draft_depth + 1
+        truth = torch.tensor([ids[pos[s]:pos[s] + K1] for s in sids], dtype=torch.int32)
+        res = teacher_forced_accept(drafts[0], truth)
+        nacc = res.num_accepted.to(torch.int32)
+        nout = nacc + 1
+        cols = torch.arange(K1)[None, :]
+        out = torch.where(cols < nout[:, None], truth, -1).to(torch.int32)
+        counts = nout.tolist()
+        plain.observe(sids, out, nout, nacc, num_output_host=counts, validate=False,
+                      path_nodes=res.path_nodes)
+        deferred.observe(sids, out, nout.clone(), nacc, validate=False,
+                         path_nodes=res.path_nodes, defer=True)
+        nout.fill_(0)  # the loop's buffer, reused: the arena holds its own copy
+        mode = step % 3
+        if mode == 1:  # the next propose of these sessions first, then the settle
+            again = [d.propose(sids) for d in ds]
+            assert torch.equal(again[0].token_ids, again[1].token_ids), step
+            assert deferred.store.arena.unsettled is not None  # nothing read back
+        if mode != 2:
+            deferred.settle(counts)
+        assert_same_state(plain, deferred, step)
+        for s, n in zip(sids, counts):
+            pos[s] += n
+        if mode != 2:
+            for s in sids:
+                a, b = (d.store.arena for d in ds)
+                ca, cb = (d.store.session(s).corpus for d in ds)
+                assert torch.equal(a.corpus_tokens(ca), b.corpus_tokens(cb)), (step, s)
+                assert a.num_levels(ca) == b.num_levels(cb), (step, s)
+    # the steps built levels: the session's indexed positions grew past its prompt's
+    arena = deferred.store.arena
+    assert arena._corpora[deferred.store.session("s1").corpus].tail_start > 13 + 8
+
+
+def test_deferred_observe_checks_its_arguments(tok):
+    store, d = make(tok)
+    d.open_session("s0", "t", prompt_ids=CASE_A)
+    d.propose(["s0"])
+    one = torch.ones(1, dtype=torch.int32)
+    out = torch.full((1, 2), A, dtype=torch.int32)
+    for kw, msg in ((dict(), "defer: needs validate=False"),
+                    (dict(validate=False, num_output_host=[1]), "defer: needs validate=False"),
+                    (dict(validate=False, output_ids=torch.full((1, 34), A, dtype=torch.int32)),
+                     "at most max_draft_depth \\+ 1 = 33 columns")):
+        args = {"output_ids": out, **kw}
+        with pytest.raises(ValueError, match=msg):
+            d.observe(["s0"], args.pop("output_ids"), one, one - 1, defer=True, **args)
+    n0 = store.arena.num_tokens(store.session("s0").corpus)
+    d.observe(["s0"], out, one, one - 1, validate=False, defer=True)
+    with pytest.raises(ValueError, match=r"counts: expected 1 counts in \[0, 2\]"):
+        d.settle([3])
+    assert store.arena.unsettled is not None  # a bad settle changes nothing
+    d.settle([1])
+    d.settle([1])  # nothing waits: a no-op
+    assert store.arena.num_tokens(store.session("s0").corpus) == n0 + 1

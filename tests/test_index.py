@@ -714,6 +714,64 @@ def test_append_rows_equals_one_append_per_row():
         rows.append_rows([cids[0]], t32([1, 2]), [1])
 
 
+def test_deferred_append_rows_equals_append_per_row():
+    """append_rows with device counts (a commit queued before the loop reads them): the
+    tokens written at once, lengths and level builds when it settles, whether by the
+    counts the caller passes, by a read back (settle() with none), or by the next call
+    that needs them (another append, a new corpus, a length, a match): the same corpora,
+    levels and matches as appending each row on its own."""
+    cfg = IndexConfig(max_depth=8, tail_tokens=5)
+    one, rows = IndexArena(cfg, initial_tokens=16), IndexArena(cfg, initial_tokens=16)
+    rng = random.Random(7)
+    cids = [one.new_corpus(capacity=4) for _ in range(4)]
+    assert [rows.new_corpus(capacity=4) for _ in range(4)] == cids
+    tickets = []
+    for step in range(60):
+        batch = rng.sample(cids, rng.randint(1, 4))
+        M = rng.randint(1, 6)
+        toks = [[rng.randrange(4) for _ in range(M)] for _ in batch]
+        counts = [rng.randint(0, M) for _ in batch]
+        for cid, t, m in zip(batch, toks, counts):
+            one.append(cid, t32(t[:m]), 1)
+        dev_counts = torch.tensor(counts, dtype=torch.int32 if step % 2 else torch.int64)
+        rows.append_rows(batch, t32(sum(toks, [])).view(len(batch), M), dev_counts, 1)
+        dev_counts.fill_(0)  # the caller's buffer, reused: the arena copied it
+        tickets.append(rows.unsettled)
+        how = step % 5
+        if how == 0:
+            rows.settle(counts)
+        elif how == 1:
+            rows.settle()  # read back
+        elif how == 2:
+            assert rows.num_tokens(batch[0]) == one.num_tokens(batch[0])
+        elif how == 3 and step < 30:  # (the next step's append settles the others)
+            cid = one.new_corpus(capacity=4)
+            assert rows.new_corpus(capacity=4) == cid
+            cids.append(cid)
+        assert rows.unsettled is None or how >= 3
+    rows.settle()
+    assert rows.unsettled is None and tickets == list(range(1, 61))
+    for cid in cids:
+        assert rows.corpus_tokens(cid).tolist() == one.corpus_tokens(cid).tolist()
+        assert rows.num_levels(cid) == one.num_levels(cid)
+    q, lens = pack([[1, 2], [3], [0, 1, 2, 3]] * len(cids))
+    ids = [c for c in cids for _ in range(3)]
+    rows.append_rows(cids[:1], t32([1, 2]).view(1, 2), torch.tensor([2]))
+    one.append(cids[0], t32([1, 2]))
+    assert rows_of(rows.match(q, lens, ids, max_positions=4), 4) == \
+        rows_of(one.match(q, lens, ids, max_positions=4), 4)  # (the match settled first)
+    assert rows.unsettled is None
+    for bad, msg in ((torch.tensor([1.0]), "int32/int64"), (torch.tensor([[1]]), r"\[1\]"),
+                     (torch.tensor([1], device="meta"), "tensor on cpu")):
+        with pytest.raises(ValueError, match=msg):
+            rows.append_rows(cids[:1], t32([1, 2]).view(1, 2), bad)
+    rows.append_rows(cids[:1], t32([1, 2]).view(1, 2), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"counts: expected 1 counts in \[0, 2\]"):
+        rows.settle([3])
+    rows.settle([1])
+    assert rows.num_tokens(cids[0]) == one.num_tokens(cids[0]) + 1
+
+
 def test_arena_free_releases_memory_and_keeps_others():
     arena = IndexArena(IndexConfig(max_depth=16, tail_tokens=16))
     toks = stdlib_tokens(6000)
