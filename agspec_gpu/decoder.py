@@ -487,7 +487,10 @@ class SpecDecoder:
                         matcher.seed(st.message)
                     new = ends.emit(new)
                 taken = list(map(len, new))
-                self._record(sids, res, taken, n_out, num_draft)
+                self.drafter.observe(sids, res.output_ids, res.num_output, res.num_accepted,
+                                     validate=False, path_nodes=res.accepted_nodes,
+                                     defer=True)
+                self._record(sids, taken, n_out, num_draft)
             except BaseException:
                 for st, reason in zip(states, reasons):
                     st.finish_reason = reason
@@ -529,22 +532,14 @@ class SpecDecoder:
             self._last_sampling = (rows, BatchSampling.of(list(rows), self._device))
         return self._last_sampling[1]
 
-    def _record(self, sids: list[str], res: AcceptResult,
-                taken: list[int], num_output: list[int], num_draft: list[int],
-                num_verified: torch.Tensor | None = None) -> None:
-        """Commits ``taken[b]`` output tokens of each session to the drafter (session tier,
-        controller) and the counters; ``taken`` is ``num_output`` (host) cut where a
-        request ended; ``num_draft``: the verified draft sizes (host); ``num_verified``:
-        the same on the device when the loop cut the drafter's proposal (opt-outs, a
-        draft fitted to the KV pool; :meth:`Drafter.observe`)."""
-        # the ids are the model's own and the counts are on the host: no read back; the
-        # device counts are the step's own unless a request ended inside it. First: a
-        # drafter that raises leaves the counters as they were
-        cut = res.num_output if taken == num_output else \
-            to_device(taken, torch.int32, res.output_ids.device)
-        self.drafter.observe(sids, res.output_ids, cut, res.num_accepted,
-                             num_output_host=taken, validate=False,
-                             path_nodes=res.accepted_nodes, num_verified=num_verified)
+    def _record(self, sids: list[str], taken: list[int], num_output: list[int],
+                num_draft: list[int]) -> None:
+        """Settles the step's drafter commit (``Drafter.observe(defer=True)``, queued before
+        the host read the step) with ``taken[b]`` output tokens of each session (session
+        tier, recent tokens) and counts them; ``taken`` is ``num_output`` (host) cut where
+        a request ended; ``num_draft``: the verified draft sizes (host). First: a drafter
+        that raises leaves the counters as they were."""
+        self.drafter.settle(taken, num_queued_host=num_output)
         self._steps += 1
         self._tokens += sum(taken)
         self._drafted += sum(num_draft)

@@ -242,8 +242,13 @@ class Drafter:
         # the match's descriptors, between steps (a deferred commit's tail may run past
         # tail_tokens by a step's tokens until it settles)
         self._kept = KeptDescriptors(dev, slack=self.config.max_draft_depth + 1)
-        # a deferred observe's (grid key or None, descriptor version, arena ticket)
-        self._deferred: tuple | None = None
+        # a deferred observe, until its settle
+        self._deferred: _Deferred | None = None
+        # row b: the ring, fill and match cap of a commit's request b before it (written by
+        # the commit kernel; a deferred commit's request that ended inside the step gets
+        # them back, then only what it took pushed). Zeroed when a session closes
+        self._ring_before = torch.zeros(max_batch, self.recent.shape[1] + 2,
+                                        dtype=torch.int32, device=dev)
         self._match_args: tuple = ()  # weak references to the last match's checked tensors
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
@@ -316,6 +321,7 @@ class Drafter:
 
     def _close_session(self, sid: str) -> None:
         slot = self._slot_of(sid)
+        self.settle()  # a deferred commit first (its counts read back)
         self._forget([sid])
         self.store.close_session(sid)
         del self._slot[sid]
@@ -324,6 +330,7 @@ class Drafter:
         # (which reads only recent_len tokens of it)
         self.recent[slot] = 0
         self.recent_len[slot] = 0
+        self._ring_before.zero_()  # the last commit's copies of its batch's rings
         self._free.append(slot)
 
     def _slot_of(self, sid: str) -> int:
@@ -597,41 +604,88 @@ class Drafter:
         the periodic level builds of a corpus included (every ``tail_tokens`` appended
         tokens: the arena counts a level's size from the separators it records).
 
-        ``defer=True`` (with ``validate=False``, ``num_output_host`` None and ``M <=
-        max_draft_depth + 1``) commits before the host has the counts: a loop queues it
+        ``defer=True`` (with ``validate=False`` and ``num_output_host`` None; ``num_output``
+        at most ``max_draft_depth + 1``, the caller's contract, as for the ids) commits
+        before the host has the counts: a loop queues it
         right behind its verification and acceptance, so the commit's host time runs while
         the device verifies, and passes the counts to :meth:`settle` once it has read them
-        (they must equal ``num_output``). The device half and the session corpora's tokens
-        are queued now; the corpora's lengths on the host and their level builds wait for
-        :meth:`settle`. In between, a ``propose`` of the same ``sids`` drafts from the
-        committed state as after a plain observe, and any call that needs the corpora's
-        lengths reads the counts back first (one sync, the same state).
+        (or fewer: a request that ended inside the step). The device half and the session
+        corpora's tokens are queued now; the corpora's lengths on the host and their level
+        builds wait for :meth:`settle`. In between, a ``propose`` of the same ``sids``
+        drafts from the committed state (the same longest matches; a level build that
+        became due waits, its positions scanned as the tail's, all of them), and any call
+        that needs the corpora's lengths reads the counts back first (one sync, the same
+        state).
         """
         with nvtx.annotate("agspec.drafter.commit", color="red"):
             if defer:
                 if validate or num_output_host is not None:
                     raise ValueError("defer: needs validate=False and no num_output_host "
                                      "(a deferred commit reads nothing back)")
-                if output_ids.dim() == 2 and \
-                        output_ids.shape[1] > self.config.max_draft_depth + 1:
-                    raise ValueError(f"output_ids: a deferred commit takes at most "
-                                     f"max_draft_depth + 1 = {self.config.max_draft_depth + 1}"
-                                     f" columns, got {output_ids.shape[1]}")
+                if len(sids) > self.max_batch:
+                    raise ValueError(f"sids: a deferred commit takes at most max_batch="
+                                     f"{self.max_batch} sessions, got {len(sids)}")
             self._observe(sids, output_ids, num_output, num_accepted, num_output_host,
                           validate, path_nodes, num_verified, defer)
 
-    def settle(self, num_output_host: Sequence[int] | None = None) -> None:
-        """Completes a deferred :meth:`observe`: ``num_output_host`` are its ``num_output``
-        as host ints (read back when None). Nothing to do when none waits, or when a call
-        in between settled it already."""
+    @device_guard
+    def settle(self, num_output_host: Sequence[int] | None = None, *,
+               num_queued_host: Sequence[int] | None = None) -> None:
+        """Completes a deferred :meth:`observe`: ``num_output_host`` are the tokens each
+        session keeps, as host ints (its ``num_output``, read back when None). Nothing to
+        do when none waits, or when a call in between settled it already with the
+        queued counts (reading them back).
+
+        ``num_queued_host``: the deferred ``num_output`` as host ints, when a session kept
+        fewer (a request that ended inside the step: EOS, a stop string; all zeros and the
+        output width: a step that failed after the commit was queued). Such a session's
+        corpus and recent-token ring then hold what it kept, as a plain observe of those
+        counts leaves them; its verification still counts (controller, calibration, tier
+        weights), as it would have had the step not failed.
+
+        Raises:
+            ValueError: counts of the wrong length, or more kept than queued (nothing
+                changes).
+            RuntimeError: a session keeps fewer tokens than queued, but a call in between
+                settled the commit with the queued counts already (a loop may only
+                ``propose`` the same sessions between a deferred observe and its settle).
+        """
         d, self._deferred = self._deferred, None
         arena = self.store.arena
-        if d is None or arena.unsettled != d[2]:
+        counts = None if num_output_host is None else [int(n) for n in num_output_host]
+        queued = None if num_queued_host is None else [int(n) for n in num_queued_host]
+        cut: list[bool] = []
+        if d is not None and counts is not None:
+            B, M = d.out.shape
+            if len(counts) != B or (queued is not None and len(queued) != B) or \
+                    any(not 0 <= k <= (M if queued is None else q)
+                        for k, q in zip(counts, queued or counts)):
+                self._deferred = d
+                raise ValueError(f"num_output_host: expected {B} counts in [0, {M}], each at "
+                                 f"most num_queued_host's, got {counts} and {queued}")
+            if queued is not None:
+                cut = [k < q for k, q in zip(counts, queued)]
+        if d is None or arena.unsettled != d.ticket:
+            if any(cut):
+                raise RuntimeError(
+                    "settle: sessions kept fewer tokens than their deferred commit queued, "
+                    "but a call in between settled it with the queued counts already: only "
+                    "a propose of the same sessions may come between observe(defer=True) "
+                    "and settle")
             return
-        key, version, _ = d
-        arena.settle(None if num_output_host is None else [int(n) for n in num_output_host])
-        if key is not None:  # the kept descriptors grew on the device already
-            self._kept.appended(arena, key, version)
+        if any(cut):  # their rings as before the commit, then only what they kept
+            dev = d.out.device
+            rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
+            slots, before, D = d.slots[rows], self._ring_before[rows], self.recent.shape[1]
+            self.recent[slots] = before[:, :D]
+            self.recent_len[slots] = before[:, D]
+            self.match_cap[slots] = before[:, D + 1]
+            kept = to_device([counts[b] for b, c in enumerate(cut) if c], torch.int64, dev)
+            ring_push_torch(self.recent, self.recent_len, self.match_cap, slots,
+                            d.out[rows].clamp(min=0), kept)
+        arena.settle(counts, cut=cut)
+        if d.key is not None and not any(cut):  # kept descriptors grew on the device
+            self._kept.appended(arena, d.key, d.version)
 
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
                  validate=True, path_nodes=None, num_verified=None, defer=False) -> None:
@@ -718,6 +772,8 @@ class Drafter:
                 (acc_src,) = self._commit_tensors(**inputs, num_requests=len(sids))
             self.last_accepted_sources = acc_src
         else:
+            if defer:
+                self._save_rings(slots)
             self._push(slots, out.clamp(min=0), nout)
         if defer:  # the device's counts: the arena settles them later
             counts = nout
@@ -734,10 +790,19 @@ class Drafter:
             corpus_ids=None if grid is None else grid[1][::grid[3]],
             totals=None if grid is None else self._kept.lengths(arena, self._grid_key))
         if defer:
-            self._deferred = (None if grid is None else self._grid_key, version,
-                              arena.unsettled)
+            self._deferred = _Deferred(None if grid is None else self._grid_key, version,
+                                       arena.unsettled, slots, out)
         elif grid is not None:
             self._kept.appended(arena, self._grid_key, version)
+
+    def _save_rings(self, slots: torch.Tensor) -> None:
+        """The rings, fills and match caps of ``slots`` into ``_ring_before``, as the
+        commit kernel saves them (a deferred commit without a draft to commit)."""
+        D = self.recent.shape[1]
+        before = self._ring_before[:slots.numel()]
+        before[:, :D] = self.recent[slots]
+        before[:, D] = self.recent_len[slots]
+        before[:, D + 1] = self.match_cap[slots]
 
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made
@@ -794,12 +859,26 @@ class Drafter:
         acc_src = drafter_commit(slots, out, nout, nacc, maybe_source, parents,
                                  num_draft_tokens, nd, calib_row, path, self.recent,
                                  self.recent_len, self.match_cap, drafted, hits, seen, accepted,
-                                 calib_depth=self.calib_seen.shape[1])
+                                 calib_depth=self.calib_seen.shape[1],
+                                 before=self._ring_before[:slots.numel()])
         # the decayed tables (tier weights: drafted nodes per tier vs accepted path tokens
         # per tier; calibration cells), laid out as the counts: three ops for all four; the
         # floors keep the calibration prior's weight from vanishing in rarely drafted cells
         self._tables.mul_(self._tables_decay).add_(counts).clamp_(min=self._tables_floor)
         return (acc_src,)
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A deferred observe: its grid's key (None: no grid), the descriptor version before
+    its append, the arena's ticket, its slots ``int64 [B]`` and accepted tokens ``int32
+    [B, M]`` (the caller's buffer: valid until the loop's next step, which settles first)."""
+
+    key: tuple | None
+    version: int
+    ticket: int | None
+    slots: torch.Tensor
+    out: torch.Tensor
 
 
 def _check_distinct(sids) -> None:

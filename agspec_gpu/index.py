@@ -317,19 +317,32 @@ class IndexArena:
         else:
             self._appended(list(cids), counts)
 
-    def settle(self, counts: Sequence[int] | None = None) -> None:
+    def settle(self, counts: Sequence[int] | None = None, *, cut: Sequence[bool] = ()
+               ) -> None:
         """Completes a deferred :meth:`append_rows` (nothing when none waits): ``counts``
         are its device counts as host ints, read back here when None. The corpora then hold
-        their rows, and each whose tail reached ``tail_tokens`` builds its level."""
+        their rows, and each whose tail reached ``tail_tokens`` builds its level.
+
+        ``cut[i]``: corpus ``i`` keeps fewer tokens than the device wrote (a request that
+        ended inside its step); the positions past ``counts[i]`` it was given room for are
+        zeroed (no text outlives its corpus's end). The caller's device mirror of the
+        lengths (``totals``) then no longer holds."""
         if self._unsettled is None:
             return
         cids, dev_counts, M, _ = self._unsettled
         if counts is None:
+            if any(cut):
+                raise ValueError("cut: needs the counts each corpus keeps")
             counts = dev_counts.tolist()
         elif len(counts) != len(cids) or any(not 0 <= m <= M for m in counts):
             raise ValueError(f"counts: expected {len(cids)} counts in [0, {M}] (the "
                              f"deferred append's), got {list(counts)}")
         self._unsettled = None
+        for cid, m, c in zip(cids, counts, cut):
+            if c:
+                at = self._corpora[cid].tok_base + self._corpora[cid].n + m
+                self.tokens[at:at + M - m] = 0
+                self.src[at:at + M - m] = 0
         self._appended(cids, counts)
 
     @property

@@ -18,7 +18,7 @@ from typing import Callable
 import nvtx
 import torch
 
-from agspec_gpu.accept import AcceptBuffers, AcceptResult, BatchSampling, accept_tree, sample_tokens
+from agspec_gpu.accept import AcceptBuffers, BatchSampling, accept_tree, sample_tokens
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, to_device
@@ -27,9 +27,9 @@ from agspec_gpu.runners.hf import HFRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.session_kv import SessionKVCache
 
-# (session ids, result, tokens each session took, num_output and the verified draft sizes on
-# the host)
-RecordFn = Callable[[list, AcceptResult, list, list, list], None]
+# (session ids, tokens each session took, num_output and the verified draft sizes on the
+# host): settles the step's deferred drafter commit, counts the step
+RecordFn = Callable[[list, list, list, list], None]
 
 
 class RunningBatch:
@@ -41,7 +41,8 @@ class RunningBatch:
         drafter: proposes the trees and takes the emitted tokens.
         kv: the sessions' kept KV (prefill continues it; leaving and :meth:`end` keep it).
         sampling_rows: ``params -> BatchSampling`` (the decoder's cached device rows).
-        record: commits a step's emitted tokens to the drafter and the decoder's counters.
+        record: settles a step's drafter commit (queued before the host read the step) with
+            the tokens each request took, and counts them in the decoder's counters.
         reader: the host reads of a step (the decoder's, sized for its largest batch).
     """
 
@@ -127,21 +128,34 @@ class RunningBatch:
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
                               out=self.accept_out, positions=self.next_pos)
         with nvtx.annotate("agspec.commit"):
-            # host read 2 of 2, its copy queued; the KV commit needs no host value: queued
-            # behind it, it runs while the host waits and then emits the tokens
+            # host read 2 of 2, its copy queued; the KV commit and the drafter's commit need
+            # no host value: queued behind it, they run while the host waits (the drafter's
+            # host time too) and then emits the tokens. The drafter commits the nodes that
+            # were verified, not all it proposed
             self.reader.start(res.num_output, res.output_ids)
             runner.commit_kv(res)
             self.root = res.bonus_ids().to(torch.int32)
             if self.next_pos is not None:
                 self.next_pos += res.num_output
-            n_out, rows = self.reader.wait()
-            runner.commit_lengths([n - 1 for n in n_out])
-            new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
+            self.drafter.observe(reqs.sids, res.output_ids, res.num_output, res.num_accepted,
+                                 validate=False, path_nodes=res.accepted_nodes,
+                                 num_verified=draft.num_draft_tokens if cut else None,
+                                 defer=True)
+            try:
+                n_out, rows = self.reader.wait()
+                runner.commit_lengths([n - 1 for n in n_out])
+                new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
+            except BaseException as exc:  # the sessions took nothing of the step: nor
+                B, M = res.output_ids.shape   # their tiers
+                try:
+                    self.drafter.settle([0] * B, num_queued_host=[M] * B)
+                except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
+                    exc.add_note(f"then settling the drafter's commit failed too: "
+                                 f"{cleanup!r}")
+                raise
             # the session tier gets what the session emitted: nothing past EOS, a stop
             # string or the limit
-            # the drafter commits the nodes that were verified, not all it proposed
-            self._record(reqs.sids, res, list(map(len, new)), n_out, num_draft,
-                         draft.num_draft_tokens if cut else None)
+            self._record(reqs.sids, list(map(len, new)), n_out, num_draft)
         return new
 
     def leave(self) -> None:

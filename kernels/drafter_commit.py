@@ -20,7 +20,10 @@ Layout (``B`` requests, ``N`` draft nodes, ``M`` output columns, ring width ``D`
 * state, updated in place at ``slots int64 [B]``: ``recent int32 [S, D]``, ``recent_len`` and
   ``match_cap int32 [S]``;
 * accumulators: ``drafted``, ``hits float64 [T]`` per tier, ``seen``, ``accepted float64
-  [R * K]`` per calibration cell (``row * K + min(depth, K - 1)``).
+  [R * K]`` per calibration cell (``row * K + min(depth, K - 1)``);
+* optionally ``before int32 [B, D + 2]``, written: row ``b``'s ring, fill and match cap as
+  they were before this commit (a deferred commit gives them back to a request that kept
+  fewer tokens than it queued; a padding row's copy of the spare slot is raced).
 
 Returns ``acc_src int64 [B, M]``: the source tag of each accepted token (-1 for the bonus and
 padding). Rows sharing a slot (padding rows of a graphed step) race on it: only padding may.
@@ -62,6 +65,7 @@ def _drafter_commit_kernel(
     hits_ptr,  # *float64 [T]  accumulated: accepted nodes per tier
     seen_ptr,  # *float64 [R * K]  accumulated: calibration cells reached
     cacc_ptr,  # *float64 [R * K]  accumulated: calibration cells reached and accepted
+    before_ptr,  # *int32 [B, D + 2]  out (SAVE_BEFORE): ring, fill, cap before the commit
     M,
     N,
     D,
@@ -69,6 +73,7 @@ def _drafter_commit_kernel(
     NUM_TIERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SAVE_BEFORE: tl.constexpr,
 ):
     """Grid ``(B,)``: one request's commit."""
     b = tl.program_id(0).to(tl.int64)
@@ -103,6 +108,12 @@ def _drafter_commit_kernel(
     old = tl.load(recent_ptr + slot * D + at, mask=(d < D) & (at < D), other=0)
     new = tl.load(out_ptr + b * M + at - D, mask=(d < D) & (at >= D), other=0)
     ring = tl.where(at < D, old, tl.maximum(new, 0))
+    if SAVE_BEFORE:
+        row = before_ptr + b * (D + 2)
+        tl.store(row + d, tl.load(recent_ptr + slot * D + d, mask=d < D, other=0),
+                 mask=d < D)
+        tl.store(row + D, tl.load(rlen_ptr + slot))
+        tl.store(row + D + 1, tl.load(cap_ptr + slot))
     tl.debug_barrier()  # every element read before any is written
     tl.store(recent_ptr + slot * D + d, ring, mask=d < D)
     tl.store(rlen_ptr + slot, tl.minimum(tl.load(rlen_ptr + slot) + nout, D))
@@ -115,6 +126,7 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
                    path: torch.Tensor, recent: torch.Tensor, recent_len: torch.Tensor,
                    match_cap: torch.Tensor, drafted: torch.Tensor, hits: torch.Tensor,
                    seen: torch.Tensor, accepted: torch.Tensor, *, calib_depth: int,
+                   before: torch.Tensor | None = None,
                    use_triton: bool | None = None) -> torch.Tensor:
     """Launcher (see the module docstring for every argument): validates, then runs the
     Triton kernel on CUDA (or when ``use_triton``) up to ``MAX_BLOCK_N`` draft nodes, the
@@ -141,6 +153,9 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
                   ("recent_len", recent_len), ("match_cap", match_cap),
                   ("drafted", drafted), ("hits", hits), ("seen", seen),
                   ("accepted", accepted))
+    if before is not None:
+        check_tensors(("before", before, torch.int32, (B, D + 2)), contiguous=True)
+        check_devices(("out", out), ("before", before))
     if isinstance(calib_depth, bool) or not isinstance(calib_depth, int) or \
             calib_depth < 1 or seen.shape[0] % calib_depth:
         raise ValueError(f"calib_depth: expected an int >= 1 dividing seen's "
@@ -150,15 +165,17 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
     if not use_triton or N > MAX_BLOCK_N:
         return drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth,
                                     calib_row, path, recent, recent_len, match_cap, drafted,
-                                    hits, seen, accepted, calib_depth=calib_depth)
+                                    hits, seen, accepted, calib_depth=calib_depth,
+                                    before=before)
     acc_src = torch.full((B, M), -1, dtype=torch.int64, device=out.device)
     if B:
         _drafter_commit_kernel[(B,)](
             slots, out, nout, nacc, src, parents, num, depth, calib_row, path, recent,
-            recent_len, match_cap, acc_src, drafted, hits, seen, accepted, M, N, D,
+            recent_len, match_cap, acc_src, drafted, hits, seen, accepted,
+            recent_len if before is None else before, M, N, D,
             calib_depth, NUM_TIERS=drafted.shape[0],
             BLOCK_N=next_pow2(max(N, 1)),
-            BLOCK_D=next_pow2(max(D, 1)))
+            BLOCK_D=next_pow2(max(D, 1)), SAVE_BEFORE=before is not None)
     return acc_src
 
 
@@ -177,7 +194,8 @@ def ring_push_torch(recent: torch.Tensor, recent_len: torch.Tensor, match_cap: t
 
 def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib_row, path,
                          recent, recent_len, match_cap, drafted, hits, seen, accepted, *,
-                         calib_depth: int) -> torch.Tensor:
+                         calib_depth: int, before: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Pure-torch implementation of :func:`drafter_commit` (same results as the kernel)."""
     B, M = out.shape
     N = src.shape[1]
@@ -202,6 +220,11 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
     cell = (calib_row * calib_depth + depth.clamp(max=calib_depth - 1)).view(-1)
     seen.scatter_add_(0, cell, reached.view(-1).to(seen.dtype))
     accepted.scatter_add_(0, cell, (reached & on_path).view(-1).to(accepted.dtype))
+    if before is not None:
+        D = recent.shape[1]
+        before[:, :D] = recent[slots]
+        before[:, D] = recent_len[slots]
+        before[:, D + 1] = match_cap[slots]
     ring_push_torch(recent, recent_len, match_cap, slots, out.clamp(min=0),
                     nout.clamp(max=M))
     return acc_src

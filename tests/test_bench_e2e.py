@@ -141,8 +141,15 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
         assert {"open", "feed"} <= set(parts) <= {"open", "feed", "close", "kv_free"}
         assert min(parts.values()) > 0
         assert sum(parts.values()) <= agspec["drafter_message_ms_per_step"] * 1.0001
+        # (the queued part where the step's wait found the device done: on a CPU nearly
+        # all, a read there waits for nothing)
+        assert 0 <= agspec["drafter_commit_queued_exposed_ms_per_step"] <= \
+            agspec["drafter_commit_queued_ms_per_step"]
+        assert (agspec["drafter_commit_queued_exposed_ms_per_step"] > 0) == \
+            (agspec["drafter_commit_queued_ms_per_step"] > 0)
         assert agspec["draft_share_of_step"] == pytest.approx(
             (agspec["draft_ms_per_step"] + agspec["drafter_commit_ms_per_step"]
+             + agspec["drafter_commit_queued_exposed_ms_per_step"]
              + agspec["drafter_message_ms_per_step"]) / agspec["step_ms"])
     assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("method,batch_size")
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())

@@ -705,7 +705,8 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     host-counted stats, no vocabulary check of the decoder's own drafts and no clones of them:
     143-147 (counted the same way, the planner's fills as the launches they were). Session 41:
     21-27, the split attention's prefix pages one launch more (its tree kernel runs inside the
-    verification graph)."""
+    verification graph). Session 43: 22-28, the drafter's commit queued before the step's
+    read (deferred): its session-tier append copies the device counts it settles later."""
     import agspec_gpu.accept as accept_mod
     import agspec_gpu.drafter as drafter_mod
     import agspec_gpu.index as index_mod
@@ -756,7 +757,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     # the first step of a batch size also fills its buckets' new buffers
     again = [(n, allocs) for i, (b, n, allocs) in enumerate(per_step)
              if any(b == c for c, _, _ in per_step[:i])]
-    assert again and max(n for n, _ in again) <= 27, per_step
+    assert again and max(n for n, _ in again) <= 28, per_step
     # and allocates nothing (buffers sized when the decoder and the batch were built; the
     # Triton launchers write into them: suffix_match, the greedy walk, the planner)
     assert all(allocs == [] for _, allocs in again), per_step

@@ -1423,8 +1423,10 @@ def test_deferred_observe_commits_what_observe_does(tok, padded):
     builds included (an 8-token tail: most steps make one due), whether the loop settles at
     once, proposes the same sessions first (the kept descriptors serve the match while the
     host's lengths lag; whole ranges read, so tail and levels sample the same positions),
-    or leaves the settle to the next call (which reads the counts back). Padded: the
-    commit's device half as the CUDA-graph buckets run it."""
+    or leaves the settle to the next call (which reads the counts back), and when sessions
+    keep fewer tokens than the step queued (a request that ended inside it: the plain
+    observe gets the cut counts). Padded: the commit's device half as the CUDA-graph
+    buckets run it."""
     code = ("def area(r):\n    return 3.14159 * r * r\n\n" * 4 +
             "class Box:\n    def __init__(self, w):\n        self.w = w\n" * 3)
     ids = tok.encode(code)
@@ -1438,6 +1440,7 @@ def test_deferred_observe_commits_what_observe_does(tok, padded):
             d.open_session(f"s{i}", f"t{i % 2}", prompt_ids=ids[:10 + 3 * i])
         ds.append(d)
     plain, deferred = ds
+    rng = random.Random(3)
     pos = {f"s{i}": 10 + 3 * i for i in range(6)}
     batches = [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4], [5, 0, 1, 2], [1], [1], [2, 3, 4, 5],
                [2, 3, 4, 5], [0, 5]] * 2
@@ -1453,28 +1456,32 @@ def test_deferred_observe_commits_what_observe_does(tok, padded):
         nout = nacc + 1
         cols = torch.arange(K1)[None, :]
         out = torch.where(cols < nout[:, None], truth, -1).to(torch.int32)
-        counts = nout.tolist()
-        plain.observe(sids, out, nout, nacc, num_output_host=counts, validate=False,
-                      path_nodes=res.path_nodes)
+        queued = nout.tolist()
+        mode = step % 4
+        # mode 3: a request ends inside the step (EOS, a stop string): it keeps fewer
+        counts = [rng.randint(0, q) for q in queued] if mode == 3 else queued
+        plain.observe(sids, out, torch.tensor(counts, dtype=torch.int32), nacc,
+                      num_output_host=counts, validate=False, path_nodes=res.path_nodes)
         deferred.observe(sids, out, nout.clone(), nacc, validate=False,
                          path_nodes=res.path_nodes, defer=True)
         nout.fill_(0)  # the loop's buffer, reused: the arena holds its own copy
-        mode = step % 3
         if mode == 1:  # the next propose of these sessions first, then the settle
             again = [d.propose(sids) for d in ds]
             assert torch.equal(again[0].token_ids, again[1].token_ids), step
             assert deferred.store.arena.unsettled is not None  # nothing read back
         if mode != 2:
-            deferred.settle(counts)
+            deferred.settle(counts, num_queued_host=queued if mode == 3 else None)
         assert_same_state(plain, deferred, step)
         for s, n in zip(sids, counts):
             pos[s] += n
         if mode != 2:
-            for s in sids:
+            for s in sids:  # (and no token past a corpus's end: the cut ones zeroed)
                 a, b = (d.store.arena for d in ds)
                 ca, cb = (d.store.session(s).corpus for d in ds)
                 assert torch.equal(a.corpus_tokens(ca), b.corpus_tokens(cb)), (step, s)
                 assert a.num_levels(ca) == b.num_levels(cb), (step, s)
+                c = b._corpora[cb]
+                assert not b.tokens[c.tok_base + c.n:c.tok_base + c.tok_cap].any(), (step, s)
     # the steps built levels: the session's indexed positions grew past its prompt's
     arena = deferred.store.arena
     assert arena._corpora[deferred.store.session("s1").corpus].tail_start > 13 + 8
@@ -1487,17 +1494,74 @@ def test_deferred_observe_checks_its_arguments(tok):
     one = torch.ones(1, dtype=torch.int32)
     out = torch.full((1, 2), A, dtype=torch.int32)
     for kw, msg in ((dict(), "defer: needs validate=False"),
-                    (dict(validate=False, num_output_host=[1]), "defer: needs validate=False"),
-                    (dict(validate=False, output_ids=torch.full((1, 34), A, dtype=torch.int32)),
-                     "at most max_draft_depth \\+ 1 = 33 columns")):
+                    (dict(validate=False, num_output_host=[1]), "defer: needs validate=False")):
         args = {"output_ids": out, **kw}
         with pytest.raises(ValueError, match=msg):
             d.observe(["s0"], args.pop("output_ids"), one, one - 1, defer=True, **args)
     n0 = store.arena.num_tokens(store.session("s0").corpus)
     d.observe(["s0"], out, one, one - 1, validate=False, defer=True)
-    with pytest.raises(ValueError, match=r"counts: expected 1 counts in \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"num_output_host: expected 1 counts in \[0, 2\]"):
         d.settle([3])
     assert store.arena.unsettled is not None  # a bad settle changes nothing
     d.settle([1])
     d.settle([1])  # nothing waits: a no-op
     assert store.arena.num_tokens(store.session("s0").corpus) == n0 + 1
+
+
+def test_deferred_observe_of_a_failed_step_leaves_the_sessions_text(tok):
+    """A loop whose step fails after it queued the drafter's commit settles it with no
+    token kept (``settle([0] * B, num_queued_host=[M] * B)``, what ``RunningBatch`` does):
+    each session's corpus and recent-token ring are as before the step."""
+    store, d = make(tok, tier=TierConfig(use_global=False, tail_tokens=4))
+    for i in range(3):
+        d.open_session(f"s{i}", "t", prompt_ids=CASE_A[i:])
+    sids = ["s0", "s1", "s2"]
+    draft = d.propose(sids)
+    before = [t.clone() for t in (d.recent, d.recent_len, d.match_cap)]
+    texts = [store.arena.corpus_tokens(store.session(s).corpus).clone() for s in sids]
+    res = teacher_forced_accept(draft, torch.tensor([[X, F1, A]] * 3, dtype=torch.int32))
+    out = torch.tensor([[X, F1, A, B]] * 3, dtype=torch.int32)  # accepted, then a bonus
+    nacc = res.num_accepted.to(torch.int32)
+    d.observe(sids, out, nacc + 1, nacc, validate=False, path_nodes=res.path_nodes,
+              defer=True)
+    assert int(nacc.sum()) > 0 and not torch.equal(d.recent, before[0])  # it was queued
+    d.settle([0, 0, 0], num_queued_host=[4, 4, 4])
+    for t, b in zip((d.recent, d.recent_len, d.match_cap), before):
+        assert torch.equal(t, b)
+    for s, text in zip(sids, texts):
+        c = store.session(s).corpus
+        assert torch.equal(store.arena.corpus_tokens(c), text)
+        cc = store.arena._corpora[c]
+        assert not store.arena.tokens[cc.tok_base + cc.n:cc.tok_base + cc.tok_cap].any()
+    d.observe(sids, out, nacc + 1, nacc, validate=False, defer=True)
+    with pytest.raises(ValueError, match="num_queued_host"):  # more kept than queued
+        d.settle([1, 1, 1], num_queued_host=[0, 0, 0])
+    assert store.arena.unsettled is not None  # a bad settle changed nothing
+    d.settle((nacc + 1).tolist())
+    assert store.arena.corpus_tokens(store.session("s0").corpus).numel() == \
+        texts[0].numel() + int(nacc[0]) + 1
+
+
+def test_deferred_observe_settled_in_between_cannot_be_cut(tok):
+    """A call between observe(defer=True) and settle that needs the corpora settles with
+    the queued counts (read back): a later settle that says a session kept fewer raises
+    instead of leaving its tokens past its end; one with the queued counts is a no-op. A
+    closed session leaves no copy of its ring behind."""
+    store, d = make(tok)
+    for i in range(2):
+        d.open_session(f"s{i}", "t", prompt_ids=CASE_A[i:])
+    sids = ["s0", "s1"]
+    draft = d.propose(sids)
+    res = teacher_forced_accept(draft, torch.tensor([[X, F1, A]] * 2, dtype=torch.int32))
+    nacc = res.num_accepted.to(torch.int32)
+    out = torch.tensor([[X, F1, A, B]] * 2, dtype=torch.int32)
+    d.observe(sids, out, nacc + 1, nacc, validate=False, path_nodes=res.path_nodes,
+              defer=True)
+    n = store.arena.num_tokens(store.session("s1").corpus)  # settles: a read back
+    assert n == len(CASE_A) - 1 + int(nacc[1]) + 1
+    with pytest.raises(RuntimeError, match="only a propose of the same sessions"):
+        d.settle([1, 1], num_queued_host=(nacc + 1).tolist())
+    d.settle((nacc + 1).tolist(), num_queued_host=(nacc + 1).tolist())  # nothing waits
+    assert d._ring_before.any()  # the commit's copies of the batch's rings
+    d.close_session("s0")
+    assert not d._ring_before.any()

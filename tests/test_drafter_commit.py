@@ -2,7 +2,8 @@
 exactly (accepted sources, ring, fill, match cap, every count) on random trees and accepted
 paths, including empty batches, one-node drafts, nothing or everything accepted, output
 widths below and above the node count, rings narrower than the output, repeated tokens and
-padding rows sharing a spare slot; bad arguments are named (a drafter on the kernels:
+padding rows sharing a spare slot, and the rings saved before the commit; bad arguments
+are named (a drafter on the kernels:
 tests/test_draft_nodes.py); the kernel compiles for
 sm_90."""
 
@@ -66,7 +67,8 @@ def random_case(rng: random.Random, B: int, N: int, M: int, D: int, S: int, R: i
                 drafted=torch.zeros(T, dtype=torch.float64),
                 hits=torch.zeros(T, dtype=torch.float64),
                 seen=torch.zeros(R * K, dtype=torch.float64),
-                accepted=torch.zeros(R * K, dtype=torch.float64))
+                accepted=torch.zeros(R * K, dtype=torch.float64),
+                before=torch.full((B, D + 2), -7, dtype=torch.int32))
 
 
 def run_both(case: dict, K: int, spare_slot: int | None = None):
@@ -79,10 +81,11 @@ def run_both(case: dict, K: int, spare_slot: int | None = None):
             drafter_commit_torch
         acc = fn(**c, calib_depth=K)
         state = {k: c[k].cpu() for k in ("recent", "recent_len", "match_cap", "drafted",
-                                         "hits", "seen", "accepted")}
+                                         "hits", "seen", "accepted", "before")}
         if spare_slot is not None:
             for k in ("recent", "recent_len", "match_cap"):
                 state[k] = state[k][:spare_slot]
+            state["before"] = state["before"][case["slots"] != spare_slot]
         outs.append((acc.cpu(), state))
     return outs
 
@@ -121,7 +124,8 @@ def test_padding_rows_on_a_shared_spare_slot_leave_real_slots_exact():
 
 def test_ring_push_keeps_the_newest_tokens():
     """A ring of 4 holding 1 2 3 4, two outputs 7 8 (then padding): 3 4 7 8; fill and cap grow
-    by two, at most 4; negative ids (padding past nout) never enter."""
+    by two, at most 4; negative ids (padding past nout) never enter; ``before`` holds the
+    ring, fill and cap the commit found."""
     c = random_case(random.Random(0), 1, 2, 3, 4, 2, 1, 2)
     c["recent"][:] = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0]], dtype=torch.int32)
     c["slots"][:] = 0
@@ -132,6 +136,7 @@ def test_ring_push_keeps_the_newest_tokens():
     for _, st in run_both(c, 2):
         assert st["recent"][0].tolist() == [3, 4, 7, 8]
         assert st["recent_len"][0] == 4 and st["match_cap"][0] == 3
+        assert st["before"][0].tolist() == [1, 2, 3, 4, 3, 1]
 
 
 def test_bad_arguments_are_named():
@@ -150,6 +155,9 @@ def test_bad_arguments_are_named():
                 drafter_commit(**c, calib_depth=K, use_triton=triton_path)
     with pytest.raises(ValueError, match="slots: on meta"):
         drafter_commit(**{**c, "slots": c["slots"].to("meta")}, calib_depth=3)
+    with pytest.raises(ValueError, match="before"):  # a row of D + 2 per request
+        drafter_commit(**{**c, "before": c["before"][:, :-1].contiguous()}, calib_depth=3)
+    drafter_commit(**{**c, "before": None}, calib_depth=3, use_triton=True)  # optional
 
 
 def test_tags_of_a_tier_past_the_table_count_nowhere():
@@ -182,9 +190,13 @@ def test_kernel_compiles_for_sm90():
                src_ptr="*i8", par_ptr="*i32", num_ptr="*i32", depth_ptr="*i64",
                row_ptr="*i64", path_ptr="*i64", recent_ptr="*i32", rlen_ptr="*i32",
                cap_ptr="*i32", acc_src_ptr="*i64", drafted_ptr="*fp64", hits_ptr="*fp64",
-               seen_ptr="*fp64", cacc_ptr="*fp64", M="i32", N="i32", D="i32", K="i32",
-               NUM_TIERS="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr")
+               seen_ptr="*fp64", cacc_ptr="*fp64", before_ptr="*i32", M="i32", N="i32",
+               D="i32", K="i32", NUM_TIERS="constexpr", BLOCK_N="constexpr",
+               BLOCK_D="constexpr", SAVE_BEFORE="constexpr")
     compile_all_for_sm90([(_drafter_commit_kernel, sig,
-                           dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32)),
+                           dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32, SAVE_BEFORE=True)),
+                          (_drafter_commit_kernel, sig,
+                           dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32, SAVE_BEFORE=False)),
                           (_drafter_commit_kernel, sig,  # the widest block: no spill either
-                           dict(NUM_TIERS=4, BLOCK_N=MAX_BLOCK_N, BLOCK_D=32))])
+                           dict(NUM_TIERS=4, BLOCK_N=MAX_BLOCK_N, BLOCK_D=32,
+                                SAVE_BEFORE=True))])

@@ -866,22 +866,32 @@ def test_own_loop_interleaves_with_served_requests():
 def test_the_loops_drafter_commits_read_nothing_back(runner, monkeypatch):
     """Every drafter commit of a serving step, the first token after a join's prefill
     included, passes its counts from the host and skips validation (its ids are the model's
-    own): on a GPU either would wait for the device (the H100 run of 2026-12-05 caught the
-    prefill's commit reading its counts and checking its ids)."""
+    own), or defers them (a speculative step's commit, queued before the step is read
+    back) and settles them with the counts the host read: on a GPU a read or a check
+    would wait for the device (the H100 run of 2026-12-05 caught the prefill's commit
+    reading its counts and checking its ids)."""
     from agspec_gpu.drafter import Drafter
+    from agspec_gpu.index import IndexArena
 
-    calls = []
-    observe = Drafter._observe
+    calls, settles = [], []
+    observe, settle = Drafter._observe, IndexArena.settle
 
     def recorded(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
-                 validate=True, *args, **kwargs):
-        calls.append((num_output_host is not None, validate))
+                 validate=True, path_nodes=None, num_verified=None, defer=False):
+        calls.append(("deferred" if defer else num_output_host is not None, validate))
         return observe(self, sids, output_ids, num_output, num_accepted, num_output_host,
-                       validate, *args, **kwargs)
+                       validate, path_nodes, num_verified, defer)
+
+    def settled(self, counts=None, **kwargs):
+        if self.unsettled is not None:
+            settles.append(counts is not None)
+        return settle(self, counts, **kwargs)
 
     monkeypatch.setattr(Drafter, "_observe", recorded)
+    monkeypatch.setattr(IndexArena, "settle", settled)
     P = [list(p) for p in prompts()]
     dec = decoder(runner)
     sids = [dec.open_session("t", "coder", P[i]) for i in range(2)]
     run_until_idle(dec, submit_at={0: [(sids[0], 12)], 2: [(sids[1], 9)]})
-    assert len(calls) > 4 and all(c == (True, False) for c in calls), calls
+    assert len(calls) > 4 and set(calls) == {(True, False), ("deferred", False)}, calls
+    assert settles == [True] * calls.count(("deferred", False))  # no read back either
