@@ -626,6 +626,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 verify_timer.stop()
             with _phase("e2e.commit", color="red"):
                 num_acc = np.zeros(n_active, dtype=np.int64)
+                if paths is not None:  # the read queued first: it waits for no commit
+                    reader.start(paths.num_accepted)
                 if queued:  # before the host waits for the step: its host time overlaps
                     t_obs = time.perf_counter()
                     with _phase("e2e.drafter_commit_queued", color="orange"):
@@ -634,7 +636,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     res.observe_queued_s += queued_s
                 if paths is not None:
                     t_read = time.perf_counter()
-                    num_acc = np.array(reader.read(paths.num_accepted)[0], dtype=np.int64)
+                    num_acc = np.array(reader.wait()[0], dtype=np.int64)
                     if queued and time.perf_counter() - t_read < _HIDDEN_WAIT_S:
                         # the device had finished: (part of) the queued commit's host
                         # time ran past the step's device work; counted as exposed
