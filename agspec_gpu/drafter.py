@@ -242,8 +242,9 @@ class Drafter:
         # the match's descriptors, between steps (a deferred commit's tail may run past
         # tail_tokens by a step's tokens until it settles)
         self._kept = KeptDescriptors(dev, slack=self.config.max_draft_depth + 1)
-        # a deferred observe, until its settle
+        # a deferred observe, until its settle; a draft proposed ahead of its settle
         self._deferred: _Deferred | None = None
+        self._ahead: _Ahead | None = None
         # row b: the ring, fill and match cap of a commit's request b before it (written by
         # the commit kernel; a deferred commit's request that ended inside the step gets
         # them back, then only what it took pushed). Zeroed when a session closes
@@ -364,9 +365,48 @@ class Drafter:
         """Draft trees for ``sids`` (in that order). ``stable=False``, for a loop that
         verifies and commits a draft before it proposes again: with CUDA graphs the draft's
         tensors are views of the graph's buffers (no clones), overwritten by the next
-        propose of a batch of the same bucket."""
+        propose of a batch of the same bucket. Returns :meth:`propose_ahead`'s draft of
+        ``sids`` when it still stands (``stable=False`` only)."""
         with nvtx.annotate("agspec.drafter.propose", color="green"):
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                if not stable and ahead.stands(self, sids):
+                    return ahead.draft
+                # not verified: not to be committed either. (Its match also capped the
+                # next query of its sessions at its longest match, a bound as good as the
+                # one it replaced: a longer match is no more possible there)
+                if self._pending.get(ahead.key[1], (None,))[0] is ahead.draft:
+                    del self._pending[ahead.key[1]]
             return self._propose(sids, stable)
+
+    @device_guard
+    def propose_ahead(self, sids: list[str]) -> bool:
+        """Proposes the next step of ``sids`` now, while their deferred commit waits for
+        its settle: a loop calls it right behind ``observe(..., defer=True)``, before it
+        waits for the step, so that the propose's host time runs while the device
+        verifies. The next ``propose(sids, stable=False)`` returns this draft if nothing
+        but the settle changed the corpora in between (its descriptor version moved by
+        one: no level built, nothing else appended, opened or closed) and no session kept
+        fewer tokens than queued; the draft then equals the one a propose after the
+        settle makes. Otherwise that propose drafts afresh.
+
+        Returns whether it proposed: not when no deferred commit of ``sids`` (with the
+        batch's match grid current) waits, or when its settle could build an index level
+        (a session corpus's tail within a step's tokens of ``tail_tokens``: the loop
+        would wait for a build it cannot know yet)."""
+        d, arena = self._deferred, self.store.arena
+        key = (self.store.epoch, tuple(sids))
+        if d is None or d.key != key or self._grid_key != key or \
+                arena.unsettled != d.ticket or self._kept.lengths(arena, key) is None:
+            return False  # (without kept descriptors the match would settle: a read)
+        grid = self._grid
+        if arena.may_build(grid[1][::grid[3]],
+                           min(d.out.shape[1], self.config.max_draft_depth + 1)):
+            return False
+        with nvtx.annotate("agspec.drafter.propose_ahead", color="green"):
+            draft = self._propose(sids, stable=False)
+        self._ahead = _Ahead(key, arena.descriptor_version + 1, draft)
+        return True
 
     def _propose(self, sids: list[str], stable: bool = True) -> DraftBatch:
         cfg, store = self.config, self.store
@@ -674,6 +714,7 @@ class Drafter:
                     "and settle")
             return
         if any(cut):  # their rings as before the commit, then only what they kept
+            self._ahead = None  # (drafted from the rings as queued)
             dev = d.out.device
             rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
             slots, before, D = d.slots[rows], self._ring_before[rows], self.recent.shape[1]
@@ -879,6 +920,23 @@ class _Deferred:
     ticket: int | None
     slots: torch.Tensor
     out: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A draft proposed ahead of its batch's settle: the grid key it was drafted for, the
+    descriptor version the settle leaves when it builds nothing, the draft."""
+
+    key: tuple
+    version: int
+    draft: DraftBatch
+
+    def stands(self, d: "Drafter", sids: list[str]) -> bool:
+        """Whether a propose of ``sids`` now would draft this again: the same batch and
+        sessions, the settle done, and nothing else changed the corpora since."""
+        arena = d.store.arena
+        return (self.key == (d.store.epoch, tuple(sids)) and d._deferred is None and
+                arena.unsettled is None and arena.descriptor_version == self.version)
 
 
 def _check_distinct(sids) -> None:

@@ -345,6 +345,12 @@ class IndexArena:
                 self.src[at:at + M - m] = 0
         self._appended(cids, counts)
 
+    def may_build(self, cids: Sequence[int], m: int) -> bool:
+        """Whether appending up to ``m`` tokens to any of corpora ``cids`` (a deferred
+        append's, its lengths not yet settled) could make a level build due."""
+        tail = self.config.tail_tokens
+        return any((c := self._corpora[cid]).n + m - c.tail_start >= tail for cid in cids)
+
     @property
     def unsettled(self) -> int | None:
         """The ticket of the deferred append that waits for :meth:`settle` (they count up

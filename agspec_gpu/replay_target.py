@@ -349,13 +349,14 @@ class ReplayTargetResult:
     # the drafter's commit (observe): host time, inside commit_s (its kernels' GPU time,
     # overlapped with the host, lands in the step's final synchronize)
     observe_s: float = 0.0
-    # the host time of a commit queued before the loop waits for its step's acceptance
-    # (AgspecProposer.commit_queued): it runs while the device verifies; observe_s then
+    # the drafter's host time queued before the loop waits for its step's acceptance (the
+    # commit, AgspecProposer.commit_queued, and the next step's propose ahead when no
+    # request can end in this one): it runs while the device verifies; observe_s then
     # holds the settle after the wait only. Of it, exposed: the steps' whose read of the
     # acceptance then waited under _HIDDEN_WAIT_S (the device was done, or nearly: their
     # queued time is counted whole, a bound; on a CPU every step's)
-    observe_queued_s: float = 0.0
-    observe_queued_exposed_s: float = 0.0
+    drafter_queued_s: float = 0.0
+    drafter_queued_exposed_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     # the drafter's work at message boundaries (a session opened or closed, the context and
@@ -630,17 +631,21 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                     reader.start(paths.num_accepted)
                 if queued:  # before the host waits for the step: its host time overlaps
                     t_obs = time.perf_counter()
-                    with _phase("e2e.drafter_commit_queued", color="orange"):
+                    with _phase("e2e.drafter_queued", color="orange"):
                         proposer.commit_queued(sids, true_t, paths, rem_t)
+                        # the next step's draft too, when no request can end in this one
+                        # (it emits at most its draft's nodes and the bonus)
+                        if bool((remaining > num_draft + 1).all()):
+                            proposer.drafter.propose_ahead(sids)
                     queued_s = time.perf_counter() - t_obs
-                    res.observe_queued_s += queued_s
+                    res.drafter_queued_s += queued_s
                 if paths is not None:
                     t_read = time.perf_counter()
                     num_acc = np.array(reader.wait()[0], dtype=np.int64)
                     if queued and time.perf_counter() - t_read < _HIDDEN_WAIT_S:
                         # the device had finished: (part of) the queued commit's host
                         # time ran past the step's device work; counted as exposed
-                        res.observe_queued_exposed_s += queued_s
+                        res.drafter_queued_exposed_s += queued_s
                     A = int(num_acc.max())
                     if A:
                         kv_compact(cache.data, meta.kv_indptr, meta.kv_indices, prefix_t,

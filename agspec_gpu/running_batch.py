@@ -6,6 +6,7 @@ the runner (``HFRunner`` or ``PagedBatch``) holds request ``b``'s KV; each step 
 
     propose (drafter) -> verify (one forward over every root and tree) -> accept -> commit
 
+(the drafter's commit and the next step's propose queued before the host reads the step)
 with two host reads: the draft sizes (which pick the verification width) and the accepted
 tokens (which the host needs for EOS, stop strings and streaming). A finished request leaves
 before the next step, its KV kept for its session's next call.
@@ -141,6 +142,11 @@ class RunningBatch:
                                  validate=False, path_nodes=res.accepted_nodes,
                                  num_verified=draft.num_draft_tokens if cut else None,
                                  defer=True)
+            # and the next step's draft, when no request can reach its limit in this one
+            # (at most its draft's nodes and the bonus): the next propose takes it if the
+            # step ended none (EOS, a stop string) and built no index level
+            if any(reqs.spec) and all(r > n + 1 for r, n in zip(reqs.remaining(), num_draft)):
+                self.drafter.propose_ahead(reqs.sids)
             try:
                 n_out, rows = self.reader.wait()
                 runner.commit_lengths([n - 1 for n in n_out])

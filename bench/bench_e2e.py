@@ -624,13 +624,14 @@ def main(argv: list[str] | None = None) -> int:
             mean_batch = r.request_steps / steps
             step_ms_run = 1e3 * r.decode_s / steps
             draft_ms = r.per_step_ms(r.draft_s) if r.counts_draft_time else 0.0
-            # the drafter's commit, host time (part of commit ms); agspec queues most of it
-            # before the step's wait for the device (its host time then overlaps the
-            # verification: reported apart, in the drafter's share only at the steps whose
-            # wait found the device done: exposed, a bound)
+            # the drafter's commit, host time (part of commit ms); agspec queues most of it,
+            # and the next step's propose where no request can end in this one, before the
+            # step's wait for the device (their host time then overlaps the verification:
+            # reported apart, in the drafter's share only at the steps whose wait found
+            # the device done: exposed, a bound)
             observe_ms = r.per_step_ms(r.observe_s) if r.counts_draft_time else 0.0
-            queued_ms = r.per_step_ms(r.observe_queued_s) if r.counts_draft_time else 0.0
-            exposed_ms = r.per_step_ms(r.observe_queued_exposed_s) \
+            queued_ms = r.per_step_ms(r.drafter_queued_s) if r.counts_draft_time else 0.0
+            exposed_ms = r.per_step_ms(r.drafter_queued_exposed_s) \
                 if r.counts_draft_time else 0.0
             # its work between requests (context and files fed, sessions opened and
             # closed), outside the steps, spread over them
@@ -655,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                 "full_batch_step_share": r.full_steps / steps,
                 "draft_ms_per_step": draft_ms,
                 "drafter_commit_ms_per_step": observe_ms,
-                "drafter_commit_queued_ms_per_step": queued_ms,
-                "drafter_commit_queued_exposed_ms_per_step": exposed_ms,
+                "drafter_queued_ms_per_step": queued_ms,
+                "drafter_queued_exposed_ms_per_step": exposed_ms,
                 "drafter_message_ms_per_step": message_ms,
                 # its host time by part, per step (the rest of it: the wait for the device)
                 "message_host_ms_per_step_by_part": {

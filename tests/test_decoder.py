@@ -706,7 +706,10 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     143-147 (counted the same way, the planner's fills as the launches they were). Session 41:
     21-27, the split attention's prefix pages one launch more (its tree kernel runs inside the
     verification graph). Session 43: 22-28, the drafter's commit queued before the step's
-    read (deferred): its session-tier append copies the device counts it settles later."""
+    read (deferred): its session-tier append copies the device counts it settles later;
+    and the next step's propose queued there too when no request can end in the step: a
+    step that uses it proposes nothing (20-23), one without it (none proposed ahead, or
+    one that did not stand) proposes afresh and ahead both (up to 30)."""
     import agspec_gpu.accept as accept_mod
     import agspec_gpu.drafter as drafter_mod
     import agspec_gpu.index as index_mod
@@ -757,7 +760,7 @@ def test_paged_step_launches_few_ops_outside_its_graphs(batch, monkeypatch):
     # the first step of a batch size also fills its buckets' new buffers
     again = [(n, allocs) for i, (b, n, allocs) in enumerate(per_step)
              if any(b == c for c, _, _ in per_step[:i])]
-    assert again and max(n for n, _ in again) <= 28, per_step
+    assert again and max(n for n, _ in again) <= 30, per_step
     # and allocates nothing (buffers sized when the decoder and the batch were built; the
     # Triton launchers write into them: suffix_match, the greedy walk, the planner)
     assert all(allocs == [] for _, allocs in again), per_step

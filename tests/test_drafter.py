@@ -1379,40 +1379,48 @@ def test_a_sessions_context_enters_its_ring_as_the_general_push_leaves_it(tok):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_deferred_commit_does_not_sync_on_cuda(tok):
-    """The overlapped loop's order, observe(defer=True), the next propose, then settle with
-    the counts the loop read, queues work without waiting for the GPU (a 3-token tail:
-    the settles build levels), and leaves the state a plain observe does."""
+@pytest.mark.parametrize("tail_tokens", [3, 256])
+def test_deferred_commit_does_not_sync_on_cuda(tok, tail_tokens):
+    """The overlapped loop's order, observe(defer=True), propose_ahead, then settle with
+    the counts the loop read and the next propose, queues work without waiting for the GPU
+    and leaves the state a plain observe does. A 3-token tail: every settle builds a level
+    (and nothing is proposed ahead: a build could be due); 256: the drafts proposed ahead
+    are the next proposes'."""
     dev = torch.device("cuda")
     code = "def area(r):\n    return 3.14159 * r * r\n\n" * 8 + "print(area(2))\n" * 3
     ids = tok.encode(code)
-    store = CorpusStore(tok, TierConfig(tail_tokens=3), device=dev)
+    store = CorpusStore(tok, TierConfig(tail_tokens=tail_tokens), device=dev)
     d = Drafter(store, DrafterConfig(), max_batch=4)
     for i in range(2):
         d.open_session(f"s{i}", "t", prompt_ids=ids[: len(ids) - 5 * i])
     sids = ["s0", "s1"]
     n = torch.ones(2, dtype=torch.int32, device=dev)
+    ahead = []
 
-    def commit(draft):
+    def step(draft):
         out = draft.token_ids[:, :1].clamp(min=0).to(torch.int32)  # one emitted token each
         d.observe(sids, out, n, torch.zeros(2, dtype=torch.int32, device=dev),
                   validate=False, defer=True)
-        return d.propose(sids)  # before the loop has the counts
+        early = d._ahead.draft if d.propose_ahead(sids) else None  # before the counts
+        d.settle([1, 1])
+        nxt = d.propose(sids, stable=False)
+        ahead.append(early is not None and nxt is early)
+        return nxt
 
-    draft = commit(d.propose(sids))  # compiles the kernels
-    d.settle([1, 1])
+    draft = step(d.propose(sids, stable=False))  # compiles the kernels
     torch.cuda.synchronize()
     cid = store.session("s0").corpus
     n0, tail = store.arena.num_tokens(cid), store.arena._corpora[cid].tail_start
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
-            draft = commit(draft)
-            d.settle([1, 1])
+            draft = step(draft)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert store.arena.num_tokens(cid) == n0 + 4
-    assert store.arena._corpora[cid].tail_start > tail  # levels were built at the settles
+    # levels built at the settles, or drafts proposed ahead taken
+    assert (store.arena._corpora[cid].tail_start > tail) == (tail_tokens == 3)
+    assert any(ahead[1:]) == (tail_tokens == 256)
     assert int(draft.num_draft_tokens.min()) > 0
 
 
@@ -1565,3 +1573,82 @@ def test_deferred_observe_settled_in_between_cannot_be_cut(tok):
     assert d._ring_before.any()  # the commit's copies of the batch's rings
     d.close_session("s0")
     assert not d._ring_before.any()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_propose_ahead_drafts_what_a_propose_after_the_settle_does(tok, padded):
+    """propose_ahead, right behind a deferred observe (before the loop has the counts),
+    then settle, then propose(stable=False): the same drafts and state as observe with host
+    counts then propose, step after step. The ahead draft is returned when nothing but
+    the settle changed the corpora; not proposed when the settle could build a level; and
+    drafted afresh after a cut, another session's append, or a batch of other sessions."""
+    code = ("def area(r):\n    return 3.14159 * r * r\n\n" * 4 +
+            "class Box:\n    def __init__(self, w):\n        self.w = w\n" * 3)
+    ids = tok.encode(code)
+    ds = []
+    for _ in range(2):
+        store = CorpusStore(tok, TierConfig(use_global=False, tail_tokens=160))
+        d = Drafter(store, DrafterConfig(), max_batch=4, max_sessions=6)
+        if padded:
+            d._graphs = d._step_graphs(use_graphs=False)
+        for i in range(6):
+            d.open_session(f"s{i}", f"t{i % 2}", prompt_ids=ids[:10 + 3 * i])
+        ds.append(d)
+    plain, ahead = ds
+    pos = {f"s{i}": 10 + 3 * i for i in range(6)}
+    batches = [[0, 1, 2]] * 6 + [[3, 4]] * 5 + [[5, 0, 1, 2]] * 5 + [[1]] * 4
+    used = skipped = 0
+    drafts = [d.propose([f"s{i}" for i in batches[0]], stable=False) for d in ds]
+    for step, rows in enumerate(batches):
+        sids = [f"s{i}" for i in rows]
+        for f in ("token_ids", "parents", "num_draft_tokens", "maybe_source"):
+            assert torch.equal(getattr(drafts[0], f), getattr(drafts[1], f)), (step, f)
+        K1 = plain.config.max_draft_depth + 1
+        truth = torch.tensor([ids[pos[s]:pos[s] + K1] for s in sids], dtype=torch.int32)
+        res = teacher_forced_accept(drafts[0], truth)
+        nacc = res.num_accepted.to(torch.int32)
+        nout = nacc + 1
+        out = torch.where(torch.arange(K1)[None, :] < nout[:, None], truth, -1).to(torch.int32)
+        queued = nout.tolist()
+        counts = [max(q - 1, 0) for q in queued] if step == 9 else queued  # a cut: fewer
+        plain.observe(sids, out, torch.tensor(counts, dtype=torch.int32), nacc,
+                      num_output_host=counts, validate=False, path_nodes=res.path_nodes)
+        ahead.observe(sids, out, nout, nacc, validate=False, path_nodes=res.path_nodes,
+                      defer=True)
+        proposed = ahead.propose_ahead(sids)
+        early = ahead._ahead.draft if proposed else None
+        ahead.settle(counts, num_queued_host=queued)
+        for s, n in zip(sids, counts):
+            pos[s] += n
+        if step == 13:  # another session's text moves the corpora: the ahead draft is stale
+            for d in ds:
+                d.extend("s3", ids[:5])
+        nxt = [f"s{i}" for i in batches[min(step + 1, len(batches) - 1)]]
+        drafts = [d.propose(nxt, stable=False) for d in ds]
+        # the state but the match caps: a draft proposed ahead and then not used capped
+        # its sessions' next queries at its longest matches (a bound no less tight, so
+        # the drafts stay the same: compared every step)
+        for name in _STATE:
+            if name != "match_cap":
+                a, b = getattr(plain, name), getattr(ahead, name)
+                if name in _PER_SLOT:
+                    a, b = a[:plain.max_sessions], b[:ahead.max_sessions]
+                assert torch.equal(a, b), (step, name)
+        assert set(plain._pending) == set(ahead._pending), step
+        hit = drafts[1] is early and early is not None
+        assert not hit or (nxt == sids and step not in (9, 13)), step
+        used += hit
+        skipped += not proposed
+    assert used >= 5 and not skipped, (used, skipped)
+    # a session whose tail is a step's tokens from a level build: not proposed ahead
+    arena = ahead.store.arena
+    c = arena._corpora[ahead.store.session("s1").corpus]
+    ahead.extend("s1", ids[:arena.config.tail_tokens - (c.n - c.tail_start) - 10])
+    draft = ahead.propose(["s1"], stable=False)
+    one = torch.ones(1, dtype=torch.int32)
+    out = torch.full((1, ahead.config.max_draft_depth + 1), -1, dtype=torch.int32)
+    out[0, 0] = draft.token_ids[0, 0].clamp(min=0)  # one token; a step emits up to 33
+    ahead.observe(["s1"], out, one, one - 1, validate=False, defer=True)
+    assert not ahead.propose_ahead(["s1"])
+    ahead.settle([1])
+    assert ahead.propose(["s1"], stable=False) is not draft
