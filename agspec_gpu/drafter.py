@@ -368,16 +368,20 @@ class Drafter:
         propose of a batch of the same bucket. Returns :meth:`propose_ahead`'s draft of
         ``sids`` when it still stands (``stable=False`` only)."""
         with nvtx.annotate("agspec.drafter.propose", color="green"):
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                if not stable and ahead.stands(self, sids):
-                    return ahead.draft
-                # not verified: not to be committed either. (Its match also capped the
-                # next query of its sessions at its longest match, a bound as good as the
-                # one it replaced: a longer match is no more possible there)
-                if self._pending.get(ahead.key[1], (None,))[0] is ahead.draft:
-                    del self._pending[ahead.key[1]]
+            ahead = self._ahead
+            if ahead is not None and not stable and ahead.stands(self, sids):
+                self._ahead = None
+                return ahead.draft
+            self._drop_ahead()
             return self._propose(sids, stable)
+
+    def _drop_ahead(self) -> None:
+        """Forgets the draft proposed ahead: not verified, so not to be committed either.
+        (Its match also capped its sessions' next queries at its longest matches, a bound
+        as good as the one it replaced: no longer match is possible there.)"""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self._pending.get(ahead.key[1], (None,))[0] is ahead.draft:
+            del self._pending[ahead.key[1]]
 
     @device_guard
     def propose_ahead(self, sids: list[str]) -> bool:
@@ -714,7 +718,7 @@ class Drafter:
                     "and settle")
             return
         if any(cut):  # their rings as before the commit, then only what they kept
-            self._ahead = None  # (drafted from the rings as queued)
+            self._drop_ahead()  # (drafted from the rings as queued)
             dev = d.out.device
             rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
             slots, before, D = d.slots[rows], self._ring_before[rows], self.recent.shape[1]
@@ -933,10 +937,12 @@ class _Ahead:
 
     def stands(self, d: "Drafter", sids: list[str]) -> bool:
         """Whether a propose of ``sids`` now would draft this again: the same batch and
-        sessions, the settle done, and nothing else changed the corpora since."""
+        sessions, the settle done, nothing else changed the corpora since, and the draft
+        still pending (no call in between forgot it)."""
         arena = d.store.arena
         return (self.key == (d.store.epoch, tuple(sids)) and d._deferred is None and
-                arena.unsettled is None and arena.descriptor_version == self.version)
+                arena.unsettled is None and arena.descriptor_version == self.version and
+                d._pending.get(self.key[1], (None,))[0] is self.draft)
 
 
 def _check_distinct(sids) -> None:

@@ -1640,6 +1640,20 @@ def test_propose_ahead_drafts_what_a_propose_after_the_settle_does(tok, padded):
         used += hit
         skipped += not proposed
     assert used >= 5 and not skipped, (used, skipped)
+    # a draft proposed ahead whose session a call in between moved on (an empty extend
+    # forgets its proposals) or that a cut made stale is dropped, pending entry and all
+    for cut in (False, True):
+        draft = ahead.propose(["s2"], stable=False)
+        one = torch.ones(1, dtype=torch.int32)
+        out = draft.token_ids[:, :2].clamp(min=0).to(torch.int32)
+        ahead.observe(["s2"], out, one + 1, one, validate=False, defer=True)
+        assert ahead.propose_ahead(["s2"])
+        early = ahead._ahead.draft
+        ahead.settle([1] if cut else [2], num_queued_host=[2])
+        if not cut:
+            ahead.extend("s2", [])
+        assert ("s2",) not in ahead._pending
+        assert ahead.propose(["s2"], stable=False) is not early
     # a session whose tail is a step's tokens from a level build: not proposed ahead
     arena = ahead.store.arena
     c = arena._corpora[ahead.store.session("s1").corpus]
