@@ -323,6 +323,7 @@ class Drafter:
     def _close_session(self, sid: str) -> None:
         slot = self._slot_of(sid)
         self.settle()  # a deferred commit first (its counts read back)
+        self._drop_ahead()
         self._forget([sid])
         self.store.close_session(sid)
         del self._slot[sid]

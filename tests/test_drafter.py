@@ -1570,7 +1570,7 @@ def test_deferred_observe_settled_in_between_cannot_be_cut(tok):
     """A call between observe(defer=True) and settle that needs the corpora settles with
     the queued counts (read back): a later settle that says a session kept fewer raises
     instead of leaving its tokens past its end; one with the queued counts is a no-op. A
-    closed session leaves no copy of its ring behind."""
+    closed session leaves no copy of its ring behind, nor a draft proposed ahead."""
     store, d = make(tok)
     for i in range(2):
         d.open_session(f"s{i}", "t", prompt_ids=CASE_A[i:])
@@ -1587,8 +1587,11 @@ def test_deferred_observe_settled_in_between_cannot_be_cut(tok):
         d.settle([1, 1], num_queued_host=(nacc + 1).tolist())
     d.settle((nacc + 1).tolist(), num_queued_host=(nacc + 1).tolist())  # nothing waits
     assert d._ring_before.any()  # the commit's copies of the batch's rings
-    d.close_session("s0")
-    assert not d._ring_before.any()
+    d.propose(sids)  # (the descriptors current again: the read back moved them)
+    d.observe(sids, out, nacc + 1, nacc, validate=False, defer=True)
+    assert d.propose_ahead(sids) and d._ahead is not None
+    d.close_session("s0")  # (settles first, reading the counts back)
+    assert not d._ring_before.any() and d._ahead is None
 
 
 @pytest.mark.parametrize("padded", [False, True])
