@@ -487,6 +487,8 @@ class SpecDecoder:
                         matcher.seed(st.message)
                     new = ends.emit(new)
                 taken = list(map(len, new))
+                # the counts are read already: committed as the serving loop commits (one
+                # path, a request cut at its end included), settled at once by _record
                 self.drafter.observe(sids, res.output_ids, res.num_output, res.num_accepted,
                                      validate=False, path_nodes=res.accepted_nodes,
                                      defer=True)
