@@ -3,8 +3,13 @@
 Verifying ``B`` roots plus ``n`` draft nodes costs ``cost(B + n)`` (measured per model and
 GPU) and returns ``B`` tokens plus the nodes' expected acceptances. Over the batch's node
 scores sorted descending, the budget keeps the ``n*`` that maximises ``(B + sum of the top
-n scores) / cost(B + n)`` (ties: the smaller ``n``), then cuts each request's nodes at the
-``n*``-th score. With a ``table_base`` the cost is read at ``table_base + n`` instead: a
+n scores) / cost(B + n)`` (ties: the smaller ``n``) and keeps exactly those ``n*`` nodes:
+every node scoring above the ``n*``-th score, and of the nodes scoring just that, the ones of
+shallower best-first rank first, then of the lower request index (each request keeps a
+prefix of its best-first order, so a tree). Exactly: a cost measured per CUDA-graph bucket
+is a staircase whose best ``n*`` sits on an edge, and nodes tied at the cut kept past it
+would pay a whole next bucket (41 of 102 full steps at B = 64 in a replay under the
+H100's staircase, before this rule). With a ``table_base`` the cost is read at ``table_base + n`` instead: a
 staircase measured at ``table_base`` requests whose edges are draft counts, the same at any
 batch (``CostModel.steps``: a CUDA-graph bucket's edges).
 
@@ -84,7 +89,14 @@ def _budget_keep_kernel(
     nstar = tl.where(ratio0 >= best, 0, at + 1)
     nth = tl.sum(tl.where(i == nstar - 1, s, 0.0), axis=0)
     thresh = tl.where(nstar > 0, tl.maximum(nth, 1e-12), 2.0)
-    count = tl.sum((flat >= thresh).to(tl.int64), axis=1)  # [BLOCK_B]
+    above = flat > thresh
+    tie = (flat == thresh).to(tl.int64)  # [BLOCK_B, BLOCK_N]
+    # each tie's ordinal in (rank, request) order; the first nstar - (nodes above) are kept
+    col = tl.sum(tie, axis=0)  # [BLOCK_N]
+    ordinal = tl.cumsum(tie, axis=0) - tie + (tl.cumsum(col, axis=0) - col)[None, :]
+    ties_left = nstar - tl.sum(tl.sum(above.to(tl.int64), axis=1), axis=0)
+    kept = above | ((tie > 0) & (ordinal < ties_left))
+    count = tl.sum(kept.to(tl.int64), axis=1)  # [BLOCK_B]
     rows = tl.arange(0, BLOCK_B)
     tl.store(out_ptr + rows, tl.minimum(tl.reshape(keep, [BLOCK_B]), count), mask=rows < B)
 
@@ -116,7 +128,12 @@ def budget_keep_torch(ranked: torch.Tensor, keep_n: torch.Tensor,
     # gather with a [1] index: indexing by the 0-d nstar would read it to the host
     nth = allv.gather(0, (nstar - 1).clamp(min=0).reshape(1))
     thresh = torch.where(nstar > 0, nth.clamp(min=1e-12), 2.0)  # [1]
-    return torch.minimum(keep_n, (flat >= thresh).sum(dim=1))
+    above = flat > thresh
+    tie = (flat == thresh).long()
+    # each tie's ordinal in (rank, request) order; the first nstar - (nodes above) are kept
+    ordinal = (tie.t().reshape(-1).cumsum(0) - tie.t().reshape(-1)).view(N, -1).t()
+    kept = above | ((tie > 0) & (ordinal < nstar - above.sum()))
+    return torch.minimum(keep_n, kept.sum(dim=1))
 
 
 def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | torch.Tensor,
@@ -140,8 +157,9 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
 
     Returns
     -------
-    ``int64 [B]``: ``min(keep_n, nodes scoring at least the n*-th best score of the
-    batch)``, 0 everywhere when ``n* = 0``.
+    ``int64 [B]`` summing to ``n*``: the nodes scoring above the ``n*``-th best score of
+    the batch, and the ones tied with it in (best-first rank, request) order up to ``n*``;
+    0 everywhere when ``n* = 0``.
     """
     if ranked.dim() != 2:
         raise ValueError(f"ranked: expected float32 [B, N], got shape {tuple(ranked.shape)}")

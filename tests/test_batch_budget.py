@@ -33,22 +33,20 @@ def both(ranked, keep, num_requests, table):
     return want.cpu()
 
 
-def brute_force(ranked, keep, B, cost: CostModel) -> list[int]:
-    """Keep per request: the smallest n maximising (B + top-n sum) / cost(B + n), applied
-    as a score threshold (the kernel's rule, on exact fractions of the scores' floats)."""
-    flat = [float(v) for b, r in enumerate(ranked.tolist()) for j, v in enumerate(r)
-            if v > -1.5 and j < int(keep[b])]
-    flat.sort(reverse=True)
-    n_all = ranked.numel()
-    flat += [0.0] * (n_all - len(flat))
-    vals = [(B + sum(flat[:n])) / cost.step_ms(B + n) for n in range(n_all + 1)]
+def brute_force(ranked, keep, B, cost: CostModel, base: int | None = None) -> list[int]:
+    """Keep per request: the smallest n maximising (B + top-n sum) / cost(B + n) (or
+    cost(base + n)), exactly n nodes: the batch's in (score descending, best-first rank,
+    request) order (on exact fractions of the scores' floats)."""
+    nodes = sorted((-float(v), j, b) for b, r in enumerate(ranked.tolist())
+                   for j, v in enumerate(r) if v > -1.5 and j < int(keep[b]))
+    flat = [-v for v, _, _ in nodes] + [0.0] * (ranked.numel() - len(nodes))
+    at = B if base is None else base
+    vals = [(B + sum(flat[:n])) / cost.step_ms(at + n) for n in range(ranked.numel() + 1)]
     nstar = vals.index(max(vals))
-    if nstar == 0:
-        return [0] * ranked.shape[0]
-    thresh = max(flat[nstar - 1], 1e-12)
-    return [min(int(keep[b]), sum(1 for j, v in enumerate(r) if v > -1.5 and
-                                  j < int(keep[b]) and v >= thresh))
-            for b, r in enumerate(ranked.tolist())]
+    out = [0] * ranked.shape[0]
+    for _, _, b in nodes[:nstar]:
+        out[b] += 1
+    return out
 
 
 def test_golden_cut():
@@ -65,10 +63,10 @@ def test_golden_cut():
 def test_no_nodes_equal_scores_and_one_request():
     table = cost_table(CostModel.default(), "cpu", 4096)
     assert both(rows([[], []], 3), torch.tensor([0, 0]), 2, table).tolist() == [0, 0]
-    ranked = rows([[0.5] * 6, [0.5] * 6], 6)  # ties everywhere: one threshold for all
+    ranked = rows([[0.5] * 6, [0.5] * 6], 6)  # ties everywhere: by rank, then request
     keep = torch.tensor([6, 4])
     got = both(ranked, keep, 2, table)
-    assert got[0] >= got[1] and got.tolist() == brute_force(ranked, keep, 2, CostModel.default())
+    assert got.tolist() == brute_force(ranked, keep, 2, CostModel.default())
     one = rows([[1.0]], 1)
     assert both(one, torch.tensor([1]), 1, table).tolist() == [1]
     empty = budget_keep(rows([], 4), torch.zeros(0, dtype=torch.int64), 0, table,
@@ -141,6 +139,34 @@ def test_a_staircase_is_read_from_its_own_base_at_any_batch():
     assert {4, 12} & cuts
     with pytest.raises(ValueError, match="table_base"):
         budget_keep(rows([[0.5]], 1), torch.ones(1, dtype=torch.int64), 1, table, table_base=-1)
+
+
+def test_ties_at_the_cut_never_open_the_next_bucket():
+    """A staircase's best cut sits on an edge; nodes tied with the cut's score are kept in
+    (best-first rank, request) order up to it, never past it into a bucket the objective
+    did not pay for. Repeated and all-equal scores, kernel against torch against the
+    brute force."""
+    stairs = CostModel(((4, 2.0), (8, 2.2), (12, 3.0), (20, 3.5), (36, 9.0)), steps=True,
+                       requests=4)
+    table = cost_table(stairs, "cpu", 256)
+    cases = [  # (rows, keep): ties straddle the edges at 4, 8 and 16 draft nodes
+        ([[0.9, 0.6, 0.6, 0.6], [0.6, 0.6, 0.6], [0.6, 0.6], []], [4, 3, 2, 0]),
+        ([[0.7] * 6, [0.7] * 6, [0.7] * 6, [0.7] * 6], [6, 6, 6, 5]),
+        ([[1.0, 0.5, 0.5], [1.0, 0.5, 0.5, 0.5, 0.5], [0.5], [0.5, 0.5]], [3, 5, 1, 2]),
+        ([[0.3] * 8, [0.3] * 8, [0.3] * 8, [0.3] * 8], [8, 8, 8, 8]),
+    ]
+    for scores, keep in cases:
+        ranked, keep = rows(scores, 8), torch.tensor(keep)
+        want = brute_force(ranked, keep, 4, stairs, base=4)
+        for n in (4, torch.tensor(4, device=DEV)):
+            got = budget_keep(ranked.to(DEV), keep.to(DEV), n, table.to(DEV), table_base=4,
+                              use_triton=True).cpu()
+            assert got.tolist() == want, (scores, got, want)
+        assert budget_keep_torch(ranked, keep, 4, table, 4).tolist() == want
+        assert sum(want) in (0, 4, 8, 16, 32, int(keep.sum())), want
+    # the second case: 23 nodes of 0.7, the best cut is 16 = 4 ranks of 4 requests
+    assert brute_force(rows(cases[1][0], 8), torch.tensor(cases[1][1]), 4, stairs,
+                       base=4) == [4, 4, 4, 4]
 
 
 def test_one_compile_per_batch_block():
