@@ -110,6 +110,42 @@ class CostModel:
                              f"({type(exc).__name__}: {exc})") from None
 
 
+@dataclass(frozen=True, slots=True)
+class BatchCostModels:
+    """Cost curves measured at several batch sizes, to price steps whose batch varies.
+
+    A step of ``b`` requests is priced by the curve measured at the smallest batch ``S >=
+    b`` (the largest measured where none is): measured at the CUDA-graph batch sizes, that
+    is the bucket the step runs in, padded to ``S`` requests (a run's drain, its last
+    requests, runs in smaller buckets than its full steps, and costs less). A staircase
+    curve prices ``b`` requests and ``n`` draft tokens at ``S + n``, as its bucket pads them.
+
+    ``curves``: ``((S, CostModel), ...)``, ``S`` distinct and ascending, at least one.
+    """
+
+    curves: tuple[tuple[int, CostModel], ...]
+
+    def __post_init__(self) -> None:
+        sizes = [s for s, _ in self.curves]
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1 or \
+                any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
+            raise ValueError(f"curves: expected ((batch_size, CostModel), ...) with distinct "
+                             f"ascending batch sizes >= 1, got sizes {sizes}")
+        if not all(isinstance(c, CostModel) for _, c in self.curves):
+            raise ValueError("curves: every curve must be a CostModel")
+
+    def curve_for(self, num_requests: int | None) -> CostModel:
+        """The curve of the smallest measured batch ``>= num_requests`` (None: the largest)."""
+        if num_requests is None:
+            return self.curves[-1][1]
+        i = bisect.bisect_left([s for s, _ in self.curves], num_requests)
+        return self.curves[min(i, len(self.curves) - 1)][1]
+
+    def step_ms(self, num_tokens: float, num_requests: int | None = None) -> float:
+        """:meth:`CostModel.step_ms` of the step's curve (:meth:`curve_for`)."""
+        return self.curve_for(num_requests).step_ms(num_tokens, num_requests=num_requests)
+
+
 @dataclass(slots=True)
 class StepTokenCounts:
     """Batched steps counted by the tokens their forward verifies (rows + drafted tokens).
@@ -149,9 +185,10 @@ class StepTokenCounts:
     def num_steps(self) -> int:
         return int(self.counts.sum())
 
-    def modelled_ms(self, cost_model: CostModel) -> float:
+    def modelled_ms(self, cost_model: CostModel | BatchCostModels) -> float:
         """``sum over steps of cost_model.step_ms(tokens of the step)`` (with the step's
-        requests where it was counted with them: a staircase's draft-token pricing)."""
+        requests where it was counted with them: a staircase's draft-token pricing, and
+        :class:`BatchCostModels`' choice of curve)."""
         counts = self.counts.copy()
         total = 0.0
         for (t, r), k in self.by_requests.items():

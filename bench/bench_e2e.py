@@ -26,8 +26,10 @@ per request per step, bonus included), drafter / verification / commit ms per st
 drafter's work between requests -- context and files fed, sessions opened and closed --
 spread over the steps as ``drafter_message_ms_per_step``, counted in its share), peak GPU
 memory, and the cost model's predicted speedup (``modelled_replay_speedup``: the replay
-evaluator's figure over this run's own steps, each priced ``cost(rows + drafted)``, drafting
-left out; ``modelled_verify_ms_per_step``: the same price per step, to set beside the
+evaluator's figure over this run's own steps, each priced ``cost(rows + drafted)`` on the
+curve calibrated at its batch's graph bucket (the calibration measures every graph batch
+size up to the largest B, so a drain's smaller steps are priced as the smaller buckets they
+run in), drafting left out; ``modelled_verify_ms_per_step``: the same price per step, to set beside the
 measured ``verify_ms_per_step``); plus the memory bandwidth plain decoding reaches at B=1.
 JSON (``{"gpu", "model", "protocol", "rows", ...}``) and CSV go to ``--out``
 (default ``bench/results/e2e-YYYYMMDD-<gpu>.json`` / ``.csv``).
@@ -67,7 +69,7 @@ import torch
 import triton
 
 from agspec_gpu.accept import teacher_forced_accept
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array
@@ -499,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     cost_for: dict[int, CostModel] = {}
     if args.cost_model:
         obj = json.loads(Path(args.cost_model).read_text())
-        for b in batch_sizes:
-            pts = obj.get("by_batch_size", {}).get(str(b))
+        by_batch = obj.get("by_batch_size", {})
+        for b in sorted({int(k) for k in by_batch} | set(batch_sizes)):
+            pts = by_batch.get(str(b))
             # a staircase is priced from the batch it was measured at: this row's
             cost_for[b] = CostModel.from_json({"points": pts, "source": obj.get("source", ""),
                                                "steps": obj.get("steps", False),
@@ -512,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         # at the KV length the replayed steps hold (a request's context is its message's
         # start, capped at --context: the first messages start early), not at the cap
         calib_ctx = replay_context_tokens(corpus, per_msg, args.context)
-        for b in batch_sizes:
+        # at every graph batch size up to the largest run's: a step of b requests runs in
+        # the smallest bucket >= b (a run's drain in smaller ones), and is priced there
+        for b in graph_sizes:
             cost_for[b] = calibrate_cost_model(
                 runner, b, calib_ctx, max_draft_tokens=args.calibrate_max_tokens,
                 repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify_steps,
@@ -540,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         cost_path = None
     for b in batch_sizes:
         cost_for.setdefault(b, CostModel.default())
+    # what prices a step of any batch: the curve of the smallest calibrated batch >= its own
+    prices = BatchCostModels(tuple(sorted(cost_for.items())))
 
     # ---------------------------------------------------------------- decode bandwidth (B=1)
     bw_id = "__bandwidth"
@@ -636,12 +643,12 @@ def main(argv: list[str] | None = None) -> int:
             # its work between requests (context and files fed, sessions opened and
             # closed), outside the steps, spread over them
             message_ms = r.per_step_ms(r.message_s) if r.counts_draft_time else 0.0
-            c = cost_for[b]
             # the replay evaluator's figure (replay_stats.add_replay_speedups): verification
-            # time priced step by step, plain decoding's over this method's, drafting left out
-            modelled_ms = r.step_tokens.modelled_ms(c) if r.steps else None
-            base_ms = base.step_tokens.modelled_ms(c) if base is not None and base.steps \
-                else None
+            # time priced step by step (each at the curve of its batch's graph bucket),
+            # plain decoding's over this method's, drafting left out
+            modelled_ms = r.step_tokens.modelled_ms(prices) if r.steps else None
+            base_ms = base.step_tokens.modelled_ms(prices) if base is not None and \
+                base.steps else None
             rows.append({
                 "method": m, "batch_size": b,
                 "tokens_per_s": r.tokens_per_s,

@@ -28,7 +28,7 @@ from agspec_gpu.controller import (
     profile_roles,
     update_scale,
 )
-from agspec_gpu.cost_model import CostModel, StepTokenCounts
+from agspec_gpu.cost_model import BatchCostModels, CostModel, StepTokenCounts
 
 CFG = ControllerConfig(alpha=1.5, beta=0.5, s_min=0.25, s_max=4.0)
 
@@ -356,6 +356,34 @@ def test_a_staircase_prices_draft_tokens_from_its_measured_batch():
     with pytest.raises(ValueError, match="requests"):
         CostModel(c.points, requests=-1)
     assert CostModel.from_json(c.to_json()) == c
+
+
+def test_batch_cost_models_price_a_step_at_its_graph_bucket():
+    """Curves measured at 1, 4 and 16 requests: a step of ``b`` requests is priced by the
+    smallest measured batch ``>= b`` (the graph bucket it runs in), the largest past them
+    and where the requests are unknown; a staircase there prices its draft tokens from
+    that bucket's batch."""
+    one = CostModel(((1, 1.0), (9, 2.0)), steps=True, requests=1)
+    four = CostModel(((4, 3.0), (12, 5.0)), steps=True, requests=4)
+    sixteen = CostModel(((16, 10.0), (24, 20.0)), steps=True, requests=16)
+    prices = BatchCostModels(((1, one), (4, four), (16, sixteen)))
+    assert prices.curve_for(1) is one and prices.curve_for(2) is four
+    assert prices.curve_for(4) is four and prices.curve_for(5) is sixteen
+    assert prices.curve_for(40) is sixteen and prices.curve_for(None) is sixteen
+    assert prices.step_ms(3, num_requests=3) == 3.0  # plain, bucket 4
+    assert prices.step_ms(3 + 8, num_requests=3) == 5.0  # 8 drafts: 4 + 8, its edge
+    assert prices.step_ms(9 + 8, num_requests=9) == 20.0  # bucket 16: 16 + 8
+    counts = StepTokenCounts()
+    for t, r in ((1, 1), (3, 3), (3 + 8, 3), (9 + 8, 9), (16, 16)):
+        counts.add(t, r)
+    assert counts.modelled_ms(prices) == pytest.approx(1.0 + 3.0 + 5.0 + 20.0 + 10.0)
+    # one curve for every batch: the old pricing, a drain step at the full batch's price
+    assert counts.modelled_ms(BatchCostModels(((16, sixteen),))) == pytest.approx(
+        counts.modelled_ms(sixteen)) == pytest.approx(10.0 + 10.0 + 20.0 + 20.0 + 10.0)
+    for bad in ((), ((4, four), (1, one)), ((1, one), (1, four)), ((0, one),),
+                ((True, one),), ((1, "x"),)):
+        with pytest.raises(ValueError, match="curves"):
+            BatchCostModels(bad)
 
 
 def test_cost_model_default_is_monotone():
