@@ -500,15 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     cost_path = results / f"cost-{args.model}-{gpu_slug}.json"
     cost_for: dict[int, CostModel] = {}
     if args.cost_model:
-        obj = json.loads(Path(args.cost_model).read_text())
-        by_batch = obj.get("by_batch_size", {})
-        for b in sorted({int(k) for k in by_batch} | set(batch_sizes)):
-            pts = by_batch.get(str(b))
-            # a staircase is priced from the batch it was measured at: this row's
-            cost_for[b] = CostModel.from_json({"points": pts, "source": obj.get("source", ""),
-                                               "steps": obj.get("steps", False),
-                                               "requests": b if obj.get("steps") else None}) \
-                if pts else CostModel.from_json(obj)
+        cost_for = load_cost_models(args.cost_model, batch_sizes)
         cost_path = Path(args.cost_model)
     elif not args.no_calibrate or args.calibrate:
         t0 = time.perf_counter()
@@ -781,6 +773,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[e2e] wrote {out} and {out.with_suffix('.csv')}"
           + (f"; trace {trace_path}" if trace_path else ""))
     return 0
+
+
+def load_cost_models(path: str | Path, batch_sizes: list[int]) -> dict[int, CostModel]:
+    """The curves of a saved calibration by batch size: every batch it measured, and each
+    of ``batch_sizes`` (its top-level curve where it measured none there). Measured through
+    the verification graphs, a curve is a staircase priced from its own batch (files of
+    runs before the ``steps`` field say so by ``verify_cuda_graphs``)."""
+    obj = json.loads(Path(path).read_text())
+    by_batch = obj.get("by_batch_size", {})
+    steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
+    out = {}
+    for b in sorted({int(k) for k in by_batch} | set(batch_sizes)):
+        pts = by_batch.get(str(b))
+        out[b] = CostModel.from_json({"points": pts, "source": obj.get("source", ""),
+                                      "steps": steps, "requests": b if steps else None}) \
+            if pts else CostModel.from_json(obj)
+    return out
 
 
 def goals(rows: list[dict], batch_sizes: list[int]) -> dict:

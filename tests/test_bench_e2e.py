@@ -401,3 +401,23 @@ def test_calibration_context_is_the_replayed_steps_and_decode_bytes_copies_nothi
     bench_e2e.write_atomic(tmp_path / "x.json", "new")
     assert (tmp_path / "x.json").read_text() == "new"
     assert not (tmp_path / "x.json.tmp").exists()
+
+
+def test_a_saved_calibration_loads_every_batch_and_its_staircase(tmp_path):
+    """``--cost-model``: every batch the file measured (the drain's buckets priced there),
+    each requested batch (the top-level curve where none was measured), and a staircase
+    from its own batch where the curves came through the verification graphs -- also in a
+    file from before the ``steps`` field, which says so by ``verify_cuda_graphs``."""
+    obj = {"points": [[1, 5.0], [9, 6.0]], "source": "test", "verify_cuda_graphs": True,
+           "by_batch_size": {"1": [[1, 5.0], [9, 6.0]], "4": [[4, 7.0], [12, 9.0]]}}
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(obj))
+    got = bench_e2e.load_cost_models(path, [1, 16])
+    assert sorted(got) == [1, 4, 16]
+    assert got[4].steps and got[4].requests == 4 and got[4].points == ((4, 7.0), (12, 9.0))
+    assert got[16].points == ((1, 5.0), (9, 6.0))  # none measured at 16: the top level
+    assert got[4].step_ms(2 + 8, num_requests=2) == 9.0  # 4 + 8: the bucket's edge
+    path.write_text(json.dumps({**obj, "verify_cuda_graphs": False}))
+    assert not any(c.steps for c in bench_e2e.load_cost_models(path, [1]).values())
+    path.write_text(json.dumps({**obj, "steps": False}))  # the field, where present, rules
+    assert not bench_e2e.load_cost_models(path, [1])[4].steps
