@@ -343,6 +343,7 @@ class ReplayTargetResult:
     full_steps: int = 0
     full_tokens: int = 0
     full_decode_s: float = 0.0
+    full_step_tokens: StepTokenCounts = field(default_factory=StepTokenCounts)  # (priced)
     draft_s: float = 0.0
     verify_s: float = 0.0  # plan + forward + argmax + acceptance (CUDA events on a GPU)
     commit_s: float = 0.0
@@ -685,6 +686,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                 res.full_steps += 1
                 res.full_tokens += int(produced.sum())
                 res.full_decode_s += step_s
+                res.full_step_tokens.add(n_active + n_total, n_active)
             res.commit_s += t2 - t1 - verify_timer.seconds()
 
             still: list[_Request] = []

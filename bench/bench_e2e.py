@@ -30,7 +30,8 @@ evaluator's figure over this run's own steps, each priced ``cost(rows + drafted)
 curve calibrated at its batch's graph bucket (the calibration measures every graph batch
 size up to the largest B, so a drain's smaller steps are priced as the smaller buckets they
 run in), drafting left out; ``modelled_verify_ms_per_step``: the same price per step, to set beside the
-measured ``verify_ms_per_step``); plus the memory bandwidth plain decoding reaches at B=1.
+measured ``verify_ms_per_step``; ``modelled_full_batch_speedup``: the priced throughput of
+the full-batch steps alone, a loaded server's steady state without the run's drain); plus the memory bandwidth plain decoding reaches at B=1.
 JSON (``{"gpu", "model", "protocol", "rows", ...}``) and CSV go to ``--out``
 (default ``bench/results/e2e-YYYYMMDD-<gpu>.json`` / ``.csv``).
 
@@ -641,6 +642,11 @@ def main(argv: list[str] | None = None) -> int:
             modelled_ms = r.step_tokens.modelled_ms(prices) if r.steps else None
             base_ms = base.step_tokens.modelled_ms(prices) if base is not None and \
                 base.steps else None
+            # the same price over the full-batch steps alone: throughputs (their tokens
+            # differ between methods), this method's over plain decoding's
+            full_ms = r.full_step_tokens.modelled_ms(prices) if r.full_steps else None
+            base_full_ms = base.full_step_tokens.modelled_ms(prices) \
+                if base is not None and base.full_steps else None
             rows.append({
                 "method": m, "batch_size": b,
                 "tokens_per_s": r.tokens_per_s,
@@ -672,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
                 "modelled_replay_speedup": base_ms / modelled_ms
                 if base_ms and modelled_ms else None,
                 "modelled_verify_ms_per_step": modelled_ms / steps if modelled_ms else None,
+                "modelled_full_batch_speedup": (r.full_tokens / full_ms) /
+                (base.full_tokens / base_full_ms) if full_ms and base_full_ms else None,
                 "acceptance_rate": r.accepted / r.drafted if r.drafted else None,
                 "drafted_per_request_step": r.drafted / r.request_steps if r.request_steps else 0.0,
                 "mean_batch": mean_batch,
@@ -824,6 +832,9 @@ def goals(rows: list[dict], batch_sizes: list[int]) -> dict:
             for b in batch_sizes},
         "full_batch_agspec_speedup": {b: by[("agspec", b)]["full_batch_speedup"]
                                       if ("agspec", b) in by else None for b in batch_sizes},
+        "full_batch_modelled_agspec_speedup_over_suffix_speedup": {
+            b: ratio("agspec", "suffix-decoding", b, "modelled_full_batch_speedup")
+            for b in batch_sizes},
         "targets": "agspec/suffix >= 1.3 at B=1,16; agspec speedup > 1 at B=64; >= 0.7 of the "
                    "oracle; measured/modelled within 10%; draft share < 2%; plain decode >= 70% "
                    "of memory bandwidth at B=1",

@@ -115,10 +115,20 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
         if row["batch_size"] == 1:
             assert row["full_batch_step_share"] == 1
             assert row["full_batch_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
+            # every step full: the full-batch price is the run's (a throughput ratio: the
+            # run's over plain decoding's time, times their tokens' ratio, as --max-steps
+            # cut them)
+            plain = next(r for r in report["rows"] if r["method"] == "none"
+                         and r["batch_size"] == 1)
+            assert row["modelled_full_batch_speedup"] == pytest.approx(
+                row["modelled_replay_speedup"] * row["tokens"] / plain["tokens"])
         if row["method"] == "none":
             assert row["speedup"] == pytest.approx(1.0) and row["tau"] == pytest.approx(1.0)
             assert row["full_batch_speedup"] == pytest.approx(1.0)
+            assert row["modelled_full_batch_speedup"] == pytest.approx(1.0)
             assert row["modelled_replay_speedup"] == pytest.approx(1.0)
+    assert set(report["goals"]["full_batch_modelled_agspec_speedup_over_suffix_speedup"]) \
+        == {"1", "2"}
     for b in (1, 2):  # the goals read the step-by-step figure
         agspec = next(r for r in report["rows"] if r["method"] == "agspec" and r["batch_size"] == b)
         assert report["goals"]["agspec_measured_over_modelled"][str(b)] == pytest.approx(
