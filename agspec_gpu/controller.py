@@ -16,6 +16,7 @@ throughput is kept, so speculation shrinks smoothly as the batch (and its cost) 
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +90,13 @@ def update_scale(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: tor
 
 def cost_table(cost: CostModel, device: torch.device | str, max_tokens: int) -> torch.Tensor:
     """``float64 [max_tokens + 1]`` on ``device``: ``cost.step_ms(n)`` for ``n = 0 ..
-    max_tokens`` (build once: a step then reads its costs as a slice, no interpolation)."""
-    return torch.tensor([cost.step_ms(n) for n in range(max_tokens + 1)], dtype=torch.float64,
-                        device=device)
+    max_tokens`` (build once: a step then reads its costs as a slice, no interpolation),
+    non-decreasing: a step over more tokens is never cheaper than one over fewer (a curve
+    that falls somewhere would have the budget buy tokens, zero-scored ones included, to
+    reach the cheaper point, and keep fewer than it paid for)."""
+    return torch.tensor(list(itertools.accumulate(
+        (cost.step_ms(n) for n in range(max_tokens + 1)), max)), dtype=torch.float64,
+        device=device)
 
 
 def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: CostModel,

@@ -2,21 +2,24 @@
 
 Verifying ``B`` roots plus ``n`` draft nodes costs ``cost(B + n)`` (measured per model and
 GPU) and returns ``B`` tokens plus the nodes' expected acceptances. Over the batch's node
-scores sorted descending, the budget keeps the ``n*`` that maximises ``(B + sum of the top
-n scores) / cost(B + n)`` (ties: the smaller ``n``) and keeps exactly those ``n*`` nodes:
-every node scoring above the ``n*``-th score, and of the nodes scoring just that, the ones of
+scores sorted descending, the budget finds the ``n*`` that maximises ``(B + sum of the top
+n scores) / cost(B + n)`` (ties: the smaller ``n``) and keeps exactly ``n*`` nodes: every
+node scoring above the ``n*``-th score, and of the nodes scoring just that, the ones of
 shallower best-first rank first, then of the lower request index (each request keeps a
 prefix of its best-first order, so a tree). Exactly: a cost measured per CUDA-graph bucket
 is a staircase whose best ``n*`` sits on an edge, and nodes tied at the cut kept past it
-would pay a whole next bucket (41 of 102 full steps at B = 64 in a replay under the
-H100's staircase, before this rule). With a ``table_base`` the cost is read at ``table_base + n`` instead: a
-staircase measured at ``table_base`` requests whose edges are draft counts, the same at any
-batch (``CostModel.steps``: a CUDA-graph bucket's edges).
+would pay a whole next bucket (41 of 102 full steps at B = 64 in a replay under the H100's
+staircase, before this rule). With a ``table_base`` the cost is read at ``table_base + n``
+instead: a staircase measured at ``table_base`` requests whose edges are draft counts, the
+same at any batch (``CostModel.steps``: a CUDA-graph bucket's edges). The table must not
+fall (``controller.cost_table`` builds it so): where it does, ``n*`` may count nodes that
+score nothing, and fewer are kept.
 
 The sums are exact: scores are summed as integers in units of ``2**-32`` (a probability to
 ~2e-10), so the kernel's parallel prefix sum and torch's sequential one agree bit for bit
-and so do the steps they choose. In torch the cut is ~30 small ops in the drafter's propose
-graph (a mask, a sort, the prefix sum, the objective, a gather, per-request counts); the
+and so do the steps they choose. In torch the cut is ~40 small ops in the drafter's propose
+graph (a mask, a sort, the prefix sum, the objective, a gather, the ties' ordinals,
+per-request counts); the
 kernel is one program that holds the batch's scores (up to ``MAX_SCORES``).
 """
 
@@ -37,8 +40,8 @@ def num_warps(block: int) -> int:
     """Warps of the one program that sorts ``block`` (a power of two) scores: no register
     spills up to 4,096 scores (64 requests x 64 nodes; ``ptxas -v`` for sm_90,
     ``tests/test_batch_budget.py``). Past that the most threads a program has: 8,192
-    scores (128 requests) spill 40 bytes per thread at 32 warps (524 at 16), 16,384 (256
-    requests) 544 (960 at 16): a larger batch would need a sort across programs."""
+    scores (128 requests) spill 64 bytes per thread at 32 warps (216 at 16), 16,384 (256
+    requests) 784 (1,348 at 16): a larger batch would need a sort across programs."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 32
 
 
@@ -157,9 +160,10 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
 
     Returns
     -------
-    ``int64 [B]`` summing to ``n*``: the nodes scoring above the ``n*``-th best score of
-    the batch, and the ones tied with it in (best-first rank, request) order up to ``n*``;
-    0 everywhere when ``n* = 0``.
+    ``int64 [B]`` summing to ``n*`` (for a table that does not fall, and scores in ``[0,
+    1]``): the nodes scoring above the ``n*``-th best score of the batch, and the ones
+    tied with it in (best-first rank, request) order up to ``n*``; 0 everywhere when ``n*
+    = 0``.
     """
     if ranked.dim() != 2:
         raise ValueError(f"ranked: expected float32 [B, N], got shape {tuple(ranked.shape)}")
@@ -183,8 +187,8 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     block_b, block_n = max(next_pow2(B), 16), next_pow2(max(N, 1))
     if use_triton is None:
         use_triton = ranked.device.type == "cuda" and block_b * block_n <= MAX_SCORES
-    if B == 0:
-        return keep_n.clone()
+    if B == 0 or N == 0:  # no nodes to keep
+        return torch.zeros_like(keep_n)
     if not use_triton:
         return budget_keep_torch(ranked, keep_n, num_requests, table, table_base)
     out = torch.empty(B, dtype=torch.int64, device=ranked.device)

@@ -36,7 +36,8 @@ def both(ranked, keep, num_requests, table):
 def brute_force(ranked, keep, B, cost: CostModel, base: int | None = None) -> list[int]:
     """Keep per request: the smallest n maximising (B + top-n sum) / cost(B + n) (or
     cost(base + n)), exactly n nodes: the batch's in (score descending, best-first rank,
-    request) order (on exact fractions of the scores' floats)."""
+    request) order (sums in float64; the kernel's, in 2**-32 units, choose the same n on
+    these tests' scores)."""
     nodes = sorted((-float(v), j, b) for b, r in enumerate(ranked.tolist())
                    for j, v in enumerate(r) if v > -1.5 and j < int(keep[b]))
     flat = [-v for v, _, _ in nodes] + [0.0] * (ranked.numel() - len(nodes))
@@ -169,6 +170,23 @@ def test_ties_at_the_cut_never_open_the_next_bucket():
                        base=4) == [4, 4, 4, 4]
 
 
+def test_a_falling_curve_is_flattened_and_no_nodes_keep_nothing():
+    """``cost_table`` never falls (a noisy curve's dip would have the budget pay for tokens
+    that score nothing and keep fewer); a batch without node columns keeps nothing."""
+    falling = CostModel(((1, 1.0), (2, 2.0), (3, 1.0), (5, 1.5)), steps=True)
+    table = cost_table(falling, "cpu", 8)
+    raw = [falling.step_ms(n) for n in range(9)]  # 1, 1, 2, 1, 1.25, 1.5, ... 2.25
+    assert raw[3] < raw[2] and table.tolist() == [max(raw[:n + 1]) for n in range(9)]
+    ranked, keep = rows([[0.5, 0.0]], 2), torch.tensor([2])
+    got = both(ranked, keep, 1, table)
+    assert got.tolist() == [0] == brute_force(ranked, keep, 1, CostModel(
+        tuple((n, float(table[n])) for n in range(1, 9)), steps=True))
+    for use_triton in (False, True):
+        none = budget_keep(torch.zeros(3, 0), torch.zeros(3, dtype=torch.int64), 3,
+                           table, use_triton=use_triton)
+        assert none.tolist() == [0, 0, 0]
+
+
 def test_one_compile_per_batch_block():
     """The batch size and the request count are not specialized: batches within one
     power-of-two block share a compile."""
@@ -189,10 +207,10 @@ def test_kernel_compiles_for_sm90():
                NREQ_FROM_PTR="constexpr", HAS_BASE="constexpr", BLOCK_B="constexpr",
                BLOCK_N="constexpr")
     # with the launcher's warps (one child process): no register spills up to 64 requests
-    # x 64 nodes; at 128 requests 40 bytes at 32 warps (documented at num_warps), not more
+    # x 64 nodes; at 128 requests 64 bytes at 32 warps (documented at num_warps), not more
     usage = compile_all_for_sm90([
         (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=True, HAS_BASE=B == 16, BLOCK_B=B,
                                         BLOCK_N=N),
          dict(num_warps=num_warps(B * N))) for B, N in ((64, 64), (16, 16), (128, 64))],
-        max_spill_bytes=64)
+        max_spill_bytes=96)
     assert [u["spill_bytes"] > 0 for u in usage] == [False, False, True], usage
