@@ -874,7 +874,9 @@ def print_table(report: dict) -> None:
                     f"(replay target)", title_justify="left")
     cols = [("method", "method", ""), ("B", "batch_size", "d"), ("tok/s", "tokens_per_s", ".1f"),
             ("speedup", "speedup", ".2f"), ("full B", "full_batch_speedup", ".2f"),
-            ("model", "modelled_replay_speedup", ".2f"), ("tau", "tau", ".2f"), ("acc", "acceptance_rate", ".2f"),
+            ("model", "modelled_replay_speedup", ".2f"),
+            ("model full B", "modelled_full_batch_speedup", ".2f"), ("tau", "tau", ".2f"),
+            ("acc", "acceptance_rate", ".2f"),
             ("draft ms", "draft_ms_per_step", ".3f"), ("verify ms", "verify_ms_per_step", ".2f"),
             ("commit ms", "commit_ms_per_step", ".2f"),
             ("of which drafter", "drafter_commit_ms_per_step", ".3f"),
