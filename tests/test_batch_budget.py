@@ -129,13 +129,9 @@ def test_a_staircase_is_read_from_its_own_base_at_any_batch():
         for n in (3, torch.tensor(3, device=DEV)):
             got = budget_keep(ranked, keep_d, n, table_d, table_base=8, use_triton=True)
             assert torch.equal(got, want), (got, want)
-        flat = sorted((v for b, r in enumerate(ranked.cpu().tolist()) for j, v in
-                       enumerate(r) if j < int(keep[b])), reverse=True)
-        vals = [(3 + sum(flat[:n])) / stairs.step_ms(3 + n, num_requests=3)
-                for n in range(len(flat) + 1)]
-        nstar = vals.index(max(vals))
-        assert int(want.sum()) == nstar, (want, nstar)
-        assert nstar in (0, 4, 12, len(flat)), nstar
+        assert want.cpu().tolist() == brute_force(ranked.cpu(), keep, 3, stairs, base=8)
+        nstar = int(want.sum())
+        assert nstar in (0, 4, 12, int(keep.sum())), nstar
         cuts.add(nstar)
     assert {4, 12} & cuts
     with pytest.raises(ValueError, match="table_base"):
