@@ -214,11 +214,15 @@ class Drafter:
         self.tier_drafts, self.tier_hits = self._tables[:T], self._tables[T:2 * T]
         self.calib_seen = self._tables[2 * T:2 * T + n].view(rows * (D + 1), K)
         self.calib_hits = self._tables[2 * T + n:].view(rows * (D + 1), K)
-        decay = [(0.99, 2 * T, -float("inf")), (0.999, n, 2.0), (0.999, n, 1e-3)]
-        self._tables_decay = torch.cat([torch.full((m,), d, dtype=torch.float64, device=dev)
-                                        for d, m, _ in decay])
-        self._tables_floor = torch.cat([torch.full((m,), f, dtype=torch.float64, device=dev)
-                                        for _, m, f in decay])
+        # per commit: tables = decay * tables + counts + (1 - decay) * prior, i.e. the
+        # observations decay and the prior (the values above) stays: a calibration cell or a
+        # tier not drafted for a while returns to its prior (decayed with the observations,
+        # an unreached cell's estimate halved every ~700 commits, and an unused tier's
+        # counts sank into float64's subnormals, where rounding moved its weight 0.5 -> 1.0
+        # by ~74,000 commits)
+        decay = torch.cat([torch.full((2 * T,), 0.99, dtype=torch.float64, device=dev),
+                           torch.full((2 * n,), 0.999, dtype=torch.float64, device=dev)])
+        self._tables_decay, self._tables_prior = decay, (1 - decay) * self._tables
         self.prev_full = torch.zeros(slots, dtype=torch.int64, device=dev)
         # a commit's counts (drafted and accepted per tier, calibration cells reached and
         # accepted), zeroed and folded into the decayed tables every commit
@@ -908,9 +912,8 @@ class Drafter:
                                  calib_depth=self.calib_seen.shape[1],
                                  before=self._ring_before[:slots.numel()])
         # the decayed tables (tier weights: drafted nodes per tier vs accepted path tokens
-        # per tier; calibration cells), laid out as the counts: three ops for all four; the
-        # floors keep the calibration prior's weight from vanishing in rarely drafted cells
-        self._tables.mul_(self._tables_decay).add_(counts).clamp_(min=self._tables_floor)
+        # per tier; calibration cells over their prior), laid out as the counts: three ops
+        self._tables.mul_(self._tables_decay).add_(counts).add_(self._tables_prior)
         return (acc_src,)
 
 

@@ -44,7 +44,13 @@ def source_code(tier: CorpusTier, form: EmissionForm = EmissionForm.RAW) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """Which tiers and forms are searched, and their budgets (tokens)."""
+    """Which tiers and forms are searched, and their budgets (tokens).
+
+    A tenant's workspace and history evict least-recently-used documents past their budget,
+    down to ``*_low_water`` times it, and re-index what stays (the whole corpus): a low
+    water of 1 would re-index a full history at every session close (~100x the closed
+    session's tokens at the default budget), 0.75 does so once per quarter budget closed.
+    """
 
     max_depth: int = 32
     tail_tokens: int = 1024
@@ -54,12 +60,18 @@ class TierConfig:
     forms: tuple[EmissionForm, ...] = DEFAULT_FORMS
     workspace_budget_tokens: int = 4_000_000
     history_budget_tokens: int = 2_000_000
+    workspace_low_water: float = 0.5
+    history_low_water: float = 0.75
 
     def __post_init__(self) -> None:
         if EmissionForm.RAW not in self.forms:
             raise ValueError("forms must include EmissionForm.RAW")
         if self.workspace_budget_tokens < 1 or self.history_budget_tokens < 1:
             raise ValueError("tier budgets must be >= 1 token")
+        for name in ("workspace_low_water", "history_low_water"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         IndexConfig(self.max_depth, self.tail_tokens)  # validates both
 
 
@@ -236,8 +248,8 @@ class CorpusStore:
         if t.ws is not None and t.ws.touch(key):
             return 0
         if t.ws is None:
-            # evict down to half the budget so rebuilds stay rare
-            t.ws = DocumentCorpus(self.arena, self.config.workspace_budget_tokens, "lru", 0.5)
+            t.ws = DocumentCorpus(self.arena, self.config.workspace_budget_tokens, "lru",
+                                  self.config.workspace_low_water)
         rendered = render_forms(text, self.config.forms)
         forms = list(rendered)
         ids = self.tokenizer.encode_batch([rendered[f] for f in forms])
@@ -250,7 +262,8 @@ class CorpusStore:
     # ------------------------------------------------------------ history
     def _add_history(self, t: _Tenant, sid: str, tokens: torch.Tensor) -> None:
         if t.hist is None:
-            t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru", 1.0)
+            t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru",
+                                    self.config.history_low_water)
         # a session's text holds token ids only (its corpus takes no separators)
         t.hist.add((sid, t.num_closed), [(tokens, source_code(CorpusTier.HISTORY))],
                    token_ids_only=True)

@@ -353,16 +353,48 @@ def test_observe_updates_ring_session_scale_and_tier_weights(tok):
     assert store.arena.corpus_tokens(store.session("s").corpus).tolist() == CASE_A + [X, F3, B]
     # rejection: S * beta
     assert float(d.scale[slot]) == pytest.approx(_SHARES["controller"].beta)
-    # tier weights: 2 accepted session nodes of n drafted, decayed by 0.99
+    # tier weights: 2 accepted session nodes of n drafted, over a prior of 1 in 2 that stays
     s = int(CorpusTier.SESSION)
-    assert float(d.tier_hits[s]) == pytest.approx(0.99 + 2)
-    assert float(d.tier_drafts[s]) == pytest.approx(0.99 * 2 + n)
+    assert float(d.tier_hits[s]) == pytest.approx(1 + 2)
+    assert float(d.tier_drafts[s]) == pytest.approx(2 + n)
     other = [i for i in range(len(CorpusTier)) if i != s]
-    assert d.tier_hits[other].tolist() == pytest.approx([0.99] * 3)
+    assert d.tier_hits[other].tolist() == pytest.approx([1.0] * 3)
+    assert d.tier_drafts[other].tolist() == pytest.approx([2.0] * 3)
     assert d.last_accepted_sources[0, :2].tolist() == [0, 0]
     # the next propose matches the new context (... C X F3 B): only `B` recurs, always
     # followed by C, and k = max(1, floor(0.6 * 1)) = 1
     assert paths(d.propose(["s"])) == [(C,)]
+
+
+def test_calibration_cells_decay_to_their_prior(tok):
+    """Every commit decays the calibration's observations, never its prior: a cell no step
+    reaches keeps ``hits / seen = (L + 1) / (L + 3)``, and one that was reached returns to it
+    (a floor on ``seen`` alone once let ``hits`` of unreached cells decay: long matches and
+    deep nodes, rarely drafted, were scored near zero after a few thousand steps). A tier
+    no step drafts keeps its prior weight too (decayed, its counts would reach 0 / 0)."""
+    _, d = make(tok, calibrate=True)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A * 3)
+    L = d.store.config.max_depth
+    prior = (torch.arange(L + 1, dtype=torch.float64) + 1) / (torch.arange(L + 1) + 3)
+    row, col = L, d.calib_seen.shape[1] - 1  # mode 0, tier 0, match L, the deepest node
+    d.calib_seen[row + L + 1, col] += 8.0  # mode 0, tier 1, match L: reached 8 times, missed
+    steps = 700
+    for _ in range(steps):
+        draft = d.propose(["s"])
+        out = torch.full((1, draft.max_nodes + 1), PAD_ID, dtype=torch.int32)
+        out[0, 0] = int(draft.token_ids[0, 0]) if int(draft.num_draft_tokens[0]) else 7
+        d.observe(["s"], out, torch.tensor([1]), torch.tensor([0]))
+    ratio = d.calib_hits / d.calib_seen
+    assert float(ratio[row, col]) == pytest.approx(float(prior[L]), rel=1e-9)
+    assert float(d.calib_seen[row, col]) == pytest.approx(2.0, rel=1e-9)
+    # the missed cell: its misses decay (2 + 8 * 0.999**700 reached), its prior's hits stay
+    assert float(ratio[row + L + 1, col]) == pytest.approx(
+        2 * float(prior[L]) / (2 + 8 * 0.999 ** steps), rel=1e-6)
+    assert float(d.calib_seen[:, 0].max()) > 2.0  # the steps reached the first level
+    g = int(CorpusTier.GLOBAL)  # no global tier here: never drafted
+    assert (float(d.tier_hits[g]), float(d.tier_drafts[g])) == pytest.approx((1.0, 2.0),
+                                                                              rel=1e-9)
+    assert float(d.tier_drafts[int(CorpusTier.SESSION)]) > 2.0
 
 
 def test_observe_with_the_verifiers_path_equals_observe_without(tok):

@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 
+import agspec_gpu.corpus as corpus_mod
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.controller import ControllerConfig
 from agspec_gpu.drafter import Drafter, DrafterConfig
@@ -702,7 +703,9 @@ def test_workspace_eviction_keeps_the_file_just_opened(tok):
 def test_history_is_per_tenant_and_bounded(tok):
     docs = [tok.encode(small_file(i)) for i in range(4)]
     budget = len(docs[0]) + len(docs[1]) + len(docs[2]) // 2 + 2
-    store = CorpusStore(tok, TierConfig(use_global=False, history_budget_tokens=budget))
+    # evicting only what the budget needs (a low water of 1): exactly the oldest session
+    store = CorpusStore(tok, TierConfig(use_global=False, history_budget_tokens=budget,
+                                        history_low_water=1.0))
     d = chain_drafter(store, k=6)
     for i in range(2):
         d.open_session(f"h{i}", "T", prompt_ids=docs[i])
@@ -725,6 +728,32 @@ def test_history_is_per_tenant_and_bounded(tok):
         got = draft_tokens(d.propose([f"p{i}"]))
         assert (got == docs[i][7:13]) == expect, i
         d.close_session(f"p{i}")  # (joins the history too)
+
+
+def test_a_full_history_is_reindexed_once_per_quarter_budget(tok, monkeypatch):
+    """Past its budget the history evicts down to ``history_low_water`` (0.75) of it, so a
+    full history is re-indexed once per quarter budget of closed sessions, not at every
+    close (a low water of 1 did: the whole history indexed again per closed session)."""
+    rebuilds = []
+    rebuild = corpus_mod.DocumentCorpus._rebuild
+    monkeypatch.setattr(corpus_mod.DocumentCorpus, "_rebuild",
+                        lambda self: rebuilds.append(1) or rebuild(self))
+    budget, size = 2000, 100
+    store = CorpusStore(tok, TierConfig(use_global=False, history_budget_tokens=budget))
+    held = []
+    for i in range(60):
+        store.open_session(f"s{i}", "T", [(7 * i + j) % 1000 for j in range(size)])
+        store.close_session(f"s{i}")
+        held.append(store._tenants["T"].hist.num_tokens)
+    # 101 tokens a session (its separator): the 20th close overflows, evicts down to 14
+    # sessions (1,414 tokens), and every 6th close after it again
+    assert len(rebuilds) == 7
+    assert max(held) <= budget and min(held[19:]) >= 0.75 * budget - (size + 1)
+    for bad in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="history_low_water"):
+            TierConfig(history_low_water=bad)
+    with pytest.raises(ValueError, match="workspace_low_water"):
+        TierConfig(workspace_low_water=0.0)
 
 
 def test_history_keeps_the_newest_session_even_over_budget(tok):
