@@ -29,9 +29,10 @@ memory, and the cost model's predicted speedup (``modelled_replay_speedup``: the
 evaluator's figure over this run's own steps, each priced ``cost(rows + drafted)`` on the
 curve calibrated at its batch's graph bucket (the calibration measures every graph batch
 size up to the largest B, so a drain's smaller steps are priced as the smaller buckets they
-run in), drafting left out; ``modelled_verify_ms_per_step``: the same price per step, to set beside the
-measured ``verify_ms_per_step``; ``modelled_full_batch_speedup``: the priced throughput of
-the full-batch steps alone, a loaded server's steady state without the run's drain); plus the memory bandwidth plain decoding reaches at B=1.
+run in), drafting left out; ``modelled_verify_ms_per_step``: the same price per step, to
+set beside the measured ``verify_ms_per_step``; ``modelled_full_batch_speedup``: the priced
+throughput of the full-batch steps alone, a loaded server's steady state without the run's
+drain); plus the memory bandwidth plain decoding reaches at B=1.
 JSON (``{"gpu", "model", "protocol", "rows", ...}``) and CSV go to ``--out``
 (default ``bench/results/e2e-YYYYMMDD-<gpu>.json`` / ``.csv``).
 
