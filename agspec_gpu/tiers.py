@@ -50,6 +50,14 @@ class TierConfig:
     down to ``*_low_water`` times it, and re-index what stays (the whole corpus): a low
     water of 1 would re-index a full history at every session close (~100x the closed
     session's tokens at the default budget), 0.75 does so once per quarter budget closed.
+
+    Tenants with no open session (idle) together hold at most ``idle_budget_tokens`` of
+    workspace and history: past it, whenever a session closes or a file joins an idle
+    tenant, the least recently active idle tenants are freed whole, as
+    :meth:`CorpusStore.close_tenant` frees one (a server whose tenants come and go keeps
+    a bounded store without calling it); the tenant just active is never the one freed.
+    None: idle tenants are kept until closed. A token held costs 9 bytes of device memory
+    (id, source tag, suffix-array entry), so the default bounds idle tenants to ~0.2 GB.
     """
 
     max_depth: int = 32
@@ -62,6 +70,7 @@ class TierConfig:
     history_budget_tokens: int = 2_000_000
     workspace_low_water: float = 0.5
     history_low_water: float = 0.75
+    idle_budget_tokens: int | None = 24_000_000
 
     def __post_init__(self) -> None:
         if EmissionForm.RAW not in self.forms:
@@ -72,6 +81,10 @@ class TierConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        idle = self.idle_budget_tokens
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int)
+                                 or idle < 1):
+            raise ValueError(f"idle_budget_tokens must be None or an int >= 1, got {idle!r}")
         IndexConfig(self.max_depth, self.tail_tokens)  # validates both
 
 
@@ -84,6 +97,11 @@ class _Tenant:
     hist: DocumentCorpus | None = None
     num_closed: int = 0
     sessions: set[str] = field(default_factory=set)
+
+    @property
+    def num_tokens(self) -> int:
+        """Workspace and history tokens held (separators included)."""
+        return sum(d.num_tokens for d in (self.ws, self.hist) if d is not None)
 
     @property
     def workspace(self) -> int | None:
@@ -123,7 +141,10 @@ class CorpusStore:
         self.config = config or TierConfig()
         self.arena = IndexArena(IndexConfig(self.config.max_depth, self.config.tail_tokens),
                                 device, initial_tokens=1 << 16)
+        # least recently active first (a tenant moves to the end whenever it opens or closes
+        # a session or a file joins its workspace): the order idle tenants are freed in
         self._tenants: dict[str, _Tenant] = {}
+        self.num_evicted_tenants = 0  # idle tenants freed by idle_budget_tokens
         self._sessions: dict[str, _Session] = {}
         # changes whenever any session's corpora or any tenant's text (its version) change:
         # a caller's copy of corpora_of rows is current while it is unchanged
@@ -147,7 +168,7 @@ class CorpusStore:
             raise ValueError(f"sid {sid!r}: a session with this id already exists")
         _check_tenant(tenant)
         ids = self._as_tokens(prompt_ids, "prompt_ids")
-        t = self._tenants.setdefault(tenant, _Tenant())
+        t = self._touch(tenant)
         cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
         self.arena.append(cid, ids, source_code(CorpusTier.SESSION), separators=())
         self._sessions[sid] = _Session(tenant, cid)
@@ -183,7 +204,7 @@ class CorpusStore:
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""
         s = self.session(sid)
-        t = self._tenants[s.tenant]
+        t = self._touch(s.tenant)
         if self.config.use_history:
             text = self.arena.corpus_tokens(s.corpus).clone()
             self._add_history(t, sid, text)
@@ -192,6 +213,7 @@ class CorpusStore:
         t.sessions.discard(sid)
         del self._sessions[sid]
         self.epoch += 1
+        self._evict_idle(keep=s.tenant)
 
     def close_tenant(self, tenant: str) -> None:
         """Frees the tenant's workspace and history; its sessions must be closed first (by
@@ -199,21 +221,48 @@ class CorpusStore:
         strand).
 
         Raises:
-            KeyError: the tenant is unknown (or already closed).
+            KeyError: the tenant is unknown (or already closed, or freed as idle).
             ValueError: the tenant has open sessions.
         """
         _check_tenant(tenant)
         t = self._tenants.get(tenant)
         if t is None:
-            raise KeyError(f"tenant {tenant!r} is unknown")
+            raise KeyError(f"tenant {tenant!r} is unknown (never seen, closed, or freed as "
+                           f"idle by TierConfig.idle_budget_tokens)")
         if t.sessions:
             raise ValueError(f"tenant: {tenant!r} has open sessions {sorted(t.sessions)}; "
                              f"close them first")
+        self._free_tenant(tenant)
+
+    def _free_tenant(self, tenant: str) -> None:
+        t = self._tenants.pop(tenant)
         for docs in (t.ws, t.hist):
             if docs is not None:
                 docs.free()
-        del self._tenants[tenant]
         self.epoch += 1
+
+    def _touch(self, tenant: str) -> _Tenant:
+        """The tenant (new if unseen), moved to the most recently active end."""
+        t = self._tenants.pop(tenant, None) or _Tenant()
+        self._tenants[tenant] = t
+        return t
+
+    def _evict_idle(self, keep: str) -> None:
+        """Frees the least recently active idle tenants, never ``keep`` (the tenant just
+        active), while idle ones hold more than ``idle_budget_tokens``."""
+        budget = self.config.idle_budget_tokens
+        if budget is None:
+            return
+        idle = [(name, t.num_tokens) for name, t in self._tenants.items() if not t.sessions]
+        held = sum(n for _, n in idle)
+        for name, n in idle:
+            if held <= budget:
+                break
+            if name == keep:
+                continue
+            self._free_tenant(name)
+            self.num_evicted_tenants += 1
+            held -= n
 
     def session(self, sid: str) -> _Session:
         s = self._sessions.get(sid)
@@ -243,7 +292,7 @@ class CorpusStore:
         check_text(text, "text")
         if not self.config.use_workspace or not text:
             return 0
-        t = self._tenants.setdefault(tenant, _Tenant())
+        t = self._touch(tenant)
         key = (path or "", hashlib.sha1(text.encode()).hexdigest())
         if t.ws is not None and t.ws.touch(key):
             return 0
@@ -257,6 +306,8 @@ class CorpusStore:
                                for f, toks in zip(forms, ids)])
         t.version += 1
         self.epoch += 1
+        if not t.sessions:
+            self._evict_idle(keep=tenant)
         return added
 
     # ------------------------------------------------------------ history

@@ -776,3 +776,69 @@ def test_tier_switches(tok):
         TierConfig(forms=(EmissionForm.JSON,))
     with pytest.raises(ValueError, match="budget"):
         TierConfig(workspace_budget_tokens=0)
+
+
+# ---------------------------------------------------------------- idle tenants
+def test_idle_tenants_are_freed_least_recently_active_first(tok):
+    """Past ``idle_budget_tokens``, the idle tenants (no open session) that were active
+    longest ago are freed whole, as close_tenant frees one; a tenant with an open session,
+    and the tenant just active, never are; a file joining an idle tenant makes it the
+    most recently active."""
+    size = 200  # 201 tokens of history per closed session (its separator)
+    store = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=3 * 201))
+    d = chain_drafter(store, k=8)
+    d.open_session("busy", "Busy", prompt_ids=tok.encode(SOURCE))  # stays open throughout
+    d.extend("busy", tok.encode("class SettingsCache:\n"))
+    busy_draft = draft_tokens(d.propose(["busy"]))
+    assert busy_draft
+
+    def visit(tenant, i):
+        d.open_session(f"{tenant}{i}", tenant,
+                       prompt_ids=[(13 * i + j) % 1000 for j in range(size)])
+        d.close_session(f"{tenant}{i}")
+
+    for i, tenant in enumerate("ABC"):
+        visit(tenant, i)
+    assert store.num_evicted_tenants == 0 and sorted(store._tenants) == ["A", "B", "Busy", "C"]
+    cids_a = [c for _, c in store_corpora(store, "A")]
+    bytes_before = store.nbytes()
+    store.add_workspace_file("A", PATH, "x = 1\n")  # A: idle but now the most recent
+    assert store.num_evicted_tenants == 1 and "B" not in store._tenants  # B: the oldest
+    visit("D", 3)
+    assert store.num_evicted_tenants == 2 and "C" not in store._tenants
+    assert sorted(store._tenants) == ["A", "Busy", "D"]
+    idle = sum(store._tenants[t].num_tokens for t in ("A", "D"))
+    assert idle <= store.config.idle_budget_tokens
+    assert store.nbytes(tenant="B") == store.nbytes(tenant="C") == 0
+    assert store.nbytes() < bytes_before + store.nbytes(CorpusTier.WORKSPACE, tenant="A")
+    with pytest.raises(KeyError, match="freed as idle"):
+        store.close_tenant("B")
+    # A freed later: its corpora leave the arena; a returning tenant starts empty
+    visit("E", 4)
+    visit("F", 5)
+    assert "A" not in store._tenants
+    for cid in cids_a:
+        assert cid not in store.arena
+    visit("A", 6)
+    assert [t for t, _ in store_corpora(store, "A")] == [CorpusTier.HISTORY]
+    assert store._tenants["A"].hist.num_tokens == size + 1
+    # the busy tenant, least recently active of all, kept its session and drafts
+    assert "Busy" in store._tenants
+    assert draft_tokens(d.propose(["busy"])) == busy_draft
+
+
+def test_a_tenant_larger_than_the_idle_budget_is_kept_while_just_active(tok):
+    store = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=50))
+    store.open_session("s", "T", list(range(100)))
+    store.close_session("s")  # T alone is over budget: kept, it was just active
+    assert store._tenants["T"].num_tokens == 101 and store.num_evicted_tenants == 0
+    store.add_workspace_file("U", PATH, SOURCE)  # now T is the idle one to free
+    assert "T" not in store._tenants and store.num_evicted_tenants == 1
+    unbounded = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=None))
+    for i in range(5):
+        unbounded.open_session(f"s{i}", f"T{i}", list(range(100)))
+        unbounded.close_session(f"s{i}")
+    assert len(unbounded._tenants) == 5 and unbounded.num_evicted_tenants == 0
+    for bad in (0, -1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="idle_budget_tokens"):
+            TierConfig(idle_budget_tokens=bad)
