@@ -29,6 +29,7 @@ from agspec_gpu.draft_batch import PAD_ID
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from agspec_gpu.runners.paged_batch import PagedBatch
+from agspec_gpu.tiers import TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
 from tiny_models import VARIANTS, record_fit_width, tiny_model
 
@@ -1997,6 +1998,31 @@ def test_close_tenant_frees_its_workspace_and_history_only():
     # a new session of the closed tenant starts from nothing
     c = dec.open_session("t0", "coder", P[0])
     assert dec.generate([c], max_new_tokens=8) == [greedy(variant, P[0], 8)]
+
+
+def test_idle_tenants_past_their_budget_are_freed_and_return_empty():
+    """Tenants coming and going (one session each, then gone without close_tenant): the
+    store keeps the idle ones within TierConfig.idle_budget_tokens, least recently active
+    freed first, and a returning tenant drafts from nothing yet decodes the same tokens."""
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in range(6)]
+    budget = 2 * max(len(p) for p in P) + 2 * 8 + 4  # about two closed sessions' text
+    cfg = DecoderConfig(tiers=TierConfig(idle_budget_tokens=budget))
+    dec = SpecDecoder(model(variant), tok(), cfg)
+    for i, p in enumerate(P):
+        sid = dec.open_session(f"t{i}", "coder", p)
+        assert dec.generate([sid], max_new_tokens=8) == [greedy(variant, p, 8)]
+        dec.close_session(sid)
+        idle = [t for t in dec.store._tenants.values() if not t.sessions]
+        assert sum(t.num_tokens for t in idle) <= budget or len(idle) == 1
+    assert dec.store.num_evicted_tenants >= len(P) - 3
+    assert "t0" not in dec.store._tenants and f"t{len(P) - 1}" in dec.store._tenants
+    with pytest.raises(KeyError, match="freed as idle"):
+        dec.close_tenant("t0")
+    sid = dec.open_session("t0", "coder", P[0])
+    assert {tier for tier, _ in dec.store.corpora_of(sid)} <= {CorpusTier.SESSION,
+                                                              CorpusTier.GLOBAL}
+    assert dec.generate([sid], max_new_tokens=8) == [greedy(variant, P[0], 8)]
 
 
 def test_session_tier_holds_exactly_the_context():
