@@ -330,9 +330,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma list of {', '.join(METHOD_NAMES)}")
     ap.add_argument("--sessions", type=int, default=None,
                     help="sessions loaded (default: what the largest batch runs)")
-    ap.add_argument("--sessions-per-slot", type=float, default=2.0,
-                    help="at batch size B, the first max(min-sessions, this * B) sessions run")
-    ap.add_argument("--min-sessions", type=int, default=4)
+    ap.add_argument("--sessions-per-slot", type=float, default=4.0,
+                    help="at batch size B, the first max(min-sessions, this * B) sessions run "
+                         "(2 left half of agspec's B=16 steps draining behind one session)")
+    ap.add_argument("--min-sessions", type=int, default=8)
     ap.add_argument("--order", default="longest-first", choices=("longest-first", "given"),
                     help="the order sessions enter the batch (ReplayTargetConfig.order): "
                          "longest first keeps the batch fuller while it drains")

@@ -193,11 +193,14 @@ if [ -f .whl/dev-half0.agspec.gz ] && gunzip -c .whl/dev-half0.agspec.gz >/tmp/g
 fi
 # --prefill skip: each request's context KV is allocated, not computed (decode time does not
 # depend on the cached values); the full run (prefill real) is for a longer session.
-# --sessions-per-slot 2: 2B sessions at batch B, admitted longest first (--order), so the batch
-# stays near B while it drains (simulated on dev half 1 for plain decoding: mean batch 56 at
-# B=64 where one session per slot gave 36).
+# --sessions-per-slot 4 --min-sessions 8: 4B sessions at batch B (B = 1: 8; B = 64: the 167
+# of dev half 1), admitted longest first (--order), so the run's drain is a small part of it.
+# With 2B (the 2026-12-05 H100 run) half of agspec's B = 16 steps drained behind one hard
+# aider message, and its 4 sessions at B = 1 were a small sample: replayed on the CPU under
+# that run's cost curves, agspec over SuffixDecoding at B = 16 read 1.13 (whole run) and 1.41
+# (full-batch steps), against 1.26 / 1.28 with 4B (bench/results/README.md, session 46).
 step e2e 300 python3 bench/bench_e2e.py $TRAJ --model llama3-8b --batch-sizes 1,16,64 \
-  --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
+  --sessions-per-slot 4 --min-sessions 8 --messages-per-session 2 --max-message-tokens 128 \
   --context 4096 --prefill skip --calibrate-repeats 3 \
   --profile --profile-steps 3 "${GLOBAL[@]}" --results-dir /tmp/e2e \
   --out "$OUT/e2e-$DATE-$GPU.json"
@@ -206,7 +209,7 @@ if [ "$E2E_RC" -ne 0 ] && [ "$E2E_RC" -ne 124 ]; then  # a crash (not the time l
   # custom mask, the configuration the 2026-12-05 H100 run measured
   step e2e-custom-all 200 python3 bench/bench_e2e.py $TRAJ --model llama3-8b \
     --batch-sizes 1,16,64 --tree-attention custom \
-    --sessions-per-slot 2 --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 \
+    --sessions-per-slot 4 --min-sessions 8 --messages-per-session 2 --max-message-tokens 128 \
     --context 4096 --prefill skip --calibrate-repeats 3 "${GLOBAL[@]}" \
     --results-dir /tmp/e2e-custom --out "$OUT/e2e-$DATE-$GPU-custom-mask.json"
   rm -f "$OUT/e2e-$DATE-$GPU-custom-mask.csv"
@@ -228,9 +231,9 @@ step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda \
 # the split's share of the e2e result: agspec with the custom mask, beside plain decoding in
 # the same run (the methods that verify trees are the ones it changes)
 if [ "$E2E_RC" -eq 0 ] || [ "$E2E_RC" -eq 124 ]; then
-  step e2e-custom-mask 120 python3 bench/bench_e2e.py $TRAJ --model llama3-8b \
-    --batch-sizes 16,64 --methods none,agspec --tree-attention custom --sessions-per-slot 2 \
-    --min-sessions 4 --messages-per-session 2 --max-message-tokens 128 --context 4096 \
+  step e2e-custom-mask 150 python3 bench/bench_e2e.py $TRAJ --model llama3-8b \
+    --batch-sizes 16,64 --methods none,agspec --tree-attention custom --sessions-per-slot 4 \
+    --min-sessions 8 --messages-per-session 2 --max-message-tokens 128 --context 4096 \
     --prefill skip --calibrate-repeats 3 "${GLOBAL[@]}" --results-dir /tmp/e2e-custom \
     --out "$OUT/e2e-$DATE-$GPU-custom-mask.json"
   rm -f "$OUT/e2e-$DATE-$GPU-custom-mask.csv"  # the JSON holds the rows (8 files come back)
