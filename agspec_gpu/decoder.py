@@ -283,9 +283,10 @@ class SpecDecoder:
     @device_guard
     def close_tenant(self, tenant: str) -> None:
         """Frees the tenant's workspace and history tiers (its sessions must be closed).
+        Idle tenants past ``TierConfig.idle_budget_tokens`` are freed without this call.
 
         Raises:
-            KeyError: the tenant is unknown (or already closed).
+            KeyError: the tenant is unknown (or already closed, or freed as idle).
             ValueError: the tenant has open sessions.
         """
         open_sids = [sid for sid, st in self._sessions.items() if st.tenant == tenant]

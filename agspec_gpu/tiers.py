@@ -55,9 +55,13 @@ class TierConfig:
     workspace and history: past it, whenever a session closes or a file joins an idle
     tenant, the least recently active idle tenants are freed whole, as
     :meth:`CorpusStore.close_tenant` frees one (a server whose tenants come and go keeps
-    a bounded store without calling it); the tenant just active is never the one freed.
-    None: idle tenants are kept until closed. A token held costs 9 bytes of device memory
-    (id, source tag, suffix-array entry), so the default bounds idle tenants to ~0.2 GB.
+    a bounded store without calling it); the tenant just active is never the one freed
+    (one over the budget alone, possible only with per-tenant budgets above it, frees
+    every other idle tenant), and idle tenants holding nothing (history off) are freed
+    too. None: idle tenants are kept until closed. The budget counts tokens: a token
+    costs 9 bytes of device memory (id, source tag, suffix-array entry), ~10 with each
+    corpus's spare capacity in realistic tenants, so the default bounds idle tenants to
+    ~0.25 GB (a corpus reserves at least 1,024 slots: many tiny tenants cost more).
     """
 
     max_depth: int = 32
@@ -256,10 +260,8 @@ class CorpusStore:
         idle = [(name, t.num_tokens) for name, t in self._tenants.items() if not t.sessions]
         held = sum(n for _, n in idle)
         for name, n in idle:
-            if held <= budget:
-                break
-            if name == keep:
-                continue
+            if name == keep or (held <= budget and n):
+                continue  # (empty records go whatever the budget: they would pile up)
             self._free_tenant(name)
             self.num_evicted_tenants += 1
             held -= n

@@ -800,10 +800,11 @@ def test_idle_tenants_are_freed_least_recently_active_first(tok):
     for i, tenant in enumerate("ABC"):
         visit(tenant, i)
     assert store.num_evicted_tenants == 0 and sorted(store._tenants) == ["A", "B", "Busy", "C"]
-    cids_a = [c for _, c in store_corpora(store, "A")]
     bytes_before = store.nbytes()
     store.add_workspace_file("A", PATH, "x = 1\n")  # A: idle but now the most recent
     assert store.num_evicted_tenants == 1 and "B" not in store._tenants  # B: the oldest
+    cids_a = [c for _, c in store_corpora(store, "A")]
+    assert len(cids_a) == 2  # its workspace and history
     visit("D", 3)
     assert store.num_evicted_tenants == 2 and "C" not in store._tenants
     assert sorted(store._tenants) == ["A", "Busy", "D"]
@@ -834,6 +835,13 @@ def test_a_tenant_larger_than_the_idle_budget_is_kept_while_just_active(tok):
     assert store._tenants["T"].num_tokens == 101 and store.num_evicted_tenants == 0
     store.add_workspace_file("U", PATH, SOURCE)  # now T is the idle one to free
     assert "T" not in store._tenants and store.num_evicted_tenants == 1
+    # without a history, a tenant that came and went holds nothing: its record goes too
+    no_hist = CorpusStore(tok, TierConfig(use_global=False, use_history=False,
+                                          idle_budget_tokens=50))
+    for i in range(5):
+        no_hist.open_session(f"s{i}", f"T{i}", list(range(100)))
+        no_hist.close_session(f"s{i}")
+    assert list(no_hist._tenants) == ["T4"] and no_hist.num_evicted_tenants == 4
     unbounded = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=None))
     for i in range(5):
         unbounded.open_session(f"s{i}", f"T{i}", list(range(100)))
