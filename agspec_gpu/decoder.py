@@ -185,13 +185,15 @@ class SpecDecoder:
         ``drafted`` and ``accepted`` draft tokens, ``prefills`` (prefill forwards: one per
         join, a ``generate`` call's first step or a later one, or :meth:`step`'s, each
         also emitting a token per running request) and ``prefill_tokens`` (the context
-        tokens they ran, past each session's kept KV) and ``preemptions`` (requests that
-        left a running batch unfinished to wait for room, :mod:`~agspec_gpu.scheduler`)."""
+        tokens they ran, past each session's kept KV), ``preemptions`` (requests that
+        left a running batch unfinished to wait for room, :mod:`~agspec_gpu.scheduler`)
+        and ``evicted_tenants`` (idle tenants freed past ``TierConfig.idle_budget_tokens``)."""
         return {"steps": self._steps, "tokens": self._tokens, "drafted": self._drafted,
                 "accepted": self._accepted, "prefills": self._kv.num_prefills,
                 "prefill_tokens": self._kv.num_prefill_tokens,
                 "preemptions": self._preemptions + self._scheduler.num_preemptions +
-                sum(c.num_preemptions for c in self._calls)}
+                sum(c.num_preemptions for c in self._calls),
+                "evicted_tenants": self.store.num_evicted_tenants}
 
     # ------------------------------------------------------------ lifecycle
     @device_guard
