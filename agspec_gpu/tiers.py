@@ -252,8 +252,9 @@ class CorpusStore:
         return t
 
     def _evict_idle(self, keep: str) -> None:
-        """Frees the least recently active idle tenants, never ``keep`` (the tenant just
-        active), while idle ones hold more than ``idle_budget_tokens``."""
+        """Frees the least recently active idle tenants while idle ones hold more than
+        ``idle_budget_tokens``, and every idle tenant holding nothing; never ``keep`` (the
+        tenant just active)."""
         budget = self.config.idle_budget_tokens
         if budget is None:
             return
