@@ -121,19 +121,19 @@ def test_a_staircase_is_read_from_its_own_base_at_any_batch():
     table = cost_table(stairs, "cpu", 64)
     g = torch.Generator().manual_seed(1)
     cuts = set()
-    for _ in range(40):
+    for i in range(20):
         ranked = torch.rand(3, 6, generator=g).sort(dim=1, descending=True).values
         keep = torch.randint(0, 7, (3,), generator=g)
         ranked, keep_d, table_d = ranked.to(DEV), keep.to(DEV), table.to(DEV)
         want = budget_keep(ranked, keep_d, 3, table_d, table_base=8, use_triton=False)
-        for n in (3, torch.tensor(3, device=DEV)):
-            got = budget_keep(ranked, keep_d, n, table_d, table_base=8, use_triton=True)
-            assert torch.equal(got, want), (got, want)
+        n = 3 if i % 2 else torch.tensor(3, device=DEV)  # the roots as an int or on device
+        got = budget_keep(ranked, keep_d, n, table_d, table_base=8, use_triton=True)
+        assert torch.equal(got, want), (got, want)
         assert want.cpu().tolist() == brute_force(ranked.cpu(), keep, 3, stairs, base=8)
         nstar = int(want.sum())
         assert nstar in (0, 4, 12, int(keep.sum())), nstar
         cuts.add(nstar)
-    assert {4, 12} & cuts
+    assert {4, 12} <= cuts, cuts
     with pytest.raises(ValueError, match="table_base"):
         budget_keep(rows([[0.5]], 1), torch.ones(1, dtype=torch.int64), 1, table, table_base=-1)
 

@@ -71,25 +71,28 @@ def greedy(variant, prompt, n=NEW, eos=-1) -> list[int]:
 @functools.cache
 def _seeded(variant, prompt: tuple, n: int, params, eos) -> tuple:
     from agspec_gpu.accept import target_probs
+    from agspec_gpu.runners.hf import _cache_kwarg, _new_cache
     from agspec_gpu.seeding import seeded_uniforms
-    ids, out = list(prompt), []
+    m = model(variant)
+    cache, kw = _new_cache(), _cache_kwarg(m)  # one token a forward, as greedy_generate
+    ids, out = torch.tensor([prompt]), []
     with torch.no_grad():
         for _ in range(n):
-            logits = model(variant)(input_ids=torch.tensor([ids])).logits[0, -1]
+            logits = m(input_ids=ids, use_cache=True, **{kw: cache}).logits[0, -1]
             cdf = target_probs(logits, params).double().cumsum(-1)
-            u = seeded_uniforms(torch.tensor(params.seed), torch.tensor(len(ids)))
+            u = seeded_uniforms(torch.tensor(params.seed), torch.tensor(len(prompt) + len(out)))
             t = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).clamp(
                 max=cdf.numel() - 1))
-            ids.append(t)
             out.append(t)
             if t == eos:
                 break
+            ids = torch.tensor([[t]])
     return tuple(out)
 
 
 def seeded_sample(variant, prompt, n, params, eos=-1) -> list[int]:
-    """Plain seeded sampling, one full forward a token: the token at position ``t`` by
-    inverse CDF of the target at the uniform of ``(params.seed, t)``."""
+    """Plain seeded sampling, one token a forward with the model's cache: the token at
+    position ``t`` by inverse CDF of the target at the uniform of ``(params.seed, t)``."""
     return list(_seeded(variant, tuple(prompt), n, params,
                         tok().eos_id if eos == -1 else eos))
 

@@ -639,8 +639,7 @@ def test_random_requests_outgrowing_the_pool_stay_plain_decoding(seed):
     """Optimistic admission, random long requests of five sessions on a pool that holds
     two or three: requests are preempted and rejoin while others are cancelled or
     submitted anew; every greedy request's tokens are plain greedy decoding and every
-    seeded one's plain seeded sampling (one seed here: the references are full forwards
-    a token)."""
+    seeded one's plain seeded sampling."""
     import random
 
     rng = random.Random(seed)
