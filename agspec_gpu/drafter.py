@@ -397,7 +397,10 @@ class Drafter:
         but the settle changed the corpora in between (its descriptor version moved by
         one: no level built, nothing else appended, opened or closed) and no session kept
         fewer tokens than queued; the draft then equals the one a propose after the
-        settle makes. Otherwise that propose drafts afresh.
+        settle makes. Otherwise that propose drafts afresh. With CUDA graphs it writes the
+        buffers the current step's draft (``stable=False``) views: the loop queues every
+        device read of that draft first (verification, acceptance, the commit's staging)
+        and reads nothing of it afterwards.
 
         Returns whether it proposed: not when no deferred commit of ``sids`` (with the
         batch's match grid current) waits, or when its settle could build an index level

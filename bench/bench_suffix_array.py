@@ -6,7 +6,8 @@ a file), merging the newer levels as it goes (windows of ~320 to a few thousand 
 In torch a build is ~70 launches; ``context_array`` runs one (``kernels/suffix_array.py``)
 for windows of up to ``MAX_BLOCK`` positions.
 
-Per window size (real code tokens, ``[0, w)`` at the index's depth 64): the host time of
+Per window size (real code tokens, ``[0, w)`` at the corpora's depth, ``TierConfig.max_depth``
+= 32, unless ``--depth``): the host time of
 one call (what the launches cost the CPU, the device not waited for), the device time (CUDA
 events around the call), and the GPU activities one call runs (kernels, copies, fills,
 from torch.profiler), median over ``--repeats``; the paths' outputs are compared. A window
@@ -32,6 +33,7 @@ import time
 import torch
 
 from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array, num_context_positions
+from agspec_gpu.tiers import TierConfig
 from bench_index_build import load_code_tokens
 from bench_layer_kernels import write_results
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--windows", default="320,1024,2048,4000")
-    ap.add_argument("--depth", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=TierConfig().max_depth)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None, help="output prefix (.json)")
     args = ap.parse_args(argv)
@@ -112,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         for path, got in outs.items():
             if not torch.equal(got, outs["torch"]):
                 raise SystemExit(f"window {w}: {path}'s suffix array differs from torch's")
+        # after every window: a run cut by its time limit keeps the windows it finished
+        write_results("suffix_array", args, dev, torch.int32, rows)
     print(f"level build at depth {args.depth} on {dev} (median of {args.repeats})")
     print(f"{'window':>7} {'path':>11} {'host us':>9} {'device us':>10} {'activities':>11}")
     for r in rows:
         dv = "-" if r["device_us"] is None else f"{r['device_us']:.1f}"
         print(f"{r['window']:>7} {r['path']:>11} {r['host_us']:>9.1f} {dv:>10} "
               f"{r['activities']:>11}")
-    write_results("suffix_array", args, dev, torch.int32, rows)
     return 0
 
 

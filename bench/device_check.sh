@@ -153,19 +153,24 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # one worker's tests, not all of them (the first run lost 46 tests to one illegal access);
 # PYTHONSAFEPATH: the workers too must not import the checkout's agspec_gpu (no kernels/ in it).
 # -v: one line per test as it finishes, so a step cut by its timeout still says what passed.
-# Two steps: the GPU-only tests (FlashInfer, graphs, the runners, the decoder) before the e2e
-# run; the Triton kernels against their torch paths (~230 cases, each already compared under
-# the interpreter and compiled for sm_90 in CI) right after it: correctness, then the issues'
-# measurements, then the diagnostic benchmarks, each skipped when the budget runs out (the
-# benchmarks after the e2e add up to ~400 s of limits: placed after them, the kernel tests
-# would never start).
+# -k "not for_sm90": the sm_90 compile tests are ptxas on the host (CI runs them), no GPU.
+# Two steps: before the e2e run the GPU-only tests (FlashInfer, graphs, the runners, the
+# decoder) and the kernels new or changed since the last device run (2026-12-05: the split
+# tree attention, the one-launch level build, the drafter commit's and the budget's new
+# modes, the KV commit's grid); right after it the other Triton kernels against their torch
+# paths (~200 cases, each compared under the interpreter in CI and passed on the H100):
+# correctness, then the issues' measurements, then the diagnostic benchmarks, each skipped
+# when the budget runs out (the benchmarks after the e2e add up to ~400 s of limits: placed
+# after them, the kernel tests would never start).
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
 PYTEST=(env PYTHONSAFEPATH=1 python3 -P -m pytest -v --tb=short --durations=8
-        -p no:cacheprovider "${XDIST[@]}")
-step pytest 180 "${PYTEST[@]}" \
+        -p no:cacheprovider -k "not for_sm90" "${XDIST[@]}")
+step pytest 240 "${PYTEST[@]}" \
   tests/test_gpu.py tests/test_attention.py tests/test_verify_graphs.py \
   tests/test_layer_kernels.py tests/test_host.py \
+  tests/test_tree_attention.py tests/test_suffix_array.py tests/test_drafter_commit.py \
+  tests/test_batch_budget.py tests/test_kv_compact.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_deferred_commit_does_not_sync_on_cuda" \
@@ -217,6 +222,12 @@ fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
+# ---------------------------------------------------------------- kernel tests
+step pytest-kernels 150 "${PYTEST[@]}" \
+  tests/test_candidate_rows.py tests/test_depth_caps.py tests/test_controller_commit.py \
+  tests/test_tree_accept.py tests/test_tree_mask.py tests/test_node_probs.py \
+  tests/test_draft_nodes.py tests/test_suffix_match.py tests/test_arena_append.py
+
 # ---------------------------------------------------------------- tree attention, split
 # the custom-mask prefill (25.9 ms of a B = 64 step on the H100, 1.3 TB/s) against the split
 # (the prefix unmasked + the tree kernel, merged): same output, the time of each
@@ -226,7 +237,8 @@ step bench_tree_attention 45 python3 bench/bench_tree_attention.py --device cuda
 # the index's level build (every 256 appended tokens of a session, and at message
 # boundaries): the one-launch Triton kernel against the torch path's ~70 launches, host and
 # device time per build (the two compiles first)
-step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda \
+# at the corpora's depth (TierConfig.max_depth): the e2e's warm-up compiled its two blocks
+step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda --depth 32 \
   --windows 320,1024,2048,4000 --out /tmp/bench/suffix_array
 # the split's share of the e2e result: agspec with the custom mask, beside plain decoding in
 # the same run (the methods that verify trees are the ones it changes)
@@ -238,15 +250,6 @@ if [ "$E2E_RC" -eq 0 ] || [ "$E2E_RC" -eq 124 ]; then
     --out "$OUT/e2e-$DATE-$GPU-custom-mask.json"
   rm -f "$OUT/e2e-$DATE-$GPU-custom-mask.csv"  # the JSON holds the rows (8 files come back)
 fi
-
-# ---------------------------------------------------------------- kernel tests
-step pytest-kernels 180 "${PYTEST[@]}" \
-  tests/test_candidate_rows.py \
-  tests/test_depth_caps.py tests/test_batch_budget.py tests/test_controller_commit.py \
-  tests/test_tree_accept.py tests/test_drafter_commit.py tests/test_kv_compact.py \
-  tests/test_tree_mask.py tests/test_node_probs.py tests/test_draft_nodes.py \
-  tests/test_suffix_match.py tests/test_arena_append.py tests/test_tree_attention.py \
-  tests/test_suffix_array.py
 
 # ---------------------------------------------------------------- drafter step, graphed vs eager
 # propose and commit timed alone on the same replayed steps, DrafterConfig(cuda_graphs=True/False)

@@ -242,14 +242,16 @@ def test_one_compile_per_block():
 
 
 def test_kernel_compiles_for_sm90():
-    """The two production blocks at the index's depth, without register spills."""
+    """The two production blocks at the corpora's depth (``TierConfig.max_depth``, 32; an
+    ``IndexConfig``'s default 64 with the large block), without register spills."""
     sig = dict(tokens_ptr="*i32", out_ptr="*i32", work_ptr="*i64", lo="i32", hi="i32",
                W="i32", num_selected="i32", DEPTH="constexpr", BLOCK="constexpr",
                IB="constexpr")
     usage = compile_all_for_sm90([
-        (_context_array_kernel, sig, dict(DEPTH=64, BLOCK=b, IB=b.bit_length() - 1),
-         dict(num_warps=w)) for b, w in ((1024, 4), (MAX_BLOCK, 8))])
-    assert len(usage) == 2
+        (_context_array_kernel, sig, dict(DEPTH=d, BLOCK=b, IB=b.bit_length() - 1),
+         dict(num_warps=w)) for d, b, w in ((32, 1024, 4), (32, MAX_BLOCK, 8),
+                                            (64, MAX_BLOCK, 8))])
+    assert len(usage) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
