@@ -157,11 +157,10 @@ log "=== flashinfer: JIT-compiled here: $(ls ~/.cache/flashinfer/*/*/cached_ops 
 # Two steps: before the e2e run the GPU-only tests (FlashInfer, graphs, the runners, the
 # decoder) and the kernels new or changed since the last device run (2026-12-05: the split
 # tree attention, the one-launch level build, the drafter commit's and the budget's new
-# modes, the KV commit's grid); right after it the other Triton kernels against their torch
-# paths (~200 cases, each compared under the interpreter in CI and passed on the H100):
-# correctness, then the issues' measurements, then the diagnostic benchmarks, each skipped
-# when the budget runs out (the benchmarks after the e2e add up to ~400 s of limits: placed
-# after them, the kernel tests would never start).
+# modes, the KV commit's grid, the match's window fix, the planner); after it and the split
+# attention's benchmark the other Triton kernels against their torch paths (~100 cases,
+# compared under the interpreter in CI and passed on the H100): correctness, then the
+# issues' measurements, then the diagnostics, each skipped when the budget runs out.
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
 PYTEST=(env PYTHONSAFEPATH=1 python3 -P -m pytest -v --tb=short --durations=8
@@ -170,7 +169,8 @@ step pytest 240 "${PYTEST[@]}" \
   tests/test_gpu.py tests/test_attention.py tests/test_verify_graphs.py \
   tests/test_layer_kernels.py tests/test_host.py \
   tests/test_tree_attention.py tests/test_suffix_array.py tests/test_drafter_commit.py \
-  tests/test_batch_budget.py tests/test_kv_compact.py \
+  tests/test_batch_budget.py tests/test_kv_compact.py tests/test_suffix_match.py \
+  tests/test_tree_mask.py \
   "tests/test_index.py::test_cuda_index_equals_cpu_and_reference" \
   "tests/test_drafter.py::test_drafter_step_does_not_sync_on_cuda" \
   "tests/test_drafter.py::test_deferred_commit_does_not_sync_on_cuda" \
@@ -222,17 +222,18 @@ fi
 cp /tmp/e2e/cost-*.json "$OUT/" 2>/dev/null
 for f in /tmp/e2e/trace-*.json; do [ -f "$f" ] && gzip -c "$f" >"$OUT/trace-e2e.json.gz"; done
 
-# ---------------------------------------------------------------- kernel tests
-step pytest-kernels 150 "${PYTEST[@]}" \
-  tests/test_candidate_rows.py tests/test_depth_caps.py tests/test_controller_commit.py \
-  tests/test_tree_accept.py tests/test_tree_mask.py tests/test_node_probs.py \
-  tests/test_draft_nodes.py tests/test_suffix_match.py tests/test_arena_append.py
-
 # ---------------------------------------------------------------- tree attention, split
 # the custom-mask prefill (25.9 ms of a B = 64 step on the H100, 1.3 TB/s) against the split
 # (the prefix unmasked + the tree kernel, merged): same output, the time of each
 step bench_tree_attention 45 python3 bench/bench_tree_attention.py --device cuda \
   --batch-sizes 1,16,64 --context 4096 --nodes 4 --out /tmp/bench/tree_attention
+
+# ---------------------------------------------------------------- kernel tests
+# the kernels unchanged since they passed on the H100 (2026-12-05)
+step pytest-kernels 120 "${PYTEST[@]}" \
+  tests/test_candidate_rows.py tests/test_depth_caps.py tests/test_controller_commit.py \
+  tests/test_tree_accept.py tests/test_node_probs.py tests/test_draft_nodes.py \
+  tests/test_arena_append.py
 # ---------------------------------------------------------------- a level build in one launch
 # the index's level build (every 256 appended tokens of a session, and at message
 # boundaries): the one-launch Triton kernel against the torch path's ~70 launches, host and
