@@ -101,6 +101,20 @@ def test_named_tests_exist():
             assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, ref
 
 
+def test_every_triton_kernel_is_tested_on_the_gpu():
+    """Each ``kernels/`` module with a Triton kernel is imported by a test file that a pytest
+    step of the script runs: a kernel added later gets its GPU comparison with the rest."""
+    named = {Path(f).name for f in re.findall(r"tests/test_\w+\.py", SCRIPT)}
+    tests = {f.name: f.read_text() for f in (ROOT / "tests").glob("test_*.py")}
+    modules = [f.stem for f in sorted((ROOT / "kernels").glob("*.py"))
+               if "@triton.jit" in f.read_text()]
+    assert len(modules) >= 15, modules
+    for mod in modules:
+        use = re.compile(rf"kernels\.{mod}\b|from agspec_gpu\.kernels import [^\n]*\b{mod}\b")
+        importers = {name for name, text in tests.items() if use.search(text)}
+        assert importers & named, (mod, sorted(importers))
+
+
 def test_inline_python_compiles_and_its_imports_exist():
     """The heredoc and ``-c`` programs: valid Python whose ``from agspec_gpu... import``
     names exist (the GPU-only calls themselves run on the device)."""
