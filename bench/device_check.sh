@@ -234,11 +234,12 @@ step pytest-kernels 120 "${PYTEST[@]}" \
   tests/test_candidate_rows.py tests/test_depth_caps.py tests/test_controller_commit.py \
   tests/test_tree_accept.py tests/test_node_probs.py tests/test_draft_nodes.py \
   tests/test_arena_append.py
+
 # ---------------------------------------------------------------- a level build in one launch
 # the index's level build (every 256 appended tokens of a session, and at message
 # boundaries): the one-launch Triton kernel against the torch path's ~70 launches, host and
-# device time per build (the two compiles first)
-# at the corpora's depth (TierConfig.max_depth): the e2e's warm-up compiled its two blocks
+# device time per build, at the corpora's depth (TierConfig.max_depth, 32: the e2e's
+# warm-up compiled its two blocks)
 step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda --depth 32 \
   --windows 320,1024,2048,4000 --out /tmp/bench/suffix_array
 # the split's share of the e2e result: agspec with the custom mask, beside plain decoding in
