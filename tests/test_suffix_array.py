@@ -242,8 +242,8 @@ def test_one_compile_per_block():
 
 
 def test_kernel_compiles_for_sm90():
-    """The two production blocks at the corpora's depth (``TierConfig.max_depth``, 32; an
-    ``IndexConfig``'s default 64 with the large block), without register spills."""
+    """The two production blocks at the corpora's depth (``TierConfig.max_depth``, 32) and
+    the large one at an ``IndexConfig``'s default depth (64), without register spills."""
     sig = dict(tokens_ptr="*i32", out_ptr="*i32", work_ptr="*i64", lo="i32", hi="i32",
                W="i32", num_selected="i32", DEPTH="constexpr", BLOCK="constexpr",
                IB="constexpr")
