@@ -147,7 +147,7 @@ def prefix_part(meta, q, cache, page_size):
     return o, lse
 
 
-@pytest.mark.parametrize("num_qo_heads,num_kv_heads", [(4, 2), (6, 1), (8, 8)])
+@pytest.mark.parametrize("num_qo_heads,num_kv_heads", [(4, 2), (6, 1), (3, 3)])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tree_kernel_triton_matches_torch(case, num_qo_heads, num_kv_heads, dtype):
