@@ -240,9 +240,9 @@ step pytest-kernels 120 "${PYTEST[@]}" \
 # ---------------------------------------------------------------- a level build in one launch
 # the index's level build (every 256 appended tokens of a session, and at message
 # boundaries): the one-launch Triton kernel against the torch path's ~70 launches, host and
-# device time per build, at the corpora's depth (TierConfig.max_depth, 32: the e2e's
-# warm-up compiled its two blocks)
-step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda --depth 32 \
+# device time per build, at the corpora's depth (the script's default, TierConfig.max_depth:
+# the e2e's warm-up compiled its two blocks)
+step bench_suffix_array 45 python3 bench/bench_suffix_array.py --device cuda \
   --windows 320,1024,2048,4000 --out /tmp/bench/suffix_array
 # the split's share of the e2e result: agspec with the custom mask, beside plain decoding in
 # the same run (the methods that verify trees are the ones it changes)
