@@ -22,7 +22,13 @@ context matching; ctx - top8 is ranking; top8 - acc is the tree, depth and budge
 Usage::
 
     python bench/gap_by_match.py --global dev-half0.agspec --half 1 [--sessions N]
-        [--max-target-tokens T] [--batch-size B] [--k 32] [--json out.json]
+        [--max-target-tokens T] [--batch-size B] [--k 32] [--cost-model FILE]
+        [--json out.json]
+
+``--cost-model``: the batch budget steers by this verification cost (a GPU run's calibrated
+file, e.g. ``bench/results/cost-llama3-8b-h100-80gb-hbm3-20261205.json``: its curve measured
+at ``--batch-size``, as ``bench/bench_e2e.py --cost-model`` reads it); default the built-in
+estimate.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kernels.suffix_match import suffix_match
@@ -44,6 +51,7 @@ from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
 
 from bench_drafter import DEV, FILES, cut
+from bench_e2e import load_cost_models
 
 BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))
 
@@ -135,8 +143,11 @@ def main() -> None:
                    help="occurrences per tier for the ctx bound (1024)")
     p.add_argument("--global", dest="global_corpus")
     p.add_argument("--half", type=int, choices=(0, 1))
+    p.add_argument("--cost-model", help="a calibrated cost file (default: the estimate)")
     p.add_argument("--json")
     args = p.parse_args()
+    cost = load_cost_models(args.cost_model, [args.batch_size])[args.batch_size] \
+        if args.cost_model else CostModel.default()
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")
     gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
@@ -152,7 +163,8 @@ def main() -> None:
 
         def make():
             store = CorpusStore(tok, TierConfig(), global_corpus=gc)
-            lane = GapLane("agspec", Drafter(store, DrafterConfig(), max_batch=args.batch_size),
+            lane = GapLane("agspec", Drafter(store, DrafterConfig(), max_batch=args.batch_size,
+                                             cost=cost),
                            store, "cpu", k=args.k, all_positions=args.all_positions)
             lanes.append(lane)
             return lane
