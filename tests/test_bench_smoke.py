@@ -153,11 +153,15 @@ def test_bench_drafter_host_smoke(tmp_path):
 @pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
 def test_gap_by_match_smoke(tmp_path, monkeypatch):
     out = tmp_path / "gap.json"
+    cost = Path(__file__).resolve().parents[1] / "bench/results/" \
+        "cost-llama3-8b-h100-80gb-hbm3-20261205.json"  # a GPU's calibrated staircase
     monkeypatch.setattr(sys, "argv", ["gap_by_match.py", "--sessions", "1",
                                       "--max-target-tokens", "60", "--batch-size", "2",
-                                      "--json", str(out)])
+                                      "--cost-model", str(cost), "--json", str(out)])
     gap_by_match.main()
-    files = json.loads(out.read_text())["files"]
+    res = json.loads(out.read_text())
+    assert res["config"]["cost_model"] == str(cost)
+    files = res["files"]
     assert len(files) == 3
     for f in files.values():
         assert f["steps"] > 0 and f["tau"] >= 1.0 and f["oracle_tau_same_steps"] >= f["tau"]
