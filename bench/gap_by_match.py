@@ -27,8 +27,8 @@ Usage::
 
 ``--cost-model``: the batch budget steers by this verification cost (a GPU run's calibrated
 file, e.g. ``bench/results/cost-llama3-8b-h100-80gb-hbm3-20261205.json``: its curve measured
-at ``--batch-size``, as ``bench/bench_e2e.py --cost-model`` reads it); default the built-in
-estimate.
+at ``--batch-size``, or its top-level curve where it measured none there, as
+``bench/bench_e2e.py --cost-model`` reads it); default the built-in estimate.
 """
 
 from __future__ import annotations

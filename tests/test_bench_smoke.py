@@ -158,10 +158,19 @@ def test_gap_by_match_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gap_by_match.py", "--sessions", "1",
                                       "--max-target-tokens", "60", "--batch-size", "2",
                                       "--cost-model", str(cost), "--json", str(out)])
+    costs = []  # the cost model each drafter steers its batch budget by
+
+    class Recorded(gap_by_match.Drafter):
+        def __init__(self, *a, cost=None, **k):
+            costs.append(cost)
+            super().__init__(*a, cost=cost, **k)
+
+    monkeypatch.setattr(gap_by_match, "Drafter", Recorded)
     gap_by_match.main()
-    res = json.loads(out.read_text())
-    assert res["config"]["cost_model"] == str(cost)
-    files = res["files"]
+    want = gap_by_match.load_cost_models(cost, [2])[2]
+    assert len(costs) == 3 and all(c == want for c in costs)
+    assert want != gap_by_match.CostModel.default()
+    files = json.loads(out.read_text())["files"]
     assert len(files) == 3
     for f in files.values():
         assert f["steps"] > 0 and f["tau"] >= 1.0 and f["oracle_tau_same_steps"] >= f["tau"]
