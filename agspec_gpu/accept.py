@@ -34,6 +34,7 @@ from numbers import Real
 
 import torch
 
+from agspec_gpu.checks import check_int_fields
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.kernels.tree_accept import greedy_tree_accept, path_outputs_torch, tree_accept
 from agspec_gpu.seeding import seeded_uniforms
@@ -75,14 +76,12 @@ class SamplingParams:
                              f"(float32), got {self.temperature}")
         # the device rows are int64: a larger k (any k >= the vocabulary is off) would fail
         # inside a step, ending the other requests of its batch
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or \
-                not 0 <= self.top_k < 1 << 63:
+        check_int_fields(self, ("top_k", "seed"), optional=("seed",))
+        if not 0 <= self.top_k < 1 << 63:
             raise ValueError(f"top_k must be an int in [0, 2**63), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or
-                                      isinstance(self.seed, bool) or
-                                      not 0 <= self.seed < 1 << 63):
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
 
     @property

@@ -3,13 +3,23 @@ the argument, before the caller's call changes anything."""
 
 from __future__ import annotations
 
-from numbers import Integral
+import math
+from collections.abc import Sequence
+from numbers import Integral, Real
 from typing import Any
+
+import numpy as np
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # frozen dataclasses normalize in __post_init__
 
 
 def check_int_fields(obj: Any, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     """Each attribute of ``obj`` in ``names`` is an int (a bool is not; None where it is in
-    ``optional``); a config's ``__post_init__`` calls this before comparing them."""
+    ``optional``); a config's ``__post_init__`` calls this before comparing them. Other
+    integral types (``numpy.int64``, ...) are stored back as ``int``: the kernels' launchers
+    and buffer sizes take Python ints only."""
     for name in names:
         v = getattr(obj, name)
         if v is None and name in optional:
@@ -17,6 +27,57 @@ def check_int_fields(obj: Any, names: tuple[str, ...], optional: tuple[str, ...]
         if not isinstance(v, Integral) or isinstance(v, bool):
             raise ValueError(f"{name}: expected an int{' or None' if name in optional else ''}"
                              f", got {v!r}")
+        if type(v) is not int:
+            _set(obj, name, int(v))
+
+
+def check_float_fields(obj: Any, names: tuple[str, ...]) -> None:
+    """Each attribute of ``obj`` in ``names`` is a finite real number (a bool is not),
+    stored back as ``float``; ranges are the caller's to check."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"{name}: expected a finite number, got {v!r}")
+        if type(v) is not float:
+            _set(obj, name, float(v))
+
+
+def check_bool_fields(obj: Any, names: tuple[str, ...]) -> None:
+    """Each attribute of ``obj`` in ``names`` is a bool (``numpy.bool_`` stored back as
+    one): a truthy string such as ``"no"`` must not switch a feature on."""
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, np.bool_):
+            _set(obj, name, bool(v))
+        elif not isinstance(v, bool):
+            raise ValueError(f"{name}: expected a bool, got {v!r}")
+
+
+def check_instance_field(obj: Any, name: str, cls: type) -> None:
+    """The attribute ``name`` of ``obj`` is a ``cls``."""
+    v = getattr(obj, name)
+    if not isinstance(v, cls):
+        raise ValueError(f"{name}: expected a {cls.__name__}, got {type(v).__name__}")
+
+
+def check_tuple_field(obj: Any, name: str, cls: type | tuple[type, ...],
+                      length: int | None = None, convert: Any = None) -> None:
+    """The attribute ``name`` of ``obj`` is a sequence (not a str) of ``cls`` items (a bool
+    is not an int here; ``length`` items where given), stored back as a tuple (of
+    ``convert(item)`` where given)."""
+    v = getattr(obj, name)
+    kinds = cls if isinstance(cls, tuple) else (cls,)
+    what = " or ".join("int" if k is Integral else k.__name__ for k in kinds)
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) \
+            or (length is not None and len(v) != length) \
+            or not all(isinstance(x, cls) and not (isinstance(x, bool) and bool not in kinds)
+                       for x in v):
+        raise ValueError(f"{name}: expected a tuple of {length or ''}{' ' if length else ''}"
+                         f"{what}, got {v!r}")
+    if convert is not None:
+        _set(obj, name, tuple(convert(x) for x in v))
+    elif type(v) is not tuple:
+        _set(obj, name, tuple(v))
 
 
 def check_text(text: Any, name: str) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from agspec_gpu.checks import check_float_fields, check_int_fields
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.kernels.batch_budget import budget_count_torch
 from agspec_gpu.kernels.controller_commit import scale_update_torch
@@ -38,10 +39,14 @@ class RoleProfile:
     initial_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name: expected a non-empty str, got {self.name!r}")
+        check_int_fields(self, ("draft_cap",))
+        check_float_fields(self, ("initial_scale",))
         if self.draft_cap < 1:
             raise ValueError(f"draft_cap must be >= 1, got {self.draft_cap}")
         if self.initial_scale <= 0:
-            raise ValueError("initial_scale must be > 0")
+            raise ValueError(f"initial_scale must be > 0, got {self.initial_scale}")
 
 
 # Caps and initial scales chosen on replayed dev sessions (see the drafter's min_prob): deep
@@ -63,6 +68,8 @@ class ControllerConfig:
     static_k: int | None = None  # fixed depth; disables the adaptive rule
 
     def __post_init__(self) -> None:
+        check_float_fields(self, ("alpha", "beta", "s_min", "s_max"))
+        check_int_fields(self, ("static_k",), optional=("static_k",))
         if not (self.alpha >= 1.0 and 0 < self.beta <= 1.0):
             raise ValueError("need alpha >= 1 and 0 < beta <= 1")
         if not 0 < self.s_min <= self.s_max:

@@ -34,6 +34,7 @@ Inside your own loop, with your own model and KV cache::
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping, Set
 from dataclasses import replace
 from numbers import Integral
 from pathlib import Path
@@ -116,6 +117,7 @@ class SpecDecoder:
         self._scheduler = Scheduler(self.config.max_batch, self._running_batch, self._advance,
                                     self._kv.fits)
         self._proposed: list[str] | None = None  # the sessions of the last public propose
+        self._proposed_draft: DraftBatch | None = None  # and its draft, checked as made
         self._generating: set[str] = set()  # the sessions of the running generate() calls
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         self._next = 0
@@ -325,7 +327,8 @@ class SpecDecoder:
             ids = ids.tolist()
         what = (f"{name}: expected token ids (a list of int or a 1-D integer tensor), got "
                 f"{type(ids).__name__}")
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        # an unordered container (a set, a dict's keys) has no token order to keep
+        if isinstance(ids, (str, bytes, Set, Mapping)) or not isinstance(ids, Iterable):
             raise ValueError(what)
         try:
             ids = list(ids)
@@ -362,7 +365,7 @@ class SpecDecoder:
         self._check_idle(sids)
         with nvtx.annotate("agspec.propose"):
             draft = self.drafter.propose(sids)
-        self._proposed = sids
+        self._proposed, self._proposed_draft = sids, draft
         return draft
 
     @device_guard
@@ -375,9 +378,16 @@ class SpecDecoder:
     def tree_inputs(self, session_ids: Sequence[str], draft: DraftBatch) -> TreeInputs:
         """The verification forward's inputs for ``draft`` (:meth:`DraftBatch.tree_inputs`):
         ``[root, nodes]`` ids, positions from each session's cached length
-        ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask."""
+        ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask.
+
+        A draft other than the one :meth:`propose` returned (a narrowed, masked or built
+        one) is checked first, in one device read, as :meth:`commit` checks it: sizes, token
+        ids in the vocabulary, parents earlier nodes; ValueError naming the field, before
+        your forward would index the embedding with it."""
         states = [self._session(s) for s in self._batch(session_ids)]
         check_draft(draft, len(states))
+        if draft is not self._proposed_draft:
+            draft.checked_sizes(self.vocab_size, self._reader)
         dev = draft.token_ids.device
         return draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64, dev),
                                  to_device([len(st.context) - 1 for st in states],
@@ -440,12 +450,13 @@ class SpecDecoder:
         check_draft(draft, len(sids))
         B, N = draft.token_ids.shape
         lead = "total_q" if qo_indptr is not None else f"{B}, {1 + N}"
-        if not isinstance(logits, torch.Tensor) or \
-                logits.dim() != (2 if qo_indptr is not None else 3) or \
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+        if logits.dim() != (2 if qo_indptr is not None else 3) or \
                 (qo_indptr is None and tuple(logits.shape[:2]) != (B, 1 + N)) or \
                 logits.shape[-1] < self.vocab_size:
             raise ValueError(f"logits: expected [{lead}, >= {self.vocab_size}], got "
-                             f"{list(getattr(logits, 'shape', ()))}")
+                             f"{list(logits.shape)}")
         if not logits.is_floating_point():
             raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
         if logits.device != draft.token_ids.device:
@@ -502,7 +513,7 @@ class SpecDecoder:
                 raise
             for s, toks in zip(sids, new):
                 self._sessions[s].extend(toks)
-        self._proposed = None
+        self._proposed = self._proposed_draft = None
         return res if taken == n_out else _cut(res, taken)
 
     def _batch(self, session_ids: Sequence[str], bounded: bool = True) -> list[str]:
@@ -658,6 +669,17 @@ class SpecDecoder:
         """
         sid = self._batch([session_id])[0]
         self._check_idle([sid])
+        # one session's scalars (generate's per-session lists would pass _requests for one)
+        for name, v, kinds in (("max_new_tokens", max_new_tokens, Integral),
+                               ("sampling", sampling, (SamplingParams, type(None))),
+                               ("speculate", speculate, bool)):
+            if not isinstance(v, kinds) or (name == "max_new_tokens" and isinstance(v, bool)):
+                raise ValueError(f"{name}: submit() takes one session's value, got {v!r}")
+        if not isinstance(stop, (str, bytes, bytearray, Mapping)) and isinstance(stop, Iterable):
+            stop = list(stop)
+            if any(not isinstance(x, str) for x in stop):
+                raise ValueError(f"stop: submit() takes one session's stop strings, got "
+                                 f"{stop!r}")
         reqs = self._requests([sid], max_new_tokens, sampling, stop, speculate, eos_id)
         if reqs.limits[0] == 0:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
@@ -733,7 +755,7 @@ class SpecDecoder:
         """A pending :meth:`propose` of any of ``sids`` is stale: their context moves on
         elsewhere (``commit`` of it then raises); one of other sessions stays valid."""
         if self._proposed is not None and not set(sids).isdisjoint(self._proposed):
-            self._proposed = None
+            self._proposed = self._proposed_draft = None
 
     def _check_generator(self, generator) -> None:
         if generator is not None and not isinstance(generator, torch.Generator):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agspec_gpu.checks import check_int_fields
+from agspec_gpu.checks import check_bool_fields, check_instance_field, check_int_fields
 from agspec_gpu.drafter import DrafterConfig
 from agspec_gpu.tiers import TierConfig
 
@@ -76,14 +76,11 @@ class DecoderConfig:
     tree_attention: str = "split"
 
     def __post_init__(self) -> None:
-        for name, cls in (("tiers", TierConfig), ("drafter", DrafterConfig)):
-            if not isinstance(getattr(self, name), cls):
-                raise ValueError(f"{name}: expected a {cls.__name__}, got "
-                                 f"{type(getattr(self, name)).__name__}")
+        check_instance_field(self, "tiers", TierConfig)
+        check_instance_field(self, "drafter", DrafterConfig)
         check_int_fields(self, ("max_batch", "max_sessions", "page_size", "kv_cache_tokens"),
                          optional=("max_sessions",))
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
+        check_bool_fields(self, ("cuda_graphs",))
         if self.profiles is not None and not isinstance(self.profiles, (str, Path)):
             raise ValueError(f"profiles: expected a path or None, got {self.profiles!r}")
         if self.max_batch < 1:

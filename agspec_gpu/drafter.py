@@ -24,12 +24,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 
 import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
-from agspec_gpu.checks import check_int_fields
+from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_instance_field,
+                               check_int_fields, check_tuple_field)
 from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
@@ -121,6 +123,14 @@ class DrafterConfig:
         check_int_fields(self, ("max_positions", "max_scan", "max_candidate_rows",
                                 "max_draft_depth", "max_nodes", "min_match", "candidate_slack"),
                          optional=("max_scan", "max_candidate_rows"))
+        check_bool_fields(self, ("tree", "batch_budget", "calibrate", "cuda_graphs"))
+        check_float_fields(self, ("min_prob",))
+        check_tuple_field(self, "tier_bonus", Integral, length=_NUM_TIERS, convert=int)
+        check_instance_field(self, "controller", ControllerConfig)
+        check_tuple_field(self, "roles", RoleProfile)
+        names = [r.name for r in self.roles]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"roles: expected profiles with distinct names, got {names}")
         if self.max_positions < 1 or self.max_draft_depth < 1 or self.max_nodes < 1:
             raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
         if self.max_scan is not None and self.max_scan < 1:
@@ -133,8 +143,9 @@ class DrafterConfig:
             raise ValueError("candidate_slack must be >= 0")
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError("min_prob must be in [0, 1)")
-        if len(self.tier_bonus) != _NUM_TIERS or min(self.tier_bonus) < 0:
-            raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints")
+        if min(self.tier_bonus) < 0:
+            raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints, got "
+                             f"{self.tier_bonus}")
 
 
 class Drafter:
@@ -276,6 +287,8 @@ class Drafter:
     @device_guard
     def open_session(self, sid: str, tenant: str, role: str = "default",
                      prompt_ids: torch.Tensor | list[int] = ()) -> None:
+        if not isinstance(role, str):
+            raise ValueError(f"role: expected a str, got {type(role).__name__}")
         if role not in self._roles:
             raise ValueError(f"role {role!r} is unknown (known: {sorted(self._roles)})")
         if not self._free:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from agspec_gpu.checks import check_float_fields, check_int_fields
 from agspec_gpu.descriptor_table import DescriptorTable
 from agspec_gpu.host import HostWriter, canonical_device, to_device
 from agspec_gpu.kernels.arena_append import arena_append
@@ -52,6 +53,8 @@ class IndexConfig:
     merge_ratio: float = 2.0
 
     def __post_init__(self) -> None:
+        check_int_fields(self, ("max_depth", "tail_tokens"))
+        check_float_fields(self, ("merge_ratio",))
         if not 1 <= self.max_depth <= 4096:
             raise ValueError(f"max_depth must be in [1, 4096], got {self.max_depth}")
         if self.tail_tokens < 1:

@@ -9,7 +9,7 @@ step's tokens it takes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral
 from typing import Callable
@@ -233,8 +233,11 @@ class StepOutput:
 def stop_lists(stop, n: int) -> list[list[str]]:
     """``stop`` as one list of stop strings per session: a string, strings for every
     session, or one list (or tuple) of strings per session."""
+    given = stop
     if isinstance(stop, str):
         stop = [stop]
+    if isinstance(stop, (bytes, bytearray, Mapping)):
+        raise ValueError(f"stop: expected a string or strings, got {given!r}")
     try:
         stop = list(stop)
     except TypeError:
@@ -246,7 +249,7 @@ def stop_lists(stop, n: int) -> list[list[str]]:
     else:
         lists = [stop] * n
     if not all(isinstance(x, str) and x for xs in lists for x in xs):
-        raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+        raise ValueError(f"stop: expected non-empty strings, got {given!r}")
     for x in {x for xs in lists for x in xs}:
         check_text(x, "stop")
     return lists

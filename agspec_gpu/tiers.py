@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from agspec_gpu.checks import check_text
+from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_int_fields, check_text,
+                               check_tuple_field)
 from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
@@ -77,18 +78,22 @@ class TierConfig:
     idle_budget_tokens: int | None = 24_000_000
 
     def __post_init__(self) -> None:
+        check_int_fields(self, ("max_depth", "tail_tokens", "workspace_budget_tokens",
+                                "history_budget_tokens", "idle_budget_tokens"),
+                         optional=("idle_budget_tokens",))
+        check_bool_fields(self, ("use_workspace", "use_history", "use_global"))
+        check_float_fields(self, ("workspace_low_water", "history_low_water"))
+        check_tuple_field(self, "forms", EmissionForm)
         if EmissionForm.RAW not in self.forms:
             raise ValueError("forms must include EmissionForm.RAW")
         if self.workspace_budget_tokens < 1 or self.history_budget_tokens < 1:
             raise ValueError("tier budgets must be >= 1 token")
         for name in ("workspace_low_water", "history_low_water"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        idle = self.idle_budget_tokens
-        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int)
-                                 or idle < 1):
-            raise ValueError(f"idle_budget_tokens must be None or an int >= 1, got {idle!r}")
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if self.idle_budget_tokens is not None and self.idle_budget_tokens < 1:
+            raise ValueError(f"idle_budget_tokens must be None or an int >= 1, got "
+                             f"{self.idle_budget_tokens!r}")
         IndexConfig(self.max_depth, self.tail_tokens)  # validates both
 
 
@@ -428,6 +433,23 @@ class GlobalCorpus:
         if max_depth != self.max_depth:
             raise ValueError(f"global corpus was indexed with max_depth={self.max_depth}, "
                              f"the store uses {max_depth}")
+        # a GlobalCorpus made in code skips the file's checksum: its ids would be drafted,
+        # its suffix array read as positions by the match kernel (no bounds check there)
+        tok, sa, end = self.tokens, self.sa, self.indexed_end
+        for name, t in (("tokens", tok), ("sa", sa)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                raise ValueError(f"global corpus {name}: expected an int32 [n] tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{list(getattr(t, 'shape', ()))}")
+        if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= tok.numel():
+            raise ValueError(f"global corpus indexed_end: expected an int in [0, "
+                             f"{tok.numel()}], got {end!r}")
+        if tok.numel() and (int(tok.min()) < SEP or int(tok.max()) >= tokenizer.vocab_size):
+            raise ValueError(f"global corpus tokens: ids outside the tokenizer's vocabulary "
+                             f"[0, {tokenizer.vocab_size}) (or the separator {SEP})")
+        if sa.numel() > end or (sa.numel() and (int(sa.min()) < 0 or int(sa.max()) >= end)):
+            raise ValueError(f"global corpus sa: {sa.numel()} entries, expected at most "
+                             f"indexed_end = {end} positions in [0, {end})")
 
 
 def _digest(tokens: torch.Tensor, sa: torch.Tensor) -> str:

@@ -1071,6 +1071,21 @@ def test_bad_token_ids_and_survivors():
     for bad in (3, "", sids[0]):
         with pytest.raises(ValueError, match="session_id"):
             dec.open_session("t0", "coder", [1, 2], session_id=bad)
+    # unordered containers hold no token order (a set sorted and deduplicated them)
+    for bad in ({3, 1, 2}, {5: "a"}, frozenset([4])):
+        with pytest.raises(ValueError, match="prompt_ids: expected token ids"):
+            dec.open_session("t0", "coder", bad)
+        with pytest.raises(ValueError, match="token_ids: expected token ids"):
+            dec.append(sids[0], bad)
+    with pytest.raises(ValueError, match="role: expected a str"):  # not "unhashable type"
+        dec.open_session("t0", ["coder"], [1, 2])
+    with pytest.raises(ValueError, match=r"stop: expected a string or strings, got b'x'"):
+        dec.generate(sids, max_new_tokens=4, stop=b"x")
+    for kw in (dict(max_new_tokens=[2]), dict(sampling=[SamplingParams()]),
+               dict(speculate=[True]), dict(stop=[["a"]])):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}: submit\\(\\) takes one"):
+            dec.submit(sids[0], **kw)
+    assert dec.queued == []
     # a caller's id of the automatic ids' form: the next automatic id passes it by
     probe = dec.open_session("t0", "coder", [1, 2])
     prefix, n = probe.rsplit("s", 1)
@@ -1081,6 +1096,53 @@ def test_bad_token_ids_and_survivors():
     for s in taken + [probe, auto]:
         dec.close_session(s)
     assert_greedy(dec, variant, sids, P)
+
+
+def test_config_fields_of_other_types_are_named_or_stored_as_python_types():
+    """numpy scalars are stored back as int / float / bool (the kernels' launchers and buffer
+    sizes take Python ints: a numpy ``max_nodes`` had failed at the first step); a str, a
+    float for an int, a truthy str for a bool, a non-profile role: ValueError naming the
+    field at construction, not a TypeError (or a silent switch) later."""
+    from agspec_gpu.controller import ControllerConfig, RoleProfile
+    from agspec_gpu.forms import EmissionForm
+
+    d = DrafterConfig(max_nodes=np.int64(8), max_draft_depth=np.int32(6), min_match=np.int64(2),
+                      min_prob=np.float32(0.25), tree=np.bool_(True),
+                      tier_bonus=[np.int64(2), 2, 1, 0])
+    assert (type(d.max_nodes), type(d.max_draft_depth), type(d.min_match), type(d.min_prob),
+            type(d.tree), d.tier_bonus) == (int, int, int, float, bool, (2, 2, 1, 0))
+    assert type(DecoderConfig(max_batch=np.int64(2)).max_batch) is int
+    t = TierConfig(max_depth=np.int64(16), forms=[EmissionForm.RAW],
+                   workspace_low_water=np.float64(0.5))
+    assert (type(t.max_depth), t.forms, type(t.workspace_low_water)) == \
+        (int, (EmissionForm.RAW,), float)
+    assert type(SamplingParams(top_k=np.int64(3), seed=np.int64(1)).top_k) is int
+    for cls, kw in ((TierConfig, dict(workspace_budget_tokens="x")),
+                    (TierConfig, dict(workspace_budget_tokens=2.5)),
+                    (TierConfig, dict(max_depth=3.5)), (TierConfig, dict(forms=5)),
+                    (TierConfig, dict(forms=("raw",))), (TierConfig, dict(use_workspace="no")),
+                    (TierConfig, dict(idle_budget_tokens=1.5)),
+                    (DrafterConfig, dict(min_prob="x")), (DrafterConfig, dict(tier_bonus=5)),
+                    (DrafterConfig, dict(tier_bonus=(1, 2, True, 0))),
+                    (DrafterConfig, dict(roles=("default",))),
+                    (DrafterConfig, dict(roles=())),
+                    (DrafterConfig, dict(roles=(RoleProfile("a"), RoleProfile("a")))),
+                    (DrafterConfig, dict(controller=None)), (DrafterConfig, dict(tree="no")),
+                    (DrafterConfig, dict(cuda_graphs=1)),
+                    (ControllerConfig, dict(alpha="2")), (ControllerConfig, dict(static_k=2.0)),
+                    (ControllerConfig, dict(s_max=float("inf")))):
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}"):
+            cls(**kw)
+    for kw in (dict(draft_cap="3"), dict(initial_scale=float("nan")), dict(name="")):
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}"):
+            RoleProfile(**{"name": "r", **kw})
+    # the numpy-valued config runs: drafts, and stays lossless
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (1, 3)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(drafter=d, max_batch=np.int64(2)))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    assert_greedy(dec, variant, sids, P)
+    assert dec.stats["drafted"] > 0
 
 
 def test_arguments_of_the_wrong_type_are_named():
@@ -1555,6 +1617,18 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
             dec.tree_inputs(sids, bad_draft)
     with pytest.raises(ValueError, match="draft: batch 2 != 1"):
         dec.tree_inputs(sids[:1], draft)
+    # a draft other than propose()'s is checked before the caller's forward embeds it
+    with pytest.raises(ValueError, match="draft.token_ids"):
+        dec.tree_inputs(sids, DraftBatch(bad_tok, draft.parents, num))
+    with pytest.raises(ValueError, match="draft.parents"):
+        dec.tree_inputs(sids, DraftBatch(draft.token_ids, bad_par, num))
+    with pytest.raises(ValueError, match="draft.num_draft_tokens"):
+        dec.tree_inputs(sids, DraftBatch(draft.token_ids, draft.parents,
+                                         torch.tensor([1, N + 5], dtype=torch.int32)))
+    capped = draft.capped(1)  # a user's copy of a valid draft passes
+    assert dec.tree_inputs(sids, capped).input_ids.shape == (2, 1 + N)
+    with pytest.raises(ValueError, match="logits: expected a torch.Tensor, got ndarray"):
+        dec.commit(sids, draft, logits.numpy())
     with pytest.raises(ValueError, match="session_ids: propose"):
         dec.propose([])
     with pytest.raises(ValueError, match="sampling"):  # one SamplingParams per session

@@ -548,6 +548,28 @@ def test_global_corpus_serves_every_tenant(tok, global_file):
     assert off.global_cid is None
 
 
+def test_global_corpus_object_is_checked_as_a_file_is(tok, global_file):
+    """A GlobalCorpus made in code skips the file's checksum: ids past the vocabulary
+    (they would be drafted) and suffix-array entries past its positions (the match kernel
+    reads them unchecked) raise naming the field, as does a wrong dtype or shape."""
+    _, g, _ = global_file
+    CorpusStore(tok, TierConfig(), global_corpus=g)  # the built one passes
+    big = g.tokens.clone()
+    big[5] = tok.vocab_size + 100
+    low = g.tokens.clone()
+    low[5] = -2
+    far = g.sa.clone()
+    far[0] = g.indexed_end
+    for bad, match in ((dict(tokens=big), "tokens: ids outside"),
+                       (dict(tokens=low), "tokens: ids outside"),
+                       (dict(tokens=g.tokens.long()), "tokens: expected an int32"),
+                       (dict(sa=far), "sa: "), (dict(sa=g.sa[None]), "sa: expected an int32"),
+                       (dict(sa=torch.cat([g.sa, g.sa])), "sa: "),
+                       (dict(indexed_end=g.tokens.numel() + 1), "indexed_end")):
+        with pytest.raises(ValueError, match=f"global corpus {match}"):
+            CorpusStore(tok, TierConfig(), global_corpus=dataclasses.replace(g, **bad))
+
+
 def test_global_corpus_truncated(live, global_file, tmp_path):
     store, d, before = live
     path, _, _ = global_file
