@@ -134,16 +134,57 @@ class BatchCostModels:
         if not all(isinstance(c, CostModel) for _, c in self.curves):
             raise ValueError("curves: every curve must be a CostModel")
 
-    def curve_for(self, num_requests: int | None) -> CostModel:
-        """The curve of the smallest measured batch ``>= num_requests`` (None: the largest)."""
+    def size_for(self, num_requests: int | None) -> int:
+        """The smallest measured batch ``>= num_requests`` (the largest where none is, or
+        for None)."""
+        sizes = [s for s, _ in self.curves]
         if num_requests is None:
-            return self.curves[-1][1]
-        i = bisect.bisect_left([s for s, _ in self.curves], num_requests)
-        return self.curves[min(i, len(self.curves) - 1)][1]
+            return sizes[-1]
+        return sizes[min(bisect.bisect_left(sizes, num_requests), len(sizes) - 1)]
+
+    def curve_for(self, num_requests: int | None) -> CostModel:
+        """The curve of :meth:`size_for`'s batch."""
+        return dict(self.curves)[self.size_for(num_requests)]
 
     def step_ms(self, num_tokens: float, num_requests: int | None = None) -> float:
         """:meth:`CostModel.step_ms` of the step's curve (:meth:`curve_for`)."""
         return self.curve_for(num_requests).step_ms(num_tokens, num_requests=num_requests)
+
+    def to_json(self) -> dict:
+        """What :meth:`from_json` reads back: the smallest batch's curve at the top level (a
+        reader of one curve takes it), every curve under ``by_batch_size``."""
+        return {**self.curves[0][1].to_json(),
+                "by_batch_size": {str(b): [list(p) for p in c.points] for b, c in self.curves}}
+
+    @classmethod
+    def from_json(cls, obj: dict | str | Path, batch_sizes=()) -> "BatchCostModels":
+        """A saved calibration (``bench/bench_e2e.py``'s ``cost-<model>-<gpu>.json``, or a
+        dict of it): a curve per batch size it measured (``by_batch_size``), and one at each
+        of ``batch_sizes`` that it did not measure (its top-level curve). A file of one
+        curve (:meth:`CostModel.from_json`'s form) is that curve at its ``requests`` (1 if
+        None). Measured through the verification graphs (``steps``, or in files from before
+        that field ``verify_cuda_graphs``), a curve is a staircase priced from its own batch.
+        ValueError naming the file for anything else."""
+        where = f"cost model {obj}" if isinstance(obj, (str, Path)) else "cost model"
+        try:
+            if isinstance(obj, (str, Path)):
+                obj = json.loads(Path(obj).read_text())
+            by_batch = obj.get("by_batch_size") or {}
+            steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
+            sizes = sorted({int(k) for k in by_batch} | {int(b) for b in batch_sizes})
+        except (OSError, json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{where}: expected a calibration JSON ({type(exc).__name__}: "
+                             f"{exc})") from None
+        if not sizes:
+            top = CostModel.from_json(obj)
+            return cls(((top.requests or 1, top),))
+        curves = []
+        for b in sizes:
+            pts = by_batch.get(str(b))
+            curves.append((b, CostModel.from_json(
+                {"points": pts, "source": obj.get("source", ""), "steps": steps,
+                 "requests": b if steps else None}) if pts else CostModel.from_json(obj)))
+        return cls(tuple(curves))
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ Inside your own loop, with your own model and KV cache::
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Set
 from dataclasses import replace
@@ -47,9 +48,11 @@ import torch
 from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, accept_tree,
                                rows_without_finite_max)
 from agspec_gpu.attention import FlashInferPagedAttention
+from agspec_gpu.calibrate import calibrate_cost_model
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.checks import check_text
 from agspec_gpu.controller import load_profiles
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.decoder_config import DecoderConfig
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
@@ -142,7 +145,7 @@ class SpecDecoder:
             roles = load_profiles(self.config.profiles, {r.name: r for r in drafter_cfg.roles})
             drafter_cfg = replace(drafter_cfg, roles=tuple(roles.values()))
         self.drafter = Drafter(self.store, drafter_cfg, self.config.max_batch,
-                               max_sessions=self.config.session_limit)
+                               cost=self._cost_model(), max_sessions=self.config.session_limit)
         self._paged: PagedLlamaRunner | None = None
         if self.config.runner == "paged":  # converted once, here, so a bad model fails early
             cfg = self.config
@@ -166,6 +169,16 @@ class SpecDecoder:
                                   reserve_tokens=1 + drafter_cfg.max_nodes,
                                   reserve_new_tokens=self.config.admission == "reserve")
 
+    def _cost_model(self) -> CostModel | BatchCostModels | None:
+        """``config.cost_model``, a file of it loaded (ValueError naming it if unreadable)."""
+        cost = self.config.cost_model
+        if isinstance(cost, (str, Path)):
+            try:
+                cost = BatchCostModels.from_json(cost)
+            except ValueError as exc:
+                raise ValueError(f"cost_model: {exc}") from None
+        return cost
+
     def _capture_verify_graphs(self, max_nodes: int) -> VerifyGraphs | None:
         """The paged runner's verification graphs, or None (:attr:`verify_graph_error` says
         why): their padded buckets pay only when replayed as graphs; run eagerly, each step
@@ -180,6 +193,64 @@ class SpecDecoder:
             self.verify_graph_error = vg.graph_error
             return None
         return vg
+
+    @device_guard
+    @torch.no_grad()
+    def calibrate_cost_model(self, context_tokens: int, batch_sizes: Sequence[int] | None = None,
+                             *, max_draft_tokens: int | None = None, repeats: int = 5,
+                             out: str | Path | None = None) -> BatchCostModels:
+        """Measures this decoder's verification cost on its model and GPU, and steers the
+        batch budget by it from the next step on (``runner="paged"``).
+
+        At each of ``batch_sizes`` (default: the verification graphs' buckets, 1, 2, 4, ...
+        ``max_batch``), that many requests of ``context_tokens`` tokens of KV verify ``n = 0,
+        1, 2, 4, ... max_draft_tokens`` draft tokens (default: the most a step of the bucket
+        verifies, ``max_nodes`` each) through the same verification graphs as the decoder's
+        steps (:func:`~agspec_gpu.calibrate.calibrate_cost_model`); ~1 s per batch size on
+        an H100. ``out``: also written there as JSON, which ``DecoderConfig(cost_model=out)``
+        loads into the next decoder of this model and GPU. The KV pool must hold
+        ``max(batch_sizes) * context_tokens`` tokens beside the sessions' kept KV
+        (:class:`~agspec_gpu.kv_cache.KVCacheFull` otherwise); between calls only: no
+        request may run (RuntimeError).
+
+        Returns:
+            The measured curves (:class:`~agspec_gpu.cost_model.BatchCostModels`).
+        """
+        if self._paged is None:
+            raise ValueError("calibrate_cost_model: needs DecoderConfig(runner='paged') (the "
+                             "HF runner's steps are its model's own forward)")
+        if self._generating or self.running or self.queued:
+            raise RuntimeError("calibrate_cost_model: requests are running or queued")
+        if isinstance(context_tokens, bool) or not isinstance(context_tokens, Integral) or \
+                context_tokens < 1:
+            raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
+        graph_sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
+        sizes = sorted(set(graph_sizes + [self.config.max_batch])) if batch_sizes is None \
+            else list(batch_sizes)
+        if any(isinstance(b, bool) or not isinstance(b, Integral) or
+               not 1 <= b <= self.config.max_batch for b in sizes):
+            raise ValueError(f"batch_sizes: expected ints in [1, {self.config.max_batch}], got "
+                             f"{sizes}")
+        if sorted(set(sizes)) != sizes or not sizes:
+            raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
+        nodes = self.drafter.config.max_nodes
+        where = f"measured: SpecDecoder on {self._device_name()}"
+        cost = BatchCostModels(tuple(
+            (int(b), calibrate_cost_model(
+                self._paged, int(b), int(context_tokens),
+                max_draft_tokens=max_draft_tokens or int(b) * nodes, repeats=repeats,
+                verify_graphs=self._verify_graphs,
+                source=f"{where}, {b} requests x {context_tokens} tokens of KV, plan + "
+                       f"forward + argmax, median of {repeats}"))
+            for b in sizes))
+        self.drafter.set_cost(cost)
+        if out is not None:
+            Path(out).write_text(json.dumps(cost.to_json(), indent=1) + "\n")
+        return cost
+
+    def _device_name(self) -> str:
+        dev = self._device
+        return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agspec_gpu.checks import check_bool_fields, check_instance_field, check_int_fields
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.drafter import DrafterConfig
 from agspec_gpu.tiers import TierConfig
 
@@ -47,6 +48,13 @@ class DecoderConfig:
             failed capture (:attr:`SpecDecoder.verify_graph_error` says why).
         profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
             those of the drafter's roles of the same name (other roles are kept).
+        cost_model: what the batch budget steers by: verification time against tokens per
+            step on your model and GPU. A calibration file (``bench/bench_e2e.py --model
+            ... --calibrate`` writes ``cost-<model>-<gpu>.json``, a curve per batch size:
+            a step steers by its bucket's, :class:`~agspec_gpu.cost_model.BatchCostModels`),
+            a :class:`~agspec_gpu.cost_model.CostModel` or ``BatchCostModels`` (e.g.
+            :meth:`SpecDecoder.calibrate_cost_model`'s), or None: the built-in estimate (an
+            8B bf16 model on an H200), which prices another model or GPU wrong.
         admission: ``runner="paged"``: when a waiting request joins the running batch
             (:mod:`~agspec_gpu.scheduler`). ``"reserve"``: once the KV pool holds it and
             the running requests to their ``max_new_tokens`` (a batch never outgrows the
@@ -72,6 +80,7 @@ class DecoderConfig:
     kv_cache_tokens: int = 1 << 15
     cuda_graphs: bool = True
     profiles: str | None = None
+    cost_model: str | Path | CostModel | BatchCostModels | None = None
     admission: str = "reserve"
     tree_attention: str = "split"
 
@@ -83,6 +92,10 @@ class DecoderConfig:
         check_bool_fields(self, ("cuda_graphs",))
         if self.profiles is not None and not isinstance(self.profiles, (str, Path)):
             raise ValueError(f"profiles: expected a path or None, got {self.profiles!r}")
+        if self.cost_model is not None and not isinstance(
+                self.cost_model, (str, Path, CostModel, BatchCostModels)):
+            raise ValueError(f"cost_model: expected a path, a CostModel, a BatchCostModels "
+                             f"or None, got {type(self.cost_model).__name__}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_sessions is not None and self.max_sessions < self.max_batch:

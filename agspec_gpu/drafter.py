@@ -33,7 +33,7 @@ from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_instance_field,
                                check_int_fields, check_tuple_field)
 from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
 from agspec_gpu.host import HostWriter, cuda_index, device_guard, to_device
@@ -156,7 +156,12 @@ class Drafter:
         config: drafting parameters.
         max_batch: the most requests of one step (the batch buckets and the budget's cost
             table are sized for it).
-        cost: verification cost model for the batch budget.
+        cost: verification cost model for the batch budget: one curve, or curves measured
+            at several batch sizes (:class:`BatchCostModels`), of which a step of ``B``
+            rows (its graph bucket's, padding included) steers by the one measured at the
+            smallest batch ``>= B``, the bucket its verification runs in (a batch's drain
+            and a half-full server verify in smaller buckets than a full one, at other
+            prices).
         max_sessions: the most concurrently open sessions, idle ones included (default
             ``max_batch``); each holds a state slot (its recent-token ring and controller
             state, ``~4 * (max_depth + 8)`` bytes of device memory).
@@ -166,7 +171,7 @@ class Drafter:
     """
 
     def __init__(self, store: CorpusStore, config: DrafterConfig | None = None,
-                 max_batch: int = 64, cost: CostModel | None = None,
+                 max_batch: int = 64, cost: CostModel | BatchCostModels | None = None,
                  max_sessions: int | None = None) -> None:
         max_sessions = max_batch if max_sessions is None else max_sessions
         if max_batch < 1 or max_sessions < 1:
@@ -174,7 +179,6 @@ class Drafter:
                              f"and {max_sessions}")
         self.store = store
         self.config = config or DrafterConfig()
-        self.cost = cost or CostModel.default()
         self.max_batch, self.max_sessions = max_batch, max_sessions
         dev = store.arena.device
         # the device current in every public call (Triton launches and graph captures go to
@@ -241,9 +245,7 @@ class Drafter:
         # the last observe's accepted nodes' sources (a view: valid until the next observe)
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
-        # every step's costs: B requests plus at most max_nodes nodes each
-        self._cost_table = cost_table(self.cost, dev, max(max_batch, self.cost.table_base() or 0)
-                                      + max_batch * self.config.max_nodes)
+        self._set_cost(cost)
         # proposals not yet observed, by their batch's session ids: an own loop's propose /
         # observe may interleave with a serving loop's steps of other sessions
         self._pending: dict[tuple[str, ...], tuple] = {}
@@ -269,6 +271,33 @@ class Drafter:
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
             self._graphs = self._step_graphs()
+
+    def _set_cost(self, cost: CostModel | BatchCostModels | None) -> None:
+        if cost is not None and not isinstance(cost, (CostModel, BatchCostModels)):
+            raise ValueError(f"cost: expected a CostModel, BatchCostModels or None, got "
+                             f"{type(cost).__name__}")
+        self.cost = cost or CostModel.default()
+        # every step's costs, per curve: B requests plus at most max_nodes nodes each
+        curves = self.cost.curves if isinstance(self.cost, BatchCostModels) else \
+            ((self.max_batch, self.cost),)
+        self._cost_curves = BatchCostModels(curves)
+        self._cost_tables = {
+            size: cost_table(c, self.recent.device, max(self.max_batch, c.table_base() or 0)
+                             + self.max_batch * self.config.max_nodes) for size, c in curves}
+
+    @device_guard
+    def set_cost(self, cost: CostModel | BatchCostModels | None) -> None:
+        """Steers the batch budget by ``cost`` from the next propose on (a calibration's
+        curves: see ``cost`` in the class's arguments; None: the built-in estimate).
+        Rebuilds the cost tables and, on a GPU, captures the step graphs again (the
+        propose graph reads its bucket's table); between steps only: RuntimeError while
+        a proposal waits for its observe or a deferred commit for its settle."""
+        if self._pending or self._deferred is not None:
+            raise RuntimeError("set_cost: a proposed step is not committed yet")
+        self._set_cost(cost)
+        self._ahead = None  # drafted under the old prices
+        if self._graphs is not None:
+            self._graphs = self._step_graphs(use_graphs=self._graphs[0].use_graphs)
 
     @device_guard
     def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
@@ -612,11 +641,18 @@ class Drafter:
             # every request keeps at most max_nodes: the batch's best B * N scores hold all it
             # may keep (padding rows score nothing: they never add gain, only cost). One
             # kernel on a GPU.
-            keep_n = budget_keep(ranked, keep_n, num_requests, self._cost_table,
-                                 table_base=self.cost.table_base())
+            table, base = self._budget_table(B)
+            keep_n = budget_keep(ranked, keep_n, num_requests, table, table_base=base)
         # the kept nodes (topological: a parent never ranks below its child)
         tok, parent, srcs, nd, node_row = emit_nodes(order, keep_n, W, S, rep, calib_row)
         return tok, parent, keep_n.to(torch.int32), srcs, nd, node_row
+
+    def _budget_table(self, rows: int) -> tuple[torch.Tensor, int | None]:
+        """The batch budget's cost table for a step of ``rows`` requests (its bucket's,
+        padding included: a function of the captured shapes, so a CUDA graph bakes in its
+        bucket's table) and where it reads a step of ``n`` nodes (``table_base``)."""
+        size = self._cost_curves.size_for(rows)
+        return self._cost_tables[size], self._cost_curves.curve_for(size).table_base()
 
     @staticmethod
     def _chain_mask(rep, mass, is_node) -> torch.Tensor:

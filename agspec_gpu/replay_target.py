@@ -39,7 +39,8 @@ import numpy as np
 import nvtx
 import torch
 
-from agspec_gpu.cost_model import CostModel, StepTokenCounts
+from agspec_gpu.calibrate import SpanTimer
+from agspec_gpu.cost_model import BatchCostModels, CostModel, StepTokenCounts
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import HostReader, HostWriter, synchronize
 from agspec_gpu.kernels.kv_compact import kv_compact
@@ -206,12 +207,14 @@ class OracleProposer(OracleLane):
 
 
 def make_proposer(name: str, tokenizer, device: torch.device | str, max_batch: int, *,
-                  cost: CostModel | None = None, global_corpus=None, oracle_k: int = 32):
+                  cost: CostModel | BatchCostModels | None = None, global_corpus=None,
+                  oracle_k: int = 32):
     """The drafter ``name`` as the replay-target loop drives it.
 
     Names: the host baselines of :data:`agspec_gpu.baselines.HOST_DRAFTERS`, the agspec
     variants of :data:`agspec_gpu.replay_lanes.AGSPEC_DRAFTERS`, ``agspec-nobudget`` (agspec
-    without the batch-level budget) and ``oracle``. ``cost`` feeds agspec's batch budget.
+    without the batch-level budget) and ``oracle``. ``cost`` feeds agspec's batch budget (a
+    curve per batch size: each step steers by its bucket's, as the replay prices it).
 
     Raises:
         ValueError: unknown name.
@@ -420,31 +423,6 @@ class _Request:
     root: int = 0  # last committed token, not in the KV cache yet
 
 
-class _Timer:
-    """Elapsed seconds of a span: CUDA events on a GPU (read after a sync), else wall."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.device = device.type == "cuda", device
-        if self.cuda:
-            self._ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-
-    def start(self) -> None:
-        if self.cuda:
-            self._ev[0].record(torch.cuda.current_stream(self.device))
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.cuda:
-            self._ev[1].record(torch.cuda.current_stream(self.device))
-        else:
-            self._t1 = time.perf_counter()
-
-    def seconds(self) -> float:
-        """After a device sync."""
-        return self._ev[0].elapsed_time(self._ev[1]) / 1e3 if self.cuda else self._t1 - self._t0
-
-
 # a read of a step's acceptance that returns sooner found the device done (a small copy
 # and its wait take ~20-50 us on a GPU's host when nothing is left to wait for)
 _HIDDEN_WAIT_S = 2e-4
@@ -510,7 +488,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
     queue = iter(todo)
     active: list[_Request] = []
     stream = corpus.stream
-    verify_timer = _Timer(dev)
+    verify_timer = SpanTimer(dev)
     reader = HostReader(B, dev)  # the draft sizes, then the accepted counts: one wait each
     # a step's host lists (roots, prefix lengths, a CPU drafter's trees, the trajectory's
     # tokens) through one pinned ring, as an engine stages its inputs
@@ -729,93 +707,3 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
 
 
 # ----------------------------------------------------------------------------- cost model
-
-
-def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
-                         max_draft_tokens: int = 2048, repeats: int = 5, warmup: int = 2,
-                         graphs: DecodeGraphs | None = None,
-                         verify_graphs: VerifyGraphs | None = None, seed: int = 0,
-                         source: str = "") -> CostModel:
-    """Measures verification time versus tokens per step on ``runner``.
-
-    ``batch_size`` requests with ``context_tokens`` tokens of KV each verify their roots plus
-    ``n`` draft tokens in total (``n = 0, 1, 2, 4, ..., max_draft_tokens``, spread evenly over
-    the requests as chains); a point is ``(batch_size + n, median ms)`` of plan + forward +
-    argmax, raised to the previous point's time where noise made it lower. ``n = 0`` is a
-    plain decode step, through ``graphs`` when given, as the loop runs it; a step with a
-    draft goes through ``verify_graphs`` when given and its drafts fit them (chains of at
-    most ``max_nodes``), as the loop runs it, else eagerly. The KV contents
-    are whatever the pages hold: timing does not depend on them.
-
-    With ``verify_graphs`` the model is a staircase (``CostModel.steps``, ``requests =
-    batch_size``): their buckets hold ``S + 1 + 8 * 2**j`` rows for ``S`` requests, a step
-    of ``b <= S`` requests and ``n`` draft tokens needs ``S + n + 1`` of them (its padding
-    requests' and the sink's rows included), so the bucket edges are draft counts, ``n = 8
-    * 2**j`` (the points from 8 up), whatever ``b``: the model prices a step of ``b``
-    requests and ``n`` tokens at the edge at or past ``batch_size + n``, and the batch
-    budget reads it there (``CostModel.table_base``). Draft counts past the graphs' largest
-    bucket run eagerly, unpadded: the staircase prices them at the next point, a bound.
-
-    Returns
-    -------
-    :class:`CostModel` over those points (the form ``Drafter``'s batch budget consumes).
-    """
-    cache, dev = runner.kv_cache, runner.device
-    B = batch_size
-    room = cache.max_pages_per_seq * cache.page_size - context_tokens
-    ids = [f"__calibrate{b}" for b in range(B)]
-    cache.allocate_many(ids, [context_tokens] * B)
-    prefix = [context_tokens - 1] * B  # the root sits at the last context slot
-    prefix_t = torch.tensor(prefix, dtype=torch.int32)
-    roots = torch.zeros(B, dtype=torch.int32, device=dev)
-    g = torch.Generator().manual_seed(seed)
-    timer = _Timer(dev)
-    ns = [0] + [1 << i for i in range(max(max_draft_tokens, 1).bit_length())
-                if (1 << i) <= max_draft_tokens and -(-(1 << i) // B) < room]
-    points = []
-    try:
-        with torch.inference_mode():
-            for n in ns:
-                per = [n // B + (1 if b < n % B else 0) for b in range(B)]
-                N = max(per)
-                tok = torch.full((B, N), PAD_ID, dtype=torch.int32)
-                par = torch.full((B, N), PAD_ID, dtype=torch.int32)
-                for b, k in enumerate(per):
-                    tok[b, :k] = torch.randint(0, min(runner.shape.vocab_size, 100_000), (k,),
-                                               generator=g, dtype=torch.int32)
-                    par[b, :k] = torch.arange(-1, k - 1, dtype=torch.int32)
-                draft = DraftBatch(tok.to(dev), par.to(dev),
-                                   torch.tensor(per, dtype=torch.int32, device=dev))
-                # capacity = the step's real rows, as the loop's MetadataPool hands out
-                out = TreeMetadata.empty(B, N + 1, cache.max_pages_per_seq, cache.page_size,
-                                         dev, max_total_q=-(-(B + n) // 8) * 8,
-                                         with_prefix=True)
-                fits = verify_graphs is not None and N <= verify_graphs.max_nodes \
-                    and B <= verify_graphs.sizes[-1]
-                times = []
-                for i in range(warmup + repeats):
-                    synchronize(dev)
-                    timer.start()
-                    if n == 0 and graphs is not None:
-                        logits = graphs.decode(ids, roots, prefix)
-                    elif n and fits:
-                        _, logits = verify_graphs.verify(ids, draft, roots, prefix, per)
-                    else:
-                        meta = runner.plan(ids, draft, roots, prefix_t, prefix_lens_host=prefix,
-                                           num_draft_host=per, out=out)
-                        logits = runner.forward(meta)
-                    logits.argmax(dim=-1)
-                    timer.stop()
-                    synchronize(dev)
-                    if i >= warmup:
-                        times.append(timer.seconds())
-                ms = 1e3 * float(np.median(times))
-                # verifying more tokens is never cheaper: timing noise must not give the
-                # curve a falling stretch, which the budget would extrapolate to free tokens
-                points.append((B + n, max(ms, points[-1][1]) if points else ms))
-    finally:
-        for sid in ids:
-            cache.free(sid)
-    return CostModel(tuple(points), source or f"measured: {B} requests x {context_tokens} "
-                     f"tokens of KV, plan + forward + argmax, median of {repeats}",
-                     steps=verify_graphs is not None, requests=B)

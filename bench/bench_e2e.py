@@ -71,14 +71,15 @@ import torch
 import triton
 
 from agspec_gpu.accept import teacher_forced_accept
+from agspec_gpu.calibrate import calibrate_cost_model
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array
 from agspec_gpu.replay import tokenize_sessions
 from agspec_gpu.replay_target import (
-    METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, calibrate_cost_model,
-    make_proposer, protocol, run_replay_target,
+    METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, make_proposer, protocol,
+    run_replay_target,
 )
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.runners.paged import PagedLlamaRunner
@@ -521,17 +522,12 @@ def main(argv: list[str] | None = None) -> int:
                        f"argmax, median of {args.calibrate_repeats}")
             print(f"[e2e] cost B={b}: " + ", ".join(f"{x}:{y:.2f}ms" for x, y in
                                                     cost_for[b].points), flush=True)
-        first = cost_for[batch_sizes[0]]
-        cost_obj = {"points": [list(p) for p in cost_for.get(1, first).points],
-                    "source": cost_for.get(1, first).source, "steps": first.steps,
-                    "requests": cost_for.get(1, first).requests,
+        cost_obj = {**BatchCostModels(tuple(sorted(cost_for.items()))).to_json(),
                     "model": args.model, "gpu": gpu,
                     "dtype": str(dtype).removeprefix("torch."), "context_tokens": calib_ctx,
                     "page_size": ps, "decode_cuda_graphs": graphs.uses_graphs,
                     "verify_cuda_graphs": verify.uses_graphs if verify else False,
-                    "tree_attention": tree_attention,
-                    "by_batch_size": {str(b): [list(p) for p in c.points]
-                                      for b, c in cost_for.items()}}
+                    "tree_attention": tree_attention}
         write_atomic(cost_path, json.dumps(cost_obj, indent=2) + "\n")
         print(f"[e2e] wrote {cost_path} ({time.perf_counter() - t0:.1f} s)", flush=True)
         if args.calibrate:
@@ -570,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     drafter_graphs: dict[str, list[str]] = {}  # method -> propose / commit graph status
 
     def run(method: str, b: int, sessions, steps=max_steps, hook=None):
-        proposer = make_proposer(method, tokenizer, device, b,
-                                 cost=cost_for.get(b, CostModel.default()),
+        # agspec's budget steers by the curve of each step's bucket, as `prices` prices it
+        proposer = make_proposer(method, tokenizer, device, b, cost=prices,
                                  global_corpus=maybe_global)
         cfg = ReplayTargetConfig(batch_size=b, context_tokens=args.context,
                                  max_message_tokens=max_msg, messages_per_session=per_msg,
@@ -786,20 +782,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_cost_models(path: str | Path, batch_sizes: list[int]) -> dict[int, CostModel]:
-    """The curves of a saved calibration by batch size: every batch it measured, and each
-    of ``batch_sizes`` (its top-level curve where it measured none there). Measured through
-    the verification graphs, a curve is a staircase priced from its own batch (files of
-    runs before the ``steps`` field say so by ``verify_cuda_graphs``)."""
-    obj = json.loads(Path(path).read_text())
-    by_batch = obj.get("by_batch_size", {})
-    steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
-    out = {}
-    for b in sorted({int(k) for k in by_batch} | set(batch_sizes)):
-        pts = by_batch.get(str(b))
-        out[b] = CostModel.from_json({"points": pts, "source": obj.get("source", ""),
-                                      "steps": steps, "requests": b if steps else None}) \
-            if pts else CostModel.from_json(obj)
-    return out
+    """The curves of a saved calibration by batch size (:meth:`BatchCostModels.from_json`):
+    every batch it measured, and each of ``batch_sizes`` (its top-level curve where it
+    measured none there)."""
+    return dict(BatchCostModels.from_json(path, batch_sizes).curves)
 
 
 def goals(rows: list[dict], batch_sizes: list[int]) -> dict:

@@ -284,6 +284,44 @@ def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
         SpecDecoder(gpt2, tok(), DecoderConfig(runner="paged"))
 
 
+def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_path):
+    """``calibrate_cost_model`` measures the paged runner's steps at each batch size, installs
+    the curves in the drafter (a table per curve; graphs captured again on a GPU) and writes
+    the file ``DecoderConfig(cost_model=...)`` loads; greedy output stays plain greedy."""
+    from agspec_gpu.cost_model import BatchCostModels
+
+    variant = VARIANTS[1]
+    P = [list(prompts()[i]) for i in (1, 3)]
+    m = model(variant)
+    cfg = DecoderConfig(runner="paged", page_size=8, kv_cache_tokens=4096, max_batch=2)
+    dec = SpecDecoder(m, tok(), cfg)
+    path = tmp_path / "cost.json"
+    cost = dec.calibrate_cost_model(24, max_draft_tokens=4, repeats=1, out=path)
+    assert [b for b, _ in cost.curves] == [1, 2]
+    assert [c.points[-1][0] for _, c in cost.curves] == [1 + 4, 2 + 4]  # b + n, n = 0..4
+    assert dec.drafter.cost is cost and sorted(dec.drafter._cost_tables) == [1, 2]
+    assert dec._paged.kv_cache.num_free_pages == 4096 // 8  # its sequences freed
+    loaded = BatchCostModels.from_json(path)
+    assert [(b, c.points, c.steps) for b, c in loaded.curves] == \
+        [(b, c.points, c.steps) for b, c in cost.curves]
+    dec2 = SpecDecoder(m, tok(), replace(cfg, cost_model=path))
+    assert [c.points for _, c in dec2.drafter.cost.curves] == [c.points for _, c in cost.curves]
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    assert_greedy(dec, variant, sids, P)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        dec.calibrate_cost_model(24, [4])
+    with pytest.raises(ValueError, match="context_tokens"):
+        dec.calibrate_cost_model(0)
+    with pytest.raises(ValueError, match="runner='paged'"):
+        SpecDecoder(m, tok()).calibrate_cost_model(24)
+    with pytest.raises(ValueError, match="cost_model"):
+        DecoderConfig(cost_model=3)
+    (tmp_path / "bad.json").write_text("{}")
+    for bad in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        with pytest.raises(ValueError, match="cost_model: cost model"):
+            SpecDecoder(m, tok(), DecoderConfig(cost_model=bad))
+
+
 def test_paged_session_kv_is_evicted_least_recent_first(monkeypatch):
     """A pool too small for every session's KV: a call frees idle sessions' KV, least
     recently generated first, only as far as it needs; an evicted session prefills its

@@ -23,7 +23,7 @@ import agspec_gpu.drafter as drafter_mod
 import agspec_gpu.index as index_mod
 from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.controller import ControllerConfig, RoleProfile
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.forms import EmissionForm
@@ -130,7 +130,7 @@ def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
 
     def spy(ranked, keep_n, num_requests, table, **kw):
         seen.append((ranked.clone(), keep_n.clone(), num_requests))
-        assert table is d._cost_table  # the drafter's cost table, built once
+        assert table is d._cost_tables[d.max_batch]  # its one curve's table, built once
         return real(ranked, keep_n, num_requests, table, **kw)
 
     monkeypatch.setattr(drafter_mod, "budget_keep", spy)
@@ -462,14 +462,14 @@ def assert_same_state(d0: Drafter, d1: Drafter, where) -> None:
         assert torch.equal(a, c), (where, name)
 
 
-def _lockstep_drafters(tok, batch_budget: bool, **cfg) -> list[Drafter]:
+def _lockstep_drafters(tok, batch_budget: bool, cost=None, **cfg) -> list[Drafter]:
     """Two equal drafters (max_sessions 12, max_batch 8; a shared workspace tenant and
     tenants without one: a ragged (request, corpus) grid)."""
     ds = []
     for _ in range(2):
         store = CorpusStore(tok, TierConfig(use_global=False))
         d = Drafter(store, DrafterConfig(**{**_SHARES, "batch_budget": batch_budget, **cfg}),
-                    max_batch=8, max_sessions=12)
+                    max_batch=8, max_sessions=12, cost=cost)
         store.add_workspace_file("w", "w.txt", "".join(chr(97 + i % 7) * 3 for i in range(60)))
         ds.append(d)
     return ds
@@ -515,6 +515,45 @@ def test_padded_steps_equal_unpadded(tok, batch_budget, spelled):
     ds = _lockstep_drafters(tok, batch_budget)
     ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
     _run_lockstep(ds, spelled)
+
+
+def test_padded_steps_equal_unpadded_with_a_curve_per_bucket(tok):
+    """With cost curves measured at the graph buckets' batch sizes, a padded step's budget
+    (which picks the curve by its bucket) prices what the unpadded one (by its own batch)
+    does: the same drafts and state. The curves differ enough to change the drafts."""
+    stair = lambda b, ms: CostModel(tuple((b + n, ms * (1 + n / 8)) for n in (0, 8, 16, 32,
+                                                                            64, 128)),
+                                    steps=True, requests=b)
+    cost = BatchCostModels(((1, stair(1, 1.0)), (2, stair(2, 40.0)), (4, stair(4, 1.0)),
+                            (8, stair(8, 3.0))))
+    ds = _lockstep_drafters(tok, True, cost=cost)
+    ds[1]._graphs = ds[1]._step_graphs(use_graphs=False)
+    _run_lockstep(ds, False)
+
+
+def test_batch_budget_steers_by_the_curve_of_the_steps_bucket(tok):
+    """A step of ``b`` requests steers by the curve measured at the smallest batch ``>= b``
+    (its verification's bucket): with every draft token ruinous at 4 requests and free at
+    1, one request drafts and three (bucket 4) draft nothing; swapped, the reverse. Each
+    curve's table is built once."""
+    free = CostModel(((1, 1.0), (4096, 1.0)))
+    huge = lambda b: CostModel(((b, 1.0), (b + 1, 1e6)), steps=True, requests=b)
+    for one, four, drafts in ((free, huge(4), (True, False)),
+                              (huge(1), free, (False, True))):
+        for graphs in (False, True):
+            store = CorpusStore(tok, TierConfig(use_global=False))
+            d = Drafter(store, DrafterConfig(**_SHARES), max_batch=4,
+                        cost=BatchCostModels(((1, one), (4, four))))
+            if graphs:
+                d._graphs = d._step_graphs(use_graphs=False)
+            for i in range(3):
+                d.open_session(f"s{i}", "t", role="coder", prompt_ids=CASE_A[i:])
+            got = (int(d.propose(["s0"]).num_draft_tokens.sum()) > 0,
+                   int(d.propose(["s0", "s1", "s2"]).num_draft_tokens.sum()) > 0)
+            assert got == drafts, (graphs, got)
+            assert sorted(d._cost_tables) == [1, 4]
+    with pytest.raises(ValueError, match="cost: expected"):
+        Drafter(CorpusStore(tok, TierConfig(use_global=False)), cost={1: free})
 
 
 @pytest.mark.parametrize("spelled", [False, True])

@@ -6,12 +6,14 @@ prose around it assumes (``model``, ``tokenizer``, the prompt's ids and text, ``
 closed session) fails here, and the tokens the snippets produce are plain greedy decoding's.
 """
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from agspec_gpu import DecoderConfig
 from agspec_gpu.runners.hf import greedy_generate
 from agspec_gpu.tokenizer import load_tokenizer
 from tiny_models import tiny_model
@@ -45,9 +47,9 @@ def per_node_verify(model, contexts):
 
 
 @torch.no_grad()
-def test_readme_python_snippets_run_as_written():
+def test_readme_python_snippets_run_as_written(tmp_path):
     blocks = readme_blocks()
-    assert len(blocks) >= 3, "the README's usage snippets moved: update this test"
+    assert len(blocks) == 4, "the README's usage snippets changed: update this test"
     tok = load_tokenizer("cl100k")
     model = tiny_model("llama", "sdpa", tok.vocab_size)
     ids = tok.encode(PROMPT)
@@ -70,13 +72,27 @@ def test_readme_python_snippets_run_as_written():
     assert sent == greedy_generate(model, ids, len(sent), eos_id=tok.eos_id)[:len(sent)]
     dec.close_session(sid)
 
+    # calibration on the paged runner, then a decoder that loads the file (at max_batch 2
+    # and a small pool: the README's 64 x 1024 tokens of KV take minutes on a CPU)
+    small = lambda **kw: DecoderConfig(**{**kw, "max_batch": 2, "kv_cache_tokens": 4096})
+    ns["DecoderConfig"] = small
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # its out="cost.json"
+    try:
+        exec(blocks[2], ns)
+    finally:
+        os.chdir(cwd)
+    dec = ns["dec"]
+    assert (tmp_path / "cost.json").exists() and dec.config.cost_model == "cost.json"
+    assert [b for b, _ in dec.drafter.cost.curves] == [1, 2]
+
     # your own loop: propose, tree_inputs, your verification forward, commit
     contexts = [ids, tok.encode(PROMPT + "python -c 'import loss'\n")]
     sids = [dec.open_session(f"t{b}", "coder", c) for b, c in enumerate(contexts)]
     for s in sids:  # something to draft from: the file the session has shown
         dec.add_workspace_file(s, "src/loss.py", FILE)
     ns.update(sids=sids, my_verify=per_node_verify(model, contexts))
-    exec(blocks[2], ns)
+    exec(blocks[3], ns)
     res = ns["res"]
     for b, c in enumerate(contexts):
         got = res.output_ids[b, :int(res.num_output[b])].tolist()

@@ -458,7 +458,7 @@ def test_the_buckets_edges_are_the_calibrations_points():
 
 
 def test_a_calibration_through_the_graphs_is_a_staircase():
-    from agspec_gpu.replay_target import calibrate_cost_model
+    from agspec_gpu.calibrate import calibrate_cost_model
 
     runner = _runner()
     vg = VerifyGraphs(runner, [2], max_nodes=8, use_graphs=False)
