@@ -26,8 +26,8 @@ Usage::
         [--json out.json]
 
 ``--cost-model``: the batch budget steers by this verification cost (a GPU run's calibrated
-file, e.g. ``bench/results/cost-llama3-8b-h100-80gb-hbm3-20261205.json``: its curve measured
-at ``--batch-size``, or its top-level curve where it measured none there, as
+file, e.g. ``bench/results/cost-llama3-8b-h100-80gb-hbm3-20261205.json``: each step by the
+curve of its bucket, the top-level curve at ``--batch-size`` where it measured none there, as
 ``bench/bench_e2e.py --cost-model`` reads it); default the built-in estimate.
 """
 
@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.draft_batch import PAD_ID
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.kernels.suffix_match import suffix_match
@@ -51,7 +51,6 @@ from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
 
 from bench_drafter import DEV, FILES, cut
-from bench_e2e import load_cost_models
 
 BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))
 
@@ -146,7 +145,8 @@ def main() -> None:
     p.add_argument("--cost-model", help="a calibrated cost file (default: the estimate)")
     p.add_argument("--json")
     args = p.parse_args()
-    cost = load_cost_models(args.cost_model, [args.batch_size])[args.batch_size] \
+    # every curve the file measured: a step steers by its bucket's, as the e2e's does
+    cost = BatchCostModels.from_json(args.cost_model, [args.batch_size]) \
         if args.cost_model else CostModel.default()
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")

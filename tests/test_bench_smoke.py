@@ -167,9 +167,9 @@ def test_gap_by_match_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gap_by_match, "Drafter", Recorded)
     gap_by_match.main()
-    want = gap_by_match.load_cost_models(cost, [2])[2]
+    want = gap_by_match.BatchCostModels.from_json(cost, [2])
     assert len(costs) == 3 and all(c == want for c in costs)
-    assert want != gap_by_match.CostModel.default()
+    assert want.curve_for(2) != gap_by_match.CostModel.default()
     files = json.loads(out.read_text())["files"]
     assert len(files) == 3
     for f in files.values():

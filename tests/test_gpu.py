@@ -273,6 +273,34 @@ def test_spec_decoder_paged_runner_replays_verify_graphs():
     assert min(same) >= 4, (same, outs)
 
 
+def test_spec_decoder_calibrates_through_its_graphs_on_cuda(tmp_path):
+    """``calibrate_cost_model`` on a GPU: the paged decoder's verification graphs time each
+    bucket (staircase curves at 1, 2, 4), the drafter's step graphs are captured again
+    around the new tables, the file loads into another decoder, and generation after it
+    agrees with generation before (greedy: up to the first bf16 near-tie)."""
+    model = cl100k_llama(3)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 40)] * 3
+    _, dec = next(_paged_decoders(model))
+    before = dec.generate([dec.open_session("t", "coder", prompt)], max_new_tokens=24)
+    old = dec.drafter._graphs
+    cost = dec.calibrate_cost_model(64, max_draft_tokens=16, repeats=1,
+                                    out=tmp_path / "cost.json")
+    assert [b for b, _ in cost.curves] == [1, 2, 4]
+    assert all(c.steps and c.requests == b for b, c in cost.curves)
+    assert dec.drafter._graphs is not old and dec.drafter._graphs[0].uses_graphs
+    assert all(g.graph_error is None for g in dec.drafter._graphs)
+    sid = dec.open_session("u", "coder", prompt)
+    after = dec.generate([sid], max_new_tokens=24)
+    assert min(_agreeing_prefixes(before, after)) >= 4, (before, after)
+    dec.close_session(sid)
+    from agspec_gpu import DecoderConfig, SpecDecoder
+    again = SpecDecoder(model, "cl100k", DecoderConfig(runner="paged", max_batch=4,
+                                                       kv_cache_tokens=4096,
+                                                       cost_model=tmp_path / "cost.json"))
+    assert [c.points for _, c in again.drafter.cost.curves] == \
+        [c.points for _, c in cost.curves]
+
+
 def test_spec_decoder_step_api_on_cuda():
     """submit / step on the paged runner with its verify graphs: a request joins a running
     one, both run to their limits through graphed steps, each session's context equals its
