@@ -219,8 +219,6 @@ class SpecDecoder:
         if self._paged is None:
             raise ValueError("calibrate_cost_model: needs DecoderConfig(runner='paged') (the "
                              "HF runner's steps are its model's own forward)")
-        if self._generating or self.running or self.queued:
-            raise RuntimeError("calibrate_cost_model: requests are running or queued")
         if isinstance(context_tokens, bool) or not isinstance(context_tokens, Integral) or \
                 context_tokens < 1:
             raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
@@ -233,6 +231,9 @@ class SpecDecoder:
                              f"{sizes}")
         if sorted(set(sizes)) != sizes or not sizes:
             raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
+        if self._generating or self.running or self.queued or self._proposed is not None:
+            raise RuntimeError("calibrate_cost_model: requests are running or queued, or a "
+                               "propose() waits for its commit")
         nodes = self.drafter.config.max_nodes
         where = f"measured: SpecDecoder on {self._device_name()}"
         cost = BatchCostModels(tuple(

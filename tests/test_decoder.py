@@ -310,6 +310,10 @@ def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_pat
     assert_greedy(dec, variant, sids, P)
     with pytest.raises(ValueError, match="batch_sizes"):
         dec.calibrate_cost_model(24, [4])
+    dec.propose(sids)
+    with pytest.raises(RuntimeError, match="propose"):  # before it measures anything
+        dec.calibrate_cost_model(24)
+    assert dec.drafter.cost is cost
     with pytest.raises(ValueError, match="context_tokens"):
         dec.calibrate_cost_model(0)
     with pytest.raises(ValueError, match="runner='paged'"):
