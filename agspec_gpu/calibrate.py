@@ -79,17 +79,22 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     cache, dev = runner.kv_cache, runner.device
     B = batch_size
     room = cache.max_pages_per_seq * cache.page_size - context_tokens
-    ids = [f"__calibrate{b}" for b in range(B)]
-    cache.allocate_many(ids, [context_tokens] * B)
-    prefix = [context_tokens - 1] * B  # the root sits at the last context slot
-    prefix_t = torch.tensor(prefix, dtype=torch.int32)
-    roots = torch.zeros(B, dtype=torch.int32, device=dev)
-    g = torch.Generator().manual_seed(seed)
-    timer = SpanTimer(dev)
     ns = [0] + [1 << i for i in range(max(max_draft_tokens, 1).bit_length())
                 if (1 << i) <= max_draft_tokens and -(-(1 << i) // B) < room]
+    if len(ns) < 2:
+        raise ValueError(f"context_tokens: {context_tokens} tokens of KV per request leave no "
+                         f"room for a draft token in a sequence of at most "
+                         f"{cache.max_pages_per_seq * cache.page_size}")
+    # ids no caller's sequence (a str session id, an int) can be
+    ids = [("__calibrate", b) for b in range(B)]
+    cache.allocate_many(ids, [context_tokens] * B)
     points = []
     try:
+        prefix = [context_tokens - 1] * B  # the root sits at the last context slot
+        prefix_t = torch.tensor(prefix, dtype=torch.int32)
+        roots = torch.zeros(B, dtype=torch.int32, device=dev)
+        g = torch.Generator().manual_seed(seed)
+        timer = SpanTimer(dev)
         with torch.inference_mode():
             for n in ns:
                 per = [n // B + (1 if b < n % B else 0) for b in range(B)]

@@ -31,13 +31,17 @@ def check_int_fields(obj: Any, names: tuple[str, ...], optional: tuple[str, ...]
             _set(obj, name, int(v))
 
 
-def check_float_fields(obj: Any, names: tuple[str, ...]) -> None:
-    """Each attribute of ``obj`` in ``names`` is a finite real number (a bool is not),
-    stored back as ``float``; ranges are the caller's to check."""
+def check_float_fields(obj: Any, names: tuple[str, ...], infinite: tuple[str, ...] = ()
+                       ) -> None:
+    """Each attribute of ``obj`` in ``names`` is a finite real number (a bool is not; +inf
+    too where it is in ``infinite``: "no bound"), stored back as ``float``; ranges are the
+    caller's to check."""
     for name in names:
         v = getattr(obj, name)
-        if not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v):
-            raise ValueError(f"{name}: expected a finite number, got {v!r}")
+        if not isinstance(v, Real) or isinstance(v, bool) or not (
+                math.isfinite(v) or (name in infinite and v == math.inf)):
+            raise ValueError(f"{name}: expected a finite number"
+                             f"{' or inf' if name in infinite else ''}, got {v!r}")
         if type(v) is not float:
             _set(obj, name, float(v))
 
@@ -62,10 +66,12 @@ def check_instance_field(obj: Any, name: str, cls: type) -> None:
 
 def check_tuple_field(obj: Any, name: str, cls: type | tuple[type, ...],
                       length: int | None = None, convert: Any = None) -> None:
-    """The attribute ``name`` of ``obj`` is a sequence (not a str) of ``cls`` items (a bool
-    is not an int here; ``length`` items where given), stored back as a tuple (of
-    ``convert(item)`` where given)."""
+    """The attribute ``name`` of ``obj`` is a sequence (not a str; a 1-D numpy array too) of
+    ``cls`` items (a bool is not an int here; ``length`` items where given), stored back as
+    a tuple (of ``convert(item)`` where given)."""
     v = getattr(obj, name)
+    if isinstance(v, np.ndarray) and v.ndim == 1:  # its items as numpy scalars
+        v = list(v)
     kinds = cls if isinstance(cls, tuple) else (cls,)
     what = " or ".join("int" if k is Integral else k.__name__ for k in kinds)
     if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) \

@@ -68,7 +68,7 @@ class ControllerConfig:
     static_k: int | None = None  # fixed depth; disables the adaptive rule
 
     def __post_init__(self) -> None:
-        check_float_fields(self, ("alpha", "beta", "s_min", "s_max"))
+        check_float_fields(self, ("alpha", "beta", "s_min", "s_max"), infinite=("s_max",))
         check_int_fields(self, ("static_k",), optional=("static_k",))
         if not (self.alpha >= 1.0 and 0 < self.beta <= 1.0):
             raise ValueError("need alpha >= 1 and 0 < beta <= 1")

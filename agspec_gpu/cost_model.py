@@ -152,39 +152,51 @@ class BatchCostModels:
 
     def to_json(self) -> dict:
         """What :meth:`from_json` reads back: the smallest batch's curve at the top level (a
-        reader of one curve takes it), every curve under ``by_batch_size``."""
+        reader of one curve takes it), every curve's points under ``by_batch_size`` (the
+        form of the calibration files before ``curves``) and each whole curve (its source,
+        staircase and requests too) under ``curves``."""
         return {**self.curves[0][1].to_json(),
-                "by_batch_size": {str(b): [list(p) for p in c.points] for b, c in self.curves}}
+                "by_batch_size": {str(b): [list(p) for p in c.points] for b, c in self.curves},
+                "curves": {str(b): c.to_json() for b, c in self.curves}}
 
     @classmethod
     def from_json(cls, obj: dict | str | Path, batch_sizes=()) -> "BatchCostModels":
-        """A saved calibration (``bench/bench_e2e.py``'s ``cost-<model>-<gpu>.json``, or a
-        dict of it): a curve per batch size it measured (``by_batch_size``), and one at each
-        of ``batch_sizes`` that it did not measure (its top-level curve). A file of one
-        curve (:meth:`CostModel.from_json`'s form) is that curve at its ``requests`` (1 if
-        None). Measured through the verification graphs (``steps``, or in files from before
-        that field ``verify_cuda_graphs``), a curve is a staircase priced from its own batch.
+        """A saved calibration (``bench/bench_e2e.py``'s ``cost-<model>-<gpu>.json``,
+        :meth:`to_json`'s form, or a dict of it): a curve per batch size it measured, and
+        one at each of ``batch_sizes`` that it did not measure (its top-level curve). Each
+        curve as :meth:`to_json` wrote it (``curves``); in files from before that field,
+        the points of ``by_batch_size`` with the file's source, and as a staircase priced
+        from its own batch where the file says it was measured through the verification
+        graphs (``steps``, or before that field ``verify_cuda_graphs``). A file of one curve
+        (:meth:`CostModel.from_json`'s form) is that curve at its ``requests`` (1 if None).
         ValueError naming the file for anything else."""
         where = f"cost model {obj}" if isinstance(obj, (str, Path)) else "cost model"
         try:
             if isinstance(obj, (str, Path)):
                 obj = json.loads(Path(obj).read_text())
-            by_batch = obj.get("by_batch_size") or {}
+            whole = {int(k): CostModel.from_json(v) for k, v in (obj.get("curves") or {}).items()}
+            by_batch = {int(k): v for k, v in (obj.get("by_batch_size") or {}).items()}
             steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
-            sizes = sorted({int(k) for k in by_batch} | {int(b) for b in batch_sizes})
-        except (OSError, json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
+            sizes = sorted(set(whole) | set(by_batch) | {int(b) for b in batch_sizes})
+            if not sizes:
+                top = CostModel.from_json(obj)
+                return cls(((top.requests or 1, top),))
+            curves = []
+            for b in sizes:
+                if b in whole:
+                    curves.append((b, whole[b]))
+                elif b in by_batch:
+                    curves.append((b, CostModel.from_json(
+                        {"points": by_batch[b], "source": obj.get("source", ""),
+                         "steps": steps, "requests": b if steps else None})))
+                else:
+                    curves.append((b, CostModel.from_json(obj)))
+            return cls(tuple(curves))
+        except (OSError, json.JSONDecodeError, TypeError, AttributeError) as exc:
             raise ValueError(f"{where}: expected a calibration JSON ({type(exc).__name__}: "
                              f"{exc})") from None
-        if not sizes:
-            top = CostModel.from_json(obj)
-            return cls(((top.requests or 1, top),))
-        curves = []
-        for b in sizes:
-            pts = by_batch.get(str(b))
-            curves.append((b, CostModel.from_json(
-                {"points": pts, "source": obj.get("source", ""), "steps": steps,
-                 "requests": b if steps else None}) if pts else CostModel.from_json(obj)))
-        return cls(tuple(curves))
+        except ValueError as exc:  # a curve's own (CostModel.from_json names no file)
+            raise ValueError(f"{where}: {str(exc).removeprefix('cost model: ')}") from None
 
 
 @dataclass(slots=True)

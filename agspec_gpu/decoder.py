@@ -208,10 +208,12 @@ class SpecDecoder:
         verifies, ``max_nodes`` each) through the same verification graphs as the decoder's
         steps (:func:`~agspec_gpu.calibrate.calibrate_cost_model`); ~1 s per batch size on
         an H100. ``out``: also written there as JSON, which ``DecoderConfig(cost_model=out)``
-        loads into the next decoder of this model and GPU. The KV pool must hold
-        ``max(batch_sizes) * context_tokens`` tokens beside the sessions' kept KV
-        (:class:`~agspec_gpu.kv_cache.KVCacheFull` otherwise); between calls only: no
-        request may run (RuntimeError).
+        loads into the next decoder of this model and GPU (``config.cost_model`` is then
+        these curves). The KV pool must hold ``max(batch_sizes) * context_tokens`` tokens
+        and ``max(batch_sizes)`` sequence rows beside the sessions' kept KV
+        (:class:`~agspec_gpu.kv_cache.KVCacheFull` otherwise: close or let go of idle
+        sessions first); between calls only: no request may run and no ``propose`` wait
+        for its ``commit`` (RuntimeError).
 
         Returns:
             The measured curves (:class:`~agspec_gpu.cost_model.BatchCostModels`).
@@ -231,20 +233,27 @@ class SpecDecoder:
                              f"{sizes}")
         if sorted(set(sizes)) != sizes or not sizes:
             raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
+        for name, v in (("max_draft_tokens", max_draft_tokens), ("repeats", repeats)):
+            if (v is not None or name == "repeats") and (
+                    isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
+                raise ValueError(f"{name}: expected an int >= 1"
+                                 f"{' or None' if name == 'max_draft_tokens' else ''}, got {v!r}")
         if self._generating or self.running or self.queued or self._proposed is not None:
             raise RuntimeError("calibrate_cost_model: requests are running or queued, or a "
                                "propose() waits for its commit")
+        self.drafter.check_between_steps("calibrate_cost_model")
         nodes = self.drafter.config.max_nodes
         where = f"measured: SpecDecoder on {self._device_name()}"
         cost = BatchCostModels(tuple(
             (int(b), calibrate_cost_model(
                 self._paged, int(b), int(context_tokens),
-                max_draft_tokens=max_draft_tokens or int(b) * nodes, repeats=repeats,
+                max_draft_tokens=int(max_draft_tokens or b * nodes), repeats=int(repeats),
                 verify_graphs=self._verify_graphs,
                 source=f"{where}, {b} requests x {context_tokens} tokens of KV, plan + "
                        f"forward + argmax, median of {repeats}"))
             for b in sizes))
         self.drafter.set_cost(cost)
+        self.config = replace(self.config, cost_model=cost)
         if out is not None:
             Path(out).write_text(json.dumps(cost.to_json(), indent=1) + "\n")
         return cost

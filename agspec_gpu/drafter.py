@@ -245,6 +245,8 @@ class Drafter:
         # the last observe's accepted nodes' sources (a view: valid until the next observe)
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
+        # the step graphs' batch buckets (StepGraphs.sizes), which choose the cost curve
+        self._buckets = sorted({1 << k for k in range(max_batch.bit_length())} | {max_batch})
         self._set_cost(cost)
         # proposals not yet observed, by their batch's session ids: an own loop's propose /
         # observe may interleave with a serving loop's steps of other sessions
@@ -285,19 +287,31 @@ class Drafter:
             size: cost_table(c, self.recent.device, max(self.max_batch, c.table_base() or 0)
                              + self.max_batch * self.config.max_nodes) for size, c in curves}
 
+    def check_between_steps(self, what: str) -> None:
+        """RuntimeError naming ``what`` while a proposal waits for its observe or a deferred
+        commit for its settle (a draft proposed ahead of a settle that no step took is
+        dropped first: it was never to be verified)."""
+        if self._ahead is not None and self._deferred is None:
+            self._drop_ahead()
+        if self._pending or self._deferred is not None:
+            raise RuntimeError(f"{what}: a proposed step is not committed yet")
+
     @device_guard
     def set_cost(self, cost: CostModel | BatchCostModels | None) -> None:
         """Steers the batch budget by ``cost`` from the next propose on (a calibration's
         curves: see ``cost`` in the class's arguments; None: the built-in estimate).
         Rebuilds the cost tables and, on a GPU, captures the step graphs again (the
-        propose graph reads its bucket's table); between steps only: RuntimeError while
-        a proposal waits for its observe or a deferred commit for its settle."""
-        if self._pending or self._deferred is not None:
-            raise RuntimeError("set_cost: a proposed step is not committed yet")
-        self._set_cost(cost)
-        self._ahead = None  # drafted under the old prices
-        if self._graphs is not None:
-            self._graphs = self._step_graphs(use_graphs=self._graphs[0].use_graphs)
+        propose graph reads its bucket's table); all or nothing: if a capture raises, the
+        old prices and graphs stay. Between steps only (:meth:`check_between_steps`)."""
+        self.check_between_steps("set_cost")
+        old = (self.cost, self._cost_curves, self._cost_tables, self._graphs)
+        try:
+            self._set_cost(cost)
+            if self._graphs is not None:
+                self._graphs = self._step_graphs(use_graphs=self._graphs[0].use_graphs)
+        except BaseException:
+            self.cost, self._cost_curves, self._cost_tables, self._graphs = old
+            raise
 
     @device_guard
     def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
@@ -648,10 +662,13 @@ class Drafter:
         return tok, parent, keep_n.to(torch.int32), srcs, nd, node_row
 
     def _budget_table(self, rows: int) -> tuple[torch.Tensor, int | None]:
-        """The batch budget's cost table for a step of ``rows`` requests (its bucket's,
-        padding included: a function of the captured shapes, so a CUDA graph bakes in its
-        bucket's table) and where it reads a step of ``n`` nodes (``table_base``)."""
-        size = self._cost_curves.size_for(rows)
+        """The batch budget's cost table for a step of ``rows`` requests and where it reads
+        a step of ``n`` nodes (``table_base``): the curve measured at the smallest batch
+        ``>=`` the step's bucket (powers of two and ``max_batch``; a padded step's rows are
+        its bucket already, and a CUDA graph bakes in its bucket's table), so a padded and
+        an unpadded step read the same curve whatever sizes were measured."""
+        bucket = next((b for b in self._buckets if b >= rows), rows)
+        size = self._cost_curves.size_for(bucket)
         return self._cost_tables[size], self._cost_curves.curve_for(size).table_base()
 
     @staticmethod

@@ -83,6 +83,9 @@ class TierConfig:
                          optional=("idle_budget_tokens",))
         check_bool_fields(self, ("use_workspace", "use_history", "use_global"))
         check_float_fields(self, ("workspace_low_water", "history_low_water"))
+        if isinstance(self.forms, (set, frozenset)) and \
+                all(isinstance(f, EmissionForm) for f in self.forms):  # in the enum's order
+            object.__setattr__(self, "forms", tuple(f for f in EmissionForm if f in self.forms))
         check_tuple_field(self, "forms", EmissionForm)
         if EmissionForm.RAW not in self.forms:
             raise ValueError("forms must include EmissionForm.RAW")

@@ -27,8 +27,8 @@ Usage::
 
 ``--cost-model``: the batch budget steers by this verification cost (a GPU run's calibrated
 file, e.g. ``bench/results/cost-llama3-8b-h100-80gb-hbm3-20261205.json``: each step by the
-curve of its bucket, the top-level curve at ``--batch-size`` where it measured none there, as
-``bench/bench_e2e.py --cost-model`` reads it); default the built-in estimate.
+curve measured at the smallest batch at or above its bucket); default the built-in
+estimate.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     # every curve the file measured: a step steers by its bucket's, as the e2e's does
-    cost = BatchCostModels.from_json(args.cost_model, [args.batch_size]) \
+    cost = BatchCostModels.from_json(args.cost_model) \
         if args.cost_model else CostModel.default()
     torch.set_num_threads(1)
     tok = load_tokenizer("cl100k")

@@ -413,6 +413,26 @@ def test_calibration_context_is_the_replayed_steps_and_decode_bytes_copies_nothi
     assert not (tmp_path / "x.json.tmp").exists()
 
 
+def test_batch_cost_models_round_trip_each_curve_whole(tmp_path):
+    """``to_json`` / ``from_json`` keep every curve's points, source, staircase and
+    requests (a mix of an eager curve and staircases); a malformed file is a ValueError
+    naming it, not an AttributeError."""
+    from agspec_gpu.cost_model import BatchCostModels, CostModel
+
+    cost = BatchCostModels((
+        (1, CostModel(((1, 5.0), (9, 6.0)), "eager at 1")),
+        (8, CostModel(((8, 7.0), (16, 9.0)), "graphs at 8", steps=True, requests=8)),
+        (16, CostModel(((16, 8.0), (24, 9.5)), "graphs, no requests", steps=True))))
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(cost.to_json()))
+    assert BatchCostModels.from_json(path) == cost
+    assert BatchCostModels.from_json(cost.to_json()) == cost
+    for bad in ({"by_batch_size": [1, 2]}, {"curves": {"1": {"points": "x"}}}, {}, []):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"cost model {path}"):
+            BatchCostModels.from_json(path)
+
+
 def test_a_saved_calibration_loads_every_batch_and_its_staircase(tmp_path):
     """``--cost-model``: every batch the file measured (the drain's buckets priced there),
     each requested batch (the top-level curve where none was measured), and a staircase

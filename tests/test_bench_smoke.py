@@ -167,7 +167,7 @@ def test_gap_by_match_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gap_by_match, "Drafter", Recorded)
     gap_by_match.main()
-    want = gap_by_match.BatchCostModels.from_json(cost, [2])
+    want = gap_by_match.BatchCostModels.from_json(cost)
     assert len(costs) == 3 and all(c == want for c in costs)
     assert want.curve_for(2) != gap_by_match.CostModel.default()
     files = json.loads(out.read_text())["files"]

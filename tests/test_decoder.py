@@ -306,14 +306,47 @@ def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_pat
         [(b, c.points, c.steps) for b, c in cost.curves]
     dec2 = SpecDecoder(m, tok(), replace(cfg, cost_model=path))
     assert [c.points for _, c in dec2.drafter.cost.curves] == [c.points for _, c in cost.curves]
+    assert dec.config.cost_model is cost
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     assert_greedy(dec, variant, sids, P)
+    # a session named like the calibration's sequences keeps its KV through one (they
+    # are not str ids), and a bad argument frees every page it took
+    for s in sids:
+        dec.close_session(s)
+    named = dec.open_session("t9", "coder", P[0], session_id="__calibrate0")
+    dec.generate([named], max_new_tokens=3)
+    free = dec._paged.kv_cache.num_free_pages
+    for kw in (dict(max_draft_tokens=16.0), dict(max_draft_tokens=0), dict(repeats=0)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            dec.calibrate_cost_model(24, **kw)
+    assert dec._paged.kv_cache.num_free_pages == free
+    dec.calibrate_cost_model(24, [1], max_draft_tokens=4, repeats=1)
+    assert dec._paged.kv_cache.num_free_pages == free
+    assert_greedy(dec, variant, [named], [list(dec._sessions[named].context)])
+    dec.close_session(named)
+    # a draft proposed ahead that no step took (a request that ended at EOS exactly at a
+    # step's end) does not keep the next calibration from installing its curves
+    dec.drafter.set_cost(None)  # drafts that no CPU timing moves
+    ref = greedy(variant, P[0], 30, eos=None)
+    dec.close_session(dec.open_session("t0", "coder", P[0] + ref))  # steers t0's drafts
+    for k in range(3, 25):  # an EOS that ends a request right at a step's end
+        ended = dec.open_session("t0", "coder", P[0])
+        dec.generate([ended], max_new_tokens=40, eos_id=ref[k])
+        if dec.drafter._ahead is not None:
+            break
+        dec.close_session(ended)
+    assert dec.drafter._ahead is not None  # (the case: left by that generate)
+    assert [b for b, _ in dec.calibrate_cost_model(24, max_draft_tokens=4,
+                                                   repeats=1).curves] == [1, 2]
+    sids = [ended, dec.open_session("t1", "coder", P[1])]
+    assert_greedy(dec, variant, sids, [list(dec._sessions[ended].context), P[1]])
     with pytest.raises(ValueError, match="batch_sizes"):
         dec.calibrate_cost_model(24, [4])
+    last = dec.drafter.cost
     dec.propose(sids)
     with pytest.raises(RuntimeError, match="propose"):  # before it measures anything
         dec.calibrate_cost_model(24)
-    assert dec.drafter.cost is cost
+    assert dec.drafter.cost is last
     with pytest.raises(ValueError, match="context_tokens"):
         dec.calibrate_cost_model(0)
     with pytest.raises(ValueError, match="runner='paged'"):
@@ -1159,6 +1192,12 @@ def test_config_fields_of_other_types_are_named_or_stored_as_python_types():
     assert (type(t.max_depth), t.forms, type(t.workspace_low_water)) == \
         (int, (EmissionForm.RAW,), float)
     assert type(SamplingParams(top_k=np.int64(3), seed=np.int64(1)).top_k) is int
+    # what the old checks took stays taken: an array of tier bonuses, a set of forms (in
+    # the enum's order), no upper bound on the controller's scale
+    assert DrafterConfig(tier_bonus=np.array([2, 2, 1, 0])).tier_bonus == (2, 2, 1, 0)
+    assert TierConfig(forms={EmissionForm.DIFF_ADD, EmissionForm.RAW}).forms == \
+        (EmissionForm.RAW, EmissionForm.DIFF_ADD)
+    assert ControllerConfig(s_max=float("inf")).s_max == float("inf")
     for cls, kw in ((TierConfig, dict(workspace_budget_tokens="x")),
                     (TierConfig, dict(workspace_budget_tokens=2.5)),
                     (TierConfig, dict(max_depth=3.5)), (TierConfig, dict(forms=5)),
@@ -1172,7 +1211,8 @@ def test_config_fields_of_other_types_are_named_or_stored_as_python_types():
                     (DrafterConfig, dict(controller=None)), (DrafterConfig, dict(tree="no")),
                     (DrafterConfig, dict(cuda_graphs=1)),
                     (ControllerConfig, dict(alpha="2")), (ControllerConfig, dict(static_k=2.0)),
-                    (ControllerConfig, dict(s_max=float("inf")))):
+                    (ControllerConfig, dict(s_max=float("nan"))),
+                    (ControllerConfig, dict(s_min=float("inf")))):
         with pytest.raises(ValueError, match=f"^{next(iter(kw))}"):
             cls(**kw)
     for kw in (dict(draft_cap="3"), dict(initial_scale=float("nan")), dict(name="")):

@@ -554,6 +554,41 @@ def test_batch_budget_steers_by_the_curve_of_the_steps_bucket(tok):
             assert sorted(d._cost_tables) == [1, 4]
     with pytest.raises(ValueError, match="cost: expected"):
         Drafter(CorpusStore(tok, TierConfig(use_global=False)), cost={1: free})
+    # curves at sizes that are no bucket (3): padded and unpadded steps read the curve of
+    # the bucket (4), not of their own row count
+    for graphs in (False, True):
+        store = CorpusStore(tok, TierConfig(use_global=False))
+        d = Drafter(store, DrafterConfig(**_SHARES), max_batch=4,
+                    cost=BatchCostModels(((3, free), (4, huge(4)))))
+        if graphs:
+            d._graphs = d._step_graphs(use_graphs=False)
+        for i in range(3):
+            d.open_session(f"s{i}", "t", role="coder", prompt_ids=CASE_A[i:])
+        assert int(d.propose(["s0", "s1", "s2"]).num_draft_tokens.sum()) == 0, graphs
+
+
+def test_set_cost_is_all_or_nothing(tok, monkeypatch):
+    """``set_cost`` between steps installs the new curves (and captures the step graphs
+    again); a capture that raises leaves the old prices, tables and graphs; a pending
+    proposal refuses it."""
+    free = CostModel(((1, 1.0), (4096, 1.0)))
+    huge = CostModel(((1, 1.0), (2, 1e6)))
+    store = CorpusStore(tok, TierConfig(use_global=False))
+    d = Drafter(store, DrafterConfig(**_SHARES), max_batch=4, cost=huge)
+    d._graphs = d._step_graphs(use_graphs=False)
+    d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
+    old = (d.cost, d._cost_tables, d._graphs)
+    monkeypatch.setattr(Drafter, "_step_graphs", lambda self, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        d.set_cost(free)
+    assert (d.cost, d._cost_tables, d._graphs) == old
+    monkeypatch.undo()
+    assert int(d.propose(["s"]).num_draft_tokens.sum()) == 0  # still the old prices
+    with pytest.raises(RuntimeError, match="set_cost: a proposed step"):
+        d.set_cost(free)
+    d._forget(["s"])
+    d.set_cost(free)
+    assert d._graphs is not old[2] and int(d.propose(["s"]).num_draft_tokens.sum()) > 0
 
 
 @pytest.mark.parametrize("spelled", [False, True])

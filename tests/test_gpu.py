@@ -287,7 +287,7 @@ def test_spec_decoder_calibrates_through_its_graphs_on_cuda(tmp_path):
                                     out=tmp_path / "cost.json")
     assert [b for b, _ in cost.curves] == [1, 2, 4]
     assert all(c.steps and c.requests == b for b, c in cost.curves)
-    assert dec.drafter._graphs is not old and dec.drafter._graphs[0].uses_graphs
+    assert dec.drafter._graphs is not old and dec.drafter._graphs[0].use_graphs
     assert all(g.graph_error is None for g in dec.drafter._graphs)
     sid = dec.open_session("u", "coder", prompt)
     after = dec.generate([sid], max_new_tokens=24)
