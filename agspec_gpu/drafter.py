@@ -287,6 +287,7 @@ class Drafter:
             size: cost_table(c, self.recent.device, max(self.max_batch, c.table_base() or 0)
                              + self.max_batch * self.config.max_nodes) for size, c in curves}
 
+    @device_guard
     def check_between_steps(self, what: str) -> None:
         """RuntimeError naming ``what`` while a proposal waits for its observe or a deferred
         commit for its settle (a draft proposed ahead of a settle that no step took is
