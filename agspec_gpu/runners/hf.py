@@ -176,12 +176,18 @@ def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
+_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+             torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
 def check_hf_model(model: torch.nn.Module) -> None:
     """Raises ValueError naming ``model`` unless :class:`HFRunner` verifies it exactly: its
     forward must place each token by the ``position_ids`` it is given and mask by the 4-D
     mask, in every layer. A sliding window, or another non-full layer, masks by cache slot;
     ALiBi (Bloom, MPT, Falcon with ``alibi``) and GPT-Neo's local layers read distances
-    from cache slots, which a padded batch and a draft tree shift."""
+    from cache slots, which a padded batch and a draft tree shift. A model in training mode
+    whose dropout is on (a module's, or its config's ``*dropout*`` / ``*pdrop*``) is
+    refused too: its logits are random, so no output could equal greedy decoding's."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError("model: expected a Hugging Face model with a .config")
@@ -195,6 +201,14 @@ def check_hf_model(model: torch.nn.Module) -> None:
     if "local" in (getattr(text_config, "attention_layers", None) or ()):
         raise ValueError(f"model: {model_type} has local-attention layers (a window by "
                          f"cache slot): not supported")
+    if model.training:  # dropout would make the target's logits random: no greedy to equal
+        active = [f"{type(m).__name__}(p={m.p})" for m in model.modules()
+                  if isinstance(m, _DROPOUTS) and m.p > 0]
+        active += [f"config.{k}={v}" for k, v in vars(text_config).items()
+                   if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0]
+        if active:
+            raise ValueError(f"model: in training mode, where its dropout ({active[0]}) "
+                             f"makes every forward random; call model.eval() first")
 
 
 class HFRunner:
