@@ -10,6 +10,7 @@ the curves make a :class:`~agspec_gpu.cost_model.BatchCostModels`, which
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import torch
 

@@ -8,6 +8,13 @@ from typing import Any
 import torch
 
 
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes steps are padded to (a graph per bucket): powers of two up to
+    ``max_batch``, and ``max_batch``. The verification graphs, the drafter's step graphs
+    and the cost curves a batch budget steers by share them."""
+    return sorted({1 << k for k in range(max_batch.bit_length())} | {max_batch})
+
+
 def capture(fn: Callable[[], Any], device: torch.device, warmup: int, pool,
             stream: torch.cuda.Stream | None = None) -> tuple:
     """``(graph, out)``: ``fn()`` run ``warmup`` times on a side stream (as capture requires:

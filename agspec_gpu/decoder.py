@@ -53,6 +53,7 @@ from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.checks import check_text
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.cost_model import BatchCostModels, CostModel
+from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.decoder_config import DecoderConfig
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
@@ -187,8 +188,7 @@ class SpecDecoder:
             self.verify_graph_error = ("the paged runner's attention is not FlashInfer "
                                        "(flashinfer missing, or a float32 model)")
             return None
-        sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
-        vg = VerifyGraphs(self._paged, sizes + [self.config.max_batch], max_nodes)
+        vg = VerifyGraphs(self._paged, batch_buckets(self.config.max_batch), max_nodes)
         if not vg.uses_graphs:
             self.verify_graph_error = vg.graph_error
             return None
@@ -224,8 +224,7 @@ class SpecDecoder:
         if isinstance(context_tokens, bool) or not isinstance(context_tokens, Integral) or \
                 context_tokens < 1:
             raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
-        graph_sizes = [1 << k for k in range(self.config.max_batch.bit_length())]
-        sizes = sorted(set(graph_sizes + [self.config.max_batch])) if batch_sizes is None \
+        sizes = batch_buckets(self.config.max_batch) if batch_sizes is None \
             else list(batch_sizes)
         if any(isinstance(b, bool) or not isinstance(b, Integral) or
                not 1 <= b <= self.config.max_batch for b in sizes):

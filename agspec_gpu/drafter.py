@@ -34,6 +34,7 @@ from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_inst
                                check_int_fields, check_tuple_field)
 from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
 from agspec_gpu.cost_model import BatchCostModels, CostModel
+from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
 from agspec_gpu.host import HostWriter, cuda_index, device_guard, to_device
@@ -246,7 +247,7 @@ class Drafter:
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
         # the step graphs' batch buckets (StepGraphs.sizes), which choose the cost curve
-        self._buckets = sorted({1 << k for k in range(max_batch.bit_length())} | {max_batch})
+        self._buckets = batch_buckets(max_batch)
         self._set_cost(cost)
         # proposals not yet observed, by their batch's session ids: an own loop's propose /
         # observe may interleave with a serving loop's steps of other sessions
@@ -283,9 +284,11 @@ class Drafter:
         curves = self.cost.curves if isinstance(self.cost, BatchCostModels) else \
             ((self.max_batch, self.cost),)
         self._cost_curves = BatchCostModels(curves)
+        # per measured batch size: (its table, where a step of n nodes reads it)
         self._cost_tables = {
-            size: cost_table(c, self.recent.device, max(self.max_batch, c.table_base() or 0)
-                             + self.max_batch * self.config.max_nodes) for size, c in curves}
+            size: (cost_table(c, self.recent.device, max(self.max_batch, c.table_base() or 0)
+                              + self.max_batch * self.config.max_nodes), c.table_base())
+            for size, c in curves}
 
     @device_guard
     def check_between_steps(self, what: str) -> None:
@@ -669,8 +672,7 @@ class Drafter:
         its bucket already, and a CUDA graph bakes in its bucket's table), so a padded and
         an unpadded step read the same curve whatever sizes were measured."""
         bucket = next((b for b in self._buckets if b >= rows), rows)
-        size = self._cost_curves.size_for(bucket)
-        return self._cost_tables[size], self._cost_curves.curve_for(size).table_base()
+        return self._cost_tables[self._cost_curves.size_for(bucket)]
 
     @staticmethod
     def _chain_mask(rep, mass, is_node) -> torch.Tensor:

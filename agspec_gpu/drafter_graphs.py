@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agspec_gpu.cuda_graph import capture, capture_error
+from agspec_gpu.cuda_graph import batch_buckets, capture, capture_error
 
 # fn(**inputs with S rows, num_requests=int64 []) -> output tensors with S rows
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -94,8 +94,7 @@ class StepGraphs:
             raise ValueError(f"pads: input names {clash} are a bucket's own keys")
         self.fn, self.device, self.pads, self.warmup = fn, device, dict(pads), warmup
         self.state = list(state)
-        self.sizes = sorted({1 << k for k in range(max_batch.bit_length())
-                             if (1 << k) <= max_batch} | {max_batch})
+        self.sizes = batch_buckets(max_batch)
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.graph_error: str | None = None
         self._buckets: dict[tuple, dict] = {}

@@ -73,6 +73,7 @@ import triton
 from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.calibrate import calibrate_cost_model
 from agspec_gpu.cost_model import BatchCostModels, CostModel
+from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array
@@ -475,8 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                               split_attention=args.tree_attention == "split")
     # what verification steps run: the split's prefix and tree, or the custom mask
     tree_attention = "split" if runner.splits(args.max_draft_nodes) else "custom"
-    graph_sizes = sorted({1 << k for k in range(max_b.bit_length()) if (1 << k) <= max_b} |
-                         set(batch_sizes))
+    graph_sizes = sorted(set(batch_buckets(max_b)) | set(batch_sizes))
     graphs = DecodeGraphs(runner, graph_sizes, use_graphs=False if args.no_graphs else None)
     verify = None if args.eager_verify else VerifyGraphs(
         runner, graph_sizes, args.max_draft_nodes,

@@ -130,7 +130,7 @@ def test_probabilities_are_weighted_count_ratios(tok, monkeypatch):
 
     def spy(ranked, keep_n, num_requests, table, **kw):
         seen.append((ranked.clone(), keep_n.clone(), num_requests))
-        assert table is d._cost_tables[d.max_batch]  # its one curve's table, built once
+        assert table is d._cost_tables[d.max_batch][0]  # its one curve's table, built once
         return real(ranked, keep_n, num_requests, table, **kw)
 
     monkeypatch.setattr(drafter_mod, "budget_keep", spy)
