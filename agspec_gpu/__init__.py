@@ -5,7 +5,8 @@ from agspec_gpu.controller import ControllerConfig, RoleProfile
 from agspec_gpu.decoder import SpecDecoder
 from agspec_gpu.decoder_config import DecoderConfig
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs
-from agspec_gpu.drafter import Drafter, DrafterConfig
+from agspec_gpu.drafter import Drafter
+from agspec_gpu.drafter_config import DrafterConfig
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.requests import SessionStats, StepOutput
 from agspec_gpu.tiers import CorpusStore, CorpusTier, TierConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agspec_gpu.checks import check_bool_fields, check_instance_field, check_int_fields
 from agspec_gpu.cost_model import BatchCostModels, CostModel
-from agspec_gpu.drafter import DrafterConfig
+from agspec_gpu.drafter_config import DrafterConfig
 from agspec_gpu.tiers import TierConfig
 
 

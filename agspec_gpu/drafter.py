@@ -20,22 +20,19 @@ and the recent-token ring, the controller's scale and the tier weights are updat
 
 from __future__ import annotations
 
-
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from numbers import Integral
+from dataclasses import dataclass, replace
 
 import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
-from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_instance_field,
-                               check_int_fields, check_tuple_field)
-from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile, cost_table
+from agspec_gpu.controller import cost_table
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
+from agspec_gpu.drafter_config import DrafterConfig
 from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
 from agspec_gpu.host import HostWriter, cuda_index, device_guard, to_device
 from agspec_gpu.kept_descriptors import KeptDescriptors
@@ -67,86 +64,6 @@ def _same(refs: tuple, args: tuple) -> bool:
     None) refer to."""
     return len(refs) == len(args) and all(
         a is None if r is None else r() is a for r, a in zip(refs, args))
-
-
-@dataclass(frozen=True, slots=True)
-class DrafterConfig:
-    """Drafting parameters.
-
-    Attributes:
-        max_positions: occurrences sampled per (request, corpus) as candidates.
-        max_scan: entries of each index level's match range read to find them (the most
-            recent ``max_positions`` of the tail's hits and of these; None: the whole range).
-            Bounds the match kernel's work per row: a one-token match in a large level has a
-            range of up to ~10^5 entries.
-        max_candidate_rows: most corpora (rows of the match) supplying candidates to one
-            request: those with the best score (match length plus tier bonus), then the
-            earlier tier. None: every row within ``candidate_slack`` of the best.
-        max_draft_depth: hard cap on draft depth (the role cap applies below it).
-        max_nodes: most draft nodes per request.
-        tree: trees (True) or chains (False).
-        batch_budget: spend draft tokens by the cost model across the batch.
-        min_match: shortest match that produces a draft.
-        min_prob: nodes whose estimated acceptance probability is below this are not
-            drafted (verification is not spent on long shots).
-        candidate_slack: rows (tiers) whose match is at most this much shorter than the
-            request's longest also supply candidates.
-        calibrate: scale candidate shares by the acceptance learned online per (match
-            length, depth); off, a node's probability is its candidate share alone.
-        tier_bonus: tokens added to a tier's match length (session, workspace, history,
-            global) when choosing which rows supply candidates: the tenant's own text
-            predicts its next tokens better than an equally long match in other text.
-        controller: the adaptive-length rule.
-        cuda_graphs: on a GPU, replay the device halves of a step as CUDA graphs per batch
-            bucket (:mod:`agspec_gpu.drafter_graphs`): propose after the batched match (the
-            candidate windows' rows, trie, probabilities, budget) and commit before the
-            corpora (controller, calibration, tier weights, recent-token ring). Drafts and
-            state are the same.
-    """
-
-    max_positions: int = 8
-    max_scan: int | None = 256
-    max_candidate_rows: int | None = 2
-    max_draft_depth: int = 32
-    max_nodes: int = 64
-    tree: bool = True
-    batch_budget: bool = True
-    min_match: int = 1
-    min_prob: float = 0.0
-    candidate_slack: int = 0
-    calibrate: bool = True
-    tier_bonus: tuple[int, ...] = (2, 2, 1, 0)
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    roles: tuple[RoleProfile, ...] = tuple(BUILTIN_ROLES.values())
-    cuda_graphs: bool = True
-
-    def __post_init__(self) -> None:
-        check_int_fields(self, ("max_positions", "max_scan", "max_candidate_rows",
-                                "max_draft_depth", "max_nodes", "min_match", "candidate_slack"),
-                         optional=("max_scan", "max_candidate_rows"))
-        check_bool_fields(self, ("tree", "batch_budget", "calibrate", "cuda_graphs"))
-        check_float_fields(self, ("min_prob",))
-        check_tuple_field(self, "tier_bonus", Integral, length=_NUM_TIERS, convert=int)
-        check_instance_field(self, "controller", ControllerConfig)
-        check_tuple_field(self, "roles", RoleProfile)
-        names = [r.name for r in self.roles]
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"roles: expected profiles with distinct names, got {names}")
-        if self.max_positions < 1 or self.max_draft_depth < 1 or self.max_nodes < 1:
-            raise ValueError("max_positions, max_draft_depth and max_nodes must be >= 1")
-        if self.max_scan is not None and self.max_scan < 1:
-            raise ValueError("max_scan must be >= 1 or None")
-        if self.max_candidate_rows is not None and self.max_candidate_rows < 1:
-            raise ValueError("max_candidate_rows must be >= 1 or None")
-        if self.min_match < 1:
-            raise ValueError("min_match must be >= 1")
-        if self.candidate_slack < 0:
-            raise ValueError("candidate_slack must be >= 0")
-        if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError("min_prob must be in [0, 1)")
-        if min(self.tier_bonus) < 0:
-            raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints, got "
-                             f"{self.tier_bonus}")
 
 
 class Drafter:

@@ -452,7 +452,7 @@ class LaneContext:
 
 
 def _configs(name: str) -> tuple[Any, Any]:
-    from agspec_gpu.drafter import DrafterConfig
+    from agspec_gpu.drafter_config import DrafterConfig
     from agspec_gpu.tiers import TierConfig
 
     tier_over, drafter_over = agspec_overrides(name)

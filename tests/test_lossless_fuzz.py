@@ -35,7 +35,7 @@ import torch
 
 import test_decoder as td
 from agspec_gpu import DecoderConfig, SamplingParams, SpecDecoder
-from agspec_gpu.drafter import DrafterConfig
+from agspec_gpu.drafter_config import DrafterConfig
 from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.tiers import TierConfig
 

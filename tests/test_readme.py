@@ -10,7 +10,6 @@ import os
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from agspec_gpu import DecoderConfig

@@ -7,7 +7,7 @@ import torch
 
 from agspec_gpu import CorpusTier, DecoderConfig, SamplingParams, SpecDecoder, StepOutput
 from agspec_gpu.runners.hf import HFRunner
-from agspec_gpu.drafter import DrafterConfig
+from agspec_gpu.drafter_config import DrafterConfig
 from test_decoder import (VARIANTS, greedy, model, own_loop, prompts, record_hf_prefills,
                           record_prefills, seeded_sample, steer, tok)
 
