@@ -163,7 +163,9 @@ class BatchCostModels:
     def from_json(cls, obj: dict | str | Path, batch_sizes=()) -> "BatchCostModels":
         """A saved calibration (``bench/bench_e2e.py``'s ``cost-<model>-<gpu>.json``,
         :meth:`to_json`'s form, or a dict of it): a curve per batch size it measured, and
-        one at each of ``batch_sizes`` that it did not measure (its top-level curve). Each
+        one at each of ``batch_sizes`` that it did not measure: the curve measured at the
+        smallest batch ``>=`` it (the largest where none is), as :meth:`size_for` prices a
+        step of that batch (a file that measured no batch: its top-level curve). Each
         curve as :meth:`to_json` wrote it (``curves``); in files from before that field,
         the points of ``by_batch_size`` with the file's source, and as a staircase priced
         from its own batch where the file says it was measured through the verification
@@ -177,21 +179,18 @@ class BatchCostModels:
             whole = {int(k): CostModel.from_json(v) for k, v in (obj.get("curves") or {}).items()}
             by_batch = {int(k): v for k, v in (obj.get("by_batch_size") or {}).items()}
             steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
-            sizes = sorted(set(whole) | set(by_batch) | {int(b) for b in batch_sizes})
-            if not sizes:
+            measured = {b: whole[b] if b in whole else CostModel.from_json(
+                {"points": by_batch[b], "source": obj.get("source", ""), "steps": steps,
+                 "requests": b if steps else None})
+                for b in sorted(set(whole) | set(by_batch))}
+            wanted = {int(b) for b in batch_sizes} - set(measured)
+            if not measured:
                 top = CostModel.from_json(obj)
-                return cls(((top.requests or 1, top),))
-            curves = []
-            for b in sizes:
-                if b in whole:
-                    curves.append((b, whole[b]))
-                elif b in by_batch:
-                    curves.append((b, CostModel.from_json(
-                        {"points": by_batch[b], "source": obj.get("source", ""),
-                         "steps": steps, "requests": b if steps else None})))
-                else:
-                    curves.append((b, CostModel.from_json(obj)))
-            return cls(tuple(curves))
+                return cls(tuple((b, top) for b in sorted(wanted)) or
+                           ((top.requests or 1, top),))
+            found = cls(tuple(measured.items()))
+            return cls(tuple(sorted({**measured,
+                                     **{b: found.curve_for(b) for b in wanted}}.items())))
         except (OSError, json.JSONDecodeError, TypeError, AttributeError) as exc:
             raise ValueError(f"{where}: expected a calibration JSON ({type(exc).__name__}: "
                              f"{exc})") from None

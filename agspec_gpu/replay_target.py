@@ -76,8 +76,10 @@ def protocol(context_tokens: int, dtype: str, prefill: str = "real") -> str:
         f"Weights are random ({dtype}); acceptance is the trajectory's, time per step is the "
         "model's. Plain-decode steps (no draft in the batch) run as CUDA graphs where captured; "
         "steps with a draft too, padded to (requests, rows) buckets, unless --eager-verify. "
-        "tokens_per_s = emitted tokens / wall time of the decode steps (prefill excluded, the "
-        "same for every method); oracle: drafting time excluded (a bound).")
+        "tokens_per_s = emitted tokens / wall time of the decode steps (prefill and the "
+        "drafters' work between requests -- sessions opened and closed, context and files "
+        "fed -- excluded, the same for every method; tokens_per_s_with_messages counts that "
+        "work too); oracle: drafting time excluded (a bound).")
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -361,6 +363,9 @@ class ReplayTargetResult:
     # queued time is counted whole, a bound; on a CPU every step's)
     drafter_queued_s: float = 0.0
     drafter_queued_exposed_s: float = 0.0
+    # of drafter_queued_s, the next step's propose ahead: drafting work done in the commit
+    # phase, so a draft column that reads draft_s alone would leave it out
+    propose_ahead_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
     # the drafter's work at message boundaries (a session opened or closed, the context and
@@ -385,6 +390,13 @@ class ReplayTargetResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def tokens_per_s_with_messages(self) -> float:
+        """Emitted tokens over the decode steps' wall time plus the work between requests
+        (``message_s``; not for a lane whose drafting time is excluded: the oracle's)."""
+        s = self.decode_s + (self.message_s if self.counts_draft_time else 0.0)
+        return self.tokens / s if s else 0.0
 
     @property
     def full_batch_tokens_per_s(self) -> float:
@@ -615,7 +627,9 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
                         # the next step's draft too, when no request can end in this one
                         # (it emits at most its draft's nodes and the bonus)
                         if bool((remaining > num_draft + 1).all()):
+                            t_ahead = time.perf_counter()
                             proposer.drafter.propose_ahead(sids)
+                            res.propose_ahead_s += time.perf_counter() - t_ahead
                     queued_s = time.perf_counter() - t_obs
                     res.drafter_queued_s += queued_s
                 if paths is not None:

@@ -629,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             # the device done: exposed, a bound)
             observe_ms = r.per_step_ms(r.observe_s) if r.counts_draft_time else 0.0
             queued_ms = r.per_step_ms(r.drafter_queued_s) if r.counts_draft_time else 0.0
+            ahead_ms = r.per_step_ms(r.propose_ahead_s) if r.counts_draft_time else 0.0
             exposed_ms = r.per_step_ms(r.drafter_queued_exposed_s) \
                 if r.counts_draft_time else 0.0
             # its work between requests (context and files fed, sessions opened and
@@ -650,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": r.tokens_per_s,
                 "speedup": r.tokens_per_s / base.tokens_per_s
                 if base is not None and base.tokens_per_s else None,
+                # with the drafters' work between requests (sessions opened and closed,
+                # context and files fed) counted as decode time
+                "tokens_per_s_with_messages": r.tokens_per_s_with_messages,
+                "speedup_with_messages": r.tokens_per_s_with_messages /
+                base.tokens_per_s_with_messages
+                if base is not None and base.tokens_per_s_with_messages else None,
                 "tau": r.tau,
                 # while the batch was full (the queue held work: a loaded server's steady
                 # state), without the run's drain, over plain decoding's full-batch figure
@@ -660,6 +667,12 @@ def main(argv: list[str] | None = None) -> int:
                 "draft_ms_per_step": draft_ms,
                 "drafter_commit_ms_per_step": observe_ms,
                 "drafter_queued_ms_per_step": queued_ms,
+                # of the queued time, the next step's propose (drafting done in the commit
+                # phase: draft_ms_per_step leaves it out)
+                "propose_ahead_ms_per_step": ahead_ms,
+                # every ms of drafter work, hidden behind the device or not: propose
+                # (ahead too), commit, and between requests (like for like across methods)
+                "drafter_total_ms_per_step": draft_ms + observe_ms + queued_ms + message_ms,
                 "drafter_queued_exposed_ms_per_step": exposed_ms,
                 "drafter_message_ms_per_step": message_ms,
                 # its host time by part, per step (the rest of it: the wait for the device)
@@ -673,8 +686,10 @@ def main(argv: list[str] | None = None) -> int:
                 "draft_share_of_step": (draft_ms + observe_ms + exposed_ms + message_ms)
                 / step_ms_run
                 if step_ms_run else None,
-                "modelled_replay_speedup": base_ms / modelled_ms
-                if base_ms and modelled_ms else None,
+                # throughputs (emitted tokens per modelled ms), this method's over plain
+                # decoding's: a step-capped run (--max-steps) emits different tokens per lane
+                "modelled_replay_speedup": (r.tokens / modelled_ms) / (base.tokens / base_ms)
+                if base_ms and modelled_ms and base.tokens else None,
                 "modelled_verify_ms_per_step": modelled_ms / steps if modelled_ms else None,
                 "modelled_full_batch_speedup": (r.full_tokens / full_ms) /
                 (base.full_tokens / base_full_ms) if full_ms and base_full_ms else None,
@@ -861,7 +876,8 @@ def print_table(report: dict) -> None:
     t = Table(title=f"agspec_gpu end to end - {report['model']} on {report['gpu']} "
                     f"(replay target)", title_justify="left")
     cols = [("method", "method", ""), ("B", "batch_size", "d"), ("tok/s", "tokens_per_s", ".1f"),
-            ("speedup", "speedup", ".2f"), ("full B", "full_batch_speedup", ".2f"),
+            ("speedup", "speedup", ".2f"), ("+msg", "speedup_with_messages", ".2f"),
+            ("full B", "full_batch_speedup", ".2f"),
             ("model", "modelled_replay_speedup", ".2f"),
             ("model full B", "modelled_full_batch_speedup", ".2f"), ("tau", "tau", ".2f"),
             ("acc", "acceptance_rate", ".2f"),

@@ -110,20 +110,26 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
             assert f in row and row[f] is not None, (row["method"], f)
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
         assert row["jit_compiles"] == 0  # the torch paths: nothing for Triton to compile
+        # the work between requests counted as decode time too: slower, never faster
+        assert 0 < row["tokens_per_s_with_messages"] <= row["tokens_per_s"]
+        # every drafter phase, hidden behind the device or not (propose ahead within the
+        # queued part)
+        assert 0 <= row["propose_ahead_ms_per_step"] <= row["drafter_queued_ms_per_step"]
+        assert row["drafter_total_ms_per_step"] == pytest.approx(sum(row[k] for k in (
+            "draft_ms_per_step", "drafter_commit_ms_per_step", "drafter_queued_ms_per_step",
+            "drafter_message_ms_per_step")))
         # the full-batch steps are a subset of the run's (every step at B = 1)
         assert 0 <= row["full_batch_step_share"] <= 1
         if row["batch_size"] == 1:
             assert row["full_batch_step_share"] == 1
             assert row["full_batch_tokens_per_s"] == pytest.approx(row["tokens_per_s"])
-            # every step full: the full-batch price is the run's (a throughput ratio: the
-            # run's over plain decoding's time, times their tokens' ratio, as --max-steps
-            # cut them)
-            plain = next(r for r in report["rows"] if r["method"] == "none"
-                         and r["batch_size"] == 1)
+            # every step full: the full-batch price is the run's. Both are throughput
+            # ratios: --tiny's --max-steps cuts every lane at the same steps, not tokens
             assert row["modelled_full_batch_speedup"] == pytest.approx(
-                row["modelled_replay_speedup"] * row["tokens"] / plain["tokens"])
+                row["modelled_replay_speedup"])
         if row["method"] == "none":
             assert row["speedup"] == pytest.approx(1.0) and row["tau"] == pytest.approx(1.0)
+            assert row["speedup_with_messages"] == pytest.approx(1.0)
             assert row["full_batch_speedup"] == pytest.approx(1.0)
             assert row["modelled_full_batch_speedup"] == pytest.approx(1.0)
             assert row["modelled_replay_speedup"] == pytest.approx(1.0)
@@ -435,17 +441,20 @@ def test_batch_cost_models_round_trip_each_curve_whole(tmp_path):
 
 def test_a_saved_calibration_loads_every_batch_and_its_staircase(tmp_path):
     """``--cost-model``: every batch the file measured (the drain's buckets priced there),
-    each requested batch (the top-level curve where none was measured), and a staircase
+    each requested batch (where none was measured, the curve of the smallest measured batch
+    above it, else of the largest: not the top level's, a 1-request curve whose first draft
+    token is nearly free at 16 requests), and a staircase
     from its own batch where the curves came through the verification graphs -- also in a
     file from before the ``steps`` field, which says so by ``verify_cuda_graphs``."""
     obj = {"points": [[1, 5.0], [9, 6.0]], "source": "test", "verify_cuda_graphs": True,
            "by_batch_size": {"1": [[1, 5.0], [9, 6.0]], "4": [[4, 7.0], [12, 9.0]]}}
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(obj))
-    got = bench_e2e.load_cost_models(path, [1, 16])
-    assert sorted(got) == [1, 4, 16]
+    got = bench_e2e.load_cost_models(path, [1, 2, 16])
+    assert sorted(got) == [1, 2, 4, 16]
     assert got[4].steps and got[4].requests == 4 and got[4].points == ((4, 7.0), (12, 9.0))
-    assert got[16].points == ((1, 5.0), (9, 6.0))  # none measured at 16: the top level
+    assert got[2] == got[4] and got[16] == got[4]  # none measured there: 4's (above, or
+    # the largest), as a step of 2 or 16 requests is priced without them (size_for)
     assert got[4].step_ms(2 + 8, num_requests=2) == 9.0  # 4 + 8: the bucket's edge
     path.write_text(json.dumps({**obj, "verify_cuda_graphs": False}))
     assert not any(c.steps for c in bench_e2e.load_cost_models(path, [1]).values())
