@@ -142,12 +142,14 @@ class RunningBatch:
                                  validate=False, path_nodes=res.accepted_nodes,
                                  num_verified=draft.num_draft_tokens if cut else None,
                                  defer=True)
-            # and the next step's draft, when no request can reach its limit in this one
-            # (at most its draft's nodes and the bonus): the next propose takes it if the
-            # step ended none (EOS, a stop string) and built no index level
-            if any(reqs.spec) and all(r > n + 1 for r, n in zip(reqs.remaining(), num_draft)):
-                self.drafter.propose_ahead(reqs.sids)
             try:
+                # the next step's draft, when no request can reach its limit in this one
+                # (at most its draft's nodes and the bonus): the next propose takes it if
+                # the step ended none (EOS, a stop string) and built no index level. (In
+                # the try: if it raises, the queued commit is taken back as below)
+                if any(reqs.spec) and \
+                        all(r > n + 1 for r, n in zip(reqs.remaining(), num_draft)):
+                    self.drafter.propose_ahead(reqs.sids)
                 n_out, rows = self.reader.wait()
                 runner.commit_lengths([n - 1 for n in n_out])
                 new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])

@@ -1942,11 +1942,12 @@ class Boom(RuntimeError):
 
 
 @pytest.mark.parametrize("runner", ["hf", "paged"])
-@pytest.mark.parametrize("where", ["on_tokens", "interrupt", "propose"])
+@pytest.mark.parametrize("where", ["on_tokens", "interrupt", "propose", "propose_ahead"])
 def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where,
                                                                    monkeypatch):
     """A call that fails half-way (the user's streaming callback raises, a Ctrl-C in it
-    included, or a step fails):
+    included, or a step fails: in its propose, or in the next step's propose ahead, queued
+    behind the step's deferred commit, which is then taken back):
     each session's context holds exactly what was streamed to it (the raising callback's
     chunk included: the sessions after it in the batch still get theirs) and what its
     session tier took, the paged KV stays a prefix of it, and the next call is plain greedy
@@ -1965,22 +1966,22 @@ def test_a_failed_generate_leaves_context_and_session_tier_in_step(runner, where
     def on_tokens(sid, toks):
         calls.append(sid)
         streamed[sid] += toks
-        if where != "propose" and len(calls) == 5:  # third step, first session
-            raise error
+        if where in ("on_tokens", "interrupt") and len(calls) == 5:  # third step, first
+            raise error                                                  # session
 
-    propose = dec.drafter.propose
+    def failing(call):
+        def f(*a, **kw):
+            if len(calls) >= 4:
+                raise Boom
+            return call(*a, **kw)
+        return f
 
-    def failing_propose(*a, **kw):
-        if len(calls) >= 4:
-            raise Boom
-        return propose(*a, **kw)
-
-    if where == "propose":
-        monkeypatch.setattr(dec.drafter, "propose", failing_propose)
+    if where.startswith("propose"):
+        monkeypatch.setattr(dec.drafter, where, failing(getattr(dec.drafter, where)))
     with pytest.raises(error):
         dec.generate(sids, max_new_tokens=45, on_tokens=on_tokens)
     monkeypatch.undo()
-    if where != "propose":  # the second session had its call in the failing step
+    if not where.startswith("propose"):  # the second session had its call in the failing step
         assert calls[5:] == [sids[1]], calls
     for sid, p in zip(sids, P):
         ctx = dec._sessions[sid].context
