@@ -9,6 +9,7 @@ from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
+import torch
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -102,3 +103,17 @@ def check_text(text: Any, name: str) -> str:
                          f"form (a lone surrogate); decode such bytes with "
                          f"errors='replace'") from None
     return text
+
+
+def check_int_tensor(t: Any, name: str, shape: Sequence[int | None]) -> None:
+    """``t`` is an integer tensor (not bool) of ``len(shape)`` dimensions, each the size
+    ``shape`` gives (None: any); else ValueError naming ``name``. Host metadata only: no
+    device read."""
+    ok = isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or
+                                              t.dtype == torch.bool)
+    if not ok or t.dim() != len(shape) or \
+            any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else \
+            type(t).__name__
+        raise ValueError(f"{name}: expected an integer tensor {want}, got {got}")

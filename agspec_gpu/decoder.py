@@ -209,11 +209,12 @@ class SpecDecoder:
         steps (:func:`~agspec_gpu.calibrate.calibrate_cost_model`); ~1 s per batch size on
         an H100. ``out``: also written there as JSON, which ``DecoderConfig(cost_model=out)``
         loads into the next decoder of this model and GPU (``config.cost_model`` is then
-        these curves). The KV pool must hold ``max(batch_sizes) * context_tokens`` tokens
-        and ``max(batch_sizes)`` sequence rows beside the sessions' kept KV
-        (:class:`~agspec_gpu.kv_cache.KVCacheFull` otherwise: close or let go of idle
-        sessions first); between calls only: no request may run and no ``propose`` wait
-        for its ``commit`` (RuntimeError).
+        these curves). It needs ``max(batch_sizes)`` sequences of ``context_tokens`` tokens
+        of KV: where the pool's free pages or sequence rows fall short, idle sessions'
+        kept KV is freed for it, least recently used first, as a step does (their next
+        call prefills again; :class:`~agspec_gpu.kv_cache.KVCacheFull` if even that is
+        not enough). Between calls only: no request may run and no ``propose`` wait for
+        its ``commit`` (RuntimeError).
 
         Returns:
             The measured curves (:class:`~agspec_gpu.cost_model.BatchCostModels`).
@@ -241,6 +242,8 @@ class SpecDecoder:
             raise RuntimeError("calibrate_cost_model: requests are running or queued, or a "
                                "propose() waits for its commit")
         self.drafter.check_between_steps("calibrate_cost_model")
+        cache = self._paged.kv_cache
+        self._kv.free_idle(max(sizes) * -(-int(context_tokens) // cache.page_size), max(sizes))
         nodes = self.drafter.config.max_nodes
         where = f"measured: SpecDecoder on {self._device_name()}"
         cost = BatchCostModels(tuple(
@@ -748,7 +751,7 @@ class SpecDecoder:
         :class:`~agspec_gpu.kv_cache.KVCacheFull` here, queueing nothing.
         """
         sid = self._batch([session_id])[0]
-        self._check_idle([sid])
+        self._check_idle([sid], "session_id")
         # one session's scalars (generate's per-session lists would pass _requests for one)
         for name, v, kinds in (("max_new_tokens", max_new_tokens, Integral),
                                ("sampling", sampling, (SamplingParams, type(None))),

@@ -28,6 +28,7 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
+from agspec_gpu.checks import check_int_tensor
 from agspec_gpu.controller import cost_table
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
@@ -703,6 +704,8 @@ class Drafter:
                                  f"most num_queued_host's, got {counts} and {queued}")
             if queued is not None:
                 cut = [k < q for k, q in zip(counts, queued)]
+        elif counts is not None and queued is not None:  # none waits: a call in between
+            cut = [k < q for k, q in zip(counts, queued)]  # settled it (close_session)
         if d is None or arena.unsettled != d.ticket:
             if any(cut):
                 raise RuntimeError(
@@ -737,16 +740,21 @@ class Drafter:
             slots, = self._writer.write(([self._slot_of(s) for s in sids], torch.int64))
         else:
             slots = grid[5]
+        B = len(sids)
+        # integer tensors of the batch's rows (a float count would reach the arena's host
+        # lengths), checked before anything changes
+        check_int_tensor(output_ids, "output_ids", (B, None))
+        for name, t in (("num_output", num_output), ("num_accepted", num_accepted),
+                        ("num_verified", num_verified)):
+            if t is not None:
+                check_int_tensor(t, name, (B,))
+        if path_nodes is not None:
+            check_int_tensor(path_nodes, "path_nodes", (B, None))
         # (cast: the serving loop's tensors are these already, and a no-op .to() costs
         # ~2 us of a step's host time)
         out = cast(output_ids, torch.int32, dev)
         nout = cast(num_output, num_output.dtype, dev)
         nacc = cast(num_accepted, num_accepted.dtype, dev)
-        B = len(sids)
-        for name, t in (("output_ids", out), ("num_output", nout), ("num_accepted", nacc)):
-            if t.shape[:1] != (B,) or t.ndim != (2 if t is out else 1):
-                raise ValueError(f"{name}: expected {'[B, M]' if t is out else '[B]'} with "
-                                 f"B = {B} sessions, got {list(t.shape)}")
         M = out.shape[1]
         if num_output_host is not None and (len(num_output_host) != B or
                                             any(not 0 <= n <= M for n in num_output_host)):

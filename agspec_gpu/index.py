@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -293,9 +294,10 @@ class IndexArena:
                                  f"{counts.device}")
             room = [M] * len(cids)  # the most each corpus may grow by
         else:
-            if any(m < 0 or m > M for m in counts):
-                raise ValueError(f"counts: each in [0, {M}], got {list(counts)}")
-            room = counts
+            if any(isinstance(m, bool) or not isinstance(m, Integral) or not 0 <= m <= M
+                   for m in counts):
+                raise ValueError(f"counts: each an int in [0, {M}], got {list(counts)}")
+            room = counts = [int(m) for m in counts]
         corpora = [self._get(cid) for cid in cids]  # relocation and compaction keep them
         for c, m in zip(corpora, room):
             _check_corpus_size(c.n, m)

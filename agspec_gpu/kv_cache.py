@@ -83,6 +83,11 @@ class PagedKVCache:
     def num_free_pages(self) -> int:
         return len(self._free_pages)
 
+    @property
+    def num_free_rows(self) -> int:
+        """Sequence rows (page-table rows) no sequence holds."""
+        return len(self._free_rows)
+
     def layer(self, i: int) -> torch.Tensor:
         """Layer ``i``'s cache, ``[num_pages + 1, 2, page_size, H_kv, D]`` (a view)."""
         return self.data[i]
@@ -130,7 +135,8 @@ class PagedKVCache:
             raise KVCacheFull(f"{what}: {new_pages} pages needed, {len(self._free_pages)} "
                               f"free")
         if new_rows > len(self._free_rows):
-            raise KVCacheFull(f"{what}: all {len(self._rows)} sequence rows are in use")
+            raise KVCacheFull(f"{what}: {new_rows} new sequence rows needed, "
+                              f"{len(self._free_rows)} of max_seqs={self._page_table.shape[0]} free")
         entries, pages = [], []  # flat page-table index -> page
         W = self.max_pages_per_seq
         for sid, have, need in grow:

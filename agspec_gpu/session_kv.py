@@ -189,12 +189,13 @@ class SessionKVCache:
                     f"{running} (step() the submitted requests to their end first, or "
                     f"raise DecoderConfig.kv_cache_tokens)")
 
-    def free_idle(self, num_pages: int) -> None:
+    def free_idle(self, num_pages: int, num_rows: int = 0) -> None:
         """Frees idle sessions' KV (not in a running batch), least recently generated
-        first, until ``num_pages`` pages are free or no idle session holds any."""
+        first, until ``num_pages`` pages and ``num_rows`` sequence rows are free or no idle
+        session holds any (a session's next call prefills its context again)."""
         cache = self.paged.kv_cache
         for _, sid in self._idle(set()):
-            if cache.num_free_pages >= num_pages:
+            if cache.num_free_pages >= num_pages and cache.num_free_rows >= num_rows:
                 break
             self.drop(sid)
 

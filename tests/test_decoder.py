@@ -368,6 +368,26 @@ def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_pat
             SpecDecoder(m, tok(), DecoderConfig(cost_model=bad))
 
 
+def test_calibration_frees_idle_sessions_kv_it_needs_room_for():
+    """Idle sessions hold every sequence row (``max_sessions`` = 2): a calibration at 2
+    requests frees their kept KV, least recently used first, as a step would, rather than
+    raise; their next call prefills again and is plain greedy decoding."""
+    variant = VARIANTS[0]
+    P = [list(prompts()[i]) for i in (1, 3)]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(
+        runner="paged", page_size=8, kv_cache_tokens=2048, max_batch=2, max_sessions=2))
+    cache = dec._paged.kv_cache
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    outs = dec.generate(sids, max_new_tokens=4, eos_id=None)
+    assert all(s in cache for s in sids) and cache.num_free_rows == 0
+    cost = dec.calibrate_cost_model(24, [2], max_draft_tokens=4, repeats=1)
+    assert [b for b, _ in cost.curves] == [2]
+    assert not any(s in cache for s in sids) and cache.num_free_rows == 2
+    ctx = [p + o for p, o in zip(P, outs)]
+    assert dec.generate(sids, max_new_tokens=6, eos_id=None) == \
+        [greedy(variant, c, 6, eos=None) for c in ctx]
+
+
 def test_paged_session_kv_is_evicted_least_recent_first(monkeypatch):
     """A pool too small for every session's KV: a call frees idle sessions' KV, least
     recently generated first, only as far as it needs; an evicted session prefills its

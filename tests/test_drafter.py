@@ -1161,8 +1161,9 @@ def test_lifecycle_errors(tok):
 def test_observe_refuses_bad_counts_before_the_proposal_is_taken(tok):
     """Counts of ``observe`` out of range (a negative or too wide ``num_output``, a negative
     ``num_accepted`` or one deeper than ``max_draft_depth``, rows that are not the batch's,
-    host counts that disagree) raise naming the argument, and the proposal stands: a
-    retry with good counts commits it."""
+    host counts that disagree, tensors that are not integer ones: ``path_nodes`` and
+    ``num_verified`` too) raise naming the argument, and the proposal stands: a retry
+    with good counts commits it."""
     _, d = make(tok)
     ids = tok.encode("def f(x):\n    return x + 1\n\ndef f(x):\n")
     for s in ("a", "b"):
@@ -1179,9 +1180,18 @@ def test_observe_refuses_bad_counts_before_the_proposal_is_taken(tok):
         (dict(num_accepted=torch.tensor([-2, 0], dtype=torch.int32)), "num_accepted"),
         (dict(num_accepted=torch.tensor([depth + 1, 0], dtype=torch.int32)),
          rf"num_accepted: .*\[0, {depth}\]"),
-        (dict(num_output=good_n[:1]), r"num_output: expected \[B\] with B = 2"),
-        (dict(num_accepted=good_a[:, None]), r"num_accepted: expected \[B\]"),
-        (dict(output_ids=out[0]), r"output_ids: expected \[B, M\]"),
+        (dict(num_output=good_n[:1]), r"num_output: expected an integer tensor \[2\]"),
+        (dict(num_accepted=good_a[:, None]), r"num_accepted: expected an integer tensor \[2\]"),
+        (dict(output_ids=out[0]), r"output_ids: expected an integer tensor \[2, \*\]"),
+        # a float count would reach the arena's host lengths (its next compaction raised,
+        # and a close of another tenant's session with it)
+        (dict(num_output=good_n.float()), r"num_output: expected an integer tensor"),
+        (dict(num_accepted=good_a.float()), "num_accepted"),
+        (dict(output_ids=out.float()), "output_ids"),
+        (dict(num_output=[2, 1]), r"num_output: expected an integer tensor \[2\], got list"),
+        (dict(path_nodes=torch.zeros(2, 3)), "path_nodes: expected an integer tensor"),
+        (dict(path_nodes=torch.zeros(3, 3, dtype=torch.int64)), r"path_nodes: .*\[2, \*\]"),
+        (dict(num_verified=torch.ones(1, dtype=torch.int32)), r"num_verified: .*\[2\]"),
         (dict(num_output_host=[2, 5]), r"num_output_host: expected 2 counts in \[0, 2\]"),
         (dict(num_output_host=[2]), "num_output_host"),
         (dict(output_ids=out.masked_fill(out == ids[2], 10 ** 7)), "output_ids: token ids"),
@@ -1698,6 +1708,10 @@ def test_deferred_observe_settled_in_between_cannot_be_cut(tok):
     assert d.propose_ahead(sids) and d._ahead is not None
     d.close_session("s0")  # (settles first, reading the counts back)
     assert not d._ring_before.any() and d._ahead is None
+    # ... so s1 can no longer be cut either (its tokens past its end would stay)
+    with pytest.raises(RuntimeError, match="only a propose of the same sessions"):
+        d.settle([1, 1], num_queued_host=(nacc + 1).tolist())
+    d.settle((nacc + 1).tolist(), num_queued_host=(nacc + 1).tolist())
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -710,6 +710,9 @@ def test_append_rows_equals_one_append_per_row():
         rows.append_rows([cids[0]], t32([-1, 2, 3, 4, 5]).view(1, 5), [5])  # build says so
     with pytest.raises(ValueError, match="counts"):
         rows.append_rows([cids[0]], t32([1, 2]).view(1, 2), [3])
+    for bad in (1.0, True):  # a host length must stay an int (a float broke compaction)
+        with pytest.raises(ValueError, match="counts: each an int"):
+            rows.append_rows([cids[0]], t32([1, 2]).view(1, 2), [bad])
     with pytest.raises(ValueError, match="tokens"):
         rows.append_rows([cids[0]], t32([1, 2]), [1])
 

@@ -104,9 +104,11 @@ def test_busy_sessions_bad_submissions_and_cancel():
     for s in (a, b, c):
         dec.submit(s, max_new_tokens=40, eos_id=None)
     assert dec.queued == [a, b, c]
-    for call in (lambda: dec.submit(a), lambda: dec.generate([b]),
-                 lambda: dec.propose([c]), lambda: dec.append(a, [1, 2])):
-        with pytest.raises(ValueError, match="submitted request"):
+    for call, name in ((lambda: dec.submit(a), "session_id"),
+                       (lambda: dec.generate([b]), "session_ids"),
+                       (lambda: dec.propose([c]), "session_ids"),
+                       (lambda: dec.append(a, [1, 2]), "sid")):
+        with pytest.raises(ValueError, match=f"^{name}: .*submitted request"):
             call()
     got: dict[str, list[int]] = {}
     for _ in range(3):
