@@ -105,14 +105,14 @@ def check_text(text: Any, name: str) -> str:
     return text
 
 
-def check_int_tensor(t: Any, name: str, shape: Sequence[int | None]) -> None:
+def check_int_tensor(t: Any, name: str, shape: Sequence[int | str | None]) -> None:
     """``t`` is an integer tensor (not bool) of ``len(shape)`` dimensions, each the size
-    ``shape`` gives (None: any); else ValueError naming ``name``. Host metadata only: no
-    device read."""
+    ``shape`` gives (an int; a str names a size not checked here, None any); else
+    ValueError naming ``name``. Host metadata only: no device read."""
     ok = isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or
                                               t.dtype == torch.bool)
     if not ok or t.dim() != len(shape) or \
-            any(want is not None and got != want for got, want in zip(t.shape, shape)):
+            any(isinstance(w, int) and got != w for got, w in zip(t.shape, shape)):
         want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else \
             type(t).__name__

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agspec_gpu.checks import check_int_tensor
 from agspec_gpu.host import HostReader
 
 PAD_ID = -1
@@ -203,13 +204,8 @@ def check_draft(draft: Any, num_sessions: int) -> None:
         raise ValueError(f"draft: expected the DraftBatch of propose(), got "
                          f"{type(draft).__name__}")
     for name in ("token_ids", "parents", "num_draft_tokens"):
-        t = getattr(draft, name)
-        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or \
-                t.dtype == torch.bool or t.dim() != (1 if name == "num_draft_tokens" else 2):
-            raise ValueError(f"draft.{name}: expected an integer tensor "
-                             f"{'[B]' if name == 'num_draft_tokens' else '[B, N]'}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} "
-                             f"{list(getattr(t, 'shape', ()))}")
+        check_int_tensor(getattr(draft, name), f"draft.{name}",
+                         ("B",) if name == "num_draft_tokens" else ("B", "N"))
     if draft.parents.shape != draft.token_ids.shape or \
             draft.num_draft_tokens.shape[0] != draft.token_ids.shape[0]:
         raise ValueError(f"draft: token_ids {list(draft.token_ids.shape)}, parents "
