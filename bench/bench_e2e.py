@@ -476,7 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                               split_attention=args.tree_attention == "split")
     # what verification steps run: the split's prefix and tree, or the custom mask
     tree_attention = "split" if runner.splits(args.max_draft_nodes) else "custom"
-    graph_sizes = sorted(set(batch_buckets(max_b)) | set(batch_sizes))
+    # the buckets a server captures (powers of two and the largest batch), the same list
+    # the drafter's budget picks its curve by: a run at B = 6 pads its full steps to 8, as
+    # it would in the drafter's reckoning (adding 6 here had a drain step of 5 rows verify
+    # and be priced at 6 while the budget steered by 8's curve)
+    graph_sizes = batch_buckets(max_b)
     graphs = DecodeGraphs(runner, graph_sizes, use_graphs=False if args.no_graphs else None)
     verify = None if args.eager_verify else VerifyGraphs(
         runner, graph_sizes, args.max_draft_nodes,
