@@ -761,7 +761,9 @@ def main(argv: list[str] | None = None) -> int:
         with out.with_suffix(".csv").open("w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()
-            w.writerows(rows)
+            # (a nested field as JSON, not Python's repr)
+            w.writerows({k: json.dumps(v) if isinstance(v, dict) else v for k, v in r.items()}
+                        for r in rows)
         return report
 
     for b in batch_sizes:

@@ -9,6 +9,7 @@
   path and the padded plain-decode step all put the right KV in the right slots).
 """
 
+import csv
 import dataclasses
 import json
 import sys
@@ -167,7 +168,12 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
             (agspec["draft_ms_per_step"] + agspec["drafter_commit_ms_per_step"]
              + agspec["drafter_queued_exposed_ms_per_step"]
              + agspec["drafter_message_ms_per_step"]) / agspec["step_ms"])
-    assert out.with_suffix(".csv").read_text().splitlines()[0].startswith("method,batch_size")
+    with out.with_suffix(".csv").open(newline="") as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert list(csv_rows[0])[:2] == ["method", "batch_size"]
+    assert len(csv_rows) == len(report["rows"])  # a nested field as JSON, readable back
+    assert json.loads(csv_rows[0]["message_host_ms_per_step_by_part"]) == \
+        report["rows"][0]["message_host_ms_per_step_by_part"]
     cost = json.loads((tmp_path / "cost-tiny-cpu.json").read_text())
     assert {"1", "2"} <= set(cost["by_batch_size"]) and len(cost["points"]) >= 2
     assert report["trace"] and Path(report["trace"]).stat().st_size > 0
