@@ -2,7 +2,7 @@
 
 After :mod:`~agspec_gpu.kernels.node_probs` every (candidate ``c``, depth ``d``) of a
 request's trie has a key (its estimated acceptance if it is a node, -2 if not; flat index
-``c * K + d``). Two steps, with the batch's budget between them (it ranks every request's
+``c * K + d``; a node's key below 0, a -0.0, ranks and reads as 0.0). Two steps, with the batch's budget between them (it ranks every request's
 best nodes at once):
 
 * :func:`best_first`: the ``N`` best entries of each request, ordered by key descending,
@@ -58,7 +58,9 @@ def _best_first_kernel(
     key = tl.load(key_ptr + b * CK + j, mask=inb, other=-2.0)
     node = inb & (key > -1.5)
     tie = (j % K) * C + j // K  # depth-major: the shallower node, then the lower candidate
-    kbits = tl.where(node, key.to(tl.int32, bitcast=True), -1).to(tl.int64)
+    # a node's key as its float bits (order-preserving for keys >= 0); a negative one
+    # (-0.0, a rounding below 0) has the sign bit: it ranks as 0.0, as in the torch path
+    kbits = tl.where(node, tl.maximum(key.to(tl.int32, bitcast=True), 0), -1).to(tl.int64)
     packed = (kbits << 32) | ((1 << 20) - 1 - tie).to(tl.int64)
     packed = tl.where(inb, packed, -(1 << 62))  # entries past C * K sort last
     s = tl.sort(packed, descending=True)
@@ -104,7 +106,7 @@ def _emit_nodes_kernel(
     # the parent is the node (rep[c, d - 1], d - 1), looked up among the kept nodes
     up = tl.load(rep_ptr + at - 1, mask=valid & (d > 0), other=0)
     want = up * K + d - 1
-    hit = (f[None, :] == want[:, None]) & (i[None, :] < num)
+    hit = (f[None, :] == want[:, None]) & valid[None, :]  # (lanes past N: not nodes)
     parent = tl.max(tl.where(hit, i[None, :], -1), axis=1)
     parent = tl.where(d > 0, parent, -1)
     tl.store(tok_ptr + b * N + i, tl.where(valid, tok, _PAD), mask=inb)
@@ -183,6 +185,7 @@ def best_first_torch(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int
     """Pure-torch implementation of :func:`best_first`: two stable sorts (a float epsilon
     on the key would lose the tie-break: at p >= 1/4 a float32 ulp is as large as it)."""
     B, dev = key.shape[0], key.device
+    key = torch.where(key > -1.5, key.clamp(min=0.0) + 0.0, key)  # nodes' keys >= +0.0
     tie_rank = (torch.arange(K, device=dev)[None, :] * C +
                 torch.arange(C, device=dev)[:, None]).reshape(1, C * K)
     by_tie = torch.argsort(tie_rank, dim=1).expand(B, -1)  # depth-major, then candidate

@@ -6,7 +6,8 @@ find
 
 * ``length[b]``: the longest ``l <= min(lengths[b], max_depth)`` such that the last ``l``
   query tokens occur in the corpus followed by a non-separator token (0 if none; then
-  ``count`` is 0 and no positions are returned);
+  ``count`` is 0 and no positions are returned; 0 too for a query whose last token is a
+  negative value: no indexed context ends with a separator);
 * ``count[b]``: the exact number of such occurrences (levels + tail);
 * ``positions[b]``: the continuation positions (index of the token after the match, corpus
   relative) of ``min(P, count)`` occurrences, the most recent first (largest position
@@ -548,7 +549,9 @@ def _longest(tokens, sa, desc, queries, lengths, max_depth, sa_key=None) -> _Lon
         win = _windows(tokens, base_row + tail_row - 1, T + 1)
         kr, kt = torch.nonzero(win[:, :-1] == pat[:, -1:], as_tuple=True)
         ok = (kt < n_row[kr] - tail_row[kr]) & (kt >= 1 - tail_row[kr]) & (qlen[kr] > 0)
-        ok = torch.nonzero(ok & (win[kr, kt + 1] >= 0), as_tuple=True)[0]
+        # (both tokens, as a level's entries: a query's negative last token, a separator,
+        # matches nothing, as in the kernel)
+        ok = torch.nonzero(ok & (win[kr, kt] >= 0) & (win[kr, kt + 1] >= 0), as_tuple=True)[0]
         kr, kt = kr[ok], kt[ok]
         if kr.numel():
             kpos = tail_row[kr] + kt

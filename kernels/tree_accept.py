@@ -93,7 +93,7 @@ def _tree_accept_kernel(
     if not BY_DEPTH:  # the target at the node's parent: expected column parents + 1
         want = tl.load(exp_ptr + par + 1, mask=valid & (par + 1 >= lo) & (par + 1 < hi),
                        other=NO_MATCH)
-        match = valid & (tok == want)
+        match = valid & (tok == want) & (tok >= 0)  # (a negative token matches nothing)
     cur = tl.zeros((), tl.int32) - 1  # greedy: the walk's current node
     level = par == -1  # by depth: the nodes whose ancestors all matched, one level at a time
     alive = tl.zeros((), tl.int32) + 1
@@ -102,7 +102,7 @@ def _tree_accept_kernel(
     while d < D:  # no break: compiled loops cannot; `alive` stops the walk instead
         if BY_DEPTH:
             want_d = tl.load(exp_ptr + d, mask=d < hi, other=NO_MATCH)
-            hit = level & valid & (tok == want_d)
+            hit = level & valid & (tok == want_d) & (tok >= 0)
             # the next level: children of this level's matched nodes
             level = tl.max(((par[:, None] == j[None, :]) & hit[None, :]).to(tl.int32),
                            axis=1) > 0
@@ -160,12 +160,15 @@ def tree_accept_torch(token_ids: torch.Tensor, parents: torch.Tensor,
 
     depth = up(valid.long(), torch.add)  # nodes from j up to the root's child
     E = expected.shape[1]
+    # a node's token matches only as a token: a negative value (a sentinel, the truth's
+    # NO_TOKEN padding, the kernel's NO_MATCH) never does
     if by_depth and E == 0:
         ok = torch.zeros_like(valid)
     elif by_depth:
-        ok = valid & (depth <= E) & (tok == expected.gather(1, (depth - 1).clamp(0, E - 1)))
+        ok = valid & (tok >= 0) & (depth <= E) & \
+            (tok == expected.gather(1, (depth - 1).clamp(0, E - 1)))
     else:
-        ok = valid & (tok == expected.gather(1, par + 1))
+        ok = valid & (tok >= 0) & (tok == expected.gather(1, par + 1))
     if by_depth:  # every node whose ancestors all matched (the deepest path wins)
         on = up(ok, torch.logical_and)
     else:  # the walk takes the lowest-index matching child of each node it reaches
@@ -269,7 +272,9 @@ def path_outputs_torch(token_ids: torch.Tensor, path: torch.Tensor, num_accepted
     tokens, then the bonus, then -1."""
     B = path.shape[0]
     path = path.long()
-    tok = token_ids.long().gather(1, path.clamp(min=0))
+    # (no nodes: every path entry is -1, and there is nothing to gather from)
+    tok = token_ids.long().gather(1, path.clamp(min=0)) if token_ids.shape[1] else \
+        torch.full_like(path, -1)
     out = torch.cat([torch.where(path >= 0, tok, -1),
                      torch.full((B, 1), -1, dtype=torch.long, device=path.device)], 1)
     out.scatter_(1, num_accepted.long()[:, None], bonus.long()[:, None])

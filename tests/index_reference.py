@@ -12,6 +12,8 @@ def match_reference(corpus: list[int], query: list[int], max_depth: int, max_pos
     """
     n = len(corpus)
     best, hits = 0, []
+    if query and query[-1] < 0:  # a separator last: no position's context ends with it
+        return 0, 0, []
     for l in range(min(len(query), max_depth), 0, -1):
         pat = query[len(query) - l:]
         hits = [s + l for s in range(0, n - l) if corpus[s:s + l] == pat and corpus[s + l] >= 0]

@@ -229,3 +229,39 @@ def test_kernels_compile_for_sm90():
     compile_all_for_sm90([(_best_first_kernel, s1, dict(BLOCK=512)),
                           (_emit_nodes_kernel, s2, dict(BLOCK_N=64)),
                           (_emit_nodes_kernel, s2, dict(BLOCK_N=MAX_BLOCK_N))])
+
+
+def test_edge_keys_and_counts_agree():
+    """Out-of-contract inputs a helper's audit found the paths disagreeing on: node keys of
+    -0.0 or just below 0 (the kernel sorts the keys' bits, where the sign bit had ranked
+    them with the non-nodes; both now rank them as 0.0), and ``emit_nodes`` told to emit
+    more nodes than the ``N`` columns (lanes past ``N`` had read order entry 0 and been
+    taken as a parent). Empty batches and no columns too."""
+    g = torch.Generator().manual_seed(0)
+    for vals in ([-0.0, 0.0, 0.5], [-0.0, 0.25], [-1e-8, 0.0, 0.1]):
+        v = torch.tensor(vals + [-2.0])
+        key = v[torch.randint(0, len(v), (2, 12), generator=g)]
+        a = best_first(key, 3, 4, 12, 12, use_triton=True)
+        b = best_first_torch(key, 3, 4, 12, 12)
+        for name, x, y in zip(("order", "ranked", "keep"), a, b):
+            assert torch.equal(x, y), (vals, name, x.tolist(), y.tolist())
+        assert not (a[1] < 0).logical_and(a[1] > -1.5).any()  # nodes read as >= 0
+    order = torch.tensor([[0, 1, 3]])  # (c0, d0), (c0, d1), (c1, d0)
+    W = torch.tensor([[[5, 6, 7], [8, 9, 10]]], dtype=torch.int32)
+    rep = torch.tensor([[[0, 0, 0], [1, 1, 1]]])
+    row = torch.zeros(1, 2, dtype=torch.int64)
+    for num in (3, 4):
+        args = (order, torch.tensor([num]), W, W, rep, row)
+        a, b = emit_nodes_torch(*args), emit_nodes(*args, use_triton=True)
+        for name, x, y in zip(("tok", "par", "src", "depth", "row"), a, b):
+            assert torch.equal(x, y), (num, name, x.tolist(), y.tolist())
+        assert a[1].tolist() == [[-1, 0, -1]]
+    for B, N in ((0, 5), (2, 0)):
+        key = torch.full((B, 12), -2.0)
+        got = best_first(key, 3, 4, N, 5, use_triton=True), best_first_torch(key, 3, 4, N, 5)
+        assert all(torch.equal(x, y) for x, y in zip(*got))
+        args = (torch.zeros(B, N, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                torch.zeros(B, 3, 4, dtype=torch.int32), torch.zeros(B, 3, 4, dtype=torch.int32),
+                torch.zeros(B, 3, 4, dtype=torch.int64), torch.zeros(B, 3, dtype=torch.int64))
+        got = emit_nodes(*args, use_triton=True), emit_nodes_torch(*args)
+        assert all(torch.equal(x, y) for x, y in zip(*got))

@@ -233,6 +233,11 @@ def _adversarial_queries() -> list[tuple[str, list[int]]]:
         ("period2", [1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1]),
         ("period2", [1, 1]),  # matches "1" only
         ("period2", []),
+        # separator values in the query (a drafter's never has them): a last one matches
+        # nothing (the torch path's tail scan had matched it), one before reads as in a key
+        ("sep_after", [1, 2, -1]),
+        ("sep_before", [-1]),
+        ("sep_before", [-2, 1, 2, 3]),
     ]
 
 

@@ -266,3 +266,34 @@ def test_kernel_compiles_for_sm90():
         (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True,
                                            ROWS=False)),
         (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True, ROWS=True))])
+
+
+@pytest.mark.parametrize("by_depth", [False, True])
+def test_no_nodes_in_a_batch_and_negative_tokens(by_depth):
+    """Out-of-contract inputs a helper's audit found the paths disagreeing on: a batch whose
+    drafts have no node columns (N = 0, B > 0, a depth to walk: the torch path indexed an
+    empty row), and a node token equal to the kernel's NO_MATCH (-2) or the truth's
+    NO_TOKEN padding: a negative token never matches, in either path."""
+    B = 3
+    tok = torch.zeros(B, 0, dtype=torch.int32)
+    num = torch.zeros(B, dtype=torch.int32)
+    exp = torch.tensor([[5, 1], [6, 1], [7, 1]], dtype=torch.int64)
+    for D in (0, 1, 3):
+        got = [tree_accept(tok, tok, num, exp[:, :1] if not by_depth else exp,
+                           by_depth=by_depth, max_depth=D, use_triton=u) for u in (False, True)]
+        assert all(torch.equal(x, y) for x, y in zip(*got)), (D, got)
+        assert (got[0][0] == 0).all()
+        if not by_depth:
+            got = [greedy_tree_accept(tok, tok, num, exp[:, :1], max_depth=D, use_triton=u)
+                   for u in (False, True)]
+            assert all(torch.equal(x, y) for x, y in zip(*got)), (D, got)
+            assert got[0][2][:, 0].tolist() == [5, 6, 7]  # the bonus: the root's target
+    tok = torch.tensor([[5, -2], [-2, 5]], dtype=torch.int32)
+    par = torch.tensor([[-1, 0], [-1, 0]], dtype=torch.int32)
+    num = torch.tensor([2, 2], dtype=torch.int32)
+    exp = torch.tensor([[5, -2, -2], [-2, -2, -2]], dtype=torch.int64) if by_depth else \
+        torch.tensor([[5, -2, -2], [-2, 5, -2]], dtype=torch.int64)
+    got = [tree_accept(tok, par, num, exp if not by_depth else exp[:, :1],
+                       by_depth=by_depth, max_depth=2, use_triton=u) for u in (False, True)]
+    assert all(torch.equal(x, y) for x, y in zip(*got)), got
+    assert got[0][0].tolist() == [1, 0]
