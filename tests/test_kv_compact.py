@@ -288,3 +288,22 @@ def test_compact_skips_moves_from_pages_the_request_does_not_have(use_triton):
     kv_compact(got, past, indices[:5], prefix, acc, use_triton=use_triton)
     assert torch.equal(got[:, p0], want[:, p0])
     assert torch.equal(got[:, p1], data[:, p1])       # request 1's pages past kv_indices
+
+
+@pytest.mark.parametrize("H,D,dtype", [(3, 5, torch.float32), (9, 128, torch.bfloat16),
+                                       (2, 1024, torch.float16), (1, 1, torch.bfloat16)])
+def test_rows_of_any_width_and_dtype(H, D, dtype):
+    """Kernel equals torch path for KV rows that are not a power of two, wider than one
+    column block (``H * D`` > 1024) or a single element, in each dtype."""
+    g = torch.Generator().manual_seed(H * D)
+    L, ps, B, width = 2, 4, 3, 6
+    data = torch.randn(L, B * width + 1, 2, ps, H, D, generator=g).to(dtype).to(DEVICE)
+    table = torch.randperm(B * width + 1, generator=g)[:B * width].int().to(DEVICE)
+    indptr = (torch.arange(B + 1, dtype=torch.int32) * width).to(DEVICE)
+    acc = torch.tensor([[1, 3, 4, -1], [0, 2, -1, -1], [5, 6, 9, 12]], dtype=torch.int32,
+                       device=DEVICE)
+    prefix = torch.tensor([2, 7, 4], dtype=torch.int32, device=DEVICE)
+    a, b = data.clone(), data.clone()
+    kv_compact(a, indptr, table, prefix, acc, use_triton=False)
+    kv_compact(b, indptr, table, prefix, acc, use_triton=True)
+    assert not torch.equal(a, data) and torch.equal(a, b)

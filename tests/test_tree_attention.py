@@ -301,3 +301,74 @@ def test_prefix_pages_kernel_compiles_for_sm90():
            "page_size": "i32", "sink_page": "i32", "BLOCK_B": "constexpr",
            "BLOCK_P": "constexpr"}
     compile_for_sm90(_prefix_pages_kernel, sig, {"BLOCK_B": 64, "BLOCK_P": 128})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tree_kernel_with_sink_requests(dtype):
+    """A plan with padding requests (the sink: ``num_tree`` below the plan's requests), as
+    a padded graph step runs it: the kernel equals the torch path in each dtype."""
+    _, _, draft, roots, prefix, _, table = make_case(8, [4, 2], "random", [6, 13], 4)
+    null = int(table.max()) + 1
+    S, N, Q = 4, 6, 4 + 6 + 5
+    tok = torch.zeros(S, N, dtype=torch.int32, device=DEVICE)
+    par = torch.zeros(S, N, dtype=torch.int32, device=DEVICE)
+    tok[:2, :draft.token_ids.shape[1]] = draft.token_ids
+    par[:2, :draft.parents.shape[1]] = draft.parents
+    num = torch.cat([draft.num_draft_tokens.to(torch.int32),
+                     torch.zeros(2, dtype=torch.int32, device=DEVICE)])
+    ptable = torch.full((S, table.shape[1]), null, dtype=torch.int32, device=DEVICE)
+    ptable[:2] = table
+    out = TreeMetadata.empty(S + 1, N + 1, table.shape[1], 4, DEVICE, max_total_q=Q,
+                             with_prefix=True)
+    meta = plan_tree(DraftBatch(tok, par, num), torch.cat([roots, roots]),
+                     torch.cat([prefix, torch.zeros(2, dtype=torch.int32, device=DEVICE)]),
+                     ptable, 4, out=out, sink_page=null, prefix_pages=True)
+    assert meta.has_sink
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, D = 4, 2, 16
+    cache = torch.randn(null + 1, 2, 4, Hkv, D, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(Q, H, D, generator=g).to(dtype).to(DEVICE)
+    o_p = torch.randn(Q, H, D, generator=g).to(dtype).to(DEVICE)
+    lse = (torch.randn(Q, H, generator=g) * 3).to(DEVICE)
+    p = meta.maybe_prefix
+    outs = [tree_attention(q, cache, meta.kv_slots, meta.qo_indptr, meta.ancestor_bits,
+                           p.prefix_lens, o_p, lse, num_tree=meta.batch_size - 1,
+                           sm_scale=D ** -0.5, use_triton=u) for u in (False, True)]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
+    assert torch.isfinite(outs[1].float()).all()
+    # every request a sink (num_tree = 0): the prefix's part alone
+    q, o_p, lse = q[:5].float(), o_p[:5].float(), lse[:5]
+    args = (cache[:3].float(), torch.arange(5, dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE),
+            torch.zeros(0, 4, 1, dtype=torch.int32, device=DEVICE),
+            torch.tensor([3, 0], dtype=torch.int32, device=DEVICE))
+    outs = [tree_attention(q, *args, o_p, lse, num_tree=0, sm_scale=0.3, use_triton=u)
+            for u in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sink", [None, 5])
+def test_prefix_pages_past_one_block(sink):
+    """Requests of more than 128 pages (the kernel's page block loops), an empty prefix and
+    a sink: kernel equals torch path."""
+    lens = [300, 0, 129, 1000]  # page_size 1 / 4: 300, 1, 129 / 33, 250 pages
+    for ps in (1, 4):
+        width = max(-(-(p + 1) // ps) for p in lens) + 1
+        rng = np.random.default_rng(0)
+        table = torch.from_numpy(rng.permutation(len(lens) * width + 7)[:len(lens) * width]
+                                 .reshape(len(lens), width).astype(np.int32)).to(DEVICE)
+        outs = []
+        for u in (False, True):
+            nb, P = len(lens) + 1, len(lens) * width + 2
+            o = PrefixPages(*(torch.full((n,), -7, dtype=torch.int32, device=DEVICE)
+                              for n in (nb + 1, P, nb, nb)))
+            prefix_pages(torch.tensor(lens, dtype=torch.int32, device=DEVICE), table, ps, o,
+                         sink_page=sink, use_triton=u)
+            outs.append(o)
+        n = int(outs[0].kv_indptr[len(lens) + (sink is not None)])
+        for f in PrefixPages._fields:
+            a, b = getattr(outs[0], f), getattr(outs[1], f)
+            if f == "kv_indices":
+                a, b = a[:n], b[:n]
+            assert torch.equal(a, b), (ps, f)

@@ -432,3 +432,24 @@ def test_capacities_smaller_than_the_step_drop_the_same_tail(sizes, prefix_lens,
         int(got[0]["qo_indptr"][-1]) > max_q
     for name, want in got[0].items():
         assert torch.equal(got[1][name], want), first_mismatch(name, got[1][name], want)
+
+
+@pytest.mark.parametrize("sizes,kind,prefix,ps", [
+    ([150, 3], "chain", [5, 700], 4),  # 151 rows (the row block loops), 5-word bitsets
+    ([140], "random", [600], 2),  # 301+ pages
+    ([130, 0, 129], "wide", [0, 515, 1], 1),
+])
+def test_plans_past_one_block_of_rows_and_pages(sizes, kind, prefix, ps):
+    """Trees of more than 128 nodes and prefixes of more than 128 pages: kernel equals torch
+    path and the reference plan."""
+    trees, roots, draft, root_t, prefix_t, pages, table = make_case(1, sizes, kind, prefix, ps)
+    a = plan_tree(draft, root_t, prefix_t, table, ps, use_triton=False)
+    b = plan_tree(draft, root_t, prefix_t, table, ps, use_triton=True)
+    for f in ("input_ids", "position_ids", "kv_slots", "qo_indptr", "kv_indptr",
+              "kv_indices", "kv_last_page_len", "packed_mask", "mask_indptr",
+              "ancestor_bits"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    ref = reference_plan(trees, roots, prefix, pages, ps)
+    assert a.packed_mask[:ref["mask_indptr"][-1]].tolist() == ref["packed_mask"]
+    assert a.kv_indices[:ref["kv_indptr"][-1]].tolist() == ref["kv_indices"]
+    assert a.position_ids[:ref["qo_indptr"][-1]].tolist() == ref["position_ids"]
