@@ -136,7 +136,8 @@ class PagedKVCache:
                               f"free")
         if new_rows > len(self._free_rows):
             raise KVCacheFull(f"{what}: {new_rows} new sequence rows needed, "
-                              f"{len(self._free_rows)} of max_seqs={self._page_table.shape[0]} free")
+                              f"{len(self._free_rows)} of "
+                              f"max_seqs={self._page_table.shape[0]} free")
         entries, pages = [], []  # flat page-table index -> page
         W = self.max_pages_per_seq
         for sid, have, need in grow:

@@ -692,11 +692,11 @@ def main(argv: list[str] | None = None) -> int:
                 if step_ms_run else None,
                 # throughputs (emitted tokens per modelled ms), this method's over plain
                 # decoding's: a step-capped run (--max-steps) emits different tokens per lane
-                "modelled_replay_speedup": (r.tokens / modelled_ms) / (base.tokens / base_ms)
-                if base_ms and modelled_ms and base.tokens else None,
+                "modelled_replay_speedup": throughput_ratio(
+                    r.tokens, modelled_ms, base and base.tokens, base_ms),
                 "modelled_verify_ms_per_step": modelled_ms / steps if modelled_ms else None,
-                "modelled_full_batch_speedup": (r.full_tokens / full_ms) /
-                (base.full_tokens / base_full_ms) if full_ms and base_full_ms else None,
+                "modelled_full_batch_speedup": throughput_ratio(
+                    r.full_tokens, full_ms, base and base.full_tokens, base_full_ms),
                 "acceptance_rate": r.accepted / r.drafted if r.drafted else None,
                 "drafted_per_request_step": r.drafted / r.request_steps if r.request_steps else 0.0,
                 "mean_batch": mean_batch,
@@ -800,6 +800,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[e2e] wrote {out} and {out.with_suffix('.csv')}"
           + (f"; trace {trace_path}" if trace_path else ""))
     return 0
+
+
+def throughput_ratio(tokens: int, ms: float | None, base_tokens: int | None,
+                     base_ms: float | None) -> float | None:
+    """``(tokens / ms) / (base_tokens / base_ms)``: a lane's modelled throughput over plain
+    decoding's; None where either has no steps or tokens."""
+    if not (ms and tokens and base_ms and base_tokens):
+        return None
+    return (tokens / ms) / (base_tokens / base_ms)
 
 
 def load_cost_models(path: str | Path, batch_sizes: list[int]) -> dict[int, CostModel]:

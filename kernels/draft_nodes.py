@@ -2,8 +2,8 @@
 
 After :mod:`~agspec_gpu.kernels.node_probs` every (candidate ``c``, depth ``d``) of a
 request's trie has a key (its estimated acceptance if it is a node, -2 if not; flat index
-``c * K + d``; a node's key below 0, a -0.0, ranks and reads as 0.0). Two steps, with the batch's budget between them (it ranks every request's
-best nodes at once):
+``c * K + d``; a node's key below 0, a -0.0, ranks and reads as 0.0). Two steps, with the
+batch's budget between them (it ranks every request's best nodes at once):
 
 * :func:`best_first`: the ``N`` best entries of each request, ordered by key descending,
   then the shallower depth, then the lower candidate (``order int64 [B, N]`` flat indices,
