@@ -10,11 +10,14 @@ the curves make a :class:`~agspec_gpu.cost_model.BatchCostModels`, which
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from numbers import Integral
 
 import numpy as np
 import torch
 
-from agspec_gpu.cost_model import CostModel
+from agspec_gpu.cost_model import BatchCostModels, CostModel
+from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.runners.graphs import DecodeGraphs
@@ -141,3 +144,45 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     return CostModel(tuple(points), source or f"measured: {B} requests x {context_tokens} "
                      f"tokens of KV, plan + forward + argmax, median of {repeats}",
                      steps=verify_graphs is not None, requests=B)
+
+
+def check_calibration_args(context_tokens, batch_sizes, max_batch: int, max_draft_tokens,
+                           repeats) -> list[int]:
+    """The arguments of a calibration at several batch sizes, checked (ValueError naming
+    the argument); returns the batch sizes (default: the graph buckets up to
+    ``max_batch``)."""
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, Integral) or \
+            context_tokens < 1:
+        raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
+    sizes = batch_buckets(max_batch) if batch_sizes is None else list(batch_sizes)
+    if any(isinstance(b, bool) or not isinstance(b, Integral) or not 1 <= b <= max_batch
+           for b in sizes):
+        raise ValueError(f"batch_sizes: expected ints in [1, {max_batch}], got {sizes}")
+    if sorted(set(sizes)) != sizes or not sizes:
+        raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
+    for name, v in (("max_draft_tokens", max_draft_tokens), ("repeats", repeats)):
+        if (v is not None or name == "repeats") and (
+                isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
+            raise ValueError(f"{name}: expected an int >= 1"
+                             f"{' or None' if name == 'max_draft_tokens' else ''}, got {v!r}")
+    return [int(b) for b in sizes]
+
+
+def calibrate_batch_costs(runner, batch_sizes: Sequence[int], context_tokens: int, *,
+                          max_draft_tokens: int | None = None, max_nodes: int | None = None,
+                          repeats: int = 5, graphs: DecodeGraphs | None = None,
+                          verify_graphs: VerifyGraphs | None = None,
+                          source: str = "measured") -> BatchCostModels:
+    """:func:`calibrate_cost_model` at each of ``batch_sizes`` (ascending), ``batch_size``
+    requests of ``context_tokens`` tokens of KV each verifying up to ``max_draft_tokens``
+    draft tokens (None: ``batch_size * max_nodes``, the most a step of that bucket
+    verifies). ``source`` begins each curve's description (what was measured, where)."""
+    curves = []
+    for b in batch_sizes:
+        most = max_draft_tokens if max_draft_tokens is not None else b * max_nodes
+        curves.append((int(b), calibrate_cost_model(
+            runner, int(b), int(context_tokens), max_draft_tokens=int(most),
+            repeats=int(repeats), graphs=graphs, verify_graphs=verify_graphs,
+            source=f"{source}, {b} requests x {context_tokens} tokens of KV, plan + forward "
+                   f"+ argmax, median of {repeats}")))
+    return BatchCostModels(tuple(curves))

@@ -4,7 +4,7 @@ the argument, before the caller's call changes anything."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from numbers import Integral, Real
 from typing import Any
 
@@ -117,3 +117,35 @@ def check_int_tensor(t: Any, name: str, shape: Sequence[int | str | None]) -> No
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else \
             type(t).__name__
         raise ValueError(f"{name}: expected an integer tensor {want}, got {got}")
+
+
+def check_token_ids(ids: Any, name: str, vocab_size: int) -> list[int]:
+    """``ids`` (a sequence of ints or a 1-D integer tensor) as a list of ints, each in
+    ``[0, vocab_size)``; else ValueError naming ``name``. An unordered container (a set, a
+    dict's keys) is refused: it has no token order to keep."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"{name}: expected integer token ids, got {ids.dtype}")
+        if ids.layout != torch.strided or ids.is_meta:
+            raise ValueError(f"{name}: expected a dense tensor holding data, got a "
+                             f"{'meta' if ids.is_meta else ids.layout} tensor")
+        ids = ids.tolist()
+    what = (f"{name}: expected token ids (a list of int or a 1-D integer tensor), got "
+            f"{type(ids).__name__}")
+    if isinstance(ids, (str, bytes, Set, Mapping)) or not isinstance(ids, Iterable):
+        raise ValueError(what)
+    try:
+        ids = list(ids)
+    except TypeError:  # (an iterable type whose instance is not: a 0-d numpy array)
+        raise ValueError(what) from None
+    odd = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
+    if odd:
+        raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
+    ids = [int(t) for t in ids]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    return ids

@@ -35,27 +35,28 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from dataclasses import replace
 from numbers import Integral
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import numpy as np
 import nvtx
 import torch
 
 from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, accept_tree,
                                rows_without_finite_max)
 from agspec_gpu.attention import FlashInferPagedAttention
-from agspec_gpu.calibrate import calibrate_cost_model
+from agspec_gpu.calibrate import calibrate_batch_costs, check_calibration_args
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
-from agspec_gpu.checks import check_text
+from agspec_gpu.checks import check_text, check_token_ids
+from agspec_gpu.commit_checks import (check_commit_logits, check_qo_indptr, commit_end_rules,
+                                      cut_result)
 from agspec_gpu.controller import load_profiles
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.decoder_config import DecoderConfig
-from agspec_gpu.draft_batch import PAD_ID, DraftBatch, TreeInputs, check_draft
+from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
@@ -118,7 +119,7 @@ class SpecDecoder:
         self._build(model, global_corpus)
         self._sessions: dict[str, SessionState] = {}
         # continuous batching (submit / step): the requests waiting for room, the running batch
-        self._scheduler = Scheduler(self.config.max_batch, self._running_batch, self._advance,
+        self._scheduler = Scheduler(self.config.max_batch, self._running_batch, Requests.advance,
                                     self._kv.fits)
         self._proposed: list[str] | None = None  # the sessions of the last public propose
         self._proposed_draft: DraftBatch | None = None  # and its draft, checked as made
@@ -222,38 +223,19 @@ class SpecDecoder:
         if self._paged is None:
             raise ValueError("calibrate_cost_model: needs DecoderConfig(runner='paged') (the "
                              "HF runner's steps are its model's own forward)")
-        if isinstance(context_tokens, bool) or not isinstance(context_tokens, Integral) or \
-                context_tokens < 1:
-            raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
-        sizes = batch_buckets(self.config.max_batch) if batch_sizes is None \
-            else list(batch_sizes)
-        if any(isinstance(b, bool) or not isinstance(b, Integral) or
-               not 1 <= b <= self.config.max_batch for b in sizes):
-            raise ValueError(f"batch_sizes: expected ints in [1, {self.config.max_batch}], got "
-                             f"{sizes}")
-        if sorted(set(sizes)) != sizes or not sizes:
-            raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
-        for name, v in (("max_draft_tokens", max_draft_tokens), ("repeats", repeats)):
-            if (v is not None or name == "repeats") and (
-                    isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
-                raise ValueError(f"{name}: expected an int >= 1"
-                                 f"{' or None' if name == 'max_draft_tokens' else ''}, got {v!r}")
+        sizes = check_calibration_args(context_tokens, batch_sizes, self.config.max_batch,
+                                       max_draft_tokens, repeats)
         if self._generating or self.running or self.queued or self._proposed is not None:
             raise RuntimeError("calibrate_cost_model: requests are running or queued, or a "
                                "propose() waits for its commit")
         self.drafter.check_between_steps("calibrate_cost_model")
         cache = self._paged.kv_cache
         self._kv.free_idle(max(sizes) * -(-int(context_tokens) // cache.page_size), max(sizes))
-        nodes = self.drafter.config.max_nodes
-        where = f"measured: SpecDecoder on {self._device_name()}"
-        cost = BatchCostModels(tuple(
-            (int(b), calibrate_cost_model(
-                self._paged, int(b), int(context_tokens),
-                max_draft_tokens=int(max_draft_tokens or b * nodes), repeats=int(repeats),
-                verify_graphs=self._verify_graphs,
-                source=f"{where}, {b} requests x {context_tokens} tokens of KV, plan + "
-                       f"forward + argmax, median of {repeats}"))
-            for b in sizes))
+        cost = calibrate_batch_costs(
+            self._paged, sizes, int(context_tokens), max_draft_tokens=max_draft_tokens,
+            max_nodes=self.drafter.config.max_nodes, repeats=repeats,
+            verify_graphs=self._verify_graphs,
+            source=f"measured: SpecDecoder on {self._device_name()}")
         self.drafter.set_cost(cost)
         self.config = replace(self.config, cost_model=cost)
         if out is not None:
@@ -292,7 +274,7 @@ class SpecDecoder:
         :func:`~agspec_gpu.capture.capture_tool_output` without a command) join the
         tenant's workspace tier, as :meth:`append`'s do.
         """
-        ids = self._ids(prompt_ids, "prompt_ids")
+        ids = check_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if not ids:
             raise ValueError("prompt_ids must not be empty")
         if text is not None:
@@ -332,7 +314,7 @@ class SpecDecoder:
         """
         st = self._session(sid)
         self._check_idle([sid], "sid")
-        ids = self._ids(token_ids, "token_ids")
+        ids = check_token_ids(token_ids, "token_ids", self.vocab_size)
         if text is not None:
             check_text(text, "text")
         command = self.tokenizer.decode(st.message) if st.message else None
@@ -397,35 +379,6 @@ class SpecDecoder:
             raise KeyError(f"session {sid!r} is unknown or closed (sessions of another "
                            "decoder are unknown here)")
         return st
-
-    def _ids(self, ids, name: str) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
-            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-                raise ValueError(f"{name}: expected integer token ids, got {ids.dtype}")
-            if ids.layout != torch.strided or ids.is_meta:
-                raise ValueError(f"{name}: expected a dense tensor holding data, got a "
-                                 f"{'meta' if ids.is_meta else ids.layout} tensor")
-            ids = ids.tolist()
-        what = (f"{name}: expected token ids (a list of int or a 1-D integer tensor), got "
-                f"{type(ids).__name__}")
-        # an unordered container (a set, a dict's keys) has no token order to keep
-        if isinstance(ids, (str, bytes, Set, Mapping)) or not isinstance(ids, Iterable):
-            raise ValueError(what)
-        try:
-            ids = list(ids)
-        except TypeError:  # (an iterable type whose instance is not: a 0-d numpy array)
-            raise ValueError(what) from None
-        odd = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
-        if odd:
-            raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
-        ids = [int(t) for t in ids]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        return ids
 
     # ------------------------------------------------------------ your own loop
     @device_guard
@@ -531,35 +484,16 @@ class SpecDecoder:
             raise ValueError("session_ids: commit() must follow propose() of the same "
                              f"sessions in the same order (last propose: {self._proposed})")
         check_draft(draft, len(sids))
-        B, N = draft.token_ids.shape
-        lead = "total_q" if qo_indptr is not None else f"{B}, {1 + N}"
-        if not isinstance(logits, torch.Tensor):
-            raise ValueError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-        if logits.dim() != (2 if qo_indptr is not None else 3) or \
-                (qo_indptr is None and tuple(logits.shape[:2]) != (B, 1 + N)) or \
-                logits.shape[-1] < self.vocab_size:
-            raise ValueError(f"logits: expected [{lead}, >= {self.vocab_size}], got "
-                             f"{list(logits.shape)}")
-        if not logits.is_floating_point():
-            raise ValueError(f"logits: expected a floating dtype, got {logits.dtype}")
-        if logits.device != draft.token_ids.device:
-            raise ValueError(f"logits: on {logits.device}, draft on {draft.token_ids.device}")
+        check_commit_logits(logits, draft, self.vocab_size, flat=qo_indptr is not None)
         self._check_generator(generator)
-        ends = None  # the sessions' end rules: the Requests that generate() would build
-        if max_new_tokens is not None and any(
-                isinstance(m, bool) or m < 1
-                for m in per_session(max_new_tokens, len(sids), "max_new_tokens", Integral)):
-            raise ValueError(f"max_new_tokens: expected ints >= 1, got {max_new_tokens!r}")
-        if eos_id is not None or max_new_tokens is not None or stop is not None:
-            limits = (1 << 62) if max_new_tokens is None else max_new_tokens
-            ends = Requests.build(sids, [self._sessions[s] for s in sids], limits, None,
-                                  () if stop is None else stop, True,
-                                  self.tokenizer.eos_id if eos_id == -1 else eos_id,
-                                  self.vocab_size, self.tokenizer.decode)
+        # the sessions' end rules: the Requests that generate() would build
+        ends = commit_end_rules(sids, [self._sessions[s] for s in sids],
+                                self.tokenizer.eos_id if eos_id == -1 else eos_id,
+                                max_new_tokens, stop, self.vocab_size, self.tokenizer.decode)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
-            _check_qo_indptr(qo_indptr, num_draft, logits)
+            check_qo_indptr(qo_indptr, num_draft, logits)
         params = self._sampling(sampling, len(sids))
         pos = None  # a seeded request's draws are keyed by sequence position
         if params.any_seeded:
@@ -597,7 +531,7 @@ class SpecDecoder:
             for s, toks in zip(sids, new):
                 self._sessions[s].extend(toks)
         self._proposed = self._proposed_draft = None
-        return res if taken == n_out else _cut(res, taken)
+        return res if taken == n_out else cut_result(res, taken)
 
     def _batch(self, session_ids: Sequence[str], bounded: bool = True) -> list[str]:
         """``session_ids`` as a list, checked: distinct, open, at most ``max_batch`` (when
@@ -717,7 +651,7 @@ class SpecDecoder:
         # the call's own queue and running batch (beside the submitted requests'): the
         # requests join at its first step, or as requests end and the KV pool holds them
         call = Scheduler(self.config.max_batch, self._running_batch,
-                         lambda r, new: self._advance(r, new, on_tokens), self._kv.fits)
+                         lambda r, new: r.advance(new, on_tokens), self._kv.fits)
         for row, done in zip(reqs.rows(), reqs.done):
             if not done:  # a limit of 0 ended at once
                 call.submit(row)
@@ -868,64 +802,3 @@ class SpecDecoder:
         return RunningBatch(reqs, runner, self.drafter, self._kv,
                             lambda params: self._sampling(params, len(params)), self._record,
                             self._reader)
-
-    def _advance(self, reqs: Requests, new: list[list[int]], on_tokens=None) -> None:
-        """Extends each session's context by the tokens its drafter tier just took (the two
-        never disagree, even when the call fails later), then streams them; a callback
-        that returns False marks its request done. A callback that raises (a
-        ``KeyboardInterrupt`` too) does not keep the others from their tokens (each joined
-        its context): the first error is raised once every session had its call."""
-        for st, toks in zip(reqs.states, new):
-            st.extend(toks)
-        if on_tokens is None:
-            return
-        error = None
-        for b, (sid, toks) in enumerate(zip(reqs.sids, new)):
-            try:
-                if toks and _ends_request(sid, on_tokens(sid, toks)):
-                    reqs.cancel(b)
-            except BaseException as exc:  # noqa: BLE001 - raised below, after the others
-                error = error or exc
-        if error is not None:
-            raise error
-
-
-def _ends_request(sid: str, returned) -> bool:
-    """What an ``on_tokens`` return says: None or True go on, False (numpy's too) ends the
-    request. Anything else raises: a count of 0 (a ``write`` of an empty chunk, say) must
-    not end a stream, nor a count end none."""
-    if returned is None or isinstance(returned, (bool, np.bool_)):
-        return returned is not None and not returned
-    raise TypeError(f"on_tokens: returned {type(returned).__name__} {returned!r} for session "
-                    f"{sid!r}; return None or True to go on, False to end its request")
-
-
-def _cut(res: AcceptResult, taken: list[int]) -> AcceptResult:
-    """``res`` with each request's output cut to its first ``taken[b]`` tokens (the last of
-    them its root), ``PAD_ID`` after them."""
-    n = to_device(taken, torch.int32, res.output_ids.device)
-    cols = torch.arange(res.output_ids.shape[1], device=n.device)[None, :]
-    return AcceptResult(num_accepted=n - 1,
-                        accepted_nodes=res.accepted_nodes.masked_fill(
-                            cols[:, :-1] >= (n - 1)[:, None], PAD_ID),
-                        output_ids=res.output_ids.masked_fill(cols >= n[:, None], PAD_ID),
-                        num_output=n)
-
-
-def _check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> None:
-    """``qo_indptr`` of a flat commit: ``int [B + 1]`` on the logits' device, each request's
-    rows its root and nodes, inside ``logits``."""
-    B = len(num_draft)
-    if not isinstance(qo_indptr, torch.Tensor) or qo_indptr.shape != (B + 1,) or \
-            qo_indptr.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"qo_indptr: expected int32 [{B + 1}], got "
-                         f"{getattr(qo_indptr, 'dtype', type(qo_indptr).__name__)} "
-                         f"{list(getattr(qo_indptr, 'shape', ()))}")
-    if qo_indptr.device != logits.device:
-        raise ValueError(f"qo_indptr: on {qo_indptr.device}, logits on {logits.device}")
-    qo = qo_indptr.tolist()
-    sizes = [b - a for a, b in zip(qo, qo[1:])]
-    if qo[0] < 0 or qo[-1] > logits.shape[0] or sizes != [1 + n for n in num_draft]:
-        raise ValueError(f"qo_indptr: {qo} must start at >= 0, end at <= {logits.shape[0]} "
-                         f"logits rows and give each request 1 + its draft's nodes "
-                         f"{[1 + n for n in num_draft]}")

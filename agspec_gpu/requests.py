@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral
 from typing import Callable
 
+import numpy as np
+
 from agspec_gpu.accept import SamplingParams
 from agspec_gpu.checks import check_text
 from agspec_gpu.stops import StopMatcher
@@ -206,6 +208,38 @@ class Requests:
                     break
             out.extend(take)
         return taken
+
+    def advance(self, new: list[list[int]],
+                on_tokens: Callable[[str, list[int]], bool | None] | None = None) -> None:
+        """Extends each session's context by the tokens its drafter tier just took (the two
+        never disagree, even when the call fails later), then streams them to
+        ``on_tokens``; a callback that returns False ends its request (:meth:`cancel`). A
+        callback that raises (a ``KeyboardInterrupt`` too) does not keep the others from
+        their tokens (each joined its context): the first error is raised once every
+        session had its call."""
+        for st, toks in zip(self.states, new):
+            st.extend(toks)
+        if on_tokens is None:
+            return
+        error = None
+        for b, (sid, toks) in enumerate(zip(self.sids, new)):
+            try:
+                if toks and _ends_request(sid, on_tokens(sid, toks)):
+                    self.cancel(b)
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the others
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+def _ends_request(sid: str, returned) -> bool:
+    """What an ``on_tokens`` return says: None or True go on, False (numpy's too) ends the
+    request. Anything else raises: a count of 0 (a ``write`` of an empty chunk, say) must
+    not end a stream, nor a count end none."""
+    if returned is None or isinstance(returned, (bool, np.bool_)):
+        return returned is not None and not returned
+    raise TypeError(f"on_tokens: returned {type(returned).__name__} {returned!r} for session "
+                    f"{sid!r}; return None or True to go on, False to end its request")
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ import torch
 import triton
 
 from agspec_gpu.accept import teacher_forced_accept
-from agspec_gpu.calibrate import calibrate_cost_model
+from agspec_gpu.calibrate import calibrate_batch_costs
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import DraftBatch
@@ -517,15 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         calib_ctx = replay_context_tokens(corpus, per_msg, args.context)
         # at every graph batch size up to the largest run's: a step of b requests runs in
         # the smallest bucket >= b (a run's drain in smaller ones), and is priced there
-        for b in graph_sizes:
-            cost_for[b] = calibrate_cost_model(
-                runner, b, calib_ctx, max_draft_tokens=args.calibrate_max_tokens,
-                repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify_steps,
-                source=f"measured: {args.model} on {gpu}, {b} requests x {calib_ctx} tokens "
-                       f"of KV (the replayed messages' mean context); plan + forward + "
-                       f"argmax, median of {args.calibrate_repeats}")
+        cost_for = dict(calibrate_batch_costs(
+            runner, graph_sizes, calib_ctx, max_draft_tokens=args.calibrate_max_tokens,
+            repeats=args.calibrate_repeats, graphs=graphs, verify_graphs=verify_steps,
+            source=f"measured: {args.model} on {gpu} (KV: the replayed messages' mean "
+                   f"context)").curves)
+        for b, curve in cost_for.items():
             print(f"[e2e] cost B={b}: " + ", ".join(f"{x}:{y:.2f}ms" for x, y in
-                                                    cost_for[b].points), flush=True)
+                                                    curve.points), flush=True)
         cost_obj = {**BatchCostModels(tuple(sorted(cost_for.items()))).to_json(),
                     "model": args.model, "gpu": gpu,
                     "dtype": str(dtype).removeprefix("torch."), "context_tokens": calib_ctx,
