@@ -26,12 +26,12 @@ Conventions for every capture:
 
 from __future__ import annotations
 
-import posixpath
 import re
 from typing import Iterator
 
-from agspec_gpu.capture_shell import (_SHELL_LANGS, _TOOL_CALL_OPEN, _capture_stream,
-                                      _read_pipeline, _shell_commands, _tool_calls)
+from agspec_gpu.capture_shell import (_CD_PREFIX, _SHELL_LANGS, _TOOL_CALL_OPEN,
+                                      _capture_stream, _join_path, _read_pipeline,
+                                      _shell_commands, _tool_calls)
 from agspec_gpu.capture_text import (_OBSERVATION_PREFIX, _PIPE_ROW, _SPACE_ROW, _SWE_CLIPPED,
                                      CapturedFile, _join_lines, _normalise, _parse_rows, _runs,
                                      _split_lines, _tab_row, _unwrap_output, _whole_lines,
@@ -53,7 +53,8 @@ _VIEW_HEADER = re.compile(r"Here's the result of running `cat -n` on (\S.*?):\n"
 _EDIT_HEADER = re.compile(
     r"The file (\S.*?) has been edited\. Here's the result of running `cat -n` on a snippet "
     r"of (\S.*?):\n")
-_EDIT_FOOTER = "Review the changes and make sure they are as expected."
+# (an insert's footer goes on: "... as expected (correct indentation, ...).")
+_EDIT_FOOTER = "Review the changes and make sure they are as expected"
 _ABBREVIATED = re.compile(r"\A<NOTE>This file is too large to display entirely\..*?</NOTE>\n",
                           re.S)
 _ABBREVIATED_END = "<IMPORTANT><NOTE>The above file has been abbreviated."
@@ -97,7 +98,8 @@ def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] |
         rows = _editor_rows(_split_lines(body), to_end=False)
         if not rows:
             return []
-        return [CapturedFile(edit.group(2), _join_lines([t for _, t in rows]), rows[0][0], True,
+        # (group 2 is the path again, or "the edited file" after an insert)
+        return [CapturedFile(edit.group(1), _join_lines([t for _, t in rows]), rows[0][0], True,
                              "swe-edit")]
     view = _VIEW_HEADER.match(text)
     if view is not None:
@@ -203,11 +205,12 @@ def _capture_aider(text: str, *, include_new: bool) -> list[CapturedFile]:
     for path, body in _aider_listings(text):
         if body and body[0].strip() == _SEARCH:
             # A SEARCH/REPLACE block is an edit, not a listing; with an empty SEARCH it
-            # creates the file, so its REPLACE part is the whole new file.
+            # creates the file, or appends to it when it exists (aider's rule): its REPLACE
+            # part is the file's text at an unknown position.
             if include_new and len(body) >= 3 and body[1].strip() == _DIVIDER \
                     and body[-1].strip() == _REPLACE and _DIVIDER not in \
                     [b.strip() for b in body[2:-1]]:
-                out.append(CapturedFile(path, _join_lines(body[2:-1]), None, False, "aider-new"))
+                out.append(CapturedFile(path, _join_lines(body[2:-1]), None, True, "aider-new"))
             continue
         if any(b.strip() in (_SEARCH, _REPLACE) for b in body):
             continue
@@ -247,7 +250,8 @@ def capture_tool_output(command: str | None, output: str) -> list[CapturedFile]:
         if captured is not None:
             return captured
     commands = _shell_commands(command) if command else []
-    if len(commands) == 1:
+    # (with several tool calls the output may be another call's: an editor's, say)
+    if len(commands) == 1 and len(_tool_calls(command)) <= 1:
         stream = _read_pipeline(commands[0])
         if stream is not None:
             segments = _unwrap_output(output)
@@ -259,36 +263,75 @@ _HEREDOC = re.compile(
     r"""(?:^|&&|;|\|\|)[ \t]*(?P<cmd>cat|tee(?:\s+-a)?)\b(?P<mid>[^\n]*?)<<(?P<dash>-?)[ \t]*"""
     r"""(?P<q>['"]?)(?P<tag>[A-Za-z_][\w]*)(?P=q)(?P<rest>[^\n]*)\n""", re.M)
 _REDIRECT_TARGET = re.compile(r"(?<![\d&>])(>>?)[ \t]*(['\"]?)([^\s'\";&|<>]+)\2")
+# longer lines hold no heredoc header we read (the header search is quadratic in a line)
+_MAX_HEADER_LINE = 4096
+# an unquoted heredoc body: bash removes these escapes and expands the rest
+_BODY_ESCAPE = re.compile(r"\\([$`\\\n])|(\$[A-Za-z0-9_{(\[?$#@*!-]|`)")
 
 
-def _heredoc_writes(script: str) -> list[CapturedFile]:
-    """Files written by ``cat > FILE <<EOF`` / ``cat <<EOF > FILE`` / ``tee FILE <<EOF``.
+def _heredoc_header(script: str, pos: int) -> re.Match[str] | None:
+    """The first heredoc header of ``script`` at or after ``pos``, searched line by line
+    among the lines holding ``<<`` (one regex search of the whole script is quadratic in a
+    long line)."""
+    while True:
+        at = script.find("<<", pos)
+        if at < 0:
+            return None
+        line_start = script.rfind("\n", 0, at) + 1
+        line_end = script.find("\n", at)
+        if line_end < 0:
+            return None
+        if line_end - line_start <= _MAX_HEADER_LINE:
+            m = _HEREDOC.search(script, max(line_start, pos), line_end + 1)
+            if m is not None:
+                return m
+        pos = line_end + 1
 
-    The body is taken literally: an unquoted delimiter would let the shell expand ``$VAR``
-    inside the body, which cannot be reproduced here and is rare in agent-written files.
-    An append (``>>`` or ``tee -a``) is captured as a fragment of unknown position.
+
+def _expand_body(body: str) -> str | None:
+    """An unquoted heredoc's body as bash writes it (``\\$``, ``\\` ``, ``\\\\`` unescaped,
+    ``\\<newline>`` joined), or None when it expands something (``$name``, ``${``, ``$(``,
+    a backquote...): its text depends on what ran."""
+    out, pos = [], 0
+    for m in _BODY_ESCAPE.finditer(body):
+        if m.group(2) is not None:
+            return None
+        out += [body[pos:m.start()], "" if m.group(1) == "\n" else m.group(1)]
+        pos = m.end()
+    return "".join(out) + body[pos:]
+
+
+def _heredoc_writes(script: str, cd_dir: str | None = None) -> list[CapturedFile]:
+    """Files written by ``cat > FILE <<EOF`` / ``cat <<EOF > FILE`` / ``tee FILE <<EOF``
+    (after a leading ``cd cd_dir``).
+
+    A quoted delimiter (``<<'EOF'``) keeps the body literal; an unquoted one lets bash
+    unescape ``\\$``, ``\\` ``, ``\\\\`` and line continuations, done here too, and expand
+    ``$VAR``, ``$(...)`` and backquotes, which cannot be reproduced: such a body is not
+    captured. The body ends at a line that is exactly the delimiter (after leading tabs
+    for ``<<-``). An append (``>>`` or ``tee -a``) is captured as a fragment of unknown
+    position.
     """
     out = []
-    pos = 0
-    while True:
-        m = _HEREDOC.search(script, pos)
-        if m is None:
-            return out
+    m = _heredoc_header(script, 0)
+    while m is not None:
         body_start = m.end()
         tag = m.group("tag")
         indent = "\t*" if m.group("dash") else ""  # <<- strips leading TABs, terminator too
-        end_re = re.compile("^" + indent + re.escape(tag) + "[ \t]*$", re.M)
-        end = end_re.search(script, body_start)
+        end = re.compile("^" + indent + re.escape(tag) + "$", re.M).search(script, body_start)
         if end is None:
             return out
-        pos = end.end()
         body = _split_lines(script[body_start:end.start()])
         if m.group("dash"):
             body = [ln.lstrip("\t") for ln in body]
+        text = _join_lines(body)
+        if not m.group("q"):
+            text = _expand_body(text)
         path, append = _heredoc_target(m)
-        if path is not None:
-            out.append(CapturedFile(posixpath.normpath(path), _join_lines(body), None,
-                                    append, "heredoc"))
+        if path is not None and text is not None:
+            out.append(CapturedFile(_join_path(cd_dir, path), text, None, append, "heredoc"))
+        m = _heredoc_header(script, end.end())
+    return out
 
 
 def _heredoc_target(m: re.Match[str]) -> tuple[str | None, bool]:
@@ -325,7 +368,8 @@ def capture_agent_writes(message: str) -> list[CapturedFile]:
             out.append(CapturedFile(args["path"], _whole_lines(_normalise(args["file_text"])),
                                     None, False, "create"))
     for script in _shell_commands(message):
-        out.extend(_heredoc_writes(script))
+        cd = _CD_PREFIX.match(script.lstrip())
+        out.extend(_heredoc_writes(script, None if cd is None else cd.group(1)))
     if _TOOL_CALL_OPEN not in message:
         out.extend(_capture_aider(_normalise(message), include_new=True))
     return [c for c in out if c.text]

@@ -108,8 +108,13 @@ class _Stream:
         contiguous: the lines are consecutive file lines.
         full: the stream is the whole file.
         limit: line limit of a ``head`` applied to a full stream: fewer lines means whole file.
-        isolated: each output line is a separate grep hit (no context lines were asked for),
-            so without line numbers two lines are never known to be adjacent.
+        isolated: each output line is a separate hit (a grep without context lines, a
+            ``sed -n '/A/p'``), so without line numbers two lines are never known to be
+            adjacent.
+        block_end: a ``sed -n '/A/,/B/p'`` range's end pattern ``B`` (a Python regex): the
+            range prints a block from each line matching ``A`` to the next matching ``B``,
+            so a block ends after a line (not its first) that ``B`` matches, and the next
+            line opens another block of the file, not adjacent to it.
     """
 
     path: str
@@ -121,21 +126,25 @@ class _Stream:
     full: bool = True
     limit: int | None = None
     isolated: bool = False
+    block_end: re.Pattern[str] | None = None
 
 
 _SED_RANGE = re.compile(r"(\d+)(?:,(\d+|\$))?p")
 _SED_RELATIVE = re.compile(r"(\d+),\+(\d+)p")
-_SED_PATTERN = re.compile(r"/(?:[^/\\]|\\.)*/(?:,(?:/(?:[^/\\]|\\.)*/|\d+|\$))?p")
+_SED_PATTERN = re.compile(r"/((?:[^/\\]|\\.)*)/(?:,(?:/((?:[^/\\]|\\.)*)/|(\d+)|(\$)))?p")
 _INT = re.compile(r"\d+")
 _STDERR_REDIRECT = re.compile(r"\s+2>\s*(?:&1|/dev/null)")
 _CD_PREFIX = re.compile(r"\Acd\s+(\S+)\s*(?:&&|;)\s*")
+# a shell glob or brace expansion in an operand: it may name several files (or none)
+_GLOB = re.compile(r"[*?\[]|\{[^}]*,[^}]*\}")
 
 # grep: short options that take an argument, options that make the output not file lines.
 _GREP_ARG_FLAGS = set("ABCefmdD")
 _GREP_REJECT_FLAGS = set("rRlLcoqHZzbfuUT")
 _GREP_OK_FLAGS = set("nABCeEFGPiIwxyvhas")
 _GREP_REJECT_LONG = ("--recursive", "--files-with", "--count", "--only-matching",
-                     "--with-filename", "--null", "--byte-offset", "--file")
+                     "--with-filename", "--null", "--byte-offset", "--file", "--color",
+                     "--colour")
 
 
 def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
@@ -173,13 +182,16 @@ def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
 
 
 def _join_path(cd_dir: str | None, path: str) -> str:
-    if cd_dir and cd_dir.startswith("/") and not path.startswith("/"):
+    """``path`` as the command named it after a leading ``cd cd_dir`` (None: no ``cd``)."""
+    if cd_dir and cd_dir[0] not in "~-$" and not path.startswith("/"):  # (~, -, $VAR:
+        # directories the command does not spell)
         return posixpath.normpath(posixpath.join(cd_dir, path))
     return posixpath.normpath(path)
 
 
 def _sed_window(script: str) -> tuple[int | None, bool] | None:
-    """``(start, known)`` of a ``sed -n`` print script: start line, or None if by pattern."""
+    """``(start, known)`` of a ``sed -n`` print script by line numbers; ``(None, False)``
+    for a pattern script (:func:`_sed_pattern` says what its output is)."""
     m = _SED_RANGE.fullmatch(script)
     if m is not None:
         return int(m.group(1)), True
@@ -189,6 +201,93 @@ def _sed_window(script: str) -> tuple[int | None, bool] | None:
     if _SED_PATTERN.fullmatch(script):
         return None, False
     return None
+
+
+def _sed_pattern(stream: _Stream, script: str) -> _Stream | None:
+    """``stream`` after ``sed -n SCRIPT`` with a pattern address (None: not understood).
+
+    ``/A/p`` prints each matching line: separate hits. ``/A/,/B/p`` prints a block from
+    each line matching ``A`` to the next line matching ``B``: blocks end where ``B``
+    matches (:attr:`_Stream.block_end`), so ``B`` must translate to a Python regex.
+    ``/A/,$p`` prints one block, to the end. ``/A/,Np``'s blocks depend on line numbers
+    the output does not show."""
+    m = _SED_PATTERN.fullmatch(script)
+    _, end, end_line, to_last = m.groups()
+    if end_line is not None:
+        return None
+    if end is None and not to_last:
+        return replace(stream, start=None, contiguous=False, full=False, limit=None,
+                       isolated=True)
+    block_end = None if to_last else _python_regex(end)
+    if end is not None and (not end or block_end is None):  # (// is the last regex used)
+        return None
+    return replace(stream, start=None, full=False, limit=None, block_end=block_end)
+
+
+_BRE_CLASSES = {"[:alpha:]": "a-zA-Z", "[:digit:]": "0-9", "[:alnum:]": "a-zA-Z0-9",
+                "[:upper:]": "A-Z", "[:lower:]": "a-z", "[:space:]": " \\t\\n\\r\\f\\v",
+                "[:blank:]": " \\t", "[:punct:]": "!-/:-@\\[-`{-~"}
+
+
+def _python_regex(bre: str) -> re.Pattern[str] | None:
+    """GNU sed's basic regex ``bre`` as a Python pattern, or None where unsure: ``\\(``,
+    ``\\)``, ``\\{``, ``\\}``, ``\\|``, ``\\+``, ``\\?`` are operators and their plain
+    forms literals; bracket expressions with only the common POSIX classes."""
+    out, i = [], 0
+    while i < len(bre):
+        ch = bre[i]
+        if ch == "\\":
+            nxt = bre[i + 1:i + 2]
+            if nxt and nxt in "(){}|+?":
+                out.append(nxt)
+            elif nxt and nxt in ".*[]^$/\\":
+                out.append("\\" + nxt)
+            elif nxt and nxt in "wWsSbBnt":
+                out.append("\\" + nxt)
+            else:
+                return None
+            i += 2
+        elif ch == "[":
+            j = i + 1 + (bre[i + 1:i + 2] == "^")
+            j += bre[j:j + 1] == "]"  # a leading ] is a member
+            body = []
+            while j < len(bre) and bre[j] != "]":
+                cls = next((c for c in _BRE_CLASSES if bre.startswith(c, j)), None)
+                if cls is not None:
+                    body.append(_BRE_CLASSES[cls])
+                    j += len(cls)
+                elif bre.startswith("[:", j) or bre.startswith("[=", j) or \
+                        bre.startswith("[.", j):
+                    return None
+                else:
+                    body.append("\\" + bre[j] if bre[j] in "\\[" else bre[j])
+                    j += 1
+            if j >= len(bre):
+                return None
+            negate = "^" if bre[i + 1:i + 2] == "^" else ""
+            lead = "\\]" if bre[i + 1 + len(negate):i + 2 + len(negate)] == "]" else ""
+            out.append(f"[{negate}{lead}{''.join(body)}]")
+            i = j + 1
+        elif ch == "*" and (not out or out[-1] in ("^", "(", "|")):
+            out.append("\\*")  # a leading * is a literal in a BRE
+            i += 1
+        elif ch == "^":  # an anchor only where a match can begin
+            out.append("^" if not out or out[-1] in ("(", "|") else "\\^")
+            i += 1
+        elif ch == "$":  # and only where it can end
+            out.append("$" if i + 1 == len(bre) or bre.startswith(("\\)", "\\|"), i + 1)
+                       else "\\$")
+            i += 1
+        elif ch in "(){}|+?":
+            out.append("\\" + ch)
+            i += 1
+        else:
+            out.append(ch)
+            i += 1
+    try:
+        return re.compile("".join(out))
+    except re.error:
+        return None
 
 
 def _sed_args(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -281,8 +380,12 @@ def _grep_args(argv: list[str]) -> tuple[bool, bool, list[str]] | None:
 
 
 def _source(argv: list[str], cd_dir: str | None) -> _Stream | None:
-    """The stream produced by the first stage, when it reads exactly one file."""
+    """The stream produced by the first stage, when it reads exactly one file (an operand
+    with a glob may name several: not one file's view)."""
     name = argv[0]
+    if any(_GLOB.search(a) for a in argv[1:] if not a.startswith("-")) and name != "grep" \
+            and name != "sed":
+        return None
     if name == "cat":
         flags = [a for a in argv[1:] if a.startswith("-")]
         files = [a for a in argv[1:] if not a.startswith("-")]
@@ -304,11 +407,13 @@ def _source(argv: list[str], cd_dir: str | None) -> _Stream | None:
         parsed = _sed_args(argv)
         if parsed is None or len(parsed[1]) != 1:
             return None
+        if _GLOB.search(parsed[1][0]):
+            return None
         window = _sed_window(parsed[0])
         if window is None:
             return None
-        start, _ = window
-        return _Stream(_join_path(cd_dir, parsed[1][0]), "sed-n", start=start, full=False)
+        stream = _Stream(_join_path(cd_dir, parsed[1][0]), "sed-n", start=window[0], full=False)
+        return stream if window[1] else _sed_pattern(stream, parsed[0])
     if name in ("head", "tail"):
         parsed = _head_tail_args(argv)
         if parsed is None or len(parsed[1]) != 1:
@@ -317,13 +422,15 @@ def _source(argv: list[str], cd_dir: str | None) -> _Stream | None:
         path = _join_path(cd_dir, files[0])
         if name == "head":
             return _Stream(path, "head", full=False, limit=int(count))
-        start = int(count[1:]) if count.startswith("+") else None
+        start = max(int(count[1:]), 1) if count.startswith("+") else None  # +0: from line 1
         return _Stream(path, "tail", start=start, full=start == 1)
     if name == "grep":
         parsed = _grep_args(argv)
         if parsed is None or len(parsed[2]) != 1:
             return None
         numbered, context, files = parsed
+        if _GLOB.search(files[0]):
+            return None
         return _Stream(_join_path(cd_dir, files[0]), "grep-n" if numbered else "grep",
                        gutter="grep" if numbered else None, start=None,
                        contiguous=False, full=False, isolated=not context)
@@ -346,6 +453,8 @@ def _filter(stream: _Stream, argv: list[str]) -> _Stream | None:
         if window is None:
             return None
         offset, known = window
+        if not known:
+            return _sed_pattern(stream, parsed[0])
         start = None
         if known and stream.contiguous and stream.start is not None and offset is not None:
             start = stream.start + offset - 1
@@ -359,7 +468,7 @@ def _filter(stream: _Stream, argv: list[str]) -> _Stream | None:
             limit = int(count) if stream.full else None
             return replace(stream, full=False, limit=limit)
         if count.startswith("+") and stream.contiguous and stream.start is not None:
-            skip = int(count[1:]) - 1
+            skip = max(int(count[1:]), 1) - 1
             return replace(stream, start=stream.start + skip, full=stream.full and skip == 0,
                            limit=None)
         return replace(stream, start=None, full=False, limit=None)
@@ -408,7 +517,16 @@ def _stream_items(stream: _Stream, lines: list[str]) -> list[tuple[int | None, s
     # Only a grep stage (which makes the stream non-contiguous) prints `--` group separators.
     grouped = not stream.contiguous
     items: list[tuple[int | None, str] | None] = []
+    block_start = True  # (block_end: the next line opens a block)
     for ln in lines:
+        if stream.block_end is not None and stream.gutter is None:
+            items.append((None, ln))
+            if not block_start and stream.block_end.search(ln):
+                items.append(None)  # the range ended: the next line is another block's
+                block_start = True
+            else:
+                block_start = False
+            continue
         if grouped and ln == _GREP_SEPARATOR:
             items.append(None)
         elif stream.gutter is None:

@@ -164,6 +164,8 @@ _MINI_HEAD = re.compile(r"<output_head>\n(.*?)\n</output_head>", re.S)
 _MINI_TAIL = re.compile(r"<output_tail>\n(.*)\n</output_tail>\s*\Z", re.S)
 _SWE_CLIPPED = "<response clipped>"
 _SWE_NO_OUTPUT = "Your last command ran successfully and did not produce any output."
+# mini-swe-agent's message for a command it killed: what it printed is partial, or none
+_MINI_TIMEOUT = re.compile(r"\AThe last command <command>.*?</command> timed out", re.S)
 # First-line error messages of the read commands (no return code in SWE-agent outputs).
 _READ_ERROR = re.compile(r"\A(?:cat|nl|sed|head|tail|grep|bash|/bin/sh|sh): ")
 
@@ -172,12 +174,15 @@ def _unwrap_output(output: str) -> list[_Segment] | None:
     """The command's own output, as segments, or None when the command failed.
 
     Handles the mini-swe-agent ``<returncode>``/``<output>`` wrapper (and its truncated
-    ``<output_head>``/``<output_tail>`` form), SWE-agent's ``OBSERVATION:`` prefix and its
+    ``<output_head>``/``<output_tail>`` form, and its message for a command that timed
+    out: None), SWE-agent's ``OBSERVATION:`` prefix and its
     ``<response clipped>`` marker, and bare outputs.
     """
     text = _normalise(output)
     if text.startswith(_OBSERVATION_PREFIX):
         text = text[len(_OBSERVATION_PREFIX):]
+    if _MINI_TIMEOUT.match(text):
+        return None
     m = _MINI_RETURNCODE.match(text)
     if m is not None:
         if int(m.group(1)) != 0:

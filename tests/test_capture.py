@@ -365,7 +365,7 @@ def test_mini_heredoc_quoted_delimiter():
 @pytest.mark.parametrize("script, path, text, fragment", [
     ("cat > /testbed/t.py << 'EOF'\na = 1\nEOF\n", "/testbed/t.py", "a = 1\n", False),
     ('cat <<"END" >test.sh\necho hi\nEND', "test.sh", "echo hi\n", False),
-    ("cd /testbed && cat > t.py <<EOF && python t.py\nx\nEOF", "t.py", "x\n", False),
+    ("cd /testbed && cat > t.py <<EOF && python t.py\nx\nEOF", "/testbed/t.py", "x\n", False),
     ("cat >> log.txt <<EOF\nmore\nEOF", "log.txt", "more\n", True),
     ("tee out.cfg <<EOF\n[a]\nEOF", "out.cfg", "[a]\n", False),
     # <<- strips every leading TAB of every body line, as bash does
@@ -412,10 +412,12 @@ def test_aider_whole_listing_with_source_fence_and_crlf():
 
 
 def test_aider_search_replace_new_file_only():
+    """An empty SEARCH creates the file, or appends to it when it exists (aider's rule; a
+    dev session appends to an ``/add``-ed file so): its text at an unknown position."""
     new = ("Here:\n\nschemas/v.ts\n```typescript\n<<<<<<< SEARCH\n=======\nimport { z } from "
            "\"zod\";\n>>>>>>> REPLACE\n```\n")
     assert capture_agent_writes(new) == [
-        CapturedFile("schemas/v.ts", 'import { z } from "zod";\n', None, False, "aider-new")]
+        CapturedFile("schemas/v.ts", 'import { z } from "zod";\n', None, True, "aider-new")]
     edit = "a.py\n```python\n<<<<<<< SEARCH\nx = 1\n=======\nx = 2\n>>>>>>> REPLACE\n```\n"
     assert capture_agent_writes(edit) == []
 
@@ -429,3 +431,146 @@ def test_aider_indented_fences_are_paired():
 def test_capture_agent_writes_rejects_non_str():
     with pytest.raises(ValueError, match="message"):
         capture_agent_writes(None)
+
+
+# --------------------------------------------------------------------------------------------
+# Cases from an audit of the capture on the dev sessions (each captured wrong text there, or
+# could): what bash and sed print, not what the command line looks like
+# --------------------------------------------------------------------------------------------
+
+def texts(captures: list[CapturedFile]) -> list[tuple]:
+    return [(c.path, c.text, c.first_line, c.is_fragment) for c in captures]
+
+
+@pytest.mark.parametrize("script, blocks", [
+    # each line matching the start opens a block that runs to the next end match
+    ("/def f/,/return/p", ["def f(a):\n    return a\n", "def f(b):\n    x = 1\n    return b\n"]),
+    # BRE operators: \( \) \| group and alternate; a plain + is a literal
+    (r"/def \(f\|g\)/,/^    return/p",
+     ["def f(a):\n    return a\n", "def f(b):\n    x = 1\n    return b\n"]),
+    # the end pattern is not tried on a block's first line
+    ("/def/,/def/p", ["def f(a):\n    return a\ndef f(b):\n"]),
+])
+def test_sed_pattern_ranges_are_one_fragment_per_block(script, blocks):
+    out = {"/def f/,/return/p": "def f(a):\n    return a\ndef f(b):\n    x = 1\n    return b\n",
+           r"/def \(f\|g\)/,/^    return/p":
+               "def f(a):\n    return a\ndef f(b):\n    x = 1\n    return b\n",
+           "/def/,/def/p": "def f(a):\n    return a\ndef f(b):\n"}[script]
+    got = capture_tool_output(mini_cmd(f"sed -n '{script}' m.py"), mini_out(out))
+    assert texts(got) == [("m.py", b, None, True) for b in blocks]
+    # the same through a pipe
+    piped = capture_tool_output(mini_cmd(f"cat m.py | sed -n '{script}'"), mini_out(out))
+    assert texts(piped) == texts(got)
+
+
+def test_numbered_sed_pattern_blocks_are_placed_by_their_numbers():
+    out = "     1\tdef f(a):\n     2\t    return a\n     7\tdef f(b):\n     8\t    return b\n"
+    got = capture_tool_output(mini_cmd("nl -ba m.py | sed -n '/def f/,/return/p'"),
+                              mini_out(out))
+    assert texts(got) == [("m.py", "def f(a):\n    return a\n", 1, True),
+                          ("m.py", "def f(b):\n    return b\n", 7, True)]
+
+
+def test_sed_patterns_it_cannot_split_capture_nothing_or_single_lines():
+    body = mini_out("import os\nimport re\n")
+    # /A/p prints matching lines: separate hits, never one contiguous fragment
+    assert texts(capture_tool_output(mini_cmd("sed -n '/^import/p' m.py"), body)) == [
+        ("m.py", "import os\n", None, True), ("m.py", "import re\n", None, True)]
+    # /A/,$p is one block to the end of the file
+    assert texts(capture_tool_output(mini_cmd("sed -n '/^import/,$p' m.py"), body)) == [
+        ("m.py", "import os\nimport re\n", None, True)]
+    # a numeric end, the empty regex (the last one used) and word anchors: not understood
+    for script in ("/^import/,5p", "/^import/,//p", r"/import/,/\<re\>/p"):
+        assert capture_tool_output(mini_cmd(f"sed -n '{script}' m.py"), body) == []
+
+
+@pytest.mark.parametrize("command", [
+    'grep "x" pkg/*/s.py', "cat src/*.py", "head -n 5 a?.py", "nl -ba src/[ab].py",
+    "sed -n '1,5p' src/*.py", "cat src/{a,b}.py", "tail -n 3 'src/*.py'"])
+def test_glob_operands_are_not_one_file(command):
+    """A glob or brace operand may name several files: their lines are no one file's."""
+    assert capture_tool_output(mini_cmd(command),
+                               mini_out("pkg/a/s.py:    x = 1\npkg/b/s.py:    x = 2\n")) == []
+
+
+@pytest.mark.parametrize("body, text", [
+    ('x = "a\\\\\\\\.py"\n', 'x = "a\\\\.py"\n'),     # \\ -> \ (four backslashes become two)
+    ("cost: \\$5 and `x`\n", None),                  # a backquote runs a command
+    ("price \\$5\n", "price $5\n"),                  # \$ is a literal $
+    ("a \\\nb\n", "a b\n"),                          # \<newline> joins the lines
+    ("$(head -n 3 old.py)\ntail\n", None),           # command substitution: unknown text
+    ("home=$HOME\n", None), ("x=${y}\n", None), ("n=$1\n", None),
+    ("cost 5$ and $ alone\n", "cost 5$ and $ alone\n"),  # a $ before nothing expandable
+    ("re = r'\\d+\\.'\n", "re = r'\\d+\\.'\n"),        # other backslashes stay
+])
+def test_unquoted_heredoc_bodies_are_what_bash_writes(body, text):
+    got = capture_agent_writes(mini_cmd(f"cat <<EOF > f.py\n{body}EOF"))
+    assert texts(got) == ([] if text is None else [("f.py", text, None, False)])
+    # a quoted delimiter keeps the body literal
+    assert texts(capture_agent_writes(mini_cmd(f"cat <<'EOF' > f.py\n{body}EOF"))) == [
+        ("f.py", body, None, False)]
+
+
+def test_heredoc_ends_only_at_its_exact_delimiter_line():
+    script = "cat > a.txt <<'EOF'\nx\nEOF \n  EOF\ny\nEOF\n"
+    assert texts(capture_agent_writes(mini_cmd(script))) == [
+        ("a.txt", "x\nEOF \n  EOF\ny\n", None, False)]
+
+
+def test_heredoc_header_search_is_linear_in_a_long_line():
+    """A long line of ``; cat`` without a heredoc took seconds (a quadratic regex search);
+    a header on a line past 4,096 characters is not read."""
+    import time
+    t0 = time.perf_counter()
+    assert capture_agent_writes(mini_cmd("true" + "; cat x" * 10_000 + "\n")) == []
+    assert capture_agent_writes(mini_cmd("true" + "; cat x" * 10_000 + " <<EOF > f\na\nEOF")) \
+        == []
+    assert time.perf_counter() - t0 < 1.0
+    # headers after a long line, and two heredocs on two lines, are still found
+    two = "true" + "; x" * 3000 + "\ncat > a <<'A'\n1\nA\ncat > b <<'B'\n2\nB\n"
+    assert texts(capture_agent_writes(mini_cmd(two))) == [
+        ("a", "1\n", None, False), ("b", "2\n", None, False)]
+
+
+def test_relative_cd_and_heredocs_after_cd_name_the_file_there():
+    assert one(capture_tool_output(mini_cmd("cd astropy && cat io/x.py"),
+                                   mini_out("a\n"))).path == "astropy/io/x.py"
+    assert one(capture_agent_writes(mini_cmd("cd /testbed && cat > t.py <<'EOF'\nx\nEOF"))
+               ).path == "/testbed/t.py"
+    for cd in ("~/src", "-", "$HOME"):  # directories not known from the command
+        assert one(capture_tool_output(mini_cmd(f"cd {cd} && cat io/x.py"),
+                                       mini_out("a\n"))).path == "io/x.py"
+
+
+def test_swe_agent_insert_snippets_are_captured_at_their_lines():
+    head = ("The file /t/a.py has been edited. Here's the result of running `cat -n` on a "
+            "snippet of the edited file:\n     3\tx\n     4\ty\n")
+    for footer in ("Review the changes and make sure they are as expected (correct indentation, "
+                   "no duplicate lines, etc). Edit the file again if necessary.",
+                   "Review the changes and make sure they are as expected. Edit the file again "
+                   "if necessary."):
+        assert texts(capture_tool_output(None, head + footer)) == [
+            ("/t/a.py", "x\ny\n", 3, True)]
+
+
+def test_outputs_that_are_not_the_command_s_file_capture_nothing():
+    # mini-swe-agent's message for a command it killed
+    timeout = ("The last command <command>cat big.log</command> timed out and has been killed."
+               "\nThe output of the command was:\n<output>\npartial\n</output>\n")
+    assert capture_tool_output(mini_cmd("cat big.log"), timeout) == []
+    # several tool calls: the output may be another call's
+    calls = "".join("<tool_call>" + json.dumps({"name": n, "arguments": a}) + "</tool_call>\n"
+                    for n, a in (("bash", {"command": "cat /a.py"}),
+                                 ("str_replace_editor", {"command": "create", "path": "/b",
+                                                         "file_text": "x"})))
+    assert capture_tool_output(calls, "OBSERVATION:\nFile created successfully at: /b") == []
+    # grep's colour codes
+    assert capture_tool_output(mini_cmd("grep --color=always foo a.py"),
+                               mini_out("\x1b[01;31mfoo\x1b[m\n")) == []
+
+
+def test_tail_from_line_zero_is_the_whole_file():
+    assert texts(capture_tool_output(mini_cmd("tail -n +0 a.py"), mini_out("a\nb\n"))) == [
+        ("a.py", "a\nb\n", None, False)]
+    assert texts(capture_tool_output(mini_cmd("cat a.py | tail -n +0"), mini_out("a\nb\n"))) \
+        == [("a.py", "a\nb\n", None, False)]
