@@ -20,6 +20,7 @@ from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import synchronize
+from agspec_gpu.kv_cache import KVCacheFull
 from agspec_gpu.runners.graphs import DecodeGraphs
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
 from agspec_gpu.tree import TreeMetadata
@@ -58,8 +59,8 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     """Measures verification time versus tokens per step on ``runner``.
 
     ``batch_size`` requests with ``context_tokens`` tokens of KV each verify their roots plus
-    ``n`` draft tokens in total (``n = 0, 1, 2, 4, ..., max_draft_tokens``, spread evenly over
-    the requests as chains); a point is ``(batch_size + n, median ms)`` of plan + forward +
+    ``n`` draft tokens in total (``n = 0`` and the powers of two up to ``max_draft_tokens``,
+    spread evenly over the requests as chains); a point is ``(batch_size + n, median ms)`` of plan + forward +
     argmax, raised to the previous point's time where noise made it lower. ``n = 0`` is a
     plain decode step, through ``graphs`` when given, as the loop runs it (else as a step
     with empty drafts, as a ``SpecDecoder`` runs one); a step goes through
@@ -79,16 +80,16 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     Returns
     -------
     :class:`CostModel` over those points (the form ``Drafter``'s batch budget consumes).
+
+    Raises
+    ------
+    KVCacheFull: the pool's free pages or sequence rows cannot hold the widest step
+        (:func:`calibration_pages`), before anything is measured.
     """
     cache, dev = runner.kv_cache, runner.device
     B = batch_size
-    room = cache.max_pages_per_seq * cache.page_size - context_tokens
-    ns = [0] + [1 << i for i in range(max(max_draft_tokens, 1).bit_length())
-                if (1 << i) <= max_draft_tokens and -(-(1 << i) // B) < room]
-    if len(ns) < 2:
-        raise ValueError(f"context_tokens: {context_tokens} tokens of KV per request leave no "
-                         f"room for a draft token in a sequence of at most "
-                         f"{cache.max_pages_per_seq * cache.page_size}")
+    ns = _draft_counts(cache, B, context_tokens, max_draft_tokens)
+    check_calibration_fits(cache, [(B, context_tokens, max_draft_tokens)])
     # ids no caller's sequence (a str session id, an int) can be
     ids = [("__calibrate", b) for b in range(B)]
     cache.allocate_many(ids, [context_tokens] * B)
@@ -146,6 +147,45 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
                      steps=verify_graphs is not None, requests=B)
 
 
+def _draft_counts(cache, batch_size: int, context_tokens: int, max_draft_tokens: int
+                  ) -> list[int]:
+    """The draft counts a calibration measures: 0 and the powers of two up to
+    ``max_draft_tokens`` whose share per request fits a sequence beside its context."""
+    room = cache.max_pages_per_seq * cache.page_size - context_tokens
+    ns = [0] + [1 << i for i in range(max(max_draft_tokens, 1).bit_length())
+                if (1 << i) <= max_draft_tokens and -(-(1 << i) // batch_size) < room]
+    if len(ns) < 2:
+        raise ValueError(f"context_tokens: {context_tokens} tokens of KV per request leave no "
+                         f"room for a draft token in a sequence of at most "
+                         f"{cache.max_pages_per_seq * cache.page_size}")
+    return ns
+
+
+def calibration_pages(cache, batch_size: int, context_tokens: int, max_draft_tokens: int
+                      ) -> int:
+    """KV pages a calibration of ``batch_size`` requests needs at its widest step: each
+    request holds its context and its share of the largest draft count measured (the
+    root at the context's last slot)."""
+    share = max(1, -(-_draft_counts(cache, batch_size, context_tokens, max_draft_tokens)[-1]
+                     // batch_size))
+    return batch_size * -(-(context_tokens + share) // cache.page_size)
+
+
+def check_calibration_fits(cache, steps: Sequence[tuple[int, int, int]]) -> None:
+    """KVCacheFull, naming the arguments, unless the pool's free pages and sequence rows
+    hold each ``(batch_size, context_tokens, max_draft_tokens)`` calibration."""
+    for b, ctx, most in steps:
+        need = calibration_pages(cache, b, ctx, most)
+        if need > cache.num_free_pages or b > cache.num_free_rows:
+            share = -(-_draft_counts(cache, b, ctx, most)[-1] // b)
+            raise KVCacheFull(
+                f"context_tokens: calibrating {b} requests x {ctx} tokens of KV, each with up "
+                f"to {share} draft tokens (max_draft_tokens={most}), needs {need} pages of "
+                f"{cache.page_size} tokens and {b} sequence rows; the pool has "
+                f"{cache.num_free_pages} pages and {cache.num_free_rows} rows free (a "
+                f"smaller context_tokens or max_draft_tokens, or a larger KV pool, fits)")
+
+
 def check_calibration_args(context_tokens, batch_sizes, max_batch: int, max_draft_tokens,
                            repeats) -> list[int]:
     """The arguments of a calibration at several batch sizes, checked (ValueError naming
@@ -176,12 +216,17 @@ def calibrate_batch_costs(runner, batch_sizes: Sequence[int], context_tokens: in
     """:func:`calibrate_cost_model` at each of ``batch_sizes`` (ascending), ``batch_size``
     requests of ``context_tokens`` tokens of KV each verifying up to ``max_draft_tokens``
     draft tokens (None: ``batch_size * max_nodes``, the most a step of that bucket
-    verifies). ``source`` begins each curve's description (what was measured, where)."""
+    verifies). ``source`` begins each curve's description (what was measured, where). Every
+    batch size's widest step is checked to fit the KV pool before any is measured
+    (KVCacheFull)."""
+    most = [int(max_draft_tokens if max_draft_tokens is not None else b * max_nodes)
+            for b in batch_sizes]
+    check_calibration_fits(runner.kv_cache, [(int(b), int(context_tokens), m)
+                                             for b, m in zip(batch_sizes, most)])
     curves = []
-    for b in batch_sizes:
-        most = max_draft_tokens if max_draft_tokens is not None else b * max_nodes
+    for b, m in zip(batch_sizes, most):
         curves.append((int(b), calibrate_cost_model(
-            runner, int(b), int(context_tokens), max_draft_tokens=int(most),
+            runner, int(b), int(context_tokens), max_draft_tokens=m,
             repeats=int(repeats), graphs=graphs, verify_graphs=verify_graphs,
             source=f"{source}, {b} requests x {context_tokens} tokens of KV, plan + forward "
                    f"+ argmax, median of {repeats}")))

@@ -47,7 +47,8 @@ import torch
 from agspec_gpu.accept import (AcceptResult, BatchSampling, SamplingParams, accept_tree,
                                rows_without_finite_max)
 from agspec_gpu.attention import FlashInferPagedAttention
-from agspec_gpu.calibrate import calibrate_batch_costs, check_calibration_args
+from agspec_gpu.calibrate import (calibrate_batch_costs, calibration_pages,
+                                  check_calibration_args)
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
 from agspec_gpu.checks import check_text, check_token_ids
 from agspec_gpu.commit_checks import (check_commit_logits, check_qo_indptr, commit_end_rules,
@@ -204,17 +205,19 @@ class SpecDecoder:
         batch budget by it from the next step on (``runner="paged"``).
 
         At each of ``batch_sizes`` (default: the verification graphs' buckets, 1, 2, 4, ...
-        ``max_batch``), that many requests of ``context_tokens`` tokens of KV verify ``n = 0,
-        1, 2, 4, ... max_draft_tokens`` draft tokens (default: the most a step of the bucket
-        verifies, ``max_nodes`` each) through the same verification graphs as the decoder's
+        ``max_batch``), that many requests of ``context_tokens`` tokens of KV verify ``n =
+        0`` and the powers of two up to ``max_draft_tokens`` draft tokens (default: the most
+        a step of the bucket verifies, ``max_nodes`` each) through the same verification graphs as the decoder's
         steps (:func:`~agspec_gpu.calibrate.calibrate_cost_model`); ~1 s per batch size on
         an H100. ``out``: also written there as JSON, which ``DecoderConfig(cost_model=out)``
         loads into the next decoder of this model and GPU (``config.cost_model`` is then
-        these curves). It needs ``max(batch_sizes)`` sequences of ``context_tokens`` tokens
-        of KV: where the pool's free pages or sequence rows fall short, idle sessions'
-        kept KV is freed for it, least recently used first, as a step does (their next
-        call prefills again; :class:`~agspec_gpu.kv_cache.KVCacheFull` if even that is
-        not enough). Between calls only: no request may run and no ``propose`` wait for
+        these curves). Each batch size ``b`` needs ``b`` sequences of ``context_tokens``
+        tokens of KV plus each one's share of the widest step's draft tokens (``max_nodes``
+        by default; :func:`~agspec_gpu.calibrate.calibration_pages`): where the pool's free
+        pages or sequence rows fall short, idle sessions' kept KV is freed for it, least
+        recently used first, as a step does (their next call prefills again;
+        :class:`~agspec_gpu.kv_cache.KVCacheFull`, naming the arguments, before anything is
+        measured if even that is not enough). Between calls only: no request may run and no ``propose`` wait for
         its ``commit`` (RuntimeError).
 
         Returns:
@@ -229,11 +232,13 @@ class SpecDecoder:
             raise RuntimeError("calibrate_cost_model: requests are running or queued, or a "
                                "propose() waits for its commit")
         self.drafter.check_between_steps("calibrate_cost_model")
-        cache = self._paged.kv_cache
-        self._kv.free_idle(max(sizes) * -(-int(context_tokens) // cache.page_size), max(sizes))
+        cache, nodes = self._paged.kv_cache, self.drafter.config.max_nodes
+        self._kv.free_idle(max(calibration_pages(cache, b, int(context_tokens),
+                                                 int(max_draft_tokens or b * nodes))
+                               for b in sizes), max(sizes))
         cost = calibrate_batch_costs(
             self._paged, sizes, int(context_tokens), max_draft_tokens=max_draft_tokens,
-            max_nodes=self.drafter.config.max_nodes, repeats=repeats,
+            max_nodes=nodes, repeats=repeats,
             verify_graphs=self._verify_graphs,
             source=f"measured: SpecDecoder on {self._device_name()}")
         self.drafter.set_cost(cost)

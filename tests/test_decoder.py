@@ -2227,3 +2227,41 @@ def test_session_tier_holds_exactly_the_context():
     for sid, p, o in zip(sids, P, out):
         held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
         assert held == p + o, (sid, len(held), len(p + o))
+
+
+def test_calibration_counts_the_drafts_kv_and_raises_before_measuring():
+    """A calibration's widest step holds each request's context plus its share of the
+    drafts (``max_nodes`` by default): idle sessions' KV is freed for that whole need, and a
+    pool that cannot hold it raises KVCacheFull naming the arguments before any batch size
+    is measured (an audit's case: the contexts fit, the drafts did not, and the curves
+    measured by then were lost)."""
+    from agspec_gpu.calibrate import calibration_pages
+    from agspec_gpu.kv_cache import KVCacheFull
+
+    variant = VARIANTS[0]
+    dec = SpecDecoder(model(variant), tok(), DecoderConfig(
+        runner="paged", page_size=16, kv_cache_tokens=512, max_batch=2))
+    cache = dec._paged.kv_cache
+    nodes = dec.drafter.config.max_nodes
+    # 2 x (200 + 64) tokens: 34 pages of 32, though the contexts alone need 26
+    assert calibration_pages(cache, 2, 200, 2 * nodes) == 2 * -(-(200 + nodes) // 16) > 32
+    last = dec.drafter.cost
+    import unittest.mock as mock
+    with mock.patch("agspec_gpu.calibrate.calibrate_cost_model") as measure, \
+            pytest.raises(KVCacheFull, match="context_tokens: calibrating 2 requests x 200"):
+        dec.calibrate_cost_model(200, repeats=1)
+    assert not measure.called and dec.drafter.cost is last
+    assert cache.num_free_pages == 32
+    assert [b for b, _ in dec.calibrate_cost_model(200, max_draft_tokens=16,
+                                                   repeats=1).curves] == [1, 2]
+    # an idle session's KV is freed for the drafts' pages too, not only the contexts'
+    sid = dec.open_session("t0", "coder", list(prompts()[1]))
+    dec.generate([sid], max_new_tokens=3, eos_id=None)
+    # (the contexts alone, 2 x 15 pages, fit beside it: the drafts' pages do not)
+    assert 2 * -(-230 // 16) <= cache.num_free_pages < calibration_pages(cache, 2, 230, 32) \
+        == 32
+    dec.calibrate_cost_model(230, max_draft_tokens=32, repeats=1)
+    assert sid not in cache and cache.num_free_pages == 32
+    ctx = list(dec._sessions[sid].context)  # its next call prefills again
+    assert dec.generate([sid], max_new_tokens=2, eos_id=None) == [greedy(variant, ctx, 2,
+                                                                         eos=None)]
