@@ -274,6 +274,11 @@ class SpecDecoder:
                      session_id: str | None = None, text: str | None = None) -> str:
         """Opens a session and returns its id (``session_id`` if given; must be new).
 
+        ``role``: the session's drafting profile, one of the drafter's roles
+        (``DrafterConfig.roles``: ``default``, ``planner``, ``coder``, ``reviewer``, and
+        those a ``DecoderConfig(profiles=)`` file adds); another name raises ValueError
+        listing them.
+
         ``text``: the prompt as the agent framework printed it (without chat-template
         markup); the files it shows (editor views, ``[File: ...]`` windows, aider listings:
         :func:`~agspec_gpu.capture.capture_tool_output` without a command) join the

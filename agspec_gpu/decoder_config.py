@@ -46,8 +46,12 @@ class DecoderConfig:
             nodes and a 128K vocabulary);
             False launches every step eagerly, as does a GPU without FlashInfer or a
             failed capture (:attr:`SpecDecoder.verify_graph_error` says why).
-        profiles: a role-profile file from ``agspec-gpu profile``: its draft caps replace
-            those of the drafter's roles of the same name (other roles are kept).
+        profiles: a role-profile file from ``agspec-gpu profile``: its roles join the
+            drafter's (``DrafterConfig.roles``), a role of the same name replaced (its draft
+            cap; the built-in initial scale kept). ``agspec-gpu profile`` names its roles
+            after the agent formats it measured (``mini-swe-agent``, ``swe-agent``,
+            ``aider``) plus ``default``: open a session with such a role to draft with its
+            measured cap.
         cost_model: what the batch budget steers by: verification time against tokens per
             step on your model and GPU. A calibration file (``bench/bench_e2e.py --model
             ... --calibrate`` writes ``cost-<model>-<gpu>.json``, a curve per batch size:

@@ -42,6 +42,10 @@ class DrafterConfig:
             global) when choosing which rows supply candidates: the tenant's own text
             predicts its next tokens better than an equally long match in other text.
         controller: the adaptive-length rule.
+        roles: the role profiles a session may open with (``open_session(..., role=)``):
+            each names its draft-length cap and the controller's initial scale. Built in:
+            ``default``, ``planner``, ``coder``, ``reviewer``; ``DecoderConfig(profiles=)``
+            adds or replaces roles from a profile file.
         cuda_graphs: on a GPU, replay the device halves of a step as CUDA graphs per batch
             bucket (:mod:`agspec_gpu.drafter_graphs`): propose after the batched match (the
             candidate windows' rows, trie, probabilities, budget) and commit before the
