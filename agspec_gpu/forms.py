@@ -72,6 +72,8 @@ def detect_indent_unit(text: str) -> str:
     TAB when more indented lines start with a TAB than with a space. Otherwise the most common
     positive increase of leading spaces between consecutive non-blank lines (ties go to the
     smaller step; continuation lines aligned to a bracket are rare enough to lose the vote).
+    The first non-blank line is the baseline, not a step from column 0: a fragment (a grep
+    hit, a ``sed -n`` window) often starts inside a block, and its depth is not the unit.
     `DEFAULT_INDENT_UNIT` (4 spaces) when the text has no indentation step.
     """
     if not isinstance(text, str):
@@ -82,13 +84,14 @@ def detect_indent_unit(text: str) -> str:
     if tabbed > spaced:
         return "\t"
     steps: Counter[int] = Counter()
-    prev = 0
+    prev: int | None = None  # (the first line's indentation is no step)
     for ln in lines:
         lead = _leading(ln)
-        width = len(lead) if "\t" not in lead else None
-        if width is not None and width > prev:
-            steps[width - prev] += 1
-        prev = width if width is not None else prev
+        if "\t" in lead:
+            continue
+        if prev is not None and len(lead) > prev:
+            steps[len(lead) - prev] += 1
+        prev = len(lead)
     if not steps:
         return DEFAULT_INDENT_UNIT
     best = max(steps.items(), key=lambda kv: (kv[1], -kv[0]))[0]

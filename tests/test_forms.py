@@ -136,6 +136,11 @@ def test_json_body_is_what_a_tool_call_argument_holds(text):
     ("no indentation here\n", DEFAULT_INDENT_UNIT),
     ("", DEFAULT_INDENT_UNIT),
     ("def f(a,\n      b):\n    return (a +\n            b)\n\ndef g():\n    pass\n", "    "),
+    # a fragment starting inside a block: its depth is no step (a grep hit, a sed window)
+    ("            for inline in admin.inlines:\n", DEFAULT_INDENT_UNIT),
+    ("        query = Query(self.model)\n        query.add_filter(x)\n", DEFAULT_INDENT_UNIT),
+    ("        if x:\n            y()\n        z()\n", "    "),
+    ("      if x:\n        y()\n", "  "),
 ])
 def test_detect_indent_unit(text, unit):
     assert detect_indent_unit(text) == unit
