@@ -183,8 +183,8 @@ def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
 
 def _join_path(cd_dir: str | None, path: str) -> str:
     """``path`` as the command named it after a leading ``cd cd_dir`` (None: no ``cd``)."""
-    if cd_dir and cd_dir[0] not in "~-$" and not path.startswith("/"):  # (~, -, $VAR:
-        # directories the command does not spell)
+    # (a cd to ~, - or $VAR goes to a directory the command does not spell)
+    if cd_dir and cd_dir[0] not in "~-$" and not path.startswith("/"):
         return posixpath.normpath(posixpath.join(cd_dir, path))
     return posixpath.normpath(path)
 
@@ -380,12 +380,9 @@ def _grep_args(argv: list[str]) -> tuple[bool, bool, list[str]] | None:
 
 
 def _source(argv: list[str], cd_dir: str | None) -> _Stream | None:
-    """The stream produced by the first stage, when it reads exactly one file (an operand
-    with a glob may name several: not one file's view)."""
+    """The stream produced by the first stage, when it reads exactly one file operand (a
+    glob among them: :func:`_read_pipeline` refuses it)."""
     name = argv[0]
-    if any(_GLOB.search(a) for a in argv[1:] if not a.startswith("-")) and name != "grep" \
-            and name != "sed":
-        return None
     if name == "cat":
         flags = [a for a in argv[1:] if a.startswith("-")]
         files = [a for a in argv[1:] if not a.startswith("-")]
@@ -407,8 +404,6 @@ def _source(argv: list[str], cd_dir: str | None) -> _Stream | None:
         parsed = _sed_args(argv)
         if parsed is None or len(parsed[1]) != 1:
             return None
-        if _GLOB.search(parsed[1][0]):
-            return None
         window = _sed_window(parsed[0])
         if window is None:
             return None
@@ -429,8 +424,6 @@ def _source(argv: list[str], cd_dir: str | None) -> _Stream | None:
         if parsed is None or len(parsed[2]) != 1:
             return None
         numbered, context, files = parsed
-        if _GLOB.search(files[0]):
-            return None
         return _Stream(_join_path(cd_dir, files[0]), "grep-n" if numbered else "grep",
                        gutter="grep" if numbered else None, start=None,
                        contiguous=False, full=False, isolated=not context)
@@ -494,6 +487,8 @@ def _read_pipeline(command: str) -> _Stream | None:
         return None
     cd_dir, stages = split
     stream = _source(stages[0], cd_dir)
+    if stream is not None and _GLOB.search(stream.path):  # it may name several files
+        return None
     for argv in stages[1:]:
         if stream is None:
             return None
