@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -294,13 +295,18 @@ class CorpusStore:
         """Indexes a file (or fragment) the tenant's agent opened, in every configured form.
 
         A re-read with identical text only refreshes its LRU position; changed text is
-        added as a new version and the old one is kept (diffs quote old text). Returns the
-        number of tokens added.
+        added as a new version and the old one is kept (diffs quote old text). A fragment is
+        indexed as a document of its own, whatever its ``first_line`` (the 1-based file line
+        of its first line, or None; checked, not yet used to place it in the file). Returns
+        the number of tokens added.
         """
         _check_tenant(tenant)
         if path is not None:
             check_text(path, "path")
         check_text(text, "text")
+        if first_line is not None and (isinstance(first_line, bool) or
+                                       not isinstance(first_line, Integral) or first_line < 1):
+            raise ValueError(f"first_line: expected None or an int >= 1, got {first_line!r}")
         if not self.config.use_workspace or not text:
             return 0
         t = self._touch(tenant)

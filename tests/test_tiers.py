@@ -872,3 +872,16 @@ def test_a_tenant_larger_than_the_idle_budget_is_kept_while_just_active(tok):
     for bad in (0, -1, 1.5, True, "10"):
         with pytest.raises(ValueError, match="idle_budget_tokens"):
             TierConfig(idle_budget_tokens=bad)
+
+
+def test_workspace_first_line_is_checked_before_anything_changes(tok):
+    """``first_line`` is None or a 1-based line: 0, a negative, a bool, a str or a float is
+    a ValueError naming it (an audit found them indexed silently), the tenant unchanged."""
+    store = CorpusStore(tok, TierConfig(use_global=False, forms=RAW_ONLY))
+    assert store.add_workspace_file("T", "a.py", small_file(0), first_line=3) > 0
+    before = (store.epoch, store.arena.num_tokens(ws_cid(store, "T")))
+    for bad in (0, -3, True, "x", 2.5):
+        with pytest.raises(ValueError, match="first_line"):
+            store.add_workspace_file("T", "a.py", small_file(1), first_line=bad)
+    assert (store.epoch, store.arena.num_tokens(ws_cid(store, "T"))) == before
+    assert store.add_workspace_file("T", "a.py", small_file(1), first_line=1) > 0
