@@ -58,15 +58,15 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
                          source: str = "") -> CostModel:
     """Measures verification time versus tokens per step on ``runner``.
 
-    ``batch_size`` requests with ``context_tokens`` tokens of KV each verify their roots plus
-    ``n`` draft tokens in total (``n = 0`` and the powers of two up to ``max_draft_tokens``,
-    spread evenly over the requests as chains); a point is ``(batch_size + n, median ms)`` of plan + forward +
-    argmax, raised to the previous point's time where noise made it lower. ``n = 0`` is a
-    plain decode step, through ``graphs`` when given, as the loop runs it (else as a step
-    with empty drafts, as a ``SpecDecoder`` runs one); a step goes through
-    ``verify_graphs`` when given and its drafts fit them (chains of at
-    most ``max_nodes``), as the loop runs it, else eagerly. The KV contents
-    are whatever the pages hold: timing does not depend on them.
+    ``batch_size`` requests with ``context_tokens`` tokens of KV each verify their roots
+    plus ``n`` draft tokens in total (``n = 0`` and the powers of two up to
+    ``max_draft_tokens``, spread evenly over the requests as chains); a point is
+    ``(batch_size + n, median ms)`` of plan + forward + argmax, raised to the previous
+    point's time where noise made it lower. ``n = 0`` is a plain decode step, through
+    ``graphs`` when given, as the loop runs it (else as a step with empty drafts, as a
+    ``SpecDecoder`` runs one); a step goes through ``verify_graphs`` when given and its
+    drafts fit them (chains of at most ``max_nodes``), as the loop runs it, else eagerly.
+    The KV contents are whatever the pages hold: timing does not depend on them.
 
     With ``verify_graphs`` the model is a staircase (``CostModel.steps``, ``requests =
     batch_size``): their buckets hold ``S + 1 + 8 * 2**j`` rows for ``S`` requests, a step

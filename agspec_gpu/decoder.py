@@ -205,20 +205,21 @@ class SpecDecoder:
         batch budget by it from the next step on (``runner="paged"``).
 
         At each of ``batch_sizes`` (default: the verification graphs' buckets, 1, 2, 4, ...
-        ``max_batch``), that many requests of ``context_tokens`` tokens of KV verify ``n =
-        0`` and the powers of two up to ``max_draft_tokens`` draft tokens (default: the most
-        a step of the bucket verifies, ``max_nodes`` each) through the same verification graphs as the decoder's
-        steps (:func:`~agspec_gpu.calibrate.calibrate_cost_model`); ~1 s per batch size on
-        an H100. ``out``: also written there as JSON, which ``DecoderConfig(cost_model=out)``
-        loads into the next decoder of this model and GPU (``config.cost_model`` is then
-        these curves). Each batch size ``b`` needs ``b`` sequences of ``context_tokens``
-        tokens of KV plus each one's share of the widest step's draft tokens (``max_nodes``
-        by default; :func:`~agspec_gpu.calibrate.calibration_pages`): where the pool's free
-        pages or sequence rows fall short, idle sessions' kept KV is freed for it, least
-        recently used first, as a step does (their next call prefills again;
+        ``max_batch``), that many requests of ``context_tokens`` tokens of KV verify no
+        draft tokens, then the powers of two up to ``max_draft_tokens`` (default: the most a
+        step of the bucket verifies, ``max_nodes`` each) through the same verification
+        graphs as the decoder's steps (:func:`~agspec_gpu.calibrate.calibrate_cost_model`);
+        ~1 s per batch size on an H100. ``out``: also written there as JSON, which
+        ``DecoderConfig(cost_model=out)`` loads into the next decoder of this model and GPU
+        (``config.cost_model`` is then these curves). Each batch size ``b`` needs ``b``
+        sequences of ``context_tokens`` tokens of KV plus each one's share of the widest
+        step's draft tokens (``max_nodes`` by default;
+        :func:`~agspec_gpu.calibrate.calibration_pages`): where the pool's free pages or
+        sequence rows fall short, idle sessions' kept KV is freed for it, least recently
+        used first, as a step does (their next call prefills again;
         :class:`~agspec_gpu.kv_cache.KVCacheFull`, naming the arguments, before anything is
-        measured if even that is not enough). Between calls only: no request may run and no ``propose`` wait for
-        its ``commit`` (RuntimeError).
+        measured if even that is not enough). Between calls only: no request may run and no
+        ``propose`` wait for its ``commit`` (RuntimeError).
 
         Returns:
             The measured curves (:class:`~agspec_gpu.cost_model.BatchCostModels`).
