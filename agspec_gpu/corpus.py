@@ -154,10 +154,19 @@ class DocumentCorpus:
         self.arena.free(self.cid)
         keep = sum(p.end - p.start for parts in self._docs.values() for p in parts)
         self.cid = self.arena.new_corpus(max(1 << 10, 2 * keep))
-        for parts in self._docs.values():
-            for p in parts:
-                start = self.num_tokens
-                seps = old_seps[bisect_left(old_seps, p.start):bisect_left(old_seps, p.end)]
-                self.arena.append(self.cid, old[p.start:p.end], p.src,
-                                  separators=[i - p.start for i in seps])
-                p.start, p.end = start, start + (p.end - p.start)
+        parts = [p for doc in self._docs.values() for p in doc]
+        if not parts:
+            return
+        # every kept part in one append, its separators and a source tag per token: one
+        # index build for them all, not a tail's worth of builds per part
+        tokens = torch.cat([old[p.start:p.end] for p in parts])
+        src = torch.repeat_interleave(
+            torch.tensor([p.src for p in parts], dtype=torch.int8),
+            torch.tensor([p.end - p.start for p in parts])).to(tokens.device)
+        seps, start = [], 0
+        for p in parts:
+            seps += [i - p.start + start for i in
+                     old_seps[bisect_left(old_seps, p.start):bisect_left(old_seps, p.end)]]
+            p.start, p.end = start, start + (p.end - p.start)
+            start = p.end
+        self.arena.append(self.cid, tokens, src, separators=seps)

@@ -226,11 +226,13 @@ class IndexArena:
         return len(self._get(cid).levels)
 
     # ---------------------------------------------------------------- appends
-    def append(self, cid: int, tokens: torch.Tensor, src: int = 0, *,
+    def append(self, cid: int, tokens: torch.Tensor, src: int | torch.Tensor = 0, *,
                separators: Sequence[int] | None = None) -> None:
         """Appends ``int32 [m]`` tokens (negative = separator) to corpus ``cid``.
 
-        ``src`` tags the tokens (tier / emission form) for per-source statistics.
+        ``src`` tags the tokens (tier / emission form) for per-source statistics: one tag,
+        or ``int8 [m]`` a tag per token (on the arena's device; a rebuild re-appends many
+        documents' parts at once).
         ``separators``: the ascending positions in ``tokens`` of its negative values, when
         the caller knows them (``()``: token ids only); None: found in ``tokens``, a read of
         the device on a GPU. Nothing else is read back: a level is built once the tail holds
@@ -239,6 +241,10 @@ class IndexArena:
         c = self._get(cid)
         tokens = _check_tokens(tokens, "tokens", self.device)
         m = tokens.numel()
+        if isinstance(src, torch.Tensor) and (src.dtype != torch.int8 or src.shape != (m,) or
+                                              src.device != self.src.device):
+            raise ValueError(f"src: expected one tag or int8 [{m}] on {self.src.device}, got "
+                             f"{src.dtype} {list(src.shape)} on {src.device}")
         if m == 0:
             return
         _check_corpus_size(c.n, m)
