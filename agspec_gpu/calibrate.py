@@ -166,9 +166,15 @@ def calibration_pages(cache, batch_size: int, context_tokens: int, max_draft_tok
     """KV pages a calibration of ``batch_size`` requests needs at its widest step: each
     request holds its context and its share of the largest draft count measured (the
     root at the context's last slot)."""
-    share = max(1, -(-_draft_counts(cache, batch_size, context_tokens, max_draft_tokens)[-1]
-                     // batch_size))
+    share = _draft_share(cache, batch_size, context_tokens, max_draft_tokens)
     return batch_size * -(-(context_tokens + share) // cache.page_size)
+
+
+def _draft_share(cache, batch_size: int, context_tokens: int, max_draft_tokens: int) -> int:
+    """Draft tokens per request at a calibration's widest step (at least 1: a decode step
+    is padded to one node column)."""
+    ns = _draft_counts(cache, batch_size, context_tokens, max_draft_tokens)
+    return max(1, -(-ns[-1] // batch_size))
 
 
 def check_calibration_fits(cache, steps: Sequence[tuple[int, int, int]]) -> None:
@@ -177,7 +183,7 @@ def check_calibration_fits(cache, steps: Sequence[tuple[int, int, int]]) -> None
     for b, ctx, most in steps:
         need = calibration_pages(cache, b, ctx, most)
         if need > cache.num_free_pages or b > cache.num_free_rows:
-            share = -(-_draft_counts(cache, b, ctx, most)[-1] // b)
+            share = _draft_share(cache, b, ctx, most)
             raise KVCacheFull(
                 f"context_tokens: calibrating {b} requests x {ctx} tokens of KV, each with up "
                 f"to {share} draft tokens (max_draft_tokens={most}), needs {need} pages of "
