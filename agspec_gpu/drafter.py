@@ -35,6 +35,7 @@ from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.drafter_config import DrafterConfig
 from agspec_gpu.drafter_graphs import StepGraphs, StepPlan
+from agspec_gpu.drafter_state import DraftStats, SlotState
 from agspec_gpu.host import HostWriter, cuda_index, device_guard, to_device
 from agspec_gpu.kept_descriptors import KeptDescriptors
 from agspec_gpu.kernels._launch import cast
@@ -43,7 +44,7 @@ from agspec_gpu.kernels.candidate_rows import candidate_rows
 from agspec_gpu.kernels.controller_commit import controller_commit
 from agspec_gpu.kernels.depth_caps import depth_caps
 from agspec_gpu.kernels.draft_nodes import best_first, emit_nodes
-from agspec_gpu.kernels.drafter_commit import drafter_commit, ring_push_torch
+from agspec_gpu.kernels.drafter_commit import drafter_commit
 from agspec_gpu.kernels.node_probs import node_probs
 from agspec_gpu.kernels.suffix_match import MatchResult, suffix_match
 from agspec_gpu.tiers import CorpusStore, CorpusTier
@@ -106,13 +107,7 @@ class Drafter:
         D = store.config.max_depth
         # per-slot state has one spare row (slot max_sessions): the padding rows of a step
         # replayed as a CUDA graph read and write it, never a real session's
-        slots = max_sessions + 1
-        self.recent = torch.zeros(slots, D, dtype=torch.int32, device=dev)
-        self.recent_len = torch.zeros(slots, dtype=torch.int32, device=dev)
-        # upper bound on the next match length: the last match plus the tokens appended
-        # since (an occurrence of l tokens now implies one of l - a before a appended
-        # tokens); reset to max_depth when other text joins the request's corpora
-        self.match_cap = torch.zeros(slots, dtype=torch.int32, device=dev)
+        self.state = SlotState(max_sessions + 1, D, max_batch, dev)
         # a step's host lists (slots, tiers, the match's corpus descriptors): pinned staging,
         # one copy each; a half of 512 KiB holds ~50 steps' lists (~10 KB each) at 64 requests
         self._writer = HostWriter(1 << 20, dev)
@@ -123,44 +118,11 @@ class Drafter:
         # is built, read by every step of its batch): int64 [max_batch * (1 + 2 * tiers)]
         self._grid_dev = torch.zeros(max_batch * (1 + 2 * _NUM_TIERS), dtype=torch.int64,
                                      device=dev)
-        self.scale = torch.ones(slots, dtype=torch.float32, device=dev)
-        self.cap = torch.ones(slots, dtype=torch.int32, device=dev)
         self._roles = {r.name: r for r in self.config.roles}
         self._slot: dict[str, int] = {}
         self._free = list(range(max_sessions - 1, -1, -1))
-        # online calibration: P(node accepted | its parent accepted) by the state the draft
-        # came from and the node's depth, from what verification accepted (exponentially
-        # decayed counts over a prior of (L+1)/(L+3), weight 2: a longer match is more likely
-        # to continue). The state: mode (1 when the request's previous draft was fully
-        # accepted: copy mode persists), the tier of the node's candidate, the match length.
-        K = self.config.max_draft_depth
-        L = torch.arange(D + 1, dtype=torch.float64, device=dev)[:, None]
-        rows = 2 * _NUM_TIERS
-        # the decayed tables live in one buffer laid out as a commit's counts (drafted and
-        # accepted per tier, calibration cells reached and accepted): tier_drafts,
-        # tier_hits, calib_seen, calib_hits are views of it
-        T, n = _NUM_TIERS, rows * (D + 1) * K
-        self._tables = torch.cat([
-            torch.full((T,), 2.0, dtype=torch.float64, device=dev),
-            torch.ones(T, dtype=torch.float64, device=dev),
-            torch.full((n,), 2.0, dtype=torch.float64, device=dev),
-            (2.0 * (L + 1) / (L + 3)).expand(D + 1, K).repeat(rows, 1).reshape(-1)])
-        self.tier_drafts, self.tier_hits = self._tables[:T], self._tables[T:2 * T]
-        self.calib_seen = self._tables[2 * T:2 * T + n].view(rows * (D + 1), K)
-        self.calib_hits = self._tables[2 * T + n:].view(rows * (D + 1), K)
-        # per commit: tables = decay * tables + counts + (1 - decay) * prior, i.e. the
-        # observations decay and the prior (the values above) stays: a calibration cell or a
-        # tier not drafted for a while returns to its prior (decayed with the observations,
-        # an unreached cell's estimate halved every ~700 commits, and an unused tier's
-        # counts sank into float64's subnormals, where rounding moved its weight 0.5 -> 1.0
-        # by ~74,000 commits)
-        decay = torch.cat([torch.full((2 * T,), 0.99, dtype=torch.float64, device=dev),
-                           torch.full((2 * n,), 0.999, dtype=torch.float64, device=dev)])
-        self._tables_decay, self._tables_prior = decay, (1 - decay) * self._tables
-        self.prev_full = torch.zeros(slots, dtype=torch.int64, device=dev)
-        # a commit's counts (drafted and accepted per tier, calibration cells reached and
-        # accepted), zeroed and folded into the decayed tables every commit
-        self._commit_counts = torch.zeros_like(self._tables)
+        # online calibration and tier weights, learned from what verification accepted
+        self.stats = DraftStats(_NUM_TIERS, D, self.config.max_draft_depth, dev)
         # the last observe's accepted nodes' sources (a view: valid until the next observe)
         self.last_accepted_sources: torch.Tensor | None = None
         self._tier_bonus = torch.tensor(self.config.tier_bonus, dtype=torch.int32, device=dev)
@@ -183,11 +145,6 @@ class Drafter:
         # a deferred observe, until its settle; a draft proposed ahead of its settle
         self._deferred: _Deferred | None = None
         self._ahead: _Ahead | None = None
-        # row b: the ring, fill and match cap of a commit's request b before it (written by
-        # the commit kernel; a deferred commit's request that ended inside the step gets
-        # them back, then only what it took pushed). Zeroed when a session closes
-        self._ring_before = torch.zeros(max_batch, self.recent.shape[1] + 2,
-                                        dtype=torch.int32, device=dev)
         self._match_args: tuple = ()  # weak references to the last match's checked tensors
         self._commit_like = self._commit_example()  # the commit step's input shapes
         if self.config.cuda_graphs and dev.type == "cuda":
@@ -204,7 +161,7 @@ class Drafter:
         self._cost_curves = BatchCostModels(curves)
         # per measured batch size: (its table, where a step of n nodes reads it)
         self._cost_tables = {
-            size: (cost_table(c, self.recent.device, max(self.max_batch, c.table_base() or 0)
+            size: (cost_table(c, self.state.recent.device, max(self.max_batch, c.table_base() or 0)
                               + self.max_batch * self.config.max_nodes), c.table_base())
             for size, c in curves}
 
@@ -239,9 +196,9 @@ class Drafter:
     def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
         """The propose and commit halves as :class:`StepGraphs` (``use_graphs=False``: padded
         but eager, what the CPU tests compare with unpadded steps); graphs are captured here."""
-        dev, B, pad = self.recent.device, self.max_batch, self.max_sessions
+        dev, B, pad = self.state.recent.device, self.max_batch, self.max_sessions
         graphs = (StepGraphs(self._draft_tensors, B, dev, _DRAFT_PADS | {"slots": pad},
-                             state=[self.match_cap], use_graphs=use_graphs),
+                             state=[self.state.match_cap], use_graphs=use_graphs),
                   StepGraphs(self._commit_tensors, B, dev, _COMMIT_PADS | {"slots": pad},
                              state=self._commit_state(), use_graphs=use_graphs))
         graphs[0].prepare([self._draft_example(r) for r in range(1, _NUM_TIERS + 1)])
@@ -267,14 +224,10 @@ class Drafter:
         ids = self.store.open_session(sid, tenant, prompt_ids)  # the ids, checked once
         slot = self._free.pop()
         self._slot[sid] = slot
-        self.recent_len[slot] = 0
-        self.prev_full[slot] = 0
-        self.match_cap[slot] = self.store.config.max_depth
         self._version[sid] = self.store.tenant_version(sid)
         p = self._roles[role]
-        self.scale[slot] = p.initial_scale
-        self.cap[slot] = min(p.draft_cap, self.config.max_draft_depth)
-        self._push_one(slot, ids)
+        self.state.open(slot, p.initial_scale, min(p.draft_cap, self.config.max_draft_depth))
+        self.state.push_one(slot, ids)
 
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
@@ -283,7 +236,7 @@ class Drafter:
             t = self.store._as_tokens(tokens, "tokens")
             self._forget([sid])
             self.store.append_session(sid, t, checked=True)
-            self._push_one(self._slot_of(sid), t)
+            self.state.push_one(self._slot_of(sid), t)
 
     @device_guard
     def append_generated(self, sids: list[str], output_ids: torch.Tensor,
@@ -310,37 +263,13 @@ class Drafter:
         self.store.close_session(sid)
         del self._slot[sid]
         del self._version[sid]
-        # no text outlives its session: its ring row is cleared for the slot's next owner
-        # (which reads only recent_len tokens of it)
-        self.recent[slot] = 0
-        self.recent_len[slot] = 0
-        self._ring_before.zero_()  # the last commit's copies of its batch's rings
+        self.state.clear(slot)  # no text outlives its session
         self._free.append(slot)
 
     def _slot_of(self, sid: str) -> int:
         if sid not in self._slot:
             raise KeyError(f"session {sid!r} is unknown or closed")
         return self._slot[sid]
-
-    def _push_one(self, slot: int, toks: torch.Tensor) -> None:
-        """Appends one session's ``toks [m]`` (on the ring's device) to its recent ring: a
-        run as long as the ring replaces it (3 ops, as :func:`ring_push_torch` leaves it: the
-        last ``D`` tokens, fill and match cap ``D``; a context or tool output usually is);
-        a shorter one goes through :meth:`_push` (~17 ops)."""
-        D = self.recent.shape[1]
-        if toks.numel() < D:
-            self._push(torch.tensor([slot]), toks[None, :], None)
-            return
-        self.recent[slot] = toks[-D:]
-        self.recent_len[slot] = D
-        self.match_cap[slot] = D
-
-    def _push(self, slots: torch.Tensor, toks: torch.Tensor, num: torch.Tensor | None) -> None:
-        """Appends ``toks [b, M]`` (first ``num`` valid, all if None) to the recent ring."""
-        slots = slots.to(self.recent.device)
-        num = torch.full((slots.numel(),), toks.shape[1], dtype=torch.int64,
-                         device=slots.device) if num is None else num
-        ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, num)
 
     # ------------------------------------------------------------ propose
     @device_guard
@@ -400,7 +329,7 @@ class Drafter:
 
     def _propose(self, sids: list[str], stable: bool = True) -> DraftBatch:
         cfg, store = self.config, self.store
-        dev = self.recent.device
+        dev = self.state.recent.device
         B = len(sids)
         if not 0 < B <= self.max_batch:
             raise ValueError(f"sids: {B} requests, a step takes 1 to max_batch="
@@ -420,7 +349,7 @@ class Drafter:
         desc = self._kept.get(arena, self._writer, key, rows_cid, Rs)
         if stale:
             st = slots[to_device(stale, torch.int64, dev)]
-            self.match_cap[st] = store.config.max_depth
+            self.state.match_cap[st] = store.config.max_depth
             for i in stale:
                 self._version[sids[i]] = store.tenant_version(sids[i])
         P, K = cfg.max_positions, cfg.max_draft_depth
@@ -435,9 +364,10 @@ class Drafter:
         # outputs, the grid's rows; the rest the drafter's own, made once): ~10 us a step
         args = (arena.tokens, arena.sa, arena.sa_key, arena.src, desc, query_rows, out)
         same = _same(self._match_args, args)
-        suffix_match(arena.tokens, arena.sa, desc, self.recent, self.recent_len,
+        state = self.state
+        suffix_match(arena.tokens, arena.sa, desc, state.recent, state.recent_len,
                      max_depth=store.config.max_depth, max_positions=P, max_scan=cfg.max_scan,
-                     sa_key=arena.sa_key, query_rows=query_rows, max_lengths=self.match_cap,
+                     sa_key=arena.sa_key, query_rows=query_rows, max_lengths=state.match_cap,
                      window=K, src=arena.src, out=out, checked=same)
         if not same:
             self._match_args = tuple(a if a is None else weakref.ref(a) for a in args)
@@ -465,7 +395,7 @@ class Drafter:
         if cached is not None and cached[3] is self._graphs and \
                 cached[0].sa_lo.shape[1] >= max_levels:
             return cached[:3]
-        dev, P, K = self.recent.device, self.config.max_positions, self.config.max_draft_depth
+        dev, P, K = self.state.recent.device, self.config.max_positions, self.config.max_draft_depth
         rows = self.max_batch * _NUM_TIERS
         scratch = self._match_scratch
         if scratch is None or scratch.sa_lo.shape[1] < max_levels:
@@ -522,7 +452,7 @@ class Drafter:
 
     def _draft_example(self, rows: int) -> dict[str, torch.Tensor]:
         """One request's inputs of :meth:`_draft_tensors` with ``rows`` corpora (shapes)."""
-        dev, P, K = self.recent.device, self.config.max_positions, self.config.max_draft_depth
+        dev, P, K = self.state.recent.device, self.config.max_positions, self.config.max_draft_depth
         return {"slots": torch.zeros(1, dtype=torch.int64, device=dev),
                 "tier": torch.zeros(1, rows, dtype=torch.int64, device=dev),
                 "length": torch.zeros(1, rows, dtype=torch.int32, device=dev),
@@ -544,9 +474,9 @@ class Drafter:
         # O(C^2 K), and rows that supply nothing would only pad it. One kernel on a GPU.
         nslot = Rs if cfg.max_candidate_rows is None else min(Rs, cfg.max_candidate_rows)
         W, S, Wt, best, longest = candidate_rows(
-            tier, length, win, src, self._tier_bonus, self.tier_hits, self.tier_drafts,
+            tier, length, win, src, self._tier_bonus, self.stats.tier_hits, self.stats.tier_drafts,
             num_slots=nslot, min_match=cfg.min_match, slack=cfg.candidate_slack)
-        self.match_cap[slots] = longest  # the longest raw match caps the next query
+        self.state.match_cap[slots] = longest  # the longest raw match caps the next query
         return self._tree_tensors(slots, W, S, Wt, best, num_requests)
 
     def _tree_tensors(self, slots, W, S, Wt, best, num_requests) -> tuple[torch.Tensor, ...]:
@@ -560,10 +490,11 @@ class Drafter:
         # the trie's nodes and their estimated acceptance (path share among candidates x
         # calibrated chance that the path survives to the depth), within the controller's
         # depth cap: one kernel on a GPU
-        k, mode = depth_caps(slots, best, self.scale, self.cap, self.prev_full,
+        state, stats = self.state, self.stats
+        k, mode = depth_caps(slots, best, state.scale, state.cap, state.prev_full,
                              static_k=cfg.controller.static_k)
         key, rep, calib_row, mass = node_probs(
-            W, S, Wt, best, mode, k, self.calib_hits, self.calib_seen,
+            W, S, Wt, best, mode, k, stats.calib_hits, stats.calib_seen,
             num_tiers=_NUM_TIERS, max_match=self.store.config.max_depth, min_prob=cfg.min_prob,
             calibrate=cfg.calibrate)  # key [B, C * K]: flat (c, d) -> c * K + d, -2: no node
         if not cfg.tree:
@@ -718,13 +649,8 @@ class Drafter:
             self._drop_ahead()  # (drafted from the rings as queued)
             dev = d.out.device
             rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
-            slots, before, D = d.slots[rows], self._ring_before[rows], self.recent.shape[1]
-            self.recent[slots] = before[:, :D]
-            self.recent_len[slots] = before[:, D]
-            self.match_cap[slots] = before[:, D + 1]
             kept = to_device([counts[b] for b, c in enumerate(cut) if c], torch.int64, dev)
-            ring_push_torch(self.recent, self.recent_len, self.match_cap, slots,
-                            d.out[rows].clamp(min=0), kept)
+            self.state.restore_rings(rows, d.slots[rows], d.out[rows].clamp(min=0), kept)
         arena.settle(counts, cut=cut)
         if d.key is not None and not any(cut):  # kept descriptors grew on the device
             self._kept.appended(arena, d.key, d.version)
@@ -732,7 +658,7 @@ class Drafter:
     def _observe(self, sids, output_ids, num_output, num_accepted, num_output_host=None,
                  validate=True, path_nodes=None, num_verified=None, defer=False) -> None:
         self.settle()  # a deferred commit the caller left (its counts read back)
-        dev = self.recent.device
+        dev = self.state.recent.device
         # the batch's grid from its propose, while current: its slots and session corpora
         grid = self._grid if self._grid_key == (self.store.epoch, tuple(sids)) else None
         if grid is None:  # (a batch with a grid was checked when its grid was built)
@@ -820,8 +746,8 @@ class Drafter:
             self.last_accepted_sources = acc_src
         else:
             if defer:
-                self._save_rings(slots)
-            self._push(slots, out.clamp(min=0), nout)
+                self.state.save_rings(slots)
+            self.state.push(slots, out.clamp(min=0), nout)
         if defer:  # the device's counts: the arena settles them later
             counts = nout
         elif num_output_host is None:
@@ -842,15 +768,6 @@ class Drafter:
         elif grid is not None:
             self._kept.appended(arena, self._grid_key, version)
 
-    def _save_rings(self, slots: torch.Tensor) -> None:
-        """The rings, fills and match caps of ``slots`` into ``_ring_before``, as the
-        commit kernel saves them (a deferred commit without a draft to commit)."""
-        D = self.recent.shape[1]
-        before = self._ring_before[:slots.numel()]
-        before[:, :D] = self.recent[slots]
-        before[:, D] = self.recent_len[slots]
-        before[:, D + 1] = self.match_cap[slots]
-
     def _commit_plan(self, B: int, N: int) -> StepPlan:
         """The commit step's plan for ``B`` requests' drafts of ``N`` node columns (made
         once per ``(B, N)``; the accepted tokens and path nodes staged)."""
@@ -863,7 +780,7 @@ class Drafter:
     def _commit_example(self, N: int | None = None) -> dict[str, torch.Tensor]:
         """One request's inputs of :meth:`_commit_tensors` (shapes and dtypes) for drafts of
         ``N`` node columns (default: the widest a draft has)."""
-        dev, cfg = self.recent.device, self.config
+        dev, cfg = self.state.recent.device, self.config
         if N is None:
             N = min(cfg.max_nodes, cfg.max_positions * (cfg.max_candidate_rows or _NUM_TIERS)
                     * cfg.max_draft_depth)
@@ -877,8 +794,9 @@ class Drafter:
 
     def _commit_state(self) -> list[torch.Tensor]:
         """The state :meth:`_commit_tensors` updates in place."""
-        return [self.prev_full, self.scale, self._tables, self.recent, self.recent_len,
-                self.match_cap]
+        state = self.state
+        return [state.prev_full, state.scale, self.stats.tables, state.recent,
+                state.recent_len, state.match_cap]
 
     def _commit_tensors(self, slots, out, nout, nacc, token_ids, parents, num_draft_tokens,
                         maybe_source, nd, calib_row, path, num_requests
@@ -892,25 +810,22 @@ class Drafter:
         and the recent-token ring of ``slots``. Returns the accepted tokens' source tags
         ``int64 [B, M]``."""
         del num_requests  # the commit of a padding row changes nothing
-        T = _NUM_TIERS
+        state, stats = self.state, self.stats
         # copy mode and the controller's scale: one kernel on a GPU
         c = self.config.controller
-        controller_commit(slots, nd, num_draft_tokens, nacc, self.scale, self.cap,
-                          self.prev_full, alpha=c.alpha, beta=c.beta, s_min=c.s_min,
+        controller_commit(slots, nd, num_draft_tokens, nacc, state.scale, state.cap,
+                          state.prev_full, alpha=c.alpha, beta=c.beta, s_min=c.s_min,
                           s_max=c.s_max)
         # ring push, tier counts, calibration counts: one kernel on a GPU
-        counts = self._commit_counts.zero_()
-        n = self.calib_seen.numel()
-        drafted, hits = counts[:T], counts[T:2 * T]
-        seen, accepted = counts[2 * T:2 * T + n], counts[2 * T + n:]
+        drafted, hits, seen, accepted = stats.zero_counts()
         acc_src = drafter_commit(slots, out, nout, nacc, maybe_source, parents,
-                                 num_draft_tokens, nd, calib_row, path, self.recent,
-                                 self.recent_len, self.match_cap, drafted, hits, seen, accepted,
-                                 calib_depth=self.calib_seen.shape[1],
-                                 before=self._ring_before[:slots.numel()])
+                                 num_draft_tokens, nd, calib_row, path, state.recent,
+                                 state.recent_len, state.match_cap, drafted, hits, seen,
+                                 accepted, calib_depth=stats.calib_seen.shape[1],
+                                 before=state.ring_before[:slots.numel()])
         # the decayed tables (tier weights: drafted nodes per tier vs accepted path tokens
         # per tier; calibration cells over their prior), laid out as the counts: three ops
-        self._tables.mul_(self._tables_decay).add_(counts).add_(self._tables_prior)
+        stats.fold()
         return (acc_src,)
 
 

@@ -52,7 +52,7 @@ class RunningBatch:
                  record: RecordFn, reader: HostReader) -> None:
         self.reqs, self.runner, self.drafter, self.kv = reqs, runner, drafter, kv
         self._sampling_rows, self._record, self.reader = sampling_rows, record, reader
-        self.device = drafter.recent.device
+        self.device = drafter.state.recent.device
         # greedy acceptance's outputs, the batch's own (its requests only leave): a step's
         # result lives there until the next step's, and the root a step leaves is a view
         # of them (read by the next verification before its acceptance writes them); a

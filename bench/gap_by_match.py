@@ -84,7 +84,7 @@ class GapLane(BatchedLane):
         req = torch.tensor(req)
         arena = store.arena
         desc = arena.descriptors(cids)
-        m = suffix_match(arena.tokens, arena.sa, desc, d.recent[slots][req].contiguous(),
+        m = suffix_match(arena.tokens, arena.sa, desc, d.state.recent[slots][req].contiguous(),
                          qlen[req].contiguous(), max_depth=store.config.max_depth,
                          max_positions=self.all_positions)
         pos = m.positions  # [R, P] corpus relative, -1 padded
@@ -116,9 +116,9 @@ class GapLane(BatchedLane):
     def step(self, sids, contexts, truth, remaining):
         d = self.drafter
         slots = torch.tensor([d._slot_of(s) for s in sids])
-        qlen = torch.minimum(d.recent_len[slots], d.match_cap[slots])  # propose's query
+        qlen = torch.minimum(d.state.recent_len[slots], d.state.match_cap[slots])  # propose's query
         res = super().step(sids, contexts, truth, remaining)
-        match = d.match_cap[slots].numpy().astype(np.int64)
+        match = d.state.match_cap[slots].numpy().astype(np.int64)
         depth = self._draft.depths().max(dim=1).values.numpy().astype(np.int64)
         cont = torch.from_numpy(truth(self.k, PAD_ID))
         oracle = self.store.oracle_prefix_len(sids, cont).numpy().astype(np.int64)

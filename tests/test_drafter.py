@@ -15,6 +15,7 @@ shallower node, then the lower candidate index (= the more recent occurrence).
 import functools
 import json
 import random
+from operator import attrgetter
 
 import pytest
 import torch
@@ -348,18 +349,18 @@ def test_observe_updates_ring_session_scale_and_tier_weights(tok):
     out = torch.tensor([[X, F3, B, PAD_ID]], dtype=torch.int32)
     d.observe(["s"], out, torch.tensor([3]), torch.tensor([2]))
     # recent ring and session tier end with the committed tokens
-    assert d.recent[slot, -3:].tolist() == [X, F3, B]
-    assert int(d.recent_len[slot]) == len(CASE_A) + 3
+    assert d.state.recent[slot, -3:].tolist() == [X, F3, B]
+    assert int(d.state.recent_len[slot]) == len(CASE_A) + 3
     assert store.arena.corpus_tokens(store.session("s").corpus).tolist() == CASE_A + [X, F3, B]
     # rejection: S * beta
-    assert float(d.scale[slot]) == pytest.approx(_SHARES["controller"].beta)
+    assert float(d.state.scale[slot]) == pytest.approx(_SHARES["controller"].beta)
     # tier weights: 2 accepted session nodes of n drafted, over a prior of 1 in 2 that stays
     s = int(CorpusTier.SESSION)
-    assert float(d.tier_hits[s]) == pytest.approx(1 + 2)
-    assert float(d.tier_drafts[s]) == pytest.approx(2 + n)
+    assert float(d.stats.tier_hits[s]) == pytest.approx(1 + 2)
+    assert float(d.stats.tier_drafts[s]) == pytest.approx(2 + n)
     other = [i for i in range(len(CorpusTier)) if i != s]
-    assert d.tier_hits[other].tolist() == pytest.approx([1.0] * 3)
-    assert d.tier_drafts[other].tolist() == pytest.approx([2.0] * 3)
+    assert d.stats.tier_hits[other].tolist() == pytest.approx([1.0] * 3)
+    assert d.stats.tier_drafts[other].tolist() == pytest.approx([2.0] * 3)
     assert d.last_accepted_sources[0, :2].tolist() == [0, 0]
     # the next propose matches the new context (... C X F3 B): only `B` recurs, always
     # followed by C, and k = max(1, floor(0.6 * 1)) = 1
@@ -376,25 +377,25 @@ def test_calibration_cells_decay_to_their_prior(tok):
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A * 3)
     L = d.store.config.max_depth
     prior = (torch.arange(L + 1, dtype=torch.float64) + 1) / (torch.arange(L + 1) + 3)
-    row, col = L, d.calib_seen.shape[1] - 1  # mode 0, tier 0, match L, the deepest node
-    d.calib_seen[row + L + 1, col] += 8.0  # mode 0, tier 1, match L: reached 8 times, missed
+    row, col = L, d.stats.calib_seen.shape[1] - 1  # mode 0, tier 0, match L, the deepest node
+    d.stats.calib_seen[row + L + 1, col] += 8.0  # mode 0, tier 1, match L: reached 8 times, missed
     steps = 700
     for _ in range(steps):
         draft = d.propose(["s"])
         out = torch.full((1, draft.max_nodes + 1), PAD_ID, dtype=torch.int32)
         out[0, 0] = int(draft.token_ids[0, 0]) if int(draft.num_draft_tokens[0]) else 7
         d.observe(["s"], out, torch.tensor([1]), torch.tensor([0]))
-    ratio = d.calib_hits / d.calib_seen
+    ratio = d.stats.calib_hits / d.stats.calib_seen
     assert float(ratio[row, col]) == pytest.approx(float(prior[L]), rel=1e-9)
-    assert float(d.calib_seen[row, col]) == pytest.approx(2.0, rel=1e-9)
+    assert float(d.stats.calib_seen[row, col]) == pytest.approx(2.0, rel=1e-9)
     # the missed cell: its misses decay (2 + 8 * 0.999**700 reached), its prior's hits stay
     assert float(ratio[row + L + 1, col]) == pytest.approx(
         2 * float(prior[L]) / (2 + 8 * 0.999 ** steps), rel=1e-6)
-    assert float(d.calib_seen[:, 0].max()) > 2.0  # the steps reached the first level
+    assert float(d.stats.calib_seen[:, 0].max()) > 2.0  # the steps reached the first level
     g = int(CorpusTier.GLOBAL)  # no global tier here: never drafted
-    assert (float(d.tier_hits[g]), float(d.tier_drafts[g])) == pytest.approx((1.0, 2.0),
+    assert (float(d.stats.tier_hits[g]), float(d.stats.tier_drafts[g])) == pytest.approx((1.0, 2.0),
                                                                               rel=1e-9)
-    assert float(d.tier_drafts[int(CorpusTier.SESSION)]) > 2.0
+    assert float(d.stats.tier_drafts[int(CorpusTier.SESSION)]) > 2.0
 
 
 def test_observe_with_the_verifiers_path_equals_observe_without(tok):
@@ -440,15 +441,18 @@ def test_observe_with_the_verifiers_path_equals_observe_without(tok):
         drafters[0][1].observe(sids, out, nout, cut)
         drafters[1][1].observe(sids, out, nout, cut, path_nodes=res.path_nodes)
     (_, d0), (_, d1) = drafters
-    for name in ("scale", "prev_full", "calib_seen", "calib_hits", "tier_hits", "tier_drafts",
-                 "recent", "recent_len", "last_accepted_sources"):
-        assert torch.equal(getattr(d0, name), getattr(d1, name)), name
+    for name in ("state.scale", "state.prev_full", "stats.calib_seen", "stats.calib_hits",
+                 "stats.tier_hits", "stats.tier_drafts", "state.recent", "state.recent_len",
+                 "last_accepted_sources"):
+        assert torch.equal(attrgetter(name)(d0), attrgetter(name)(d1)), name
     assert torch.equal(d0.propose(sids).token_ids, d1.propose(sids).token_ids)
 
 
-_STATE = ("scale", "prev_full", "calib_seen", "calib_hits", "tier_hits", "tier_drafts",
-          "recent", "recent_len", "match_cap", "last_accepted_sources")
-_PER_SLOT = {"scale", "prev_full", "recent", "recent_len", "match_cap"}
+_STATE = ("state.scale", "state.prev_full", "stats.calib_seen", "stats.calib_hits",
+          "stats.tier_hits", "stats.tier_drafts", "state.recent", "state.recent_len",
+          "state.match_cap", "last_accepted_sources")
+_PER_SLOT = {"state.scale", "state.prev_full", "state.recent", "state.recent_len",
+             "state.match_cap"}
 
 
 def assert_same_state(d0: Drafter, d1: Drafter, where) -> None:
@@ -456,7 +460,7 @@ def assert_same_state(d0: Drafter, d1: Drafter, where) -> None:
     which padding rows of a graphed step read and write: junk by design, e.g. its scale is
     clamped into the controller's range there)."""
     for name in _STATE:
-        a, c = getattr(d0, name), getattr(d1, name)
+        a, c = attrgetter(name)(d0), attrgetter(name)(d1)
         if name in _PER_SLOT:
             a, c = a[:d0.max_sessions], c[:d1.max_sessions]
         assert torch.equal(a, c), (where, name)
@@ -502,7 +506,7 @@ def _run_lockstep(ds: list[Drafter], spelled: bool) -> None:
             d.observe(batch, out, take + 1, take,
                       path_nodes=None if spelled else res.path_nodes)
         assert_same_state(*ds, step)
-    assert ds[1].calib_seen.ne(2.0).any()  # commits calibrated something
+    assert ds[1].stats.calib_seen.ne(2.0).any()  # commits calibrated something
 
 
 @pytest.mark.parametrize("batch_budget,spelled", [(True, False), (False, False), (True, True)])
@@ -660,8 +664,8 @@ def test_host_rings_coming_round_change_no_draft(tok, spelled):
     bytes of a write are reused within a few writes) a drafter drafts and commits exactly
     what one with the default rings does, so no step keeps a view past its launches."""
     ds = _lockstep_drafters(tok, batch_budget=True)
-    ds[1]._writer = HostWriter(64, ds[1].recent.device)
-    ds[1].store.arena._writer = HostWriter(64, ds[1].recent.device)
+    ds[1]._writer = HostWriter(64, ds[1].state.recent.device)
+    ds[1].store.arena._writer = HostWriter(64, ds[1].state.recent.device)
     _run_lockstep(ds, spelled)
     assert ds[1]._writer.nbytes < 1 << 12 and ds[1].store.arena._writer.nbytes < 1 << 12
 
@@ -772,19 +776,19 @@ def test_session_lifecycle_edges(tok):
     d.open_session("s", "t", role="coder", prompt_ids=CASE_A)
     slot = d._slot["s"]
     d.close_session("s")
-    assert d.recent[slot].abs().sum() == 0 and int(d.recent_len[slot]) == 0
+    assert d.state.recent[slot].abs().sum() == 0 and int(d.state.recent_len[slot]) == 0
     d.open_session("s", "t", role="coder", prompt_ids=[F0, A, B])
     d.close_session("s")  # the same id again: another history document
     held = store.arena.corpus_tokens(store._tenants["t"].history).tolist()
     assert held.count(F1) == 1 and held.count(F0) == 2
     d.open_session("a", "t", role="coder", prompt_ids=CASE_A)
-    ring = d.recent.clone()
+    ring = d.state.recent.clone()
     for call in (lambda: d.propose(["a", "a"]),
                  lambda: d.observe(["a", "a"], torch.tensor([[X], [X]], dtype=torch.int32),
                                    torch.tensor([1, 1]), torch.tensor([0, 0]))):
         with pytest.raises(ValueError, match="each session at most once"):
             call()
-    assert torch.equal(d.recent, ring)
+    assert torch.equal(d.state.recent, ring)
     assert store.arena.corpus_tokens(store.session("a").corpus).tolist() == CASE_A
     with pytest.raises(ValueError, match="open sessions"):
         store.close_tenant("t")
@@ -800,7 +804,7 @@ def test_observe_full_acceptance_expands_scale_and_new_tokens_drive_the_match(to
     draft = d.propose(["s"])
     assert nodes(draft) == [(X, -1), (F3, 0), (A, 1)]  # chain, depth k = 3
     d.observe(["s"], torch.tensor([[X, F3, A, B]]), torch.tensor([4]), torch.tensor([3]))
-    assert float(d.scale[slot]) == pytest.approx(ControllerConfig().alpha)
+    assert float(d.state.scale[slot]) == pytest.approx(ControllerConfig().alpha)
     # context now ends `A B C X F3 A B`: that 7-token match starts at the third `A B C`
     # and continues with the committed tokens (k = floor(1.5 * 7) = 10, the corpus ends first)
     nxt = d.propose(["s"])
@@ -812,11 +816,11 @@ def test_observe_for_another_batch_skips_the_controller(tok):
     d.open_session("s", "t", prompt_ids=CASE_A)
     d.open_session("u", "t", prompt_ids=CASE_B)
     d.propose(["s", "u"])
-    hits = d.tier_hits.clone()
+    hits = d.stats.tier_hits.clone()
     d.observe(["s"], torch.tensor([[X]]), torch.tensor([1]), torch.tensor([0]))
-    assert float(d.scale[d._slot["s"]]) == 1.0  # not the batch that was proposed
-    assert torch.equal(d.tier_hits, hits)
-    assert d.recent[d._slot["s"], -1].item() == X
+    assert float(d.state.scale[d._slot["s"]]) == 1.0  # not the batch that was proposed
+    assert torch.equal(d.stats.tier_hits, hits)
+    assert d.state.recent[d._slot["s"], -1].item() == X
 
 
 def test_append_generated_commits_without_controller_update(tok):
@@ -824,7 +828,7 @@ def test_append_generated_commits_without_controller_update(tok):
     d.open_session("s", "t", prompt_ids=CASE_A)
     d.propose(["s"])
     d.append_generated(["s"], torch.tensor([[X, F3, PAD_ID]]), torch.tensor([2]))
-    assert float(d.scale[d._slot["s"]]) == 1.0
+    assert float(d.state.scale[d._slot["s"]]) == 1.0
     assert store.arena.corpus_tokens(store.session("s").corpus).tolist()[-2:] == [X, F3]
 
 
@@ -1119,7 +1123,7 @@ def test_empty_context_gives_empty_draft(tok):
     assert (draft.token_ids == PAD_ID).all() and (draft.parents == PAD_ID).all()
     # and observe on it commits tokens without a controller update
     d.observe(["e"], torch.tensor([[A]]), torch.tensor([1]), torch.tensor([0]))
-    assert float(d.scale[d._slot["e"]]) == 1.0
+    assert float(d.state.scale[d._slot["e"]]) == 1.0
 
 
 def test_lifecycle_errors(tok):
@@ -1459,15 +1463,15 @@ def test_observe_counts_only_the_verified_nodes_of_a_cut_draft(tok):
     for d, verified in zip(drafters, (None, draft.num_draft_tokens.clone(), zero)):
         d.observe(sids, out, one, zero, num_verified=verified)
     T = drafter_mod._NUM_TIERS
-    n = drafters[0].calib_seen.numel()
-    full, same, none = (d._commit_counts for d in drafters)
+    n = drafters[0].stats.calib_seen.numel()
+    full, same, none = (d.stats.counts for d in drafters)
     assert torch.equal(full, same)
     for a, b in zip(drafters[0]._commit_state(), drafters[1]._commit_state()):
         assert torch.equal(a, b)
     assert full[:T].sum() == int(draft.num_draft_tokens.sum()) > 0  # every node drafted
     assert full[2 * T:2 * T + n].sum() > 0  # the first level reached
     assert none[:T].sum() == 0 and none[2 * T:2 * T + n].sum() == 0
-    assert int(drafters[2].prev_full.sum()) == 0
+    assert int(drafters[2].state.prev_full.sum()) == 0
 
 
 def test_a_sessions_context_enters_its_ring_as_the_general_push_leaves_it(tok):
@@ -1478,8 +1482,8 @@ def test_a_sessions_context_enters_its_ring_as_the_general_push_leaves_it(tok):
     from agspec_gpu.kernels.drafter_commit import ring_push_torch
 
     _, d = make(tok)
-    D = d.recent.shape[1]
-    want = [d.recent.clone(), d.recent_len.clone(), d.match_cap.clone()]
+    D = d.state.recent.shape[1]
+    want = [d.state.recent.clone(), d.state.recent_len.clone(), d.state.match_cap.clone()]
     g = torch.Generator().manual_seed(0)
     for i, runs in enumerate(([], [3], [D], [D + 5, 2], [1, D - 1, 3 * D])):
         sid = f"s{i}"
@@ -1496,7 +1500,7 @@ def test_a_sessions_context_enters_its_ring_as_the_general_push_leaves_it(tok):
             d.extend(sid, toks)
             ring_push_torch(*want, slot, torch.tensor([toks], dtype=torch.int32),
                             torch.tensor([m]))
-        for got, ref in zip((d.recent, d.recent_len, d.match_cap), want):
+        for got, ref in zip((d.state.recent, d.state.recent_len, d.state.match_cap), want):
             assert torch.equal(got[slot], ref[slot]), (runs, got[slot], ref[slot])
 
 
@@ -1657,16 +1661,16 @@ def test_deferred_observe_of_a_failed_step_leaves_the_sessions_text(tok):
         d.open_session(f"s{i}", "t", prompt_ids=CASE_A[i:])
     sids = ["s0", "s1", "s2"]
     draft = d.propose(sids)
-    before = [t.clone() for t in (d.recent, d.recent_len, d.match_cap)]
+    before = [t.clone() for t in (d.state.recent, d.state.recent_len, d.state.match_cap)]
     texts = [store.arena.corpus_tokens(store.session(s).corpus).clone() for s in sids]
     res = teacher_forced_accept(draft, torch.tensor([[X, F1, A]] * 3, dtype=torch.int32))
     out = torch.tensor([[X, F1, A, B]] * 3, dtype=torch.int32)  # accepted, then a bonus
     nacc = res.num_accepted.to(torch.int32)
     d.observe(sids, out, nacc + 1, nacc, validate=False, path_nodes=res.path_nodes,
               defer=True)
-    assert int(nacc.sum()) > 0 and not torch.equal(d.recent, before[0])  # it was queued
+    assert int(nacc.sum()) > 0 and not torch.equal(d.state.recent, before[0])  # it was queued
     d.settle([0, 0, 0], num_queued_host=[4, 4, 4])
-    for t, b in zip((d.recent, d.recent_len, d.match_cap), before):
+    for t, b in zip((d.state.recent, d.state.recent_len, d.state.match_cap), before):
         assert torch.equal(t, b)
     for s, text in zip(sids, texts):
         c = store.session(s).corpus
@@ -1702,12 +1706,12 @@ def test_deferred_observe_settled_in_between_cannot_be_cut(tok):
     with pytest.raises(RuntimeError, match="only a propose of the same sessions"):
         d.settle([1, 1], num_queued_host=(nacc + 1).tolist())
     d.settle((nacc + 1).tolist(), num_queued_host=(nacc + 1).tolist())  # nothing waits
-    assert d._ring_before.any()  # the commit's copies of the batch's rings
+    assert d.state.ring_before.any()  # the commit's copies of the batch's rings
     d.propose(sids)  # (the descriptors current again: the read back moved them)
     d.observe(sids, out, nacc + 1, nacc, validate=False, defer=True)
     assert d.propose_ahead(sids) and d._ahead is not None
     d.close_session("s0")  # (settles first, reading the counts back)
-    assert not d._ring_before.any() and d._ahead is None
+    assert not d.state.ring_before.any() and d._ahead is None
     # ... so s1 can no longer be cut either (its tokens past its end would stay)
     with pytest.raises(RuntimeError, match="only a propose of the same sessions"):
         d.settle([1, 1], num_queued_host=(nacc + 1).tolist())
@@ -1749,8 +1753,8 @@ def test_propose_ahead_drafts_what_a_propose_after_the_settle_does(tok, padded):
         # its sessions' next queries at its longest matches (a bound no less tight, so
         # the drafts stay the same: compared every step)
         for name in _STATE:
-            if name != "match_cap":
-                a, b = getattr(plain, name), getattr(ahead, name)
+            if name != "state.match_cap":
+                a, b = attrgetter(name)(plain), attrgetter(name)(ahead)
                 if name in _PER_SLOT:
                     a, b = a[:plain.max_sessions], b[:ahead.max_sessions]
                 assert torch.equal(a, b), (step, name)

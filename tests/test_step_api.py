@@ -837,7 +837,7 @@ def test_own_loop_interleaves_with_served_requests():
                 served[e.session_id] += e.token_ids
 
         def commit_hook(draft):  # the controller's state after the previous commit
-            scales.append(dec.drafter.scale[slot].item())
+            scales.append(dec.drafter.state.scale[slot].item())
             between(draft)
 
         runner = HFRunner(model(VARIANT))
