@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
+from numbers import Integral
+from pathlib import Path
 from typing import Any, Sequence
+
+from agspec_gpu.checks import check_text
 
 CL100K_RANK_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 # tiktoken's cl100k_base split pattern and special tokens (tiktoken_ext/openai_public.py).
@@ -47,23 +52,50 @@ class Tokenizer:
     _impl: Any
 
     def encode(self, text: str) -> list[int]:
-        """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text."""
+        """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text.
+
+        Raises:
+            ValueError: ``text`` is not a ``str`` UTF-8 can encode (a lone surrogate).
+        """
+        check_text(text, "text")
         if isinstance(self._impl, _TiktokenImpl):
             return self._impl.enc.encode_ordinary(text)
         return self._impl.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]`` (cl100k on two threads).
+
+        Raises:
+            ValueError: ``texts`` is a single ``str`` or ``bytes``, or an item is not a
+                ``str`` UTF-8 can encode (named by its index).
+        """
+        if isinstance(texts, (str, bytes)):
+            raise ValueError(f"texts: expected a sequence of str, got one "
+                             f"{type(texts).__name__} (wrap it in a list)")
+        texts = [check_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
         if isinstance(self._impl, _TiktokenImpl):
-            return self._impl.enc.encode_ordinary_batch(list(texts), num_threads=2)
-        return [self.encode(t) for t in texts]
+            return self._impl.enc.encode_ordinary_batch(texts, num_threads=2)
+        return [self._impl.encode(t, add_special_tokens=False, split_special_tokens=True)
+                for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``. An id in ``[0, vocab_size)`` that holds no text (cl100k's
-        unused ids 100256 and 100261-100275, which a model's output layer covers and a
-        random or fine-tuned model may emit) decodes as nothing, as Hugging Face tokenizers
-        decode ids they have no token for: stop strings and captured commands read the
-        output around it."""
-        ids = list(ids)
+        """The text of ``ids``. An id that holds no text decodes as nothing, as Hugging
+        Face tokenizers decode ids they have no token for: cl100k's unused ids 100256 and
+        100261-100275, and ids at or past ``vocab_size`` (the rows a model pads its output
+        layer with), which a random or fine-tuned model may emit; stop strings and
+        captured commands read the output around them.
+
+        Raises:
+            ValueError: ``ids`` is not a sequence of non-negative ints.
+        """
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"ids: expected a sequence of int, got {type(ids).__name__}")
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or an array
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, Integral)
+                    or i < 0), None)
+        if bad is not None:
+            raise ValueError(f"ids: expected non-negative ints, got {bad!r}")
+        ids = [int(i) for i in ids if i < self.vocab_size]
         if not isinstance(self._impl, _TiktokenImpl):
             return self._impl.decode(ids)
         try:
@@ -107,13 +139,37 @@ def _hf_fingerprint(tok: Any) -> str:
     ``save_pretrained`` keeps, and which change no id."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
-        payload = repr(sorted(tok.get_vocab().items()))
-    else:
-        spec = json.loads(backend.to_str())
-        for key in ("padding", "truncation"):
-            spec.pop(key, None)
-        payload = json.dumps(spec, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+        return _python_hf_fingerprint(tok)
+    spec = json.loads(backend.to_str())
+    for key in ("padding", "truncation"):
+        spec.pop(key, None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+# text whose ids tell apart a Python tokenizer's options (casing, accents, CJK and
+# punctuation splitting, whitespace handling), which its vocabulary files do not record
+_PROBE = ("Hello WORLD héllo Ünïcödé naïve 東京 x=1;  y\t= [a, b]\n\n  def f():\r\n"
+          "    return 'it''s' # ok?! 12345 <unk> [UNK]")
+
+
+def _python_hf_fingerprint(tok: Any) -> str:
+    """The digest of a tokenizer without a Rust backend (transformers' Python tokenizers:
+    CTRL, XLM, a legacy BERT, ...): its class, vocabulary and added tokens, the files its
+    vocabulary saves as (merges, a sentencepiece model), and the ids of a probe text, which
+    its init options (lower-casing, accent stripping, ...) change. Not where it was loaded
+    from, which a loaded and a constructed copy record differently."""
+    h = hashlib.sha256()
+    probe = tok.encode(_PROBE, add_special_tokens=False)
+    h.update(repr((type(tok).__name__, sorted(tok.get_vocab().items()),
+                   sorted(tok.get_added_vocab().items()), probe)).encode())
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            files = tok.save_vocabulary(d)
+        except NotImplementedError:
+            files = ()
+        for f in sorted(str(f) for f in files if f):
+            h.update(Path(f).name.encode() + b"\0" + Path(f).read_bytes())
+    return h.hexdigest()
 
 
 def from_hf(tok: Any, name: str | None = None) -> Tokenizer:

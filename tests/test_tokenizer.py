@@ -70,3 +70,56 @@ def test_a_vocabulary_with_a_gap_counts_its_highest_id():
         tokenizer_object=tokenizers.Tokenizer.from_str(json.dumps(spec)),
         eos_token="<|eos|>")
     assert len(tok) == 599 and from_hf(tok).vocab_size == 600
+
+
+def _ctrl(tmp_path, name: str, merges: str):
+    """transformers' CTRL tokenizer: a Python BPE with no Rust backend."""
+    import json
+
+    ctrl = getattr(transformers, "CTRLTokenizer", None)
+    if ctrl is None:
+        pytest.skip("this transformers has no CTRLTokenizer")
+    vocab = {"<unk>": 0, "l": 1, "o": 2, "w": 3, "lo": 6, "ow": 7, "low": 8, "w</w>": 11,
+             "low</w>": 12}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / f"{name}.txt").write_text("#version: 0.2\n" + merges + "\n")
+    return ctrl(str(tmp_path / "vocab.json"), str(tmp_path / f"{name}.txt"))
+
+
+def test_python_tokenizers_fingerprint_their_merges_not_where_they_were_loaded(tmp_path):
+    a = _ctrl(tmp_path, "a", "l o\nlo w</w>")
+    b = _ctrl(tmp_path, "b", "o w</w>")  # the same vocabulary, other merges
+    assert getattr(a, "backend_tokenizer", None) is None
+    ta, tb = from_hf(a), from_hf(b)
+    assert ta.encode("low") != tb.encode("low") and ta.fingerprint != tb.fingerprint
+    a.save_pretrained(tmp_path / "A")
+    a.save_pretrained(tmp_path / "elsewhere")
+    loaded = [load_tokenizer(str(tmp_path / d)) for d in ("A", "elsewhere")]
+    assert {t.fingerprint for t in loaded} == {ta.fingerprint}
+    assert loaded[0].encode("low") == ta.encode("low")
+
+
+@pytest.mark.parametrize("kind", ["cl100k", "hf"])
+def test_bad_text_and_ids_are_refused_naming_the_argument(kind):
+    t = load_tokenizer("cl100k") if kind == "cl100k" else from_hf(hf_tokenizer())
+    for bad in (None, b"x", 5, ["a"]):
+        with pytest.raises(ValueError, match="^text: expected a str"):
+            t.encode(bad)
+    with pytest.raises(ValueError, match="^text: .*lone surrogate"):
+        t.encode("ok \ud800 text")
+    with pytest.raises(ValueError, match="^texts: expected a sequence of str"):
+        t.encode_batch("abc")  # one text, not three
+    with pytest.raises(ValueError, match=r"^texts\[1\]: .*lone surrogate"):
+        t.encode_batch(["ok", "\udcff"])
+    with pytest.raises(ValueError, match=r"^texts\[0\]: expected a str"):
+        t.encode_batch([None])
+    ids = t.encode("x = 1")
+    assert t.encode_batch(["x = 1", ""]) == [ids, []]
+    for bad in (5, "ab", [1, -1], [1.0], [True]):
+        with pytest.raises(ValueError, match="^ids: "):
+            t.decode(bad)
+    # ids at or past the vocabulary (a model's padded output rows) hold no text
+    assert t.decode([*ids, t.vocab_size, 10**12]) == t.decode(ids) == "x = 1"
+    import torch
+
+    assert t.decode(torch.tensor(ids)) == "x = 1"
