@@ -17,9 +17,11 @@ are copies of the ``cat -n`` output it has just seen.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 from agspec_gpu.trajectories import Message, Session
@@ -32,6 +34,7 @@ SYSTEM_PROMPT = (
     "```diff block."
 )
 _SEP = "\x1f"  # git log field separator: cannot occur in hashes or a one-line subject
+_MAX_ARGS = 512  # paths per git call
 
 
 class GitError(ValueError):
@@ -75,12 +78,14 @@ def sessions_from_git(repo: str | Path = ".", *, max_commits: int = 200,
         without commits gives ``[]``.
 
     Raises:
+        ValueError: ``repo`` is not a path, or a limit not an int >= 0.
         GitError: ``repo`` is not a git repository, or git is missing or fails.
     """
-    if max_commits < 0:
-        raise ValueError(f"max_commits must be >= 0, got {max_commits}")
-    if max_file_bytes < 0:
-        raise ValueError(f"max_file_bytes must be >= 0, got {max_file_bytes}")
+    if not isinstance(repo, (str, os.PathLike)):
+        raise ValueError(f"repo: expected a path, got {type(repo).__name__}")
+    for arg, value in (("max_commits", max_commits), ("max_file_bytes", max_file_bytes)):
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+            raise ValueError(f"{arg}: expected an int >= 0, got {value!r}")
     repo = Path(repo)
     if not repo.is_dir():
         raise GitError(f"{repo}: not a directory")
@@ -94,7 +99,7 @@ def sessions_from_git(repo: str | Path = ".", *, max_commits: int = 200,
     if top.returncode == 0 and top.stdout.strip():
         # git prints paths relative to the top level; run every command from there so
         # pathspecs mean the same thing (repo may be a subdirectory).
-        repo = Path(top.stdout.decode().strip())
+        repo = Path(os.fsdecode(top.stdout.removesuffix(b"\n")))
     name = repo.resolve().name
     sessions = []
     for commit in _commits(repo, max_commits):
@@ -114,6 +119,8 @@ def _git(repo: Path, *args: str, check: bool = True,
         proc = subprocess.run(cmd, capture_output=True, input=input)
     except FileNotFoundError:
         raise GitError("git executable not found on PATH") from None
+    except OSError as e:  # (callers pass at most _MAX_ARGS paths: not an argument list)
+        raise GitError(f"{repo}: git {' '.join(args[:2])} failed: {e}") from None
     if check and proc.returncode != 0:
         raise GitError(f"{repo}: git {' '.join(args[:2])} failed: "
                        f"{proc.stderr.decode(errors='replace').strip()}")
@@ -123,11 +130,14 @@ def _git(repo: Path, *args: str, check: bool = True,
 def _commits(repo: Path, max_commits: int) -> list[_Commit]:
     if max_commits == 0:
         return []
-    out = _git(repo, "log", "--no-merges", f"--max-count={max_commits}",
+    # NUL-terminated records: a subject may hold any other line break (\r, \f, U+2028)
+    out = _git(repo, "log", "-z", "--no-merges", f"--max-count={max_commits}",
                f"--format=%H{_SEP}%P{_SEP}%s", "HEAD").stdout.decode("utf-8", "replace")
     commits = []
-    for line in out.splitlines():
-        sha, parents, subject = line.split(_SEP, 2)
+    for record in out.split("\0"):
+        if not record:
+            continue
+        sha, parents, subject = record.split(_SEP, 2)
         if parents:  # a root commit has no parent to read files from
             commits.append(_Commit(sha, parents.split()[0], subject))
     return commits
@@ -148,32 +158,44 @@ def _modified_text_files(repo: Path, c: _Commit) -> list[str]:
             name = path.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        if "\n" not in name:  # cat-file --batch reads one object name per line
-            paths.append(name)
+        paths.append(name)
     return paths
+
+
+def _batches(paths: list[str]) -> list[list[str]]:
+    """``paths`` in order, at most :data:`_MAX_ARGS` to a git call (a tree-wide commit's
+    paths would exceed the OS's argument list)."""
+    return [paths[i:i + _MAX_ARGS] for i in range(0, len(paths), _MAX_ARGS)]
 
 
 def _parent_blobs(repo: Path, c: _Commit, paths: list[str],
                   max_file_bytes: int) -> dict[str, str]:
     """Text of each path at ``c.parent``, skipping large, binary and non-UTF-8 files."""
-    sizes = {}
-    for entry in _git(repo, "ls-tree", "-l", "-z", c.parent, "--", *paths).stdout.split(b"\0"):
-        if entry:
-            info, path = entry.split(b"\t", 1)
-            mode, kind, _, size = info.split()
-            # Regular files only: a symlink's blob is its target, a submodule has no blob.
-            if kind == b"blob" and mode != b"120000" and int(size) <= max_file_bytes:
-                sizes[path.decode("utf-8")] = int(size)
-    wanted = [p for p in paths if p in sizes]
+    blobs = {}
+    for part in _batches(paths):
+        for entry in _git(repo, "ls-tree", "-l", "-z", c.parent, "--", *part).stdout.split(b"\0"):
+            if entry:
+                info, path = entry.split(b"\t", 1)
+                mode, kind, sha, size = info.split()
+                # Regular files only: a symlink's blob is its target, a submodule has none.
+                if kind == b"blob" and mode != b"120000" and int(size) <= max_file_bytes:
+                    blobs[path.decode("utf-8")] = sha
+    wanted = [p for p in paths if p in blobs]
     if not wanted:
         return {}
-    batch = "".join(f"{c.parent}:{p}\n" for p in wanted).encode("utf-8")
+    # by object id: a path's own text never reaches cat-file's line-based input (which
+    # would strip a name's trailing \r or split one at a \n)
+    batch = b"".join(blobs[p] + b"\n" for p in wanted)
     out = _git(repo, "cat-file", "--batch", input=batch).stdout
     texts, pos = {}, 0
     for p in wanted:
         # Each object is "<sha> <type> <size>\n<content>\n".
         header_end = out.index(b"\n", pos)
-        size = int(out[pos:header_end].split()[2])
+        header = out[pos:header_end].split()
+        if len(header) != 3 or header[1] != b"blob":
+            raise GitError(f"{repo}: git cat-file --batch: unexpected header {header!r} "
+                           f"for {p!r} at {c.parent}")
+        size = int(header[2])
         data = out[header_end + 1: header_end + 1 + size]
         pos = header_end + 1 + size + 1
         if b"\0" in data:
@@ -191,9 +213,10 @@ def _session(repo: Path, name: str, c: _Commit, max_file_bytes: int) -> Session 
     files = [p for p in paths if p in texts]
     if not files:
         return None
-    try:
-        diff = _git(repo, "diff", "--no-color", "--no-ext-diff", c.parent, c.sha, "--",
-                    *files).stdout.decode("utf-8")
+    try:  # (git orders a diff's files by path, as the numstat listed them: the batches'
+        # diffs concatenated are the one diff)
+        diff = "".join(_git(repo, "diff", "--no-color", "--no-ext-diff", c.parent, c.sha, "--",
+                            *part).stdout.decode("utf-8") for part in _batches(files))
     except UnicodeDecodeError:
         return None
     if not diff:

@@ -137,3 +137,47 @@ def test_errors_and_empty_repo(tmp_path):
     empty.mkdir()
     git(empty, "init", "-q")
     assert sessions_from_git(empty) == []
+    for kw in ({"max_commits": "5"}, {"max_commits": 2.5}, {"max_commits": True},
+               {"max_file_bytes": None}):
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}: expected an int >= 0"):
+            sessions_from_git(plain, **kw)
+    for bad in (5, None):
+        with pytest.raises(ValueError, match="^repo: expected a path"):
+            sessions_from_git(bad)
+
+
+def _new_repo(path: Path) -> Path:
+    path.mkdir()
+    git(path, "init", "-q")
+    git(path, "config", "user.name", "Test")
+    git(path, "config", "user.email", "test@example.com")
+    git(path, "config", "commit.gpgsign", "false")
+    return path
+
+
+def test_any_subject_file_name_and_repository_path(tmp_path):
+    # a subject with line breaks other than \n (str.splitlines splits at them), a file name
+    # ending in \r (cat-file's line input strips it), a work tree whose path ends in a space
+    repo = _new_repo(tmp_path / "work tree ")
+    names = ["Icon\r", "a.txt", " lead"]
+    commit(repo, "init", {n: "1\n" for n in names})
+    for subject in ("cr\rin subject", "line\u2028separator", "form\x0cfeed"):
+        commit(repo, subject, {n: f"{subject}\n" for n in names})
+    sessions = sessions_from_git(repo / ".")
+    assert [s.messages[1].content for s in sessions] == [
+        "form\x0cfeed", "line\u2028separator", "cr\rin subject"]
+    assert all(sorted(s.meta["files"]) == sorted(names) for s in sessions)
+    assert [m.content for m in sessions[-1].messages if m.role == "tool"] == [cat_n("1\n")] * 3
+
+
+def test_a_commit_of_more_files_than_one_git_call_takes(tmp_path, monkeypatch):
+    import agspec_gpu.gitlog as gitlog
+
+    repo = _new_repo(tmp_path / "wide")
+    names = [f"d/f{i:02d}.txt" for i in range(7)]
+    commit(repo, "init", {n: f"{n}\n" for n in names})
+    commit(repo, "touch every file", {n: f"{n} changed\n" for n in names})
+    whole = sessions_from_git(repo)
+    monkeypatch.setattr(gitlog, "_MAX_ARGS", 3)  # 7 paths: git calls of 3, 3 and 1
+    assert sessions_from_git(repo) == whole
+    assert whole[0].meta["files"] == names and whole[0].messages[-1].content.count("+++") == 7
