@@ -136,13 +136,14 @@ def _at_least(lo: int, at_most: int | None = None):
     return parse
 
 
-def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | None) -> None:
+def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | None,
+                        drafters: Sequence[str] = DRAFTER_NAMES) -> None:
     """The replay's options; ``default_drafters``: what the command replays without
-    ``--drafter`` (None: no ``--drafter`` option)."""
+    ``--drafter`` (None: no ``--drafter`` option), one of ``drafters``."""
     if default_drafters is not None:
-        p.add_argument("--drafter", nargs="+", metavar="NAME", choices=DRAFTER_NAMES,
+        p.add_argument("--drafter", nargs="+", metavar="NAME", choices=drafters,
                        help=f"drafters to replay (default: {default_drafters}); one of "
-                            f"{', '.join(DRAFTER_NAMES)}")
+                            f"{', '.join(drafters)}")
     p.add_argument("--tokenizer", default="cl100k",
                    help="'cl100k' (offline tiktoken cl100k_base) or a local HF tokenizer path")
     p.add_argument("--batch-size", type=_at_least(1, MAX_BATCH_SIZE), default=64,
@@ -195,8 +196,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-session-chars", type=_at_least(1), default=120_000,
                    help="leave out commits whose session text is longer (120,000 characters: "
                         "a session replays step by step, so the longest sets the run time)")
+    # (no suffix-decoding-warm: its cache holds the other half's responses, --cross-halves)
     _add_replay_options(p, default_drafters="none, pld-hf, suffix-decoding if installed, "
-                        "agspec")
+                        "agspec", drafters=[d for d in DRAFTER_NAMES
+                                            if d != "suffix-decoding-warm"])
 
     p = sub.add_parser("profile", help="per-role draft caps from replayed P_acc(k) curves")
     p.add_argument("paths", nargs="+", metavar="TRAJ")
@@ -240,6 +243,25 @@ def _load_sessions(paths: Sequence[str], max_sessions: int | None) -> list:
     return out
 
 
+def _of_half(sessions: list, half: int | None) -> list:
+    """The sessions of ``--half`` (all when None); ValueError when it leaves none."""
+    if half is None:
+        return sessions
+    from agspec_gpu.tiers import session_half
+
+    kept = [s for s in sessions if session_half(s.task_id) == half]
+    if sessions and not kept:
+        raise ValueError(f"--half {half}: none of the {len(sessions)} sessions read is in "
+                         f"half {half}")
+    return kept
+
+
+def _distinct(names: Sequence[str] | None) -> list[str] | None:
+    """``--drafter``'s names, each once (in order): a repeated lane would replay twice and
+    report its rows twice."""
+    return None if names is None else list(dict.fromkeys(names))
+
+
 def _run(args, sessions: list, drafters: list[str], console, title: str):
     import torch
 
@@ -252,6 +274,8 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
         device = torch.device(args.device)
     except RuntimeError as exc:
         raise ValueError(f"--device: {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: expected cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device here")
     torch.set_num_threads(args.threads)
@@ -304,8 +328,12 @@ def _cross_half_globals(sessions: list, tokenizer, tmp: str, console) -> tuple[s
     """Global corpora of half 0 and half 1 of the replayed sessions, in ``tmp``: those the
     run loaded (``--max-sessions`` cuts them as it cuts the replay, and a warm
     SuffixDecoding's cache holds their responses too)."""
-    from agspec_gpu.tiers import TierConfig, build_global_corpus
+    from agspec_gpu.tiers import TierConfig, build_global_corpus, session_half
 
+    num = [sum(session_half(s.task_id) == h for s in sessions) for h in (0, 1)]
+    if 0 in num:
+        raise ValueError(f"--cross-halves: all {len(sessions)} sessions read are in half "
+                         f"{num.index(len(sessions))}; give more (--max-sessions)")
     out = []
     for h in (0, 1):
         t0 = time.perf_counter()
@@ -321,12 +349,8 @@ def _cross_half_globals(sessions: list, tokenizer, tmp: str, console) -> tuple[s
 def _cmd_replay(args, console) -> int:
     if args.cross_halves and (args.global_corpus or args.half is not None):
         raise ValueError("--cross-halves builds its own global tiers: drop --global / --half")
-    sessions = _load_sessions(args.paths, args.max_sessions)
-    if args.half is not None:
-        from agspec_gpu.tiers import session_half
-
-        sessions = [s for s in sessions if session_half(s.task_id) == args.half]
-    drafters = args.drafter or _default_drafters()
+    sessions = _of_half(_load_sessions(args.paths, args.max_sessions), args.half)
+    drafters = _distinct(args.drafter) or _default_drafters()
     if args.cross_halves and not args.drafter and "suffix-decoding" in drafters:
         # next to agspec's global tier of the other half: SuffixDecoding whose cache holds
         # that half's responses
@@ -352,8 +376,8 @@ def _cmd_demo(args, console) -> int:
         raise ValueError(f"--max-session-chars {args.max_session_chars}: every session is "
                          f"longer")
     left_out = len(sessions) - len(kept)
-    sessions = kept
-    drafters = args.drafter or _default_drafters(include_pld_vllm=False)
+    sessions = _of_half(kept, args.half)
+    drafters = _distinct(args.drafter) or _default_drafters(include_pld_vllm=False)
     if "agspec" not in drafters and args.drafter is None:
         _say(console, f"agspec skipped: {agspec_unavailable_reason()}", style="yellow")
     _run(args, sessions, drafters, console, f"demo: {len(sessions)} sessions from "
@@ -367,14 +391,14 @@ def _cmd_profile(args, console) -> int:
     profile_roles = _need("agspec_gpu.controller", "profile_roles")
     from agspec_gpu.cost_model import CostModel
 
-    sessions = _load_sessions(args.paths, args.max_sessions)
-    report = _run(args, sessions, [args.profile_drafter], console, "profile")
+    sessions = _of_half(_load_sessions(args.paths, args.max_sessions), args.half)
     # One curve per agent format (the replay passes the format as the role); sessions of an
     # unprofiled format use "default", profiled on all sessions.
-    curves = {r["agent"]: r["p_acc"] for r in report.rows if r["steps"]}
-    if "default" in curves:
+    if any(s.agent == "default" for s in sessions):
         raise ValueError("agent format 'default' is reserved: the profile of every format "
                          "is named so")
+    report = _run(args, sessions, [args.profile_drafter], console, "profile")
+    curves = {r["agent"]: r["p_acc"] for r in report.rows if r["steps"]}
     curves["default"] = curves.pop("all")
     profiles = profile_roles(curves, cost=CostModel.from_json(report.config["cost_model"]),
                              out=args.out)
@@ -391,6 +415,8 @@ def _cmd_build_global(args, console) -> int:
     t0 = time.perf_counter()
     if not args.src and not args.trajectories:
         raise ValueError("give --src and/or --trajectories")
+    if args.half is not None and not args.trajectories:
+        raise ValueError("--half selects trajectory sessions: give --trajectories")
     g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
               max_depth=args.max_depth, suffixes=tuple(args.suffix),
               trajectories=list(args.trajectories), half=args.half)
@@ -400,13 +426,38 @@ def _cmd_build_global(args, console) -> int:
 
 
 def _check_outputs(args) -> None:
-    """Each output file asked for can be written where it is named: before a run that takes
-    minutes, not after it."""
+    """Each output file asked for can be written where it is named, no two the same file,
+    and a plot in a format matplotlib (installed) writes: before a run that takes minutes,
+    not after it."""
+    seen: dict[str, str] = {}
     for key, option in (("json", "--json"), ("csv", "--csv"), ("plot", "--plot"),
                         ("out", "-o")):
         out = getattr(args, key, None)
-        if out is not None and (not Path(out).parent.is_dir() or Path(out).is_dir()):
+        if out is None:
+            continue
+        if out.endswith(("/", os.sep)) or not Path(out).parent.is_dir() or Path(out).is_dir():
             raise ValueError(f"{option} {out}: not a file path in an existing directory")
+        real = os.path.realpath(out)
+        if real in seen:
+            raise ValueError(f"{option} {out}: the same file as {seen[real]}")
+        seen[real] = option
+    if getattr(args, "plot", None) is not None:
+        _check_plot(args.plot)
+
+
+def _check_plot(path: str) -> None:
+    """``--plot``'s format is one matplotlib writes, and matplotlib is installed."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise Unavailable(f"--plot needs matplotlib (pip install 'agspec_gpu[bench]'): "
+                          f"{exc}") from None
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"--plot {path}: expected a file ending in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

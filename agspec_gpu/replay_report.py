@@ -60,7 +60,11 @@ def print_table(report: ReplayReport, console=None, title: str | None = None) ->
     console = console or Console()
     table = Table(title=None if title is None else Text(printable(title)), header_style="bold")
     for key, name, _ in _TABLE_COLUMNS:
-        table.add_column(name, justify="left" if key in ("drafter", "agent") else "right")
+        if key in ("drafter", "agent"):  # whole names (suffix-decoding-nocache / -warm)
+            width = max((len(printable(str(r[key]))) for r in report.rows), default=0)
+            table.add_column(name, justify="left", no_wrap=True, min_width=min(width, 32))
+        else:
+            table.add_column(name, justify="right")
     for row in report.rows:
         table.add_row(*(Text(_fmt(row.get(k), spec)) for k, _, spec in _TABLE_COLUMNS),
                       style="bold" if row["agent"] == "all" else None,

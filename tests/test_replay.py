@@ -600,6 +600,49 @@ def test_cli_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, monkeypa
     assert "--drafter agspec: no triton here" in capsys.readouterr().out
 
 
+def test_cli_checks_outputs_halves_and_devices_before_the_run(tmp_path, capsys):
+    """What a run would only find out at its end, or never: two outputs on one file, a
+    directory path, a plot format matplotlib cannot write, a device that is neither CPU
+    nor CUDA, a --half that leaves no session, --cross-halves with one half empty, a
+    profile's reserved agent format, --half without trajectories."""
+    from agspec_gpu.cli import main
+
+    fixture = tmp_path / "fixture.jsonl.gz"
+    _write_fixture(fixture)  # session a in half 0, b in half 1
+    out = tmp_path / "out.json"
+    replay = ["replay", str(fixture), "--drafter", "none", "--no-progress", "--no-oracle"]
+    reserved = tmp_path / "reserved.jsonl.gz"
+    _write_fixture(reserved, ("default",))
+    for argv, named in [
+        (replay + ["--json", str(out), "--csv", str(tmp_path / "." / "out.json")],
+         "--csv " + str(tmp_path / "." / "out.json") + ": the same file as --json"),
+        (replay + ["--json", str(tmp_path / "newdir") + "/"], "not a file path"),
+        (replay + ["--plot", str(tmp_path / "plot.txt")], "--plot " + str(tmp_path)),
+        (replay + ["--device", "meta"], "--device meta: expected cpu, cuda or cuda:N"),
+        (replay + ["--max-sessions", "1", "--half", "1"],
+         "--half 1: none of the 1 sessions read is in half 1"),
+        (replay + ["--max-sessions", "1", "--cross-halves"],
+         "--cross-halves: all 1 sessions read are in half 0"),
+        (["profile", str(reserved), "-o", str(out), "--no-progress", "--no-oracle"],
+         "agent format 'default' is reserved"),
+        (["build-global", "--src", str(tmp_path), "--half", "0", "-o", str(out)],
+         "--half selects trajectory sessions"),
+    ]:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        assert named in capsys.readouterr().out.replace("\n", " "), argv
+        assert not out.exists() and not (tmp_path / "newdir").exists(), argv
+    # a drafter named twice replays once; --half filters a profile's sessions as a replay's
+    assert main(replay[:4] + ["pld-hf", "none", "--no-progress", "--no-oracle", "--json",
+                              str(out)]) == 0
+    rows = [(r["drafter"], r["agent"]) for r in json.loads(out.read_text())["results"]]
+    assert len(rows) == len(set(rows)) == 6
+    profiles = tmp_path / "profiles.json"
+    assert main(["profile", str(fixture), "-o", str(profiles), "--half", "1", "--no-progress",
+                 "--no-oracle", "--profile-drafter", "agspec-static-k8"]) == 0
+    assert set(json.loads(profiles.read_text())["roles"]) == {"aider", "default"}  # b only
+
+
 def test_cli_batch_size_is_capped_at_parse_time(tmp_path, capsys):
     """--batch-size sizes the drafter's buffers and cost table: 10**9 tried to allocate
     128 GB; now argparse refuses it before anything is read."""
