@@ -466,23 +466,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     0: done. 2: bad input, named in the message (argparse's usage errors raise
     ``SystemExit(2)``; a bad file, path or config is a ``ValueError`` / ``OSError``). 1:
     something the install lacks (:class:`Unavailable`), or stdout was a closed pipe (quietly,
-    after the files asked for were written). Anything else is a bug: a traceback.
+    after the files asked for were written). Anything else is a bug: a traceback. Messages
+    of a status 1 or 2 go to stderr (a table redirected to a file still shows them).
     """
     args = _parser().parse_args(argv)
     files = [getattr(args, k, None) for k in ("json", "csv", "plot", "out")]
     # Off a terminal rich would wrap the table at 80 columns; logs and pipes get it whole.
     console = _PipeConsole(width=None if sys.stdout.isatty() else 160,
                            keep_going=any(files))
+    errors = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     commands = {"replay": _cmd_replay, "demo": _cmd_demo, "profile": _cmd_profile,
                 "build-global": _cmd_build_global}
     try:
         _check_outputs(args)
         status = commands[args.command](args, console)
     except Unavailable as exc:
-        _say(console, f"agspec-gpu {args.command}: {exc}", style="red")
+        _say(errors, f"agspec-gpu {args.command}: {exc}", style="red")
         return 1
     except (ValueError, OSError) as exc:  # bad input files, paths, configs: no traceback
-        _say(console, f"agspec-gpu {args.command}: {exc}", style="red")
+        _say(errors, f"agspec-gpu {args.command}: {exc}", style="red")
         return 2
     return 1 if console.pipe_closed else status
 

@@ -483,7 +483,7 @@ def test_cli_outputs_and_errors(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--drafter", "none",
                  "--no-progress"]) == 2
-    assert "no such file" in capsys.readouterr().out
+    assert "no such file" in capsys.readouterr().err
 
 
 def _git(repo: Path, *args: str) -> None:
@@ -520,7 +520,7 @@ def test_cli_demo_on_a_tiny_repo(tmp_path, capsys):
     capsys.readouterr()
     assert main(["demo", str(repo), "--max-session-chars", str(sizes[0] - 1),
                  "--no-progress"]) == 2
-    assert "--max-session-chars" in capsys.readouterr().out
+    assert "--max-session-chars" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # argparse: usage error naming the option
         main(["demo", str(repo), "--max-session-chars", "0", "--no-progress"])
     assert exc.value.code == 2
@@ -570,7 +570,7 @@ def test_cli_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
         for argv, match in cases if bad_cost.startswith("{\"pts") else cases[3:4]:
             capsys.readouterr()
             assert main(argv) == 2, argv
-            assert match in capsys.readouterr().out.replace("\n", " "), argv
+            assert match in capsys.readouterr().err.replace("\n", " "), argv
 
 
 def test_cli_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, monkeypatch):
@@ -590,14 +590,14 @@ def test_cli_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, monkeypa
     ]:
         capsys.readouterr()
         assert cli.main(argv) == 2, argv
-        assert named in capsys.readouterr().out.replace("\n", " "), argv
+        assert named in capsys.readouterr().err.replace("\n", " "), argv
     with pytest.raises(SystemExit) as exc:  # argparse checks the range: usage error, 2
         cli.main(replay + ["--oracle-k", "0"])
     assert exc.value.code == 2 and "--oracle-k: must be in [1, 4096]" in capsys.readouterr().err
     # the install, not the input: 1, still naming the option
     monkeypatch.setattr(cli, "agspec_unavailable_reason", lambda: "no triton here")
     assert cli.main(["replay", str(fixture), "--drafter", "agspec", "--no-progress"]) == 1
-    assert "--drafter agspec: no triton here" in capsys.readouterr().out
+    assert "--drafter agspec: no triton here" in capsys.readouterr().err
 
 
 def test_cli_checks_outputs_halves_and_devices_before_the_run(tmp_path, capsys):
@@ -630,7 +630,7 @@ def test_cli_checks_outputs_halves_and_devices_before_the_run(tmp_path, capsys):
     ]:
         capsys.readouterr()
         assert main(argv) == 2, argv
-        assert named in capsys.readouterr().out.replace("\n", " "), argv
+        assert named in capsys.readouterr().err.replace("\n", " "), argv
         assert not out.exists() and not (tmp_path / "newdir").exists(), argv
     # a drafter named twice replays once; --half filters a profile's sessions as a replay's
     assert main(replay[:4] + ["pld-hf", "none", "--no-progress", "--no-oracle", "--json",
@@ -676,7 +676,7 @@ def test_cli_prints_unprintable_agent_names_escaped(tmp_path, capsys):
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
     # an error naming such a path prints too
     assert main(["replay", str(tmp_path / "\udcff[/y].jsonl"), "--no-progress"]) == 2
-    assert "\\udcff[/y].jsonl: no such file" in capsys.readouterr().out
+    assert "\\udcff[/y].jsonl: no such file" in capsys.readouterr().err
 
 
 def test_cli_keeps_its_files_when_stdout_is_a_closed_pipe(tmp_path):
