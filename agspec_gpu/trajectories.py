@@ -195,7 +195,7 @@ def _read_text(path: Path) -> str:
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise TrajectoryError(f"{path}: cannot read ({e})") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # (a byte-order mark, as an editor on Windows saves)
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise TrajectoryError(f"{path}:{line}: invalid UTF-8 ({e.reason})") from None
@@ -332,10 +332,16 @@ def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
             msgs.append(Message(m["role"], _utf8(m["content"], f"{where}: message {i}")))
         if "agent_version" in rec:
             meta.setdefault("agent_version", rec["agent_version"])
-        messages, agent = tuple(msgs), str(rec["agent"])
+        messages = tuple(msgs)
     else:
         messages = _convert_messages(rec["messages"], where, relabel_observations=False)
-        agent = str(rec.get("agent", "chat"))
+    # (a null id or agent would become the string "None": unrelated sessions one task)
+    for key in ("id", "agent"):
+        value = rec.get(key, "")
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise TrajectoryError(f"{where}: {key!r} must be a string, got "
+                                  f"{type(value).__name__}")
+    agent = str(rec.get("agent", "chat"))
     return Session(id=str(rec.get("id", f"{path.name}:{lineno}")), agent=agent,
                    model=str(rec.get("model") or ""), source=str(rec.get("source", where)),
                    messages=messages, meta=meta)

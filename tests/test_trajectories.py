@@ -244,6 +244,20 @@ def test_aider_history_split_roles_and_filter(tmp_path):
     ]
 
 
+def test_aider_history_with_a_byte_order_mark(tmp_path):
+    # saved by a Windows editor: the first header was not found at position 0, and the
+    # first session was lost, the second renumbered 001
+    path = tmp_path / "proj" / ".aider.chat.history.md"
+    path.parent.mkdir()
+    path.write_bytes(b"\xef\xbb\xbf" + AIDER_LF.lstrip("\n").encode())
+    plain = tmp_path / "plain" / "proj" / ".aider.chat.history.md"
+    plain.parent.mkdir(parents=True)
+    plain.write_text(AIDER_LF.lstrip("\n"))
+    assert [(s.id, s.messages) for s in load_sessions(path)] == [
+        (s.id, s.messages) for s in load_sessions(plain)] and load_sessions(path)[0].id == \
+        "aider/proj/002"
+
+
 def test_aider_history_crlf_keeps_carriage_returns(tmp_path):
     # The dataset splits on "\n" only: a Windows log keeps "\r", so the two-space break
     # before it is not removed, and a trailing blank "\r" line stays in the assistant text.
@@ -404,6 +418,10 @@ def test_corrupt_gzip(tmp_path):
     ({"agent": "a", "messages": [{"role": "user"}]}, r"m\.jsonl:2: message 0: .*'content'"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, r"m\.jsonl:2: .*unknown role 'wizard'"),
     ([1, 2], r"m\.jsonl:2: expected a JSON object"),
+    # a null id or agent became the string "None": unrelated sessions one task
+    ({"id": None, "agent": "a", "messages": []}, r"m\.jsonl:2: 'id' must be a string"),
+    ({"agent": None, "messages": []}, r"m\.jsonl:2: 'agent' must be a string, got NoneType"),
+    ({"id": True, "messages": []}, r"m\.jsonl:2: 'id' must be a string, got bool"),
 ])
 def test_jsonl_missing_keys(tmp_path, record, match):
     path = write_jsonl(tmp_path / "m.jsonl", [CHAT, record])
