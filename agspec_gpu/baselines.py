@@ -22,7 +22,7 @@ parent, ``-1`` for children of the root (the last committed token); a chain has 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -421,22 +421,30 @@ class _PromptTree:
         return not self._chunks or np.array_equal(context[:self.num_tokens], self._chunks[0])
 
 
-def make_host_drafter(name: str) -> HostDrafter:
-    """The baseline drafter called ``name`` (one of ``HOST_DRAFTERS``), with upstream defaults.
+def make_host_drafter(name: str, warm_responses: Sequence[np.ndarray] = ()) -> HostDrafter:
+    """The baseline drafter called ``name`` (one of ``HOST_DRAFTERS``), with upstream defaults;
+    ``suffix-decoding-warm``'s cache holds ``warm_responses`` (earlier traffic's responses,
+    token arrays oldest first), as a server that answered them would.
 
     Raises:
-        ValueError: ``name`` is not in ``HOST_DRAFTERS``.
+        ValueError: ``name`` is not in ``HOST_DRAFTERS``; ``suffix-decoding-warm`` without
+            ``warm_responses``.
         ImportError: a ``suffix-decoding*`` name without arctic-inference installed.
     """
+    if name == "suffix-decoding-warm" and not len(warm_responses):
+        raise ValueError(f"{name}: no earlier traffic to warm its cache with (the other "
+                         f"half's responses: a cross-halves replay, or an e2e run with --half)")
     if name == "none":
         return NoDrafter()
     if name == "pld-hf":
         return PLDHF()
     if name == "pld-vllm":
         return PLDVLLM()
-    if name in ("suffix-decoding", "suffix-decoding-warm"):  # warm: its lane fills the cache
+    if name in ("suffix-decoding", "suffix-decoding-warm"):
         d = SuffixDecoding(cache_responses=True)
         d.name = name
+        if name == "suffix-decoding-warm":
+            d.cache_responses(warm_responses)
         return d
     if name == "suffix-decoding-nocache":
         return SuffixDecoding(cache_responses=False)

@@ -388,7 +388,8 @@ def _jsonable(obj: Any) -> Any:
 def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callable[[], Lane]]],
                tokenizer: Tokenizer, config: ReplayConfig | None = None, *,
                progress: ReplayProgress | None = None, inputs: Sequence[str] = (),
-               cross_halves: Sequence[str | Path] | None = None) -> ReplayReport:
+               cross_halves: Sequence[str | Path] | None = None,
+               warm_responses: Sequence[np.ndarray] = ()) -> ReplayReport:
     """Replays ``corpus`` through each drafter and computes the report.
 
     Parameters
@@ -405,6 +406,10 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         whole set is measured with a global tier without any session feeding its own, nor any
         other session of its task
         (``config.global_corpus`` is ignored).
+    warm_responses : without ``cross_halves``, what ``suffix-decoding-warm``'s cache holds
+        (token arrays, oldest first: the traffic ``config.global_corpus`` was built from,
+        :func:`session_responses` of those sessions); with it, each half's warm cache holds
+        the other half's responses.
 
     Returns
     -------
@@ -421,7 +426,9 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
                          "cannot be sent to another process)")
     t_wall = time.perf_counter()
     if cross_halves is None:
-        parts = [(corpus, config, ())]
+        parts = [(corpus, config, tuple(warm_responses))]
+    elif len(warm_responses):
+        raise ValueError("warm_responses: cross_halves warms each half with the other's")
     else:
         from agspec_gpu.tiers import session_half
 
@@ -434,7 +441,7 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         # SuffixDecoding against the other half's responses)
         parts = [(replace(corpus, sessions=halves[h], agent_formats=corpus.agents),
                   replace(config, global_corpus=str(cross_halves[1 - h])),
-                  _responses(halves[1 - h]) if warm else ())
+                  session_responses(halves[1 - h]) if warm else ())
                  for h in (0, 1)]
     parts = [part for part in parts if part[0].sessions]
     if config.workers > 1 and parts:  # every part's shards in one pool of workers
@@ -490,7 +497,7 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
 LaneStats = list[tuple[str, Hashable | None, ReplayStats]]
 
 
-def _responses(sessions: Sequence[TokenizedSession]) -> tuple[np.ndarray, ...]:
+def session_responses(sessions: Sequence[TokenizedSession]) -> tuple[np.ndarray, ...]:
     """The assistant messages of ``sessions``, in order: the responses a server that
     answered them holds."""
     return tuple(s.tokens[s.bounds[i]:s.bounds[i + 1]] for s in sessions

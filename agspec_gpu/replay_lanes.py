@@ -496,15 +496,9 @@ def make_lane(name: str, ctx: LaneContext) -> Lane:
         ImportError: the drafter's implementation is missing (arctic-inference for
             ``suffix-decoding*``; ``agspec_gpu.drafter`` for ``agspec*``).
     """
-    if name == "suffix-decoding-warm":
-        if not ctx.warm_responses:
-            raise ValueError(f"{name}: no earlier traffic to warm its cache with (replay "
-                             f"with cross-halves: the other half's responses)")
-        drafter = make_host_drafter(name)
-        drafter.cache_responses(ctx.warm_responses)
-        return HostLane(drafter, oracle_key=oracle_key(name, ctx))
     if name in HOST_DRAFTERS:
-        return HostLane(make_host_drafter(name), oracle_key=oracle_key(name, ctx))
+        return HostLane(make_host_drafter(name, ctx.warm_responses),
+                        oracle_key=oracle_key(name, ctx))
     if name in AGSPEC_DRAFTERS:
         tiers, store, drafter = _agspec_parts(name, ctx)
         return BatchedLane(name, drafter, store, ctx.device, oracle_key=tiers)

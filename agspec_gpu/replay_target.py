@@ -210,16 +210,18 @@ class OracleProposer(OracleLane):
 
 def make_proposer(name: str, tokenizer, device: torch.device | str, max_batch: int, *,
                   cost: CostModel | BatchCostModels | None = None, global_corpus=None,
-                  oracle_k: int = 32):
+                  oracle_k: int = 32, warm_responses: Sequence[np.ndarray] = ()):
     """The drafter ``name`` as the replay-target loop drives it.
 
     Names: the host baselines of :data:`agspec_gpu.baselines.HOST_DRAFTERS`, the agspec
     variants of :data:`agspec_gpu.replay_lanes.AGSPEC_DRAFTERS`, ``agspec-nobudget`` (agspec
     without the batch-level budget) and ``oracle``. ``cost`` feeds agspec's batch budget (a
     curve per batch size: each step steers by its bucket's, as the replay prices it).
+    ``warm_responses``: what ``suffix-decoding-warm``'s cache holds (the traffic agspec's
+    ``global_corpus`` was built from, as a server that answered it would).
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name; ``suffix-decoding-warm`` without ``warm_responses``.
         ImportError: ``suffix-decoding*`` without arctic-inference.
     """
     from agspec_gpu.baselines import HOST_DRAFTERS, make_host_drafter
@@ -228,7 +230,7 @@ def make_proposer(name: str, tokenizer, device: torch.device | str, max_batch: i
     from agspec_gpu.tiers import CorpusStore, TierConfig
 
     if name in HOST_DRAFTERS:
-        return HostProposer(make_host_drafter(name))
+        return HostProposer(make_host_drafter(name, warm_responses))
     base = "agspec" if name in ("oracle", "agspec-nobudget") else name
     if base not in AGSPEC_DRAFTERS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(METHOD_NAMES)}")

@@ -32,7 +32,7 @@ import torch
 
 from agspec_gpu.controller import ControllerConfig  # noqa: F401 - for --variants
 from agspec_gpu.drafter import Drafter, DrafterConfig
-from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
+from agspec_gpu.replay import ReplayConfig, run_replay, session_responses, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane
 from agspec_gpu.baselines import suffix_decoding_available
 from agspec_gpu.tiers import CorpusStore, TierConfig, load_global_corpus, session_half
@@ -48,6 +48,9 @@ MATRIX = [
     ("pld-hf", None),
     ("pld-vllm", None),
     ("suffix-decoding", None),
+    # (with --half) its cache holding the other half's responses, as agspec's --global
+    # tier holds that half's sessions: the peer given what agspec is given
+    ("suffix-decoding-warm", None),
     ("controller-tree-budget", {}),
     ("controller-tree", {"batch_budget": False}),
     ("controller-chain-budget", {"tree": False}),
@@ -101,7 +104,18 @@ def main() -> None:
         sessions += [cut(s, args.max_target_tokens, tok) for s in ss[:args.sessions]]
     gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     variants = eval(args.variants) if args.variants else MATRIX  # noqa: S307 - own command line
-    variants = [v for v in variants if v[0] != "suffix-decoding" or suffix_decoding_available()]
+    variants = [v for v in variants if not v[0].startswith("suffix-decoding")
+                or suffix_decoding_available()]
+    warm = ()
+    if any(v[0] == "suffix-decoding-warm" for v in variants):
+        if args.half is None:
+            print("suffix-decoding-warm left out: its cache holds the other half's responses "
+                  "(give --half)")
+            variants = [v for v in variants if v[0] != "suffix-decoding-warm"]
+        else:
+            warm = session_responses(tokenize_sessions(
+                [s for f in FILES for s in load_paths([DEV + f])
+                 if session_half(s.task_id) != args.half], tok).sessions)
     rows, t_all = [], time.time()
     for B in args.batch_sizes:
         subset = sessions if B > 1 else sessions[::max(1, len(sessions) // args.single_sessions)]
@@ -118,7 +132,8 @@ def main() -> None:
         t0 = time.time()
         report = run_replay(corpus, [lane(n, kw) if kw is not None else n for n, kw in variants],
                             tok, ReplayConfig(batch_size=B, oracle=not args.no_oracle,
-                                              global_corpus=args.global_corpus))
+                                              global_corpus=args.global_corpus),
+                            warm_responses=warm)
         for r in report.rows:
             r = dict(r, batch_size=B)
             rows.append(r)

@@ -77,7 +77,7 @@ from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import synchronize
 from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array
-from agspec_gpu.replay import tokenize_sessions
+from agspec_gpu.replay import session_responses, tokenize_sessions
 from agspec_gpu.replay_target import (
     METHOD_NAMES, DecodeGraphs, MetadataPool, ReplayTargetConfig, make_proposer, protocol,
     run_replay_target,
@@ -125,7 +125,10 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
         num_key_value_heads=2, vocab_size=100277, rms_norm_eps=1e-5, rope_theta=500000.0,
         max_position_embeddings=131072, tie_word_embeddings=False)),
 }
-DEFAULT_METHODS = ("none", "pld-hf", "suffix-decoding", "agspec", "agspec-nobudget", "oracle")
+# suffix-decoding-warm (with --half): its cache holds the other half's responses, the
+# traffic agspec's --global-corpus is built from: the peer given what agspec is given
+DEFAULT_METHODS = ("none", "pld-hf", "suffix-decoding", "suffix-decoding-warm", "agspec",
+                   "agspec-nobudget", "oracle")
 
 
 def make_config(name: str):
@@ -412,6 +415,17 @@ def load_corpus(args, tokenizer):
     return tokenize_sessions(sessions, tokenizer, capture_files=True)
 
 
+def other_half_responses(args, tokenizer) -> tuple:
+    """The assistant messages of the sessions of the given paths in the half ``--half``
+    leaves out (all of them, not cut by ``--sessions``): what a warm SuffixDecoding server
+    cached, as agspec's global corpus of that half holds them."""
+    from agspec_gpu.tiers import session_half
+
+    sessions = [s for s in load_paths(args.paths or [DEFAULT_DATA])
+                if session_half(s.task_id) != args.half]
+    return session_responses(tokenize_sessions(sessions, tokenizer).sessions)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
@@ -434,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
             for m in [m for m in methods if m.startswith("suffix-decoding")]:
                 methods.remove(m)
                 skipped[m] = SUFFIX_DECODING_INSTALL_HINT
+    if "suffix-decoding-warm" in methods and (args.half is None or args.git):
+        if args.methods != ",".join(DEFAULT_METHODS):
+            raise SystemExit("suffix-decoding-warm needs --half (its cache holds the other "
+                             "half's responses) and no --git")
+        methods.remove("suffix-decoding-warm")
+        skipped["suffix-decoding-warm"] = "needs --half: its cache holds the other half's " \
+                                          "responses"
     if "none" not in methods:
         methods.insert(0, "none")  # every speedup is over it
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -450,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- workload
     tokenizer = load_tokenizer("cl100k")
     corpus = load_corpus(args, tokenizer)
+    warm = other_half_responses(args, tokenizer) if "suffix-decoding-warm" in methods else ()
     maybe_global = None
     if args.global_corpus:
         from agspec_gpu.tiers import load_global_corpus
@@ -571,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(method: str, b: int, sessions, steps=max_steps, hook=None):
         # agspec's budget steers by the curve of each step's bucket, as `prices` prices it
         proposer = make_proposer(method, tokenizer, device, b, cost=prices,
-                                 global_corpus=maybe_global)
+                                 global_corpus=maybe_global, warm_responses=warm)
         cfg = ReplayTargetConfig(batch_size=b, context_tokens=args.context,
                                  max_message_tokens=max_msg, messages_per_session=per_msg,
                                  prefill=args.prefill, max_steps=steps, order=args.order)
@@ -829,6 +851,9 @@ def goals(rows: list[dict], batch_sizes: list[int]) -> dict:
     return {
         "agspec_speedup_over_suffix_speedup": {b: ratio("agspec", "suffix-decoding", b)
                                                for b in batch_sizes},
+        # against SuffixDecoding given the traffic agspec's global tier holds (with --half)
+        "agspec_speedup_over_warm_suffix_speedup": {
+            b: ratio("agspec", "suffix-decoding-warm", b) for b in batch_sizes},
         "agspec_fraction_of_oracle_speedup": {b: ratio("agspec", "oracle", b)
                                               for b in batch_sizes},
         # measured speedup over the replay evaluator's modelled one (step by step, drafting
@@ -851,6 +876,9 @@ def goals(rows: list[dict], batch_sizes: list[int]) -> dict:
                                       if ("agspec", b) in by else None for b in batch_sizes},
         "full_batch_modelled_agspec_speedup_over_suffix_speedup": {
             b: ratio("agspec", "suffix-decoding", b, "modelled_full_batch_speedup")
+            for b in batch_sizes},
+        "full_batch_modelled_agspec_speedup_over_warm_suffix_speedup": {
+            b: ratio("agspec", "suffix-decoding-warm", b, "modelled_full_batch_speedup")
             for b in batch_sizes},
         "targets": "agspec/suffix >= 1.3 at B=1,16; agspec speedup > 1 at B=64; >= 0.7 of the "
                    "oracle; measured/modelled within 10%; draft share < 2%; plain decode >= 70% "

@@ -268,8 +268,10 @@ def test_suffix_decoding_warm_holds_the_responses_it_was_given():
     assert hits >= len(kept) - 10
     _, hits = _run_request(drafter, "b", rng.integers(0, 500, size=50), old.tolist())
     assert hits == 0  # evicted first
-    warm = make_host_drafter("suffix-decoding-warm")
-    assert warm.name == "suffix-decoding-warm" and warm.cache_responses([kept]) == 1
+    warm = make_host_drafter("suffix-decoding-warm", [old, kept])
+    assert warm.name == "suffix-decoding-warm" and warm.cache_responses([]) == 2
+    with pytest.raises(ValueError, match="suffix-decoding-warm: no earlier traffic"):
+        make_host_drafter("suffix-decoding-warm")
     with pytest.raises(ValueError, match="cache_responses"):
         make_host_drafter("suffix-decoding-nocache").cache_responses([kept])
 

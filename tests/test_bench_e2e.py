@@ -466,3 +466,38 @@ def test_a_saved_calibration_loads_every_batch_and_its_staircase(tmp_path):
     assert not any(c.steps for c in bench_e2e.load_cost_models(path, [1]).values())
     path.write_text(json.dumps({**obj, "steps": False}))  # the field, where present, rules
     assert not bench_e2e.load_cost_models(path, [1])[4].steps
+
+
+def test_warm_suffix_decoding_holds_the_other_halfs_responses(tmp_path):
+    """The e2e's `suffix-decoding-warm` ran with an empty cache (the name was accepted and
+    nothing filled it) while agspec drafted from the other half's global corpus: now it
+    holds that half's responses, and without --half it is refused."""
+    from agspec_gpu.baselines import suffix_decoding_available
+    from agspec_gpu.replay_target import make_proposer
+    from agspec_gpu.tiers import session_half
+
+    if not suffix_decoding_available():
+        pytest.skip("needs arctic-inference")
+    aider = DEV / "aider__chat_history.jsonl.gz"
+    if not aider.exists():
+        pytest.skip("needs the dev trajectories")
+    tok = load_tokenizer("cl100k")
+    args = bench_e2e.parse_args([str(aider), "--half", "1"])
+    warm = bench_e2e.other_half_responses(args, tok)
+    half0 = [s for s in load_paths(aider, limit=None) if session_half(s.task_id) == 0]
+    assert len(warm) == sum(m.role == "assistant" for s in half0 for m in s.messages) > 0
+    with pytest.raises(ValueError, match="suffix-decoding-warm: no earlier traffic"):
+        make_proposer("suffix-decoding-warm", tok, "cpu", 2)
+    proposer = make_proposer("suffix-decoding-warm", tok, "cpu", 2, warm_responses=warm)
+    assert proposer.drafter.cache_responses(()) == len(warm)  # (adds none: reports them)
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main([str(aider), "--device", "cpu", "--tiny", "--half", "1",
+                           "--methods", "none,suffix-decoding,suffix-decoding-warm",
+                           "--results-dir", str(tmp_path), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {r["method"] for r in report["rows"]} == {"none", "suffix-decoding",
+                                                     "suffix-decoding-warm"}
+    assert "agspec_speedup_over_warm_suffix_speedup" in report["goals"]
+    with pytest.raises(SystemExit, match="suffix-decoding-warm needs --half"):
+        bench_e2e.main([str(aider), "--device", "cpu", "--tiny", "--methods",
+                        "none,suffix-decoding-warm", "--results-dir", str(tmp_path)])

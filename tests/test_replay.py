@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.gitlog import cat_n
-from agspec_gpu.replay import ReplayConfig, run_replay, shard_sessions, tokenize_sessions
+from agspec_gpu.replay import (ReplayConfig, run_replay, session_responses, shard_sessions,
+                               tokenize_sessions)
 from agspec_gpu.replay_lanes import BatchedLane, HostLane, agspec_unavailable_reason
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
 from agspec_gpu.replay_stats import P_ACC_MAX_K, ReplayStats
@@ -838,6 +840,19 @@ def test_warm_suffix_decoding_holds_the_other_half_responses_only(tok, tmp_path)
             assert (tau[lane, "f-agent"] > 5) == (workers == 1), tau
     with pytest.raises(ValueError, match="suffix-decoding-warm: no earlier traffic"):
         run_replay(corpus, ["suffix-decoding-warm"], tok, ReplayConfig(oracle=False))
+    # without cross-halves, the caller's warm responses (as bench_drafter.py passes the
+    # other half's, beside a --global tier built from it)
+    half1 = replace(corpus, sessions=tuple(s for s in corpus.sessions
+                                           if s.session_id == ids["e"]))
+    warm = session_responses([s for s in corpus.sessions if s.session_id == ids["d"]])
+    assert len(warm) == 1 and len(half1.sessions) == 1
+    report = run_replay(half1, ["suffix-decoding", "suffix-decoding-warm"], tok,
+                        ReplayConfig(batch_size=1, oracle=False), warm_responses=warm)
+    tau = {r["drafter"]: r["tau"] for r in report.rows if r["agent"] == "all"}
+    assert tau["suffix-decoding-warm"] > 5 > 1.5 > tau["suffix-decoding"], tau
+    with pytest.raises(ValueError, match="warm_responses: cross_halves warms"):
+        run_replay(corpus, ["suffix-decoding-warm"], tok, ReplayConfig(oracle=False),
+                   cross_halves=halves, warm_responses=warm)
 
 
 def test_cross_halves_never_feed_a_session_its_own_half(tok, tmp_path):
