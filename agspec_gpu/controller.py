@@ -116,9 +116,9 @@ def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: C
         num_requests: ``B``, roots verified anyway (an int, or a 0-d int64 device tensor:
             then ``table`` is required and must cover ``B + M``).
         cost: step time versus tokens.
-        table: ``cost_table(cost, device, T)`` with ``T >= B + M``, when the caller built
-            it once (a per-step caller: no host-to-device copy each call); otherwise built
-            here.
+        table: ``cost_table(cost, device, T)`` with ``T >= max(B, cost.table_base()) + M``,
+            when the caller built it once (a per-step caller: no host-to-device copy each
+            call); otherwise (or when it is shorter) built here.
 
     Returns:
         ``int64 []`` (0-d tensor) ``n*`` maximising ``(B + cumsum(scores)[n-1]) / cost(B + n)``
@@ -130,7 +130,8 @@ def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: C
     if isinstance(num_requests, torch.Tensor):  # a device scalar: gather, no host read
         if table is None:
             raise ValueError("table: required when num_requests is a tensor")
-    elif table is None or table.numel() < num_requests + M + 1:
+    elif table is None or table.numel() < max(num_requests, cost.table_base() or 0) + M + 1:
+        # (a staircase reads a step of n at table_base + n, past B + n where it is larger)
         table = cost_table(cost, scores.device, max(num_requests, cost.table_base() or 0) + M)
     return budget_count_torch(scores[:M], num_requests, table, cost.table_base())
 
@@ -174,13 +175,14 @@ def load_profiles(path: str | Path,
                          f"`agspec-gpu profile`)")
     try:
         obj = json.loads(Path(path).read_text())
-        caps = {r: int(v["draft_cap"]) for r, v in obj["roles"].items()}
+        caps = {r: v["draft_cap"] for r, v in obj["roles"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"profiles {path}: not an agspec-gpu profile file ({exc})") from exc
-    if base is None:
-        return {r: RoleProfile(r, c) for r, c in caps.items()}
-    fallback = base.get("default", RoleProfile("default"))
-    out = dict(base)
-    out.update({r: RoleProfile(r, c, base.get(r, fallback).initial_scale)
-                for r, c in caps.items()})
-    return out
+    fallback = (base or {}).get("default", RoleProfile("default"))
+    try:  # (RoleProfile checks each cap and name: an int >= 1, a non-empty str)
+        profiled = {r: RoleProfile(r, c, 1.0 if base is None else
+                                   base.get(r, fallback).initial_scale)
+                    for r, c in caps.items()}
+    except ValueError as exc:
+        raise ValueError(f"profiles {path}: {exc}") from None
+    return profiled if base is None else {**base, **profiled}

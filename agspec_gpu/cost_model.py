@@ -13,6 +13,7 @@ import bisect
 import math
 import json
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,13 @@ class CostModel:
     def __post_init__(self) -> None:
         if len(self.points) < 2:
             raise ValueError("points: need at least two (num_tokens, ms) points")
+        for i, (n, ms) in enumerate(self.points):
+            if isinstance(n, bool) or not isinstance(n, Integral):
+                raise ValueError(f"points[{i}]: num_tokens must be an int, got {n!r}")
+            if isinstance(ms, bool) or not isinstance(ms, Real):
+                raise ValueError(f"points[{i}]: ms must be a number, got {ms!r}")
+        # (plain ints and floats: a numpy int would not write as JSON)
+        object.__setattr__(self, "points", tuple((int(n), float(ms)) for n, ms in self.points))
         xs = [p[0] for p in self.points]
         if xs != sorted(xs) or len(set(xs)) != len(xs) or xs[0] < 1:
             raise ValueError("points: num_tokens must be distinct, ascending and >= 1")
@@ -101,13 +109,32 @@ class CostModel:
         try:
             if isinstance(obj, (str, Path)):
                 obj = json.loads(Path(obj).read_text())
-            points = tuple((int(a), float(b)) for a, b in obj["points"])
+            points = tuple((a, b) for a, b in obj["points"])  # checked as they are
             return cls(points, str(obj.get("source", "")), obj.get("steps", False),
                        obj.get("requests"))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError,
-                AttributeError) as exc:
+                AttributeError, OverflowError) as exc:
             raise ValueError(f"{where}: expected {{\"points\": [[num_tokens, ms], ...]}} "
                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _curves_by_batch(obj: dict, key: str, parse, skip=()) -> dict[int, CostModel]:
+    """``obj[key]``'s curves by batch size (``{"16": ...}``), each ``parse(value, batch)``,
+    but those of the batches in ``skip``; ValueError naming ``key[batch]``, a key that is
+    not an int and one batch given twice (``"4"`` and ``"04"``)."""
+    out: dict[int, CostModel | None] = {}
+    for k, v in (obj.get(key) or {}).items():
+        try:
+            b = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: batch size {k!r} is not an int") from None
+        if b in out:
+            raise ValueError(f"{key}: batch size {b} given twice")
+        try:
+            out[b] = None if b in skip else parse(v, b)
+        except ValueError as exc:
+            raise ValueError(f"{key}[{k!r}]: {str(exc).removeprefix('cost model: ')}") from None
+    return {b: c for b, c in out.items() if c is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,13 +203,13 @@ class BatchCostModels:
         try:
             if isinstance(obj, (str, Path)):
                 obj = json.loads(Path(obj).read_text())
-            whole = {int(k): CostModel.from_json(v) for k, v in (obj.get("curves") or {}).items()}
-            by_batch = {int(k): v for k, v in (obj.get("by_batch_size") or {}).items()}
             steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
-            measured = {b: whole[b] if b in whole else CostModel.from_json(
-                {"points": by_batch[b], "source": obj.get("source", ""), "steps": steps,
-                 "requests": b if steps else None})
-                for b in sorted(set(whole) | set(by_batch))}
+            whole = _curves_by_batch(obj, "curves", lambda v, b: CostModel.from_json(v))
+            by_batch = _curves_by_batch(obj, "by_batch_size", lambda v, b: CostModel.from_json(
+                {"points": v, "source": obj.get("source", ""), "steps": steps,
+                 "requests": b if steps else None}), skip=whole)
+            measured = {b: whole[b] if b in whole else by_batch[b]
+                        for b in sorted(set(whole) | set(by_batch))}
             wanted = {int(b) for b in batch_sizes} - set(measured)
             if not measured:
                 top = CostModel.from_json(obj)

@@ -150,8 +150,8 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
         ``< -1.5``: no node); ``keep_n`` : ``int64 [B]`` how many of them it may keep.
     num_requests : the roots verified anyway (an int, or an ``int64 []`` device tensor: the
         real batch of a padded step).
-    table : ``float64 [T]``, ``cost(m)`` at index ``m`` (``T > num_requests + B * N`` for
-        exact costs; past its end the last entry is read).
+    table : ``float64 [T]``, ``cost(m)`` at index ``m`` (``T > (table_base if not None
+        else num_requests) + B * N`` for exact costs; past its end the last entry is read).
     table_base : ``n`` nodes cost ``table[table_base + n]`` (a staircase measured at
         ``table_base`` requests, ``CostModel.table_base``); None: ``table[num_requests +
         n]``.

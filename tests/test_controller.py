@@ -12,6 +12,7 @@ Every rule of `agspec_gpu.controller` against a hand-computed or brute-force ref
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,6 +24,7 @@ from agspec_gpu.controller import (
     RoleProfile,
     batch_budget,
     caps_from_curve,
+    cost_table,
     draft_depth,
     load_profiles,
     profile_roles,
@@ -402,6 +404,65 @@ def test_cost_model_json_round_trip(tmp_path):
     p.write_text(json.dumps(c.to_json()))
     assert CostModel.from_json(p) == c
     assert CostModel.from_json(str(p)) == c
+
+
+def test_cost_files_with_bad_values_are_refused_naming_the_field(tmp_path):
+    """Found by an audit: an infinite token count raised a bare OverflowError, a float or
+    str one was truncated (a save and load then moved the curve), a bad curve of a
+    calibration file named neither its batch nor its field, and "4" / "04" collapsed."""
+    p = tmp_path / "cost.json"
+    for points, match in [
+        ("[[1, 1.0], [Infinity, 2.0]]", "num_tokens must be an int"),
+        ("[[1, 1.0], [1e400, 2.0]]", "num_tokens must be an int"),
+        ("[[1.7, 1.0], [2.9, 2.0]]", r"points\[0\]: num_tokens must be an int, got 1.7"),
+        ('[["3", 1.0], ["5", 2.0]]', "num_tokens must be an int"),
+        ("[[true, 1.0], [2, 2.0]]", "num_tokens must be an int"),
+        ('[[1, "1.0"], [2, 2.0]]', r"points\[0\]: ms must be a number"),
+    ]:
+        p.write_text('{"points": %s}' % points)
+        for load in (CostModel.from_json, BatchCostModels.from_json):
+            with pytest.raises(ValueError, match=f"^cost model {p}: .*{match}"):
+                load(p)
+    with pytest.raises(ValueError, match="num_tokens must be an int"):
+        CostModel(((1.5, 1.0), (2.5, 2.0)))
+    c = CostModel(((np.int64(1), np.float32(1.0)), (np.int64(2), 2)))  # plain, and JSON
+    assert json.loads(json.dumps(c.to_json()))["points"] == [[1, 1.0], [2, 2.0]]
+    good = {"points": [[16, 1.0], [32, 2.0]]}
+    for obj, match in [
+        ({"curves": {"4": {"source": "x"}}}, r"curves\['4'\]: expected"),
+        ({"by_batch_size": {"4": []}}, r"by_batch_size\['4'\]: .*two"),
+        ({"by_batch_size": {"x": good["points"]}}, "by_batch_size: batch size 'x' is not an int"),
+        ({"curves": {"4": good, "04": good}}, "curves: batch size 4 given twice"),
+    ]:
+        p.write_text(json.dumps(obj))
+        with pytest.raises(ValueError, match=f"^cost model {p}: {match}"):
+            BatchCostModels.from_json(p)
+
+
+def test_profiles_with_bad_caps_name_the_file(tmp_path):
+    p = tmp_path / "roles.json"
+    for roles, match in [({"coder": {"draft_cap": 0}}, "draft_cap must be >= 1"),
+                         ({"coder": {"draft_cap": 3.7}}, "draft_cap"),
+                         ({"coder": {"draft_cap": True}}, "draft_cap"),
+                         ({"coder": {"draft_cap": "7"}}, "draft_cap"),
+                         ({"": {"draft_cap": 4}}, "name")]:
+        p.write_text(json.dumps({"roles": roles}))
+        with pytest.raises(ValueError, match=f"^profiles {p}: .*{match}"):
+            load_profiles(p)
+    p.write_text('{"roles": {"coder": {"draft_cap": 1e400}}}')
+    with pytest.raises(ValueError, match=f"^profiles {p}: .*draft_cap"):
+        load_profiles(p)
+
+
+def test_batch_budget_reads_a_staircase_past_its_base_in_a_short_table():
+    """A caller's table of the documented B + M entries is short for a staircase measured at
+    more requests (read at table_base + n): it was read past its end, clamped to the last
+    entry (12 nodes kept where the objective keeps 8); now it is rebuilt."""
+    stairs = CostModel(((8, 2.0), (12, 3.0), (16, 4.0), (24, 20.0)), steps=True, requests=8)
+    scores = torch.full((12,), 0.5, dtype=torch.float64)
+    want = int(batch_budget(scores, 3, stairs))
+    assert want == 8  # (the objective priced at table_base + n, as the audit brute-forced)
+    assert int(batch_budget(scores, 3, stairs, table=cost_table(stairs, "cpu", 15))) == want
 
 
 def test_step_token_counts_price_each_step():
