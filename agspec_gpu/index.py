@@ -112,8 +112,10 @@ class IndexArena:
         # int8 tag per token (which tier / emission form it came from), moved with tokens
         self.src = torch.zeros(max(initial_tokens, 16), dtype=torch.int8, device=self.device)
         # on the CPU, int64 search keys of every sa entry (prefix_keys; _KEY_FREE past the
-        # live levels), non-decreasing over the buffer: the torch match path's search
-        # hints. Kept in step with sa by every allocation, move and compaction.
+        # live levels), non-decreasing over the buffer (at max_depth 1, by the first
+        # token's code only: a level is sorted by one token, and queries of one token
+        # search only those codes): the torch match path's search hints. Kept in step
+        # with sa by every allocation, move and compaction.
         self.sa_key = None if self.device.type == "cuda" else \
             torch.full_like(self.sa, _KEY_FREE, dtype=torch.int64)
         self._next_seq = 0
@@ -245,6 +247,7 @@ class IndexArena:
                                               src.device != self.src.device):
             raise ValueError(f"src: expected one tag or int8 [{m}] on {self.src.device}, got "
                              f"{src.dtype} {list(src.shape)} on {src.device}")
+        _check_tag(src)  # (before any token is written)
         if m == 0:
             return
         _check_corpus_size(c.n, m)
@@ -289,7 +292,8 @@ class IndexArena:
                              f"{tuple(tokens.shape)} and {len(counts)} counts")
         if len(set(cids)) != len(cids):
             raise ValueError("cids: each corpus at most once per call")
-        _check_tokens(tokens.view(-1), "tokens", self.device)
+        _check_tokens(tokens.reshape(-1), "tokens", self.device)
+        _check_tag(src)
         M = tokens.shape[1]
         deferred = isinstance(counts, torch.Tensor)
         if deferred:
@@ -348,6 +352,9 @@ class IndexArena:
         elif len(counts) != len(cids) or any(not 0 <= m <= M for m in counts):
             raise ValueError(f"counts: expected {len(cids)} counts in [0, {M}] (the "
                              f"deferred append's), got {list(counts)}")
+        if cut and len(cut) != len(cids):
+            raise ValueError(f"cut: expected {len(cids)} flags (the deferred append's "
+                             f"corpora), got {len(cut)}")
         self._unsettled = None
         for cid, m, c in zip(cids, counts, cut):
             if c:
@@ -644,6 +651,15 @@ class SuffixIndex:
 
 
 # -------------------------------------------------------------------- validation helpers
+def _check_tag(src) -> None:
+    """One source tag (an int8 the arena stores per token); a tensor of them is checked
+    by its dtype."""
+    if not isinstance(src, torch.Tensor) and (isinstance(src, bool) or
+                                              not isinstance(src, Integral) or
+                                              not -128 <= src <= 127):
+        raise ValueError(f"src: expected a tag in [-128, 127] or an int8 tensor, got {src!r}")
+
+
 def _check_tokens(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -149,3 +149,39 @@ def test_rebuild_appends_the_kept_parts_at_once_as_they_were():
     with pytest.raises(ValueError, match="src: expected one tag or int8"):
         arena.append(c.cid, torch.tensor([1, 2], dtype=torch.int32),
                      torch.zeros(2, dtype=torch.int64))
+
+
+def test_a_bad_part_changes_nothing_not_even_the_arena_past_the_corpus():
+    """A document whose second part had a tag past int8 (or a 2-D part) left its first part
+    in the corpus (counted in its budget, matchable, yet in no document), and the failed
+    append's tokens past the corpus end."""
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=16))
+    d = DocumentCorpus(arena, 100)
+    d.add("a", [([5, 5, 5], 0)])
+    before = arena.tokens.clone()
+    for parts, match in [([([1, 2, 3], 0), ([4], 300)], r"parts\[1\]: src must be a tag"),
+                         ([([1, 2, 3], 0), ([[4]], 1)], r"parts\[1\]: expected 1-D"),
+                         ([([1], True)], r"parts\[0\]: src")]:
+        with pytest.raises(ValueError, match=match):
+            d.add("b", parts)
+        assert arena.corpus_tokens(d.cid).tolist() == [-1, 5, 5, 5] and d.doc_ids() == ["a"]
+        assert torch.equal(arena.tokens, before)
+    with pytest.raises(ValueError, match="src: expected a tag in"):
+        arena.append(d.cid, torch.tensor([4], dtype=torch.int32), 300)
+    assert torch.equal(arena.tokens, before) and arena.num_tokens(d.cid) == 4
+
+
+def test_settle_checks_its_cut_flags_and_append_rows_takes_any_layout():
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=16))
+    c1, c2 = arena.new_corpus(), arena.new_corpus()
+    arena.append_rows([c1, c2], torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
+                      torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="cut: expected 2 flags"):
+        arena.settle([1, 1], cut=[True])  # c2's 5 and 6 would have stayed past its end
+    arena.settle([3, 1], cut=[False, True])
+    assert arena.corpus_tokens(c2).tolist() == [4]
+    assert arena.tokens[arena._corpora[c2].tok_base + 1:][:2].tolist() == [0, 0]
+    cols = torch.arange(8, dtype=torch.int32).view(4, 2).t()  # not contiguous
+    arena.append_rows([c1, c2], cols, [4, 4])
+    assert arena.corpus_tokens(c1).tolist()[-4:] == [0, 2, 4, 6]
+    assert arena.corpus_tokens(c2).tolist()[-4:] == [1, 3, 5, 7]
