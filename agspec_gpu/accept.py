@@ -601,7 +601,10 @@ def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPat
     ``by_depth=True`` (one kernel per batch on a GPU; pointer jumping on CPU, no host reads).
     Sibling nodes with the same token (a drafter should merge them) never cost acceptance:
     the deepest path that spells the truth counts, and ``path_nodes`` reports the lowest
-    matched node index at each depth.
+    matched node index at each depth. With such siblings those nodes need not form one
+    root-to-node path (tokens ``[0, 0, 0, 0]``, parents ``[-1, -1, -1, 2]``, truth ``[0,
+    0]``: nodes 0 and 3), so what is read per accepted node (its source tag) may come from
+    a sibling twin; agspec's tries and the host baselines' chains have none.
 
     Example
     -------

@@ -157,7 +157,8 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
                    help="replay only sessions of this half (see build-global --half)")
     p.add_argument("--device", default="cpu", help="device of the agspec corpora (cpu, cuda)")
     p.add_argument("--oracle-k", type=_at_least(1, MAX_ORACLE_K), default=32,
-                   help=f"oracle depth cap (32; at most {MAX_ORACLE_K})")
+                   help=f"oracle depth cap (at most and by default {MAX_ORACLE_K}, the depth "
+                        f"its corpora are indexed to)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
     p.add_argument("--cost-model", metavar="FILE",
                    help="verification cost model JSON (default: 8B bf16 on H200 estimate)")

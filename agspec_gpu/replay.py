@@ -55,7 +55,9 @@ TENANT_MODES = ("session", "agent")
 # it captures graphs for buckets up to it. 4096 builds in about a second on a CPU and is far
 # above one GPU's verification batch; 10**9 would try to allocate 128 GB.
 MAX_BATCH_SIZE = 4096
-MAX_ORACLE_K = 4096
+# the oracle searches corpora indexed to TierConfig's max_depth (32): no longer prefix can be
+# found, so a larger k was capped silently while the report recorded it
+MAX_ORACLE_K = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,8 @@ class ReplayConfig:
         if self.tenant_by not in TENANT_MODES:
             raise ValueError(f"tenant_by must be one of {TENANT_MODES}, got {self.tenant_by!r}")
         if not 1 <= self.oracle_k <= MAX_ORACLE_K:
-            raise ValueError(f"oracle_k must be in [1, {MAX_ORACLE_K}], got {self.oracle_k}")
+            raise ValueError(f"oracle_k must be in [1, {MAX_ORACLE_K}] (the depth its corpora "
+                             f"are indexed to), got {self.oracle_k}")
 
 
 @dataclass(frozen=True)

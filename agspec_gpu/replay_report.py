@@ -212,14 +212,16 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
         row["modelled_speedup"] = modelled_speedup(
             tau, row["drafted_per_step"],
             drafter_us_per_step(row["draft_us_per_step"], row["commit_us_per_step"]), cost_model)
-        if all(r.get("mean_batch") for r in rs):
-            bsteps = sum(r["batch_steps"] for r in rs)
+        # lane-level, as in a replay (every agent's row holds its lane's batch figures and
+        # times): from the "all" rows of the replays, also where this agent was absent
+        lane = groups.get((drafter, "all"), [])
+        if lane and all(r.get("mean_batch") for r in lane):
+            bsteps = sum(r["batch_steps"] for r in lane)
             row["batch_steps"] = bsteps
-            row["mean_batch"] = sum(r["mean_batch"] * r["batch_steps"] for r in rs) / bsteps
+            row["mean_batch"] = sum(r["mean_batch"] * r["batch_steps"] for r in lane) / bsteps
             row["modelled_batch_speedup"] = modelled_batch_speedup(
                 tau, row["drafted_per_step"], row["mean_batch"], cost_model)
-        # lane-level, as in a replay: the "all" rows' times summed over the replays
-        lane_ms = [r.get("modelled_ms") for r in groups.get((drafter, "all"), [])]
+        lane_ms = [r.get("modelled_ms") for r in lane]
         row["modelled_ms"] = sum(lane_ms) if lane_ms and None not in lane_ms else None
         out.append(row)
     add_replay_speedups(out)

@@ -344,9 +344,13 @@ def test_config_validation():
     for bad in (0, MAX_BATCH_SIZE + 1, 10**9):  # the drafter's buffers are sized by it
         with pytest.raises(ValueError, match=r"batch_size must be in \[1, 4096\]"):
             ReplayConfig(batch_size=bad)
-    for bad in (0, 4097):
+    for bad in (0, 33, 4097):  # past the oracle's index depth: it was capped at 32 silently
         with pytest.raises(ValueError, match="oracle_k"):
             ReplayConfig(oracle_k=bad)
+    from agspec_gpu.replay import MAX_ORACLE_K
+    from agspec_gpu.tiers import TierConfig
+
+    assert MAX_ORACLE_K == TierConfig().max_depth
     with pytest.raises(ValueError, match="tenant_by"):
         ReplayConfig(tenant_by="user")
 
@@ -595,7 +599,7 @@ def test_cli_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, monkeypa
         assert named in capsys.readouterr().err.replace("\n", " "), argv
     with pytest.raises(SystemExit) as exc:  # argparse checks the range: usage error, 2
         cli.main(replay + ["--oracle-k", "0"])
-    assert exc.value.code == 2 and "--oracle-k: must be in [1, 4096]" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--oracle-k: must be in [1, 32]" in capsys.readouterr().err
     # the install, not the input: 1, still naming the option
     monkeypatch.setattr(cli, "agspec_unavailable_reason", lambda: "no triton here")
     assert cli.main(["replay", str(fixture), "--drafter", "agspec", "--no-progress"]) == 1
@@ -927,6 +931,14 @@ def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
             assert m[key] == pytest.approx(w[key]), key
         assert m["p_acc"] == pytest.approx(w["p_acc"])
         assert m["mean_batch"] > 0 and m["modelled_batch_speedup"] > 0
+        # the batch figures are the lane's on every agent row, as in a replay: summed over
+        # the parts' "all" rows, also the parts without this agent (they were summed over
+        # the agent's parts only)
+        lane = next(r for r in merged if r["drafter"] == m["drafter"] and r["agent"] == "all")
+        assert m["batch_steps"] == lane["batch_steps"] == sum(
+            next(r["batch_steps"] for r in p if r["drafter"] == m["drafter"]
+                 and r["agent"] == "all") for p in parts)
+        assert m["mean_batch"] == pytest.approx(lane["mean_batch"])
         # verification time adds up over disjoint replays; the ratio is the merged times'
         assert m["modelled_ms"] == pytest.approx(sum(
             next(r["modelled_ms"] for r in p if r["drafter"] == m["drafter"]
