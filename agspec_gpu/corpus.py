@@ -14,12 +14,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Hashable, Sequence
 
 import torch
 
-from agspec_gpu.index import IndexArena
+from agspec_gpu.index import IndexArena, check_source_tag
 
 SEP = -1
 
@@ -106,9 +105,7 @@ class DocumentCorpus:
         for i, (t, src) in enumerate(tensors):  # all checked before any part is written
             if t.dim() != 1:
                 raise ValueError(f"parts[{i}]: expected 1-D tokens, got {list(t.shape)}")
-            if isinstance(src, bool) or not isinstance(src, Integral) or \
-                    not -128 <= src <= 127:
-                raise ValueError(f"parts[{i}]: src must be a tag in [-128, 127], got {src!r}")
+            check_source_tag(src, f"parts[{i}]: src")
         size = sum(1 + t.numel() for t, _ in tensors)
         if self.budget_tokens is not None and self.evict == "error" and \
                 self.num_tokens + size > self.budget_tokens:

@@ -247,7 +247,7 @@ class IndexArena:
                                               src.device != self.src.device):
             raise ValueError(f"src: expected one tag or int8 [{m}] on {self.src.device}, got "
                              f"{src.dtype} {list(src.shape)} on {src.device}")
-        _check_tag(src)  # (before any token is written)
+        check_source_tag(src)  # (before any token is written)
         if m == 0:
             return
         _check_corpus_size(c.n, m)
@@ -293,7 +293,7 @@ class IndexArena:
         if len(set(cids)) != len(cids):
             raise ValueError("cids: each corpus at most once per call")
         _check_tokens(tokens.reshape(-1), "tokens", self.device)
-        _check_tag(src)
+        check_source_tag(src)
         M = tokens.shape[1]
         deferred = isinstance(counts, torch.Tensor)
         if deferred:
@@ -651,13 +651,14 @@ class SuffixIndex:
 
 
 # -------------------------------------------------------------------- validation helpers
-def _check_tag(src) -> None:
-    """One source tag (an int8 the arena stores per token); a tensor of them is checked
-    by its dtype."""
+def check_source_tag(src, name: str = "src") -> None:
+    """One source tag (an int8 the arena stores per token), else ValueError naming
+    ``name``; a tensor of them is checked by its dtype where it is appended."""
     if not isinstance(src, torch.Tensor) and (isinstance(src, bool) or
                                               not isinstance(src, Integral) or
                                               not -128 <= src <= 127):
-        raise ValueError(f"src: expected a tag in [-128, 127] or an int8 tensor, got {src!r}")
+        raise ValueError(f"{name}: expected a tag in [-128, 127] or an int8 tensor, got "
+                         f"{src!r}")
 
 
 def _check_tokens(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:

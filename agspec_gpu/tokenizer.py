@@ -57,7 +57,9 @@ class Tokenizer:
         Raises:
             ValueError: ``text`` is not a ``str`` UTF-8 can encode (a lone surrogate).
         """
-        check_text(text, "text")
+        return self._encode(check_text(text, "text"))
+
+    def _encode(self, text: str) -> list[int]:
         if isinstance(self._impl, _TiktokenImpl):
             return self._impl.enc.encode_ordinary(text)
         return self._impl.encode(text, add_special_tokens=False, split_special_tokens=True)
@@ -75,8 +77,7 @@ class Tokenizer:
         texts = [check_text(t, f"texts[{i}]") for i, t in enumerate(texts)]
         if isinstance(self._impl, _TiktokenImpl):
             return self._impl.enc.encode_ordinary_batch(texts, num_threads=2)
-        return [self._impl.encode(t, add_special_tokens=False, split_special_tokens=True)
-                for t in texts]
+        return [self._encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``. An id that holds no text decodes as nothing, as Hugging

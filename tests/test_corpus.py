@@ -159,7 +159,7 @@ def test_a_bad_part_changes_nothing_not_even_the_arena_past_the_corpus():
     d = DocumentCorpus(arena, 100)
     d.add("a", [([5, 5, 5], 0)])
     before = arena.tokens.clone()
-    for parts, match in [([([1, 2, 3], 0), ([4], 300)], r"parts\[1\]: src must be a tag"),
+    for parts, match in [([([1, 2, 3], 0), ([4], 300)], r"parts\[1\]: src: expected a tag"),
                          ([([1, 2, 3], 0), ([[4]], 1)], r"parts\[1\]: expected 1-D"),
                          ([([1], True)], r"parts\[0\]: src")]:
         with pytest.raises(ValueError, match=match):
