@@ -165,6 +165,11 @@ class Drafter:
                               + self.max_batch * self.config.max_nodes), c.table_base())
             for size, c in curves}
 
+    @property
+    def commit_pending(self) -> bool:
+        """Whether a deferred :meth:`observe` waits for its :meth:`settle`."""
+        return self._deferred is not None
+
     @device_guard
     def check_between_steps(self, what: str) -> None:
         """RuntimeError naming ``what`` while a proposal waits for its observe or a deferred
@@ -648,9 +653,16 @@ class Drafter:
         if any(cut):  # their rings as before the commit, then only what they kept
             self._drop_ahead()  # (drafted from the rings as queued)
             dev = d.out.device
-            rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
-            kept = to_device([counts[b] for b, c in enumerate(cut) if c], torch.int64, dev)
-            self.state.restore_rings(rows, d.slots[rows], d.out[rows].clamp(min=0), kept)
+            try:
+                rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
+                kept = to_device([counts[b] for b, c in enumerate(cut) if c], torch.int64,
+                                 dev)
+                self.state.restore_rings(rows, d.slots[rows], d.out[rows].clamp(min=0),
+                                         kept)
+            except BaseException:  # the corpora took nothing: the commit still waits
+                self._deferred = d
+                raise
+        # (past here the corpora hold the counts, even if a level build raises)
         arena.settle(counts, cut=cut)
         if d.key is not None and not any(cut):  # kept descriptors grew on the device
             self._kept.appended(arena, d.key, d.version)

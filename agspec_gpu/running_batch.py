@@ -83,9 +83,14 @@ class RunningBatch:
         self.root = first.to(torch.int32)
         new = reqs.emit([[t] for t in self.reader.read(self.root)[0]])
         counts = list(map(len, new))  # the model's own tokens: nothing to validate or read
-        self.drafter.append_generated(reqs.sids, self.root[:, None],
-                                      to_device(counts, torch.int32, self.device), counts,
-                                      validate=False)
+        before = self.drafter.store.session_lengths(reqs.sids)
+        try:
+            self.drafter.append_generated(reqs.sids, self.root[:, None],
+                                          to_device(counts, torch.int32, self.device),
+                                          counts, validate=False)
+        except BaseException:
+            self._contexts_follow_tiers(before, new)
+            raise
         return new
 
     def verify_step(self, generator: torch.Generator | None) -> list[list[int]]:
@@ -142,6 +147,7 @@ class RunningBatch:
                                  validate=False, path_nodes=res.accepted_nodes,
                                  num_verified=draft.num_draft_tokens if cut else None,
                                  defer=True)
+            new = None
             try:
                 # the next step's draft, when no request can reach its limit in this one
                 # (at most its draft's nodes and the bonus): the next propose takes it if
@@ -153,18 +159,32 @@ class RunningBatch:
                 n_out, rows = self.reader.wait()
                 runner.commit_lengths([n - 1 for n in n_out])
                 new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
-            except BaseException as exc:  # the sessions took nothing of the step: nor
-                B, M = res.output_ids.shape   # their tiers
-                try:
-                    self.drafter.settle([0] * B, num_queued_host=[M] * B)
-                except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
-                    exc.add_note(f"then settling the drafter's commit failed too: "
-                                 f"{cleanup!r}")
+                # the session tier gets what the session emitted: nothing past EOS, a stop
+                # string or the limit
+                self._record(reqs.sids, list(map(len, new)), n_out, num_draft)
+            except BaseException as exc:
+                if self.drafter.commit_pending:  # the sessions took nothing of the step:
+                    B, M = res.output_ids.shape   # nor their tiers
+                    try:
+                        self.drafter.settle([0] * B, num_queued_host=[M] * B)
+                    except Exception as cleanup:  # noqa: BLE001 - noted on the error
+                        exc.add_note(f"then settling the drafter's commit failed too: "
+                                     f"{cleanup!r}")
+                elif new is not None:  # the settle failed after the tiers took what the
+                    for st, toks in zip(reqs.states, new):  # sessions emitted (a level
+                        st.extend(toks)  # build): their contexts take it too (KV has it)
                 raise
-            # the session tier gets what the session emitted: nothing past EOS, a stop
-            # string or the limit
-            self._record(reqs.sids, list(map(len, new)), n_out, num_draft)
         return new
+
+    def _contexts_follow_tiers(self, before: list[int], new: list[list[int]]) -> None:
+        """After the drafter's append raised: each session whose tier took its emitted
+        tokens ``new[b]`` anyway (a level build failing after its corpus grew) takes them
+        into its context too, so the two stay in step (``before``: the tiers' lengths
+        before the append)."""
+        after = self.drafter.store.session_lengths(self.reqs.sids)
+        for st, toks, n0, n1 in zip(self.reqs.states, new, before, after):
+            if n1 - n0 == len(toks) > 0:
+                st.extend(toks)
 
     def leave(self) -> None:
         """Takes the finished requests out of the batch and the runner (keeping their KV)."""
@@ -189,7 +209,11 @@ class RunningBatch:
         needs the pages; else its next prefill continues it)."""
         last = len(self.reqs.sids) - 1
         row = self.reqs.row(last)
-        self._drop([last])
+        try:
+            self._drop([last])
+        except BaseException:  # neither waiting nor running: it ends with the error
+            row.fail()
+            raise
         return row
 
     def _drop(self, gone: list[int]) -> None:

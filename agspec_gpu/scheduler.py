@@ -95,9 +95,7 @@ class Scheduler:
             for q in joining:  # out of the queue: they end here, joined or not (a join
                 q.fail()       # that failed handing the old batch over left them outside)
             if self._live is not None:
-                live, self._live = self._live, None
-                live.reqs.fail()
-                live.end_after(exc)
+                self._end_live_after(exc)
             elif live is not None:  # the new batch was never made
                 live.reqs.fail()
             raise
@@ -113,7 +111,19 @@ class Scheduler:
         live = self._live
         if live is not None and sid in live.reqs.sids:
             live.reqs.cancel(live.reqs.sids.index(sid))
-            self._leave_finished()
+            try:
+                self._leave_finished()
+            except BaseException as exc:  # its leaving failed: as a step's error, the batch
+                if self._live is not None:  # ends (no request of it runs on, and none
+                    self._end_live_after(exc)  # ended emits again)
+                raise
+
+    def _end_live_after(self, exc: BaseException) -> None:
+        """Ends the running batch after ``exc`` (raised by the caller): its requests end at
+        what they emitted, their KV kept as far as the batch still can."""
+        live, self._live = self._live, None
+        live.reqs.fail()
+        live.end_after(exc)
 
     def _admitted(self, live: RunningBatch | None) -> list[Requests]:
         """The waiting requests that join now: in order, while the batch has room and the
@@ -153,8 +163,8 @@ class Scheduler:
         if live is None or not any(live.reqs.done):
             return
         if all(live.reqs.done):
+            self._live = None  # first: an end that raises leaves no ended batch running
             live.end()
-            self._live = None
         else:
             live.leave()
 

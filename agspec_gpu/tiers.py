@@ -282,6 +282,10 @@ class CorpusStore:
             raise KeyError(f"session {sid!r} is unknown or closed")
         return s
 
+    def session_lengths(self, sids: Sequence[str]) -> list[int]:
+        """The tokens each session's corpus holds (host ints: its settled appends)."""
+        return [self.arena.num_tokens(self.session(sid).corpus) for sid in sids]
+
     def tenant_of(self, sid: str) -> str:
         return self.session(sid).tenant
 

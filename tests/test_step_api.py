@@ -218,6 +218,108 @@ def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note
     assert dec.running == [] and dec.queued == []
 
 
+def test_a_cancel_whose_batch_fails_to_end_leaves_no_batch_running(monkeypatch):
+    """A cancel that ends the batch (its only request) and fails there (a Ctrl-C while its
+    KV is kept) raises, and leaves no ended batch behind: the cancelled request never
+    emits again, its session takes a new request, and the next one runs alone."""
+    from agspec_gpu.session_kv import SessionKVCache
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", max_batch=2)
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[2])
+    dec.submit(a, max_new_tokens=30, eos_id=None)
+    dec.step()
+    dec.step()
+    ctx_a = list(dec._sessions[a].context)
+
+    def interrupted(self, *args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SessionKVCache, "keep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dec.cancel(a)
+    monkeypatch.undo()
+    assert dec.running == [] and dec.session_stats(a).finish_reason == "cancelled"
+    dec.submit(b, max_new_tokens=5, eos_id=None)
+    assert run_until_idle(dec) == {b: greedy(VARIANT, P[2], 5, eos=None)}
+    assert dec._sessions[a].context == ctx_a
+    dec.submit(a, max_new_tokens=4, eos_id=None)
+    assert run_until_idle(dec) == {a: greedy(VARIANT, ctx_a, 4, eos=None)}
+
+
+def test_a_preemption_that_fails_ends_the_preempted_request_too(monkeypatch):
+    """An error while the newest request leaves the batch to wait (here: building the
+    smaller batch's sampling rows) ends it with ``"error"`` beside the running ones,
+    instead of leaving it neither queued, running nor ended."""
+    from agspec_gpu.running_batch import RunningBatch
+    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
+    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
+                  drafter=DrafterConfig(max_nodes=8))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    for sid in sids:
+        dec.submit(sid, max_new_tokens=70, eos_id=None)
+    preempt, sampling, inside = RunningBatch.preempt, SpecDecoder._sampling, []
+
+    def preempting(self):
+        inside.append(True)
+        try:
+            return preempt(self)
+        finally:
+            inside.pop()
+
+    def failing(self, *args, **kw):
+        if inside:
+            raise KeyboardInterrupt
+        return sampling(self, *args, **kw)
+
+    monkeypatch.setattr(RunningBatch, "preempt", preempting)
+    monkeypatch.setattr(SpecDecoder, "_sampling", failing)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(200):
+            dec.step()
+    monkeypatch.undo()
+    assert dec.running == [] and dec.queued == []
+    assert [dec.session_stats(s).finish_reason for s in sids] == ["error"] * 4
+
+
+@pytest.mark.parametrize("when", ["prefill", "step"])
+def test_a_level_build_failing_after_the_tier_grew_keeps_context_and_tier_in_step(
+        when, monkeypatch):
+    """A session tier's level build that runs out of memory after its corpus took the
+    emitted tokens (the first token after a prefill, or a verified step's): the step
+    raises, the session's context takes the same tokens, so context and tier stay equal
+    and the session goes on as plain greedy decoding."""
+    from agspec_gpu.index import IndexArena
+    from agspec_gpu.tiers import TierConfig
+    P = [list(p) for p in prompts()]
+    tail = 6 if when == "prefill" else 16  # the 5-token prompt's first token fills it
+    dec = decoder("hf", max_batch=2, tiers=TierConfig(tail_tokens=tail, max_depth=4))
+    a = dec.open_session("t0", "coder", P[0])
+    assert len(P[0]) == 5
+    build, failed = IndexArena._maybe_index, []
+
+    def oom(self, cid):
+        c = self._corpora[cid]
+        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
+            failed.append(c.n)
+            raise torch.OutOfMemoryError("a level build (simulated)")
+        return build(self, cid)
+
+    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    dec.submit(a, max_new_tokens=40, eos_id=None)
+    with pytest.raises(torch.OutOfMemoryError):
+        for _ in range(40):
+            dec.step()
+    monkeypatch.undo()
+    ctx = list(dec._sessions[a].context)
+    held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
+    assert failed == [len(ctx)] and held == ctx and len(ctx) > len(P[0])
+    assert dec.session_stats(a).finish_reason == "error"
+    assert dec.generate([a], max_new_tokens=6, eos_id=None) == [greedy(VARIANT, ctx, 6,
+                                                                       eos=None)]
+    held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
+    assert held == dec._sessions[a].context
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_a_join_that_fails_handing_the_batch_over_ends_the_joining_requests(runner,
                                                                           monkeypatch):
