@@ -106,6 +106,9 @@ class SpecDecoder:
         if isinstance(global_corpus, (str, Path)):
             global_corpus = load_global_corpus(global_corpus, self.tokenizer)
         self.config = config or DecoderConfig()
+        if getattr(model, "config", None) is None:
+            raise ValueError(f"model: expected a Hugging Face causal LM (with a .config), "
+                             f"got {type(model).__name__}")
         if self.config.runner == "hf":  # a model it cannot verify exactly fails here
             check_hf_model(model)
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
@@ -401,7 +404,8 @@ class SpecDecoder:
         in one forward (:meth:`tree_inputs`: ids, positions and the in-tree mask; every row
         also attends the session's cached context), then pass the logits to :meth:`commit`.
         ``N`` is the drafter's static ``max_nodes`` (fixed shapes for CUDA graphs);
-        ``draft.narrowed(...)`` to the widest tree is fine too.
+        ``draft.narrowed(...)`` to the widest tree is fine too. Only the latest propose's
+        draft can be committed: a propose replaces the last one's (its draft dropped).
 
         Returns:
             :class:`DraftBatch` of device tensors (``PAD_ID`` padded).
@@ -410,6 +414,9 @@ class SpecDecoder:
         if not sids:
             raise ValueError("session_ids: propose() drafts for at least one session")
         self._check_idle(sids)
+        if self._proposed is not None:  # the last propose's draft: never committed now
+            self.drafter.forget(self._proposed)
+            self._proposed = self._proposed_draft = None
         with nvtx.annotate("agspec.propose"):
             draft = self.drafter.propose(sids)
         self._proposed, self._proposed_draft = sids, draft
@@ -499,7 +506,7 @@ class SpecDecoder:
         self._check_generator(generator)
         # the sessions' end rules: the Requests that generate() would build
         ends = commit_end_rules(sids, [self._sessions[s] for s in sids],
-                                self.tokenizer.eos_id if eos_id == -1 else eos_id,
+                                self._eos(eos_id),
                                 max_new_tokens, stop, self.vocab_size, self.tokenizer.decode)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
@@ -765,6 +772,12 @@ class SpecDecoder:
         """Sessions whose submitted request waits for room in the batch."""
         return self._scheduler.queued
 
+    def _eos(self, eos_id):
+        """The tokenizer's EOS for the default ``-1`` (an integer: any other value goes to
+        the end rules' checks as given)."""
+        return self.tokenizer.eos_id if isinstance(eos_id, Integral) and eos_id == -1 \
+            else eos_id
+
     def _check_idle(self, sids: list[str], name: str = "session_ids",
                     submitted_ok: bool = False) -> None:
         hit = [s for s in sids if s in self._generating]
@@ -800,7 +813,7 @@ class SpecDecoder:
         new lists."""
         states = [self._sessions[s] for s in sids]
         reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
-                              self.tokenizer.eos_id if eos_id == -1 else eos_id,
+                              self._eos(eos_id),
                               self.vocab_size, self.tokenizer.decode)
         self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
                                   beside_running)

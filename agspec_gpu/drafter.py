@@ -239,7 +239,7 @@ class Drafter:
         """Context the model did not generate (user / tool messages)."""
         with nvtx.annotate("agspec.drafter.extend", color="gray"):
             t = self.store._as_tokens(tokens, "tokens")
-            self._forget([sid])
+            self.forget([sid])
             self.store.append_session(sid, t, checked=True)
             self.state.push_one(self._slot_of(sid), t)
 
@@ -251,7 +251,7 @@ class Drafter:
         prefill): ``output_ids int32 [B, M]``, ``num_output int32 [B]``. With
         ``num_output_host`` (the counts as host ints) and ``validate=False`` (the caller
         vouches for the ids: its model's own) nothing is read back, as in :meth:`observe`."""
-        self._forget(sids)
+        self.forget(sids)
         self._observe(sids, output_ids, num_output, torch.zeros_like(num_output),
                       num_output_host, validate)
 
@@ -264,7 +264,7 @@ class Drafter:
         slot = self._slot_of(sid)
         self.settle()  # a deferred commit first (its counts read back)
         self._drop_ahead()
-        self._forget([sid])
+        self.forget([sid])
         self.store.close_session(sid)
         del self._slot[sid]
         del self._version[sid]
@@ -382,7 +382,7 @@ class Drafter:
             out = self._draft_tensors(slots, tier, **matched, num_requests=B)
         tok, parent, num, srcs, nd, node_row = out
         draft = DraftBatch(tok, parent, num, srcs)
-        self._forget(sids)  # a session's newer proposal replaces its older ones
+        self.forget(sids)  # a session's newer proposal replaces its older ones
         self._pending[tuple(sids)] = (draft, nd, node_row)
         return draft
 
@@ -449,8 +449,9 @@ class Drafter:
         return (slot_ids, rows_cid, rows_tier, Rs, rows_slot, g[:B], g[B:B + Q].view(B, Rs),
                 g[B + Q:B + 2 * Q])
 
-    def _forget(self, sids: Sequence[str]) -> None:
-        """Drops the pending proposals that draft any of ``sids`` (their context moved on)."""
+    def forget(self, sids: Sequence[str]) -> None:
+        """Drops the pending proposals that draft any of ``sids`` (their context moved on,
+        or their caller proposed again: they are never to be observed)."""
         gone = set(sids)
         for key in [k for k in self._pending if not gone.isdisjoint(k)]:
             del self._pending[key]
@@ -715,7 +716,7 @@ class Drafter:
                 raise ValueError(f"output_ids: token ids must be in [0, {V}) in the first "
                                  "num_output[b] columns of each row")
         pending = self._pending.pop(tuple(sids), None)
-        self._forget(sids)
+        self.forget(sids)
         if pending is not None:
             draft, nd, calib_row = pending
             N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1

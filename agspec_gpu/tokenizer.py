@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -182,13 +183,16 @@ def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
 
 
 def load_tokenizer(spec: str | Tokenizer | Any) -> Tokenizer:
-    """Returns a :class:`Tokenizer` for ``"cl100k"``, a HF path, or a HF tokenizer object.
+    """Returns a :class:`Tokenizer` for ``"cl100k"``, a local HF tokenizer folder (a ``str``
+    or path-like), or a HF tokenizer object.
 
     Raises:
         ValueError: ``spec`` names no tokenizer that can be loaded offline.
     """
     if isinstance(spec, Tokenizer):
         return spec
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str):
         if not (callable(getattr(spec, "encode", None)) and hasattr(spec, "eos_token_id")):
             raise ValueError(f"tokenizer: expected 'cl100k', a local Hugging Face tokenizer "

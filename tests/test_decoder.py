@@ -278,6 +278,9 @@ def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
         DecoderConfig(drafter=dict(max_nodes=8))
     with pytest.raises(ValueError, match="model: expected a causal LM"):
         SpecDecoder("meta-llama/Llama-3-8B", tok())  # a name, not a loaded model
+    for runner in ("hf", "paged"):  # a module with parameters but no HF config
+        with pytest.raises(ValueError, match="model: expected a Hugging Face causal LM"):
+            SpecDecoder(torch.nn.Linear(2, 2), tok(), DecoderConfig(runner=runner))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(ValueError, match="model: runner='paged'"):
@@ -356,6 +359,13 @@ def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_pat
     with pytest.raises(RuntimeError, match="propose"):  # before it measures anything
         dec.calibrate_cost_model(24)
     assert dec.drafter.cost is last
+    # a proposal that a later one replaced can never be committed: it holds nothing up
+    draft = dec.propose(sids[1:])
+    dec.commit(sids[1:], draft, torch.zeros(1, 1 + draft.max_nodes, dec.vocab_size))
+    with pytest.raises(ValueError, match="must follow propose"):
+        dec.commit(sids, draft, torch.zeros(2, 1 + draft.max_nodes, dec.vocab_size))
+    assert not dec.drafter._pending
+    dec.calibrate_cost_model(24, [1], max_draft_tokens=4, repeats=1)
     with pytest.raises(ValueError, match="context_tokens"):
         dec.calibrate_cost_model(0)
     with pytest.raises(ValueError, match="runner='paged'"):
@@ -1293,8 +1303,12 @@ def test_arguments_of_the_wrong_type_are_named():
         dec.generate([sids[0], [sids[1]]], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         dec.generate(sids, max_new_tokens=torch.tensor(1))
-    with pytest.raises(ValueError, match="eos_id: expected None or an int"):
-        dec.generate(sids, max_new_tokens=4, eos_id=torch.tensor(5))
+    for bad in (torch.tensor(5), torch.tensor(-1), -1.0):  # -1, the default, as an int only
+        with pytest.raises(ValueError, match="eos_id: expected None or an int"):
+            dec.generate(sids, max_new_tokens=4, eos_id=bad)
+        with pytest.raises(ValueError, match="eos_id: expected None or an int"):
+            dec.submit(sids[0], max_new_tokens=4, eos_id=bad)
+    assert not dec.queued
     for bad in (torch.tensor([1, 2], device="meta"), torch.tensor([1, 2]).to_sparse(),
                 np.array(5)):
         with pytest.raises(ValueError, match="token_ids: expected"):

@@ -590,7 +590,7 @@ def test_set_cost_is_all_or_nothing(tok, monkeypatch):
     assert int(d.propose(["s"]).num_draft_tokens.sum()) == 0  # still the old prices
     with pytest.raises(RuntimeError, match="set_cost: a proposed step"):
         d.set_cost(free)
-    d._forget(["s"])
+    d.forget(["s"])
     d.set_cost(free)
     assert d._graphs is not old[2] and int(d.propose(["s"]).num_draft_tokens.sum()) > 0
 

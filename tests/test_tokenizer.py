@@ -44,6 +44,7 @@ def test_fingerprint_ignores_padding_and_truncation_and_survives_a_save(tmp_path
     tok.save_pretrained(tmp_path / "t")
     loaded = load_tokenizer(str(tmp_path / "t"))
     assert loaded.fingerprint == fp and loaded.name == str(tmp_path / "t")
+    assert load_tokenizer(tmp_path / "t").fingerprint == fp  # a pathlib.Path as well
     assert from_hf(hf_tokenizer(500)).fingerprint != fp  # another vocabulary
     assert from_hf(tok).name == "hf"  # built in memory: no path to name it by
 
