@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from numbers import Integral
 
 import numpy as np
 import torch
 
+from agspec_gpu.checks import is_int
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
@@ -197,18 +197,18 @@ def check_calibration_args(context_tokens, batch_sizes, max_batch: int, max_draf
     """The arguments of a calibration at several batch sizes, checked (ValueError naming
     the argument); returns the batch sizes (default: the graph buckets up to
     ``max_batch``)."""
-    if isinstance(context_tokens, bool) or not isinstance(context_tokens, Integral) or \
+    if not is_int(context_tokens) or \
             context_tokens < 1:
         raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
     sizes = batch_buckets(max_batch) if batch_sizes is None else list(batch_sizes)
-    if any(isinstance(b, bool) or not isinstance(b, Integral) or not 1 <= b <= max_batch
+    if any(not is_int(b) or not 1 <= b <= max_batch
            for b in sizes):
         raise ValueError(f"batch_sizes: expected ints in [1, {max_batch}], got {sizes}")
     if sorted(set(sizes)) != sizes or not sizes:
         raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
     for name, v in (("max_draft_tokens", max_draft_tokens), ("repeats", repeats)):
         if (v is not None or name == "repeats") and (
-                isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
+                not is_int(v) or v < 1):
             raise ValueError(f"{name}: expected an int >= 1"
                              f"{' or None' if name == 'max_draft_tokens' else ''}, got {v!r}")
     return [int(b) for b in sizes]

@@ -16,6 +16,11 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)  # frozen dataclasses normalize in __post_init__
 
 
+def is_int(v: Any) -> bool:
+    """Whether ``v`` is an integer (numpy's too) and not a bool."""
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
 def check_int_fields(obj: Any, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     """Each attribute of ``obj`` in ``names`` is an int (a bool is not; None where it is in
     ``optional``); a config's ``__post_init__`` calls this before comparing them. Other
@@ -25,7 +30,7 @@ def check_int_fields(obj: Any, names: tuple[str, ...], optional: tuple[str, ...]
         v = getattr(obj, name)
         if v is None and name in optional:
             continue
-        if not isinstance(v, Integral) or isinstance(v, bool):
+        if not is_int(v):
             raise ValueError(f"{name}: expected an int{' or None' if name in optional else ''}"
                              f", got {v!r}")
         if type(v) is not int:
@@ -140,7 +145,7 @@ def check_token_ids(ids: Any, name: str, vocab_size: int) -> list[int]:
         ids = list(ids)
     except TypeError:  # (an iterable type whose instance is not: a 0-d numpy array)
         raise ValueError(what) from None
-    odd = [t for t in ids if not isinstance(t, Integral) or isinstance(t, bool)]
+    odd = [t for t in ids if not is_int(t)]
     if odd:
         raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
     ids = [int(t) for t in ids]

@@ -13,10 +13,12 @@ import bisect
 import math
 import json
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Real
 from pathlib import Path
 
 import numpy as np
+
+from agspec_gpu.checks import is_int
 
 _DEFAULT_POINTS = ((1, 6.5), (16, 6.6), (64, 7.0), (128, 7.8), (256, 9.5), (512, 13.0),
                    (1024, 21.0), (2048, 38.0))
@@ -52,7 +54,7 @@ class CostModel:
         if len(self.points) < 2:
             raise ValueError("points: need at least two (num_tokens, ms) points")
         for i, (n, ms) in enumerate(self.points):
-            if isinstance(n, bool) or not isinstance(n, Integral):
+            if not is_int(n):
                 raise ValueError(f"points[{i}]: num_tokens must be an int, got {n!r}")
             if isinstance(ms, bool) or not isinstance(ms, Real):
                 raise ValueError(f"points[{i}]: ms must be a number, got {ms!r}")

@@ -50,7 +50,7 @@ from agspec_gpu.attention import FlashInferPagedAttention
 from agspec_gpu.calibrate import (calibrate_batch_costs, calibration_pages,
                                   check_calibration_args)
 from agspec_gpu.capture import capture_agent_writes, capture_tool_output
-from agspec_gpu.checks import check_text, check_token_ids
+from agspec_gpu.checks import check_text, check_token_ids, is_int
 from agspec_gpu.commit_checks import (check_commit_logits, check_qo_indptr, commit_end_rules,
                                       cut_result)
 from agspec_gpu.controller import load_profiles
@@ -775,7 +775,7 @@ class SpecDecoder:
     def _eos(self, eos_id):
         """The tokenizer's EOS for the default ``-1`` (an integer: any other value goes to
         the end rules' checks as given)."""
-        return self.tokenizer.eos_id if isinstance(eos_id, Integral) and eos_id == -1 \
+        return self.tokenizer.eos_id if is_int(eos_id) and eos_id == -1 \
             else eos_id
 
     def _check_idle(self, sids: list[str], name: str = "session_ids",

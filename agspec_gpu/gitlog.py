@@ -21,9 +21,9 @@ import os
 import shlex
 import subprocess
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
 
+from agspec_gpu.checks import is_int
 from agspec_gpu.trajectories import Message, Session
 
 AGENT = "git-history"
@@ -84,7 +84,7 @@ def sessions_from_git(repo: str | Path = ".", *, max_commits: int = 200,
     if not isinstance(repo, (str, os.PathLike)):
         raise ValueError(f"repo: expected a path, got {type(repo).__name__}")
     for arg, value in (("max_commits", max_commits), ("max_file_bytes", max_file_bytes)):
-        if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{arg}: expected an int >= 0, got {value!r}")
     repo = Path(repo)
     if not repo.is_dir():

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from agspec_gpu.checks import is_int
+
 
 def canonical_device(device: torch.device | str) -> torch.device:
     """``device`` with its index: ``"cuda"`` becomes ``cuda:<current device>``.
@@ -133,8 +135,8 @@ class HostWriter:
     """
 
     def __init__(self, nbytes: int, device: torch.device | str) -> None:
-        if nbytes < 2 * _ALIGN:
-            raise ValueError(f"nbytes must be >= {2 * _ALIGN}, got {nbytes}")
+        if not is_int(nbytes) or nbytes < 2 * _ALIGN:
+            raise ValueError(f"nbytes must be an int >= {2 * _ALIGN}, got {nbytes!r}")
         self.device = canonical_device(device)
         self._cuda = self.device.type == "cuda"
         # each half's last use: recorded when the writes leave it, waited for on return (a
@@ -225,18 +227,24 @@ def copy_grouped(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
     dtype where a loop of ``copy_`` launches a kernel per pair, each a few microseconds of
     host time in a step: on a GPU ``torch._foreach_copy_`` copies a list of same-dtype,
     same-device, contiguous tensors in one fused kernel. Pairs that are not (a strided view,
-    another device) are copied one by one, as ``_foreach_copy_`` would do them anyway."""
+    another device) are copied one by one, as ``_foreach_copy_`` would do them anyway.
+    Every pair is checked before anything is copied."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"dsts, srcs: {len(dsts)} and {len(srcs)} tensors, expected pairs")
     groups: dict[tuple, tuple[list, list]] = {}
-    for dst, src in zip(dsts, srcs, strict=True):
+    singles = []
+    for dst, src in zip(dsts, srcs):
         if dst.dtype != src.dtype or dst.shape != src.shape:
             raise ValueError(f"copy_grouped: {src.dtype} {list(src.shape)} into "
                              f"{dst.dtype} {list(dst.shape)}")
         if dst.device != src.device or not (dst.is_contiguous() and src.is_contiguous()):
-            dst.copy_(src)
+            singles.append((dst, src))
             continue
         d, s = groups.setdefault((dst.dtype, dst.device), ([], []))
         d.append(dst)
         s.append(src)
+    for dst, src in singles:
+        dst.copy_(src)
     for d, s in groups.values():
         if len(d) == 1:
             d[0].copy_(s[0])
@@ -266,8 +274,8 @@ class HostReader:
 
     def __init__(self, numel: int, device: torch.device | str,
                  dtype: torch.dtype = torch.int32) -> None:
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
+        if not is_int(numel) or numel < 0:
+            raise ValueError(f"numel must be an int >= 0, got {numel!r}")
         self.device = canonical_device(device)
         self.dtype = dtype
         cuda = self.device.type == "cuda"

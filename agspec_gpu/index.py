@@ -26,7 +26,7 @@ from numbers import Integral
 import numpy as np
 import torch
 
-from agspec_gpu.checks import check_float_fields, check_int_fields
+from agspec_gpu.checks import check_float_fields, check_int_fields, is_int
 from agspec_gpu.descriptor_table import DescriptorTable
 from agspec_gpu.host import HostWriter, canonical_device, to_device
 from agspec_gpu.kernels.arena_append import arena_append
@@ -304,7 +304,7 @@ class IndexArena:
                                  f"{counts.device}")
             room = [M] * len(cids)  # the most each corpus may grow by
         else:
-            if any(isinstance(m, bool) or not isinstance(m, Integral) or not 0 <= m <= M
+            if any(not is_int(m) or not 0 <= m <= M
                    for m in counts):
                 raise ValueError(f"counts: each an int in [0, {M}], got {list(counts)}")
             room = counts = [int(m) for m in counts]

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from agspec_gpu.accept import SamplingParams
-from agspec_gpu.checks import check_text
+from agspec_gpu.checks import check_text, is_int
 from agspec_gpu.stops import StopMatcher
 
 
@@ -132,7 +132,7 @@ class Requests:
             raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
         spec = per_session(speculate, n, "speculate", bool)
         params = per_session(sampling, n, "sampling", (SamplingParams, type(None)))
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, Integral) or
+        if eos is not None and (not is_int(eos) or
                                 not 0 <= eos < vocab_size):
             raise ValueError(f"eos_id: expected None or an int in the vocabulary [0, "
                              f"{vocab_size}), got {eos!r}")

@@ -14,11 +14,10 @@ import os
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
-from numbers import Integral
 from pathlib import Path
 from typing import Any, Sequence
 
-from agspec_gpu.checks import check_text
+from agspec_gpu.checks import check_text, is_int
 
 CL100K_RANK_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 # tiktoken's cl100k_base split pattern and special tokens (tiktoken_ext/openai_public.py).
@@ -93,7 +92,7 @@ class Tokenizer:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise ValueError(f"ids: expected a sequence of int, got {type(ids).__name__}")
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or an array
-        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, Integral)
+        bad = next((i for i in ids if not is_int(i)
                     or i < 0), None)
         if bad is not None:
             raise ValueError(f"ids: expected non-negative ints, got {bad!r}")

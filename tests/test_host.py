@@ -32,6 +32,17 @@ def test_copy_grouped_copies_each_pair_in_one_launch_per_dtype():
         copy_grouped([bufs[0][:3]], [srcs[0].int()])
     with pytest.raises(ValueError, match="copy_grouped"):
         copy_grouped([bufs[0][:2]], [srcs[0]])
+    before = [b.clone() for b in bufs]  # a bad pair after good ones: nothing copied
+    with pytest.raises(ValueError, match="copy_grouped"):
+        copy_grouped([bufs[5][:3], bufs[0][:2]], [srcs[5], srcs[0]])
+    with pytest.raises(ValueError, match="dsts, srcs"):
+        copy_grouped([bufs[0][:3]], [srcs[0], srcs[1]])
+    assert all(torch.equal(b, a) for b, a in zip(bufs, before))
+    for bad in (64.0, True, "64"):
+        with pytest.raises(ValueError, match="nbytes"):
+            HostWriter(bad, "cpu")
+        with pytest.raises(ValueError, match="numel"):
+            HostReader(bad, "cpu")
 
 
 def test_to_device_equals_torch_tensor_and_copies():
@@ -185,7 +196,7 @@ def test_writer_copy_to_fills_a_callers_tensor(device):
     if device == "cuda":
         with pytest.raises(ValueError, match="dst: on cpu, the writer writes cuda:"):
             w.copy_to(torch.zeros(6, dtype=torch.int32), [1] * 6)
-    with pytest.raises(ValueError, match="nbytes must be >= 32"):
+    with pytest.raises(ValueError, match="nbytes must be an int >= 32"):
         HostWriter(8, device)
 
 
