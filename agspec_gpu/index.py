@@ -406,8 +406,10 @@ class IndexArena:
         for lv in c.levels[keep:]:
             self._sa_garbage += lv.sa_len
         del c.levels[keep:]
-        self._add_level(cid, lo, c.n)
-        self._sync(cid)
+        try:
+            self._add_level(cid, lo, c.n)
+        finally:  # a build that raised leaves the merged range in the tail (built at the
+            self._sync(cid)  # next flush): the table lists no level it dropped
 
     def _add_level(self, cid: int, lo: int, hi: int) -> None:
         num = num_context_positions(self._corpora[cid].seps, lo, hi)

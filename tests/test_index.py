@@ -368,6 +368,43 @@ def test_a_flush_builds_one_level_over_its_merged_range(tail_tokens, ratio, monk
     assert rows_of(got, 5) == rows_of(fresh.match(q, lens, max_positions=5), 5)
 
 
+def test_a_level_build_that_raises_leaves_the_table_on_the_levels_it_kept(monkeypatch):
+    """A flush whose build raises (out of memory) after its merge dropped older levels:
+    the descriptor table lists only the levels the corpus kept (its tail now reaching back
+    over the merged range), matches equal a fresh build's, and the next flush indexes the
+    whole range."""
+    from agspec_gpu import index as index_mod
+
+    build, calls = index_mod.context_array, []
+
+    def flaky(seg, lo, hi, d, **kw):
+        calls.append((lo, hi))
+        if len(calls) == 3:  # the third flush merges the first two levels
+            raise torch.OutOfMemoryError("a level build (simulated)")
+        return build(seg, lo, hi, d, **kw)
+
+    monkeypatch.setattr(index_mod, "context_array", flaky)
+    arena = IndexArena(IndexConfig(max_depth=8, tail_tokens=8, merge_ratio=2.0))
+    cid = arena.new_corpus()
+    corpus = stdlib_tokens(200)
+    queries = [corpus[a:a + 5] for a in range(0, 190, 11)]
+    q, lens = pack([[t for t in x if t >= 0] for x in queries])
+    pos, failed = 0, False
+    while pos < len(corpus):
+        try:
+            arena.append(cid, t32(corpus[pos:pos + 4]))
+        except torch.OutOfMemoryError:
+            failed = True
+            levels = [(lv.sa_base, lv.sa_len) for lv in arena._corpora[cid].levels]
+            i64, _, num_levels, _ = arena.descriptor_fields([cid])
+            assert num_levels == len(levels) and arena._corpora[cid].tail_start == 0
+        pos = min(pos + 4, len(corpus))
+        fresh = SuffixIndex.build(t32(corpus[:pos]), max_depth=8)
+        got = arena.match(q, lens, [cid] * len(queries), max_positions=4)
+        assert rows_of(got, 4) == rows_of(fresh.match(q, lens, max_positions=4), 4), pos
+    assert failed and calls[3][0] == 0  # the flush after it took the range from 0
+
+
 def test_append_one_token_at_a_time_decode_steps():
     """One token per step with a separator now and then (new documents)."""
     rng = random.Random(7)
