@@ -331,8 +331,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--batch-sizes", default="1,16,64")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help=f"comma list of {', '.join(METHOD_NAMES)}")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list of {', '.join(METHOD_NAMES)} (default: "
+                         f"{','.join(DEFAULT_METHODS)})")
     ap.add_argument("--sessions", type=int, default=None,
                     help="sessions loaded (default: what the largest batch runs)")
     ap.add_argument("--sessions-per-slot", type=float, default=4.0,
@@ -436,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     torch.manual_seed(args.seed)
     batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})
-    methods = [m for m in args.methods.split(",") if m]
+    explicit = args.methods is not None  # (a method the default lists may be skipped)
+    methods = [m for m in args.methods.split(",") if m] if explicit else list(DEFAULT_METHODS)
     unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHOD_NAMES)}")
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 methods.remove(m)
                 skipped[m] = SUFFIX_DECODING_INSTALL_HINT
     if "suffix-decoding-warm" in methods and (args.half is None or args.git):
-        if args.methods != ",".join(DEFAULT_METHODS):
+        if explicit:
             raise SystemExit("suffix-decoding-warm needs --half (its cache holds the other "
                              "half's responses) and no --git")
         methods.remove("suffix-decoding-warm")

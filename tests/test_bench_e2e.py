@@ -498,6 +498,7 @@ def test_warm_suffix_decoding_holds_the_other_halfs_responses(tmp_path):
     assert {r["method"] for r in report["rows"]} == {"none", "suffix-decoding",
                                                      "suffix-decoding-warm"}
     assert "agspec_speedup_over_warm_suffix_speedup" in report["goals"]
-    with pytest.raises(SystemExit, match="suffix-decoding-warm needs --half"):
-        bench_e2e.main([str(aider), "--device", "cpu", "--tiny", "--methods",
-                        "none,suffix-decoding-warm", "--results-dir", str(tmp_path)])
+    for methods in ("none,suffix-decoding-warm", ",".join(bench_e2e.DEFAULT_METHODS)):
+        with pytest.raises(SystemExit, match="suffix-decoding-warm needs --half"):
+            bench_e2e.main([str(aider), "--device", "cpu", "--tiny", "--methods", methods,
+                            "--results-dir", str(tmp_path)])  # asked for: refused, not skipped
