@@ -198,6 +198,51 @@ def test_paged_batch_continues_the_callers_sequences():
     assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages
 
 
+def test_paged_batch_checks_what_could_reach_another_batchs_pages():
+    """Freed pages keep their KV, so every argument that could make a batch read or free
+    pages not its own is checked before anything changes: rows to keep (negative, out of
+    range, repeated), ``cached`` counts the pool does not hold, an acceptance result of
+    another batch size, token ids outside the vocabulary. A prefill that runs out of pages
+    leaves a batch that closes and prefills again, and the pool whole."""
+    from agspec_gpu.accept import greedy_accept
+    from agspec_gpu.kv_cache import KVCacheFull
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    model = tiny_model("llama")
+    runner = PagedLlamaRunner.from_hf_model(model, num_pages=8, page_size=4, max_seqs=4)
+    cache = runner.kv_cache
+    batch = PagedBatch(runner)
+    batch.prefill([[1, 2, 3, 4, 5], [6, 7, 8]])
+    for bad in ([-1], [2], [0, 0], [0.0]):
+        with pytest.raises(ValueError, match="rows"):
+            batch.select_rows(bad)
+    assert batch.batch_size == 2 and cache.num_free_pages == 8 - 3
+    with pytest.raises(ValueError, match="token_lists: token ids must be in"):
+        PagedBatch(runner).prefill([[1, -1, 3]])
+    with pytest.raises(ValueError, match="token_lists: token ids must be in"):
+        PagedBatch(runner).prefill([[1000]])
+    with pytest.raises(ValueError, match="cached: more tokens than the pool holds"):
+        PagedBatch(runner).prefill([[1, 2, 3, 4]], seq_ids=["never"], cached=[3])
+    draft = DraftBatch.from_lists([[(9, -1)], [(9, -1)]], "cpu")
+    logits, qo_indptr = batch.verify_rows(draft, torch.tensor([5, 8], dtype=torch.int32))
+    res = greedy_accept(draft, logits, qo_indptr)
+    one = greedy_accept(DraftBatch.from_lists([[(9, -1)]], "cpu"), logits[:2],
+                        qo_indptr[:2])
+    with pytest.raises(ValueError, match="result: an AcceptResult of 2 requests"):
+        batch.commit_kv(one)
+    batch.commit(res)
+    assert batch.prefix_lens_host == [p + 1 + int(n) for p, n in zip((5, 3), res.num_accepted)]
+    batch.close()
+    assert cache.num_free_pages == 8
+    with pytest.raises(KVCacheFull):  # 9 pages for 36 tokens, the pool has 8
+        batch.prefill([[1] * 20, [2] * 16])
+    assert cache.num_free_pages == 8 and batch.batch_size == 0
+    batch.close()
+    batch.prefill([[1, 2, 3]])
+    batch.close()
+    assert cache.num_free_pages == 8
+
+
 def test_paged_batch_commit_in_two_halves_equals_commit():
     """``commit_kv`` (device: compaction, prefix add) then ``commit_lengths`` (host) is
     ``commit``: the same host lengths and the same next step's logits, the lengths given or

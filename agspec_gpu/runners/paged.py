@@ -356,8 +356,13 @@ class PagedLlamaRunner:
         ``[B, vocab]`` logits after each sequence's last token.
         """
         B = len(seq_ids)
-        if len(token_lists) != B or any(len(t) == 0 for t in token_lists):
+        if B == 0 or len(token_lists) != B or any(len(t) == 0 for t in token_lists):
             raise ValueError("token_lists: one non-empty list per sequence expected")
+        V = self.shape.vocab_size
+        if any(min(t) < 0 or max(t) >= V for t in token_lists):
+            raise ValueError(f"token_lists: token ids must be in [0, {V})")
+        if prefix_lens is not None and len(prefix_lens) != B:
+            raise ValueError(f"prefix_lens: {len(prefix_lens)} lengths for {B} sequences")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         done = list(prefix_lens) if prefix_lens is not None else [0] * B

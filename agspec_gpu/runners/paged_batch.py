@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from agspec_gpu.accept import AcceptResult, pad_tree_logits
+from agspec_gpu.checks import is_int
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
 from agspec_gpu.kernels._launch import cast
@@ -93,16 +94,28 @@ class PagedBatch:
         B = len(input_ids)
         if seq_ids is not None and len(seq_ids) != B:
             raise ValueError(f"seq_ids: {len(seq_ids)} ids for {B} prompts")
+        cache = self.runner.kv_cache
         if cached is not None and (seq_ids is None or len(cached) != B or any(
                 not 0 <= c < len(p) for c, p in zip(cached, input_ids))):
             raise ValueError("cached: needs seq_ids and one count in [0, len(prompt)) per "
                              "prompt")
+        if cached is not None and any(c > cache.capacity(s) for c, s in zip(cached, seq_ids)):
+            # (a sequence the pool does not hold, or holds shorter, would attend whatever
+            # a freed page last held)
+            raise ValueError(f"cached: more tokens than the pool holds for their sequences "
+                             f"({list(cached)} against "
+                             f"{[cache.capacity(s) for s in seq_ids]} slots)")
         self.close()
         self._owns_seqs = seq_ids is None
         self._seq_ids = [(self._tag, b) for b in range(B)] if seq_ids is None else list(seq_ids)
         cached = cached or [0] * B
-        logits = self.runner.prefill(self._seq_ids, [p[c:] for p, c in zip(input_ids, cached)],
-                                     prefix_lens=cached)
+        try:
+            logits = self.runner.prefill(self._seq_ids,
+                                         [p[c:] for p, c in zip(input_ids, cached)],
+                                         prefix_lens=cached)
+        except BaseException:  # (KVCacheFull, say): no batch, its own sequences freed
+            self.close()
+            raise
         self._prefix_host = [len(p) for p in input_ids]
         self._prefix = torch.tensor(self._prefix_host, dtype=torch.int32, device=self.device)
         return logits
@@ -114,6 +127,10 @@ class PagedBatch:
         if self._pending is not None:
             raise ValueError("select_rows() between verify() and commit()")
         check_lengths_settled(self._lengths_owed, "select_rows")
+        if any(not is_int(r) or not 0 <= r < self.batch_size for r in rows) or \
+                len(set(rows)) != len(rows):
+            raise ValueError(f"rows: expected distinct rows in [0, {self.batch_size}), got "
+                             f"{list(rows)}")
         if self._owns_seqs:
             for b in sorted(set(range(self.batch_size)) - set(rows)):
                 self.runner.kv_cache.free(self._seq_ids[b])
@@ -235,6 +252,10 @@ class PagedBatch:
         before the batch verifies, fits or drops rows again."""
         if self._pending is None:
             raise ValueError("commit() without a preceding verify()")
+        B = self.batch_size
+        if tuple(result.num_output.shape) != (B,) or result.accepted_nodes.shape[0] != B:
+            raise ValueError(f"result: an AcceptResult of {B} requests expected (the "
+                             f"batch's), got num_output {list(result.num_output.shape)}")
         prefix, kv_indptr, kv_indices = self._pending
         if result.max_depth:  # within the pages the verification planned (views of its plan)
             kv_compact(self.runner.kv_cache.data, kv_indptr, kv_indices, prefix,
@@ -265,6 +286,7 @@ class PagedBatch:
         (``prefill(seq_ids=...)``) keep theirs."""
         if self._owns_seqs:
             for sid in self._seq_ids:
-                self.runner.kv_cache.free(sid)
+                if sid in self.runner.kv_cache:  # (a failed prefill made none, or some)
+                    self.runner.kv_cache.free(sid)
         self._seq_ids, self._prefix, self._prefix_host, self._pending = [], None, [], None
         self._lengths_owed = False
