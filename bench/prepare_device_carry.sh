@@ -26,6 +26,10 @@ ls "$W"/apache_tvm_ffi-*.whl >/dev/null 2>&1 || \
   "$PY" -m pip download -q --no-deps --only-binary=:all: "${P[@]}" -d "$W" "$TVM_FFI"
 ls "$W"/nvtx-*.whl >/dev/null 2>&1 || \
   "$PY" -m pip download -q --no-deps --only-binary=:all: "${P[@]}" -d "$W" nvtx==0.2.17
+# pytest-xdist (and its execnet): device_check.sh's GPU tests on four workers (~0.1 MB)
+ls "$W"/pytest_xdist-*.whl >/dev/null 2>&1 || \
+  "$PY" -m pip download -q --no-deps --only-binary=:all: "${P[@]}" -d "$W" \
+  pytest-xdist==3.8.0 execnet==2.1.2
 [ -f "$DL/$FI" ] || "$PY" -m pip download -q --no-deps --only-binary=:all: "${P[@]}" -d "$DL" \
   flashinfer-python==0.7.2.post1
 # 62 MB -> ~24 MB: only the kernel sources the modules below compile from
