@@ -77,7 +77,8 @@ def test_e2e_methods_exist(monkeypatch):
     assert len(runs) >= 2
     for argv in runs:
         args = bench_e2e.parse_args(argv)
-        assert set(args.methods.split(",")) <= set(bench_e2e.METHOD_NAMES), args.methods
+        methods = args.methods or ",".join(bench_e2e.DEFAULT_METHODS)  # None: the default
+        assert set(methods.split(",")) <= set(bench_e2e.METHOD_NAMES), methods
         assert all(int(b) >= 1 for b in args.batch_sizes.split(","))
 
 
