@@ -347,8 +347,9 @@ class SpecDecoder:
             self.store.add_workspace_file(tenant, f.path, f.text, first_line=f.first_line)
 
     @device_guard
-    def add_workspace_file(self, sid: str, path: str, text: str) -> int:
-        """Indexes a file the session's tenant opened (all emission forms)."""
+    def add_workspace_file(self, sid: str, path: str | None, text: str) -> int:
+        """Indexes a file the session's tenant opened (all emission forms; ``path`` None:
+        text of no file); the tokens added (0: the same text was indexed already)."""
         return self.store.add_workspace_file(self._session(sid).tenant, path, text)
 
     @device_guard

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
 
 import numpy as np
 import torch
@@ -656,9 +655,7 @@ class SuffixIndex:
 def check_source_tag(src, name: str = "src") -> None:
     """One source tag (an int8 the arena stores per token), else ValueError naming
     ``name``; a tensor of them is checked by its dtype where it is appended."""
-    if not isinstance(src, torch.Tensor) and (isinstance(src, bool) or
-                                              not isinstance(src, Integral) or
-                                              not -128 <= src <= 127):
+    if not isinstance(src, torch.Tensor) and (not is_int(src) or not -128 <= src <= 127):
         raise ValueError(f"{name}: expected a tag in [-128, 127] or an int8 tensor, got "
                          f"{src!r}")
 

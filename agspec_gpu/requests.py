@@ -296,7 +296,7 @@ def per_session(value, n: int, name: str, kind) -> list:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     what = " or ".join("an int" if k is Integral else "None" if k is type(None) else
                        f"a {k.__name__}" for k in kinds)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise ValueError(f"{name}: expected {what}, or a list of one per session, got "
                          f"{value!r}")
     try:

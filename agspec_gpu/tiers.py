@@ -15,13 +15,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from numbers import Integral
 from pathlib import Path
 
 import torch
 
 from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_int_fields, check_text,
-                               check_tuple_field)
+                               check_tuple_field, is_int)
 from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
@@ -308,8 +307,7 @@ class CorpusStore:
         if path is not None:
             check_text(path, "path")
         check_text(text, "text")
-        if first_line is not None and (isinstance(first_line, bool) or
-                                       not isinstance(first_line, Integral) or first_line < 1):
+        if first_line is not None and (not is_int(first_line) or first_line < 1):
             raise ValueError(f"first_line: expected None or an int >= 1, got {first_line!r}")
         if not self.config.use_workspace or not text:
             return 0

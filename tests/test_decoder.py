@@ -1309,6 +1309,8 @@ def test_arguments_of_the_wrong_type_are_named():
         with pytest.raises(ValueError, match="eos_id: expected None or an int"):
             dec.submit(sids[0], max_new_tokens=4, eos_id=bad)
     assert not dec.queued
+    with pytest.raises(ValueError, match="sampling: expected a SamplingParams or None, or a"):
+        dec.generate(sids, max_new_tokens=4, sampling={"temperature": 0.5})
     for bad in (torch.tensor([1, 2], device="meta"), torch.tensor([1, 2]).to_sparse(),
                 np.array(5)):
         with pytest.raises(ValueError, match="token_ids: expected"):
