@@ -261,7 +261,8 @@ def capture_tool_output(command: str | None, output: str) -> list[CapturedFile]:
 
 _HEREDOC = re.compile(
     r"""(?:^|&&|;|\|\|)[ \t]*(?P<cmd>cat|tee(?:\s+-a)?)\b(?P<mid>[^\n]*?)<<(?P<dash>-?)[ \t]*"""
-    r"""(?P<q>['"]?)(?P<tag>[A-Za-z_][\w]*)(?P=q)(?P<rest>[^\n]*)\n""", re.M)
+    r"""(?P<q>['"]?)(?P<tag>[A-Za-z_][\w]*)(?P=q)(?=[ \t;&|<>)]|$)(?P<rest>[^\n]*)\n""",
+    re.M)  # (a delimiter word goes on to a blank or an operator: <<END-X is not END's)
 _REDIRECT_TARGET = re.compile(r"(?<![\d&>])(>>?)[ \t]*(['\"]?)([^\s'\";&|<>]+)\2")
 # longer lines hold no heredoc header we read (the header search is quadratic in a line)
 _MAX_HEADER_LINE = 4096
@@ -340,7 +341,8 @@ def _heredoc_target(m: re.Match[str]) -> tuple[str | None, bool]:
         words = [w for w in m.group("mid").split() if not w.startswith("-")]
         if len(words) != 1 or re.search(r"[<>|&;]", m.group("mid")):
             return None, False
-        return words[0].strip("'\""), "-a" in m.group("cmd")
+        flags = set(m.group("cmd").split()[1:] + m.group("mid").split())
+        return words[0].strip("'\""), bool(flags & {"-a", "--append"})
     target = _REDIRECT_TARGET.search(around)
     if target is None:
         return None, False

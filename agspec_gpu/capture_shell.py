@@ -221,6 +221,8 @@ def _sed_pattern(stream: _Stream, script: str) -> _Stream | None:
     block_end = None if to_last else _python_regex(end)
     if end is not None and (not end or block_end is None):  # (// is the last regex used)
         return None
+    if stream.isolated or not stream.contiguous or stream.block_end is not None:
+        return None  # a range over hits (or blocks) would join lines that lie apart
     return replace(stream, start=None, full=False, limit=None, block_end=block_end)
 
 
@@ -438,16 +440,19 @@ def _filter(stream: _Stream, argv: list[str]) -> _Stream | None:
         if parsed is None or parsed[1]:
             return None
         window = _sed_window(parsed[0])
-        if window is None and stream.gutter is not None and all(
+        if window is None and stream.gutter in ("tab", "grep") and all(
                 _SED_RANGE.fullmatch(part.strip()) for part in parsed[0].split(";")):
             # Several ranges (`nl -ba F | sed -n '1,5p;40,50p'`): the gutter numbers still
-            # place every line, and a jump in them separates the runs.
+            # place every line, and a jump in them separates the runs. (Plain nl's skip
+            # blank lines: two ranges' lines may be numbered n and n + 1 yet lie apart.)
             return replace(stream, start=None, contiguous=False, full=False, limit=None)
         if window is None:
             return None
         offset, known = window
         if not known:
             return _sed_pattern(stream, parsed[0])
+        if stream.block_end is not None:  # a window of a range's blocks: its first line
+            return None                   # may be inside one
         start = None
         if known and stream.contiguous and stream.start is not None and offset is not None:
             start = stream.start + offset - 1
@@ -460,6 +465,8 @@ def _filter(stream: _Stream, argv: list[str]) -> _Stream | None:
         if name == "head":
             limit = int(count) if stream.full else None
             return replace(stream, full=False, limit=limit)
+        if stream.block_end is not None:  # the last lines of a range's blocks: the first
+            return None                   # may be inside one
         if count.startswith("+") and stream.contiguous and stream.start is not None:
             skip = max(int(count[1:]), 1) - 1
             return replace(stream, start=stream.start + skip, full=stream.full and skip == 0,
@@ -470,6 +477,10 @@ def _filter(stream: _Stream, argv: list[str]) -> _Stream | None:
         if parsed is None or parsed[2] or stream.outer_grep:
             return None
         numbered, context, _ = parsed
+        if stream.block_end is not None:  # hits among a range's blocks: each stands alone
+            if context:  # (context lines and `--` would cross the blocks' ends unseen)
+                return None
+            stream = replace(stream, block_end=None)
         isolated = stream.isolated or not context
         if numbered and stream.gutter is None:
             if not (stream.contiguous and stream.start == 1):
@@ -535,6 +546,8 @@ def _stream_items(stream: _Stream, lines: list[str]) -> list[tuple[int | None, s
             if row is None:
                 return None
             items.append(row)
+            if stream.isolated and stream.gutter == "nl":
+                items.append(None)  # hits numbered n and n + 1 may have blank lines between
     return items
 
 

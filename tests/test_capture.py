@@ -368,12 +368,22 @@ def test_mini_heredoc_quoted_delimiter():
     ("cd /testbed && cat > t.py <<EOF && python t.py\nx\nEOF", "/testbed/t.py", "x\n", False),
     ("cat >> log.txt <<EOF\nmore\nEOF", "log.txt", "more\n", True),
     ("tee out.cfg <<EOF\n[a]\nEOF", "out.cfg", "[a]\n", False),
+    ("tee --append out.cfg <<EOF\n[b]\nEOF", "out.cfg", "[b]\n", True),
+    ("tee -a out.cfg <<EOF\n[b]\nEOF", "out.cfg", "[b]\n", True),
     # <<- strips every leading TAB of every body line, as bash does
     ("cat <<-EOF > t.py\n\tif x:\n\t\ty\n\tEOF", "t.py", "if x:\ny\n", False),
 ])
 def test_heredoc_variants(script, path, text, fragment):
     c = one(capture_agent_writes(mini_cmd(script)))
     assert (c.path, c.text, c.is_fragment, c.kind) == (path, text, fragment, "heredoc")
+
+
+def test_a_delimiter_word_that_goes_on_is_not_cut_short():
+    """``<<END-X`` ends at a line ``END-X``, ``<<'E'OF`` at ``EOF``: read as ``END`` or ``E``,
+    a body line ``END`` would cut the file short and call it whole. Not understood now."""
+    for script in ("cat > a.txt <<END-X\nalpha\nEND\nbeta\nEND-X",
+                   "cat > a.txt <<'E'OF\nalpha\nE\nbeta\nEOF"):
+        assert capture_agent_writes(mini_cmd(script)) == [], script
 
 
 def test_nested_heredoc_belongs_to_the_outer_body():
@@ -461,6 +471,29 @@ def test_sed_pattern_ranges_are_one_fragment_per_block(script, blocks):
     # the same through a pipe
     piped = capture_tool_output(mini_cmd(f"cat m.py | sed -n '{script}'"), mini_out(out))
     assert texts(piped) == texts(got)
+
+
+@pytest.mark.parametrize("command, out, want", [
+    # hits among a range's blocks stand alone (y = 2 lies between them in the file)
+    ("sed -n '/def/,/return/p' f.py | grep foo", "    x = 1  # foo\n    z = 3  # foo\n",
+     ["    x = 1  # foo\n", "    z = 3  # foo\n"]),
+    # context lines and grep's `--` would cross the blocks' ends unseen: nothing
+    ("sed -n '/def/,/return/p' f.py | grep -A1 foo",
+     "    x = 1  # foo\n    y = 2\n--\n    z = 3  # foo\n    q = 4\n", []),
+    # a range over separate hits would join them
+    ("grep foo f.py | sed -n '/def/,/return/p'", "def a():  # foo\n    return 1  # foo\n", []),
+    # the last lines of the blocks: the first may be inside one
+    ("sed -n '/def/,/return/p' f.py | tail -n 3", "    return 1\ndef b():\n    return 2\n",
+     []),
+    # plain nl numbers skip blank lines: hits numbered 1 and 2 may lie apart
+    ("nl f.py | grep foo", "     1\ta = 1  # foo\n     2\tb = 2  # foo\n",
+     ["a = 1  # foo\n", "b = 2  # foo\n"]),
+    ("nl f.py | sed -n '1p;5p'", "     1\ta\n     2\tb\n", []),
+])
+def test_stages_after_a_range_or_plain_nl_never_join_lines_that_lie_apart(command, out,
+                                                                          want):
+    got = capture_tool_output(mini_cmd(command), mini_out(out))
+    assert [c.text for c in got] == want and all(c.is_fragment for c in got)
 
 
 def test_numbered_sed_pattern_blocks_are_placed_by_their_numbers():
