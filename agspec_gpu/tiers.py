@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_int_fields, check_text,
-                               check_tuple_field, is_int)
+                               check_token_ids, check_tuple_field, is_int)
 from agspec_gpu.corpus import DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
@@ -391,11 +391,14 @@ class CorpusStore:
         return total
 
     def _as_tokens(self, ids: torch.Tensor | list[int], name: str) -> torch.Tensor:
-        t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids), dtype=torch.int32)
+        if not isinstance(ids, torch.Tensor):  # (checked as ints: 1.7 or True is no id)
+            return torch.tensor(check_token_ids(ids, name, self.vocab_size),
+                                dtype=torch.int32).to(self.arena.device)
+        t = ids
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
         if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+            raise ValueError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             raise ValueError(f"{name}: token ids must be in [0, {self.vocab_size})")
         return t.to(self.arena.device, torch.int32)
@@ -491,7 +494,20 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
         half: only sessions with ``session_half(task_id) == half`` (None: all).
         sessions: loaded :class:`~agspec_gpu.trajectories.Session` objects, taken as the
             trajectories' sessions are (after them).
+
+    Raises:
+        ValueError: an argument of the wrong kind (``src``, ``trajectories`` and
+            ``suffixes`` are lists, not one path or string), no text, or none that fits
+            ``max_tokens``.
     """
+    for name, v in (("src", src), ("trajectories", trajectories), ("suffixes", suffixes),
+                    ("sessions", sessions)):
+        if isinstance(v, (str, bytes, Path)):
+            raise ValueError(f"{name}: expected a list, got one {type(v).__name__} ({v!r})")
+    if not is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens!r}")
+    if half not in (None, 0, 1) or isinstance(half, bool):
+        raise ValueError(f"half: expected None, 0 or 1, got {half!r}")
     docs: list[list[int]] = []
     files: list[Path] = []
     for p in map(Path, src):
@@ -533,17 +549,22 @@ def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, m
     from safetensors.torch import save_file
 
     parts: list[int] = []
+    num_docs = 0
     for ids in docs:
         if len(parts) + len(ids) + 1 > max_tokens:
             break
         parts.append(SEP)
         parts.extend(ids)
+        num_docs += 1
+    if num_docs == 0:
+        raise ValueError(f"max_tokens: the first document alone ({len(docs[0]) + 1} tokens) "
+                         f"exceeds {max_tokens}")
     tokens = torch.tensor(parts, dtype=torch.int32)
     end = tokens.numel()  # the last document ends the corpus: every position is final
     sa = build_context_array(tokens, 0, end, max_depth)
     meta = {"format": _FORMAT, "fingerprint": tokenizer.fingerprint, "tokenizer": tokenizer.name,
             "max_depth": str(max_depth), "indexed_end": str(end),
-            "sha256": _digest(tokens, sa), "num_docs": str(len(docs)),
+            "sha256": _digest(tokens, sa), "num_docs": str(num_docs),
             "sessions": json.dumps(list(session_ids)),
             "tasks": json.dumps(sorted(set(task_ids)))}
     save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)

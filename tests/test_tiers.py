@@ -455,18 +455,22 @@ def test_duplicate_session_id(live, tok):
     still_works(d, before)
 
 
-@pytest.mark.parametrize("bad", [[5, 100_277], [-1, 5], [5, -7, 9], [2**31 - 1]])
+@pytest.mark.parametrize("bad", [[5, 100_277], [-1, 5], [5, -7, 9], [2**31 - 1], [2**40],
+                                 [1.7, 2.9], [True, 3]])
 def test_out_of_vocabulary_ids_are_rejected(live, tok, bad):
+    """Ids outside the vocabulary, and non-integers (a float or bool list was truncated
+    into ids), named as token ids."""
     store, d, before = live
     assert tok.vocab_size == 100_277
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="token id"):
         d.open_session("new", "T", prompt_ids=bad)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="token id"):
         d.extend("good1", bad)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match="token id"):
         store.append_session("good1", bad)
-    with pytest.raises(ValueError, match="token ids"):
-        store.open_session("new2", "T", torch.tensor(bad))
+    if all(type(t) is int for t in bad) and max(bad) < 2**62:
+        with pytest.raises(ValueError, match="token ids"):
+            store.open_session("new2", "T", torch.tensor(bad))
     still_works(d, before)
     d.open_session("new", "T", prompt_ids=[5])  # the failed open left no trace
     assert "new2" not in store._sessions
@@ -487,8 +491,8 @@ def test_out_of_vocabulary_commit_is_rejected_atomically(live, bad_ids):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(prompt_ids=[[1, 2]]), "1-D"),
-    (dict(prompt_ids=torch.tensor([1.0, 2.0])), "integer"),
+    (dict(prompt_ids=[[1, 2]]), "integer token ids"),
+    (dict(prompt_ids=torch.tensor([1.0, 2.0])), "int32 or int64 tensor"),
 ])
 def test_malformed_prompts(live, kwargs, match):
     store, d, before = live
@@ -627,6 +631,17 @@ def test_global_corpus_built_with_another_tokenizer(live, global_file, tmp_path,
         CorpusStore(tok, TierConfig(max_depth=16), global_corpus=built)
     with pytest.raises(ValueError, match="does not exist"):
         build_global_corpus([tmp_path / "nowhere"], tok, tmp_path / "x.agspec")
+    # one path where a list is meant (iterated by character, or ".py" read as a set of
+    # suffixes that takes files with none), a budget nothing fits in, no such half
+    for kw, name in ((dict(src=str(src)), "src"), (dict(src=src), "src"),
+                     (dict(src=[src], suffixes=".py"), "suffixes"),
+                     (dict(src=[src], trajectories="t.jsonl"), "trajectories"),
+                     (dict(src=[src], max_tokens=3), "max_tokens"),
+                     (dict(src=[src], max_tokens=-1), "max_tokens"),
+                     (dict(src=[src], half=2), "half"), (dict(src=[src], half=True), "half")):
+        with pytest.raises(ValueError, match=name):
+            build_global_corpus(tokenizer=tok, out=tmp_path / "x.agspec", **kw)
+    assert not (tmp_path / "x.agspec").exists()
     still_works(d, before)
 
 
