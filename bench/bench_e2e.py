@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the tiny config, a few sessions and steps (CPU smoke test)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
-    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--batch-sizes", default=None, help="comma list (default 1,16,64)")
     ap.add_argument("--methods", default=None,
                     help=f"comma list of {', '.join(METHOD_NAMES)} (default: "
                          f"{','.join(DEFAULT_METHODS)})")
@@ -343,11 +343,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--order", default="longest-first", choices=("longest-first", "given"),
                     help="the order sessions enter the batch (ReplayTargetConfig.order): "
                          "longest first keeps the batch fuller while it drains")
-    ap.add_argument("--context", type=int, default=4096, help="context tokens per request")
-    ap.add_argument("--max-message-tokens", type=int, default=1024,
-                    help="target tokens per assistant message (0: whole messages)")
-    ap.add_argument("--messages-per-session", type=int, default=0, help="0: all")
-    ap.add_argument("--max-steps", type=int, default=0, help="decode steps per run (0: all)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="context tokens per request (default 4096)")
+    ap.add_argument("--max-message-tokens", type=int, default=None,
+                    help="target tokens per assistant message (0: whole messages; default "
+                         "1024)")
+    ap.add_argument("--messages-per-session", type=int, default=None,
+                    help="0: all (the default)")
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="decode steps per run (0: all, the default)")
     ap.add_argument("--prefill", default="real", choices=("real", "skip"))
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-draft-nodes", type=int, default=64,
@@ -364,13 +368,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip calibration (agspec uses --cost-model or the default model)")
     ap.add_argument("--cost-model", default=None, help="a cost JSON to use instead of calibrating")
-    ap.add_argument("--calibrate-max-tokens", type=int, default=2048)
-    ap.add_argument("--calibrate-repeats", type=int, default=5)
+    ap.add_argument("--calibrate-max-tokens", type=int, default=None, help="default 2048")
+    ap.add_argument("--calibrate-repeats", type=int, default=None, help="default 5")
     ap.add_argument("--profile", action="store_true", help="write one Chrome trace")
     ap.add_argument("--profile-method", default="agspec")
-    ap.add_argument("--profile-warmup", type=int, default=8)
-    ap.add_argument("--profile-steps", type=int, default=4)
-    ap.add_argument("--bandwidth-iters", type=int, default=50)
+    ap.add_argument("--profile-warmup", type=int, default=None, help="default 8")
+    ap.add_argument("--profile-steps", type=int, default=None, help="default 4")
+    ap.add_argument("--bandwidth-iters", type=int, default=None, help="default 50")
     ap.add_argument("--global-corpus", default=None, help="an agspec global corpus file")
     ap.add_argument("--half", type=int, choices=(0, 1), default=None,
                     help="only sessions of this half (agspec_gpu.tiers.session_half), e.g. 1 "
@@ -382,15 +386,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.tiny:
         args.model = "tiny"
-        defaults = dict(sessions=3, context=256, max_message_tokens=24, messages_per_session=2,
-                        max_steps=12, calibrate_max_tokens=8, calibrate_repeats=1,
-                        bandwidth_iters=3, profile_warmup=2, profile_steps=2)
-        for k, v in defaults.items():
-            if getattr(args, k) == ap.get_default(k):
-                setattr(args, k, v)
-        if args.batch_sizes == ap.get_default("batch_sizes"):
-            args.batch_sizes = "1,2"
+    # the defaults of the options --tiny changes, filled where not given (a value given
+    # equal to the full run's default stays: --tiny --max-steps 0 runs every step)
+    for k, v in {**_DEFAULTS, **(_TINY_DEFAULTS if args.tiny else {})}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     return args
+
+
+_DEFAULTS = dict(batch_sizes="1,16,64", context=4096, max_message_tokens=1024,
+                 messages_per_session=0, max_steps=0, calibrate_max_tokens=2048,
+                 calibrate_repeats=5, bandwidth_iters=50, profile_warmup=8, profile_steps=4)
+_TINY_DEFAULTS = dict(batch_sizes="1,2", sessions=3, context=256, max_message_tokens=24,
+                      messages_per_session=2, max_steps=12, calibrate_max_tokens=8,
+                      calibrate_repeats=1, bandwidth_iters=3, profile_warmup=2,
+                      profile_steps=2)
 
 
 def load_corpus(args, tokenizer):
@@ -474,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer("cl100k")
     corpus = load_corpus(args, tokenizer)
     warm = other_half_responses(args, tokenizer) if "suffix-decoding-warm" in methods else ()
+    if warm and not args.global_corpus:
+        print("note: suffix-decoding-warm holds the other half's responses but agspec has no "
+              "global tier (--global-corpus built from that half): the comparison favours "
+              "the warm lane", file=sys.stderr)
     maybe_global = None
     if args.global_corpus:
         from agspec_gpu.tiers import load_global_corpus

@@ -89,6 +89,21 @@ def tiny_runner(max_batch: int, context: int, room: int = 128, std: float = 0.1)
     return runner, MetadataPool(max_batch, 64, per_seq, ps, "cpu")
 
 
+def test_tiny_fills_only_the_options_not_given():
+    """--tiny's small defaults fill the options left out; a value given stays, the full
+    run's default included (--max-steps 0: every step, not --tiny's 12)."""
+    tiny = bench_e2e.parse_args(["x", "--tiny"])
+    assert (tiny.max_steps, tiny.messages_per_session, tiny.context, tiny.batch_sizes,
+            tiny.sessions) == (12, 2, 256, "1,2", 3)
+    given = bench_e2e.parse_args(["x", "--tiny", "--max-steps", "0", "--messages-per-session",
+                                  "0", "--context", "4096", "--batch-sizes", "1,16,64"])
+    assert (given.max_steps, given.messages_per_session, given.context,
+            given.batch_sizes) == (0, 0, 4096, "1,16,64")
+    full = bench_e2e.parse_args(["x"])
+    assert (full.max_steps, full.context, full.batch_sizes, full.sessions) == \
+        (0, 4096, "1,16,64", None)
+
+
 def test_cpu_smoke_run_writes_every_field(tmp_path):
     out = tmp_path / "e2e.json"
     rc = bench_e2e.main([*data_args(), "--device", "cpu", "--tiny", "--results-dir",
