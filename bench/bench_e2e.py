@@ -187,13 +187,23 @@ class RandomWeights(Mapping):
         return len(self._shapes)
 
 
-def replay_context_tokens(corpus, messages_per_session: int | None, context: int) -> int:
-    """The mean KV length a replayed step holds: each session's first
+def replay_context_tokens(corpus, messages_per_session: int | None, context: int,
+                          max_message_tokens: int | None = None) -> int:
+    """The mean KV length a replayed token is decoded at: each session's first
     ``messages_per_session`` target messages (None: all) that start after its first token,
-    each with ``min(start, context)`` tokens of context, as the replay loop gives them."""
-    ctx = [min(int(s.bounds[i]), context) for s in corpus.sessions
-           for i in [i for i in s.target_messages if s.bounds[i] >= 1][:messages_per_session]]
-    return max(1, round(sum(ctx) / len(ctx))) if ctx else context
+    each with ``min(start, context)`` tokens of context, as the replay loop gives them, and
+    its KV growing by one slot per token of the message (``max_message_tokens`` of it;
+    None: all). Weighted by tokens, not messages: a long message holds a longer KV for
+    more steps (~10% above the messages' mean start on the dev set)."""
+    total = weighted = 0
+    for s in corpus.sessions:
+        for i in [i for i in s.target_messages if s.bounds[i] >= 1][:messages_per_session]:
+            c = min(int(s.bounds[i]), context)
+            n = int(s.bounds[i + 1] - s.bounds[i])
+            n = min(n, max_message_tokens) if max_message_tokens else n
+            total += n
+            weighted += n * c + n * (n - 1) // 2  # KV lengths c, c + 1, ..., c + n - 1
+    return max(1, round(weighted / total)) if total else context
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -551,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_calibrate or args.calibrate:
         t0 = time.perf_counter()
         # at the KV length the replayed steps hold (a request's context is its message's
-        # start, capped at --context: the first messages start early), not at the cap
-        calib_ctx = replay_context_tokens(corpus, per_msg, args.context)
+        # start, capped at --context: the first messages start early; then its own tokens),
+        # not at the cap
+        calib_ctx = replay_context_tokens(corpus, per_msg, args.context, max_msg)
         # at every graph batch size up to the largest run's: a step of b requests runs in
         # the smallest bucket >= b (a run's drain in smaller ones), and is priced there
         cost_for = dict(calibrate_batch_costs(

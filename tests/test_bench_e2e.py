@@ -409,8 +409,8 @@ def test_random_weights_are_deterministic_and_lazy():
 
 
 def test_calibration_context_is_the_replayed_steps_and_decode_bytes_copies_nothing(tmp_path):
-    """The cost model is calibrated at the KV length the replayed steps hold (each message's
-    start, capped at --context), not at the cap; the decode byte count reads the runner's
+    """The cost model is calibrated at the KV length the replayed tokens are decoded at
+    (each message's start, capped at --context, then its own tokens), not at the cap; the decode byte count reads the runner's
     weights where they are (``dataclasses.astuple`` cloned every tensor: 15 GB at 8B)."""
     from agspec_gpu.trajectories import Message, Session
 
@@ -420,9 +420,18 @@ def test_calibration_context_is_the_replayed_steps_and_decode_bytes_copies_nothi
     corpus = tokenize_sessions([Session("s", "mini-swe-agent", "", "t", msgs)], tok)
     s = corpus.sessions[0]
     starts = [int(s.bounds[i]) for i in s.target_messages]
-    assert bench_e2e.replay_context_tokens(corpus, 1, 10_000) == starts[0]
-    assert bench_e2e.replay_context_tokens(corpus, None, 10_000) == round(sum(starts) / 2)
-    assert bench_e2e.replay_context_tokens(corpus, None, 100) == round(
+    sizes = [int(s.bounds[i + 1] - s.bounds[i]) for i in s.target_messages]
+
+    def mean(caps, cut=None):  # every decoded token's KV length, by brute force
+        kv = [c + j for c, n in zip(caps, sizes) for j in range(min(n, cut or n))]
+        return round(sum(kv) / len(kv))
+
+    assert sizes[0] > 1 and bench_e2e.replay_context_tokens(corpus, 1, 10_000) == \
+        round(starts[0] + (sizes[0] - 1) / 2)
+    assert bench_e2e.replay_context_tokens(corpus, None, 10_000) == mean(starts)
+    assert bench_e2e.replay_context_tokens(corpus, None, 100) == mean(
+        [min(x, 100) for x in starts])
+    assert bench_e2e.replay_context_tokens(corpus, None, 100, 1) == round(
         (min(starts[0], 100) + 100) / 2)
     runner, _ = tiny_runner(2, 16)
     fields = [runner.lm_head, runner.final_norm] + [
