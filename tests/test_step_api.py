@@ -218,6 +218,18 @@ def test_a_step_whose_batch_also_fails_to_end_raises_the_first_error_with_a_note
     assert dec.running == [] and dec.queued == []
 
 
+def four_outgrowing_the_pool() -> tuple[SpecDecoder, list[list[int]], list[str]]:
+    """Four requests of 70 tokens submitted under optimistic admission to a pool of 40
+    pages of 8: the newest is preempted once the batch outgrows it."""
+    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
+    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
+                  drafter=DrafterConfig(max_nodes=8))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    for sid in sids:
+        dec.submit(sid, max_new_tokens=70, eos_id=None)
+    return dec, P, sids
+
+
 def test_a_cancel_whose_batch_fails_to_end_leaves_no_batch_running(monkeypatch):
     """A cancel that ends the batch (its only request) and fails there (a Ctrl-C while its
     KV is kept) raises, and leaves no ended batch behind: the cancelled request never
@@ -251,12 +263,7 @@ def test_a_preemption_that_fails_ends_the_preempted_request_too(monkeypatch):
     smaller batch's sampling rows) ends it with ``"error"`` beside the running ones,
     instead of leaving it neither queued, running nor ended."""
     from agspec_gpu.running_batch import RunningBatch
-    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
-    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
-                  drafter=DrafterConfig(max_nodes=8))
-    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
-    for sid in sids:
-        dec.submit(sid, max_new_tokens=70, eos_id=None)
+    dec, P, sids = four_outgrowing_the_pool()
     preempt, sampling, inside = RunningBatch.preempt, SpecDecoder._sampling, []
 
     def preempting(self):
@@ -705,12 +712,7 @@ def test_a_preempted_request_can_be_cancelled_or_closed_while_it_waits(then):
     """A preempted request waits like a queued one: ``cancel`` ends it at what it emitted
     (plain greedy so far; its session takes ``append`` and a new request, which continues
     as plain greedy decoding), ``close_session`` frees its KV; the others run on."""
-    P = [list(prompts()[i]) for i in (1, 0, 4, 6)]
-    dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
-                  drafter=DrafterConfig(max_nodes=8))
-    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
-    for sid in sids:
-        dec.submit(sid, max_new_tokens=70, eos_id=None)
+    dec, P, sids = four_outgrowing_the_pool()
     out: dict[str, list[int]] = {s: [] for s in sids}
     last = sids[3]
     for _ in range(100):  # until the newest is preempted
