@@ -154,6 +154,27 @@ class HostProposer(HostLane):
                                      for s, c in zip(sids, contexts)], "cpu")
 
 
+class PlainDecoding(HostProposer):
+    """The baseline ``none``: an engine's plain decode step asks no drafter, so its steps
+    pay for none: one empty host draft per batch size, made once, and no commit (the
+    message work between requests still counts, as an engine does it too)."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter)
+        self._empty: dict[int, DraftBatch] = {}
+
+    def propose(self, sids: list[str], contexts: list[np.ndarray], truth: TruthFn
+                ) -> DraftBatch:
+        B = len(sids)
+        if B not in self._empty:
+            self._empty[B] = DraftBatch.from_lists([[] for _ in sids], "cpu")
+        return self._empty[B]
+
+    def observe(self, sids: list[str], output_ids: np.ndarray, num_output: np.ndarray,
+                num_accepted: np.ndarray, path_nodes: torch.Tensor | None = None) -> None:
+        pass
+
+
 class AgspecProposer(BatchedLane):
     """The batched agspec drafter: one ``propose`` for the whole batch."""
 
@@ -229,6 +250,8 @@ def make_proposer(name: str, tokenizer, device: torch.device | str, max_batch: i
     from agspec_gpu.replay_lanes import AGSPEC_DRAFTERS, agspec_overrides
     from agspec_gpu.tiers import CorpusStore, TierConfig
 
+    if name == "none":
+        return PlainDecoding(make_host_drafter(name))
     if name in HOST_DRAFTERS:
         return HostProposer(make_host_drafter(name, warm_responses))
     base = "agspec" if name in ("oracle", "agspec-nobudget") else name
