@@ -392,8 +392,8 @@ class CorpusStore:
 
     def _as_tokens(self, ids: torch.Tensor | list[int], name: str) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):  # (checked as ints: 1.7 or True is no id)
-            return torch.tensor(check_token_ids(ids, name, self.vocab_size),
-                                dtype=torch.int32).to(self.arena.device)
+            return to_device(check_token_ids(ids, name, self.vocab_size), torch.int32,
+                             self.arena.device)
         t = ids
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
