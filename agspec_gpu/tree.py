@@ -35,7 +35,8 @@ from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.prefix_pages import (PrefixPages, check_prefix_out,
                                              launch_prefix_pages as plan_prefix_pages)
 from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs,
-                                         check_tree_out, launch_tree_mask)
+                                         check_sink_page, check_tree_out,
+                                         launch_tree_mask)
 
 
 class HostSizes(NamedTuple):
@@ -411,6 +412,7 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
                          f"{out.max_kv_len}")
     if max_total_q is not None and out.capacity_q < max_total_q:
         raise ValueError(f"out holds {out.capacity_q} rows < max_total_q={max_total_q}")
+    check_sink_page(sink_page)  # (out's checks, cached per shape, saw another step's)
     nb = B + (sink_page is not None)  # requests planned, the sink included
     if out.batch_size < nb:
         raise ValueError(f"out: buffers for batch {out.batch_size} cannot plan {B} requests "
@@ -447,6 +449,9 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
         valid = torch.arange(R, device=device)[None, :] < meta.qo_lens()[:, None]
         tree = torch.zeros(meta.capacity_q, meta.max_kv_len, dtype=torch.bool, device=device)
         tree[rows[valid]] = dense[valid]
+        if sink_page is not None:  # the sink's rows, R of them or more, see its one KV entry
+            at = torch.arange(meta.capacity_q, device=device)
+            tree[:, 0] |= (at >= meta.qo_indptr[B]) & (at < meta.qo_indptr[B + 1])
         meta = replace(meta, maybe_tree_mask=tree)
     return meta
 

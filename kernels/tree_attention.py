@@ -216,7 +216,8 @@ def tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_slots: torch.Tens
         Rows of request ``b``: ``qo_indptr[b] : qo_indptr[b + 1]``.
     ancestor_bits : ``int32 [>= num_tree, R, W]``
         Bit ``t`` of ``[b, r]``: tree row ``t`` is an ancestor-or-self of row ``r``
-        (``TreeMetadata.ancestor_bits``); ``R >= `` every tree request's rows.
+        (``TreeMetadata.ancestor_bits``); ``R >= `` every tree request's rows (not
+        checked: it would read the device's sizes; the plan that built both keeps it).
     prefix_lens : ``int32 [nb]``
         Tokens before each tree; 0: the prefix part is not read.
     o_prefix : ``[Q, H, D]``, ``q``'s dtype; lse_prefix : ``fp32 [Q, H]``
@@ -241,12 +242,13 @@ def tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_slots: torch.Tens
                          f"{tuple(q.shape)}")
     Q, H, D = q.shape
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != D or \
-            kv_cache.dtype != q.dtype or H % max(kv_cache.shape[3], 1):
+            kv_cache.dtype != q.dtype or min(kv_cache.shape[2:4]) < 1 or H % kv_cache.shape[3]:
         raise ValueError(f"kv_cache: expected {q.dtype} [num_pages, 2, page_size, H_kv, {D}] "
-                         f"with H_kv dividing {H}, got {kv_cache.dtype} "
+                         f"with page_size >= 1 and H_kv >= 1 dividing {H}, got {kv_cache.dtype} "
                          f"{tuple(kv_cache.shape)}")
-    if not q.is_contiguous() or not kv_cache.is_contiguous():
-        raise ValueError("q, kv_cache: must be contiguous")
+    for name, x in (("q", q), ("kv_cache", kv_cache)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
     for name, x, nd in (("kv_slots", kv_slots, 1), ("qo_indptr", qo_indptr, 1),
                         ("ancestor_bits", ancestor_bits, 3), ("prefix_lens", prefix_lens, 1)):
         check_array(name, x, torch.int32, nd, device)

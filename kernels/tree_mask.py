@@ -180,9 +180,12 @@ def _tree_rows_kernel(
     words = tl.arange(0, BLOCK_W)
     wmask = words < W
 
-    # root row: itself only, depth 0 (qo_len >= 1)
+    # root row: itself only, depth 0 (qo_len >= 1). A row whose slot is past the page
+    # table is padding (position 0), as in the row pass below.
     tl.store(anc_base + words, (words == 0).to(tl.int32), mask=wmask)
-    tl.store(position_ids_ptr + qo_start, prefix.to(tl.int32), mask=qo_start < Q)
+    tl.store(position_ids_ptr + qo_start,
+             tl.where(prefix // page_size < max_pages, prefix, 0).to(tl.int32),
+             mask=qo_start < Q)
     tl.debug_barrier()
     # while loops, not range(runtime bound): the interpreter cannot index with a loaded value
     r = tl.zeros((), tl.int64) + 1
@@ -194,7 +197,8 @@ def _tree_rows_kernel(
         row = row | tl.where(words == r // 32, own_bit, 0)
         tl.store(anc_base + r * W + words, row, mask=wmask)
         depth = tl.sum(_popcount32(row), axis=0) - 1
-        tl.store(position_ids_ptr + qo_start + r, (prefix + depth).to(tl.int32),
+        tl.store(position_ids_ptr + qo_start + r,
+                 tl.where((prefix + r) // page_size < max_pages, prefix + depth, 0).to(tl.int32),
                  mask=qo_start + r < Q)
         tl.debug_barrier()
         r += 1
@@ -444,14 +448,16 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     root_ids, prefix_lens : ``int32 [B]``
         Root token per request and the number of its tokens already in the KV cache.
     page_table : ``int32 [B, max_pages]``
-        Each request's pages in logical order; must cover ``prefix_len + qo_len`` slots.
+        Each request's pages in logical order; must cover ``prefix_len + qo_len`` slots
+        (rows whose slot is past it are planned as padding).
     page_size : int
     out : TreeMaskBuffers, optional
         Buffers to fill (indptrs of ``B + 1`` entries, ``kv_last_page_len`` of ``B``;
         capacities ``Q``, ``P``, ``M``; ``ancestor_bits`` of shape ``[B, R, ceil(R / 32)]``
         with ``R >= N + 1``). Allocated with the static bounds ``Q = B * (N + 1)``, ``P = B *
         max_pages``, ``M = B * ceil((N + 1) * max_pages * page_size / 8)`` and ``R = N + 1``
-        when omitted.
+        when omitted (with ``sink_page``: the sink's entries too, its page and ``ceil(Q /
+        8)`` mask bytes).
     sink_page : int, optional
         Plan one more request ``B`` (a *sink*): the rows past the batch's, up to the
         capacity ``Q``, over one KV entry (slot 0 of page ``sink_page``) that each of them
@@ -479,14 +485,14 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     B, N = token_ids.shape
     max_pages = page_table.shape[1]
     if out is None:
-        R = N + 1
+        R, k = N + 1, int(sink_page is not None)  # k: the sink's entries
         i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
         out = TreeMaskBuffers(
-            qo_indptr=i32(B + 1), kv_indptr=i32(B + 1), mask_indptr=i32(B + 1),
-            kv_last_page_len=i32(B), input_ids=i32(B * R), position_ids=i32(B * R),
-            kv_slots=i32(B * R), kv_indices=i32(B * max_pages),
-            packed_mask=torch.empty(B * (-(-R * max_pages * page_size // 8)), dtype=torch.uint8,
-                                    device=device),
+            qo_indptr=i32(B + 1 + k), kv_indptr=i32(B + 1 + k), mask_indptr=i32(B + 1 + k),
+            kv_last_page_len=i32(B + k), input_ids=i32(B * R), position_ids=i32(B * R),
+            kv_slots=i32(B * R), kv_indices=i32(B * max_pages + k),
+            packed_mask=torch.empty(B * (-(-R * max_pages * page_size // 8)) + k * -(-B * R // 8),
+                                    dtype=torch.uint8, device=device),
             ancestor_bits=torch.empty(B, R, -(-R // 32), dtype=torch.int32, device=device))
     check_tree_out(out, B, N, device, sink_page)
     return launch_tree_mask(token_ids, parents, num_draft_tokens, root_ids, prefix_lens,
@@ -522,6 +528,7 @@ def check_tree_out(out: TreeMaskBuffers, B: int, N: int, device: torch.device,
                    sink_page: int | None = None) -> None:
     """Raises ValueError naming the first of ``out``'s buffers that cannot take a plan of
     ``B`` requests of ``N`` nodes (and a sink): dtype, layout, device, capacity."""
+    check_sink_page(sink_page)
     for name in ("qo_indptr", "kv_indptr", "mask_indptr", "kv_last_page_len", "input_ids",
                  "position_ids", "kv_slots", "kv_indices"):
         check_array(f"out.{name}", getattr(out, name), torch.int32, 1, device)
@@ -541,6 +548,13 @@ def check_tree_out(out: TreeMaskBuffers, B: int, N: int, device: torch.device,
         raise ValueError(f"out.ancestor_bits: R = {R} rows cannot hold a root plus {N} nodes")
     if not (out.input_ids.numel() == out.position_ids.numel() == out.kv_slots.numel()):
         raise ValueError("out.input_ids, out.position_ids, out.kv_slots: capacities differ")
+
+
+def check_sink_page(sink_page: int | None) -> None:
+    """Raises ValueError unless ``sink_page`` is None or a page index (an int >= 0)."""
+    if sink_page is not None and (isinstance(sink_page, bool) or not isinstance(sink_page, int)
+                                  or sink_page < 0):
+        raise ValueError(f"sink_page: expected an int >= 0 or None, got {sink_page!r}")
 
 
 def launch_tree_mask(token_ids: torch.Tensor, parents: torch.Tensor,

@@ -234,7 +234,9 @@ def test_tree_kernel_checks_its_arguments():
                 lse_prefix=lse)
     for name, bad in (("q", q.double()), ("kv_cache", cache.half()),
                       ("kv_slots", meta.kv_slots.long()), ("lse_prefix", lse[:-1]),
-                      ("o_prefix", o[:, :2]), ("prefix_lens", p.prefix_lens[:0])):
+                      ("o_prefix", o[:, :2]), ("prefix_lens", p.prefix_lens[:0]),
+                      ("kv_cache", cache[:, :, :, :0]), ("kv_cache", cache[:, :, :0]),
+                      ("kv_cache", cache.transpose(0, 2).contiguous().transpose(0, 2))):
         with pytest.raises(ValueError, match=name):
             tree_attention(**{**args, name: bad}, num_tree=1, sm_scale=0.3)
     with pytest.raises(ValueError, match="num_tree"):
@@ -372,3 +374,63 @@ def test_prefix_pages_past_one_block(sink):
             if f == "kv_indices":
                 a, b = a[:n], b[:n]
             assert torch.equal(a, b), (ps, f)
+
+
+def recompute(trees, prefix_lens, pages, page_size, q, cache, scale):
+    """``float64 [Q, H, D]``: each tree row's attention recomputed alone, from the trees'
+    parent lists and the page table, with no plan: the request's prefix slots, then its
+    ancestors-or-self at ``prefix + row`` (rows of request ``b`` from ``sum(qo_len[:b])``;
+    the rest zero)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    G = q.shape[1] // cache.shape[3]
+    row0 = 0
+    for b, tree in enumerate(trees):
+        for r in range(len(tree) + 1):
+            seen, x = [], r
+            while x:
+                seen.append(x)
+                x = tree[x - 1][1] + 1
+            slots = list(range(prefix_lens[b])) + [prefix_lens[b] + t for t in [0] + seen[::-1]]
+            page = torch.tensor([int(pages[b, s // page_size]) for s in slots])
+            off = torch.tensor([s % page_size for s in slots])
+            k = cache[page, 0, off].double().repeat_interleave(G, 1)  # [n, H, D]
+            v = cache[page, 1, off].double().repeat_interleave(G, 1)
+            s = torch.einsum("hd,nhd->hn", q[row0 + r].double(), k) * scale
+            out[row0 + r] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
+        row0 += len(tree) + 1
+    return out
+
+
+@pytest.mark.parametrize("case", CASES + [([31, 32, 33], "random", [1, 0, 16], 16),
+                                          ([64, 0], "wide", [9, 3], 8)])
+def test_every_path_equals_a_per_row_recompute(case):
+    """The custom mask, the split and the tree kernel (both paths) against each row's
+    attention recomputed from the parent lists alone (the other tests share the plan and
+    ``unpack_mask`` with the code under test); padding rows exactly zero."""
+    sizes, kind, prefix_lens, page_size = case
+    trees, _, draft, roots, prefix, pages, table = make_case(5, sizes, kind, prefix_lens,
+                                                             page_size)
+    H, H_kv, D = 6, 2, 12
+    meta = plan_tree(draft, roots, prefix, table, page_size,
+                     max_total_q=sum(sizes) + len(sizes) + 5, prefix_pages=True)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(int(table.max()) + 1, 2, page_size, H_kv, D, generator=g)
+    q = torch.randn(meta.capacity_q, H, D, generator=g) * 2
+    want = recompute(trees, prefix_lens, pages, page_size, q, cache, D ** -0.5)
+    got = {}
+    for split in (False, True):
+        attn = TorchPagedAttention(H, H_kv, D, page_size, split=split)
+        attn.plan(meta)
+        got[f"split={split}"] = attn.run(q, cache)
+    o_prefix, lse = prefix_part(meta, q, cache, page_size)
+    for use_triton in (False, True):
+        args = [t.to(DEVICE) for t in (q, cache, meta.kv_slots, meta.qo_indptr,
+                                        meta.ancestor_bits, meta.maybe_prefix.prefix_lens,
+                                        o_prefix, lse)]
+        got[f"triton={use_triton}"] = tree_attention(
+            *args, num_tree=meta.batch_size, sm_scale=D ** -0.5, use_triton=use_triton).cpu()
+    n = int(meta.qo_indptr[-1])
+    for name, out in got.items():
+        torch.testing.assert_close(out[:n].double(), want[:n], atol=2e-5, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert out[n:].eq(0).all(), name

@@ -453,3 +453,54 @@ def test_plans_past_one_block_of_rows_and_pages(sizes, kind, prefix, ps):
     assert a.packed_mask[:ref["mask_indptr"][-1]].tolist() == ref["packed_mask"]
     assert a.kv_indices[:ref["kv_indptr"][-1]].tolist() == ref["kv_indices"]
     assert a.position_ids[:ref["qo_indptr"][-1]].tolist() == ref["position_ids"]
+
+
+def test_the_launcher_allocates_a_sinks_entries_and_checks_its_page():
+    """``tree_mask(..., sink_page=p)`` without ``out`` allocates the sink's indptr entries,
+    page and mask bytes (it once allocated a sinkless batch's and refused its own buffers),
+    and plans what the torch path plans; a sink page that is no page index is named."""
+    from agspec_gpu.kernels.tree_mask import tree_mask
+
+    _, _, draft, roots, prefix, _, table = make_case(2, [3, 1], "random", [4, 0], 4)
+    args = (draft.token_ids, draft.parents, draft.num_draft_tokens, roots, prefix, table, 4)
+    want = tree_mask(*args, sink_page=0, use_triton=False)
+    assert want.qo_indptr.tolist() == [0, 4, 6, 8]  # Q = 2 * (3 + 1) rows: the sink takes 2
+    assert want.kv_last_page_len.numel() == 3 and want.kv_indices[int(want.kv_indptr[2])] == 0
+    d, r, p, t = on_device(draft, roots, prefix, table)
+    got = tree_mask(d.token_ids, d.parents, d.num_draft_tokens, r, p, t, 4, sink_page=0,
+                    use_triton=True)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="sink_page"):
+            tree_mask(*args, sink_page=bad)
+        with pytest.raises(ValueError, match="sink_page"):
+            plan_tree(draft, roots, prefix, table, 4, sink_page=bad)
+
+
+def test_rows_past_a_short_page_table_are_padding_on_both_paths():
+    """A page table that does not cover a request's rows breaks ``tree_mask``'s contract;
+    both paths then plan those rows as padding (token 0, position 0, slot -1) alike (the
+    Triton path once wrote their tree positions)."""
+    from agspec_gpu.kernels.tree_mask import tree_mask
+
+    _, _, draft, roots, prefix, _, table = make_case(2, [6, 3], "chain", [5, 2], 4)
+    short = table[:, :2].contiguous()  # 8 slots; request 0 needs 12
+    want = tree_mask(draft.token_ids, draft.parents, draft.num_draft_tokens, roots, prefix,
+                     short, 4, use_triton=False)
+    d, r, p, t = on_device(draft, roots, prefix, short)
+    got = tree_mask(d.token_ids, d.parents, d.num_draft_tokens, r, p, t, 4, use_triton=True)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    assert want.position_ids[:7].tolist() == [5, 6, 7, 0, 0, 0, 0]
+    assert want.kv_slots[3:7].tolist() == [-1] * 4
+
+
+def test_the_debug_mask_holds_every_sink_row():
+    """``with_dense_mask``: a sink of more rows than ``max_qo_len`` has each of them see its
+    one KV entry (the unpacked mask once stopped at ``max_qo_len`` rows)."""
+    _, _, draft, roots, prefix, _, table = make_case(4, [2], "random", [3], 4)
+    out = TreeMetadata.empty(2, 3, table.shape[1], 4, "cpu", max_total_q=13)
+    meta = plan_tree(draft, roots, prefix, table, 4, out=out, sink_page=1, with_dense_mask=True)
+    assert meta.qo_indptr.tolist() == [0, 3, 13]
+    assert meta.maybe_tree_mask[3:, 0].all() and not meta.maybe_tree_mask[3:, 1:].any()
