@@ -586,10 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     else:
         cost_path = None
-    for b in batch_sizes:
-        cost_for.setdefault(b, CostModel.default())
-    # what prices a step of any batch: the curve of the smallest calibrated batch >= its own
-    prices = BatchCostModels(tuple(sorted(cost_for.items())))
+    cost_for, prices = step_prices(cost_for, batch_sizes)
 
     # ---------------------------------------------------------------- decode bandwidth (B=1)
     bw_id = "__bandwidth"
@@ -857,6 +854,17 @@ def throughput_ratio(tokens: int, ms: float | None, base_tokens: int | None,
     if not (ms and tokens and base_ms and base_tokens):
         return None
     return (tokens / ms) / (base_tokens / base_ms)
+
+
+def step_prices(cost_for: dict[int, CostModel], batch_sizes: list[int]
+                ) -> tuple[dict[int, CostModel], BatchCostModels]:
+    """``(curves, prices)``: what prices a step of any batch, the curve of the smallest
+    calibrated batch ``>=`` its own (a batch between two graph buckets runs padded to the
+    larger: its measured curve, never the built-in estimate); the built-in estimate at
+    each of ``batch_sizes`` only where nothing was calibrated or given."""
+    if not cost_for:
+        cost_for = {b: CostModel.default() for b in batch_sizes}
+    return cost_for, BatchCostModels(tuple(sorted(cost_for.items())))
 
 
 def load_cost_models(path: str | Path, batch_sizes: list[int]) -> dict[int, CostModel]:

@@ -492,6 +492,23 @@ def test_a_saved_calibration_loads_every_batch_and_its_staircase(tmp_path):
     assert not bench_e2e.load_cost_models(path, [1])[4].steps
 
 
+def test_a_batch_between_graph_buckets_is_priced_by_the_measured_curve():
+    """A run at ``--batch-sizes 3,4`` calibrates the buckets 1, 2 and 4: a step of 3
+    requests (padded to 4 on a GPU) is priced by 4's measured curve (it once got the
+    built-in 8B estimate, which then steered agspec's budget at B = 3 too); the built-in
+    estimate only where nothing was measured."""
+    from agspec_gpu.cost_model import CostModel
+
+    measured = {b: CostModel(((b, 100.0 + b), (b + 64, 200.0 + b)), f"measured at {b}",
+                             steps=True, requests=b) for b in (1, 2, 4)}
+    curves, prices = bench_e2e.step_prices(dict(measured), [3, 4])
+    assert curves == measured
+    assert prices.curve_for(3) == measured[4] and prices.step_ms(3 + 10, 3) == \
+        measured[4].step_ms(3 + 10, num_requests=3)
+    curves, prices = bench_e2e.step_prices({}, [3, 4])
+    assert sorted(curves) == [3, 4] and prices.curve_for(3) == CostModel.default()
+
+
 def test_warm_suffix_decoding_holds_the_other_halfs_responses(tmp_path):
     """The e2e's `suffix-decoding-warm` ran with an empty cache (the name was accepted and
     nothing filled it) while agspec drafted from the other half's global corpus: now it
