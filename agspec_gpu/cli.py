@@ -161,7 +161,10 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
                         f"its corpora are indexed to)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
     p.add_argument("--cost-model", metavar="FILE",
-                   help="verification cost model JSON (default: 8B bf16 on H200 estimate)")
+                   help="verification cost model JSON: one curve, or a calibration of "
+                        "several batch sizes (bench_e2e.py's cost-<model>-<gpu>.json: the "
+                        "curve of the smallest batch >= --batch-size) (default: 8B bf16 on "
+                        "H200 estimate)")
     p.add_argument("--threads", type=_at_least(1), default=1,
                    help="torch CPU threads (1: the replay's many small ops run fastest "
                         "single-threaded)")
@@ -266,7 +269,7 @@ def _distinct(names: Sequence[str] | None) -> list[str] | None:
 def _run(args, sessions: list, drafters: list[str], console, title: str):
     import torch
 
-    from agspec_gpu.cost_model import CostModel
+    from agspec_gpu.cost_model import BatchCostModels, CostModel
     from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
     from agspec_gpu.replay_report import print_table, write_csv, write_json, write_plot
     from agspec_gpu.tokenizer import load_tokenizer
@@ -287,7 +290,8 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     config = ReplayConfig(
         batch_size=args.batch_size, tenant_by=args.tenant_by, oracle=not args.no_oracle,
         oracle_k=args.oracle_k, device=args.device, global_corpus=args.global_corpus,
-        workers=args.workers, cost_model=CostModel.from_json(args.cost_model) if args.cost_model
+        workers=args.workers, cost_model=BatchCostModels.from_json(
+            args.cost_model, [args.batch_size]).curve_for(args.batch_size) if args.cost_model
         else CostModel.default())
     t0 = time.perf_counter()
     # Workspace captures cost a pass over every message; only agspec and the oracle use them.

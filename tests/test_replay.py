@@ -579,6 +579,32 @@ def test_cli_bad_inputs_are_named_without_a_traceback(tmp_path, capsys):
             assert match in capsys.readouterr().err.replace("\n", " "), argv
 
 
+def test_cli_replay_prices_by_its_batchs_curve(tmp_path):
+    """``replay --cost-model`` with a calibration of several batch sizes (bench_e2e's
+    file) prices and budgets by the curve of the smallest batch >= ``--batch-size`` (it
+    once read the top level alone: the 1-request curve, whose draft tokens are nearly free
+    at 16 requests); a file of one curve is that curve at any batch size."""
+    from agspec_gpu.cli import main
+    from agspec_gpu.cost_model import BatchCostModels, CostModel
+
+    fixture = tmp_path / "fixture.jsonl.gz"
+    _write_fixture(fixture)
+    curves = BatchCostModels(tuple((b, CostModel(((b, 5.0 + b), (b + 64, 9.0 + 2 * b)),
+                                                 f"at {b}", steps=True, requests=b))
+                                   for b in (1, 4, 16)))
+    cost = tmp_path / "cost.json"
+    for text, batch, want in ((json.dumps(curves.to_json()), 3, curves.curve_for(4)),
+                              (json.dumps(curves.to_json()), 16, curves.curve_for(16)),
+                              (json.dumps(curves.curve_for(4).to_json()), 16,
+                               curves.curve_for(4))):
+        cost.write_text(text)
+        out = tmp_path / "r.json"
+        assert main(["replay", str(fixture), "--drafter", "none", "--no-progress",
+                     "--no-oracle", "--batch-size", str(batch), "--cost-model", str(cost),
+                     "--json", str(out)]) == 0
+        assert CostModel.from_json(json.loads(out.read_text())["config"]["cost_model"]) == want
+
+
 def test_cli_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, monkeypatch):
     """Every bad-input path exits 2 with the argument named (some raised SystemExit(msg),
     status 1); 1 is left to what the install lacks."""
