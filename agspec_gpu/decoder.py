@@ -487,9 +487,9 @@ class SpecDecoder:
             draft tokens, then the bonus token: the next root) and ``accepted_nodes`` (the
             draft nodes whose KV your cache keeps, after the root's). The tokens join each
             session's context, its session tier and the controller. A session that
-            ``eos_id`` or ``max_new_tokens`` ended keeps the tokens up to its end only:
-            ``num_output`` counts them, ``num_accepted = num_output - 1`` and the rest is
-            ``PAD_ID`` (its last token is the root a next step would take), and
+            ``eos_id``, a stop string or ``max_new_tokens`` ended keeps the tokens up to its
+            end only: ``num_output`` counts them, ``num_accepted = num_output - 1`` and the
+            rest is ``PAD_ID`` (its last token is the root a next step would take), and
             ``session_stats(sid).finish_reason`` says ``"eos"``, ``"stop"`` or ``"length"``
             (None for a session this step did not end: its request runs).
 
@@ -608,7 +608,7 @@ class SpecDecoder:
     @torch.no_grad()
     def generate(self, session_ids: Sequence[str], max_new_tokens: int | Sequence[int] = 256,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 stop: str | Sequence[str] | Sequence[Sequence[str]] = (),
+                 stop: str | Sequence[str] | Sequence[Sequence[str]] | None = (),
                  speculate: bool | Sequence[bool] = True, eos_id: int | None = -1,
                  generator: torch.Generator | None = None,
                  on_tokens: Callable[[str, list[int]], bool | None] | None = None
@@ -630,7 +630,10 @@ class SpecDecoder:
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
                 and sampled requests).
             stop: a string or strings that end a request (the output ends with the token
-                completing one); or one list of them per session.
+                completing one); or one list of them per session; None: none. A stop
+                string counts in this call's output alone (as a server's request: text
+                from an earlier call does not complete one; :meth:`commit`'s message spans
+                its calls).
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step; returning
@@ -692,7 +695,7 @@ class SpecDecoder:
 
     # ------------------------------------------------------------ continuous batching
     def submit(self, session_id: str, max_new_tokens: int = 256,
-               sampling: SamplingParams | None = None, stop: str | Sequence[str] = (),
+               sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = (),
                speculate: bool = True, eos_id: int | None = -1) -> None:
         """Queues a request of an open session for :meth:`step` (continuous batching).
 

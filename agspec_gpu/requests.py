@@ -129,7 +129,7 @@ class Requests:
         n = len(sids)
         limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
         if any(isinstance(m, bool) or m < 0 for m in limits):
-            raise ValueError(f"max_new_tokens: expected ints >= 0, got {limits}")
+            raise ValueError(f"max_new_tokens: expected ints >= 0, got {max_new_tokens!r}")
         spec = per_session(speculate, n, "speculate", bool)
         params = per_session(sampling, n, "sampling", (SamplingParams, type(None)))
         if eos is not None and (not is_int(eos) or
@@ -266,7 +266,9 @@ class StepOutput:
 
 def stop_lists(stop, n: int) -> list[list[str]]:
     """``stop`` as one list of stop strings per session: a string, strings for every
-    session, or one list (or tuple) of strings per session."""
+    session, or one list (or tuple) of strings per session; None: none."""
+    if stop is None:
+        return [[] for _ in range(n)]
     given = stop
     if isinstance(stop, str):
         stop = [stop]

@@ -979,6 +979,12 @@ def test_stop_string_inside_accepted_draft(monkeypatch):
     pair = [dec.open_session("t0", "coder", P), dec.open_session("t1", "coder", P)]
     out = dec.generate(pair, max_new_tokens=48, eos_id=None, stop=[[stop], ["never"]])
     assert out == [g[:j + 1], g]
+    # None: no stop strings (as commit takes it, and as servers pass an absent field)
+    none = dec.open_session("t0", "coder", P)
+    assert dec.generate([none], max_new_tokens=48, eos_id=None, stop=None) == [g]
+    fresh = dec.open_session("t0", "coder", P)
+    dec.submit(fresh, max_new_tokens=1, eos_id=None, stop=None)
+    assert [(o.token_ids, o.finish_reason) for o in dec.step()] == [(g[:1], "length")]
     for bad in ([[stop]], [[stop], [""]], [[stop], [3]]):
         with pytest.raises(ValueError, match="stop"):
             dec.generate(pair, max_new_tokens=4, stop=bad)
