@@ -79,7 +79,13 @@ def _ranks_per_key(m: int) -> int:
 
 
 def _check_range(fn: str, tokens: torch.Tensor, lo: int, hi: int, depth: int) -> int:
-    """``n`` of ``tokens``; ValueError naming ``fn`` unless ``0 <= lo <= hi <= n``, depth >= 1."""
+    """``n`` of ``tokens``; ValueError naming ``fn`` unless ``tokens`` is 1-D, ``lo``,
+    ``hi`` and ``depth`` are ints, ``0 <= lo <= hi <= n`` and ``depth >= 1``."""
+    if tokens.dim() != 1:
+        raise ValueError(f"{fn}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
+    for name, v in (("lo", lo), ("hi", hi), ("depth", depth)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{fn}: {name} must be an int, got {v!r}")
     n = tokens.numel()
     if not 0 <= lo <= hi <= n:
         raise ValueError(f"{fn}: bad range [{lo}, {hi}) for n={n}")

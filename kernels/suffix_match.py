@@ -170,8 +170,11 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
 
     Args:
         tokens: ``int32 [T]`` arena tokens. sa: ``int32 [S]`` arena suffix arrays.
-        desc: per-row descriptors (``B`` rows). queries: ``int32 [Q, L]`` right-aligned.
-        lengths: ``int32 [Q]``. ``Q = B`` without ``query_rows``.
+        desc: per-row descriptors (``B`` rows). queries: ``int32 [Q, L]`` right-aligned;
+        a query holds no ``END`` (``-2**31``, the padding before a corpus's start).
+        lengths: ``int32 [Q]``, each in ``[0, L]``. ``Q = B`` without ``query_rows``. (The
+        values are the caller's contract, as ``query_rows``' and ``max_lengths``': reading
+        them would wait for the device. :meth:`IndexArena.match` checks them.)
         max_depth: longest match searched. max_positions: ``P``. max_scan: entries of a
         level's range read for positions (None: all). use_triton: force a path (None:
         Triton iff on CUDA).
@@ -249,12 +252,11 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
     """Raises ValueError naming the first argument of :func:`suffix_match` with a wrong
     dtype, shape, layout (every tensor contiguous), device (``tokens``'s) or value. Reads
     nothing from the device: a few microseconds of the host's time, once per launch."""
-    if max_depth < 0:
-        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-    if max_positions < 0:
-        raise ValueError(f"max_positions must be >= 0, got {max_positions}")
-    if max_scan is not None and max_scan < 1:
-        raise ValueError(f"max_scan must be >= 1 or None, got {max_scan}")
+    for name, v, least in (("max_depth", max_depth, 0), ("max_positions", max_positions, 0),
+                           ("max_scan", 1 if max_scan is None else max_scan, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"{name} must be an int >= {least}"
+                             f"{' or None' if name == 'max_scan' else ''}, got {v!r}")
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
     if queries.dim() != 2:
@@ -267,6 +269,9 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
         raise ValueError(f"src: window={window} needs the arena's int8 source codes")
     K = desc.level_sa_base.shape[0]
     i32, i64 = torch.int32, torch.int64
+    for name, t in (("tokens", tokens), ("sa", sa)):
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     specs = [("tokens", tokens, i32, None), ("sa", sa, i32, None), ("queries", queries, i32, None),
              ("lengths", lengths, i32, (Q,)), ("desc.tok_base", desc.tok_base, i64, (B,)),
              ("desc.num_tokens", desc.num_tokens, i32, (B,)),
@@ -283,7 +288,8 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
     if sa_key is not None:
         if desc.level_key is None:
             raise ValueError("sa_key needs desc.level_key")
-        specs.append(("sa_key", sa_key, i64, tuple(sa.shape)))
+        specs += [("sa_key", sa_key, i64, tuple(sa.shape)),
+                  ("desc.level_key", desc.level_key, i64, (K,))]
     if out is not None:
         specs += _out_specs(out, B, max_positions, desc.max_levels, window)
     dev = tokens.device

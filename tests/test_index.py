@@ -618,6 +618,12 @@ def test_build_suffix_array_fixed():
         build_suffix_array(t32(toks), 0, 9, 4)
     with pytest.raises(ValueError):
         build_suffix_array(t32(toks), 0, 8, 0)
+    for args, name in (((t32(toks), True, 3, 2), "lo"), ((t32(toks), 0, 8.0, 2), "hi"),
+                       ((t32(toks), 0, 8, 2.5), "depth"), ((t32(toks).view(2, 4), 0, 1, 2),
+                                                            "tokens must be 1-D")):
+        for build in (build_suffix_array, build_context_array):
+            with pytest.raises(ValueError, match=name):
+                build(*args)
 
 
 def test_build_context_array_fixed():

@@ -10,6 +10,7 @@ for sm_90 (``kernel_compile.py``: a child process without the interpreter).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -504,6 +505,23 @@ def test_launcher_rejects_bad_descriptors():
     with pytest.raises(ValueError, match="max_positions"):
         suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=4, max_positions=-1,
                      use_triton=True)
+    # scalars that are no ints, arrays of another rank, a level key of another length:
+    # named, where they once failed inside a path (or ran, on a 2-D sa)
+    for kw, name in ((dict(max_depth=2.5), "max_depth"), (dict(max_depth=True), "max_depth"),
+                     (dict(max_positions=2.0), "max_positions"),
+                     (dict(max_scan=1.5), "max_scan")):
+        with pytest.raises(ValueError, match=name):
+            suffix_match(ar.tokens, ar.sa, desc, q, lengths, **{"max_depth": 4,
+                                                               "max_positions": 2, **kw})
+    for name, args in (("tokens", (ar.tokens.view(-1, 2), ar.sa)),
+                       ("sa", (ar.tokens, ar.sa.view(-1, 2)))):
+        with pytest.raises(ValueError, match=f"{name} must be 1-D"):
+            suffix_match(*args, desc, q, lengths, max_depth=4, max_positions=2)
+    assert desc.level_key is not None and desc.level_key.numel() >= 1
+    short = dataclasses.replace(desc, level_key=desc.level_key[:-1])
+    with pytest.raises(ValueError, match="desc.level_key"):
+        suffix_match(ar.tokens, ar.sa, short, q, lengths, max_depth=4, max_positions=2,
+                     sa_key=torch.zeros_like(ar.sa, dtype=torch.int64))
 
 
 # ------------------------------------------------------------------------- the drafter's launch
