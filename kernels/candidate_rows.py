@@ -98,7 +98,8 @@ def candidate_rows_torch(tier, length, win, src, tier_bonus, tier_hits, tier_dra
     longest = length.max(dim=1).values
     score = torch.where(length > 0, length + tier_bonus[tier.clamp(min=0)], 0)
     best_score = score.max(dim=1).values
-    use = (score >= best_score[:, None] - slack) & (length >= min_match)
+    # in int64: a slack or min_match past int32 (the config bounds neither) must not wrap
+    use = (score.long() >= best_score[:, None].long() - slack) & (length.long() >= min_match)
     best = torch.where(use, length, 0).max(dim=1).values
     win = torch.where(use[:, :, None, None], win, PAD_ID)
     ok = torch.cumprod((win >= 0).to(torch.int32), dim=3).bool()  # stop at separators
@@ -166,7 +167,7 @@ def candidate_rows(tier: torch.Tensor, length: torch.Tensor, win: torch.Tensor,
                   ("tier_drafts", tier_drafts, torch.float64, (T,)))
     for name, v, lo in (("num_slots", num_slots, 1), ("min_match", min_match, 1),
                         ("slack", slack, 0)):
-        if not isinstance(v, int) or v < lo:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
     check_devices(("win", win), ("tier", tier), ("length", length), ("src", src),
                   ("tier_bonus", tier_bonus), ("tier_hits", tier_hits),

@@ -44,8 +44,12 @@ def _depth_caps_kernel(
     else:
         s = tl.load(scale_ptr + slot, mask=m, other=0.0)
         best = tl.load(best_ptr + b, mask=m, other=0)
-        k = tl.floor(s * best.to(tl.float32)).to(tl.int32)
-        k = tl.minimum(tl.load(cap_ptr + slot, mask=m, other=1), tl.maximum(k, 1))
+        cap = tl.load(cap_ptr + slot, mask=m, other=1)
+        # compared in float before the cast: a product past int32 (an unbounded scale)
+        # is the cap, not a wrapped int; 0 * inf (NaN) is 1
+        p = s * best.to(tl.float32)
+        capf = cap.to(tl.float32)
+        k = tl.floor(tl.where(p >= capf, capf, tl.where(p >= 1.0, p, 1.0))).to(tl.int32)
     tl.store(k_ptr + b, k, mask=m)
     tl.store(mode_ptr + b, tl.load(prev_full_ptr + slot, mask=m, other=0), mask=m)
 
@@ -55,8 +59,11 @@ def depth_rule_torch(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Te
     """``int32 [B]``: ``min(cap, max(1, floor(scale * match_len)))``, or ``static_k``."""
     if static_k is not None:
         return torch.full_like(cap, static_k)
-    k = torch.floor(scale * match_len.to(scale.dtype)).to(torch.int32)
-    return torch.minimum(cap, k.clamp(min=1))
+    # compared in float before the cast: a product past int32 (an unbounded scale) is the
+    # cap, not a wrapped int; 0 * inf (NaN) is 1
+    p = scale * match_len.to(scale.dtype)
+    capf = cap.to(scale.dtype)
+    return torch.floor(torch.where(p >= capf, capf, torch.where(p >= 1, p, 1.0))).to(torch.int32)
 
 
 def depth_caps_torch(slots, best, scale, cap, prev_full, *, static_k: int | None
@@ -93,8 +100,8 @@ def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap
     check_devices(("slots", slots), ("best", best), ("scale", scale), ("cap", cap),
                   ("prev_full", prev_full))
     if static_k is not None and (isinstance(static_k, bool) or not isinstance(static_k, int)
-                                 or static_k < 1):
-        raise ValueError(f"static_k: expected an int >= 1 or None, got {static_k!r}")
+                                 or not 1 <= static_k < 2 ** 31):
+        raise ValueError(f"static_k: expected an int in [1, 2**31) or None, got {static_k!r}")
     if use_triton is None:
         use_triton = slots.device.type == "cuda"
     if not use_triton:

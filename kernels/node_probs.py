@@ -19,10 +19,13 @@ the node at depth ``d`` when they agree on tokens ``0..d``. Per (candidate, dept
 
 As batched torch ops this is about forty-five kernels over a ``[B, C, C, K]`` compare; the
 kernel keeps a request's ``[C, K]`` windows in registers and walks the other candidates one
-by one. Sums and products run in the torch CPU path's order and precision (candidates
-ascending; depths ascending, the product accumulated in float64), so with exactly
-representable weights both paths agree to the bit (the tests also see it with arbitrary
-ones); the weights' total may differ in the last bit, as torch's CPU and GPU reductions do.
+by one. The product runs in the torch path's order and precision (depths ascending,
+accumulated in float64); the sums do not: the kernel adds a node's candidates one by one
+in float32, torch's reduction in its own order. With weights whose sums are exact (small
+dyadic ones: the tests' golden cases) both paths agree to the bit; with arbitrary weights
+a key may differ in its last bits (an audit saw up to 3.6e-7 at 64 candidates, and a root
+key of 1.0000001), so nodes tied to within that may rank differently on a CPU and a GPU:
+another draft, never another output (verification decides).
 """
 
 from __future__ import annotations

@@ -49,6 +49,21 @@ def test_hand_checked_request():
     assert Wt[0, 1].item() == 0 and best.tolist() == [4]
 
 
+def test_a_slack_or_min_match_past_int32_does_not_wrap():
+    """The config bounds neither: past int32 the torch path once wrapped them (one row
+    for all three; one row for none), the kernel did not."""
+    win = [[[[10, 11, 12, 13]], [[20, 21, 22, 23]], [[30, 31, 32, 33]]]]
+    src = [[[[0] * 4], [[1] * 4], [[3] * 4]]]
+    for slack in (2 ** 31, 2 ** 40):
+        W, _, _, best, _ = both([[0, 1, 3]], [[3, 4, 5]], win, src, num_slots=3, min_match=1,
+                                slack=slack)
+        assert (W[0] >= 0).any(dim=1).tolist() == [True] * 3 and best.tolist() == [5]
+    for min_match in (2 ** 31, 2 ** 40):
+        W, _, _, best, _ = both([[0, 1, 3]], [[3, 4, 5]], win, src, num_slots=3,
+                                min_match=min_match, slack=0)
+        assert (W < 0).all() and best.tolist() == [0]
+
+
 def test_no_match_short_match_and_separator_first():
     win = [[[[-1, 5], [6, 7]], [[8, 9], [-5, -5]]]]  # [1, 2, 2, 2]
     src = [[[[2, 2], [2, 2]], [[0, 0], [0, 0]]]]
@@ -120,7 +135,8 @@ def test_rejects_bad_inputs():
     for name, bad in (("tier", tier.int()), ("length", length[:, :1]), ("win", win[:, :0]),
                       ("win", win[0]), ("src", src.int()), ("tier_bonus", BONUS.long()),
                       ("tier_hits", HITS.float()), ("tier_drafts", DRAFTS[:2]),
-                      ("num_slots", 0), ("min_match", 0), ("slack", -1), ("num_slots", 1.5)):
+                      ("num_slots", 0), ("min_match", 0), ("slack", -1), ("num_slots", 1.5),
+                      ("slack", True), ("min_match", True)):
         with pytest.raises(ValueError, match=name):
             candidate_rows(**{**good, name: bad}, use_triton=True)
 

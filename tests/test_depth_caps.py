@@ -48,6 +48,18 @@ def test_matches_the_controllers_draft_depth():
         assert k == want.tolist() and mode == [prev[s] for s in slots]
 
 
+# (the interpreter's numpy says so: 3e38 * 3 overflows, 0 * inf is NaN, as meant)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+def test_an_unbounded_scale_drafts_to_the_cap():
+    """``ControllerConfig(s_max=inf)``: a scale whose product with the match passes int32
+    drafts to the cap on both paths (the torch path's cast once wrapped it to 1); no match
+    under an infinite scale (0 * inf) drafts 1."""
+    inf = float("inf")
+    k, _ = both([0, 1, 2, 3], [64, 1, 0, 3], [1e8, inf, inf, 3e38], [32, 16, 8, 4], [0] * 4)
+    assert k == [32, 16, 1, 4]
+
+
 def test_rejects_bad_inputs():
     good = dict(slots=torch.tensor([0]), best=torch.ones(1, dtype=torch.int32),
                 scale=torch.ones(2), cap=torch.ones(2, dtype=torch.int32),
@@ -58,7 +70,7 @@ def test_rejects_bad_inputs():
                       ("prev_full", torch.zeros(2, dtype=torch.int32))):
         with pytest.raises(ValueError, match=name):
             depth_caps(**{**good, name: bad}, use_triton=True)
-    for bad in (0, 2.0, True):
+    for bad in (0, 2.0, True, 2 ** 31):
         with pytest.raises(ValueError, match="static_k"):
             depth_caps(**good, static_k=bad, use_triton=True)
 
