@@ -614,8 +614,11 @@ def teacher_forced_accept(draft: DraftBatch, truth: torch.Tensor) -> AcceptedPat
     """
     B, N = draft.token_ids.shape
     dev = draft.token_ids.device
-    if truth.ndim != 2 or truth.shape[0] != B:
-        raise ValueError(f"truth: expected [B={B}, W], got {list(truth.shape)}")
+    if not isinstance(truth, torch.Tensor) or truth.dtype not in (torch.int32, torch.int64) \
+            or truth.ndim != 2 or truth.shape[0] != B:
+        raise ValueError(f"truth: expected an int32 (or int64) tensor [B={B}, W], got "
+                         f"{getattr(truth, 'dtype', type(truth).__name__)} "
+                         f"{list(getattr(truth, 'shape', ()))}")
     if N == 0 or truth.shape[1] == 0:
         return AcceptedPaths(torch.zeros(B, dtype=torch.long, device=dev),
                              torch.full((B, N), -1, dtype=torch.long, device=dev))

@@ -14,8 +14,9 @@ def check_tensors(*specs: tuple[str, torch.Tensor, torch.dtype, Sequence[int]],
     for name, t, dt, shape in specs:
         if t.dtype != dt or tuple(t.shape) != tuple(shape) or \
                 (contiguous and not t.is_contiguous()):
+            strided = " (not contiguous)" if contiguous and not t.is_contiguous() else ""
             raise ValueError(f"{name}: expected {'contiguous ' if contiguous else ''}{dt} "
-                             f"{list(shape)}, got {t.dtype} {list(t.shape)}")
+                             f"{list(shape)}, got {t.dtype} {list(t.shape)}{strided}")
 
 
 def check_array(name: str, x: torch.Tensor, dtype: torch.dtype, ndim: int,

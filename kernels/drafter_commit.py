@@ -78,7 +78,7 @@ def _drafter_commit_kernel(
     """Grid ``(B,)``: one request's commit."""
     b = tl.program_id(0).to(tl.int64)
     nacc = tl.load(nacc_ptr + b)
-    nout = tl.minimum(tl.load(nout_ptr + b), M)
+    nout = tl.minimum(tl.maximum(tl.load(nout_ptr + b), 0), M)  # as the torch path clamps
     num = tl.load(num_ptr + b)
     i = tl.arange(0, BLOCK_N)
     in_n = i < N
@@ -226,7 +226,7 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
         before[:, D] = recent_len[slots]
         before[:, D + 1] = match_cap[slots]
     ring_push_torch(recent, recent_len, match_cap, slots, out.clamp(min=0),
-                    nout.clamp(max=M))
+                    nout.clamp(0, M))
     return acc_src
 
 

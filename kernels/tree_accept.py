@@ -34,6 +34,7 @@ from agspec_gpu.kernels._checks import check_devices
 from agspec_gpu.kernels._launch import cast, next_pow2
 
 MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
+_NO_MATCH = -2  # what a target row past the batch's reads as: a token no draft node carries
 
 
 def num_warps(N: int, by_depth: bool) -> int:
@@ -210,8 +211,8 @@ def _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth: bool,
     if not flat and not by_depth and expected.shape[1] != N + 1:
         raise ValueError(f"{name}: [B, N + 1 = {N + 1}] targets (root, then each node), got "
                          f"{tuple(expected.shape)}")
-    if max_depth < 0:
-        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
     check_devices(("token_ids", token_ids), ("parents", parents),
                   ("num_draft_tokens", num_draft_tokens), (name, expected))
 
@@ -252,7 +253,7 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
         tok, par = _rows(token_ids), _rows(parents)
         _tree_accept_kernel[(B,)](
             tok, par, num_draft_tokens, expected.contiguous(), num_draft_tokens, path, num, num,
-            num, num, N, tok.stride(0), par.stride(0), expected.shape[1], max_depth, -2,
+            num, num, N, tok.stride(0), par.stride(0), expected.shape[1], max_depth, _NO_MATCH,
             BLOCK_N=max(next_pow2(N), 1), BY_DEPTH=by_depth, EMIT=False,
             ROWS=False, num_warps=num_warps(N, by_depth))
     return num, path
@@ -312,10 +313,12 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N or B == 0 or max_depth == 0:
-        if flat:  # the padded [B, N + 1] targets (columns past a request: any row)
+        if flat:  # the padded [B, N + 1] targets (columns past a request: any row; past
+            # the T rows, an inconsistent row_start: NO_MATCH, as the kernel loads them)
             cols = row_start.long()[:, None] + torch.arange(N + 1, device=dev)
-            target = target[cols.clamp(max=max(target.shape[0] - 1, 0))] if target.numel() \
-                else torch.zeros(B, N + 1, dtype=torch.int64, device=dev)
+            T = target.shape[0]
+            target = torch.where(cols < T, target[cols.clamp(0, max(T - 1, 0))], _NO_MATCH) \
+                if T else torch.full((B, N + 1), _NO_MATCH, dtype=torch.int64, device=dev)
         num, path = tree_accept_torch(token_ids, parents, num_draft_tokens, target,
                                       by_depth=False, max_depth=max_depth)
         last = path.gather(1, (num - 1).clamp(min=0)[:, None])[:, 0] if max_depth else num
@@ -338,7 +341,7 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
         tok, par, num_draft_tokens, target.contiguous(),
         num_draft_tokens if row_start is None else row_start.contiguous(), path, num, ids,
         nout, bonus, N, tok.stride(0), par.stride(0), target.shape[0] if flat else N + 1,
-        max_depth, -2,
+        max_depth, _NO_MATCH,
         BLOCK_N=max(next_pow2(N), 1), BY_DEPTH=False, EMIT=True, ROWS=flat,
         num_warps=num_warps(N, False))
     return num, path, ids, nout, bonus

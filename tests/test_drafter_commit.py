@@ -112,6 +112,20 @@ def test_kernel_equals_torch_path(B, N, M, D, S):
             assert st_t["hits"].sum() == (acc_t >= 0).sum()
 
 
+def test_a_negative_output_count_pushes_nothing_on_both_paths():
+    """``nout < 0`` (outside the contract) is 0 on both paths: the kernel once read
+    outside its ring row where the torch path raised."""
+    case = random_case(random.Random(3), 3, 8, 9, 16, 5, 5, 6)
+    case["nout"] = torch.tensor([-1, -3, 2], dtype=torch.int32)
+    (acc_k, st_k), (acc_t, st_t) = run_both(case, 6)
+    assert torch.equal(acc_k, acc_t)
+    for name in st_t:
+        assert torch.equal(st_k[name], st_t[name]), name
+    for b in (0, 1):  # rings of the rows that pushed nothing, as they were
+        slot = int(case["slots"][b])
+        assert torch.equal(st_t["recent"][slot], case["recent"][slot])
+
+
 def test_padding_rows_on_a_shared_spare_slot_leave_real_slots_exact():
     rng = random.Random(7)
     for trial in range(3):

@@ -108,6 +108,15 @@ def test_teacher_forced_accept_empty_batch():
         == [0, 0]
 
 
+def test_teacher_forced_accept_names_a_truth_that_is_no_int_tensor():
+    """A float truth was truncated silently (5.7 accepted a 5), a list raised
+    AttributeError."""
+    d = DraftBatch.from_lists([[(5, -1), (6, 0)]])
+    for bad in (torch.tensor([[5.7, 6.2]]), [[5, 6]], torch.tensor([5, 6])):
+        with pytest.raises(ValueError, match="truth"):
+            teacher_forced_accept(d, bad)
+
+
 # ----------------------------------------------------------------------------- known answers
 
 

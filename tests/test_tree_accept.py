@@ -225,9 +225,17 @@ def test_flat_rows_outside_the_batch_read_no_memory():
     num = torch.tensor([2, 2], dtype=torch.int32, device=DEV)
     rows = torch.tensor([5, 6, 9], dtype=torch.int64, device=DEV)
     start = torch.tensor([0, 1000], dtype=torch.int32, device=DEV)
-    n, p, out, nout, bonus = greedy_tree_accept(tok, par, num, rows, max_depth=2,
-                                                row_start=start, use_triton=True)
-    assert n.tolist() == [2, 0] and out[0].tolist() == [5, 6, 9]
+    for use_triton in (True, False):  # (the torch path once read the last row instead)
+        n, p, out, nout, bonus = greedy_tree_accept(tok, par, num, rows, max_depth=2,
+                                                    row_start=start, use_triton=use_triton)
+        assert n.tolist() == [2, 0] and out[0].tolist() == [5, 6, 9]
+        assert bonus.tolist() == [9, -2]  # NO_MATCH: no target there
+        none = greedy_tree_accept(tok[:1], par[:1], num[:1], rows[:0], max_depth=2,
+                                  row_start=start[:1], use_triton=use_triton)
+        assert none[0].tolist() == [0] and none[4].tolist() == [-2]
+    for bad in (2.0, True, -1):
+        with pytest.raises(ValueError, match="max_depth"):
+            greedy_tree_accept(tok, par, num, rows, max_depth=bad, row_start=start)
 
 
 def test_steps_of_any_batch_share_the_compiled_kernel():
