@@ -631,9 +631,11 @@ class SpecDecoder:
                 and sampled requests).
             stop: a string or strings that end a request (the output ends with the token
                 completing one); or one list of them per session; None: none. A stop
-                string counts in this call's output alone (as a server's request: text
-                from an earlier call does not complete one; :meth:`commit`'s message spans
-                its calls).
+                string counts in this call's output alone, decoded on its own (as a
+                server's request: text from an earlier call does not complete one;
+                :meth:`commit`'s message spans its calls; a SentencePiece tokenizer's
+                decode drops the output's leading space, so " x" cannot stop its first
+                token).
             speculate: per-request opt-out of drafting.
             eos_id: end token (-1: the tokenizer's); the output ends with it.
             on_tokens: streaming callback ``(sid, new_tokens)`` after every step; returning
