@@ -196,6 +196,9 @@ class Drafter:
         except BaseException:
             self.cost, self._cost_curves, self._cost_tables, self._graphs = old
             raise
+        if self._graphs is not old[3]:  # plans of the old graphs: let them (and their
+            self._match_outs.clear()     # memory pools) go, not kept beside the new ones
+            self._commit_plans.clear()
 
     @device_guard
     def _step_graphs(self, use_graphs: bool | None = None) -> tuple[StepGraphs, StepGraphs]:
@@ -221,7 +224,7 @@ class Drafter:
         if not self._free:
             raise ValueError(f"max_sessions={self.max_sessions} sessions are already open "
                              f"(close one, or raise max_sessions)")
-        with nvtx.annotate("agspec.drafter.open_session", color="gray"):
+        with nvtx.annotate("agspec.drafter.open_session", color="white"):
             self._open_session(sid, tenant, role, prompt_ids)
 
     def _open_session(self, sid: str, tenant: str, role: str,
@@ -237,7 +240,7 @@ class Drafter:
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
         """Context the model did not generate (user / tool messages)."""
-        with nvtx.annotate("agspec.drafter.extend", color="gray"):
+        with nvtx.annotate("agspec.drafter.extend", color="white"):
             t = self.store._as_tokens(tokens, "tokens")
             self.forget([sid])
             self.store.append_session(sid, t, checked=True)
@@ -257,7 +260,7 @@ class Drafter:
 
     @device_guard
     def close_session(self, sid: str) -> None:
-        with nvtx.annotate("agspec.drafter.close_session", color="gray"):
+        with nvtx.annotate("agspec.drafter.close_session", color="white"):
             self._close_session(sid)
 
     def _close_session(self, sid: str) -> None:

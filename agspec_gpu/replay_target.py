@@ -436,7 +436,7 @@ class ReplayTargetResult:
         ``e2e.message.<part>`` for nsys and the profile trace)."""
         t0 = time.perf_counter()
         try:
-            with _phase(f"e2e.message.{part}", color="gray"):
+            with _phase(f"e2e.message.{part}", color="white"):
                 yield
         finally:
             self.message_parts[part] = self.message_parts.get(part, 0.0) + \

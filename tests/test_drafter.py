@@ -591,7 +591,9 @@ def test_set_cost_is_all_or_nothing(tok, monkeypatch):
     with pytest.raises(RuntimeError, match="set_cost: a proposed step"):
         d.set_cost(free)
     d.forget(["s"])
+    assert d._match_outs  # the old graphs' plans (made by the propose above) ...
     d.set_cost(free)
+    assert not d._match_outs and not d._commit_plans  # ... let go with them
     assert d._graphs is not old[2] and int(d.propose(["s"]).num_draft_tokens.sum()) > 0
 
 

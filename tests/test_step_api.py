@@ -521,6 +521,23 @@ def test_finish_reasons_say_why_each_request_ended(runner):
     assert out[b] == refs[1][:len(out[b])] and tok().decode(out[b]).endswith(stop_text)
 
 
+def test_every_nvtx_colour_is_one_nvtx_knows_without_matplotlib():
+    """Under a profiler nvtx looks a colour name up in its own table, and any other name in
+    matplotlib (not a dependency): ``color="gray"`` raised TypeError at the first
+    ``open_session`` under ``nsys`` where matplotlib was missing."""
+    import re
+    from pathlib import Path
+
+    builtin = {"green", "blue", "yellow", "purple", "rapids", "cyan", "red", "white",
+               "darkgreen", "orange"}  # nvtx 0.2's table
+    root = Path(__file__).resolve().parent.parent
+    used = {(str(f.relative_to(root)), c) for d in ("agspec_gpu", "kernels", "bench")
+            for f in (root / d).rglob("*.py")
+            for c in re.findall(r'color="([^"]*)"', f.read_text())}
+    assert used and {c for _, c in used} & builtin
+    assert not [u for u in used if u[1] not in builtin]
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_a_step_marks_its_phases_with_nvtx_ranges(runner, monkeypatch):
     """What nsys shows of a speculative step: propose, verify and commit in that order, the
