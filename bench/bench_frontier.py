@@ -11,7 +11,10 @@ to draft and prints (tau, acceptance rate, drafted per step) per point:
 - SuffixDecoding (arctic-inference, vLLM's defaults otherwise): ``min_token_prob``, the same
   kind of threshold on its suffix-tree frequencies, times ``max_spec_factor`` (draft at most
   this many tokens per matched token; vLLM's 1 keeps it from drafting long after a short
-  match, so above 1 it reaches the lower acceptance rates agspec runs at);
+  match, so above 1 it reaches the lower acceptance rates agspec runs at); each point also
+  *warm* (``sdw-*``, family ``suffix-decoding-warm``): its cache holding the responses of
+  the other half's sessions of the ``--files``, the traffic agspec's global tier is built
+  from (``--no-sd-warm``: cold only);
 - the prompt-lookup baselines (their upstream rules, ``agspec_gpu.baselines``), by the number
   of tokens they draft after a match: ``pld-hf``'s ``num_output_tokens`` (transformers'
   default 10) per ``max_matching_ngram_size`` (default 2), and ``pld-vllm``'s ``k`` (5 as
@@ -30,9 +33,12 @@ the responses of the file's earlier sessions, which agspec's per-session tenants
 ``replay*`` is the replay's modelled speedup of the whole continuous batch: the ``none``
 lane's verification time over the point's, each the sum over its batched steps of
 ``cost(rows + drafted)`` under the default cost model (drafting time left out), the figure
-the batch budget maximises step by step. Then, per agspec and PLD point, the best
-SuffixDecoding tau among its points at an acceptance rate at least the point's (None:
-SuffixDecoding has no point that precise), and the ratio.
+the batch budget maximises step by step (``--cost-model``: a measured calibration,
+``bench_e2e.py``'s file, its curve for ``--batch-size``; it steers agspec's budget too).
+Then, per agspec and PLD point, the best SuffixDecoding tau (cold, and warm) among its
+points at an acceptance rate *at most* the point's, and the ratio: the point drafts at least
+as precisely as the SuffixDecoding point it is held against, as the goal asks (None:
+every SuffixDecoding point is more precise than it).
 
 Sessions: ``--sessions`` per dev file of ``--half``, uncut by default (SuffixDecoding's
 cross-request cache needs many sessions to reach its whole-set figure), replayed as one
@@ -46,7 +52,8 @@ Usage::
         [--agspec-min-prob 0 0.1 0.2 0.3] [--agspec-nobudget-min-prob 0.1 0.2] \\
         [--sd-min-token-prob 0.05 0.1 0.2 0.3 0.5] [--sd-spec-factor 1 2 4] \\
         [--pld-hf-tokens 2 5 10 20] [--pld-hf-ngram 2] [--pld-vllm-k 2 5 10] \\
-        [--pld-vllm-ngram 5] [--no-oracle] [--json out.json]
+        [--pld-vllm-ngram 5] [--no-sd-warm] [--cost-model cost.json] [--no-oracle] \\
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ import time
 import torch
 
 from agspec_gpu.baselines import PLDHF, PLDVLLM, SuffixDecoding, suffix_decoding_available
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.drafter import Drafter, DrafterConfig
-from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
+from agspec_gpu.replay import ReplayConfig, run_replay, session_responses, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane, HostLane
 from agspec_gpu.tiers import CorpusStore, TierConfig, load_global_corpus, session_half
 from agspec_gpu.tokenizer import load_tokenizer
@@ -68,10 +76,11 @@ from agspec_gpu.trajectories import load_paths
 from bench_drafter import DEV, FILES, cut
 
 
-def best_at_least(points: list[tuple[float, float]], rate: float) -> float | None:
-    """The highest tau among ``(acceptance rate, tau)`` points whose rate is at least
-    ``rate`` (None: no point is that precise)."""
-    taus = [t for r, t in points if r >= rate]
+def best_at_most(points: list[tuple[float, float]], rate: float) -> float | None:
+    """The highest tau among ``(acceptance rate, tau)`` points whose rate is at most
+    ``rate``: the best a baseline does while drafting no more precisely than a point at
+    ``rate`` (None: every point is more precise)."""
+    taus = [t for r, t in points if r is not None and r <= rate]
     return max(taus) if taus else None
 
 
@@ -97,6 +106,12 @@ def main() -> None:
                    help="pld-vllm k, tokens drafted per match (5 as benchmarked)")
     p.add_argument("--pld-vllm-ngram", type=int, nargs="+", default=[5],
                    help="pld-vllm n-gram size: prompt_lookup_min = prompt_lookup_max (5)")
+    p.add_argument("--no-sd-warm", action="store_true",
+                   help="SuffixDecoding cold only (no points with the other half's responses)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="a measured cost calibration (bench_e2e.py's cost-<model>-<gpu>.json) "
+                        "for the modelled speedups and agspec's budget (default: the built-in "
+                        "estimate)")
     p.add_argument("--no-oracle", action="store_true",
                    help="skip the oracle bound (one more replay per file)")
     p.add_argument("--json")
@@ -107,6 +122,12 @@ def main() -> None:
     tok = load_tokenizer("cl100k")
     gc = load_global_corpus(args.global_corpus, tok)
     B = args.batch_size
+    cost = BatchCostModels.from_json(args.cost_model, [B]).curve_for(B) if args.cost_model \
+        else CostModel.default()
+    # SuffixDecoding given the traffic agspec's global tier holds: the other half's responses
+    warm = () if args.no_sd_warm else session_responses(tokenize_sessions(
+        [s for f in args.files for s in load_paths([DEV + f])
+         if session_half(s.task_id) != args.half], tok).sessions)
 
     # every point is compared with the oracle over agspec's default corpora (the named
     # ``none`` lane's key too): one oracle pass per file
@@ -115,8 +136,8 @@ def main() -> None:
     def agspec(name: str, **overrides):
         def make():
             store = CorpusStore(tok, TierConfig(), global_corpus=gc)
-            return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=B),
-                               store, "cpu", oracle_key=key)
+            return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=B,
+                                             cost=cost), store, "cpu", oracle_key=key)
         return name, make
 
     def host(name: str, make_drafter):
@@ -133,12 +154,21 @@ def main() -> None:
             lanes.append(host(f"pld-vllm-n{n}-k{k}", lambda n=n, k=k: PLDVLLM(n, n, k)))
             knobs[lanes[-1][0]] = ("pld-vllm", {"prompt_lookup_min": n,
                                                 "prompt_lookup_max": n, "k": k})
-    for x in args.sd_spec_factor:
-        for q in args.sd_min_token_prob:
-            lanes.append(host(f"sd-f{x:g}-p{q:g}", lambda q=q, x=x: SuffixDecoding(
-                min_token_prob=q, max_spec_factor=x)))
-            knobs[lanes[-1][0]] = ("suffix-decoding",
-                                   {"min_token_prob": q, "max_spec_factor": x})
+    def sd(q: float, x: float, responses) -> SuffixDecoding:
+        d = SuffixDecoding(min_token_prob=q, max_spec_factor=x)
+        if len(responses):
+            d.cache_responses(responses)
+        return d
+
+    for family, prefix, responses in (("suffix-decoding", "sd", ()),
+                                      ("suffix-decoding-warm", "sdw", warm)):
+        if family.endswith("warm") and not len(warm):
+            continue
+        for x in args.sd_spec_factor:
+            for q in args.sd_min_token_prob:
+                lanes.append(host(f"{prefix}-f{x:g}-p{q:g}",
+                                  lambda q=q, x=x, r=responses: sd(q, x, r)))
+                knobs[lanes[-1][0]] = (family, {"min_token_prob": q, "max_spec_factor": x})
     for budget, probs in ((True, args.agspec_min_prob), (False, args.agspec_nobudget_min_prob)):
         for q in probs:
             lanes.append(agspec(f"agspec{'' if budget else '-nobudget'}-p{q:g}",
@@ -157,7 +187,7 @@ def main() -> None:
         # from the path (the lanes above share ``gc``, the same file)
         report = run_replay(corpus, lanes, tok, ReplayConfig(
             batch_size=B, oracle=not args.no_oracle,
-            global_corpus=None if args.no_oracle else args.global_corpus))
+            global_corpus=None if args.no_oracle else args.global_corpus, cost_model=cost))
         rows = []
         for r in report.rows:
             if r["agent"] != "all":
@@ -174,26 +204,30 @@ def main() -> None:
         oracle = rows[0]["oracle_tau"]  # every lane has the same key: one bound
         oracle_s = "-" if oracle is None else f"{oracle:.3f} (k={report.config['oracle_k']}, " \
             f"{report.config['lane_seconds']['oracle1']:.0f}s)"
-        sd_curve = [(r["acceptance_rate"], r["tau"]) for r in rows
-                    if r["family"] == "suffix-decoding"]
+        curves = {fam: [(r["acceptance_rate"], r["tau"]) for r in rows if r["family"] == fam]
+                  for fam in ("suffix-decoding", "suffix-decoding-warm")}
         print(f"\n{f}: {len(corpus.sessions)} sessions, {rows[0]['target_tokens']} target "
               f"tokens, B={B}, {time.time() - t0:.0f}s; oracle tau {oracle_s}")
         print(f"{'point':24s} {'tau':>6s} {'acc':>6s} {'drafted':>7s} {'empty':>6s} "
-              f"{'replay*':>7s} {'tau/orc':>7s} {'SD best@>=acc':>13s} {'ratio':>6s}")
+              f"{'replay*':>7s} {'tau/orc':>7s} {'SD@<=acc':>8s} {'ratio':>6s} "
+              f"{'SDw@<=acc':>9s} {'ratio':>6s}")
         for r in rows:
             rate = r["acceptance_rate"]  # None: nothing drafted (none, a PLD finding no match)
-            ref = best_at_least(sd_curve, rate) \
-                if r["family"] != "suffix-decoding" and rate is not None else None
-            r["sd_best_tau_at_rate"] = ref
-            r["ratio_to_sd"] = None if ref is None else r["tau"] / ref
+            cells = []
+            for fam, key in (("suffix-decoding", "sd"), ("suffix-decoding-warm", "sd_warm")):
+                ref = best_at_most(curves[fam], rate) if not r["family"].startswith(
+                    "suffix-decoding") and rate is not None else None
+                r[f"{key}_best_tau_at_rate"] = ref
+                r[f"ratio_to_{key}"] = None if ref is None else r["tau"] / ref
+                cells += ["-" if ref is None else f"{ref:.3f}",
+                          "-" if ref is None else f"{r['tau'] / ref:.3f}"]
             r["tau_over_oracle"] = None if oracle is None else r["tau"] / oracle
             rate_s = "-" if rate is None else f"{rate:.3f}"
             orc_s = "-" if oracle is None else f"{r['tau_over_oracle']:.3f}"
-            ref_s = "-" if ref is None else f"{ref:.3f}"
-            ratio_s = "-" if ref is None else f"{r['ratio_to_sd']:.3f}"
             print(f"{r['point']:24s} {r['tau']:6.3f} {rate_s:>6s} "
                   f"{r['drafted_per_step']:7.2f} {r['empty_draft_share']:6.3f} "
-                  f"{r['modelled_replay_speedup']:7.3f} {orc_s:>7s} {ref_s:>13s} {ratio_s:>6s}")
+                  f"{r['modelled_replay_speedup']:7.3f} {orc_s:>7s} {cells[0]:>8s} "
+                  f"{cells[1]:>6s} {cells[2]:>9s} {cells[3]:>6s}")
         out["files"][f] = {"sessions": len(corpus.sessions), "seconds": time.time() - t0,
                            "oracle_tau": oracle, "oracle_k": report.config["oracle_k"],
                            "lane_seconds": report.config["lane_seconds"], "rows": rows}

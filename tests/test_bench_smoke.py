@@ -218,7 +218,8 @@ def test_bench_frontier_smoke(tmp_path, monkeypatch):
     rows = {r["point"]: r for r in res["rows"]}
     assert {p: r["family"] for p, r in rows.items()} == {
         "none": "none", "pld-hf-n2-k2": "pld-hf", "pld-hf-n2-k10": "pld-hf",
-        "pld-vllm-n1-k5": "pld-vllm", "sd-f1-p0.1": "suffix-decoding", "agspec-p0.1": "agspec"}
+        "pld-vllm-n1-k5": "pld-vllm", "sd-f1-p0.1": "suffix-decoding",
+        "sdw-f1-p0.1": "suffix-decoding-warm", "agspec-p0.1": "agspec"}
     assert rows["pld-vllm-n1-k5"]["settings"] == {"prompt_lookup_min": 1,
                                                   "prompt_lookup_max": 1, "k": 5}
     none = rows["none"]
@@ -235,8 +236,18 @@ def test_bench_frontier_smoke(tmp_path, monkeypatch):
     assert oracle > 1.0 and all(r["oracle_tau"] == oracle for r in rows.values())
     for r in rows.values():
         assert r["tau_over_oracle"] == pytest.approx(r["tau"] / oracle)
-        if r["family"] != "suffix-decoding":
+        if not r["family"].startswith("suffix-decoding"):
             assert oracle >= r["tau"], r["point"]
+    # each point held against the baselines' best at a precision no higher than its own
+    for r in rows.values():
+        if r["family"] in ("agspec", "pld-hf", "pld-vllm") and r["acceptance_rate"]:
+            for fam, key in (("suffix-decoding", "sd"), ("suffix-decoding-warm", "sd_warm")):
+                ok = [b["tau"] for b in rows.values() if b["family"] == fam
+                      and b["acceptance_rate"] is not None
+                      and b["acceptance_rate"] <= r["acceptance_rate"]]
+                assert r[f"{key}_best_tau_at_rate"] == (max(ok) if ok else None)
+    assert bench_frontier.best_at_most([(0.1, 1.3), (0.3, 1.2), (0.05, 1.6)], 0.2) == 1.6
+    assert bench_frontier.best_at_most([(0.1, 1.3)], 0.05) is None
 
 
 def test_bench_tree_attention_smoke(tmp_path):
