@@ -155,8 +155,8 @@ def test_gap_by_match_smoke(tmp_path, monkeypatch):
     out = tmp_path / "gap.json"
     cost = Path(__file__).resolve().parents[1] / "bench/results/" \
         "cost-llama3-8b-h100-80gb-hbm3-20261205.json"  # a GPU's calibrated staircase
-    monkeypatch.setattr(sys, "argv", ["gap_by_match.py", "--sessions", "1",
-                                      "--max-target-tokens", "60", "--batch-size", "2",
+    monkeypatch.setattr(sys, "argv", ["gap_by_match.py", "--sessions", "2",
+                                      "--max-target-tokens", "200", "--batch-size", "2",
                                       "--cost-model", str(cost), "--json", str(out)])
     costs = []  # the cost model each drafter steers its batch budget by
 
@@ -166,13 +166,23 @@ def test_gap_by_match_smoke(tmp_path, monkeypatch):
             super().__init__(*a, cost=cost, **k)
 
     monkeypatch.setattr(gap_by_match, "Drafter", Recorded)
+    reports = []  # the replay's own tau, which the script's must equal (no bonus past the end)
+
+    def run_replay(*a, **k):
+        reports.append(gap_by_match.run_replay.__wrapped__(*a, **k))
+        return reports[-1]
+
+    run_replay.__wrapped__ = gap_by_match.run_replay
+    monkeypatch.setattr(gap_by_match, "run_replay", run_replay)
     gap_by_match.main()
     want = gap_by_match.BatchCostModels.from_json(cost)
     assert len(costs) == 3 and all(c == want for c in costs)
     assert want.curve_for(2) != gap_by_match.CostModel.default()
     files = json.loads(out.read_text())["files"]
     assert len(files) == 3
-    for f in files.values():
+    for f, report in zip(files.values(), reports):
+        (row,) = [r for r in report.rows if r["drafter"] == "agspec" and r["agent"] == "all"]
+        assert f["tau"] == pytest.approx(row["tau"])
         assert f["steps"] > 0 and f["tau"] >= 1.0 and f["oracle_tau_same_steps"] >= f["tau"]
         assert sum(r["step_share"] for r in f["rows"]) == pytest.approx(1.0)
         assert all(r["depth"] <= r["drafted"] + 1e-9 for r in f["rows"])
