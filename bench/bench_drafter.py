@@ -8,7 +8,7 @@ Usage::
 
     python bench/bench_drafter.py --global dev-half0.agspec --half 1 \\
         [--sessions N] [--max-target-tokens T] [--batch-sizes 1 16 64] [--variants PY] \\
-        [--json out.json] [--csv out.csv]
+        [--cost-model cost.json] [--json out.json] [--csv out.csv]
 
 Sessions: the first ``N`` of each dev file (of ``--half``, so a global tier built from the
 other half never holds them), cut after the assistant message that reaches ``T`` target
@@ -17,7 +17,10 @@ replays all of them as one continuous batch of ``B``, except B = 1 (the slowest)
 replays an evenly spaced subset of ``--single-sessions``.
 ``--variants`` is a Python list of ``(name, DrafterConfig overrides)`` or ``(name, None)``
 for a named replay drafter (``suffix-decoding``, ``pld-hf``, ...); the default is the
-matrix above. Teacher-forced greedy acceptance, as ``agspec-gpu replay``.
+matrix above. Teacher-forced greedy acceptance, as ``agspec-gpu replay``. ``--cost-model``
+prices the modelled figures and steers the budget by a measured calibration's curve at each
+batch size (default: the built-in estimate). ``speedup*`` charges the drafter's measured
+time here (on a CPU, its torch path's), ``batch*`` and ``replay*`` leave drafting out.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 import torch
 
 from agspec_gpu.controller import ControllerConfig  # noqa: F401 - for --variants
+from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.replay import ReplayConfig, run_replay, session_responses, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane
@@ -90,6 +94,10 @@ def main() -> None:
     p.add_argument("--global", dest="global_corpus")
     p.add_argument("--half", type=int, choices=(0, 1))
     p.add_argument("--variants", help="Python list of (name, overrides or None)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="a measured cost calibration (bench_e2e.py's cost-<model>-<gpu>.json): "
+                        "at each batch size its curve prices the modelled speedups and steers "
+                        "agspec's budget (default: the built-in estimate)")
     p.add_argument("--no-oracle", action="store_true",
                    help="skip the oracle bound (one more pass per batch size)")
     p.add_argument("--json")
@@ -118,21 +126,24 @@ def main() -> None:
                  if session_half(s.task_id) != args.half], tok).sessions)
     rows, t_all = [], time.time()
     for B in args.batch_sizes:
-        subset = sessions if B > 1 else sessions[::max(1, len(sessions) // args.single_sessions)]
+        subset = sessions if B > 1 else \
+            sessions[::max(1, len(sessions) // args.single_sessions)][:args.single_sessions]
         corpus = tokenize_sessions(subset, tok)
+        cost = BatchCostModels.from_json(args.cost_model, [B]).curve_for(B) \
+            if args.cost_model else CostModel.default()
 
         def lane(name: str, overrides: dict, B=B):
             def make():
                 store = CorpusStore(tok, TierConfig(), global_corpus=gc)
-                return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=B),
-                                   store, "cpu",
+                return BatchedLane(name, Drafter(store, DrafterConfig(**overrides), max_batch=B,
+                                                 cost=cost), store, "cpu",
                                    oracle_key=None if args.no_oracle else TierConfig())
             return name, make
 
         t0 = time.time()
         report = run_replay(corpus, [lane(n, kw) if kw is not None else n for n, kw in variants],
                             tok, ReplayConfig(batch_size=B, oracle=not args.no_oracle,
-                                              global_corpus=args.global_corpus),
+                                              global_corpus=args.global_corpus, cost_model=cost),
                             warm_responses=warm)
         for r in report.rows:
             r = dict(r, batch_size=B)

@@ -150,11 +150,14 @@ def test_bench_drafter_host_smoke(tmp_path):
     assert drafter_mod.suffix_match is match  # put back
 
 
+COST = Path(__file__).resolve().parents[1] / "bench/results/" \
+    "cost-llama3-8b-h100-80gb-hbm3-20261205.json"  # a GPU's calibrated staircase
+
+
 @pytest.mark.skipif(not Path(bench_drafter_step.DEV).is_dir(), reason="no dev trajectories")
 def test_gap_by_match_smoke(tmp_path, monkeypatch):
     out = tmp_path / "gap.json"
-    cost = Path(__file__).resolve().parents[1] / "bench/results/" \
-        "cost-llama3-8b-h100-80gb-hbm3-20261205.json"  # a GPU's calibrated staircase
+    cost = COST
     monkeypatch.setattr(sys, "argv", ["gap_by_match.py", "--sessions", "2",
                                       "--max-target-tokens", "200", "--batch-size", "2",
                                       "--cost-model", str(cost), "--json", str(out)])
@@ -194,8 +197,19 @@ def test_bench_drafter_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [
         "bench_drafter.py", "--sessions", "1", "--max-target-tokens", "60", "--batch-sizes",
         "2", "--variants", '[("none", None), ("controller-tree-budget", {})]',
-        "--json", str(out)])
+        "--cost-model", str(COST), "--json", str(out)])
+    costs = []  # what each drafter's budget steers by
+
+    class Recorded(bench_drafter.Drafter):
+        def __init__(self, *a, cost=None, **k):
+            costs.append(cost)
+            super().__init__(*a, cost=cost, **k)
+
+    monkeypatch.setattr(bench_drafter, "Drafter", Recorded)
     bench_drafter.main()
+    want = bench_drafter.BatchCostModels.from_json(COST).curve_for(2)
+    assert costs == [want] and want != bench_drafter.CostModel.default()
+    assert json.loads(out.read_text())["config"]["cost_model"] == want.to_json()
     rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]
             if r["agent"] == "all"}
     agspec, none = rows["controller-tree-budget"], rows["none"]
