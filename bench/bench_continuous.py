@@ -18,7 +18,7 @@ Measured: the forwards each policy runs for the same tokens (verification steps 
 prefills: a ``generate`` call's, or a join's) and each turn's latency in forwards (from its
 submission, or its wave's start, to its last token). A memory-bound GPU step costs about
 the same at any batch size up to a few dozen requests, so forwards are what a GPU's time
-follows; on a CPU the time follows the rows a forward carries (CPU seconds are printed too,
+follows; on a CPU the time follows the rows a forward carries (wall seconds are printed too,
 and favour the waves, whose late steps carry few rows).
 
 KV admission (``--runner paged --admission reserve optimistic``): a server sets one
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -196,15 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                          "preemptions": s["preemptions"],
                          "verification_steps": s["steps"], "tokens": r["tokens"],
                          "drafted": s["drafted"], "accepted": s["accepted"], "turns": len(lat),
-                         "turn_latency_forwards_p50": lat[len(lat) // 2],
+                         "turn_latency_forwards_p50": statistics.median(lat),
                          "turn_latency_forwards_max": lat[-1],
                          "turn_latency_forwards_mean": sum(lat) / len(lat),
-                         "cpu_seconds": seconds})
+                         "wall_seconds": seconds})
             print(f"{name:26} {admission:10} {forwards(dec):5d} forwards ({s['prefills']:3d} "
                   f"prefills, {s['prefill_tokens']:6d} tokens, {s['preemptions']:3d} "
                   f"preemptions)  {r['tokens']:6d} tokens  turn latency in forwards: p50 "
-                  f"{lat[len(lat) // 2]:4d}  mean {sum(lat) / len(lat):6.1f}  max "
-                  f"{lat[-1]:4d}  ({seconds:.1f} CPU-s)")
+                  f"{statistics.median(lat):6.1f}  mean {sum(lat) / len(lat):6.1f}  max "
+                  f"{lat[-1]:4d}  ({seconds:.1f} s wall)")
     for admission in args.admission:
         w, c = [r for r in rows if r["admission"] == admission]
         print(f"{admission}: continuous against waves: {w['forwards'] / c['forwards']:.2f}x "

@@ -11,8 +11,9 @@ and with speculation off (plain decoding steps through the same loop), and repor
 * the median wall milliseconds (device synchronized at the end of each step);
 * on a GPU, over ``--profile-steps`` steps after warm-up, the CUDA runtime calls the host
   made (kernel launches, graph launches, copies, synchronizations, by name) and the GPU's
-  activities (kernels, copies, fills; graph replays' kernels included); on a CPU the torch
-  ops (what ``tests/test_decoder.py`` counts, without its graph accounting).
+  activities (kernels, copies, fills; graph replays' kernels included); on a CPU every
+  ``aten::`` profiler event (nested, view and allocation ops included: more than the
+  kernel-launching ops ``tests/op_count.py`` counts).
 
 Usage::
 

@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="32,8", help="query,KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--repeats", type=int, default=100, help="ms of timing per measurement")
+    ap.add_argument("--repeats", type=int, default=100, help="on a GPU, ms of timing per measurement (triton's do_bench); on a CPU, "
+                         "ten times the calls timed (at least 5)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)

@@ -1,6 +1,7 @@
 """What a verification step does besides the model's forward: planning (``kernels/tree_mask.py``),
 greedy acceptance (``kernels/tree_accept.py`` after the argmax) and the KV commit
-(``kernels/kv_compact.py``), each against its torch path.
+(``kernels/kv_compact.py``), each against its torch path (acceptance: on a CPU only,
+where ``greedy_accept`` runs it; on a GPU it always runs the kernel).
 
 Shapes: ``B`` requests (``--batch-sizes``) of ``--context`` tokens of KV, each with a draft
 tree of ``--nodes`` nodes (a chain of half of them, the rest branching off it; the target's
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="plan-pool (CUDA): a graph bucket's plan over a page table as wide "
                          "as a KV pool of this many tokens")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=100, help="ms of timing per measurement")
+    ap.add_argument("--repeats", type=int, default=100, help="on a GPU, ms of timing per measurement (triton's do_bench); on a CPU, "
+                         "ten times the calls timed (at least 5)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
