@@ -52,6 +52,16 @@ def check_float_fields(obj: Any, names: tuple[str, ...], infinite: tuple[str, ..
             _set(obj, name, float(v))
 
 
+def check_at_most(obj: Any, caps: Mapping[str, float]) -> None:
+    """Each attribute of ``obj`` named in ``caps`` (already type-checked; None passes) is at
+    most its cap: a size past it would allocate without bound or wrap an int32 in a kernel,
+    failing far from the field."""
+    for name, cap in caps.items():
+        v = getattr(obj, name)
+        if v is not None and v > cap:
+            raise ValueError(f"{name} must be <= {cap:g}, got {v!r}")
+
+
 def check_bool_fields(obj: Any, names: tuple[str, ...]) -> None:
     """Each attribute of ``obj`` in ``names`` is a bool (``numpy.bool_`` stored back as
     one): a truthy string such as ``"no"`` must not switch a feature on."""

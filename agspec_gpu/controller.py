@@ -30,6 +30,11 @@ from agspec_gpu.kernels.controller_commit import scale_update_torch
 from agspec_gpu.kernels.depth_caps import depth_rule_torch
 
 
+# the controller's scales are float32 state: a bound past these would overflow it (to inf,
+# which no rejection contracts) or underflow it (to 0, which no acceptance grows)
+_SCALE_MIN, _SCALE_MAX = 1e-6, 1e9
+
+
 @dataclass(frozen=True, slots=True)
 class RoleProfile:
     """Offline profile of an agent role: its draft cap and initial scale."""
@@ -43,10 +48,11 @@ class RoleProfile:
             raise ValueError(f"name: expected a non-empty str, got {self.name!r}")
         check_int_fields(self, ("draft_cap",))
         check_float_fields(self, ("initial_scale",))
-        if self.draft_cap < 1:
-            raise ValueError(f"draft_cap must be >= 1, got {self.draft_cap}")
-        if self.initial_scale <= 0:
-            raise ValueError(f"initial_scale must be > 0, got {self.initial_scale}")
+        if not 1 <= self.draft_cap < 2 ** 31:
+            raise ValueError(f"draft_cap must be in [1, 2**31), got {self.draft_cap}")
+        if not _SCALE_MIN <= self.initial_scale <= _SCALE_MAX:
+            raise ValueError(f"initial_scale must be in [{_SCALE_MIN:g}, {_SCALE_MAX:g}] (the "
+                             f"controller's float32 state), got {self.initial_scale}")
 
 
 # Caps and initial scales chosen on replayed dev sessions (see the drafter's min_prob): deep
@@ -70,12 +76,15 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         check_float_fields(self, ("alpha", "beta", "s_min", "s_max"), infinite=("s_max",))
         check_int_fields(self, ("static_k",), optional=("static_k",))
-        if not (self.alpha >= 1.0 and 0 < self.beta <= 1.0):
-            raise ValueError("need alpha >= 1 and 0 < beta <= 1")
-        if not 0 < self.s_min <= self.s_max:
-            raise ValueError("need 0 < s_min <= s_max")
-        if self.static_k is not None and self.static_k < 1:
-            raise ValueError("static_k must be >= 1")
+        if not (1.0 <= self.alpha <= 1e3 and 1e-3 <= self.beta <= 1.0):
+            raise ValueError(f"need 1 <= alpha <= 1e3 and 1e-3 <= beta <= 1, got alpha="
+                             f"{self.alpha}, beta={self.beta}")
+        if not (_SCALE_MIN <= self.s_min <= self.s_max
+                and (self.s_max <= _SCALE_MAX or self.s_max == float("inf"))):
+            raise ValueError(f"need {_SCALE_MIN:g} <= s_min <= s_max <= {_SCALE_MAX:g} (or "
+                             f"s_max = inf), got s_min={self.s_min}, s_max={self.s_max}")
+        if self.static_k is not None and not 1 <= self.static_k < 2 ** 31:
+            raise ValueError(f"static_k must be in [1, 2**31), got {self.static_k}")
 
 
 def draft_depth(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Tensor,

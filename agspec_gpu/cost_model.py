@@ -51,15 +51,20 @@ class CostModel:
     requests: int | None = None
 
     def __post_init__(self) -> None:
-        if len(self.points) < 2:
+        try:
+            points = [tuple(p) for p in self.points]
+        except TypeError:
+            raise ValueError(f"points: expected (num_tokens, ms) pairs, got {self.points!r}") \
+                from None
+        if len(points) < 2 or any(len(p) != 2 for p in points):
             raise ValueError("points: need at least two (num_tokens, ms) points")
-        for i, (n, ms) in enumerate(self.points):
+        for i, (n, ms) in enumerate(points):
             if not is_int(n):
                 raise ValueError(f"points[{i}]: num_tokens must be an int, got {n!r}")
             if isinstance(ms, bool) or not isinstance(ms, Real):
                 raise ValueError(f"points[{i}]: ms must be a number, got {ms!r}")
         # (plain ints and floats: a numpy int would not write as JSON)
-        object.__setattr__(self, "points", tuple((int(n), float(ms)) for n, ms in self.points))
+        object.__setattr__(self, "points", tuple((int(n), float(ms)) for n, ms in points))
         xs = [p[0] for p in self.points]
         if xs != sorted(xs) or len(set(xs)) != len(xs) or xs[0] < 1:
             raise ValueError("points: num_tokens must be distinct, ascending and >= 1")
@@ -67,10 +72,12 @@ class CostModel:
             raise ValueError("points: times must be positive and finite")
         if not isinstance(self.steps, bool):
             raise ValueError(f"steps: expected a bool, got {self.steps!r}")
-        if self.requests is not None and (isinstance(self.requests, bool) or
-                                          not isinstance(self.requests, int) or
-                                          self.requests < 0):
+        if self.requests is not None and (not is_int(self.requests) or self.requests < 0):
             raise ValueError(f"requests: expected an int >= 0 or None, got {self.requests!r}")
+        if self.requests is not None:
+            object.__setattr__(self, "requests", int(self.requests))
+        if not isinstance(self.source, str):
+            raise ValueError(f"source: expected a str, got {self.source!r}")
 
     @classmethod
     def default(cls) -> "CostModel":
@@ -156,6 +163,9 @@ class BatchCostModels:
 
     def __post_init__(self) -> None:
         sizes = [s for s, _ in self.curves]
+        if all(is_int(s) for s in sizes):  # (numpy ints stored back as int)
+            sizes = [int(s) for s in sizes]
+            object.__setattr__(self, "curves", tuple(zip(sizes, (c for _, c in self.curves))))
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1 or \
                 any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
             raise ValueError(f"curves: expected ((batch_size, CostModel), ...) with distinct "

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agspec_gpu.checks import check_bool_fields, check_instance_field, check_int_fields
+from agspec_gpu.checks import (check_at_most, check_bool_fields, check_instance_field,
+                               check_int_fields)
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.drafter_config import DrafterConfig
 from agspec_gpu.tiers import TierConfig
@@ -17,12 +18,13 @@ class DecoderConfig:
 
     Attributes:
         max_batch: the most sessions of one ``propose`` step, and the most requests that
-            a ``generate`` call or ``step`` runs at once (the rest wait their turn).
+            a ``generate`` call or ``step`` runs at once (the rest wait their turn); at
+            most 4096.
         max_sessions: the most concurrently open sessions, idle ones included (an agent
             waiting on a tool keeps its session, its corpus and its kept KV); None: ``4 *
-            max_batch``. Each open session holds a drafter state slot (a few hundred bytes)
-            and, with ``runner="paged"``, a page-table row (``4 * kv_cache_tokens /
-            page_size`` bytes).
+            max_batch``; at most 2**20. Each open session holds a drafter state slot (a few
+            hundred bytes) and, with ``runner="paged"``, a page-table row (``4 *
+            kv_cache_tokens / page_size`` bytes).
         runner: ``"hf"`` runs the model's own forward (any HF causal LM, a DynamicCache);
             ``"paged"`` converts a Llama/Qwen2-family model once into a
             :class:`~agspec_gpu.runners.paged.PagedLlamaRunner` (paged KV, FlashInfer tree
@@ -102,6 +104,9 @@ class DecoderConfig:
                              f"or None, got {type(self.cost_model).__name__}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        # (per-slot buffers and tables are sized by these when the decoder is built)
+        check_at_most(self, {"max_batch": 4096, "max_sessions": 1 << 20,
+                             "page_size": 1 << 12})
         if self.max_sessions is not None and self.max_sessions < self.max_batch:
             raise ValueError(f"max_sessions ({self.max_sessions}) must be >= max_batch "
                              f"({self.max_batch}): a batch is made of open sessions")

@@ -28,7 +28,7 @@ import nvtx
 import torch
 
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
-from agspec_gpu.checks import check_int_tensor
+from agspec_gpu.checks import check_int_tensor, is_int
 from agspec_gpu.controller import cost_table
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
@@ -94,11 +94,15 @@ class Drafter:
                  max_batch: int = 64, cost: CostModel | BatchCostModels | None = None,
                  max_sessions: int | None = None) -> None:
         max_sessions = max_batch if max_sessions is None else max_sessions
-        if max_batch < 1 or max_sessions < 1:
-            raise ValueError(f"max_batch and max_sessions must be >= 1, got {max_batch} "
-                             f"and {max_sessions}")
+        if not (is_int(max_batch) and is_int(max_sessions)) or max_batch < 1 or max_sessions < 1:
+            raise ValueError(f"max_batch and max_sessions must be ints >= 1, got {max_batch!r} "
+                             f"and {max_sessions!r}")
+        config = config or DrafterConfig()
+        if config.min_match > store.config.max_depth:  # no match is ever that long
+            raise ValueError(f"config.min_match={config.min_match} exceeds the corpora's "
+                             f"max_depth={store.config.max_depth}: nothing would be drafted")
         self.store = store
-        self.config = config or DrafterConfig()
+        self.config = config
         self.max_batch, self.max_sessions = max_batch, max_sessions
         dev = store.arena.device
         # the device current in every public call (Triton launches and graph captures go to

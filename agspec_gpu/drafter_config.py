@@ -6,12 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from numbers import Integral
 
-from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_instance_field,
-                               check_int_fields, check_tuple_field)
+from agspec_gpu.checks import (check_at_most, check_bool_fields, check_float_fields,
+                               check_instance_field, check_int_fields, check_tuple_field)
 from agspec_gpu.controller import BUILTIN_ROLES, ControllerConfig, RoleProfile
 from agspec_gpu.tiers import CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
+# the most each size may be: buffers and tables scale with them (max_nodes: a cost table of
+# max_batch * (1 + max_nodes) entries), and lengths past 2**20 would only wrap the kernels'
+# int32 scores; real configurations sit far below
+_CAPS = {"max_positions": 1 << 10, "max_scan": (1 << 31) - 1, "max_candidate_rows": 1 << 10,
+         "max_draft_depth": 1 << 12, "max_nodes": 1 << 12, "min_match": 1 << 20,
+         "candidate_slack": 1 << 20}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,7 @@ class DrafterConfig:
             raise ValueError("candidate_slack must be >= 0")
         if not 0.0 <= self.min_prob < 1.0:
             raise ValueError("min_prob must be in [0, 1)")
-        if min(self.tier_bonus) < 0:
-            raise ValueError(f"tier_bonus must be {_NUM_TIERS} non-negative ints, got "
+        check_at_most(self, _CAPS)
+        if min(self.tier_bonus) < 0 or max(self.tier_bonus) > 1 << 20:
+            raise ValueError(f"tier_bonus must be {_NUM_TIERS} ints in [0, 2**20], got "
                              f"{self.tier_bonus}")

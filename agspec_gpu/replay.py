@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
@@ -31,6 +32,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 
+from agspec_gpu.checks import check_bool_fields, check_instance_field, check_int_fields
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.host import synchronize
 from agspec_gpu.replay_lanes import (
@@ -91,6 +93,14 @@ class ReplayConfig:
     workers: int = 1
 
     def __post_init__(self) -> None:
+        check_int_fields(self, ("batch_size", "oracle_k", "workers"))
+        check_bool_fields(self, ("oracle",))
+        check_instance_field(self, "cost_model", CostModel)
+        if not isinstance(self.device, str):
+            raise ValueError(f"device: expected a str, got {self.device!r}")
+        if not (self.global_corpus is None or isinstance(self.global_corpus, (str, os.PathLike))):
+            raise ValueError(f"global_corpus: expected a path or None, got "
+                             f"{self.global_corpus!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if not 1 <= self.batch_size <= MAX_BATCH_SIZE:

@@ -40,6 +40,7 @@ import nvtx
 import torch
 
 from agspec_gpu.calibrate import SpanTimer
+from agspec_gpu.checks import check_int_fields
 from agspec_gpu.cost_model import BatchCostModels, CostModel, StepTokenCounts
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import HostReader, HostWriter, synchronize
@@ -321,6 +322,9 @@ class ReplayTargetConfig:
     order: str = "longest-first"
 
     def __post_init__(self) -> None:
+        check_int_fields(self, ("batch_size", "context_tokens", "max_message_tokens",
+                                "messages_per_session", "prefill_chunk", "max_steps"),
+                         optional=("max_message_tokens", "messages_per_session", "max_steps"))
         if self.batch_size < 1 or self.context_tokens < 1 or self.prefill_chunk < 1:
             raise ValueError("batch_size, context_tokens and prefill_chunk must be >= 1")
         for name in ("max_message_tokens", "messages_per_session", "max_steps"):

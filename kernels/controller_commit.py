@@ -55,6 +55,10 @@ def _controller_commit_kernel(
     tl.store(prev_full_ptr + slot, full.to(tl.int64))
 
 
+# s_max = inf ("no bound") clamps at float32's largest: an inf scale would contract no more
+_F32_MAX = torch.finfo(torch.float32).max
+
+
 def scale_update_torch(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: torch.Tensor,
                        cap: torch.Tensor, *, alpha: float, beta: float, s_min: float,
                        s_max: float) -> torch.Tensor:
@@ -65,7 +69,7 @@ def scale_update_torch(scale: torch.Tensor, drafted_depth: torch.Tensor, accepte
     cut_by_cap = full & (drafted_depth >= cap)
     new = torch.where(full & ~cut_by_cap, scale * alpha, scale)
     new = torch.where(rejected, scale * beta, new)
-    return new.clamp(s_min, s_max)
+    return new.clamp(s_min, min(s_max, _F32_MAX))  # (as the launcher bounds the kernel's)
 
 
 def controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_full, *,
@@ -114,7 +118,8 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
                   ("nacc", nacc), ("scale", scale), ("cap", cap), ("prev_full", prev_full))
     if use_triton is None:
         use_triton = nd.device.type == "cuda"
-    kw = dict(alpha=float(alpha), beta=float(beta), s_min=float(s_min), s_max=float(s_max))
+    kw = dict(alpha=float(alpha), beta=float(beta), s_min=float(s_min),
+              s_max=min(float(s_max), _F32_MAX))
     if not use_triton:
         controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_full, **kw)
         return

@@ -136,16 +136,32 @@ def test_update_scale_mixed_batch():
 
 @pytest.mark.parametrize("kwargs", [dict(alpha=0.9), dict(beta=0.0), dict(beta=1.5),
                                     dict(s_min=0.0), dict(s_min=2.0, s_max=1.0),
-                                    dict(static_k=0)])
+                                    dict(static_k=0),
+                                    # past the float32 state: inf, 0 or a wrapped int later
+                                    dict(alpha=1e39, s_max=float("inf")),
+                                    dict(s_min=1e39, s_max=1e39), dict(s_min=1e-46),
+                                    dict(static_k=2 ** 31)])
 def test_controller_config_validation(kwargs):
     with pytest.raises(ValueError):
         ControllerConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(draft_cap=0), dict(initial_scale=0.0)])
+@pytest.mark.parametrize("kwargs", [dict(draft_cap=0), dict(initial_scale=0.0),
+                                    dict(initial_scale=1e300), dict(draft_cap=2 ** 31)])
 def test_role_profile_validation(kwargs):
     with pytest.raises(ValueError):
         RoleProfile("r", **kwargs)
+
+
+def test_an_unbounded_scale_still_contracts():
+    """``s_max=inf``: the scale grows by alpha at every full acceptance, but stops at
+    float32's largest, so a rejection contracts it again (at inf it could not)."""
+    cfg = ControllerConfig(alpha=1e3, beta=0.5, s_min=1.0, s_max=float("inf"))
+    scale = f32([1e37])
+    scale = update_scale(scale, i32([4]), i32([4]), i32([32]), cfg)
+    assert scale.isfinite().all() and scale.item() == torch.finfo(torch.float32).max
+    scale = update_scale(scale, i32([4]), i32([1]), i32([32]), cfg)
+    assert scale.item() == pytest.approx(torch.finfo(torch.float32).max / 2, rel=1e-6)
 
 
 # ---------------------------------------------------------------- batch budget
@@ -394,6 +410,24 @@ def test_cost_model_default_is_monotone():
     assert all(a <= b for a, b in zip(ts, ts[1:]))
 
 
+def test_cost_model_fields_take_numpy_ints_and_name_bad_types():
+    """numpy ints (a calibration's batch sizes) are ints here as in every other config;
+    points that are no pairs and a source that is no str are named."""
+    import numpy as np
+
+    from agspec_gpu.cost_model import BatchCostModels
+
+    c = CostModel(((1, 1.0), (2, 2.0)), requests=np.int64(4), steps=True)
+    assert type(c.requests) is int and c.table_base() == 4
+    b = BatchCostModels(((np.int64(4), c),))
+    assert type(b.curves[0][0]) is int and b.curve_for(3) == c
+    for kw, name in ((dict(points=None), "points"), (dict(points=5), "points"),
+                     (dict(points=((1, 2.0, 3), (2, 3.0, 4))), "points"),
+                     (dict(source=None), "source")):
+        with pytest.raises(ValueError, match=name):
+            CostModel(**kw)
+
+
 def test_cost_model_json_round_trip(tmp_path):
     c = CostModel(((1, 2.0), (64, 2.5), (512, 9.0)), source="measured")
     assert CostModel.from_json(c.to_json()) == c
@@ -441,7 +475,7 @@ def test_cost_files_with_bad_values_are_refused_naming_the_field(tmp_path):
 
 def test_profiles_with_bad_caps_name_the_file(tmp_path):
     p = tmp_path / "roles.json"
-    for roles, match in [({"coder": {"draft_cap": 0}}, "draft_cap must be >= 1"),
+    for roles, match in [({"coder": {"draft_cap": 0}}, "draft_cap must be in \\[1, 2\\*\\*31\\)"),
                          ({"coder": {"draft_cap": 3.7}}, "draft_cap"),
                          ({"coder": {"draft_cap": True}}, "draft_cap"),
                          ({"coder": {"draft_cap": "7"}}, "draft_cap"),

@@ -1282,7 +1282,10 @@ def test_arguments_of_the_wrong_type_are_named():
     for kw in (dict(max_batch=2.5), dict(max_batch=True), dict(max_batch="4"),
                dict(max_sessions=4.5), dict(page_size=2.5), dict(kv_cache_tokens=4096.5),
                dict(cuda_graphs="no"), dict(profiles=3), dict(admission="vllm"),
-               dict(admission=None)):
+               dict(admission=None),
+               # sizes past what the decoder's buffers are built for (10**6 sessions took
+               # minutes, 2**31 a 1 TB allocation naming nothing)
+               dict(max_batch=10 ** 6), dict(max_sessions=10 ** 8), dict(page_size=1 << 20)):
         with pytest.raises(ValueError, match=next(iter(kw))):
             DecoderConfig(**kw)
     for kw in (dict(max_nodes=2.5), dict(max_positions="8"), dict(max_scan=1.5),

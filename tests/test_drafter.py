@@ -1220,10 +1220,25 @@ def test_observe_refuses_bad_counts_before_the_proposal_is_taken(tok):
                                     dict(max_nodes=0), dict(min_match=0),
                                     dict(candidate_slack=-1), dict(min_prob=1.0),
                                     dict(max_scan=0), dict(max_candidate_rows=0),
-                                    dict(tier_bonus=(1, 1, 1)), dict(tier_bonus=(0, 0, 0, -1))])
+                                    dict(tier_bonus=(1, 1, 1)), dict(tier_bonus=(0, 0, 0, -1)),
+                                    # past what a buffer, a table or an int32 score holds
+                                    dict(min_match=2 ** 63), dict(candidate_slack=2 ** 63),
+                                    dict(tier_bonus=(2 ** 31 - 1, 0, 0, 0)),
+                                    dict(max_nodes=2 * 10 ** 5), dict(max_draft_depth=10 ** 5),
+                                    dict(max_positions=10 ** 5), dict(max_scan=2 ** 31)])
 def test_drafter_config_validation(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="|".join(kwargs)):
         DrafterConfig(**kwargs)
+
+
+def test_a_min_match_no_corpus_reaches_is_refused(tok):
+    """``min_match`` above the corpora's ``max_depth`` would never draft, silently."""
+    store = CorpusStore(tok, TierConfig(use_global=False))
+    with pytest.raises(ValueError, match="min_match=33 exceeds the corpora's max_depth=32"):
+        Drafter(store, DrafterConfig(min_match=33))
+    with pytest.raises(ValueError, match="max_batch"):
+        Drafter(store, max_batch=True)
+    assert Drafter(store, DrafterConfig(min_match=32)).config.min_match == 32
 
 
 def test_candidate_slack_adds_rows_with_shorter_matches(tok):

@@ -362,6 +362,20 @@ def test_config_validation():
     assert MAX_ORACLE_K == TierConfig().max_depth
     with pytest.raises(ValueError, match="tenant_by"):
         ReplayConfig(tenant_by="user")
+    # types, named where they once failed deep inside (or, "no", ran with the oracle on)
+    for kw in (dict(batch_size=1.5), dict(batch_size=True), dict(oracle_k=2.5),
+               dict(workers=2.5), dict(workers=float("nan")), dict(oracle="no"),
+               dict(cost_model="cost.json"), dict(device=None), dict(global_corpus=3)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            ReplayConfig(**kw)
+    from agspec_gpu.replay_target import ReplayTargetConfig
+
+    for kw in (dict(max_message_tokens=float("nan")), dict(messages_per_session=float("nan")),
+               dict(max_message_tokens=20.5), dict(context_tokens="4096"),
+               dict(max_steps=None, prefill_chunk=None)):
+        with pytest.raises(ValueError, match="|".join(kw)):
+            ReplayTargetConfig(batch_size=2, **kw)
+    assert type(ReplayConfig(batch_size=np.int64(3)).batch_size) is int
 
 
 # ----------------------------------------------------------------------------- oracle bound
