@@ -677,8 +677,9 @@ def test_invalid_inputs_raise_value_error_naming_the_argument():
     assert rows_of(m, 2) == [(1, 2, [5, 1])]
     with pytest.raises(ValueError, match="max_depth"):
         SuffixIndex.build(good, max_depth=0)
-    with pytest.raises(ValueError):
-        IndexConfig(tail_tokens=0)
+    for bad in (0, 10 ** 8):  # (the CPU match path reads rows x tail_tokens each step)
+        with pytest.raises(ValueError, match="tail_tokens"):
+            IndexConfig(tail_tokens=bad)
 
 
 # ------------------------------------------------------------------------------ arena
