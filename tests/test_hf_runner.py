@@ -298,13 +298,45 @@ def test_models_it_cannot_verify_exactly_are_refused_when_the_decoder_is_built()
                "local-attention": [transformers.GPTNeoConfig(
                    num_layers=2, attention_types=[[["global", "local"], 1]], **small)],
                "sliding": [transformers.MistralConfig(num_hidden_layers=1,
-                                                      intermediate_size=32, **small)]}
+                                                      intermediate_size=32, **small)],
+               # (an audit of ~80 architectures: these decoded wrongly or crashed)
+               "rope_type 'longrope'": [transformers.Phi3Config(
+                   num_hidden_layers=1, intermediate_size=32, max_position_embeddings=1024,
+                   original_max_position_embeddings=32, sliding_window=None, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2,
+                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                 "long_factor": [4.0] * 4,
+                                 "original_max_position_embeddings": 32}, **small)],
+               "rope_type 'dynamic'": [transformers.LlamaConfig(
+                   num_hidden_layers=1, intermediate_size=32, pad_token_id=0, bos_token_id=1,
+                   eos_token_id=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                   **small)],
+               "rwkv: a recurrent model": [transformers.RwkvConfig(
+                   vocab_size=64, hidden_size=16, num_hidden_layers=2, attention_hidden_size=16,
+                   intermediate_size=32)],
+               "roberta: positions from the input ids": [transformers.RobertaConfig(
+                   is_decoder=True, num_hidden_layers=1, intermediate_size=32, **small)],
+               "state-space": [transformers.MambaConfig(vocab_size=64, hidden_size=16,
+                                                        num_hidden_layers=1)]}
     for match, cfgs in configs.items():
         for cfg in cfgs:
             model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
             for build in (HFRunner, lambda m: SpecDecoder(m, "cl100k")):
                 with pytest.raises(ValueError, match=f"model: .*{match}"):
                     build(model)
+
+
+def test_an_attention_implementation_without_4d_float_masks_is_refused():
+    """flex_attention (the process died on the tree's mask) and the flash kernels cannot
+    take a 4-D float mask: refused naming the setting."""
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2,
+                                   num_hidden_layers=1, intermediate_size=32)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention'"):
+        HFRunner(model)
+    model.config._attn_implementation = "sdpa"
+    HFRunner(model)
 
 
 def test_growing_cache_layer_equals_concatenation():

@@ -32,6 +32,14 @@ def check_lengths_settled(owed: bool, name: str) -> None:
         raise ValueError(f"{name}() between commit_kv() and commit_lengths()")
 
 
+def rope_type(config) -> str:
+    """The RoPE scaling type of a ``transformers`` (text) config (``"default"`` without
+    one), under transformers 5's ``rope_parameters`` or 4.x's ``rope_scaling``."""
+    params = dict(getattr(config, "rope_parameters", None) or {}) or \
+        dict(getattr(config, "rope_scaling", None) or {})
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def has_non_full_attention(config) -> bool:
     """Whether a ``transformers`` (text) config has a layer that does not attend to every
     earlier token: a non-``full_attention`` layer type, or a sliding window in use."""

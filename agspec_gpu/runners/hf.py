@@ -43,7 +43,7 @@ from agspec_gpu.accept import AcceptResult, flatten_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
 from agspec_gpu.runners.common import (check_lengths_settled, check_verify_call,
-                                       has_non_full_attention)
+                                       has_non_full_attention, rope_type)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -176,6 +176,22 @@ def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
+# model types whose forward does not place tokens by the given position_ids and cache
+# (an audit ran ~80 architectures; these decode wrongly or crash): what each does instead
+_UNSUPPORTED_TYPES = {
+    "rwkv": "a recurrent model whose forward ignores the KV cache",
+    "openai-gpt": "no KV cache", "xlstm": "a recurrent model (no KV cache)",
+    "cpmant": "its own cache and logits layout",
+    "roberta": "positions from the input ids (after padding_idx), not position_ids",
+    "xlm-roberta": "positions from the input ids (after padding_idx), not position_ids",
+    "camembert": "positions from the input ids (after padding_idx), not position_ids",
+    "marian": "sinusoidal positions by cache length, not position_ids",
+    "pegasus": "sinusoidal positions by cache length, not position_ids",
+    "blenderbot": "learned positions by cache length, not position_ids",
+    "llama4_text": "attention temperature by cache length, not position_ids",
+}
+
+
 _DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
              torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
@@ -193,8 +209,19 @@ def check_hf_model(model: torch.nn.Module) -> None:
         raise ValueError("model: expected a Hugging Face model with a .config")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if has_non_full_attention(text_config):
-        raise ValueError("model: sliding-window / non-full attention layers are not supported")
+        raise ValueError("model: layers that do not attend to every earlier token (a sliding "
+                         "window, local, linear or state-space layers) are not supported")
     model_type = getattr(text_config, "model_type", None)
+    if model_type in _UNSUPPORTED_TYPES:
+        raise ValueError(f"model: {model_type}: {_UNSUPPORTED_TYPES[model_type]}; not supported")
+    if rope_type(text_config) in ("dynamic", "longrope"):
+        raise ValueError(f"model: rope_type {rope_type(text_config)!r} picks its frequencies "
+                         f"by the forward's longest position (a batch's other requests and a "
+                         f"draft change them): not supported")
+    attn = getattr(config, "_attn_implementation", None)
+    if attn is not None and attn not in ("eager", "sdpa"):
+        raise ValueError(f"model: attn_implementation={attn!r} cannot take the 4-D float "
+                         f"mask a draft tree needs; load it with 'sdpa' or 'eager'")
     if model_type in ("bloom", "mpt") or getattr(text_config, "alibi", False):
         raise ValueError(f"model: {model_type} uses ALiBi (distances by cache slot), which "
                          f"padded batches and draft trees shift: not supported")

@@ -34,7 +34,7 @@ from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kernels.silu_mul import silu_mul
 from agspec_gpu.kv_cache import PagedKVCache
-from agspec_gpu.runners.common import has_non_full_attention
+from agspec_gpu.runners.common import has_non_full_attention, rope_type
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
 
 
@@ -112,17 +112,17 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if not params:  # transformers 4.x names
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    kind = rope_type(config)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
-    if rope_type == "default":
+    if kind == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"rope_type {rope_type!r} depends on the sequence length; unsupported")
+    if kind in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {kind!r} depends on the sequence length; unsupported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
 
