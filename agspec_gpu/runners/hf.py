@@ -201,7 +201,11 @@ def check_hf_model(model: torch.nn.Module) -> None:
     forward must place each token by the ``position_ids`` it is given and mask by the 4-D
     mask, in every layer. A sliding window, or another non-full layer, masks by cache slot;
     ALiBi (Bloom, MPT, Falcon with ``alibi``) and GPT-Neo's local layers read distances
-    from cache slots, which a padded batch and a draft tree shift. A model in training mode
+    from cache slots, which a padded batch and a draft tree shift; the architectures of
+    ``_UNSUPPORTED_TYPES`` place tokens by something else; a length-dependent RoPE
+    (``longrope``, ``dynamic``) picks its frequencies by the forward's longest position;
+    an attention implementation other than ``sdpa`` / ``eager`` cannot take the 4-D float
+    mask. A model in training mode
     whose dropout is on (a module's, or its config's ``*dropout*`` / ``*pdrop*``) is
     refused too: its logits are random, so no output could equal greedy decoding's."""
     config = getattr(model, "config", None)
