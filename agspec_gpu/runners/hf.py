@@ -205,9 +205,9 @@ def check_hf_model(model: torch.nn.Module) -> None:
     ``_UNSUPPORTED_TYPES`` place tokens by something else; a length-dependent RoPE
     (``longrope``, ``dynamic``) picks its frequencies by the forward's longest position;
     an attention implementation other than ``sdpa`` / ``eager`` cannot take the 4-D float
-    mask. A model in training mode
-    whose dropout is on (a module's, or its config's ``*dropout*`` / ``*pdrop*``) is
-    refused too: its logits are random, so no output could equal greedy decoding's."""
+    mask. A model in training mode whose dropout is on (a module's, or its config's
+    ``*dropout*`` / ``*pdrop*``) is refused too: its logits are random, so no output could
+    equal greedy decoding's."""
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError("model: expected a Hugging Face model with a .config")
