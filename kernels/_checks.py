@@ -7,6 +7,12 @@ from collections.abc import Sequence
 import torch
 
 
+def is_py_int(v) -> bool:
+    """Whether ``v`` is a Python int and not a bool (a launcher's sizes and bounds: they go
+    to kernel arguments and buffer shapes as they are)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_tensors(*specs: tuple[str, torch.Tensor, torch.dtype, Sequence[int]],
                   contiguous: bool = False) -> None:
     """Raises ValueError for the first ``(name, tensor, dtype, shape)`` whose tensor has

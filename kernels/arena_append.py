@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array, check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_array, check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import cdiv
 
 BLOCK = 64  # columns per program (fixed: one compile for every width)
@@ -106,7 +106,7 @@ def arena_append(arena: torch.Tensor, src: torch.Tensor, rows: torch.Tensor,
         check_tensors(("totals", totals, torch.int32, (B,)))
         if B > 1 and totals.stride(0) == 0:  # rows would race on one element
             raise ValueError("totals: expected one element per row, got a stride-0 view")
-    if isinstance(code, bool) or not isinstance(code, int) or not -128 <= code <= 127:
+    if not is_py_int(code) or not -128 <= code <= 127:
         raise ValueError(f"code: expected an int8 value, got {code!r}")
     if use_triton is None:
         use_triton = dev.type == "cuda"

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 UNIT = 2.0 ** 32  # scores are summed in units of 1 / UNIT
@@ -174,7 +174,7 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     tensor_n = isinstance(num_requests, torch.Tensor)
     if tensor_n:
         check_tensors(("num_requests", num_requests, torch.int64, ()))
-    elif isinstance(num_requests, bool) or not isinstance(num_requests, int) or \
+    elif not is_py_int(num_requests) or \
             num_requests < 0:
         raise ValueError(f"num_requests: expected an int >= 0 or an int64 [] tensor, got "
                          f"{num_requests!r}")

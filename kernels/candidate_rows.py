@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
@@ -167,7 +167,7 @@ def candidate_rows(tier: torch.Tensor, length: torch.Tensor, win: torch.Tensor,
                   ("tier_drafts", tier_drafts, torch.float64, (T,)))
     for name, v, lo in (("num_slots", num_slots, 1), ("min_match", min_match, 1),
                         ("slack", slack, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        if not is_py_int(v) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
     check_devices(("win", win), ("tier", tier), ("length", length), ("src", src),
                   ("tier_bonus", tier_bonus), ("tier_hits", tier_hits),

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import cdiv
 
 BLOCK = 128
@@ -99,8 +99,7 @@ def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap
                   ("prev_full", prev_full, torch.int64, (S,)))
     check_devices(("slots", slots), ("best", best), ("scale", scale), ("cap", cap),
                   ("prev_full", prev_full))
-    if static_k is not None and (isinstance(static_k, bool) or not isinstance(static_k, int)
-                                 or not 1 <= static_k < 2 ** 31):
+    if static_k is not None and not (is_py_int(static_k) and 1 <= static_k < 2 ** 31):
         raise ValueError(f"static_k: expected an int in [1, 2**31) or None, got {static_k!r}")
     if use_triton is None:
         use_triton = slots.device.type == "cuda"

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
@@ -124,7 +124,7 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
     ``use_triton``), the torch path otherwise."""
     B = key.shape[0]
     check_tensors(("key", key, torch.float32, (B, C * K)))
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
+    if not is_py_int(max_nodes):
         raise ValueError(f"max_nodes: expected an int, got {max_nodes!r}")
     if not 0 <= N <= C * K or C * K >= 1 << _TIE_BITS:
         raise ValueError(f"N must be in [0, C * K] and C * K < {1 << _TIE_BITS}, got N={N}, "

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 # the path lookups are [BLOCK_N, BLOCK_N] compares in registers: spill-free up to 128 draft
@@ -156,7 +156,7 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
     if before is not None:
         check_tensors(("before", before, torch.int32, (B, D + 2)), contiguous=True)
         check_devices(("out", out), ("before", before))
-    if isinstance(calib_depth, bool) or not isinstance(calib_depth, int) or \
+    if not is_py_int(calib_depth) or \
             calib_depth < 1 or seen.shape[0] % calib_depth:
         raise ValueError(f"calib_depth: expected an int >= 1 dividing seen's "
                          f"{seen.shape[0]} cells, got {calib_depth!r}")

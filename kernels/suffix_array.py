@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array
+from agspec_gpu.kernels._checks import check_array, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 
@@ -84,7 +84,7 @@ def _check_range(fn: str, tokens: torch.Tensor, lo: int, hi: int, depth: int) ->
     if tokens.dim() != 1:
         raise ValueError(f"{fn}: tokens must be 1-D, got shape {tuple(tokens.shape)}")
     for name, v in (("lo", lo), ("hi", hi), ("depth", depth)):
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not is_py_int(v):
             raise ValueError(f"{fn}: {name} must be an int, got {v!r}")
     n = tokens.numel()
     if not 0 <= lo <= hi <= n:
@@ -295,7 +295,7 @@ def context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *, num_sel
     dev = tokens.device
     check_array("tokens", tokens, torch.int32, 1, dev)
     _check_range("context_array", tokens, lo, hi, depth)
-    if isinstance(num_selected, bool) or not isinstance(num_selected, int) or \
+    if not is_py_int(num_selected) or \
             not 0 <= num_selected <= max(hi - max(lo, 1), 0):
         raise ValueError(f"num_selected: expected an int in [0, {max(hi - max(lo, 1), 0)}] "
                          f"(positions in the range), got {num_selected!r}")
@@ -316,7 +316,7 @@ def context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *, num_sel
         return out
     if block is None:
         block = max(next_pow2(W), _MIN_BLOCK)
-    elif isinstance(block, bool) or not isinstance(block, int) or block < max(W, 2) or \
+    elif not is_py_int(block) or block < max(W, 2) or \
             block > MAX_BLOCK or block & (block - 1):
         raise ValueError(f"block: expected a power of two in [{max(next_pow2(W), 2)}, "
                          f"{MAX_BLOCK}] (the window holds {W}), got {block!r}")

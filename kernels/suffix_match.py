@@ -61,6 +61,7 @@ from typing import NamedTuple
 
 import torch
 
+from agspec_gpu.kernels._checks import is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 END = -(2**31)  # value of positions past the end of a corpus; below every separator
@@ -254,7 +255,7 @@ def check_match_args(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescript
     nothing from the device: a few microseconds of the host's time, once per launch."""
     for name, v, least in (("max_depth", max_depth, 0), ("max_positions", max_positions, 0),
                            ("max_scan", 1 if max_scan is None else max_scan, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        if not is_py_int(v) or v < least:
             raise ValueError(f"{name} must be an int >= {least}"
                              f"{' or None' if name == 'max_scan' else ''}, got {v!r}")
     if not isinstance(window, int) or window < 0:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices
+from agspec_gpu.kernels._checks import check_devices, is_py_int
 from agspec_gpu.kernels._launch import cast, next_pow2
 
 MAX_BLOCK_N = 128  # by depth keeps a [BLOCK_N, BLOCK_N] compare in registers; wider: torch
@@ -211,7 +211,7 @@ def _check_walk(token_ids, parents, num_draft_tokens, expected, by_depth: bool,
     if not flat and not by_depth and expected.shape[1] != N + 1:
         raise ValueError(f"{name}: [B, N + 1 = {N + 1}] targets (root, then each node), got "
                          f"{tuple(expected.shape)}")
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+    if not is_py_int(max_depth) or max_depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
     check_devices(("token_ids", token_ids), ("parents", parents),
                   ("num_draft_tokens", num_draft_tokens), (name, expected))

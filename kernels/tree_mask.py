@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array
+from agspec_gpu.kernels._checks import check_array, is_py_int
 from agspec_gpu.kernels._launch import cdiv, next_pow2
 
 BLOCK_ROWS = 128
@@ -552,8 +552,7 @@ def check_tree_out(out: TreeMaskBuffers, B: int, N: int, device: torch.device,
 
 def check_sink_page(sink_page: int | None) -> None:
     """Raises ValueError unless ``sink_page`` is None or a page index (an int >= 0)."""
-    if sink_page is not None and (isinstance(sink_page, bool) or not isinstance(sink_page, int)
-                                  or sink_page < 0):
+    if sink_page is not None and not (is_py_int(sink_page) and sink_page >= 0):
         raise ValueError(f"sink_page: expected an int >= 0 or None, got {sink_page!r}")
 
 
