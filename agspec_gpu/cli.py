@@ -269,7 +269,7 @@ def _distinct(names: Sequence[str] | None) -> list[str] | None:
 def _run(args, sessions: list, drafters: list[str], console, title: str):
     import torch
 
-    from agspec_gpu.cost_model import BatchCostModels, CostModel
+    from agspec_gpu.cost_model import curve_at
     from agspec_gpu.replay import ReplayConfig, run_replay, tokenize_sessions
     from agspec_gpu.replay_report import print_table, write_csv, write_json, write_plot
     from agspec_gpu.tokenizer import load_tokenizer
@@ -290,9 +290,7 @@ def _run(args, sessions: list, drafters: list[str], console, title: str):
     config = ReplayConfig(
         batch_size=args.batch_size, tenant_by=args.tenant_by, oracle=not args.no_oracle,
         oracle_k=args.oracle_k, device=args.device, global_corpus=args.global_corpus,
-        workers=args.workers, cost_model=BatchCostModels.from_json(
-            args.cost_model, [args.batch_size]).curve_for(args.batch_size) if args.cost_model
-        else CostModel.default())
+        workers=args.workers, cost_model=curve_at(args.cost_model, args.batch_size))
     t0 = time.perf_counter()
     # Workspace captures cost a pass over every message; only agspec and the oracle use them.
     needs_files = any(d in AGSPEC_DRAFTERS for d in drafters) or (

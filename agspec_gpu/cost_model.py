@@ -291,3 +291,13 @@ class StepTokenCounts:
     def _grow(self, size: int) -> None:
         if size > self.counts.size:
             self.counts = np.pad(self.counts, (0, size - self.counts.size))
+
+
+def curve_at(path: str | Path | None, batch_size: int) -> CostModel:
+    """The curve that prices steps of ``batch_size`` requests in the calibration file
+    ``path`` (one curve, or a calibration of several batch sizes:
+    :meth:`BatchCostModels.from_json`'s choice), or the built-in estimate when ``path`` is
+    None: what a replay at one batch size steers and prices by."""
+    if path is None:
+        return CostModel.default()
+    return BatchCostModels.from_json(path, [batch_size]).curve_for(batch_size)

@@ -34,7 +34,7 @@ import time
 import torch
 
 from agspec_gpu.controller import ControllerConfig  # noqa: F401 - for --variants
-from agspec_gpu.cost_model import BatchCostModels, CostModel
+from agspec_gpu.cost_model import curve_at
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.replay import ReplayConfig, run_replay, session_responses, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane
@@ -129,8 +129,7 @@ def main() -> None:
         subset = sessions if B > 1 else \
             sessions[::max(1, len(sessions) // args.single_sessions)][:args.single_sessions]
         corpus = tokenize_sessions(subset, tok)
-        cost = BatchCostModels.from_json(args.cost_model, [B]).curve_for(B) \
-            if args.cost_model else CostModel.default()
+        cost = curve_at(args.cost_model, B)
 
         def lane(name: str, overrides: dict, B=B):
             def make():

@@ -65,7 +65,7 @@ import time
 import torch
 
 from agspec_gpu.baselines import PLDHF, PLDVLLM, SuffixDecoding, suffix_decoding_available
-from agspec_gpu.cost_model import BatchCostModels, CostModel
+from agspec_gpu.cost_model import curve_at
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.replay import ReplayConfig, run_replay, session_responses, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane, HostLane
@@ -122,8 +122,7 @@ def main() -> None:
     tok = load_tokenizer("cl100k")
     gc = load_global_corpus(args.global_corpus, tok)
     B = args.batch_size
-    cost = BatchCostModels.from_json(args.cost_model, [B]).curve_for(B) if args.cost_model \
-        else CostModel.default()
+    cost = curve_at(args.cost_model, B)
     # SuffixDecoding given the traffic agspec's global tier holds: the other half's responses
     warm = () if args.no_sd_warm else session_responses(tokenize_sessions(
         [s for f in args.files for s in load_paths([DEV + f])

@@ -207,8 +207,10 @@ def test_bench_drafter_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_drafter, "Drafter", Recorded)
     bench_drafter.main()
-    want = bench_drafter.BatchCostModels.from_json(COST).curve_for(2)
-    assert costs == [want] and want != bench_drafter.CostModel.default()
+    from agspec_gpu.cost_model import BatchCostModels, CostModel
+
+    want = BatchCostModels.from_json(COST).curve_for(2)
+    assert costs == [want] and want != CostModel.default()
     assert json.loads(out.read_text())["config"]["cost_model"] == want.to_json()
     rows = {r["drafter"]: r for r in json.loads(out.read_text())["results"]
             if r["agent"] == "all"}
