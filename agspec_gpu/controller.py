@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from agspec_gpu.checks import check_float_fields, check_int_fields
+from agspec_gpu.checks import check_float_fields, check_int_fields, is_int
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.kernels.batch_budget import budget_count_torch
 from agspec_gpu.kernels.controller_commit import scale_update_torch
@@ -125,6 +125,7 @@ def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: C
         num_requests: ``B``, roots verified anyway (an int, or a 0-d int64 device tensor:
             then ``table`` is required and must cover ``B + M``).
         cost: step time versus tokens.
+        max_tokens: consider at most this many of the scores (an int >= 0), or all.
         table: ``cost_table(cost, device, T)`` with ``T >= max(B, cost.table_base()) + M``,
             when the caller built it once (a per-step caller: no host-to-device copy each
             call); otherwise (or when it is shorter) built here.
@@ -135,10 +136,15 @@ def batch_budget(scores: torch.Tensor, num_requests: int | torch.Tensor, cost: C
         yields a larger ``n*`` for the same scores. The scores are summed exactly, in units
         of ``2**-32`` (:mod:`agspec_gpu.kernels.batch_budget`, whose kernel the drafter runs).
     """
+    if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 0):
+        raise ValueError(f"max_tokens: expected an int >= 0 or None, got {max_tokens!r}")
     M = scores.numel() if max_tokens is None else min(scores.numel(), max_tokens)
     if isinstance(num_requests, torch.Tensor):  # a device scalar: gather, no host read
         if table is None:
             raise ValueError("table: required when num_requests is a tensor")
+    elif not (is_int(num_requests) and 0 <= num_requests < 2 ** 31):
+        raise ValueError(f"num_requests: expected an int in [0, 2**31) or an int64 [] "
+                         f"tensor, got {num_requests!r}")
     elif table is None or table.numel() < max(num_requests, cost.table_base() or 0) + M + 1:
         # (a staircase reads a step of n at table_base + n, past B + n where it is larger)
         table = cost_table(cost, scores.device, max(num_requests, cost.table_base() or 0) + M)

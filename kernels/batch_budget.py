@@ -73,7 +73,7 @@ def _budget_keep_kernel(
     s = tl.sort(tl.reshape(flat, [BLOCK_B * BLOCK_N]), descending=True)
     q = (tl.maximum(s, 0.0).to(tl.float64) * 4294967296.0).to(tl.int64)  # UNIT
     if NREQ_FROM_PTR:
-        nreq = tl.load(nreq_ptr)
+        nreq = tl.maximum(tl.load(nreq_ptr), 0)  # (as torch reads a negative count)
     else:
         nreq = nreq_val + tl.zeros([], dtype=tl.int64)
     base = nreq * 4294967296
@@ -111,6 +111,8 @@ def budget_count_torch(scores: torch.Tensor, num_requests: int | torch.Tensor,
     (``float64``, ``cost(m)`` at index ``m``; indices past its end read its last entry),
     ``n`` nodes priced at ``table[num_requests + n]``, or ``table[table_base + n]``."""
     M = scores.numel()
+    if isinstance(num_requests, torch.Tensor):
+        num_requests = num_requests.clamp(min=0)  # a negative count is none
     q = (scores.double() * UNIT).long()
     gain = (torch.cat([q.new_zeros(1), torch.cumsum(q, 0)]) + num_requests * (1 << 32))
     at = torch.arange(M + 1, device=scores.device) + (
@@ -148,8 +150,8 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     ----------
     ranked : ``float32 [B, N]`` each request's node scores in best-first order (values
         ``< -1.5``: no node); ``keep_n`` : ``int64 [B]`` how many of them it may keep.
-    num_requests : the roots verified anyway (an int, or an ``int64 []`` device tensor: the
-        real batch of a padded step).
+    num_requests : the roots verified anyway (an int in ``[0, 2**31)``, or an ``int64 []``
+        device tensor: the real batch of a padded step; a negative one counts as 0).
     table : ``float64 [T]``, ``cost(m)`` at index ``m`` (``T > (table_base if not None
         else num_requests) + B * N`` for exact costs; past its end the last entry is read).
     table_base : ``n`` nodes cost ``table[table_base + n]`` (a staircase measured at
@@ -174,13 +176,12 @@ def budget_keep(ranked: torch.Tensor, keep_n: torch.Tensor, num_requests: int | 
     tensor_n = isinstance(num_requests, torch.Tensor)
     if tensor_n:
         check_tensors(("num_requests", num_requests, torch.int64, ()))
-    elif not is_py_int(num_requests) or \
-            num_requests < 0:
-        raise ValueError(f"num_requests: expected an int >= 0 or an int64 [] tensor, got "
-                         f"{num_requests!r}")
-    if table_base is not None and (isinstance(table_base, bool) or
-                                   not isinstance(table_base, int) or table_base < 0):
-        raise ValueError(f"table_base: expected an int >= 0 or None, got {table_base!r}")
+    elif not is_py_int(num_requests) or not 0 <= num_requests < 2 ** 31:
+        raise ValueError(f"num_requests: expected an int in [0, 2**31) or an int64 [] tensor, "
+                         f"got {num_requests!r}")
+    if table_base is not None and not (is_py_int(table_base) and 0 <= table_base < 2 ** 31):
+        raise ValueError(f"table_base: expected an int in [0, 2**31) or None, got "
+                         f"{table_base!r}")
     check_devices(("ranked", ranked), ("keep_n", keep_n), ("table", table),
                   *((("num_requests", num_requests),) if tensor_n else ()))
     # at least 16 rows: the small batch buckets share one compiled kernel

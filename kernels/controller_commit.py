@@ -19,9 +19,9 @@ from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 
-# N: the draft width, not specialized (one compile per BLOCK_N)
+# N: the draft width, S: the state's slots, not specialized (one compile per BLOCK_N)
 # slots: a view of the drafter's staging ring without a graph (any alignment)
-@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["slots_ptr"])
+@triton.jit(do_not_specialize=["N", "S"], do_not_specialize_on_alignment=["slots_ptr"])
 def _controller_commit_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     nd_ptr,  # *int64 [B, N]  depth - 1 of each drafted node
@@ -31,6 +31,7 @@ def _controller_commit_kernel(
     cap_ptr,  # *int32 [S]  the role's depth cap per slot
     prev_full_ptr,  # *int64 [S]  out: 1 where the draft was accepted to its depth
     N,
+    S,
     alpha,
     beta,
     s_min,
@@ -40,6 +41,7 @@ def _controller_commit_kernel(
     """Grid ``(B,)``: one request."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b)
+    ok = (slot >= 0) & (slot < S)  # a slot outside the state: nothing read or written
     j = tl.arange(0, BLOCK_N)
     num = tl.load(num_ptr + b)
     d = tl.load(nd_ptr + b * N + j, mask=(j < N) & (j < num), other=-1)
@@ -47,12 +49,12 @@ def _controller_commit_kernel(
     acc = tl.load(nacc_ptr + b).to(tl.int64)
     full = (acc >= depth) & (depth > 0)
     rejected = (acc < depth) & (depth > 0)
-    cut_by_cap = full & (depth >= tl.load(cap_ptr + slot))
-    s = tl.load(scale_ptr + slot)
+    cut_by_cap = full & (depth >= tl.load(cap_ptr + slot, mask=ok, other=0))
+    s = tl.load(scale_ptr + slot, mask=ok, other=1.0)
     new = tl.where(full & ~cut_by_cap, s * alpha, s)
     new = tl.where(rejected, s * beta, new)
-    tl.store(scale_ptr + slot, tl.minimum(tl.maximum(new, s_min), s_max))
-    tl.store(prev_full_ptr + slot, full.to(tl.int64))
+    tl.store(scale_ptr + slot, tl.minimum(tl.maximum(new, s_min), s_max), mask=ok)
+    tl.store(prev_full_ptr + slot, full.to(tl.int64), mask=ok)
 
 
 # s_max = inf ("no bound") clamps at float32's largest: an inf scale would contract no more
@@ -92,7 +94,8 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
 
     Parameters
     ----------
-    slots : ``int64 [B]`` state slots (distinct, except padding rows that share a spare).
+    slots : ``int64 [B]`` state slots in ``[0, S)`` (distinct, except padding rows that share
+        a spare; the kernel skips a row whose slot is outside, torch indexes with it).
     nd : ``int64 [B, N]`` each drafted node's depth - 1 (entries past
         ``num_draft_tokens[b]`` are ignored); ``num_draft_tokens``, ``nacc`` : ``int32 [B]``.
     scale : ``float32 [S]``; ``cap`` : ``int32 [S]``; ``prev_full`` : ``int64 [S]``.
@@ -128,5 +131,5 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
     if B:
         _controller_commit_kernel[(B,)](slots.contiguous(), nd.contiguous(),
                                         num_draft_tokens.contiguous(), nacc.contiguous(),
-                                        scale, cap, prev_full, N, **kw,
+                                        scale, cap, prev_full, N, S, **kw,
                                         BLOCK_N=next_pow2(max(N, 1)))

@@ -19,9 +19,9 @@ from agspec_gpu.kernels._launch import cdiv
 BLOCK = 128
 
 
-# B: the batch size, not specialized (one compile for every batch)
+# B: the batch size, S: the state's slots, not specialized (one compile for every batch)
 # slots: a view of the drafter's staging ring without a graph (any alignment)
-@triton.jit(do_not_specialize=["B"], do_not_specialize_on_alignment=["slots_ptr"])
+@triton.jit(do_not_specialize=["B", "S"], do_not_specialize_on_alignment=["slots_ptr"])
 def _depth_caps_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     best_ptr,  # *int32 [B]  match length
@@ -31,27 +31,29 @@ def _depth_caps_kernel(
     k_ptr,  # *int32 [B]  out: depth cap
     mode_ptr,  # *int64 [B]  out: copy mode
     B,
+    S,
     static_k,
     STATIC: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
     """Grid ``(cdiv(B, BLOCK_B),)``: a block of requests."""
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    m = b < B
-    slot = tl.load(slots_ptr + b, mask=m, other=0)
+    slot = tl.load(slots_ptr + b, mask=b < B, other=0)
+    m = (b < B) & (slot >= 0) & (slot < S)  # a slot outside the state is read as padding
     if STATIC:
         k = tl.zeros([BLOCK_B], dtype=tl.int32) + static_k
     else:
         s = tl.load(scale_ptr + slot, mask=m, other=0.0)
         best = tl.load(best_ptr + b, mask=m, other=0)
         cap = tl.load(cap_ptr + slot, mask=m, other=1)
-        # compared in float before the cast: a product past int32 (an unbounded scale)
-        # is the cap, not a wrapped int; 0 * inf (NaN) is 1
+        # compared in float, the cap taken as the int: a product past int32 (an unbounded
+        # scale) is the cap, not a wrapped int, and a cap float32 rounds (past 2**24) is
+        # never exceeded; 0 * inf (NaN) is 1
         p = s * best.to(tl.float32)
-        capf = cap.to(tl.float32)
-        k = tl.floor(tl.where(p >= capf, capf, tl.where(p >= 1.0, p, 1.0))).to(tl.int32)
-    tl.store(k_ptr + b, k, mask=m)
-    tl.store(mode_ptr + b, tl.load(prev_full_ptr + slot, mask=m, other=0), mask=m)
+        k = tl.where(p >= cap.to(tl.float32), cap,
+                     tl.floor(tl.where(p >= 1.0, p, 1.0)).to(tl.int32))
+    tl.store(k_ptr + b, k, mask=b < B)
+    tl.store(mode_ptr + b, tl.load(prev_full_ptr + slot, mask=m, other=0), mask=b < B)
 
 
 def depth_rule_torch(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Tensor,
@@ -59,11 +61,12 @@ def depth_rule_torch(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Te
     """``int32 [B]``: ``min(cap, max(1, floor(scale * match_len)))``, or ``static_k``."""
     if static_k is not None:
         return torch.full_like(cap, static_k)
-    # compared in float before the cast: a product past int32 (an unbounded scale) is the
-    # cap, not a wrapped int; 0 * inf (NaN) is 1
+    # compared in float, the cap taken as the int: a product past int32 (an unbounded scale)
+    # is the cap, not a wrapped int, and a cap the float rounds (past 2**24 in float32) is
+    # never exceeded; 0 * inf (NaN) is 1
     p = scale * match_len.to(scale.dtype)
-    capf = cap.to(scale.dtype)
-    return torch.floor(torch.where(p >= capf, capf, torch.where(p >= 1, p, 1.0))).to(torch.int32)
+    k = torch.floor(torch.where(p >= 1, p, 1.0).clamp(max=2 ** 31 - 256)).to(torch.int32)
+    return torch.where(p >= cap.to(scale.dtype), cap.to(torch.int32), k)
 
 
 def depth_caps_torch(slots, best, scale, cap, prev_full, *, static_k: int | None
@@ -79,8 +82,9 @@ def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap
 
     Parameters
     ----------
-    slots : ``int64 [B]`` the requests' state slots; ``best`` : ``int32 [B]`` their match
-        lengths.
+    slots : ``int64 [B]`` the requests' state slots, in ``[0, S)`` (the kernel reads a slot
+        outside it as padding, depth 1 and mode 0, never memory past the state; torch
+        indexes with it); ``best`` : ``int32 [B]`` their match lengths.
     scale : ``float32 [S]``; ``cap`` : ``int32 [S]``; ``prev_full`` : ``int64 [S]`` the
         controller's state per slot.
     static_k : a fixed depth for every request (the static-k ablation), or None.
@@ -110,6 +114,6 @@ def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap
     if B:
         _depth_caps_kernel[(cdiv(B, BLOCK),)](
             slots.contiguous(), best.contiguous(), scale.contiguous(), cap.contiguous(),
-            prev_full.contiguous(), k, mode, B, 0 if static_k is None else static_k,
+            prev_full.contiguous(), k, mode, B, S, 0 if static_k is None else static_k,
             STATIC=static_k is not None, BLOCK_B=BLOCK)
     return k, mode

@@ -17,8 +17,9 @@ Layout (``B`` requests, ``N`` draft nodes, ``M`` output columns, ring width ``D`
   int32 [B, N]`` (-1: a child of the root), ``num int32 [B]`` valid nodes, ``depth int64
   [B, N]`` (0-based), ``calib_row int64 [B, N]``; ``path int64 [B, N]`` the accepted nodes in
   path order (entries from ``nacc`` on are ignored); a tag of a tier ``>= T`` counts nowhere;
-* state, updated in place at ``slots int64 [B]``: ``recent int32 [S, D]``, ``recent_len`` and
-  ``match_cap int32 [S]``;
+* state, updated in place at ``slots int64 [B]`` (in ``[0, S)``: the kernel leaves a row
+  whose slot is outside alone, torch indexes with it): ``recent int32 [S, D]``,
+  ``recent_len`` and ``match_cap int32 [S]``;
 * accumulators: ``drafted``, ``hits float64 [T]`` per tier, ``seen``, ``accepted float64
   [R * K]`` per calibration cell (``row * K + min(depth, K - 1)``);
 * optionally ``before int32 [B, D + 2]``, written: row ``b``'s ring, fill and match cap as
@@ -45,7 +46,7 @@ MAX_BLOCK_N = 128
 
 # the output and draft widths follow the batch: not specialized
 # slots: a view of the drafter's staging ring without a graph (any alignment)
-@triton.jit(do_not_specialize=["M", "N"], do_not_specialize_on_alignment=["slot_ptr"])
+@triton.jit(do_not_specialize=["M", "N", "S"], do_not_specialize_on_alignment=["slot_ptr"])
 def _drafter_commit_kernel(
     slot_ptr,  # *int64 [B]  state slot of each request
     out_ptr,  # *int32 [B, M]  accepted tokens then the bonus
@@ -68,6 +69,7 @@ def _drafter_commit_kernel(
     before_ptr,  # *int32 [B, D + 2]  out (SAVE_BEFORE): ring, fill, cap before the commit
     M,
     N,
+    S,
     D,
     K,
     NUM_TIERS: tl.constexpr,
@@ -103,21 +105,24 @@ def _drafter_commit_kernel(
     tl.atomic_add(cacc_ptr + cell, 1.0, mask=reached & on_path)
     # the ring: drop the nout oldest, append out[:nout] (tokens clamped to >= 0)
     slot = tl.load(slot_ptr + b)
+    ok = (slot >= 0) & (slot < S)  # a slot outside the state: its ring is not touched
     d = tl.arange(0, BLOCK_D)
     at = d + nout
-    old = tl.load(recent_ptr + slot * D + at, mask=(d < D) & (at < D), other=0)
+    old = tl.load(recent_ptr + slot * D + at, mask=ok & (d < D) & (at < D), other=0)
     new = tl.load(out_ptr + b * M + at - D, mask=(d < D) & (at >= D), other=0)
     ring = tl.where(at < D, old, tl.maximum(new, 0))
     if SAVE_BEFORE:
         row = before_ptr + b * (D + 2)
-        tl.store(row + d, tl.load(recent_ptr + slot * D + d, mask=d < D, other=0),
+        tl.store(row + d, tl.load(recent_ptr + slot * D + d, mask=ok & (d < D), other=0),
                  mask=d < D)
-        tl.store(row + D, tl.load(rlen_ptr + slot))
-        tl.store(row + D + 1, tl.load(cap_ptr + slot))
+        tl.store(row + D, tl.load(rlen_ptr + slot, mask=ok, other=0))
+        tl.store(row + D + 1, tl.load(cap_ptr + slot, mask=ok, other=0))
     tl.debug_barrier()  # every element read before any is written
-    tl.store(recent_ptr + slot * D + d, ring, mask=d < D)
-    tl.store(rlen_ptr + slot, tl.minimum(tl.load(rlen_ptr + slot) + nout, D))
-    tl.store(cap_ptr + slot, tl.minimum(tl.load(cap_ptr + slot) + nout, D))
+    tl.store(recent_ptr + slot * D + d, ring, mask=ok & (d < D))
+    tl.store(rlen_ptr + slot, tl.minimum(tl.load(rlen_ptr + slot, mask=ok, other=0) + nout, D),
+             mask=ok)
+    tl.store(cap_ptr + slot, tl.minimum(tl.load(cap_ptr + slot, mask=ok, other=0) + nout, D),
+             mask=ok)
 
 
 def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
@@ -172,7 +177,7 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
         _drafter_commit_kernel[(B,)](
             slots, out, nout, nacc, src, parents, num, depth, calib_row, path, recent,
             recent_len, match_cap, acc_src, drafted, hits, seen, accepted,
-            recent_len if before is None else before, M, N, D,
+            recent_len if before is None else before, M, N, S, D,
             calib_depth, NUM_TIERS=drafted.shape[0],
             BLOCK_N=next_pow2(max(N, 1)),
             BLOCK_D=next_pow2(max(D, 1)), SAVE_BEFORE=before is not None)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from agspec_gpu.controller import cost_table
+from agspec_gpu.controller import batch_budget, cost_table
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.kernels.batch_budget import (_budget_keep_kernel, budget_keep,
                                              budget_keep_torch, num_warps)
@@ -107,9 +107,31 @@ def test_rejects_bad_inputs():
                       ("keep_n", torch.tensor([1], dtype=torch.int32)),
                       ("table", table.float()), ("table", torch.zeros(0, dtype=torch.float64)),
                       ("num_requests", -1), ("num_requests", 1.5),
+                      ("num_requests", 2 ** 40),
                       ("num_requests", torch.tensor(1, dtype=torch.int32))):
         with pytest.raises(ValueError, match=name):
             budget_keep(**{**good, name: bad}, use_triton=True)
+
+
+def test_the_controllers_batch_budget_names_its_bad_counts():
+    scores = torch.tensor([0.9, 0.8, 0.2, 0.1])
+    for name, kw in (("max_tokens", dict(max_tokens=-1)), ("max_tokens", dict(max_tokens=1.0)),
+                     ("num_requests", dict(num_requests=-1)),
+                     ("num_requests", dict(num_requests=2 ** 40))):
+        with pytest.raises(ValueError, match=name):
+            batch_budget(scores, **{"num_requests": 1, **kw}, cost=LINEAR)
+    assert int(batch_budget(scores, 1, LINEAR, max_tokens=0)) == 0
+
+
+def test_a_negative_request_count_tensor_counts_as_none():
+    """(the kernel read the table before its start)"""
+    table = cost_table(LINEAR, "cpu", 16).to(DEV)
+    ranked, keep = rows([[0.9, 0.8, 0.2]], 3).to(DEV), torch.tensor([3], device=DEV)
+    want = budget_keep(ranked, keep, 0, table, use_triton=False)
+    for use_triton in (False, True):
+        got = budget_keep(ranked, keep, torch.tensor(-1, device=DEV), table,
+                          use_triton=use_triton)
+        assert torch.equal(got, want), (use_triton, got, want)
 
 
 def test_a_staircase_is_read_from_its_own_base_at_any_batch():

@@ -84,6 +84,24 @@ def test_torch_path_is_in_place():
     assert scale.tolist() == [8.0 * CFG.alpha, 8.0] and prev.tolist() == [1, 0]
 
 
+def test_the_kernel_leaves_a_slot_outside_the_state_alone():
+    """A slot outside ``[0, S)`` (a caller's error) is neither read nor written by the
+    kernel (it once wrote past the state: a heap corruption on the CPU); the other rows
+    update as ever."""
+    slots = torch.tensor([3, 0, -1])
+    nd = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    num = torch.full((3,), 2, dtype=torch.int32)
+    nacc = torch.full((3,), 2, dtype=torch.int32)
+    store = torch.full((6,), 8.0, device=DEV)
+    flags = torch.full((6,), 7, dtype=torch.int64, device=DEV)
+    scale, prev = store[1:4], flags[1:4]  # S = 3 inside guards on either side
+    controller_commit(slots.to(DEV), nd.to(DEV), num.to(DEV), nacc.to(DEV), scale,
+                      torch.full((3,), 32, dtype=torch.int32, device=DEV), prev, **KW,
+                      use_triton=True)
+    assert store.tolist() == [8.0, 8.0 * CFG.alpha, 8.0, 8.0, 8.0, 8.0]
+    assert flags.tolist() == [7, 1, 7, 7, 7, 7]
+
+
 def test_rejects_bad_inputs():
     good = dict(slots=torch.tensor([0]), nd=torch.zeros(1, 2, dtype=torch.int64),
                 num_draft_tokens=torch.ones(1, dtype=torch.int32),
@@ -117,7 +135,7 @@ def test_one_compile_per_draft_width_block():
 
 def test_kernel_compiles_for_sm90():
     sig = dict(slots_ptr="*i64", nd_ptr="*i64", num_ptr="*i32", nacc_ptr="*i32",
-               scale_ptr="*fp32", cap_ptr="*i32", prev_full_ptr="*i64", N="i32", alpha="fp32",
-               beta="fp32", s_min="fp32", s_max="fp32", BLOCK_N="constexpr")
+               scale_ptr="*fp32", cap_ptr="*i32", prev_full_ptr="*i64", N="i32", S="i32",
+               alpha="fp32", beta="fp32", s_min="fp32", s_max="fp32", BLOCK_N="constexpr")
     compile_all_for_sm90([(_controller_commit_kernel, sig, dict(BLOCK_N=256)),
                           (_controller_commit_kernel, sig, dict(BLOCK_N=1))])

@@ -60,6 +60,32 @@ def test_an_unbounded_scale_drafts_to_the_cap():
     assert k == [32, 16, 1, 4]
 
 
+# (the interpreter's numpy: the unused branch casts 3e38 * 5)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+def test_a_cap_float32_rounds_is_never_passed():
+    """Caps past 2**24 are not float32 numbers: the depth is the int cap itself, never the
+    rounded one (2**31 - 1 rounded to 2**31 once cast to -2**31)."""
+    big = 2 ** 31 - 1
+    k, _ = both([0, 1, 2, 3], [5, 3, 1, 1], [3e38, 3e38, float(2 ** 25), 16.0],
+                [big, 2 ** 25 - 1, 2 ** 25 - 1, 2 ** 25 - 1], [0] * 4)
+    assert k == [big, 2 ** 25 - 1, 2 ** 25 - 1, 16]
+    want = draft_depth(torch.tensor([3e38]), torch.tensor([5], dtype=torch.int32),
+                       torch.tensor([big], dtype=torch.int32),
+                       ControllerConfig(s_max=float("inf")))
+    assert want.tolist() == [big]
+
+
+def test_the_kernel_reads_a_slot_outside_the_state_as_padding():
+    """A slot outside ``[0, S)`` (a caller's error) reads no memory past the state: depth 1,
+    mode 0 (the other rows as ever)."""
+    args = (torch.tensor([2, 0, -1]), torch.tensor([3, 3, 3], dtype=torch.int32),
+            torch.tensor([4.0, 4.0]), torch.tensor([32, 32], dtype=torch.int32),
+            torch.tensor([1, 1]))
+    k, mode = depth_caps(*(t.to(DEV) for t in args), use_triton=True)
+    assert k.tolist() == [1, 12, 1] and mode.tolist() == [0, 1, 0]
+
+
 def test_rejects_bad_inputs():
     good = dict(slots=torch.tensor([0]), best=torch.ones(1, dtype=torch.int32),
                 scale=torch.ones(2), cap=torch.ones(2, dtype=torch.int32),
@@ -92,7 +118,7 @@ def test_one_compile_for_every_batch():
 
 def test_kernel_compiles_for_sm90():
     sig = dict(slots_ptr="*i64", best_ptr="*i32", scale_ptr="*fp32", cap_ptr="*i32",
-               prev_full_ptr="*i64", k_ptr="*i32", mode_ptr="*i64", B="i32", static_k="i32",
-               STATIC="constexpr", BLOCK_B="constexpr")
+               prev_full_ptr="*i64", k_ptr="*i32", mode_ptr="*i64", B="i32", S="i32",
+               static_k="i32", STATIC="constexpr", BLOCK_B="constexpr")
     compile_all_for_sm90([(_depth_caps_kernel, sig, dict(STATIC=False, BLOCK_B=128)),
                           (_depth_caps_kernel, sig, dict(STATIC=True, BLOCK_B=128))])

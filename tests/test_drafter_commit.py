@@ -126,6 +126,26 @@ def test_a_negative_output_count_pushes_nothing_on_both_paths():
         assert torch.equal(st_t["recent"][slot], case["recent"][slot])
 
 
+def test_the_kernel_leaves_a_slot_outside_the_state_alone():
+    """A row whose slot is outside ``[0, S)`` (a caller's error) touches no ring, fill or
+    cap (the kernel once wrote past the state); the other rows commit as the torch path
+    does, and its counts still add up."""
+    case = random_case(random.Random(5), 3, 8, 9, 16, 5, 5, 6)
+    c = {k: v.clone().to(DEV) for k, v in case.items()}
+    c["slots"] = torch.tensor([case["slots"][0], 5, -1], device=DEV)
+    acc = drafter_commit(**c, calib_depth=6, use_triton=True)
+    ref = {k: v.clone() for k, v in case.items()}
+    ref["slots"], ref["nout"] = ref["slots"][:1], ref["nout"][:1]
+    for k in ("out", "nacc", "src", "parents", "num", "depth", "calib_row", "path",
+              "before"):
+        ref[k] = ref[k][:1]
+    acc_ref = drafter_commit_torch(**ref, calib_depth=6)
+    assert torch.equal(acc[:1].cpu(), acc_ref)
+    for k in ("recent", "recent_len", "match_cap"):
+        assert torch.equal(c[k].cpu(), ref[k]), k
+    assert (c["before"][1:].cpu() == 0).all()  # read as zeros, not from outside the state
+
+
 def test_padding_rows_on_a_shared_spare_slot_leave_real_slots_exact():
     rng = random.Random(7)
     for trial in range(3):
@@ -205,7 +225,7 @@ def test_kernel_compiles_for_sm90():
                row_ptr="*i64", path_ptr="*i64", recent_ptr="*i32", rlen_ptr="*i32",
                cap_ptr="*i32", acc_src_ptr="*i64", drafted_ptr="*fp64", hits_ptr="*fp64",
                seen_ptr="*fp64", cacc_ptr="*fp64", before_ptr="*i32", M="i32", N="i32",
-               D="i32", K="i32", NUM_TIERS="constexpr", BLOCK_N="constexpr",
+               S="i32", D="i32", K="i32", NUM_TIERS="constexpr", BLOCK_N="constexpr",
                BLOCK_D="constexpr", SAVE_BEFORE="constexpr")
     compile_all_for_sm90([(_drafter_commit_kernel, sig,
                            dict(NUM_TIERS=4, BLOCK_N=64, BLOCK_D=32, SAVE_BEFORE=True)),
