@@ -34,7 +34,7 @@ MAX_BLOCK_COLS = 1024
 # strides and the row width, the cache's layout, are)
 # the plan's and the step's arrays may be views (of a plan's buffers, of a staging ring):
 # their alignment is not specialized
-@triton.jit(do_not_specialize=["num_indices", "A"],
+@triton.jit(do_not_specialize=["num_indices", "num_cache_pages", "A"],
             do_not_specialize_on_alignment=["kv_indptr_ptr", "kv_indices_ptr", "prefix_lens_ptr",
                                             "accepted_ptr"])
 def _kv_compact_kernel(
@@ -46,6 +46,7 @@ def _kv_compact_kernel(
     stride_layer,  # elements between layers
     stride_page,  # elements between pages
     num_indices,
+    num_cache_pages,
     A,
     page_size,
     ROW,  # num_kv_heads * head_dim
@@ -58,7 +59,8 @@ def _kv_compact_kernel(
     logical slot ``prefix + 1 + i``. A row of ``ROW`` elements is contiguous (NHD); the row of
     logical slot ``s`` of layer ``l`` starts at ``l * stride_layer + kv_indices[kv_indptr[b] +
     s // page_size] * stride_page + kv * page_size * ROW + (s % page_size) * ROW``. A move
-    whose source page is not among request ``b``'s (or not in ``kv_indices``) is skipped.
+    whose source page is not among request ``b``'s (or not in ``kv_indices``), whose page ids
+    are not the cache's, or whose prefix is negative is skipped.
     """
     b = tl.program_id(0).to(tl.int64)  # the batch on axis 0: up to 2**31 - 1 requests
     layer = tl.program_id(1).to(tl.int64)
@@ -77,11 +79,13 @@ def _kv_compact_kernel(
         dst = prefix + 1 + i
         # dst < src: a source page among the request's means the destination's is too
         active = (node >= 0) & (node != i) & (src // page_size < num_pages) & \
-            (first + src // page_size < num_indices) & (first >= 0)
+            (first + src // page_size < num_indices) & (first >= 0) & (prefix >= 0)
         src_page = tl.load(kv_indices_ptr + first + src // page_size, mask=active,
                            other=0).to(tl.int64)
         dst_page = tl.load(kv_indices_ptr + first + dst // page_size, mask=active,
                            other=0).to(tl.int64)
+        active = active & (src_page >= 0) & (src_page < num_cache_pages) & (dst_page >= 0) & \
+            (dst_page < num_cache_pages)  # never outside the cache
         row = tl.load(base + src_page * stride_page + (src % page_size) * ROW + cols,
                       mask=cmask & active)
         tl.store(base + dst_page * stride_page + (dst % page_size) * ROW + cols, row,
@@ -93,7 +97,7 @@ def kv_compact_torch(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices:
                      prefix_lens: torch.Tensor, accepted_nodes: torch.Tensor) -> None:
     """Pure-torch implementation of :func:`kv_compact` (same moves, same order, in place)."""
     B, A = accepted_nodes.shape
-    page_size = kv_data.shape[3]
+    P, page_size = kv_data.shape[1], kv_data.shape[3]
     prefix = prefix_lens.long()
     first = kv_indptr[:B].long()
     num_pages = kv_indptr[1:B + 1].long() - first
@@ -101,10 +105,12 @@ def kv_compact_torch(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices:
         node = accepted_nodes[:, i].long()
         src, dst = prefix + 1 + node, prefix + 1 + i
         active = (node >= 0) & (node != i) & (src // page_size < num_pages) & \
-            (first + src // page_size < kv_indices.numel()) & (first >= 0)
+            (first + src // page_size < kv_indices.numel()) & (first >= 0) & (prefix >= 0)
         b = torch.nonzero(active)[:, 0]
         src_page = kv_indices[first[b] + src[b] // page_size].long()
         dst_page = kv_indices[first[b] + dst[b] // page_size].long()
+        ok = (src_page >= 0) & (src_page < P) & (dst_page >= 0) & (dst_page < P)
+        b, src_page, dst_page = b[ok], src_page[ok], dst_page[ok]
         kv_data[:, dst_page, :, dst[b] % page_size] = kv_data[:, src_page, :, src[b] % page_size]
 
 
@@ -120,7 +126,8 @@ def kv_compact(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch
     kv_indptr : ``int32 [>= B + 1]``
         Request ``b``'s pages are ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, in logical
         order: the verification plan's (``TreeMetadata.kv_indptr``; a padded plan's extra
-        requests are not read). A move whose source lies past them is skipped.
+        requests are not read). A move whose source lies past them, whose page ids are not
+        in ``[0, num_pages)``, or whose ``prefix_len`` is negative is skipped.
     kv_indices : ``int32 [num_indices]``
         Page ids (``TreeMetadata.kv_indices``).
     prefix_lens : ``int32 [B]``
@@ -164,4 +171,5 @@ def kv_compact(kv_data: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch
     block = min(MAX_BLOCK_COLS, next_pow2(row))
     _kv_compact_kernel[(B, L, 2 * cdiv(row, block))](
         kv_data, kv_indptr, kv_indices, prefix_lens, accepted_nodes, kv_data.stride(0),
-        kv_data.stride(1), kv_indices.shape[0], A, page_size, row, BLOCK_COLS=block)
+        kv_data.stride(1), kv_indices.shape[0], kv_data.shape[1], A, page_size, row,
+        BLOCK_COLS=block)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array
+from agspec_gpu.kernels._checks import check_array, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 BLOCK_PAGES = 128
@@ -82,7 +82,9 @@ def _prefix_pages_kernel(
         keep = (p < n) & (first + p < P)
         pages = tl.load(row + p, mask=keep & is_req & (p < max_pages), other=0)
         pages = tl.where(is_req, pages, sink_page)
-        tl.store(kv_indices_ptr + first + p, pages, mask=keep)
+        # a prefix past its table (outside the contract): its missing pages are not
+        # written, as in torch (once page 0, a real page)
+        tl.store(kv_indices_ptr + first + p, pages, mask=keep & ((p < max_pages) | ~is_req))
         p0 += BLOCK_P
 
 
@@ -149,8 +151,8 @@ def prefix_pages(prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size:
         raise ValueError(f"prefix_lens: expected {B} entries, got {prefix_lens.shape[0]}")
     if max_pages < 1 and B:
         raise ValueError("page_table: every request needs a page")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if not is_py_int(page_size) or page_size < 1:
+        raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
     check_prefix_out(out, B + (sink_page is not None), device)
     return launch_prefix_pages(prefix_lens, page_table, page_size, out, sink_page=sink_page,
                                use_triton=use_triton)

@@ -59,8 +59,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = x + residual
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * xf.to(x.dtype)
-    return out if residual is None else (out, x)
+    out = (weight * xf.to(x.dtype)).contiguous()
+    return out if residual is None else (out, x.contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -103,12 +103,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
                              f"{t.device}")
     if residual is not None and residual.shape != (M, N):
         raise ValueError(f"residual: expected shape ({M}, {N}), got {tuple(residual.shape)}")
+    if (N > 1 and x.stride(1) != 1) or not weight.is_contiguous():  # on either path
+        raise ValueError("x: the last dimension must be contiguous; weight: contiguous")
     if use_triton is None:
         use_triton = x.device.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N or N == 0 or x.dtype not in KERNEL_FLOATS:
         return rms_norm_torch(x, weight, eps, residual)
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("x: the last dimension must be contiguous; weight: contiguous")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     res = residual.contiguous() if residual is not None else out

@@ -97,15 +97,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     """
     if x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x: expected [Q, H, D] with D even, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
     Q, H, D = x.shape
     check_tables(cos, sin, Q, D, x)
+    if D > 1 and x.stride(2) != 1:  # on either path
+        raise ValueError("x: the last dimension must be contiguous")
     if use_triton is None:
         use_triton = x.device.type == "cuda"
     half = D // 2
     if not use_triton or half & (half - 1) or half == 0 or x.dtype not in KERNEL_FLOATS:
         return rope_torch(x, cos, sin)
-    if x.stride(2) != 1:
-        raise ValueError("x: the last dimension must be contiguous")
     out = torch.empty(Q, H, D, dtype=x.dtype, device=x.device)
     if Q and H:
         # no fused multiply-adds: in fp32 (where the casts to T are no-ops) the compiler

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import KERNEL_FLOATS
 from agspec_gpu.kernels.rope import check_tables, rope_torch, rotate_halves
 
@@ -41,6 +41,8 @@ def _rope_append_kernel(
     stride_slot,
     H,
     Hkv,
+    num_pages,
+    page_size,
     HALF: tl.constexpr,  # D / 2, a power of two
 ):
     """Grid ``(Q, H + 2 Hkv)``: one program per (row, head): a query head is rotated into
@@ -57,6 +59,7 @@ def _rope_append_kernel(
                                sin_ptr + q * 2 * HALF, i, HALF, T)
     else:  # value head: as it is
         lo, hi = x1.to(T), x2.to(T)
+    ok = True
     if h < H:
         dst = q_out_ptr + (q * H + h) * 2 * HALF
     else:
@@ -66,8 +69,10 @@ def _rope_append_kernel(
         slot = tl.load(offset_ptr + q)
         dst = cache_ptr + page * stride_page + is_v * stride_kv + slot * stride_slot + \
             head * 2 * HALF
-    tl.store(dst + i, lo)
-    tl.store(dst + HALF + i, hi)
+        # a slot outside the cache (a caller's error) is not written
+        ok = (page >= 0) & (page < num_pages) & (slot >= 0) & (slot < page_size)
+    tl.store(dst + i, lo, mask=ok)
+    tl.store(dst + HALF + i, hi, mask=ok)
 
 
 def rope_append_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -94,7 +99,8 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
         row contiguous): query heads, then key heads, then value heads
     cos, sin : ``[Q, D]``, ``qkv.dtype``: each row's RoPE tables
     page, offset : ``int64 [Q]``: each row's cache slot
-        (:meth:`~agspec_gpu.kv_cache.PagedKVCache.slots_of`)
+        (:meth:`~agspec_gpu.kv_cache.PagedKVCache.slots_of`); the kernel writes nothing for
+        a row whose slot is outside the cache (torch indexes with it)
     cache : ``[P, 2, page_size, H_kv, D]``, ``qkv.dtype``: one layer's paged KV (written)
     num_qo_heads, num_kv_heads : ``H``, ``H_kv``
     use_triton : bool, optional
@@ -106,11 +112,13 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
     ``[Q, H, D]`` contiguous: the rotated queries; equal to :func:`rope_append_torch`'s.
     """
     H, Hkv = num_qo_heads, num_kv_heads
-    if H < 1 or Hkv < 1:
-        raise ValueError(f"num_qo_heads, num_kv_heads: expected >= 1, got {H}, {Hkv}")
+    if not (is_py_int(H) and is_py_int(Hkv)) or H < 1 or Hkv < 1:
+        raise ValueError(f"num_qo_heads, num_kv_heads: expected ints >= 1, got {H!r}, {Hkv!r}")
     if qkv.dim() != 2 or qkv.shape[1] % (H + 2 * Hkv) or qkv.shape[1] // (H + 2 * Hkv) % 2:
         raise ValueError(f"qkv: expected [Q, (H + 2 H_kv) D] with D even for H={H}, "
                          f"H_kv={Hkv}, got shape {tuple(qkv.shape)}")
+    if not qkv.is_floating_point():
+        raise ValueError(f"qkv: expected a floating dtype, got {qkv.dtype}")
     Q, D = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
     check_tables(cos, sin, Q, D, qkv)
     check_tensors(("page", page, torch.int64, (Q,)), ("offset", offset, torch.int64, (Q,)))
@@ -120,18 +128,19 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
         raise ValueError(f"cache: expected {qkv.dtype} [P, 2, page_size, {Hkv}, {D}] on "
                          f"{qkv.device}, got {cache.dtype} {tuple(cache.shape)} on "
                          f"{cache.device}")
+    if qkv.stride(1) != 1 or cache.stride(4) != 1 or cache.stride(3) != D:  # either path
+        raise ValueError("qkv, cache: each row of qkv and each cache slot must be contiguous")
     if use_triton is None:
         use_triton = qkv.device.type == "cuda"
     half = D // 2
     if not use_triton or half & (half - 1) or half == 0 or qkv.dtype not in KERNEL_FLOATS:
         return rope_append_torch(qkv, cos, sin, page, offset, cache, H, Hkv)
-    if qkv.stride(1) != 1 or cache.stride(4) != 1 or cache.stride(3) != D:
-        raise ValueError("qkv, cache: each row of qkv and each cache slot must be contiguous")
     q_out = torch.empty(Q, H, D, dtype=qkv.dtype, device=qkv.device)
     if Q:
         _rope_append_kernel[(Q, H + 2 * Hkv)](
             qkv, cos.contiguous(), sin.contiguous(), page.contiguous(), offset.contiguous(),
             q_out, cache,
             qkv.stride(0), cache.stride(0), cache.stride(1), cache.stride(2), H, Hkv,
-            HALF=half, enable_fp_fusion=False)  # torch's roundings: see rotate_halves
+            cache.shape[0], cache.shape[2], HALF=half,
+            enable_fp_fusion=False)  # torch's roundings: see rotate_halves
     return q_out

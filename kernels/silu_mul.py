@@ -34,14 +34,14 @@ def _silu_mul_kernel(
     g = tl.load(gate_up_ptr + row * stride_m + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate_up_ptr + row * stride_m + I + cols, mask=mask, other=0.0).to(tl.float32)
     T = out_ptr.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(T).to(tl.float32)
+    act = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(T).to(tl.float32)  # rounded as torch's /
     tl.store(out_ptr + row * I + cols, (act * u).to(T), mask=mask)
 
 
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """Pure-torch implementation of :func:`silu_mul`."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return (torch.nn.functional.silu(gate) * up).contiguous()
 
 
 def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
@@ -62,12 +62,12 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
         raise ValueError(f"gate_up: expected [M, 2 * I], got shape {tuple(gate_up.shape)}")
     if not gate_up.is_floating_point():
         raise ValueError(f"gate_up: expected a floating dtype, got {gate_up.dtype}")
+    if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:  # on either path
+        raise ValueError("gate_up: the last dimension must be contiguous")
     if use_triton is None:
         use_triton = gate_up.device.type == "cuda"
     if not use_triton or gate_up.dtype not in KERNEL_FLOATS:
         return silu_mul_torch(gate_up)
-    if gate_up.stride(1) != 1:
-        raise ValueError("gate_up: the last dimension must be contiguous")
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
     if M and I:

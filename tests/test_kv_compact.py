@@ -116,7 +116,8 @@ def test_commits_of_any_batch_share_the_compiled_kernel():
 def test_kernel_compiles_for_sm90():
     sig = {"kv_ptr": "*bf16", "kv_indptr_ptr": "*i32", "kv_indices_ptr": "*i32",
            "prefix_lens_ptr": "*i32", "accepted_ptr": "*i32", "stride_layer": "i64",
-           "stride_page": "i64", "num_indices": "i32", "A": "i32", "page_size": "i32", "ROW": "i32",
+           "stride_page": "i64", "num_indices": "i32",
+           "num_cache_pages": "i32", "A": "i32", "page_size": "i32", "ROW": "i32",
            "BLOCK_COLS": "constexpr"}
     compile_for_sm90(_kv_compact_kernel, sig, {"BLOCK_COLS": 1024})
 
@@ -307,3 +308,25 @@ def test_rows_of_any_width_and_dtype(H, D, dtype):
     kv_compact(a, indptr, table, prefix, acc, use_triton=False)
     kv_compact(b, indptr, table, prefix, acc, use_triton=True)
     assert not torch.equal(a, data) and torch.equal(a, b)
+
+
+def test_moves_outside_the_cache_are_skipped_on_both_paths():
+    """Page ids outside ``[0, num_pages)`` or a negative prefix (a caller's error): the kernel
+    once wrote outside the cache (the torch path raised or wrapped); both paths skip those
+    moves and make the others."""
+    data, pages = make_cache(4, 3, 4, 16)
+    indptr, indices = ragged(pages)
+    indices = indices.clone()
+    indices[4] = data.shape[1]  # request 1's first page: past the cache
+    indices[9] = -1  # request 2's second page
+    prefix = torch.tensor([2, 1, -3], dtype=torch.int32)
+    accepted = torch.tensor([[1, 3], [2, -1], [4, 6]], dtype=torch.int32)
+    outs = []
+    for use_triton in (False, True):
+        d = data.clone().to(DEVICE)
+        kv_compact(d, indptr.to(DEVICE), indices.to(DEVICE), prefix.to(DEVICE),
+                   accepted.to(DEVICE), use_triton=use_triton)
+        outs.append(d.cpu())
+    assert torch.equal(outs[0], outs[1])
+    changed = (outs[0] != data).flatten(2).any(-1).any(0).nonzero()[:, 0].tolist()
+    assert set(changed) <= set(pages[0].tolist()) and changed  # request 0's moves only

@@ -325,7 +325,8 @@ def test_kernels_compile_for_sm90():
                                    page_ptr="*i64", offset_ptr="*i64", q_out_ptr="*bf16",
                                    cache_ptr="*bf16", stride_qkv="i64", stride_page="i64",
                                    stride_kv="i64", stride_slot="i64", H="i32", Hkv="i32",
-                                   HALF="constexpr"), dict(HALF=64)),
+                                   num_pages="i32", page_size="i32", HALF="constexpr"),
+         dict(HALF=64)),
     ])
 
 
@@ -352,7 +353,7 @@ def test_rope_kernels_round_like_torch_in_float32_on_the_gpu(monkeypatch):
     append_sig = dict(qkv_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", page_ptr="*i64",
                       offset_ptr="*i64", q_out_ptr="*fp32", cache_ptr="*fp32",
                       stride_qkv="i64", stride_page="i64", stride_kv="i64", stride_slot="i64",
-                      H="i32", Hkv="i32", HALF="constexpr")
+                      H="i32", Hkv="i32", num_pages="i32", page_size="i32", HALF="constexpr")
     off = {"enable_fp_fusion": False}
     fused, rope32, append32 = compile_all_for_sm90([
         (_rope_kernel, rope_sig, dict(HALF=64), {}), (_rope_kernel, rope_sig, dict(HALF=64), off),
@@ -376,3 +377,49 @@ def test_rope_kernels_round_like_torch_in_float32_on_the_gpu(monkeypatch):
                 torch.zeros(2, 2, 4, Hkv, D, device=DEV), H, Hkv, use_triton=True)
     for r in rec.values():
         assert r.options == [{"enable_fp_fusion": False}]
+
+
+def test_both_paths_name_what_only_the_kernels_refused():
+    """The kernels' contracts on either path: a last dimension that is not contiguous, an
+    integer ``x`` or ``qkv``, head counts that are not ints (a CPU caller once got a strided
+    or an int result where a GPU raised); the torch paths' outputs are contiguous."""
+    for use_triton in (False, True):
+        with pytest.raises(ValueError, match="x: the last dimension"):
+            rms_norm(torch.randn(8, 3).t(), torch.ones(8), 1e-6, use_triton=use_triton)
+        with pytest.raises(ValueError, match="gate_up: the last dimension"):
+            silu_mul(torch.randn(8, 4).t(), use_triton=use_triton)
+        x = torch.randn(2, 3, 4)
+        with pytest.raises(ValueError, match="x: the last dimension"):
+            rope(x.transpose(1, 2).contiguous().transpose(1, 2)[:, :, :4],
+                 torch.ones(2, 4), torch.zeros(2, 4), use_triton=use_triton)
+        with pytest.raises(ValueError, match="x: expected a floating dtype"):
+            rope(x.long(), torch.ones(2, 4).long(), torch.ones(2, 4).long(),
+                 use_triton=use_triton)
+        qkv, tab = torch.randn(2, 3 * 4), torch.ones(2, 4)
+        cache, page, off = torch.zeros(2, 2, 4, 1, 4), torch.zeros(2).long(), torch.arange(2)
+        with pytest.raises(ValueError, match="qkv: expected a floating dtype"):
+            rope_append(qkv.long(), tab.long(), tab.long(), page, off, cache.long(), 1, 1,
+                        use_triton=use_triton)
+        with pytest.raises(ValueError, match="num_qo_heads"):
+            rope_append(qkv, tab, tab, page, off, cache, 1.0, 1, use_triton=use_triton)
+    assert rms_norm_torch(torch.randn(3, 8)[:, :5], torch.ones(5), 1e-6).is_contiguous()
+    out, total = rms_norm_torch(torch.randn(3, 8)[:, :5], torch.ones(5), 1e-6,
+                                torch.randn(3, 5))
+    assert out.is_contiguous() and total.is_contiguous()
+    assert silu_mul_torch(torch.randn(3, 8)[:, 2:6]).is_contiguous()
+
+
+def test_rope_append_writes_no_slot_outside_the_cache():
+    """A row whose page or offset is outside the cache (a caller's error) is not written by
+    the kernel (it wrote before or past the cache); the other rows' keys and values land."""
+    Q, H, Hkv, D = 3, 2, 1, 4
+    qkv = torch.randn(Q, (H + 2 * Hkv) * D, device=DEV)
+    cos, sin = torch.ones(Q, D, device=DEV), torch.zeros(Q, D, device=DEV)
+    store = torch.zeros(4, 2, 4, Hkv, D, device=DEV)
+    cache = store[1:3]  # two pages with a guard page on either side
+    page = torch.tensor([0, 2, -1], device=DEV)
+    offset = torch.tensor([1, 0, 3], device=DEV)
+    rope_append(qkv, cos, sin, page, offset, cache, H, Hkv, use_triton=True)
+    ref = torch.zeros_like(store)
+    ref[1, 0, 1, 0], ref[1, 1, 1, 0] = qkv[0, H * D:(H + 1) * D], qkv[0, (H + 1) * D:]
+    assert torch.equal(store, ref)

@@ -90,6 +90,22 @@ def test_prefix_pages_drop_what_exceeds_the_buffer_and_check_their_arguments():
         prefix_pages(lens[:1], table, 4, prefix_buffers(2, 8))
     with pytest.raises(ValueError, match="out"):
         prefix_pages(lens, table, 4, prefix_buffers(1, 8), sink_page=0)
+    for bad in (4.0, True, 0):
+        with pytest.raises(ValueError, match="page_size"):
+            prefix_pages(lens, table, bad, prefix_buffers(2, 8))
+
+
+def test_a_prefix_past_its_page_table_writes_no_made_up_pages():
+    """Outside the contract (the table covers the prefix): the pages the table lacks are
+    left as they were on both paths (the kernel once wrote page 0, a real page)."""
+    table = torch.arange(6, dtype=torch.int32, device=DEVICE).view(2, 3) + 10
+    lens = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for use_triton in (False, True):
+        out = prefix_buffers(2, 12)
+        prefix_pages(lens, table, 4, out, use_triton=use_triton)
+        outs.append(out.kv_indices.tolist())
+    assert outs[0] == outs[1] == [10, 11, 12] + [-7] * 7 + [13, -7]
 
 
 def split_and_custom(case, num_qo_heads, num_kv_heads, *, head_dim=8, scale=1.0, seed=0,
