@@ -86,6 +86,10 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     KVCacheFull: the pool's free pages or sequence rows cannot hold the widest step
         (:func:`calibration_pages`), before anything is measured.
     """
+    _check_counts(batch_size=batch_size, context_tokens=context_tokens,
+                  max_draft_tokens=max_draft_tokens, repeats=repeats)
+    if not is_int(warmup) or warmup < 0:
+        raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
     cache, dev = runner.kv_cache, runner.device
     B = batch_size
     ns = _draft_counts(cache, B, context_tokens, max_draft_tokens)
@@ -145,6 +149,13 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     return CostModel(tuple(points), source or f"measured: {B} requests x {context_tokens} "
                      f"tokens of KV, plan + forward + argmax, median of {repeats}",
                      steps=verify_graphs is not None, requests=B)
+
+
+def _check_counts(**counts) -> None:
+    """ValueError naming the first of ``counts`` that is not an int >= 1."""
+    for name, v in counts.items():
+        if not is_int(v) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
 
 
 def _draft_counts(cache, batch_size: int, context_tokens: int, max_draft_tokens: int
@@ -224,7 +235,14 @@ def calibrate_batch_costs(runner, batch_sizes: Sequence[int], context_tokens: in
     draft tokens (None: ``batch_size * max_nodes``, the most a step of that bucket
     verifies). ``source`` begins each curve's description (what was measured, where). Every
     batch size's widest step is checked to fit the KV pool before any is measured
-    (KVCacheFull)."""
+    (KVCacheFull); a bad argument raises ValueError naming it, before anything runs."""
+    if max_draft_tokens is None and max_nodes is None:
+        raise ValueError("max_draft_tokens, max_nodes: one is required")
+    sizes = list(batch_sizes)
+    most_b = max((b for b in sizes if is_int(b)), default=1)
+    check_calibration_args(context_tokens, sizes, most_b, max_draft_tokens, repeats)
+    if max_draft_tokens is None:
+        _check_counts(max_nodes=max_nodes)
     most = [int(max_draft_tokens if max_draft_tokens is not None else b * max_nodes)
             for b in batch_sizes]
     check_calibration_fits(runner.kv_cache, [(int(b), int(context_tokens), m)

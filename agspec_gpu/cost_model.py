@@ -215,10 +215,11 @@ class BatchCostModels:
         try:
             if isinstance(obj, (str, Path)):
                 obj = json.loads(Path(obj).read_text())
-            steps = bool(obj.get("steps", obj.get("verify_cuda_graphs", False)))
+            steps = obj.get("steps", obj.get("verify_cuda_graphs", False))  # checked below
             whole = _curves_by_batch(obj, "curves", lambda v, b: CostModel.from_json(v))
             by_batch = _curves_by_batch(obj, "by_batch_size", lambda v, b: CostModel.from_json(
-                {"points": v, "source": obj.get("source", ""), "steps": steps,
+                {"points": v, "source": f"{obj.get('source', '')} (by_batch_size[{b}])",
+                 "steps": steps,
                  "requests": b if steps else None}), skip=whole)
             measured = {b: whole[b] if b in whole else by_batch[b]
                         for b in sorted(set(whole) | set(by_batch))}
@@ -298,6 +299,8 @@ def curve_at(path: str | Path | None, batch_size: int) -> CostModel:
     ``path`` (one curve, or a calibration of several batch sizes:
     :meth:`BatchCostModels.from_json`'s choice), or the built-in estimate when ``path`` is
     None: what a replay at one batch size steers and prices by."""
+    if not is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
     if path is None:
         return CostModel.default()
     return BatchCostModels.from_json(path, [batch_size]).curve_for(batch_size)

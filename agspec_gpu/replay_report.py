@@ -177,8 +177,8 @@ def merge_rows(row_sets: list[list[dict]], cost_model) -> list[dict]:
         wsum = lambda key: sum((r.get(key) or 0.0) * r["steps"] for r in rs)  # noqa: E731
         acc, drafted = wsum("accepted_per_step"), wsum("drafted_per_step")
         per = lambda x: x / steps if steps else None  # noqa: E731
-        attributed = [(r.get("attributed_accepted_share") or 0.0) * r["accepted_per_step"]
-                      * r["steps"] for r in rs]
+        attributed = [(r.get("attributed_accepted_share") or 0.0)
+                      * (r["accepted_per_step"] or 0.0) * r["steps"] for r in rs]
 
         def shares(key: str) -> dict:
             tot = sum(attributed)

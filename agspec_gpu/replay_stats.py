@@ -221,11 +221,12 @@ def modelled_batch_speedup(tau: float | None, drafted_per_step: float | None,
     time excluded: ``tau * cost(B) / cost(B * (1 + drafted_per_step))``. Each step verifies
     every request's root and drafts in one forward; without speculation it decodes ``B``
     tokens. This is the figure the batch budget maximises (on CPU the torch path's drafting
-    time says nothing of a GPU's, so it is left out here)."""
+    time says nothing of a GPU's, so it is left out here). A staircase measured at more
+    requests prices the drafts from its own base (``num_requests``), as the replay does."""
     if tau is None or drafted_per_step is None or not mean_batch:
         return None
-    return tau * cost_model.step_ms(mean_batch) / cost_model.step_ms(
-        mean_batch * (1 + drafted_per_step))
+    return tau * cost_model.step_ms(mean_batch, num_requests=mean_batch) / cost_model.step_ms(
+        mean_batch * (1 + drafted_per_step), num_requests=mean_batch)
 
 
 def modelled_speedup(tau: float | None, drafted_per_step: float | None,
@@ -242,4 +243,6 @@ def modelled_speedup(tau: float | None, drafted_per_step: float | None,
     if tau is None or drafted_per_step is None:
         return None
     draft_ms = (draft_us_per_step or 0.0) / 1e3
-    return tau * cost_model.step_ms(1) / (cost_model.step_ms(1 + drafted_per_step) + draft_ms)
+    # (a staircase measured at more requests: one request's drafts priced from its base)
+    return tau * cost_model.step_ms(1, num_requests=1) / (
+        cost_model.step_ms(1 + drafted_per_step, num_requests=1) + draft_ms)

@@ -473,6 +473,39 @@ def test_cost_files_with_bad_values_are_refused_naming_the_field(tmp_path):
             BatchCostModels.from_json(p)
 
 
+def test_replay_figures_price_a_staircase_from_its_base(tmp_path):
+    """A staircase measured at 64 requests (the H100 file's B = 64 curve): the replay
+    table's single-request and mean-batch figures price drafts from its base, as the
+    step-by-step figure does (they read every count below 64 as a plain step: drafts free,
+    ``speedup = tau``)."""
+    from agspec_gpu.replay_stats import modelled_batch_speedup, modelled_speedup
+
+    c = CostModel(((64, 10.0), (72, 12.0), (80, 14.0), (96, 16.0)), steps=True, requests=64)
+    assert modelled_batch_speedup(1.5, 0.5, 40, c) == pytest.approx(1.5 * 10.0 / 16.0)
+    assert modelled_speedup(1.5, 0.5, None, c) == pytest.approx(1.5 * 10.0 / 12.0)
+    flat = CostModel(((1, 10.0), (100, 20.0)))  # interpolated curves: as before
+    assert modelled_batch_speedup(1.5, 0.5, 40, flat) == pytest.approx(
+        1.5 * flat.step_ms(40) / flat.step_ms(60))
+
+
+def test_curve_at_and_old_files_name_what_is_wrong(tmp_path):
+    from agspec_gpu.cost_model import curve_at
+
+    p = tmp_path / "cost.json"
+    pts = [[1, 1.0], [2, 2.0]]
+    p.write_text(json.dumps({"points": pts, "source": "top", "by_batch_size": {"1": pts, "4": pts},
+                             "steps": "false"}))
+    with pytest.raises(ValueError, match=f"^cost model {p}: .*steps"):
+        BatchCostModels.from_json(p)  # a truthy string read as a staircase once
+    p.write_text(json.dumps({"points": pts, "source": "top", "by_batch_size": {"1": pts,
+                                                                               "4": pts}}))
+    assert [c.source for _, c in BatchCostModels.from_json(p).curves] == \
+        ["top (by_batch_size[1])", "top (by_batch_size[4])"]
+    for bad in (0, 2.7, True, None):
+        with pytest.raises(ValueError, match="^batch_size"):
+            curve_at(p, bad)
+
+
 def test_profiles_with_bad_caps_name_the_file(tmp_path):
     p = tmp_path / "roles.json"
     for roles, match in [({"coder": {"draft_cap": 0}}, "draft_cap must be in \\[1, 2\\*\\*31\\)"),

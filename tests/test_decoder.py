@@ -2254,6 +2254,34 @@ def test_session_tier_holds_exactly_the_context():
         assert held == p + o, (sid, len(held), len(p + o))
 
 
+def test_calibration_names_its_bad_arguments_before_measuring():
+    """(a helper's audit: a zero ``max_draft_tokens`` blamed ``context_tokens``, zero
+    repeats failed after every measurement, ``batch_size=0`` divided by zero)"""
+    import unittest.mock as mock
+
+    from agspec_gpu.calibrate import calibrate_batch_costs, calibrate_cost_model
+
+    dec = SpecDecoder(model(VARIANTS[0]), tok(), DecoderConfig(
+        runner="paged", page_size=16, kv_cache_tokens=512, max_batch=2))
+    runner = dec._paged
+    for kw, name in ((dict(batch_size=0), "batch_size"), (dict(max_draft_tokens=0),
+                                                          "max_draft_tokens"),
+                     (dict(repeats=0), "repeats"), (dict(context_tokens=1.5), "context_tokens"),
+                     (dict(warmup=-1), "warmup")):
+        args = {"batch_size": 1, "context_tokens": 32, **kw}
+        with pytest.raises(ValueError, match=f"^{name}"):
+            calibrate_cost_model(runner, **args)
+    with mock.patch("agspec_gpu.calibrate.calibrate_cost_model") as measure:
+        for kw, name in ((dict(max_draft_tokens=None, max_nodes=None), "max_draft_tokens"),
+                         (dict(max_draft_tokens=0), "max_draft_tokens"),
+                         (dict(repeats=0), "repeats"), (dict(batch_sizes=[2, 1]), "batch_sizes"),
+                         (dict(max_draft_tokens=None, max_nodes=0), "max_nodes")):
+            args = {"batch_sizes": [1, 2], "context_tokens": 32, "max_draft_tokens": 8, **kw}
+            with pytest.raises(ValueError, match=f"^{name}"):
+                calibrate_batch_costs(runner, **args)
+        assert not measure.called
+
+
 def test_calibration_counts_the_drafts_kv_and_raises_before_measuring():
     """A calibration's widest step holds each request's context plus its share of the
     drafts (``max_nodes`` by default): idle sessions' KV is freed for that whole need, and a

@@ -994,3 +994,9 @@ def test_merge_rows_of_disjoint_runs_equals_one_run(tok):
                  and r["agent"] == "all") for p in parts))
         assert (m["modelled_replay_speedup"] > 0) if m["agent"] == "all" else \
             m["modelled_replay_speedup"] is None
+    # a part with no steps for a lane (its sessions had no assistant message): nothing to
+    # add (its None per-step figures once raised a TypeError)
+    empty = [{**r, "steps": 0, "target_tokens": 0, "accepted_per_step": None,
+              "drafted_per_step": None} for r in parts[0]]
+    again = merge_rows([*parts, empty], cfg.cost_model)
+    assert [r["steps"] for r in again] == [r["steps"] for r in merged]
