@@ -41,23 +41,23 @@ class DescriptorTable:
 
     def _grow(self, rows: int, levels: int) -> None:
         old = self._t
-        self._t = np.zeros((rows, _FIXED + 3 * levels), np.int64)
-        self._t[:old.shape[0], :old.shape[1]] = old
+        new = np.zeros((rows, _FIXED + 3 * levels), np.int64)
+        new[:old.shape[0], :old.shape[1]] = old  # (built whole before it replaces the old)
+        self._t = new
         self._free += range(rows - 1, old.shape[0] - 1, -1)
 
     def set(self, cid: int, tok_base: int, n: int, tail: int,
             levels: Sequence[tuple[int, int, int]]) -> None:
         """Corpus ``cid``'s fields (a new corpus gets a row); ``levels``: ``(sa_base, sa_len,
         key)`` each, oldest first."""
-        self.version += 1
         width = (self._t.shape[1] - _FIXED) // 3
-        if len(levels) > width:
-            self._grow(self._t.shape[0], 2 * len(levels))
         row = self._row.get(cid)
+        rows = self._t.shape[0] * (2 if row is None and not self._free else 1)
+        if len(levels) > width or rows > self._t.shape[0]:  # one growth: wider, longer, both
+            self._grow(rows, max(width, 2 * len(levels)) if len(levels) > width else width)
         if row is None:
-            if not self._free:
-                self._grow(2 * self._t.shape[0], width)
             row = self._row[cid] = self._free.pop()
+        self.version += 1
         self._t[row, :_FIXED + 3 * len(levels)] = [tok_base, n, tail, len(levels),
                                                    *(x for lv in levels for x in lv)]
 

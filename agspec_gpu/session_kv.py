@@ -86,19 +86,21 @@ class SessionKVCache:
             k.in_use = True
         if isinstance(runner, PagedBatch):
             self._make_room(sids, contexts, max_new_tokens)
-        self.num_prefills += 1
-        self.num_prefill_tokens += sum(len(c) - k.length for c, k in zip(contexts, kept))
+        tokens = sum(len(c) - k.length for c, k in zip(contexts, kept))
         if isinstance(runner, PagedBatch):
-            return runner.prefill(contexts, seq_ids=sids, cached=[k.length for k in kept])
-        try:
-            logits = runner.prefill(contexts, past=[k.tensors for k in kept])
-        except BaseException:
-            for k in kept:  # a handed-over cache must not stay alive whole (it may have
-                if k.views:  # failed for memory): these sessions prefill anew next time
-                    k.length, k.tensors, k.views = 0, None, False
-            raise
-        for k in kept:  # the batch's cache holds it now; keep() cuts it anew
-            k.length, k.tensors, k.views = 0, None, False
+            logits = runner.prefill(contexts, seq_ids=sids, cached=[k.length for k in kept])
+        else:
+            try:
+                logits = runner.prefill(contexts, past=[k.tensors for k in kept])
+            except BaseException:
+                for k in kept:  # a handed-over cache must not stay alive whole (it may
+                    if k.views:  # have failed for memory): these prefill anew next time
+                        k.length, k.tensors, k.views = 0, None, False
+                raise
+            for k in kept:  # the batch's cache holds it now; keep() cuts it anew
+                k.length, k.tensors, k.views = 0, None, False
+        self.num_prefills += 1  # (counted once it ran: a failed forward is no prefill)
+        self.num_prefill_tokens += tokens
         return logits
 
     def keep(self, runner: HFRunner | PagedBatch, sids: list[str],
