@@ -59,8 +59,10 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
     """Measures verification time versus tokens per step on ``runner``.
 
     ``batch_size`` requests with ``context_tokens`` tokens of KV each verify their roots
-    plus ``n`` draft tokens in total (``n = 0`` and the powers of two up to
-    ``max_draft_tokens``, spread evenly over the requests as chains); a point is
+    plus ``n`` draft tokens in total (``n = 0``, the powers of two up to
+    ``max_draft_tokens`` and, with ``verify_graphs``, their buckets' edges: the top one,
+    ``S * max_nodes``, need not be a power of two; spread evenly over the requests as
+    chains); a point is
     ``(batch_size + n, median ms)`` of plan + forward + argmax, raised to the previous
     point's time where noise made it lower. ``n = 0`` is a plain decode step, through
     ``graphs`` when given, as the loop runs it (else as a step with empty drafts, as a
@@ -92,7 +94,12 @@ def calibrate_cost_model(runner, batch_size: int, context_tokens: int, *,
         raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
     cache, dev = runner.kv_cache, runner.device
     B = batch_size
-    ns = _draft_counts(cache, B, context_tokens, max_draft_tokens)
+    # the graphs' bucket edges in draft tokens: 8 * 2**j (powers of two) and the top one,
+    # S * max_nodes, which is not one unless S and max_nodes are (the staircase would
+    # price the top bucket's first tokens at the bucket below)
+    S = next((s for s in verify_graphs.sizes if s >= B), None) if verify_graphs else None
+    edges = [q - S - 1 for q in verify_graphs.buckets[S]] if S is not None else []
+    ns = _draft_counts(cache, B, context_tokens, max_draft_tokens, edges)
     check_calibration_fits(cache, [(B, context_tokens, max_draft_tokens)])
     # ids no caller's sequence (a str session id, an int) can be
     ids = [("__calibrate", b) for b in range(B)]
@@ -158,13 +165,14 @@ def _check_counts(**counts) -> None:
             raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
 
 
-def _draft_counts(cache, batch_size: int, context_tokens: int, max_draft_tokens: int
-                  ) -> list[int]:
-    """The draft counts a calibration measures: 0 and the powers of two up to
+def _draft_counts(cache, batch_size: int, context_tokens: int, max_draft_tokens: int,
+                  edges: Sequence[int] = ()) -> list[int]:
+    """The draft counts a calibration measures: 0, the powers of two and ``edges`` up to
     ``max_draft_tokens`` whose share per request fits a sequence beside its context."""
     room = cache.max_pages_per_seq * cache.page_size - context_tokens
-    ns = [0] + [1 << i for i in range(max(max_draft_tokens, 1).bit_length())
-                if (1 << i) <= max_draft_tokens and -(-(1 << i) // batch_size) < room]
+    powers = [1 << i for i in range(max(max_draft_tokens, 1).bit_length())]
+    ns = [0] + sorted({n for n in powers + [int(e) for e in edges]
+                       if 1 <= n <= max_draft_tokens and -(-n // batch_size) < room})
     if len(ns) < 2:
         raise ValueError(f"context_tokens: {context_tokens} tokens of KV per request leave no "
                          f"room for a draft token in a sequence of at most "

@@ -289,7 +289,7 @@ class Drafter:
         """Draft trees for ``sids`` (in that order). ``stable=False``, for a loop that
         verifies and commits a draft before it proposes again: with CUDA graphs the draft's
         tensors are views of the graph's buffers (no clones), overwritten by the next
-        propose of a batch of the same bucket. Returns :meth:`propose_ahead`'s draft of
+        propose (of any bucket: the buckets' graphs share one memory pool). Returns :meth:`propose_ahead`'s draft of
         ``sids`` when it still stands (``stable=False`` only)."""
         with nvtx.annotate("agspec.drafter.propose", color="green"):
             ahead = self._ahead

@@ -162,7 +162,7 @@ class StepGraphs:
         holds every input the plan does not stage, with ``B`` rows and the plan's trailing
         shapes and dtypes (the staged ones were written to ``plan.staged``). Outputs with
         ``B`` rows, clones; ``clone=False``: views of the graph's buffers, valid until the
-        bucket's next replay."""
+        next replay of any bucket (their graphs share one memory pool)."""
         B, buf = plan.num_requests, plan.buf
         if self.graph_error is not None:  # capture failed once: eager, unpadded
             return self.fn(**inputs, **plan.staged, num_requests=B)

@@ -468,6 +468,14 @@ def test_a_calibration_through_the_graphs_is_a_staircase():
     assert [x for x, _ in cost.points] == [2, 3, 4, 6, 10, 18]
     assert not calibrate_cost_model(runner, 2, 9, max_draft_tokens=4, repeats=1,
                                     warmup=0).steps
+    # 3 requests of at most 8 nodes: the top bucket's edge is 24 draft tokens, not a power
+    # of two; measured, so its first tokens are not priced at the bucket below (16)
+    vg = VerifyGraphs(runner, [3], max_nodes=8, use_graphs=False)
+    assert vg.buckets[3][-1] - 3 - 1 == 24
+    cost = calibrate_cost_model(runner, 3, 9, max_draft_tokens=32, repeats=1, warmup=0,
+                                verify_graphs=vg)
+    assert [x - 3 for x, _ in cost.points] == [0, 1, 2, 4, 8, 16, 24, 32]
+    assert cost.step_ms(3 + 17, num_requests=3) == dict(cost.points)[3 + 24]
 
 
 @pytest.mark.parametrize("split", [True, False])
