@@ -665,12 +665,19 @@ def main(argv: list[str] | None = None) -> int:
         # once slowed a few steps of the timed run at the largest batch, a goal's row)
         trace_path = results / f"trace-e2e-{args.model}-{args.profile_method}-B{max_b}-" \
                                f"{gpu_slug}.json"
-        prof = _StepProfiler(device, args.profile_warmup, args.profile_steps, trace_path)
         n_prof = min(len(corpus.sessions), max(args.min_sessions, max_b))
-        run(args.profile_method, max_b, corpus.sessions[:n_prof],
-            steps=args.profile_warmup + args.profile_steps + 1, hook=prof.hook)
-        prof.close()
-        print(f"[e2e] profiled {args.profile_method} B={max_b}: {trace_path}", flush=True)
+        try:  # a diagnostic: a profiler that fails (CUPTI, the export) costs the trace only
+            prof = _StepProfiler(device, args.profile_warmup, args.profile_steps, trace_path)
+            try:
+                run(args.profile_method, max_b, corpus.sessions[:n_prof],
+                    steps=args.profile_warmup + args.profile_steps + 1, hook=prof.hook)
+            finally:
+                prof.close()
+            print(f"[e2e] profiled {args.profile_method} B={max_b}: {trace_path}", flush=True)
+        except Exception as exc:
+            trace_path = None
+            print(f"[e2e] profile of {args.profile_method} B={max_b} failed, no trace "
+                  f"({type(exc).__name__}: {exc})", flush=True)
 
     # ---------------------------------------------------------------- report
     def save() -> dict:

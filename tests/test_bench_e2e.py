@@ -203,6 +203,23 @@ def test_cpu_smoke_run_writes_every_field(tmp_path):
     assert kernels["top"] and kernels["top"][0]["ms"] >= kernels["top"][-1]["ms"]
 
 
+def test_a_failing_profiler_costs_the_trace_only(tmp_path, monkeypatch, capsys):
+    """The profiled run is a diagnostic: a profiler that raises (CUPTI, the export) leaves
+    the timed runs and their rows (it ended the whole run before any row was saved)."""
+    class Broken(bench_e2e._StepProfiler):
+        def hook(self, step, kv=None):
+            raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(bench_e2e, "_StepProfiler", Broken)
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main([*data_args(), "--device", "cpu", "--tiny", "--batch-sizes", "1",
+                           "--methods", "none,agspec", "--results-dir", str(tmp_path),
+                           "--out", str(out), "--profile"]) == 0
+    report = json.loads(out.read_text())
+    assert report["trace"] is None and {r["method"] for r in report["rows"]} == {"none", "agspec"}
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in capsys.readouterr().out
+
+
 def test_triton_compiles_counts_and_chains_the_hooks():
     """The counter of compiles in a timed run: counts each compile Triton reports through
     its hooks, still calls hooks set before it (and passes on their answer: True skips a
