@@ -70,7 +70,10 @@ class ReplayConfig:
         batch_size: most sessions in the continuous batch (the drafter's ``max_batch``).
         tenant_by: ``"session"`` (each session is its own tenant, so the history tier holds
             nothing) or ``"agent"`` (all sessions of one agent format share a tenant: its
-            workspace and its history of earlier sessions).
+            workspace and its history of earlier sessions). With ``"agent"`` each lane's
+            tenant holds what that lane's own continuous batch has closed and read so far,
+            which depends on the lane's speed: lanes may start a message with different
+            tenant text, and the oracle (its own lane) is no per-step bound on the others.
         oracle: compute the oracle bound (needs ``agspec_gpu.tiers``; else reported null).
         oracle_k: the oracle accepts at most this many draft tokens per step.
         device: where agspec corpora and drafts live (``"cpu"`` or ``"cuda"``).
