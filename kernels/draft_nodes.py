@@ -35,6 +35,9 @@ _TIE_BITS = 20  # the tie-break (depth * C + candidate) fits below the key's bit
 # emit_nodes keeps a [BLOCK_N, BLOCK_N] parent compare in registers: spill-free up to 128
 # nodes on sm_90, and over 1024 it exceeds Triton's 2**20 elements a block; wider: torch
 MAX_BLOCK_N = 128
+# best_first sorts a request's C * K keys in registers: 16 bytes spilled at 2048 on sm_90,
+# 220 at 4096 (the defaults' 16 x 32 is 512); wider: torch
+MAX_BLOCK_KEYS = 2048
 
 
 # C (candidates) and N (kept nodes) follow the batch's corpora: not specialized
@@ -121,7 +124,7 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order int64 [B, N], ranked float32 [B, N], keep int64 [B])`` of ``key float32 [B,
     C * K]`` (see the module docstring); ``N <= C * K``. Triton on CUDA (or when
-    ``use_triton``), the torch path otherwise."""
+    ``use_triton``) up to ``MAX_BLOCK_KEYS`` keys a request, the torch path otherwise."""
     B = key.shape[0]
     check_tensors(("key", key, torch.float32, (B, C * K)))
     if not is_py_int(max_nodes):
@@ -131,7 +134,7 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
                          f"C={C}, K={K}")
     if use_triton is None:
         use_triton = key.is_cuda
-    if not use_triton:
+    if not use_triton or C * K > MAX_BLOCK_KEYS:
         return best_first_torch(key, C, K, N, max_nodes)
     order = torch.empty(B, N, dtype=torch.int64, device=key.device)
     ranked = torch.empty(B, N, dtype=torch.float32, device=key.device)

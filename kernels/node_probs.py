@@ -38,6 +38,12 @@ from agspec_gpu.kernels._checks import check_devices, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 
+# the kernel holds a request's [C, K] windows (padded to powers of two) in registers:
+# spill-free at 16 x 128 and 32 x 32, 20 bytes spilled at 32 x 64 on sm_90, 1.7 KB at
+# 64 x 64 (the defaults' 16 x 32 is 512); wider: torch
+MAX_BLOCK_WINDOWS = 2048
+
+
 # C (candidates) follows the batch's corpora: not specialized
 @triton.jit(do_not_specialize=["C"])
 def _node_probs_kernel(
@@ -124,8 +130,9 @@ def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.T
                calib_seen: torch.Tensor, *, num_tiers: int, max_match: int, min_prob: float,
                calibrate: bool, use_triton: bool | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher: validates, then runs the Triton kernel on CUDA (or when ``use_triton``),
-    the torch path otherwise.
+    """Launcher: validates, then runs the Triton kernel on CUDA (or when ``use_triton``)
+    for windows of up to ``MAX_BLOCK_WINDOWS`` padded tokens a request, the torch path
+    otherwise.
 
     Args:
         W, S: ``int32 [B, C, K]`` candidate windows and their source tags (-1: none).
@@ -158,6 +165,7 @@ def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.T
                 torch.zeros(B, C, K, device=dev))
     if use_triton is None:
         use_triton = W.is_cuda
+    use_triton = use_triton and next_pow2(C) * next_pow2(K) <= MAX_BLOCK_WINDOWS
     if not use_triton:
         return node_probs_torch(W, S, Wt, best, mode, k, calib_hits, calib_seen,
                                 num_tiers=num_tiers, max_match=max_match, min_prob=min_prob,

@@ -75,6 +75,22 @@ def test_matches_the_controllers_update_scale():
         assert torch.equal(s[rest], scale[rest]) and torch.equal(p[rest], prev[rest])
 
 
+@pytest.mark.parametrize("B,N", [(0, 3), (1, 0), (2, 0), (1, 1)])
+def test_an_empty_batch_or_draft_changes_nothing_but_the_drafted(B, N):
+    """No request, or requests with no draft column: every scale stays and no slot is
+    full; one node accepted: the slot grows."""
+    slots = torch.arange(B, dtype=torch.int64)
+    nd = torch.zeros(B, N, dtype=torch.int64)
+    num = torch.full((B,), N, dtype=torch.int32)
+    nacc = torch.full((B,), N, dtype=torch.int32)
+    scale, cap, prev = torch.full((3,), 8.0), torch.full((3,), 32, dtype=torch.int32), \
+        torch.full((3,), 7, dtype=torch.int64)
+    s, p = run_both(slots, nd, num, nacc, scale, cap, prev)
+    grown = 8.0 * CFG.alpha if N else 8.0
+    assert s.tolist() == [grown] * B + [8.0] * (3 - B)
+    assert p.tolist() == [int(N > 0)] * B + [7] * (3 - B)
+
+
 def test_torch_path_is_in_place():
     slots, nd = torch.tensor([0]), torch.tensor([[0, 1]])
     scale, cap, prev = torch.full((2,), 8.0), torch.full((2,), 32, dtype=torch.int32), \

@@ -1375,7 +1375,7 @@ def test_own_loop_ignores_logit_columns_past_the_vocabulary():
         for b, (row, n) in enumerate(zip(res.output_ids.tolist(), res.num_output.tolist())):
             outs[b] += row[:n]
     for p, o in zip(P, outs):
-        assert o == greedy(variant, p, len(o), eos=None)
+        assert len(o) >= 3 and o == greedy(variant, p, len(o), eos=None)  # a token a step
 
 
 def test_closed_and_foreign_sessions_raise_keyerror():
@@ -1662,7 +1662,7 @@ def test_flat_commit_bad_qo_indptr_raises_and_commits_nothing():
     batch.commit(res)
     got = [r[:k] for r, k in zip(res.output_ids.tolist(), res.num_output.tolist())]
     assert got[0] == greedy(variant, P[0], len(got[0]), eos=None) and len(got[0]) > 1
-    assert got[1] == greedy(variant, P[1], len(got[1]), eos=None)
+    assert got[1] == greedy(variant, P[1], len(got[1]), eos=None) and len(got[1]) >= 1
 
 
 def test_own_loop_with_the_models_own_forward_and_cache():
@@ -1791,7 +1791,8 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
     outs = own_loop(dec, runner, sids, 3)
     first = [r[:n] for r, n in zip(res.output_ids.tolist(), res.num_output.tolist())]
     for p, f, o in zip(P, first, outs):
-        assert f + o == greedy(variant, p, len(f + o), eos=None)
+        assert len(f) >= 1 and len(o) >= 3 and f + o == greedy(variant, p, len(f + o),
+                                                                 eos=None)
     dec.propose([sids[1]])
     dec.close_session(sids[1])  # closing a proposed session drops the proposal
     with pytest.raises(KeyError):
@@ -1815,7 +1816,7 @@ def test_own_loop_sampling_commits_sampled_tokens():
     _, plain, sids, _ = _two_sessions_and_a_runner(variant)
     ref = plain.generate(sids, max_new_tokens=max(map(len, outs)), sampling=seeded,
                          speculate=False, eos_id=None)
-    assert [r[:len(o)] for r, o in zip(ref, outs)] == outs
+    assert [r[:len(o)] for r, o in zip(ref, outs)] == outs and min(map(len, outs)) >= 6
 
 
 # ---------------------------------------------------------------- streaming

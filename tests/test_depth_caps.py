@@ -33,6 +33,17 @@ def test_rule_and_modes():
     assert k == [16, 16, 16]  # static k ignores the scale and the role cap
 
 
+@pytest.mark.parametrize("B", [0, 1, 130])  # 130: more than one program
+def test_static_k_at_every_batch_size(B):
+    rng = random.Random(B)
+    S = B + 2
+    slots = rng.sample(range(S), B)
+    prev = [rng.randint(0, 1) for _ in range(S)]
+    k, mode = both(slots, [rng.randint(0, 9) for _ in range(B)], [4.0] * S, [8] * S, prev,
+                   static_k=5)
+    assert k == [5] * B and mode == [prev[s] for s in slots]
+
+
 def test_matches_the_controllers_draft_depth():
     rng = random.Random(0)
     for B in (0, 1, 5, 130):  # 130: more than one program

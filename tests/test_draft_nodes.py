@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import agspec_gpu.drafter as drafter_mod
+import agspec_gpu.kernels.draft_nodes as draft_nodes_mod
 from agspec_gpu.accept import teacher_forced_accept
 from agspec_gpu.drafter import Drafter, DrafterConfig
-from agspec_gpu.kernels.draft_nodes import (_best_first_kernel, _emit_nodes_kernel, best_first,
+from agspec_gpu.kernels.draft_nodes import (MAX_BLOCK_KEYS, _best_first_kernel, _emit_nodes_kernel,
+                                            best_first,
                                             best_first_torch, emit_nodes, emit_nodes_torch,
                                             MAX_BLOCK_N)
 from agspec_gpu.kernels.node_probs import node_probs_torch
@@ -56,7 +58,12 @@ def test_best_first_kernel_equals_torch_path(B, C, K, N, max_nodes, kind):
 @pytest.mark.parametrize("B,C,K,max_n", [(1, 1, 1, 64), (2, 3, 5, 64), (3, 16, 32, 64),
                                          (2, 24, 7, 64), (2, 8, 32, MAX_BLOCK_N),
                                          (1, 16, 32, 300)])  # wider than a block: torch
-def test_emit_nodes_kernel_equals_torch_path_on_real_tries(B, C, K, max_n):
+def test_emit_nodes_kernel_equals_torch_path_on_real_tries(B, C, K, max_n, monkeypatch):
+    if min(max_n, C * K) > MAX_BLOCK_N:  # the torch path: the kernel must not launch
+        class NoLaunch:
+            def __getitem__(self, grid):
+                raise AssertionError("the kernel was launched")
+        monkeypatch.setattr(draft_nodes_mod, "_emit_nodes_kernel", NoLaunch())
     rng = random.Random(B + C + K)
     for trial in range(3):
         case = random_case(rng, B, C, K, vocab=2 + trial, dyadic=True)
@@ -230,6 +237,25 @@ def test_kernels_compile_for_sm90():
     compile_all_for_sm90([(_best_first_kernel, s1, dict(BLOCK=512)),
                           (_emit_nodes_kernel, s2, dict(BLOCK_N=64)),
                           (_emit_nodes_kernel, s2, dict(BLOCK_N=MAX_BLOCK_N))])
+    # the widest block the launcher takes: 16 bytes spilled at most (220 at twice that)
+    compile_all_for_sm90([(_best_first_kernel, s1, dict(BLOCK=MAX_BLOCK_KEYS))],
+                         max_spill_bytes=16)
+
+
+def test_keys_past_the_widest_block_run_the_torch_path(monkeypatch):
+    """A draft config whose candidates x depth pass ``MAX_BLOCK_KEYS`` (allowed: up to
+    4096 deep) sorts through torch, not a kernel that would spill hundreds of bytes."""
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel was launched")
+
+    monkeypatch.setattr(draft_nodes_mod, "_best_first_kernel", NoLaunch())
+    C, K = 24, 100  # 2,400 keys
+    key = torch.rand(2, C * K, generator=torch.Generator().manual_seed(0))
+    key[:, ::3] = -2.0
+    got = best_first(key.to(DEV), C, K, 64, 64, use_triton=True)
+    for a, b in zip(got, best_first_torch(key, C, K, 64, 64)):
+        assert torch.equal(a.cpu(), b)
 
 
 def test_edge_keys_and_counts_agree():

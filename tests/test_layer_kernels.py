@@ -15,7 +15,7 @@ run the compiled kernels on CUDA tensors and require bf16 equality too.
 import pytest
 import torch
 
-from agspec_gpu.kernels.rms_norm import _rms_norm_kernel, rms_norm, rms_norm_torch
+from agspec_gpu.kernels.rms_norm import MAX_BLOCK_N, _rms_norm_kernel, rms_norm, rms_norm_torch
 from agspec_gpu.kernels.rope import _rope_kernel, rope, rope_torch
 from agspec_gpu.kernels.rope_append import _rope_append_kernel, rope_append, rope_append_torch
 from agspec_gpu.kernels.silu_mul import _silu_mul_kernel, silu_mul, silu_mul_torch
@@ -316,6 +316,10 @@ def test_kernels_compile_for_sm90():
     compile_all_for_sm90([
         (_rms_norm_kernel, norm_sig, dict(BLOCK_N=4096, HAS_RESIDUAL=False)),
         (_rms_norm_kernel, norm_sig, dict(BLOCK_N=4096, HAS_RESIDUAL=True)),
+        (_rms_norm_kernel, norm_sig, dict(BLOCK_N=MAX_BLOCK_N, HAS_RESIDUAL=True)),
+        (_rms_norm_kernel, {**norm_sig, **{k: "*fp32" for k in ("x_ptr", "res_ptr", "w_ptr",
+                                                                "out_ptr", "sum_ptr")}},
+         dict(BLOCK_N=4096, HAS_RESIDUAL=True)),
         (_silu_mul_kernel, dict(gate_up_ptr="*bf16", out_ptr="*bf16", stride_m="i64", I="i32",
                                 BLOCK_I="constexpr"), dict(BLOCK_I=1024)),
         (_rope_kernel, dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16",
@@ -423,3 +427,19 @@ def test_rope_append_writes_no_slot_outside_the_cache():
     ref = torch.zeros_like(store)
     ref[1, 0, 1, 0], ref[1, 1, 1, 0] = qkv[0, H * D:(H + 1) * D], qkv[0, (H + 1) * D:]
     assert torch.equal(store, ref)
+
+
+def test_rows_wider_than_the_kernels_block_run_the_torch_path(monkeypatch):
+    import agspec_gpu.kernels.rms_norm as rms_norm_mod
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel was launched")
+
+    monkeypatch.setattr(rms_norm_mod, "_rms_norm_kernel", NoLaunch())
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(2, MAX_BLOCK_N + 1, generator=g) for _ in range(2))
+    w = torch.randn(MAX_BLOCK_N + 1, generator=g)
+    out, total = rms_norm(x.to(DEV), w.to(DEV), 1e-6, residual=r.to(DEV), use_triton=True)
+    want, want_total = rms_norm_torch(x, w, 1e-6, r)
+    assert torch.equal(out.cpu(), want) and torch.equal(total.cpu(), want_total)

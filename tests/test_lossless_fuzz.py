@@ -314,6 +314,7 @@ def run_preemption_case(seed: int) -> Counter:
             seen["generate calls"] += 1
             try:
                 outs = dec.generate(batch, max_new_tokens=n, eos_id=None)
+                assert all(len(o) == n for o in outs), seed  # no EOS: every token asked
             except KVCacheFull:  # the submitted requests hold the pool: what ran is greedy
                 seen["generate calls short of pages"] += 1
                 outs = [dec._sessions[s].context[len(context[s]):] for s in batch]

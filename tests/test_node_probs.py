@@ -134,9 +134,30 @@ def test_kernel_compiles_for_sm90():
                CALIBRATE="constexpr", BLOCK_C="constexpr", BLOCK_K="constexpr")
     usage = compile_all_for_sm90([
         (_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=True, BLOCK_C=16, BLOCK_K=32)),
-        (_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=False, BLOCK_C=8, BLOCK_K=64))])
+        (_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=False, BLOCK_C=8, BLOCK_K=64)),
+        (_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=True, BLOCK_C=16, BLOCK_K=128))])
     # bit for bit with torch on a GPU too: the share's division IEEE-rounded, no contraction
     assert all(u["div_full_f32"] == 0 and u["fma_f32"] == 0 for u in usage), usage
+    # the widest windows the launcher takes (MAX_BLOCK_WINDOWS): 20 bytes spilled at most
+    compile_all_for_sm90([(_node_probs_kernel, sig, dict(NUM_TIERS=4, CALIBRATE=True,
+                                                          BLOCK_C=32, BLOCK_K=64))],
+                         max_spill_bytes=24)
+
+
+def test_windows_past_the_widest_block_run_the_torch_path(monkeypatch):
+    import agspec_gpu.kernels.node_probs as node_probs_mod
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel was launched")
+
+    monkeypatch.setattr(node_probs_mod, "_node_probs_kernel", NoLaunch())
+    case = random_case(random.Random(2), 2, 40, 60, vocab=3, dyadic=True)  # 64 x 64 padded
+    got = node_probs(**{k: v.to(DEV) for k, v in case.items()}, num_tiers=T, max_match=L,
+                     min_prob=0.0, calibrate=True, use_triton=True)
+    want = node_probs_torch(**case, num_tiers=T, max_match=L, min_prob=0.0, calibrate=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
 
 
 @pytest.mark.parametrize("calibrate", [True, False])
@@ -148,15 +169,18 @@ def test_a_childs_estimate_never_exceeds_its_parents(calibrate):
     rng = random.Random(11)
     for trial in range(8):
         case = random_case(rng, 3, 16, 12, vocab=2, dyadic=False)
-        key, rep, _, _ = node_probs_torch(**case, num_tiers=T, max_match=L, min_prob=0.0,
-                                          calibrate=calibrate)
-        key = key.view(3, 16, 12)
-        nodes = 0
-        for b in range(3):
-            for c in range(16):
-                for d in range(1, 12):
-                    if key[b, c, d] > -1.5:
-                        parent = key[b, int(rep[b, c, d - 1]), d - 1]
-                        assert parent > -1.5 and key[b, c, d] <= parent, (trial, b, c, d)
-                        nodes += 1
-        assert nodes > 0
+        for use_triton in (False, True):  # the kernel's float32 sums too (not bit-equal)
+            key, rep, _, _ = node_probs(**{k: v.to(DEV) for k, v in case.items()},
+                                        num_tiers=T, max_match=L, min_prob=0.0,
+                                        calibrate=calibrate, use_triton=use_triton)
+            key, rep = key.cpu().view(3, 16, 12), rep.cpu()
+            nodes = 0
+            for b in range(3):
+                for c in range(16):
+                    for d in range(1, 12):
+                        if key[b, c, d] > -1.5:
+                            parent = key[b, int(rep[b, c, d - 1]), d - 1]
+                            assert parent > -1.5 and key[b, c, d] <= parent, \
+                                (use_triton, trial, b, c, d)
+                            nodes += 1
+            assert nodes > 0

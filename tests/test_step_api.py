@@ -773,7 +773,7 @@ def test_random_requests_outgrowing_the_pool_stay_plain_decoding(seed):
     sids = [dec.open_session(f"t{i % 2}", "coder", list(prompts()[i])) for i in which]
     ctx = {s: list(prompts()[i]) for s, i in zip(sids, which)}
     req: dict[str, tuple] = {}  # sid -> (context at submission, limit, params, tokens)
-    ended = 0
+    ended = whole = 0
     for _ in range(400):
         busy = set(dec.running) | set(dec.queued)
         for s in sids:
@@ -783,6 +783,9 @@ def test_random_requests_outgrowing_the_pool_stay_plain_decoding(seed):
                     want = greedy(VARIANT, base, n, eos=None) if params is None else \
                         seeded_sample(VARIANT, base, n, params, eos=None)
                     assert toks == want[:len(toks)], (s, len(toks), n)
+                    if dec.session_stats(s).finish_reason == "length":  # not cancelled
+                        assert len(toks) == n, (s, len(toks), n)
+                        whole += 1
                 params = seeded if rng.random() < 0.3 else None
                 n = rng.randint(20, 90)
                 dec.submit(s, max_new_tokens=n, sampling=params, eos_id=None)
@@ -801,6 +804,10 @@ def test_random_requests_outgrowing_the_pool_stay_plain_decoding(seed):
         want = greedy(VARIANT, base, n, eos=None) if params is None else \
             seeded_sample(VARIANT, base, n, params, eos=None)
         assert toks == want[:len(toks)], (s, len(toks), n)
+        if dec.session_stats(s).finish_reason == "length":
+            assert len(toks) == n, (s, len(toks), n)
+            whole += 1
+    assert whole >= 4  # requests that ran to their limit, each checked whole
     assert not dec.running and not dec.queued
     assert dec.stats["preemptions"] >= 2, dec.stats
     for s in sids:
