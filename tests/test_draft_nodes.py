@@ -23,8 +23,8 @@ from agspec_gpu.kernels.draft_nodes import (MAX_BLOCK_KEYS, _best_first_kernel, 
 from agspec_gpu.kernels.node_probs import node_probs_torch
 from agspec_gpu.tiers import CorpusStore, TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
-from kernel_compile import (assert_one_compile_per_config, compile_all_for_sm90, num_compiles,
-                            recorded_specializations)
+from kernel_compile import (NoLaunch, assert_one_compile_per_config, compile_all_for_sm90,
+                            num_compiles, recorded_specializations)
 from test_node_probs import L, T, random_case
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,9 +60,6 @@ def test_best_first_kernel_equals_torch_path(B, C, K, N, max_nodes, kind):
                                          (1, 16, 32, 300)])  # wider than a block: torch
 def test_emit_nodes_kernel_equals_torch_path_on_real_tries(B, C, K, max_n, monkeypatch):
     if min(max_n, C * K) > MAX_BLOCK_N:  # the torch path: the kernel must not launch
-        class NoLaunch:
-            def __getitem__(self, grid):
-                raise AssertionError("the kernel was launched")
         monkeypatch.setattr(draft_nodes_mod, "_emit_nodes_kernel", NoLaunch())
     rng = random.Random(B + C + K)
     for trial in range(3):
@@ -245,10 +242,6 @@ def test_kernels_compile_for_sm90():
 def test_keys_past_the_widest_block_run_the_torch_path(monkeypatch):
     """A draft config whose candidates x depth pass ``MAX_BLOCK_KEYS`` (allowed: up to
     4096 deep) sorts through torch, not a kernel that would spill hundreds of bytes."""
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("the kernel was launched")
-
     monkeypatch.setattr(draft_nodes_mod, "_best_first_kernel", NoLaunch())
     C, K = 24, 100  # 2,400 keys
     key = torch.rand(2, C * K, generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,8 @@ from agspec_gpu.kernels import suffix_array as sa_mod
 from agspec_gpu.kernels.suffix_array import (MAX_BLOCK, _context_array_kernel,
                                              build_context_array, context_array,
                                              num_context_positions)
-from kernel_compile import compile_all_for_sm90, num_compiles, recorded_specializations
+from kernel_compile import (NoLaunch, compile_all_for_sm90, num_compiles,
+                            recorded_specializations)
 from test_index import context_reference, pack, rows_of, stdlib_tokens, t32
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,10 +115,6 @@ def test_the_production_block():
 def test_a_window_over_the_block_takes_the_torch_path(monkeypatch):
     """More than MAX_BLOCK window positions: the torch path, even when the kernel is asked
     for, with the same result."""
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("the kernel was launched")
-
     monkeypatch.setattr(sa_mod, "_context_array_kernel", NoLaunch())
     rng = random.Random(3)
     toks = [rng.randrange(6) for _ in range(MAX_BLOCK + 80)]
