@@ -258,7 +258,9 @@ class SpecDecoder:
     @property
     def stats(self) -> dict[str, int]:
         """Cumulative ``steps`` (verification steps), ``tokens`` (emitted by them),
-        ``drafted`` and ``accepted`` draft tokens, ``prefills`` (prefill forwards: one per
+        ``drafted`` and ``accepted`` draft tokens (what verification accepted, also past
+        where a request ended inside the draft: a measure of the drafts; ``tokens`` counts
+        the output), ``prefills`` (prefill forwards: one per
         join, a ``generate`` call's first step or a later one, or :meth:`step`'s, each
         also emitting a token per running request) and ``prefill_tokens`` (the context
         tokens they ran, past each session's kept KV), ``preemptions`` (requests that
@@ -405,8 +407,12 @@ class SpecDecoder:
         in one forward (:meth:`tree_inputs`: ids, positions and the in-tree mask; every row
         also attends the session's cached context), then pass the logits to :meth:`commit`.
         ``N`` is the drafter's static ``max_nodes`` (fixed shapes for CUDA graphs);
-        ``draft.narrowed(...)`` to the widest tree is fine too. Only the latest propose's
-        draft can be committed: a propose replaces the last one's (its draft dropped).
+        ``draft.narrowed(...)`` to the widest tree is fine too. Only the latest propose of
+        these sessions can be committed: a propose replaces the last one's. :meth:`commit`
+        checks the sessions and their order against it, and the draft passed is verified
+        as given (a narrowed or built one is checked), not matched to the propose's object:
+        pass the latest one's (the logits of an older draft, computed before an
+        :meth:`append`, would commit tokens predicted for another context).
 
         Returns:
             :class:`DraftBatch` of device tensors (``PAD_ID`` padded).

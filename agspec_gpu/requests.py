@@ -65,11 +65,17 @@ class SessionStats:
         num_step_tokens: tokens those steps emitted for it (accepted draft tokens and the
             bonus, cut where a request ended).
         num_drafted: draft tokens verified for it (0 for a request that opted out).
-        num_accepted: of those, the ones the target accepted.
+        num_accepted: of those, the ones the target accepted (also past where a request
+            ended inside an accepted draft, at EOS, a stop string or its length: a measure
+            of the drafts, which ``num_step_tokens`` is not; the step's
+            :class:`~agspec_gpu.accept.AcceptResult` is cut to the output).
         finish_reason: why its last request ended: ``"eos"``, ``"stop"``, ``"length"`` (as
             :class:`StepOutput`'s), ``"cancelled"`` (``cancel``, an ``on_tokens`` that
             returned False) or ``"error"`` (the step or ``generate`` call it was in
-            raised); None: no request yet, or one queued or running.
+            raised); None: no request yet, or one queued or running. In an own loop
+            (:meth:`~agspec_gpu.decoder.SpecDecoder.commit`) it keeps the last commit's
+            reason, across an :meth:`~agspec_gpu.decoder.SpecDecoder.append`, until the
+            next commit.
     """
 
     tenant: str
