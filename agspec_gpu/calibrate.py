@@ -216,20 +216,16 @@ def check_calibration_args(context_tokens, batch_sizes, max_batch: int, max_draf
     """The arguments of a calibration at several batch sizes, checked (ValueError naming
     the argument); returns the batch sizes (default: the graph buckets up to
     ``max_batch``)."""
-    if not is_int(context_tokens) or \
-            context_tokens < 1:
-        raise ValueError(f"context_tokens: expected an int >= 1, got {context_tokens!r}")
+    _check_counts(context_tokens=context_tokens)
     sizes = batch_buckets(max_batch) if batch_sizes is None else list(batch_sizes)
     if any(not is_int(b) or not 1 <= b <= max_batch
            for b in sizes):
         raise ValueError(f"batch_sizes: expected ints in [1, {max_batch}], got {sizes}")
     if sorted(set(sizes)) != sizes or not sizes:
         raise ValueError(f"batch_sizes: expected distinct ascending sizes, got {sizes}")
-    for name, v in (("max_draft_tokens", max_draft_tokens), ("repeats", repeats)):
-        if (v is not None or name == "repeats") and (
-                not is_int(v) or v < 1):
-            raise ValueError(f"{name}: expected an int >= 1"
-                             f"{' or None' if name == 'max_draft_tokens' else ''}, got {v!r}")
+    if max_draft_tokens is not None:  # (None: each batch's most)
+        _check_counts(max_draft_tokens=max_draft_tokens)
+    _check_counts(repeats=repeats)
     return [int(b) for b in sizes]
 
 
