@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from agspec_gpu.index import SuffixIndex
+from agspec_gpu.tiers import TierConfig
 
 SEP = -1
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "agspec_gpu-bench-cache"
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1M,4M,16M", help="corpus sizes, e.g. 1M,4M,16M,100M")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-depth", type=int, default=64)
+    ap.add_argument("--max-depth", type=int, default=TierConfig().max_depth,
+                    help="longest match searched (default: the tiers', as the drafter runs)")
     ap.add_argument("--append-base", default="1M", help="corpus size for the append runs")
     ap.add_argument("--file-tokens", type=int, default=5000)
     ap.add_argument("--append-repeats", type=int, default=7)

@@ -62,6 +62,7 @@ from bench_index_build import (  # noqa: E402  (bench/ is not a package)
 from match_baselines import unfold_match  # noqa: E402
 
 from agspec_gpu.index import SuffixIndex  # noqa: E402
+from agspec_gpu.tiers import TierConfig  # noqa: E402
 from agspec_gpu.kernels.suffix_match import suffix_match  # noqa: E402
 
 VOCAB = 100_256  # cl100k ordinary tokens
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="32K,1M", help="corpus sizes (100M for a GPU)")
     ap.add_argument("--batch", default="1,16,64,256")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--max-depth", type=int, default=64)
+    ap.add_argument("--max-depth", type=int, default=TierConfig().max_depth,
+                    help="longest match searched (default: the tiers', as the drafter runs)")
     ap.add_argument("--max-positions", type=int, default=8)
     ap.add_argument("--max-scan", type=int, default=256)
     ap.add_argument("--query-len", type=int, default=64)
