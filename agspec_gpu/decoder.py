@@ -631,7 +631,9 @@ class SpecDecoder:
         Args:
             session_ids: open sessions (distinct, not submitted to :meth:`step`), any
                 number.
-            max_new_tokens: per session: one limit for all, or one per session.
+            max_new_tokens: per session (ints >= 0): one limit for all, or one per session.
+                A limit of 0 returns no tokens at once, its ``finish_reason`` ``"length"``
+                (:meth:`commit` and :meth:`submit` take >= 1: a verified step emits one).
             sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
                 and sampled requests).

@@ -1072,6 +1072,7 @@ def test_per_session_sampling_and_limits():
         assert held == p + o
     assert dec.generate(sids[3:], max_new_tokens=[5]) == [greedy(variant, P[3], 5)]
     assert dec.generate(sids, max_new_tokens=0) == [[], [], [], []]
+    assert all(dec.session_stats(s).finish_reason == "length" for s in sids)
     bad = [dict(max_new_tokens=[4, 4]), dict(max_new_tokens=[4, 4, -1, 4]),
            dict(max_new_tokens=4.5), dict(sampling=[hot, hot]),
            dict(sampling=[hot, 0.5, None, None]), dict(sampling="greedy")]
