@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
+from agspec_gpu.kernels._checks import check_ints
 from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.prefix_pages import (PrefixPages, check_prefix_out,
                                              launch_prefix_pages as plan_prefix_pages)
@@ -391,6 +392,7 @@ def plan_tree(draft: DraftBatch, root_ids: torch.Tensor, prefix_lens: torch.Tens
     device = draft.token_ids.device
     R = N + 1
     max_pages = page_table.shape[1] if page_table.dim() == 2 else 0
+    check_ints(("page_size", page_size, 1, 2 ** 31))  # before it sizes any buffer
     if root_ids.shape != (B,) or prefix_lens.shape != (B,):
         raise ValueError(f"root_ids, prefix_lens: expected shape ({B},), got "
                          f"{tuple(root_ids.shape)}, {tuple(prefix_lens.shape)}")

@@ -13,6 +13,15 @@ def is_py_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def check_ints(*specs: tuple[str, object, int, int | None]) -> None:
+    """Raises ValueError for the first ``(name, value, lo, hi)`` whose value is not a
+    Python int (:func:`is_py_int`) in ``[lo, hi)`` (``hi`` None: no upper bound)."""
+    for name, v, lo, hi in specs:
+        if not is_py_int(v) or v < lo or (hi is not None and v >= hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+            raise ValueError(f"{name}: expected an int {bound}, got {v!r}")
+
+
 def check_tensors(*specs: tuple[str, torch.Tensor, torch.dtype, Sequence[int]],
                   contiguous: bool = False) -> None:
     """Raises ValueError for the first ``(name, tensor, dtype, shape)`` whose tensor has

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
+from agspec_gpu.kernels._checks import check_devices, check_ints, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
@@ -125,11 +125,11 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
     """``(order int64 [B, N], ranked float32 [B, N], keep int64 [B])`` of ``key float32 [B,
     C * K]`` (see the module docstring); ``N <= C * K``. Triton on CUDA (or when
     ``use_triton``) up to ``MAX_BLOCK_KEYS`` keys a request, the torch path otherwise."""
+    check_ints(("C", C, 0, None), ("K", K, 0, None), ("N", N, 0, None),
+               ("max_nodes", max_nodes, 0, None))
     B = key.shape[0]
     check_tensors(("key", key, torch.float32, (B, C * K)))
-    if not is_py_int(max_nodes):
-        raise ValueError(f"max_nodes: expected an int, got {max_nodes!r}")
-    if not 0 <= N <= C * K or C * K >= 1 << _TIE_BITS:
+    if N > C * K or C * K >= 1 << _TIE_BITS:
         raise ValueError(f"N must be in [0, C * K] and C * K < {1 << _TIE_BITS}, got N={N}, "
                          f"C={C}, K={K}")
     if use_triton is None:
@@ -188,7 +188,9 @@ def best_first_torch(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int
     """Pure-torch implementation of :func:`best_first`: two stable sorts (a float epsilon
     on the key would lose the tie-break: at p >= 1/4 a float32 ulp is as large as it)."""
     B, dev = key.shape[0], key.device
-    key = torch.where(key > -1.5, key.clamp(min=0.0) + 0.0, key)  # nodes' keys >= +0.0
+    # nodes' keys >= +0.0; any other key (-2, or one the kernel reads as no node: NaN,
+    # below -1.5) is -2, so non-nodes tie and rank by depth, then candidate, as there
+    key = torch.where(key > -1.5, key.clamp(min=0.0) + 0.0, -2.0)
     tie_rank = (torch.arange(K, device=dev)[None, :] * C +
                 torch.arange(C, device=dev)[:, None]).reshape(1, C * K)
     by_tie = torch.argsort(tie_rank, dim=1).expand(B, -1)  # depth-major, then candidate

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_ints, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 
@@ -145,6 +145,13 @@ def node_probs(W: torch.Tensor, S: torch.Tensor, Wt: torch.Tensor, best: torch.T
         ``(key float32 [B, C * K], rep int64 [B, C, K], calib_row int64 [B, C], mass
         float32 [B, C, K])``.
     """
+    check_ints(("num_tiers", num_tiers, 1, 2 ** 15), ("max_match", max_match, 0, 2 ** 15))
+    if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float)):
+        raise ValueError(f"min_prob: expected a float, got {min_prob!r}")
+    if not isinstance(calibrate, bool):
+        raise ValueError(f"calibrate: expected a bool, got {calibrate!r}")
+    if W.dim() != 3:
+        raise ValueError(f"W: expected int32 [B, C, K], got shape {tuple(W.shape)}")
     B, C, K = W.shape
     check_tensors(("W", W, torch.int32, (B, C, K)), ("S", S, torch.int32, (B, C, K)),
                   ("Wt", Wt, torch.float32, (B, C)), ("best", best, torch.int32, (B,)),

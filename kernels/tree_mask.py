@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array, is_py_int
+from agspec_gpu.kernels._checks import check_array, check_ints, is_py_int
 from agspec_gpu.kernels._launch import cdiv, next_pow2
 
 BLOCK_ROWS = 128
@@ -520,8 +520,7 @@ def check_tree_inputs(token_ids: torch.Tensor, parents: torch.Tensor,
             raise ValueError(f"{name}: expected {B} entries, got {x.shape[0]}")
     if page_table.shape[0] != B or page_table.shape[1] < 1:
         raise ValueError(f"page_table: expected shape ({B}, >=1), got {tuple(page_table.shape)}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    check_ints(("page_size", page_size, 1, 2 ** 31))
 
 
 def check_tree_out(out: TreeMaskBuffers, B: int, N: int, device: torch.device,

@@ -102,6 +102,11 @@ def test_bad_arguments_are_named():
         emit_nodes(o, num, W, W, rep.to("meta"), row)
     with pytest.raises(ValueError, match="max_nodes"):
         best_first(key, 2, 3, 6, 1.5)
+    for args, name in (((2.0, 3, 6, 6), "C"), ((2, True, 6, 6), "K"), ((2, 3, -1, 6), "N"),
+                       ((2, 3, 6.0, 6), "N"), ((2, 3, 6, -1), "max_nodes")):
+        for use_triton in (True, False):
+            with pytest.raises(ValueError, match=f"^{name}: expected an int"):
+                best_first(key, *args, use_triton=use_triton)
 
 
 def test_drafter_on_the_kernels_equals_the_torch_path(monkeypatch):
@@ -258,7 +263,10 @@ def test_edge_keys_and_counts_agree():
     more nodes than the ``N`` columns (lanes past ``N`` had read order entry 0 and been
     taken as a parent). Empty batches and no columns too."""
     g = torch.Generator().manual_seed(0)
-    for vals in ([-0.0, 0.0, 0.5], [-0.0, 0.25], [-1e-8, 0.0, 0.1]):
+    # and keys that are not nodes but not -2 either (NaN: a 0/0 estimate; -inf, -3): both
+    # paths read them as -2, tied with the other non-nodes
+    for vals in ([-0.0, 0.0, 0.5], [-0.0, 0.25], [-1e-8, 0.0, 0.1],
+                 [float("nan"), 0.5, 0.2], [float("-inf"), -3.0, 0.4, 0.0]):
         v = torch.tensor(vals + [-2.0])
         key = v[torch.randint(0, len(v), (2, 12), generator=g)]
         a = best_first(key, 3, 4, 12, 12, use_triton=True)
@@ -266,6 +274,7 @@ def test_edge_keys_and_counts_agree():
         for name, x, y in zip(("order", "ranked", "keep"), a, b):
             assert torch.equal(x, y), (vals, name, x.tolist(), y.tolist())
         assert not (a[1] < 0).logical_and(a[1] > -1.5).any()  # nodes read as >= 0
+        assert not a[1].isnan().any() and ((a[1] >= 0) | (a[1] == -2)).all()
     order = torch.tensor([[0, 1, 3]])  # (c0, d0), (c0, d1), (c1, d0)
     W = torch.tensor([[[5, 6, 7], [8, 9, 10]]], dtype=torch.int32)
     rep = torch.tensor([[[0, 0, 0], [1, 1, 1]]])

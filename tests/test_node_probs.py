@@ -115,6 +115,17 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="calib_seen"):
         node_probs(**{**c, "calib_seen": c["calib_seen"][:3], "calib_hits": c["calib_hits"][:3]},
                    **kw)
+    # scalars the kernel would take as they are (max_match = -1 read rows before the
+    # table; a float num_tiers failed inside Triton): refused on both paths, by name
+    for bad, name in ((dict(max_match=-1), "max_match"), (dict(max_match=2.0), "max_match"),
+                      (dict(num_tiers=0), "num_tiers"), (dict(num_tiers=4.0), "num_tiers"),
+                      (dict(num_tiers=True), "num_tiers"), (dict(min_prob="x"), "min_prob"),
+                      (dict(min_prob=None), "min_prob"), (dict(calibrate=1), "calibrate")):
+        for use_triton in (True, False):
+            with pytest.raises(ValueError, match=f"^{name}: expected"):
+                node_probs(**c, **{**kw, **bad}, use_triton=use_triton)
+    with pytest.raises(ValueError, match="W: expected int32"):
+        node_probs(**{**c, "W": c["W"][0]}, **kw)
 
 
 def test_one_compile_per_block_of_candidates():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from agspec_gpu import DraftBatch
-from agspec_gpu.kernels.tree_mask import _tree_mask_kernel, _tree_rows_kernel
+from agspec_gpu.kernels.tree_mask import _tree_mask_kernel, _tree_rows_kernel, tree_mask
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree, unpack_mask
 from kernel_compile import (compile_all_for_sm90, num_compiles,
                             recorded_specializations)
@@ -292,6 +292,13 @@ def test_rejects_bad_inputs():
         plan_tree(draft, roots, prefix, page_table[0], 4)
     with pytest.raises(ValueError, match="root_ids"):
         plan_tree(draft, roots[:0], prefix, page_table, 4)
+    for page_size in (0, 4.0, True, -4):  # named before it sizes a buffer or reaches a kernel
+        for use_triton in (True, False):
+            with pytest.raises(ValueError, match="page_size: expected an int"):
+                plan_tree(draft, roots, prefix, page_table, page_size, use_triton=use_triton)
+            with pytest.raises(ValueError, match="page_size: expected an int"):
+                tree_mask(draft.token_ids, draft.parents, draft.num_draft_tokens, roots, prefix,
+                          page_table, page_size, use_triton=use_triton)
     small = TreeMetadata.empty(1, 2, 4, 4, "cpu")
     with pytest.raises(ValueError, match="out"):
         plan_tree(draft, roots, prefix, page_table, 4, out=small)
@@ -385,7 +392,7 @@ def test_kernels_compile_for_sm90():
 def test_the_launcher_alone_allocates_checks_and_plans_what_plan_tree_plans(use_triton):
     """``tree_mask`` (the kernels' one-call launcher: checks, allocates its buffers, launches)
     fills what ``plan_tree`` returns for the same step, and names a bad input or buffer."""
-    from agspec_gpu.kernels.tree_mask import TreeMaskBuffers, tree_mask
+    from agspec_gpu.kernels.tree_mask import TreeMaskBuffers
 
     device = DEVICE if use_triton else torch.device("cpu")
     _, _, draft, roots, prefix, _, table = make_case(7, [5, 0, 3], "random", [4, 9, 0], 3)
@@ -459,8 +466,6 @@ def test_the_launcher_allocates_a_sinks_entries_and_checks_its_page():
     """``tree_mask(..., sink_page=p)`` without ``out`` allocates the sink's indptr entries,
     page and mask bytes (it once allocated a sinkless batch's and refused its own buffers),
     and plans what the torch path plans; a sink page that is no page index is named."""
-    from agspec_gpu.kernels.tree_mask import tree_mask
-
     _, _, draft, roots, prefix, _, table = make_case(2, [3, 1], "random", [4, 0], 4)
     args = (draft.token_ids, draft.parents, draft.num_draft_tokens, roots, prefix, table, 4)
     want = tree_mask(*args, sink_page=0, use_triton=False)
@@ -482,7 +487,7 @@ def test_rows_past_a_short_page_table_are_padding_on_both_paths():
     """A page table that does not cover a request's rows breaks ``tree_mask``'s contract;
     both paths then plan those rows as padding (token 0, position 0, slot -1) alike (the
     Triton path once wrote their tree positions)."""
-    from agspec_gpu.kernels.tree_mask import tree_mask
+
 
     _, _, draft, roots, prefix, _, table = make_case(2, [6, 3], "chain", [5, 2], 4)
     short = table[:, :2].contiguous()  # 8 slots; request 0 needs 12
