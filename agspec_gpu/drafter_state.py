@@ -72,7 +72,7 @@ class SlotState:
         """Appends one session's ``toks [m]`` (on the ring's device) to its ring: a run as
         long as the ring replaces it (3 ops, as :func:`ring_push_torch` leaves it: the last
         ``D`` tokens, fill and match cap ``D``; a context or tool output usually is); a
-        shorter one goes through :meth:`push` (~17 ops)."""
+        shorter one goes through :meth:`push` (~30 ops)."""
         D = self.depth
         if toks.numel() < D:
             self.push(torch.tensor([slot]), toks[None, :], None)

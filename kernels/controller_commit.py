@@ -81,9 +81,17 @@ def controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_
     drafted = torch.arange(N, device=nd.device)[None, :] < num_draft_tokens[:, None]
     depth = torch.where(drafted, nd + 1, 0).amax(dim=1) if N else \
         torch.zeros(B, dtype=torch.int64, device=nd.device)
-    prev_full[slots] = ((nacc >= depth) & (depth > 0)).long()
-    scale[slots] = scale_update_torch(scale[slots], depth, nacc, cap[slots], alpha=alpha,
-                                      beta=beta, s_min=s_min, s_max=s_max)
+    # a slot outside the state (a caller's error) is skipped, as the kernel skips it: its
+    # row goes to a spare entry past the state, then dropped (an index clamped into the
+    # state would race a kept row's write to the same slot)
+    S = scale.shape[0]
+    at = torch.where((slots >= 0) & (slots < S), slots, S)
+    sc, cp, pf = (torch.cat([t, t.new_ones(1)]) for t in (scale, cap, prev_full))
+    pf[at] = ((nacc >= depth) & (depth > 0)).long()
+    sc[at] = scale_update_torch(sc[at], depth, nacc, cp[at], alpha=alpha, beta=beta,
+                                s_min=s_min, s_max=s_max)
+    scale.copy_(sc[:S])
+    prev_full.copy_(pf[:S])
 
 
 def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: torch.Tensor,
@@ -95,7 +103,7 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
     Parameters
     ----------
     slots : ``int64 [B]`` state slots in ``[0, S)`` (distinct, except padding rows that share
-        a spare; the kernel skips a row whose slot is outside, torch indexes with it).
+        a spare; both paths skip a row whose slot is outside).
     nd : ``int64 [B, N]`` each drafted node's depth - 1 (entries past
         ``num_draft_tokens[b]`` are ignored); ``num_draft_tokens``, ``nacc`` : ``int32 [B]``.
     scale : ``float32 [S]``; ``cap`` : ``int32 [S]``; ``prev_full`` : ``int64 [S]``.

@@ -72,7 +72,14 @@ def depth_rule_torch(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Te
 def depth_caps_torch(slots, best, scale, cap, prev_full, *, static_k: int | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch implementation of :func:`depth_caps`."""
-    return depth_rule_torch(scale[slots], best, cap[slots], static_k), prev_full[slots]
+    # a slot outside the state (a caller's error) reads as the kernel reads it, from a
+    # spare entry past the state: scale 0 and match 0 under cap 1 (depth 1), mode 0
+    S = scale.shape[0]
+    ok = (slots >= 0) & (slots < S)
+    at = torch.where(ok, slots, S)
+    scale, cap, prev_full = (torch.cat([t, t.new_full((1,), v)])[at]
+                             for t, v in ((scale, 0), (cap, 1), (prev_full, 0)))
+    return depth_rule_torch(scale, torch.where(ok, best, 0), cap, static_k), prev_full
 
 
 def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap: torch.Tensor,
@@ -82,9 +89,9 @@ def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap
 
     Parameters
     ----------
-    slots : ``int64 [B]`` the requests' state slots, in ``[0, S)`` (the kernel reads a slot
-        outside it as padding, depth 1 and mode 0, never memory past the state; torch
-        indexes with it); ``best`` : ``int32 [B]`` their match lengths.
+    slots : ``int64 [B]`` the requests' state slots, in ``[0, S)`` (both paths read a slot
+        outside it as padding, depth 1 (``static_k`` if given) and mode 0, never memory past
+        the state); ``best`` : ``int32 [B]`` their match lengths.
     scale : ``float32 [S]``; ``cap`` : ``int32 [S]``; ``prev_full`` : ``int64 [S]`` the
         controller's state per slot.
     static_k : a fixed depth for every request (the static-k ablation), or None.

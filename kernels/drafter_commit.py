@@ -17,8 +17,8 @@ Layout (``B`` requests, ``N`` draft nodes, ``M`` output columns, ring width ``D`
   int32 [B, N]`` (-1: a child of the root), ``num int32 [B]`` valid nodes, ``depth int64
   [B, N]`` (0-based), ``calib_row int64 [B, N]``; ``path int64 [B, N]`` the accepted nodes in
   path order (entries from ``nacc`` on are ignored); a tag of a tier ``>= T`` counts nowhere;
-* state, updated in place at ``slots int64 [B]`` (in ``[0, S)``: the kernel leaves a row
-  whose slot is outside alone, torch indexes with it): ``recent int32 [S, D]``,
+* state, updated in place at ``slots int64 [B]`` (in ``[0, S)``: both paths leave a row
+  whose slot is outside alone, and save its ``before`` as zeros): ``recent int32 [S, D]``,
   ``recent_len`` and ``match_cap int32 [S]``;
 * accumulators: ``drafted``, ``hits float64 [T]`` per tier, ``seen``, ``accepted float64
   [R * K]`` per calibration cell (``row * K + min(depth, K - 1)``);
@@ -188,13 +188,22 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
 def ring_push_torch(recent: torch.Tensor, recent_len: torch.Tensor, match_cap: torch.Tensor,
                     slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor) -> None:
     """Appends ``tokens [b, M]`` (the first ``num [b]`` of each row) to the rings of
-    ``slots``: the oldest drop out; fill and match cap grow by ``num``, at most ``D``."""
-    D = recent.shape[1]
+    ``slots``: the oldest drop out; fill and match cap grow by ``num``, at most ``D``. A
+    row whose slot is outside ``[0, S)`` is skipped, as the kernel skips it."""
+    S, D = recent.shape
     num = num.to(torch.int64)
-    cat = torch.cat([recent[slots], tokens.to(torch.int32)], 1)
-    recent[slots] = cat.gather(1, torch.arange(D, device=cat.device)[None, :] + num[:, None])
-    recent_len[slots] = (recent_len[slots] + num.to(torch.int32)).clamp(max=D)
-    match_cap[slots] = (match_cap[slots] + num.to(torch.int32)).clamp(max=D)
+    # a skipped row pushes to a spare ring past the state's, then dropped (an index clamped
+    # into the state would race a kept row's write to the same slot)
+    at = torch.where((slots >= 0) & (slots < S), slots, S)
+    ring, fill, cap = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+                       for t in (recent, recent_len, match_cap))
+    cat = torch.cat([ring[at], tokens.to(torch.int32)], 1)
+    ring[at] = cat.gather(1, torch.arange(D, device=cat.device)[None, :] + num[:, None])
+    fill[at] = (fill[at] + num.to(torch.int32)).clamp(max=D)
+    cap[at] = (cap[at] + num.to(torch.int32)).clamp(max=D)
+    recent.copy_(ring[:S])
+    recent_len.copy_(fill[:S])
+    match_cap.copy_(cap[:S])
 
 
 def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib_row, path,
@@ -225,11 +234,11 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
     cell = (calib_row * calib_depth + depth.clamp(max=calib_depth - 1)).view(-1)
     seen.scatter_add_(0, cell, reached.view(-1).to(seen.dtype))
     accepted.scatter_add_(0, cell, (reached & on_path).view(-1).to(accepted.dtype))
-    if before is not None:
-        D = recent.shape[1]
-        before[:, :D] = recent[slots]
-        before[:, D] = recent_len[slots]
-        before[:, D + 1] = match_cap[slots]
+    if before is not None:  # a slot outside the state reads as zeros, as in the kernel
+        S = recent.shape[0]
+        rows = torch.cat([recent, recent_len[:, None], match_cap[:, None]], 1)
+        before.copy_(torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[
+            torch.where((slots >= 0) & (slots < S), slots, S)])
     ring_push_torch(recent, recent_len, match_cap, slots, out.clamp(min=0),
                     nout.clamp(0, M))
     return acc_src

@@ -83,8 +83,20 @@ def rope_append_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     D = qkv.shape[1] // (H + 2 * Hkv)
     q = rope_torch(qkv[:, :H * D].view(Q, H, D), cos, sin)
     k = rope_torch(qkv[:, H * D:(H + Hkv) * D].view(Q, Hkv, D), cos, sin)
-    cache[page, 0, offset] = k.to(cache.dtype)
-    cache[page, 1, offset] = qkv[:, (H + Hkv) * D:].view(Q, Hkv, D).to(cache.dtype)
+    v = qkv[:, (H + Hkv) * D:].view(Q, Hkv, D)
+    P, page_size = cache.shape[0], cache.shape[2]
+    if Q == 0 or P == 0 or page_size == 0:  # nothing to write, or nowhere
+        return q
+    # a row whose slot is outside the cache (a caller's error) is not written, as in the
+    # kernel: it writes what the first kept row writes, to that row's slot (the same write
+    # twice: no race, and no copy of the cache), or, with no row kept, rewrites a clamped
+    # slot with what it holds
+    ok = (page >= 0) & (page < P) & (offset >= 0) & (offset < page_size)
+    src = torch.where(ok, torch.arange(Q, device=ok.device), ok.int().argmax())
+    page, offset = page.clamp(0, P - 1)[src], offset.clamp(0, page_size - 1)[src]
+    ok = ok[src, None, None]
+    cache[page, 0, offset] = torch.where(ok, k[src].to(cache.dtype), cache[page, 0, offset])
+    cache[page, 1, offset] = torch.where(ok, v[src].to(cache.dtype), cache[page, 1, offset])
     return q
 
 
@@ -99,8 +111,8 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, page: t
         row contiguous): query heads, then key heads, then value heads
     cos, sin : ``[Q, D]``, ``qkv.dtype``: each row's RoPE tables
     page, offset : ``int64 [Q]``: each row's cache slot
-        (:meth:`~agspec_gpu.kv_cache.PagedKVCache.slots_of`); the kernel writes nothing for
-        a row whose slot is outside the cache (torch indexes with it)
+        (:meth:`~agspec_gpu.kv_cache.PagedKVCache.slots_of`); neither path writes a row
+        whose slot is outside the cache
     cache : ``[P, 2, page_size, H_kv, D]``, ``qkv.dtype``: one layer's paged KV (written)
     num_qo_heads, num_kv_heads : ``H``, ``H_kv``
     use_triton : bool, optional

@@ -118,6 +118,30 @@ def test_the_kernel_leaves_a_slot_outside_the_state_alone():
     assert flags.tolist() == [7, 1, 7, 7, 7, 7]
 
 
+
+@pytest.mark.parametrize("slots", [[-1, 0, 4, 3], [3, 4, 0, -1], [-9, 4, 9, 2, 0, 3, -1],
+                                   [-1, 4], [5, 0, -2, 3, 4]])
+def test_both_paths_skip_a_slot_outside_the_state(slots):
+    """A row whose slot is outside ``[0, S)`` (negative, ``S`` or past it) is skipped on both
+    paths alike (the torch path once wrapped or raised), also when that row's clamped slot
+    is a kept row's (-1 -> 0, S -> S - 1) with another update: the kept rows update as in
+    a batch without the skipped rows, and no other slot changes."""
+    S = 4
+    rng = random.Random(len(slots))
+    B = len(slots)
+    slots = torch.tensor(slots, dtype=torch.int64)
+    ok = (slots >= 0) & (slots < S)
+    nd = torch.tensor([[0, 1, 2]] * B)
+    num = torch.full((B,), 3, dtype=torch.int32)  # depth 3: accepted whole or rejected
+    nacc = torch.tensor([3 * (b % 2) for b in range(B)], dtype=torch.int32)
+    for _ in range(3):
+        scale, cap, prev = state(S, rng)
+        s, p = run_both(slots, nd, num, nacc, scale, cap, prev)  # asserts both paths agree
+        want_s, want_p = scale.clone(), prev.clone()
+        controller_commit_torch(slots[ok], nd[ok], num[ok], nacc[ok], want_s, cap, want_p,
+                                **KW)
+        assert torch.equal(s, want_s) and torch.equal(p, want_p)
+
 def test_rejects_bad_inputs():
     good = dict(slots=torch.tensor([0]), nd=torch.zeros(1, 2, dtype=torch.int64),
                 num_draft_tokens=torch.ones(1, dtype=torch.int32),

@@ -97,6 +97,25 @@ def test_the_kernel_reads_a_slot_outside_the_state_as_padding():
     assert k.tolist() == [1, 12, 1] and mode.tolist() == [0, 1, 0]
 
 
+
+@pytest.mark.parametrize("static_k", [None, 5])
+def test_both_paths_read_a_slot_outside_the_state_as_padding(static_k):
+    """Negative slots, ``S`` and past it (the torch path once wrapped or raised) read as
+    padding on both paths, depth 1 (or ``static_k``) and mode 0, mixed with kept rows at the
+    slots they would clamp to (0, S - 1), whose results are as in a batch without them."""
+    slots = [-1, 0, 3, 2, -5, 9, 1]
+    best = [3, 2, 4, 1, 7, 0, 5]
+    scale, cap, prev = [4.0, 2.5, 0.5], [32, 4, 8], [1, 0, 1]
+    k, mode = both(slots, best, scale, cap, prev, static_k=static_k)
+    ok = [b for b, s in enumerate(slots) if 0 <= s < 3]
+    want = both([slots[b] for b in ok], [best[b] for b in ok], scale, cap, prev,
+                static_k=static_k)
+    assert [k[b] for b in ok] == want[0] and [mode[b] for b in ok] == want[1]
+    pad = [b for b in range(len(slots)) if b not in ok]
+    assert [k[b] for b in pad] == [static_k or 1] * 4 and [mode[b] for b in pad] == [0] * 4
+    assert both([-1, 3], [3, 3], [], [], [], static_k=static_k) == ([static_k or 1] * 2,
+                                                                      [0, 0])  # S = 0
+
 def test_rejects_bad_inputs():
     good = dict(slots=torch.tensor([0]), best=torch.ones(1, dtype=torch.int32),
                 scale=torch.ones(2), cap=torch.ones(2, dtype=torch.int32),

@@ -149,6 +149,39 @@ def test_the_kernel_leaves_a_slot_outside_the_state_alone():
     assert (c["before"][1:].cpu() == 0).all()  # read as zeros, not from outside the state
 
 
+
+@pytest.mark.parametrize("slots", [[-1, 0, 5, 4, 2, 7], [0, -1, 4, 5, -6, 1], [5, -1, 9]])
+def test_both_paths_skip_a_slot_outside_the_state(slots):
+    """Rows whose slot is outside ``[0, S)`` (negative, ``S`` or past it) on both paths
+    alike (the torch path once wrapped or raised): their rings, fills and caps untouched,
+    ``before`` read as zeros, also when the clamped slot (-1 -> 0, S -> S - 1) is a kept
+    row's; the kept rows commit as in a batch without the others; counts and accepted
+    sources are the whole batch's."""
+    S, B = 5, len(slots)
+    rng = random.Random(B)
+    for _ in range(3):
+        case = random_case(rng, B, 8, 9, 16, S, 5, 6, vocab=50)
+        case["slots"] = torch.tensor(slots, dtype=torch.int64)
+        (acc_k, st_k), (acc_t, st_t) = run_both(case, 6)
+        assert torch.equal(acc_k, acc_t)
+        for name in st_t:
+            assert torch.equal(st_k[name], st_t[name]), name
+        ok = (case["slots"] >= 0) & (case["slots"] < S)
+        assert (st_t["before"][~ok] == 0).all()
+        ref = {k: v.clone() for k, v in case.items()}
+        for k in ("slots", "out", "nout", "nacc", "src", "parents", "num", "depth",
+                  "calib_row", "path", "before"):
+            ref[k] = ref[k][ok]
+        drafter_commit_torch(**ref, calib_depth=6)
+        for k in ("recent", "recent_len", "match_cap"):
+            assert torch.equal(st_t[k], ref[k]), k
+        assert torch.equal(st_t["before"][ok], ref["before"])
+        whole = {k: v.clone() for k, v in case.items()}
+        whole["slots"] = torch.where(ok, whole["slots"], S - 1)
+        assert torch.equal(drafter_commit_torch(**whole, calib_depth=6), acc_t)
+        for k in ("drafted", "hits", "seen", "accepted"):
+            assert torch.equal(whole[k], st_t[k]), k
+
 def test_padding_rows_on_a_shared_spare_slot_leave_real_slots_exact():
     rng = random.Random(7)
     for trial in range(3):

@@ -429,6 +429,32 @@ def test_rope_append_writes_no_slot_outside_the_cache():
     assert torch.equal(store, ref)
 
 
+
+@pytest.mark.parametrize("page,offset", [
+    ([-1, 0, 2, 1, 0, 1], [0, 0, 3, 3, 4, -1]),  # clamped onto the kept rows' slots
+    ([1, 2, 0, -1], [3, 3, 0, 0]),  # each skipped row after the kept row it clamps onto
+    ([-1, 2, 0], [0, 1, 4]),  # no row kept
+])
+def test_rope_append_torch_path_skips_slots_outside_the_cache_as_the_kernel(page, offset):
+    """Rows whose page (-1, P) or offset (-1, page_size) is outside the cache (the torch
+    path once wrapped or raised): neither path writes them, also where the clamped slot is
+    a kept row's; the kept rows' keys and values land as in a step without the others."""
+    Q, H, Hkv, D, P, ps = len(page), 2, 1, 4, 2, 4
+    g = torch.Generator().manual_seed(Q)
+    qkv = torch.randn(Q, (H + 2 * Hkv) * D, generator=g)
+    cos, sin = _tables(Q, D, torch.float32, g)
+    cache = torch.randn(P, 2, ps, Hkv, D, generator=g)
+    page, offset = torch.tensor(page), torch.tensor(offset)
+    ok = (page >= 0) & (page < P) & (offset >= 0) & (offset < ps)
+    args = [t.to(DEV) for t in (qkv, cos, sin, page, offset)]
+    got, want = cache.clone().to(DEV), cache.clone().to(DEV)
+    q_got = rope_append(*args, got, H, Hkv, use_triton=True)
+    q_want = rope_append_torch(*args, want, H, Hkv)
+    assert torch.equal(q_got, q_want) and torch.equal(got, want)
+    ref = cache.clone()
+    rope_append_torch(qkv[ok], cos[ok], sin[ok], page[ok], offset[ok], ref, H, Hkv)
+    assert torch.equal(want.cpu(), ref) and torch.equal(ref.eq(cache).all(), ~ok.any())
+
 def test_rows_wider_than_the_kernels_block_run_the_torch_path(monkeypatch):
     import agspec_gpu.kernels.rms_norm as rms_norm_mod
 
