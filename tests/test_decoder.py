@@ -285,7 +285,9 @@ def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
         vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     with pytest.raises(ValueError, match="model: runner='paged'"):
         SpecDecoder(gpt2, tok(), DecoderConfig(runner="paged"))
-    # training mode: refused where dropout is on (random logits), taken where it is off
+    # training mode: refused naming the dropout where it is on (random logits); where it is
+    # off, refused as HFRunner refuses it (a router's jitter, a norm's statistics), at
+    # construction, not at the first generate
     with pytest.raises(ValueError, match=r"model: in training mode.*Dropout\(p=0.1\)"):
         SpecDecoder(gpt2.train(), tok())
     llama = _tiny("llama", "sdpa")
@@ -293,7 +295,9 @@ def test_paged_runner_is_lossless_and_keeps_session_kv(variant, monkeypatch):
     with pytest.raises(ValueError, match="config.attention_dropout=0.2"):
         SpecDecoder(llama.train(), tok())
     llama.config.attention_dropout = 0.0
-    assert SpecDecoder(llama.train(), tok()).vocab_size == VOCAB
+    with pytest.raises(ValueError, match=r"model: call model.eval\(\) first"):
+        SpecDecoder(llama.train(), tok())
+    assert SpecDecoder(llama.eval(), tok()).vocab_size == VOCAB
 
 
 def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_path):

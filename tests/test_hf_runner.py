@@ -326,6 +326,64 @@ def test_models_it_cannot_verify_exactly_are_refused_when_the_decoder_is_built()
                     build(model)
 
 
+class _LlamaByCacheLength(transformers.LlamaForCausalLM):
+    """A "new architecture" no list names: it places tokens by the cache's length, as
+    Marian or Pegasus do, not by the position ids it is given."""
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class _LlamaWithout4dMasks(transformers.LlamaForCausalLM):
+    def forward(self, *args, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise RuntimeError("expected a 2-D padding mask")
+        return super().forward(*args, attention_mask=attention_mask, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_the_probe_detects_what_no_list_names(monkeypatch):
+    """``check_hf_probe`` runs a ragged batch, a tree with a decoy branch, a commit and a
+    second step, against the model's own forward: the supported models agree to summation
+    order (float32 and bfloat16), a model that ignores the position ids (not in the list of
+    architectures) is refused by the probe alone, by ``SpecDecoder``'s constructor too, as
+    are the listed architectures once the list is emptied; a forward that cannot take the
+    tree's inputs is refused naming the model."""
+    from agspec_gpu import SpecDecoder
+    import agspec_gpu.runners.hf as hf
+
+    for variant in VARIANTS:
+        diff, noise = hf.probe_hf_model(model_for(variant))
+        assert diff < 1e-5 and noise < 1e-5, (variant, diff, noise)
+        hf.check_hf_probe(model_for(variant))
+    hf.check_hf_probe(_tiny("llama", "sdpa").to(torch.bfloat16))
+    small = dict(vocab_size=64, hidden_size=16, num_attention_heads=2)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, intermediate_size=32, **small)
+    torch.manual_seed(0)
+    model = _LlamaByCacheLength(cfg).eval()
+    hf.check_hf_model(model)  # nothing in the model's config tells
+    diff, noise = hf.probe_hf_model(model)  # (a tiny random model: positions matter little)
+    assert diff > 1e-4 and noise < 1e-6, (diff, noise)
+    for build in (hf.check_hf_probe, lambda m: SpecDecoder(m, "cl100k")):
+        with pytest.raises(ValueError, match="model: _LlamaByCacheLength does not place tokens "
+                                             "by the position ids"):
+            build(model)
+    with pytest.raises(ValueError, match="model: _LlamaWithout4dMasks's forward failed on a "
+                                         "draft tree .*RuntimeError: expected a 2-D"):
+        hf.check_hf_probe(_LlamaWithout4dMasks(cfg).eval())
+    monkeypatch.setattr(hf, "_UNSUPPORTED_TYPES", {})
+    sizes = dict(vocab_size=64, d_model=16, decoder_layers=1, encoder_layers=1,
+                 decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=32,
+                 encoder_ffn_dim=32)
+    for cfg in (transformers.RobertaConfig(  # (positions from the input ids: noise 1.2)is_decoder=True, num_hidden_layers=1,
+                                           intermediate_size=32, **small),
+                transformers.PegasusConfig(**sizes), transformers.BlenderbotConfig(**sizes)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        with pytest.raises(ValueError, match="does not place tokens by the position ids"):
+            hf.check_hf_probe(model)
+
+
 def test_an_attention_implementation_without_4d_float_masks_is_refused():
     """flex_attention (the process died on the tree's mask) and the flash kernels cannot
     take a 4-D float mask: refused naming the setting."""

@@ -553,3 +553,104 @@ class HFRunner:
             lens_host = [n + 1 + a for n, a in zip(self._lens_host, num_accepted_host)]
         self._narrow(max(lens_host))
         self._lens_host, self._lengths_owed = lens_host, False
+
+
+
+# the probe's bound: its difference from the model's own forward may be this many times
+# the difference its own forward shows between two mask forms that must agree (the
+# summation order of other kernels: ~0 on a CPU, a half-precision GPU's rounding), and at
+# least _PROBE_FLOOR of the largest logit (float32 runs on a CPU agree to ~2e-7)
+_PROBE_NOISE_FACTOR = 10.0
+_PROBE_FLOOR = 1e-5
+# ... and that noise itself at most this: a forward whose logits move by more under the
+# mask form than half precision rounds (RoBERTa: 1.2, its positions come from the input
+# ids) does not take the mask and positions a tree is given
+_PROBE_NOISE_CEILING = 5e-2
+
+
+def probe_hf_model(model: torch.nn.Module) -> tuple[float, float]:
+    """``(difference, noise)``: how far :class:`HFRunner`'s logits are from the model's own
+    forward over whole sequences on a fixed probe, and how far the model's own forward is
+    from itself under the runner's mask form; both relative to the largest logit.
+
+    Two requests of ragged prompts (4 and 2 tokens: one is left-padded) are prefilled, then
+    a tree with a decoy branch before the true one (so the true path's cache slots are not
+    its positions) is verified, a path committed and one more step verified: the prefill's
+    last logits and every true-path row are compared with a plain forward of that request's
+    tokens. ``noise`` compares that plain forward with the same forward given an explicit
+    4-D float causal mask and position ids (the kernels a tree takes; no tree, no cache).
+    A model whose forward places tokens by something other than ``position_ids`` and the
+    mask (cache slots, input ids, the cache's length), or whose cache the runner lays out
+    wrongly, differs by far more than ``noise``; see :func:`check_hf_probe`. Costs five
+    forwards of at most 9 tokens.
+    """
+    return _probe(HFRunner(model))
+
+
+@torch.no_grad()
+def _probe(runner: HFRunner) -> tuple[float, float]:
+    model, dev = runner.model, runner.device
+    vocab = model.config.get_text_config().vocab_size \
+        if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(1, 13)]
+    a, b = ids[:9], ids[3:9]  # request 0: 4 prompt tokens; request 1: 2
+    decoy = (a[5] + 1) % vocab
+
+    def forward(x: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([x], device=dev)).logits[0].float()
+
+    ref_a, ref_b = forward(a), forward(b)
+    n = len(a)
+    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
+    as_tree = model(input_ids=torch.tensor([a], device=dev),
+                    attention_mask=_float_mask(causal, runner.dtype),
+                    position_ids=torch.arange(n, device=dev)[None]).logits[0].float()
+    got, want = [], []
+    last = runner.prefill([a[:4], b[:2]])
+    got += [last[0], last[1]]
+    want += [ref_a[3], ref_b[1]]
+    # request 0: root a[4], nodes decoy, a[5], a[6] (child of node 1), decoy's child;
+    # request 1: root b[2], chain b[3], b[4]
+    draft = DraftBatch.from_lists([[(decoy, -1), (a[5], -1), (a[6], 1), (a[7], 0)],
+                                   [(b[3], -1), (b[4], 0)]], dev)
+    rows = runner.verify_padded(draft, torch.tensor([a[4], b[2]], device=dev))
+    got += [rows[0, 0], rows[0, 2], rows[0, 3], rows[1, 0], rows[1, 1], rows[1, 2]]
+    want += [ref_a[4], ref_a[5], ref_a[6], ref_b[2], ref_b[3], ref_b[4]]
+    i32 = functools.partial(torch.tensor, dtype=torch.int32, device=dev)
+    runner.commit(AcceptResult(num_accepted=i32([2, 1]), accepted_nodes=i32([[1, 2], [0, -1]]),
+                               output_ids=i32([[a[5], a[6], a[7]], [b[3], b[4], -1]]),
+                               num_output=i32([3, 2])))
+    # committed: request 0 a[:7], request 1 b[:4]; roots a[7], b[4]
+    draft = DraftBatch.from_lists([[(a[8], -1)], [(b[5], -1)]], dev)
+    rows = runner.verify_padded(draft, torch.tensor([a[7], b[4]], device=dev))
+    got += [rows[0, 0], rows[0, 1], rows[1, 0], rows[1, 1]]
+    want += [ref_a[7], ref_a[8], ref_b[4], ref_b[5]]
+    g, w = torch.stack([x.float() for x in got]), torch.stack(want)
+    scale = w.abs().amax().clamp(min=1e-30)
+    return (float((g - w).abs().amax() / scale),
+            float((as_tree - ref_a).abs().amax() / scale))
+
+
+def check_hf_probe(model: torch.nn.Module) -> None:
+    """Raises ValueError naming ``model`` when :func:`probe_hf_model`'s difference exceeds
+    ten times its noise and ``1e-5`` of the largest logit, or the noise exceeds ``0.05``:
+    its speculative output could not equal its greedy decoding. Detects what :func:`check_hf_model`'s list of
+    architectures cannot name (a new one); that check runs first, as :class:`HFRunner`'s
+    refusal of a model in training mode. A model whose logits barely depend on where a
+    token sits (a tiny random one in half precision) can pass with a wrong placement: the
+    probe bounds the error, the list and these checks name the known causes."""
+    runner = HFRunner(model)  # check_hf_model's refusals, and eval mode
+    try:
+        diff, noise = _probe(runner)
+    except Exception as e:  # its forward cannot take what verification passes it
+        raise ValueError(f"model: {type(model).__name__}'s forward failed on a draft tree "
+                         f"(4-D float mask, position ids, a cache): {type(e).__name__}: "
+                         f"{e}") from e
+    bound = max(_PROBE_FLOOR, _PROBE_NOISE_FACTOR * noise)
+    if not (diff <= bound and noise <= _PROBE_NOISE_CEILING):  # (NaN too)
+        raise ValueError(f"model: {type(model).__name__} does not place tokens by the "
+                         f"position ids and mask it is given: its logits on a draft tree "
+                         f"differ from its own forward by {diff:.3g} of their range (bound "
+                         f"{bound:.3g}), under a 4-D mask alone by {noise:.3g} (bound "
+                         f"{_PROBE_NOISE_CEILING:g}); speculative output would not equal "
+                         f"greedy decoding")
