@@ -101,6 +101,18 @@ def test_rejects_bad_inputs():
             arena_append(**good, code=code, use_triton=True)
 
 
+def test_rejects_a_tensor_on_another_device():
+    good = dict(arena=torch.zeros(8, dtype=torch.int32), src=torch.zeros(8, dtype=torch.int8),
+                rows=torch.zeros(2, 3, dtype=torch.int32),
+                starts=torch.tensor([0, 3]), counts=torch.tensor([3, 2]),
+                totals=torch.zeros(2, dtype=torch.int32))
+    for name in ("src", "rows", "starts", "counts", "totals"):
+        for use_triton in (True, False):
+            with pytest.raises(ValueError, match=f"^{name}: .*meta"):
+                arena_append(**{**good, name: good[name].to("meta")}, code=0,
+                             use_triton=use_triton)
+
+
 def test_one_compile_for_every_batch_and_width():
     def launch(B, M, totals):
         return lambda: arena_append(

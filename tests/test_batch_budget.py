@@ -113,6 +113,14 @@ def test_rejects_bad_inputs():
             budget_keep(**{**good, name: bad}, use_triton=True)
 
 
+def test_rejects_a_tensor_on_another_device():
+    good = dict(ranked=rows([[0.5]], 2), keep_n=torch.tensor([1]),
+                num_requests=torch.tensor(1), table=cost_table(LINEAR, "cpu", 16))
+    for name in ("keep_n", "table", "num_requests"):
+        with pytest.raises(ValueError, match=f"^{name}: on meta"):
+            budget_keep(**{**good, name: good[name].to("meta")}, use_triton=True)
+
+
 def test_the_controllers_batch_budget_names_its_bad_counts():
     scores = torch.tensor([0.9, 0.8, 0.2, 0.1])
     for name, kw in (("max_tokens", dict(max_tokens=-1)), ("max_tokens", dict(max_tokens=1.0)),
@@ -230,6 +238,9 @@ def test_kernel_compiles_for_sm90():
     usage = compile_all_for_sm90([
         (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=True, HAS_BASE=B != 16, BLOCK_B=B,
                                         BLOCK_N=N),
-         dict(num_warps=num_warps(B * N))) for B, N in ((64, 64), (16, 16), (128, 64))],
-        max_spill_bytes=96)
-    assert [u["spill_bytes"] > 0 for u in usage] == [False, False, True], usage
+         dict(num_warps=num_warps(B * N))) for B, N in ((64, 64), (16, 16), (128, 64))] + [
+        # the request count as an int (NREQ_FROM_PTR=False), with and without a base
+        (_budget_keep_kernel, sig, dict(NREQ_FROM_PTR=False, HAS_BASE=base, BLOCK_B=64,
+                                        BLOCK_N=64), dict(num_warps=num_warps(64 * 64)))
+        for base in (False, True)], max_spill_bytes=96)
+    assert [u["spill_bytes"] > 0 for u in usage] == [False, False, True, False, False], usage

@@ -141,6 +141,17 @@ def test_rejects_bad_inputs():
             candidate_rows(**{**good, name: bad}, use_triton=True)
 
 
+def test_rejects_a_tensor_on_another_device():
+    good = dict(tier=torch.zeros(1, 2, dtype=torch.int64),
+                length=torch.ones(1, 2, dtype=torch.int32), win=torch.zeros(1, 2, 3, 4, dtype=torch.int32),
+                src=torch.zeros(1, 2, 3, 4, dtype=torch.int8), tier_bonus=BONUS,
+                tier_hits=HITS, tier_drafts=DRAFTS)
+    for name in ("tier", "length", "src", "tier_bonus", "tier_hits", "tier_drafts"):
+        with pytest.raises(ValueError, match=f"^{name}: on meta"):
+            candidate_rows(**{**good, name: good[name].to("meta")}, num_slots=2, min_match=1,
+                           slack=0, use_triton=True)
+
+
 def test_one_compile_per_corpus_count_block():
     """Batch size and corpus count are not specialized past their power-of-two blocks."""
     def launch(B, R, P=8, K=4):

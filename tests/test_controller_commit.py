@@ -24,14 +24,14 @@ def state(S: int, rng: random.Random):
     return scale, cap, prev
 
 
-def run_both(slots, nd, num, nacc, scale, cap, prev):
+def run_both(slots, nd, num, nacc, scale, cap, prev, kw=KW):
     """Both paths on copies of the state (on the GPU where there is one); asserts they agree
     exactly; returns the result (on the CPU)."""
     slots, nd, num, nacc, cap = (t.to(DEV) for t in (slots, nd, num, nacc, cap))
     outs = []
     for use_triton in (False, True):
         s, p = scale.clone().to(DEV), prev.clone().to(DEV)
-        controller_commit(slots, nd, num, nacc, s, cap, p, **KW, use_triton=use_triton)
+        controller_commit(slots, nd, num, nacc, s, cap, p, **kw, use_triton=use_triton)
         outs.append((s.cpu(), p.cpu()))
     (s0, p0), (s1, p1) = outs
     assert torch.equal(s0, s1) and torch.equal(p0, p1)
@@ -154,6 +154,39 @@ def test_rejects_bad_inputs():
                       ("prev_full", torch.zeros(3, dtype=torch.int32))):
         with pytest.raises(ValueError, match=name):
             controller_commit(**{**good, name: bad}, **KW, use_triton=True)
+
+
+def test_rejects_a_tensor_on_another_device_and_a_strided_state():
+    good = dict(slots=torch.tensor([0]), nd=torch.zeros(1, 2, dtype=torch.int64),
+                num_draft_tokens=torch.ones(1, dtype=torch.int32),
+                nacc=torch.ones(1, dtype=torch.int32), scale=torch.ones(3),
+                cap=torch.ones(3, dtype=torch.int32), prev_full=torch.zeros(3, dtype=torch.int64))
+    for name in ("slots", "num_draft_tokens", "nacc", "scale", "cap", "prev_full"):
+        with pytest.raises(ValueError, match=f"^{name}: on meta"):
+            controller_commit(**{**good, name: good[name].to("meta")}, **KW, use_triton=True)
+    strided = torch.ones(6)[::2]  # [3], stride 2: the kernel indexes the state by slot
+    with pytest.raises(ValueError, match="state must be contiguous"):
+        controller_commit(**{**good, "scale": strided}, **KW, use_triton=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter
+def test_scales_at_float32s_extremes_stay_finite():
+    """Scales at and near float32's largest (x alpha overflows to inf) and tiny ones,
+    alpha = 1e3, no upper bound (s_max = inf): both paths clamp to float32's largest and
+    ``s_min``, equal and finite, on full acceptances and rejections alike."""
+    f32_max = torch.finfo(torch.float32).max
+    slots = torch.tensor([0, 1, 2, 3, 4])
+    nd = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1], [0, 1]])
+    num = torch.tensor([2, 2, 2, 2, 2], dtype=torch.int32)  # depth 2
+    nacc = torch.tensor([2, 0, 2, 1, 2], dtype=torch.int32)  # full, reject, full, reject, full
+    scale = torch.tensor([f32_max, f32_max, 1e38, 1e-38, 1e-38], dtype=torch.float32)
+    cap = torch.full((5,), 32, dtype=torch.int32)
+    prev = torch.zeros(5, dtype=torch.int64)
+    kw = dict(KW, alpha=1e3, s_max=float("inf"))
+    s, p = run_both(slots, nd, num, nacc, scale, cap, prev, kw=kw)
+    assert torch.isfinite(s).all(), s
+    assert s[0] == s[2] == f32_max and s[1] == torch.tensor(f32_max * CFG.beta).float()
+    assert s[3:].tolist() == [CFG.s_min] * 2 and p.tolist() == [1, 0, 1, 0, 1]
 
 
 def test_one_compile_per_draft_width_block():

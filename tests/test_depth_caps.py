@@ -131,6 +131,15 @@ def test_rejects_bad_inputs():
             depth_caps(**good, static_k=bad, use_triton=True)
 
 
+def test_rejects_a_tensor_on_another_device():
+    good = dict(slots=torch.tensor([0]), best=torch.ones(1, dtype=torch.int32),
+                scale=torch.ones(2), cap=torch.ones(2, dtype=torch.int32),
+                prev_full=torch.zeros(2, dtype=torch.int64))
+    for name in ("best", "scale", "cap", "prev_full"):
+        with pytest.raises(ValueError, match=f"^{name}: on meta"):
+            depth_caps(**{**good, name: good[name].to("meta")}, use_triton=True)
+
+
 def test_one_compile_for_every_batch():
     """The batch size is not specialized (a graph bucket, or any size eagerly): one compile
     per static mode."""

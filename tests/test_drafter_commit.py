@@ -94,6 +94,7 @@ def run_both(case: dict, K: int, spare_slot: int | None = None):
 SHAPES = [  # (B, N, M, D, S)
     (0, 8, 4, 8, 4), (1, 1, 1, 1, 2), (1, 1, 2, 4, 2), (3, 8, 9, 32, 5), (4, 16, 5, 3, 6),
     (5, 64, 33, 32, 9), (2, 40, 50, 16, 3), (6, 7, 7, 7, 8),
+    (3, 0, 4, 8, 5), (3, 6, 0, 8, 5),  # no draft nodes; no output columns
     (2, MAX_BLOCK_N, 20, 16, 3), (2, 2 * MAX_BLOCK_N + 1, 20, 16, 3),  # the widest block; torch
 ]
 

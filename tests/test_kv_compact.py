@@ -8,7 +8,7 @@ from agspec_gpu.kernels.kv_compact import _kv_compact_kernel, kv_compact
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kv_cache import KVCacheFull, PagedKVCache
 from agspec_gpu.tree import TreeMetadata, plan_tree
-from kernel_compile import assert_one_compile_per_config, compile_for_sm90
+from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 from op_count import CountOps
 from tree_reference import DEVICE
 
@@ -95,6 +95,14 @@ def test_rejects_bad_inputs():
         kv_compact(data, indptr, page_table, prefix, acc)
     with pytest.raises(ValueError, match="prefix_lens"):
         kv_compact(data, indptr, indices, prefix.repeat(2), acc)
+    with pytest.raises(ValueError, match="kv_data: must be contiguous"):
+        kv_compact(data.transpose(0, 1), indptr, indices, prefix, acc)  # still 6-D, [.., 2, ..]
+    args = dict(kv_indptr=indptr, kv_indices=indices, prefix_lens=prefix, accepted_nodes=acc)
+    for name in args:
+        for use_triton in (True, False):
+            with pytest.raises(ValueError, match=f"^{name}: expected device cpu, got meta"):
+                kv_compact(data, **{**args, name: args[name].to("meta")},
+                           use_triton=use_triton)
 
 
 def test_commits_of_any_batch_share_the_compiled_kernel():
@@ -119,7 +127,9 @@ def test_kernel_compiles_for_sm90():
            "stride_page": "i64", "num_indices": "i32",
            "num_cache_pages": "i32", "A": "i32", "page_size": "i32", "ROW": "i32",
            "BLOCK_COLS": "constexpr"}
-    compile_for_sm90(_kv_compact_kernel, sig, {"BLOCK_COLS": 1024})
+    # the launcher takes any cache dtype: the model's (bf16, fp16) and fp32
+    compile_all_for_sm90([(_kv_compact_kernel, {**sig, "kv_ptr": ptr}, {"BLOCK_COLS": 1024})
+                          for ptr in ("*bf16", "*fp16", "*fp32")])
 
 
 def test_canonical_device_keeps_cpu_and_indexed_devices():

@@ -134,6 +134,10 @@ def test_rms_norm_rejects_bad_inputs():
     with pytest.raises(ValueError, match="contiguous"):
         rms_norm(torch.zeros(8, 2, device=DEV).t(), torch.ones(8, device=DEV), 1e-5,
                  use_triton=True)
+    with pytest.raises(ValueError, match="^weight: .* on meta"):
+        rms_norm(x, torch.ones(8, device="meta"), 1e-5, use_triton=True)
+    with pytest.raises(ValueError, match="^residual: .* on meta"):
+        rms_norm(x, torch.ones(8), 1e-5, residual=x.to("meta"), use_triton=True)
 
 
 def _qkv_views(Q, H, Hkv, D, dtype, g, kind):
@@ -217,6 +221,8 @@ def test_rope_rejects_bad_inputs_and_falls_back_for_odd_halves():
         rope(x, torch.zeros(2, 8), c)
     with pytest.raises(ValueError, match="sin: expected"):
         rope(x, c, torch.zeros(3, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="^cos: .* on meta"):
+        rope(x, c.to("meta"), c, use_triton=True)
     y = torch.randn(2, 3, 12, device=DEV)  # D / 2 = 6, not a power of two: the torch path
     cy, sy = torch.randn(2, 12, device=DEV), torch.randn(2, 12, device=DEV)
     assert torch.equal(rope(y, cy, sy, use_triton=True), rope_torch(y, cy, sy))
@@ -277,6 +283,14 @@ def test_rope_append_names_bad_arguments():
         rope_append(qkv, cos, cos, page, offset, torch.zeros(2, 2, 4, 2, 8), 2, 1)
     with pytest.raises(ValueError, match="num_qo_heads"):
         rope_append(qkv, cos, cos, page, offset, cache, 0, 1)
+    with pytest.raises(ValueError, match="^offset: expected torch.int64"):
+        rope_append(qkv, cos, cos, page, offset.int(), cache, 2, 1)
+    for name, args in (("sin", (qkv, cos, cos.to("meta"), page, offset, cache)),
+                       ("page", (qkv, cos, cos, page.to("meta"), offset, cache)),
+                       ("offset", (qkv, cos, cos, page, offset.to("meta"), cache)),
+                       ("cache", (qkv, cos, cos, page, offset, cache.to("meta")))):
+        with pytest.raises(ValueError, match=f"^{name}: .*meta"):
+            rope_append(*args, 2, 1, use_triton=True)
     # D / 2 = 3, not a power of two: the torch path, on any request
     q2, c2 = torch.randn(3, 4 * 6), torch.randn(3, 6)
     a, b = torch.zeros(2, 2, 4, 1, 6), torch.zeros(2, 2, 4, 1, 6)
@@ -320,8 +334,12 @@ def test_kernels_compile_for_sm90():
         (_rms_norm_kernel, {**norm_sig, **{k: "*fp32" for k in ("x_ptr", "res_ptr", "w_ptr",
                                                                 "out_ptr", "sum_ptr")}},
          dict(BLOCK_N=4096, HAS_RESIDUAL=True)),
-        (_silu_mul_kernel, dict(gate_up_ptr="*bf16", out_ptr="*bf16", stride_m="i64", I="i32",
-                                BLOCK_I="constexpr"), dict(BLOCK_I=1024)),
+        (_rms_norm_kernel, {**norm_sig, **{k: "*fp16" for k in ("x_ptr", "res_ptr", "w_ptr",
+                                                                "out_ptr", "sum_ptr")}},
+         dict(BLOCK_N=4096, HAS_RESIDUAL=True)),
+        *((_silu_mul_kernel, dict(gate_up_ptr=ptr, out_ptr=ptr, stride_m="i64", I="i32",
+                                  BLOCK_I="constexpr"), dict(BLOCK_I=1024))
+          for ptr in ("*bf16", "*fp16", "*fp32")),
         (_rope_kernel, dict(x_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", out_ptr="*bf16",
                             stride_xq="i64", stride_xh="i64", H="i32", HALF="constexpr"),
          dict(HALF=64)),

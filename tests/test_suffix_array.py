@@ -150,6 +150,12 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="work"):
         context_array(t, 0, 4, 4, num_selected=3, use_triton=True, block=4,
                       work=torch.zeros(8, dtype=torch.int32))
+    meta = dict(device="meta")
+    with pytest.raises(ValueError, match="^out: expected device cpu, got meta"):
+        context_array(t, 0, 4, 4, num_selected=3, out=torch.zeros(3, dtype=torch.int32, **meta))
+    with pytest.raises(ValueError, match="^work: expected device cpu, got meta"):
+        context_array(t, 0, 4, 4, num_selected=3, use_triton=True, block=4,
+                      work=torch.zeros(8, dtype=torch.int64, **meta))
 
 
 def test_the_arena_builds_its_levels_through_the_kernel(monkeypatch):

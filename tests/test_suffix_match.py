@@ -302,6 +302,13 @@ def test_edge_shapes(P):
         q, lengths = make_queries(names, 6, seed=3)
         ref, got = run_both(a, chosen, q, lengths, P)
         assert_same(ref, got, names)
+    # max_depth = 0: nothing is searched
+    desc = ar.descriptors(cids)
+    q, lengths = (t.to(DEV) for t in make_queries(list(ids), 6, seed=4))
+    ref, got = (suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=0, max_positions=P,
+                             use_triton=u) for u in (False, True))
+    assert_same(ref, got, list(ids))
+    assert (got.length == 0).all()
 
 
 @pytest.mark.parametrize("max_scan", [1, 2, 5])
@@ -517,6 +524,13 @@ def test_launcher_rejects_bad_descriptors():
                        ("sa", (ar.tokens, ar.sa.view(-1, 2)))):
         with pytest.raises(ValueError, match=f"{name} must be 1-D"):
             suffix_match(*args, desc, q, lengths, max_depth=4, max_positions=2)
+    for name, args in (("sa", (ar.tokens, ar.sa.to("meta"), desc, q, lengths)),
+                       ("queries", (ar.tokens, ar.sa, desc, q.to("meta"), lengths)),
+                       ("lengths", (ar.tokens, ar.sa, desc, q, lengths.to("meta"))),
+                       ("desc.num_tokens", (ar.tokens, ar.sa, dataclasses.replace(
+                           desc, num_tokens=desc.num_tokens.to("meta")), q, lengths))):
+        with pytest.raises(ValueError, match=f"^{name} is on meta"):
+            suffix_match(*args, max_depth=4, max_positions=2, use_triton=True)
     assert desc.level_key is not None and desc.level_key.numel() >= 1
     short = dataclasses.replace(desc, level_key=desc.level_key[:-1])
     with pytest.raises(ValueError, match="desc.level_key"):

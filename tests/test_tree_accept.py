@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from agspec_gpu.kernels.tree_accept import (_tree_accept_kernel, greedy_tree_accept, num_warps,
-                                             tree_accept, tree_accept_torch)
-from kernel_compile import (compile_all_for_sm90, num_compiles,
+import agspec_gpu.kernels.tree_accept as tree_accept_mod
+from agspec_gpu.kernels.tree_accept import (MAX_BLOCK_N, _tree_accept_kernel, greedy_tree_accept,
+                                             num_warps, tree_accept, tree_accept_torch)
+from kernel_compile import (NoLaunch, compile_all_for_sm90, num_compiles,
                             recorded_specializations)
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,6 +203,37 @@ def test_rejects_bad_inputs():
                         max_depth=3)
 
 
+def test_rejects_a_tensor_on_another_device():
+    t = torch.zeros(2, 3, dtype=torch.int32)
+    num = torch.zeros(2, dtype=torch.int32)
+    exp = torch.zeros(2, 4, dtype=torch.int64)
+    for name, args in (("parents", (t, t.to("meta"), num, exp)),
+                       ("num_draft_tokens", (t, t, num.to("meta"), exp)),
+                       ("expected", (t, t, num, exp.to("meta")))):
+        with pytest.raises(ValueError, match=f"^{name}: on meta"):
+            tree_accept(*args, by_depth=False, max_depth=3, use_triton=True)
+    with pytest.raises(ValueError, match="^target: on meta"):
+        greedy_tree_accept(t, t, num, exp.to("meta"), max_depth=3, use_triton=True)
+    rows, start = torch.zeros(5, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^row_start: on meta"):
+        greedy_tree_accept(t, t, num, rows, max_depth=3, row_start=start.to("meta"),
+                           use_triton=True)
+    out = tuple(o.to("meta") if i == 2 else o for i, o in enumerate(garbage_outputs(2, 3)))
+    with pytest.raises(ValueError, match="^out: output_ids .* on meta"):
+        greedy_tree_accept(t, t, num, exp, max_depth=3, use_triton=True, out=out)
+
+
+@pytest.mark.parametrize("by_depth", [False, True])
+def test_drafts_wider_than_the_kernels_block_run_the_torch_path(by_depth, monkeypatch):
+    """N > MAX_BLOCK_N: both launchers run the torch path (the kernel must not launch) and
+    equal the walk's definition and ``tree_accept_torch``."""
+    monkeypatch.setattr(tree_accept_mod, "_tree_accept_kernel", NoLaunch())
+    N = MAX_BLOCK_N + 1
+    rng = np.random.default_rng(129 + by_depth)
+    for D in (N, 5):
+        check(*random_case(rng, 3, N, 2, by_depth, W=N + 1), by_depth, D)
+
+
 def test_rejects_bad_greedy_targets():
     t = torch.zeros(2, 3, dtype=torch.int32)
     num = torch.zeros(2, dtype=torch.int32)
@@ -273,7 +305,9 @@ def test_kernel_compiles_for_sm90():
          dict(num_warps=num_warps(128, True))),  # 4 warps spill here
         (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True,
                                            ROWS=False)),
-        (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True, ROWS=True))])
+        (_tree_accept_kernel, greedy, dict(BLOCK_N=64, BY_DEPTH=False, EMIT=True, ROWS=True)),
+        (_tree_accept_kernel, greedy, dict(BLOCK_N=128, BY_DEPTH=False, EMIT=True, ROWS=True),
+         dict(num_warps=num_warps(128, False)))])  # greedy's widest block
 
 
 @pytest.mark.parametrize("by_depth", [False, True])

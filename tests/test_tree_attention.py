@@ -13,7 +13,8 @@ from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.prefix_pages import PrefixPages, _prefix_pages_kernel, prefix_pages
 from agspec_gpu.kernels.tree_attention import _tree_attention_kernel, tree_attention
 from agspec_gpu.tree import TreeMetadata, host_sizes, plan_tree
-from kernel_compile import assert_one_compile_per_config, compile_for_sm90
+from kernel_compile import (assert_one_compile_per_config, compile_all_for_sm90,
+                            compile_for_sm90)
 from tree_reference import DEVICE, make_case
 
 # (sizes, tree kind, prefix lengths, page size): chains, bushy trees, empty drafts, empty
@@ -93,6 +94,16 @@ def test_prefix_pages_drop_what_exceeds_the_buffer_and_check_their_arguments():
     for bad in (4.0, True, 0):
         with pytest.raises(ValueError, match="page_size"):
             prefix_pages(lens, table, bad, prefix_buffers(2, 8))
+    with pytest.raises(ValueError, match="^page_table: expected dtype torch.int32"):
+        prefix_pages(lens, table.long(), 4, prefix_buffers(2, 8))
+    with pytest.raises(ValueError, match="every request needs a page"):
+        prefix_pages(lens, table[:, :0], 4, prefix_buffers(2, 8))
+    with pytest.raises(ValueError, match="^page_table: expected device .*, got meta"):
+        prefix_pages(lens, table.to("meta"), 4, prefix_buffers(2, 8))
+    on_meta = prefix_buffers(2, 8)._replace(kv_indices=torch.zeros(8, dtype=torch.int32,
+                                                                   device="meta"))
+    with pytest.raises(ValueError, match="^out.kv_indices: expected device .*, got meta"):
+        prefix_pages(lens, table, 4, on_meta)
 
 
 def test_a_prefix_past_its_page_table_writes_no_made_up_pages():
@@ -257,6 +268,19 @@ def test_tree_kernel_checks_its_arguments():
             tree_attention(**{**args, name: bad}, num_tree=1, sm_scale=0.3)
     with pytest.raises(ValueError, match="num_tree"):
         tree_attention(**args, num_tree=2, sm_scale=0.3)
+    narrow = torch.zeros(1, 33, 1, dtype=torch.int32)  # 33 rows, one 32-bit word
+    with pytest.raises(ValueError, match="ancestor_bits: 1 words cannot hold 33 rows"):
+        tree_attention(**{**args, "ancestor_bits": narrow}, num_tree=1, sm_scale=0.3)
+    for bad in (torch.empty_like(q).double(), torch.empty_like(q)[:-1],
+                torch.empty_like(q).transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(ValueError, match="^out: expected contiguous"):
+            tree_attention(**args, num_tree=1, sm_scale=0.3, out=bad)
+    for name in ("kv_cache", "kv_slots", "qo_indptr", "ancestor_bits", "prefix_lens",
+                 "o_prefix", "lse_prefix"):
+        with pytest.raises(ValueError, match=f"^{name}: .*meta"):
+            tree_attention(**{**args, name: args[name].to("meta")}, num_tree=1, sm_scale=0.3)
+    with pytest.raises(ValueError, match="^out: on meta"):
+        tree_attention(**args, num_tree=1, sm_scale=0.3, out=torch.empty_like(q, device="meta"))
     empty = tree_attention(**{k: (v[:0] if k in ("q", "kv_slots", "o_prefix", "lse_prefix")
                                   else v) for k, v in args.items()}, num_tree=1, sm_scale=0.3)
     assert empty.shape == (0, 4, 8)
@@ -300,16 +324,18 @@ def test_launches_of_any_batch_share_the_compiled_kernels():
 
 @pytest.mark.parametrize("G,D,block_t", [(4, 128, 16), (7, 128, 8), (1, 64, 32)])
 def test_tree_kernel_compiles_for_sm90(G, D, block_t):
-    ptr = "*bf16"
-    sig = {"q_ptr": ptr, "kv_ptr": ptr, "kv_slots_ptr": "*i32", "qo_indptr_ptr": "*i32",
-           "ancestor_bits_ptr": "*i32", "prefix_lens_ptr": "*i32", "o_prefix_ptr": ptr,
-           "lse_prefix_ptr": "*fp32", "out_ptr": ptr, "num_requests": "i32", "num_tree": "i32",
-           "R": "i32", "W": "i32", "page_size": "i32", "sm_scale_log2": "fp32",
-           "H": "constexpr", "G": "constexpr", "GP": "constexpr", "D": "constexpr",
-           "BLOCK_D": "constexpr", "BLOCK_T": "constexpr"}
+    def sig(ptr):
+        return {"q_ptr": ptr, "kv_ptr": ptr, "kv_slots_ptr": "*i32", "qo_indptr_ptr": "*i32",
+                "ancestor_bits_ptr": "*i32", "prefix_lens_ptr": "*i32", "o_prefix_ptr": ptr,
+                "lse_prefix_ptr": "*fp32", "out_ptr": ptr, "num_requests": "i32",
+                "num_tree": "i32", "R": "i32", "W": "i32", "page_size": "i32",
+                "sm_scale_log2": "fp32", "H": "constexpr", "G": "constexpr", "GP": "constexpr",
+                "D": "constexpr", "BLOCK_D": "constexpr", "BLOCK_T": "constexpr"}
     GP = 1 << (G - 1).bit_length()
-    compile_for_sm90(_tree_attention_kernel, sig, {
+    # every dtype the launcher takes (fp16 / bf16 / fp32), one child process
+    compile_all_for_sm90([(_tree_attention_kernel, sig(ptr), {
         "H": 8 * G, "G": G, "GP": GP, "D": D, "BLOCK_D": D, "BLOCK_T": block_t})
+        for ptr in ("*bf16", "*fp16", "*fp32")])
 
 
 def test_prefix_pages_kernel_compiles_for_sm90():
@@ -364,6 +390,30 @@ def test_tree_kernel_with_sink_requests(dtype):
     outs = [tree_attention(q, *args, o_p, lse, num_tree=0, sm_scale=0.3, use_triton=u)
             for u in (False, True)]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_tree_row_without_a_kv_slot_is_not_attended():
+    """A tree row whose KV slot is -1 (none: ``kv_slots``' padding value) inside its own
+    tree: no row attends to it, on both paths alike; a root without a slot and without a
+    prefix sees nothing (zeros)."""
+    case = ([5, 4], "random", [0, 6], 4)
+    meta, q, cache, _ = split_and_custom(case, 4, 2, head_dim=16, seed=2)
+    o_prefix, lse = prefix_part(meta, q, cache, case[3])
+    slots = meta.kv_slots.clone()
+    qo = meta.qo_indptr.tolist()
+    slots[[qo[0], qo[0] + 2, qo[1] + 1]] = -1  # request 0's root and a node; request 1's node
+    outs = []
+    for use_triton in (False, True):
+        args = [t.to(DEVICE) for t in (q, cache, slots, meta.qo_indptr, meta.ancestor_bits,
+                                        meta.maybe_prefix.prefix_lens, o_prefix, lse)]
+        outs.append(tree_attention(*args, num_tree=meta.batch_size, sm_scale=16 ** -0.5,
+                                   use_triton=use_triton).cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(outs[0]).all() and outs[0][qo[0]].eq(0).all()
+    full = tree_attention(q, cache, meta.kv_slots, meta.qo_indptr, meta.ancestor_bits,
+                          meta.maybe_prefix.prefix_lens, o_prefix, lse,
+                          num_tree=meta.batch_size, sm_scale=16 ** -0.5, use_triton=False)
+    assert not torch.equal(full[qo[1] + 1], outs[0][qo[1] + 1])  # the slot did count
 
 
 @pytest.mark.parametrize("sink", [None, 5])

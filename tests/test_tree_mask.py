@@ -415,6 +415,34 @@ def test_the_launcher_alone_allocates_checks_and_plans_what_plan_tree_plans(use_
                               for name, x in zip(TreeMaskBuffers._fields, got)))
     with pytest.raises(ValueError, match="out.qo_indptr"):
         tree_mask(*args, out=small)
+    if device.type == "cpu":  # a tensor on another device: named
+        names = ("parents", "num_draft_tokens", "root_ids", "prefix_lens", "page_table")
+        for i, name in enumerate(names, 1):
+            bad = args[:i] + (args[i].to("meta"),) + args[i + 1:]
+            with pytest.raises(ValueError, match=f"^{name}: expected device cpu, got meta"):
+                tree_mask(*bad, use_triton=use_triton)
+        for name in ("qo_indptr", "kv_indices", "packed_mask", "ancestor_bits"):
+            on_meta = got._replace(**{name: getattr(got, name).to("meta")})
+            with pytest.raises(ValueError, match=f"^out.{name}: expected device cpu, got meta"):
+                tree_mask(*args, out=on_meta, use_triton=use_triton)
+
+
+@pytest.mark.parametrize("B,N,sink_page,qo_indptr", [
+    (0, 3, None, [0]), (0, 3, 0, [0, 0]), (2, 0, None, [0, 1, 2]), (2, 0, 0, [0, 1, 2, 2])])
+def test_an_empty_batch_or_drafts_without_node_columns(B, N, sink_page, qo_indptr):
+    """B = 0 (with and without a sink, which then has no rows) and N = 0 (roots alone):
+    both paths plan the same, every field."""
+    i32 = dict(dtype=torch.int32)
+    args = (torch.zeros(B, N, **i32), torch.full((B, N), -1, **i32), torch.zeros(B, **i32),
+            torch.arange(B, **i32) + 5, torch.tensor([3, 0][:B], **i32),
+            torch.arange(2 * B, **i32).view(B, 2))
+    want = tree_mask(*args, 4, sink_page=sink_page, use_triton=False)
+    got = tree_mask(*(t.to(DEVICE) for t in args), 4, sink_page=sink_page, use_triton=True)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    assert want.qo_indptr.tolist() == qo_indptr
+    if B:  # the roots at their prefix positions
+        assert want.input_ids.tolist() == [5, 6] and want.position_ids.tolist() == [3, 0]
 
 
 @pytest.mark.parametrize("sizes,prefix_lens,page_size,max_q,max_mask_bytes", [
