@@ -556,16 +556,29 @@ class HFRunner:
 
 
 
-# the probe's bound: its difference from the model's own forward may be this many times
-# the difference its own forward shows between two mask forms that must agree (the
-# summation order of other kernels: ~0 on a CPU, a half-precision GPU's rounding), and at
-# least _PROBE_FLOOR of the largest logit (float32 runs on a CPU agree to ~2e-7)
+# the probe's bounds, relative to the largest logit: its difference from the model's own
+# forward may be _PROBE_NOISE_FACTOR times the difference the model's own forward shows
+# between two mask forms that must agree (other kernels' summation order: ~0 on a CPU),
+# and at least _PROBE_EPS_FLOOR of the precision's rounding step (float32 runs on a CPU
+# agree to ~2e-7; a half-precision GPU forward of another shape rounds anew) and
+# _PROBE_FLOOR; that noise itself at most _PROBE_EPS_CEILING steps and
+# _PROBE_NOISE_CEILING: a forward whose logits move by more under the mask form (RoBERTa:
+# 1.2, its positions come from the input ids) does not take what a tree is given
 _PROBE_NOISE_FACTOR = 10.0
-_PROBE_FLOOR = 1e-5
-# ... and that noise itself at most this: a forward whose logits move by more under the
-# mask form than half precision rounds (RoBERTa: 1.2, its positions come from the input
-# ids) does not take the mask and positions a tree is given
-_PROBE_NOISE_CEILING = 5e-2
+_PROBE_FLOOR, _PROBE_EPS_FLOOR = 1e-5, 4.0
+_PROBE_NOISE_CEILING, _PROBE_EPS_CEILING = 5e-2, 8.0
+
+
+def _probe_bounds(dtype: torch.dtype, device: torch.device, noise: float
+                  ) -> tuple[float, float]:
+    """``(difference bound, noise bound)`` of :func:`check_hf_probe` for a model of
+    ``dtype`` on ``device``: float32 matmuls on a GPU that allows TF32 round at its step."""
+    eps = torch.finfo(dtype).eps
+    if dtype == torch.float32 and device.type == "cuda" and \
+            torch.backends.cuda.matmul.allow_tf32:
+        eps = 2.0 ** -10
+    return (max(_PROBE_FLOOR, _PROBE_EPS_FLOOR * eps, _PROBE_NOISE_FACTOR * noise),
+            max(_PROBE_NOISE_CEILING, _PROBE_EPS_CEILING * eps))
 
 
 def probe_hf_model(model: torch.nn.Module) -> tuple[float, float]:
@@ -632,13 +645,15 @@ def _probe(runner: HFRunner) -> tuple[float, float]:
 
 
 def check_hf_probe(model: torch.nn.Module) -> None:
-    """Raises ValueError naming ``model`` when :func:`probe_hf_model`'s difference exceeds
-    ten times its noise and ``1e-5`` of the largest logit, or the noise exceeds ``0.05``:
-    its speculative output could not equal its greedy decoding. Detects what :func:`check_hf_model`'s list of
-    architectures cannot name (a new one); that check runs first, as :class:`HFRunner`'s
-    refusal of a model in training mode. A model whose logits barely depend on where a
-    token sits (a tiny random one in half precision) can pass with a wrong placement: the
-    probe bounds the error, the list and these checks name the known causes."""
+    """Raises ValueError naming ``model`` when :func:`probe_hf_model` shows that its
+    speculative output could not equal its greedy decoding: the difference exceeds the
+    largest of ten times the noise, four rounding steps of the model's precision and
+    ``1e-5`` (of the largest logit; bfloat16: 0.031), or the noise exceeds 0.05 (bfloat16:
+    0.0625). Detects what :func:`check_hf_model`'s list of architectures cannot name (a
+    new one); that check runs first, as :class:`HFRunner`'s refusal of a model in
+    training mode. A model whose logits barely depend on where a token sits (a tiny random
+    one in half precision) can pass with a wrong placement: the probe bounds the error,
+    the list and the checks name the known causes."""
     runner = HFRunner(model)  # check_hf_model's refusals, and eval mode
     try:
         diff, noise = _probe(runner)
@@ -646,11 +661,11 @@ def check_hf_probe(model: torch.nn.Module) -> None:
         raise ValueError(f"model: {type(model).__name__}'s forward failed on a draft tree "
                          f"(4-D float mask, position ids, a cache): {type(e).__name__}: "
                          f"{e}") from e
-    bound = max(_PROBE_FLOOR, _PROBE_NOISE_FACTOR * noise)
-    if not (diff <= bound and noise <= _PROBE_NOISE_CEILING):  # (NaN too)
+    bound, noise_bound = _probe_bounds(runner.dtype, runner.device, noise)
+    if not (diff <= bound and noise <= noise_bound):  # (NaN too)
         raise ValueError(f"model: {type(model).__name__} does not place tokens by the "
                          f"position ids and mask it is given: its logits on a draft tree "
                          f"differ from its own forward by {diff:.3g} of their range (bound "
                          f"{bound:.3g}), under a 4-D mask alone by {noise:.3g} (bound "
-                         f"{_PROBE_NOISE_CEILING:g}); speculative output would not equal "
+                         f"{noise_bound:.3g}); speculative output would not equal "
                          f"greedy decoding")
