@@ -61,7 +61,7 @@ from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
-from agspec_gpu.runners.hf import HFRunner, check_hf_probe
+from agspec_gpu.runners.hf import HFRunner, check_hf_model, check_hf_probe
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
 from agspec_gpu.runners.verify_graphs import VerifyGraphs
@@ -110,7 +110,7 @@ class SpecDecoder:
             raise ValueError(f"model: expected a Hugging Face causal LM (with a .config), "
                              f"got {type(model).__name__}")
         if self.config.runner == "hf":  # a model it cannot verify exactly fails here
-            check_hf_probe(model)
+            check_hf_model(model)  # (then probed, on its device: _build)
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
         if vocab and self.tokenizer.vocab_size > vocab:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
@@ -144,6 +144,8 @@ class SpecDecoder:
         """The decoder's device state: corpora, drafter (its graphs captured), the paged
         runner and its verification graphs, the step's host reader, the sessions' KV."""
         device = self._device
+        if self.config.runner == "hf":  # what no list names: probed against its own forward
+            check_hf_probe(model)
         self.store = CorpusStore(self.tokenizer, self.config.tiers, device, global_corpus,
                                  vocab_size=self.vocab_size)
         drafter_cfg = self.config.drafter

@@ -371,7 +371,8 @@ def test_the_probe_detects_what_no_list_names(monkeypatch):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     small = dict(vocab_size=64, hidden_size=16, num_attention_heads=2)
-    cfg = transformers.LlamaConfig(num_hidden_layers=1, intermediate_size=32, **small)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, intermediate_size=32,
+                                   **{**small, "vocab_size": 100_277})  # cl100k's, for the decoder
     torch.manual_seed(0)
     model = _LlamaByCacheLength(cfg).eval()
     hf.check_hf_model(model)  # nothing in the model's config tells
