@@ -434,6 +434,37 @@ def _fp32_llama_and_prompt(device: torch.device, seed: int) -> tuple:
     return model, [int(t) for t in np.random.default_rng(seed).integers(0, 1000, 30)] * 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_probe_takes_supported_models_on_cuda(dtype, attn):
+    """The HF runner's probe on a GPU, whose kernels of other shapes round anew: a tiny
+    Llama (fp32 and bf16, both attention implementations) is within the bounds, and one
+    that ignores its position ids is refused (printed: the figures a bound sits over)."""
+    import transformers
+
+    from agspec_gpu.runners import hf
+
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100277, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn)
+    model = model.to(DEV, dtype).eval()
+    diff, noise = hf.probe_hf_model(model)
+    print(f"probe {dtype} {attn}: difference {diff:.3g}, noise {noise:.3g}, bounds "
+          f"{hf._probe_bounds(dtype, DEV, noise)}")
+    hf.check_hf_probe(model)
+
+    class ByCacheLength(transformers.LlamaForCausalLM):
+        def forward(self, *args, position_ids=None, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    torch.manual_seed(0)
+    wrong = ByCacheLength._from_config(config, attn_implementation=attn).to(DEV, dtype).eval()
+    with pytest.raises(ValueError, match="does not place tokens by the position ids"):
+        hf.check_hf_probe(wrong)
+
+
 def test_spec_decoder_hf_runner_keeps_kv_and_mixes_sampling_on_cuda():
     """The default (hf) runner on a GPU (fp32): a greedy session next to a sampled one is
     plain greedy decoding, its second call continues the kept KV (device tensors), a
