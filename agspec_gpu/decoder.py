@@ -505,6 +505,12 @@ class SpecDecoder:
             KeyError / ValueError naming the argument, nothing committed (the proposal
             stands: a corrected commit may follow), for bad arguments and for ``logits``
             whose rows that choose a token hold a NaN or +inf, or only -inf (a model fault).
+            A drafter error after the session tiers took the step's tokens (a level build
+            out of memory) is raised with the step committed: the contexts hold its
+            tokens (``session_stats(sid).context_len`` counts them; ``root_ids`` is the
+            bonus token) and the proposal is spent, so a retry cannot append them twice;
+            the loop's verifier, which never got the result, starts again from the
+            sessions' contexts.
         """
         sids = self._batch(session_ids)
         if self._proposed != sids:
@@ -537,6 +543,7 @@ class SpecDecoder:
             new = [r[:n] for r, n in zip(rows, n_out)]
             states = [self._sessions[s] for s in sids]
             reasons = [st.finish_reason for st in states]  # back if the drafter raises
+            observed = False
             try:
                 for st in states:  # each own-loop request runs, unless this step ends it
                     st.finish_reason = None
@@ -550,15 +557,27 @@ class SpecDecoder:
                 self.drafter.observe(sids, res.output_ids, res.num_output, res.num_accepted,
                                      validate=False, path_nodes=res.accepted_nodes,
                                      defer=True)
+                observed = True
                 self._record(sids, taken, n_out, num_draft)
             except BaseException:
-                for st, reason in zip(states, reasons):
-                    st.finish_reason = reason
+                if not (observed and not self.drafter.commit_pending):
+                    for st, reason in zip(states, reasons):
+                        st.finish_reason = reason
+                    raise
+                # the settle raised after the session tiers took the tokens (a level
+                # build): the step happened; the contexts take them too, the proposal is
+                # spent (a retry would append them twice)
+                self._commit_contexts(sids, new)
                 raise
-            for s, toks in zip(sids, new):
-                self._sessions[s].extend(toks)
-        self._proposed = self._proposed_draft = None
+            self._commit_contexts(sids, new)
         return res if taken == n_out else cut_result(res, taken)
+
+    def _commit_contexts(self, sids: list[str], new: list[list[int]]) -> None:
+        """The sessions' contexts take what a committed step emitted; its proposal is
+        spent."""
+        for s, toks in zip(sids, new):
+            self._sessions[s].extend(toks)
+        self._proposed = self._proposed_draft = None
 
     def _batch(self, session_ids: Sequence[str], bounded: bool = True) -> list[str]:
         """``session_ids`` as a list, checked: distinct, open, at most ``max_batch`` (when
@@ -597,9 +616,21 @@ class SpecDecoder:
         """Settles the step's drafter commit (``Drafter.observe(defer=True)``, queued before
         the host read the step) with ``taken[b]`` output tokens of each session (session
         tier, recent tokens) and counts them; ``taken`` is ``num_output`` (host) cut where
-        a request ended; ``num_draft``: the verified draft sizes (host). First: a drafter
-        that raises leaves the counters as they were."""
-        self.drafter.settle(taken, num_queued_host=num_output)
+        a request ended; ``num_draft``: the verified draft sizes (host). A settle that
+        raises before the session tiers took the tokens leaves the counters as they were;
+        one that raises after (a level build) counts the step, whose tokens the sessions
+        keep."""
+        try:
+            self.drafter.settle(taken, num_queued_host=num_output)
+        except BaseException:
+            if not self.drafter.commit_pending:  # the corpora took the tokens
+                self._count_step(sids, taken, num_output, num_draft)
+            raise
+        self._count_step(sids, taken, num_output, num_draft)
+
+    def _count_step(self, sids: list[str], taken: list[int], num_output: list[int],
+                    num_draft: list[int]) -> None:
+        """Counts a settled step in the decoder's and the sessions' counters."""
         self._steps += 1
         self._tokens += sum(taken)
         self._drafted += sum(num_draft)
@@ -763,7 +794,11 @@ class SpecDecoder:
         Raises:
             What a step raises (a full KV pool, say): the step's requests (running and
             joining) end there, their sessions usable and in step at what they emitted;
-            requests still queued stay queued.
+            requests still queued stay queued. Tokens the failed step had put into its
+            sessions' contexts (a session tier's level build that failed after the tier
+            took them; requests that failed to leave) come first in the next ``step``'s
+            outputs, each finished with its request's reason (``"error"`` unless it ended
+            in that step), so the outputs always spell the contexts.
         """
         self._check_generator(generator)
         return self._scheduler.step(generator)

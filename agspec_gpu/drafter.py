@@ -764,9 +764,8 @@ class Drafter:
             else:
                 (acc_src,) = self._commit_tensors(**inputs, num_requests=len(sids))
             self.last_accepted_sources = acc_src
-        else:
-            if defer:
-                self.state.save_rings(slots)
+        else:  # (saved: put back if the corpora cannot take the tokens)
+            self.state.save_rings(slots)
             self.state.push(slots, out.clamp(min=0), nout)
         if defer:  # the device's counts: the arena settles them later
             counts = nout
@@ -778,10 +777,21 @@ class Drafter:
         # (the kept descriptors' session lengths, while current, grow in the same launch)
         arena = self.store.arena
         version = arena.descriptor_version
-        self.store.append_sessions(
-            sids, out.contiguous(), counts,
-            corpus_ids=None if grid is None else grid[1][::grid[3]],
-            totals=None if grid is None else self._kept.lengths(arena, self._grid_key))
+        lengths = None if defer else self.store.session_lengths(sids)
+        try:
+            self.store.append_sessions(
+                sids, out.contiguous(), counts,
+                corpus_ids=None if grid is None else grid[1][::grid[3]],
+                totals=None if grid is None else self._kept.lengths(arena, self._grid_key))
+        except BaseException:
+            # the corpora took nothing (deferred: their level builds wait for settle; else
+            # their lengths tell): the rings as saved before the push, so the two stay in
+            # step (the verification still counts, as settle's cut keeps it)
+            if defer or self.store.session_lengths(sids) == lengths:
+                none = torch.zeros(B, dtype=torch.int64, device=dev)
+                self.state.restore_rings(torch.arange(B, device=dev), slots, out.clamp(min=0),
+                                         none)
+            raise
         if defer:
             self._deferred = _Deferred(None if grid is None else self._grid_key, version,
                                        arena.unsettled, slots, out)

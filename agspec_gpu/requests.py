@@ -200,20 +200,36 @@ class Requests:
         """Appends each request's new tokens to its output, ending at its EOS, a stop string
         (its matcher sees every token it takes) or its limit (then ``finish[b]`` says which:
         ``"eos"`` before ``"stop"`` before ``"length"`` when one token is several); returns
-        what each request took of ``new[b]``. Every row must still be running."""
+        what each request took of ``new[b]``. Every row must still be running. All or
+        nothing: a stop string's decode that raises takes back the rows before it."""
         taken: list[list[int]] = [[] for _ in new]
-        for b, toks in enumerate(new):
-            take, out, eos = taken[b], self.outs[b], self.eos[b]
-            for t in toks:
-                take.append(t)
-                stopped = self.stop[b].push(t)  # the matcher sees every token taken
-                reason = "eos" if eos is not None and t == eos else "stop" if stopped else \
-                    "length" if len(out) + len(take) >= self.limits[b] else None
-                if reason is not None:
-                    self._end(b, reason)
-                    break
-            out.extend(take)
+        try:
+            for b, toks in enumerate(new):
+                take, out, eos = [], self.outs[b], self.eos[b]
+                for t in toks:
+                    take.append(t)
+                    stopped = self.stop[b].push(t)  # the matcher sees every token taken
+                    reason = "eos" if eos is not None and t == eos else "stop" if stopped \
+                        else "length" if len(out) + len(take) >= self.limits[b] else None
+                    if reason is not None:
+                        self._end(b, reason)
+                        break
+                out.extend(take)
+                taken[b] = take
+        except BaseException:
+            self.unemit(taken)  # (the failing row's tokens never joined its output)
+            raise
         return taken
+
+    def unemit(self, taken: list[list[int]]) -> None:
+        """Takes back what :meth:`emit` returned (``taken``): a step whose tokens no
+        session took (it failed before its drafter commit settled). Each output loses
+        them; a request the step ended runs again (its finish reason cleared: the step
+        never happened), so :meth:`fail` ends it at ``"error"``."""
+        for b, toks in enumerate(taken):
+            if toks:  # (a row emit ended had been running: emit takes running rows only)
+                del self.outs[b][len(self.outs[b]) - len(toks):]
+                self.finish[b] = self.states[b].finish_reason = None
 
     def advance(self, new: list[list[int]],
                 on_tokens: Callable[[str, list[int]], bool | None] | None = None) -> None:

@@ -65,6 +65,10 @@ class RunningBatch:
         self.sampling: BatchSampling | None = None
         self.caps: torch.Tensor | None = None       # int32 [B] draft caps (opt-outs)
         self.no_draft: DraftBatch | None = None     # B trees of one padding node (all opted out)
+        # after a step raised: what each request emitted that its session tier took anyway
+        # (a level build failing after the corpora grew); the scheduler reports it (the
+        # contexts take it, ``on_tokens`` streams it) before it raises
+        self.unreported: list[list[int]] | None = None
 
     def prefill(self, generator: torch.Generator | None) -> list[list[int]]:
         """Starts the runner on the requests' contexts (after each session's kept KV), picks
@@ -89,7 +93,9 @@ class RunningBatch:
                                           to_device(counts, torch.int32, self.device),
                                           counts, validate=False)
         except BaseException:
-            self._contexts_follow_tiers(before, new)
+            after = self.drafter.store.session_lengths(reqs.sids)
+            self._failed_after_emit(new, [n1 - n0 == len(t) > 0
+                                          for t, n0, n1 in zip(new, before, after)])
             raise
         return new
 
@@ -143,12 +149,13 @@ class RunningBatch:
             self.root = res.bonus_ids().to(torch.int32)
             if self.next_pos is not None:
                 self.next_pos += res.num_output
-            self.drafter.observe(reqs.sids, res.output_ids, res.num_output, res.num_accepted,
-                                 validate=False, path_nodes=res.accepted_nodes,
-                                 num_verified=draft.num_draft_tokens if cut else None,
-                                 defer=True)
             new = None
             try:
+                self.drafter.observe(reqs.sids, res.output_ids, res.num_output,
+                                     res.num_accepted, validate=False,
+                                     path_nodes=res.accepted_nodes,
+                                     num_verified=draft.num_draft_tokens if cut else None,
+                                     defer=True)
                 # the next step's draft, when no request can reach its limit in this one
                 # (at most its draft's nodes and the bonus): the next propose takes it if
                 # the step ended none (EOS, a stop string) and built no index level. (In
@@ -163,28 +170,26 @@ class RunningBatch:
                 # string or the limit
                 self._record(reqs.sids, list(map(len, new)), n_out, num_draft)
             except BaseException as exc:
-                if self.drafter.commit_pending:  # the sessions took nothing of the step:
-                    B, M = res.output_ids.shape   # nor their tiers
+                took = not self.drafter.commit_pending  # settled: the corpora took it
+                if not took:  # the sessions took nothing of the step: nor their tiers
+                    B, M = res.output_ids.shape
                     try:
                         self.drafter.settle([0] * B, num_queued_host=[M] * B)
                     except Exception as cleanup:  # noqa: BLE001 - noted on the error
                         exc.add_note(f"then settling the drafter's commit failed too: "
                                      f"{cleanup!r}")
-                elif new is not None:  # the settle failed after the tiers took what the
-                    for st, toks in zip(reqs.states, new):  # sessions emitted (a level
-                        st.extend(toks)  # build): their contexts take it too (KV has it)
+                if new is not None:  # (an observe that raised queued nothing)
+                    self._failed_after_emit(new, [took] * len(new))
                 raise
         return new
 
-    def _contexts_follow_tiers(self, before: list[int], new: list[list[int]]) -> None:
-        """After the drafter's append raised: each session whose tier took its emitted
-        tokens ``new[b]`` anyway (a level build failing after its corpus grew) takes them
-        into its context too, so the two stay in step (``before``: the tiers' lengths
-        before the append)."""
-        after = self.drafter.store.session_lengths(self.reqs.sids)
-        for st, toks, n0, n1 in zip(self.reqs.states, new, before, after):
-            if n1 - n0 == len(toks) > 0:
-                st.extend(toks)
+    def _failed_after_emit(self, new: list[list[int]], took: list[bool]) -> None:
+        """After a step raised once it emitted ``new``: a request whose session tier took
+        its tokens anyway (a level build failing after the corpora grew; the KV has them)
+        keeps them, to be reported (:attr:`unreported`); the others' are taken back (the
+        step did not happen for them: their outputs and finish reasons as before it)."""
+        self.unreported = [t if k else [] for t, k in zip(new, took)]
+        self.reqs.unemit([[] if k else t for t, k in zip(new, took)])
 
     def leave(self) -> None:
         """Takes the finished requests out of the batch and the runner (keeping their KV)."""
@@ -244,7 +249,9 @@ class RunningBatch:
     def end_after(self, exc: BaseException) -> None:
         """Ends the batch after ``exc`` failed its call: an error of the ending (a runner
         left broken) is noted on ``exc``, which the caller re-raises, rather than replacing
-        it."""
+        it. A proposal of the batch's that no step committed is dropped (it would hold
+        off ``set_cost`` and calibration until these sessions run again)."""
+        self.drafter.forget(self.reqs.sids)
         try:
             self.end()
         except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters

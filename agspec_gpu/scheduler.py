@@ -55,6 +55,9 @@ class Scheduler:
         self._queue: list[Requests] = []  # one session's request each, in submission order
         self._live: RunningBatch | None = None
         self.num_preemptions = 0  # requests that left the running batch to wait again
+        # what a step that raised had emitted into its sessions' contexts: the next step
+        # returns it first (a server that goes on after an error streams every token)
+        self._undelivered: list[StepOutput] = []
 
     @property
     def running(self) -> list[str]:
@@ -74,11 +77,16 @@ class Scheduler:
         """Admits waiting requests if the batch has room, else one speculative step; returns
         what each running request emitted. An error ends the step's requests (running and
         joining; their sessions in step at what they emitted) and is raised; requests still
-        queued stay queued."""
+        queued stay queued. What the failed step had emitted into its sessions' contexts
+        (tokens a session tier took before a level build raised, or a step whose requests
+        failed to leave) is passed to ``advance`` (so ``on_tokens`` has every token) and
+        returned first by the next step, each output finished with its request's reason."""
+        undelivered, self._undelivered = self._undelivered, []
         live = self._live
         joining = self._admitted(live)
         if not joining and live is None:
-            return []
+            return undelivered
+        out: list[StepOutput] | None = None
         try:
             if joining:
                 del self._queue[:len(joining)]
@@ -92,14 +100,33 @@ class Scheduler:
             out = [StepOutput(s, t, f is not None, f) for s, t, f in zip(r.sids, new, r.finish)]
             self._leave_finished()  # their sessions are idle once step() returns
         except BaseException as exc:
+            if live is not None and live.unreported is not None:
+                out = self._report(live, exc)
             for q in joining:  # out of the queue: they end here, joined or not (a join
                 q.fail()       # that failed handing the old batch over left them outside)
             if self._live is not None:
                 self._end_live_after(exc)
             elif live is not None:  # the new batch was never made
                 live.reqs.fail()
+            if out is not None:
+                reason = dict(zip(live.reqs.sids, live.reqs.finish))
+                self._undelivered = undelivered + [
+                    StepOutput(o.session_id, o.token_ids, True,
+                               reason.get(o.session_id) or "error")
+                    for o in out if o.token_ids]
             raise
-        return out
+        return undelivered + out
+
+    def _report(self, live: RunningBatch, exc: BaseException) -> list[StepOutput]:
+        """The tokens ``live``'s failed step emitted that its session tiers took anyway:
+        advanced (contexts, ``on_tokens``) and returned as the step's outputs; an error of
+        the advance is noted on ``exc``."""
+        new, live.unreported = live.unreported, None
+        try:
+            self._advance(live.reqs, new)
+        except BaseException as cleanup:  # noqa: BLE001 - noted on the error that matters
+            exc.add_note(f"then reporting the step's tokens failed too: {cleanup!r}")
+        return [StepOutput(s, t, True) for s, t in zip(live.reqs.sids, new)]
 
     def cancel(self, sid: str) -> None:
         """Ends ``sid``'s request now (queued: dropped; running: leaves the batch, its KV

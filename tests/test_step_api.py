@@ -294,7 +294,9 @@ def test_a_level_build_failing_after_the_tier_grew_keeps_context_and_tier_in_ste
     """A session tier's level build that runs out of memory after its corpus took the
     emitted tokens (the first token after a prefill, or a verified step's): the step
     raises, the session's context takes the same tokens, so context and tier stay equal
-    and the session goes on as plain greedy decoding."""
+    and the session goes on as plain greedy decoding. Those tokens are reported: the next
+    ``step()`` returns them first (finished, ``"error"``), so the outputs spell the
+    context, and the stats count them (they had been in the context, never returned)."""
     from agspec_gpu.index import IndexArena
     from agspec_gpu.tiers import TierConfig
     P = [list(p) for p in prompts()]
@@ -313,14 +315,22 @@ def test_a_level_build_failing_after_the_tier_grew_keeps_context_and_tier_in_ste
 
     monkeypatch.setattr(IndexArena, "_maybe_index", oom)
     dec.submit(a, max_new_tokens=40, eos_id=None)
+    got = []
     with pytest.raises(torch.OutOfMemoryError):
         for _ in range(40):
-            dec.step()
+            got += [o.token_ids for o in dec.step()]
     monkeypatch.undo()
+    last = dec.step()
+    assert [(o.session_id, o.finished, o.finish_reason) for o in last] == [(a, True, "error")]
+    assert dec.step() == [] and dec.running == [] and dec.queued == []
+    got += [last[0].token_ids]
     ctx = list(dec._sessions[a].context)
     held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
     assert failed == [len(ctx)] and held == ctx and len(ctx) > len(P[0])
-    assert dec.session_stats(a).finish_reason == "error"
+    assert ctx == P[0] + [t for toks in got for t in toks]
+    st = dec.session_stats(a)
+    assert st.finish_reason == "error" and st.num_generated == len(ctx) - len(P[0]) == \
+        st.num_step_tokens + 1  # (+ the prefill's token)
     assert dec.generate([a], max_new_tokens=6, eos_id=None) == [greedy(VARIANT, ctx, 6,
                                                                        eos=None)]
     held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
@@ -1024,3 +1034,156 @@ def test_the_loops_drafter_commits_read_nothing_back(runner, monkeypatch):
     run_until_idle(dec, submit_at={0: [(sids[0], 12)], 2: [(sids[1], 9)]})
     assert len(calls) > 4 and set(calls) == {(True, False), ("deferred", False)}, calls
     assert settles == [True] * calls.count(("deferred", False))  # no read back either
+
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_a_failed_step_reports_every_token_its_sessions_took(runner, monkeypatch):
+    """Failure paths a fault-injection audit found out of step (every one now leaves each
+    context equal to its prompt and what was reported, and the sessions go on as plain
+    greedy decoding):
+
+    * a level build that raises after the tiers took a ``generate`` step's tokens:
+      ``on_tokens`` streams them (they had joined the context unreported);
+    * a finished request whose KV keep raises as it leaves (a Ctrl-C): ``step()`` raises,
+      the next one returns the failed step's outputs first;
+    * a stop string's decode that raises in the step where another request reaches its
+      limit: that request's step is taken back (``"error"``, not ``"length"`` with its
+      last tokens missing);
+    * the arena failing to take a deferred commit's tokens (a relocation out of memory):
+      the drafter's recent-token ring is put back, in step with the context again;
+    * and after each, no proposal of the failed step is left pending (it had held off
+      ``set_cost`` and calibration)."""
+    from agspec_gpu.index import IndexArena
+    from agspec_gpu.session_kv import SessionKVCache
+    from agspec_gpu.stops import StopMatcher
+    from agspec_gpu.tiers import TierConfig
+    P = [list(p) for p in prompts()]
+    dec = decoder(runner, max_batch=2, tiers=TierConfig(tail_tokens=16, max_depth=4))
+    for i in (0, 1):  # drafts that are accepted: several tokens a step
+        steer(dec, f"t{i}", P[i] + greedy(VARIANT, P[i], 60))
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[1])
+    streamed = {a: [], b: []}
+
+    def in_step(sids):  # every context is its prompt and what was reported; nothing pending
+        for s in sids:
+            ctx = dec._sessions[s].context
+            held = dec.store.arena.corpus_tokens(dec.store.session(s).corpus).tolist()
+            assert held == ctx == P[0 if s == a else 1] + streamed[s], s
+            ring = dec.drafter.state
+            slot = dec.drafter._slot_of(s)
+            n = int(ring.recent_len[slot])
+            assert ring.recent[slot, ring.depth - n:].tolist() == ctx[len(ctx) - n:], s
+        dec.drafter.check_between_steps("set_cost")
+
+    build, failed = IndexArena._maybe_index, []
+
+    def oom(self, cid):  # a session tier's level build, once
+        c = self._corpora[cid]
+        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
+            failed.append(c.n)
+            raise torch.OutOfMemoryError("a level build (simulated)")
+        return build(self, cid)
+
+    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.generate([a], max_new_tokens=40, eos_id=None,
+                     on_tokens=lambda s, t: streamed[s].extend(t))
+    monkeypatch.undo()
+    assert failed and dec.session_stats(a).finish_reason == "error"
+    in_step([a, b])
+
+    keep = SessionKVCache.keep
+
+    def interrupted(self, runner_, sids, contexts, rows=None, **kw):
+        if rows is not None:  # a finished request leaving the running batch
+            raise KeyboardInterrupt
+        return keep(self, runner_, sids, contexts, rows, **kw)
+
+    dec.submit(a, max_new_tokens=3, eos_id=None)
+    dec.submit(b, max_new_tokens=30, eos_id=None)
+    monkeypatch.setattr(SessionKVCache, "keep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            for o in dec.step():
+                streamed[o.session_id] += o.token_ids
+    monkeypatch.undo()
+    late = dec.step()
+    assert {(o.session_id, o.finish_reason) for o in late} == {(a, "length"), (b, "error")}
+    for o in late:
+        streamed[o.session_id] += o.token_ids
+    assert dec.step() == []
+    in_step([a, b])
+
+    push, pushes = StopMatcher.push, [0]
+
+    def failing_push(self, t):  # b's stop matching fails on its second step's token
+        pushes[0] += self.stops != ()
+        if pushes[0] == 2:
+            raise RuntimeError("decode failed (simulated)")
+        return push(self, t)
+
+    before = dec.session_stats(a).num_generated
+    monkeypatch.setattr(StopMatcher, "push", failing_push)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        dec.generate([a, b], max_new_tokens=[2, 30], stop=[[], ["zzqq"]], eos_id=None,
+                     on_tokens=lambda s, t: streamed[s].extend(t))
+    monkeypatch.undo()
+    st = dec.session_stats(a)
+    assert st.finish_reason == "error" and st.num_generated - before == 1  # the prefill's
+    in_step([a, b])
+
+    append_rows = IndexArena.append_rows
+
+    def relocation_fails(self, *args, **kw):
+        raise torch.OutOfMemoryError("an arena relocation (simulated)")
+
+    dec.generate([a], max_new_tokens=2, eos_id=None,  # a step, then the failing one
+                 on_tokens=lambda s, t: streamed[s].extend(t))
+    monkeypatch.setattr(IndexArena, "append_rows", relocation_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.generate([a, b], max_new_tokens=12, eos_id=None,
+                     on_tokens=lambda s, t: streamed[s].extend(t))
+    monkeypatch.undo()
+    assert IndexArena.append_rows is append_rows
+    in_step([a, b])
+    for s in (a, b):
+        ctx = list(dec._sessions[s].context)
+        assert dec.generate([s], max_new_tokens=8, eos_id=None) == [greedy(VARIANT, ctx, 8)]
+
+
+def test_own_loop_commit_whose_level_build_fails_keeps_the_step(monkeypatch):
+    """An own loop's ``commit`` whose drafter settle raises after the session tier took the
+    step's tokens (a level build out of memory): the context takes them too and the
+    proposal is spent, so a retried commit is refused instead of appending them to the
+    tier twice; the loop goes on as plain greedy decoding."""
+    from agspec_gpu.index import IndexArena
+    from agspec_gpu.tiers import TierConfig
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", max_batch=2, tiers=TierConfig(tail_tokens=16, max_depth=4))
+    sid = dec.open_session("t0", "coder", P[5])
+    runner = HFRunner(model(VARIANT))
+    runner.prefill([P[5][:-1]])  # the last context token is the first root
+    build, failed = IndexArena._maybe_index, []
+
+    def oom(self, cid):
+        c = self._corpora[cid]
+        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
+            failed.append(c.n)
+            raise torch.OutOfMemoryError("a level build (simulated)")
+        return build(self, cid)
+
+    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        for _ in range(20):
+            draft = dec.propose([sid])
+            logits = runner.verify_padded(draft, dec.root_ids([sid]))
+            res = dec.commit([sid], draft, logits)
+            runner.commit(res)
+    monkeypatch.undo()
+    ctx = list(dec._sessions[sid].context)
+    held = dec.store.arena.corpus_tokens(dec.store.session(sid).corpus).tolist()
+    assert failed and held == ctx and ctx[len(P[5]):] == greedy(VARIANT, P[5],
+                                                                  len(ctx) - len(P[5]))
+    with pytest.raises(ValueError, match="commit\\(\\) must follow propose"):
+        dec.commit([sid], draft, logits)
+    assert dec.generate([sid], max_new_tokens=6, eos_id=None) == [greedy(VARIANT, ctx, 6)]
