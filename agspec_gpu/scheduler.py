@@ -81,10 +81,11 @@ class Scheduler:
         (tokens a session tier took before a level build raised, or a step whose requests
         failed to leave) is passed to ``advance`` (so ``on_tokens`` has every token) and
         returned first by the next step, each output finished with its request's reason."""
-        undelivered, self._undelivered = self._undelivered, []
+        undelivered = list(self._undelivered)  # (cleared once this step returns)
         live = self._live
         joining = self._admitted(live)
         if not joining and live is None:
+            self._undelivered = []
             return undelivered
         out: list[StepOutput] | None = None
         try:
@@ -110,11 +111,11 @@ class Scheduler:
                 live.reqs.fail()
             if out is not None:
                 reason = dict(zip(live.reqs.sids, live.reqs.finish))
-                self._undelivered = undelivered + [
-                    StepOutput(o.session_id, o.token_ids, True,
-                               reason.get(o.session_id) or "error")
-                    for o in out if o.token_ids]
+                self._undelivered += [StepOutput(o.session_id, o.token_ids, True,
+                                                 reason.get(o.session_id) or "error")
+                                      for o in out if o.token_ids]
             raise
+        self._undelivered = []
         return undelivered + out
 
     def _report(self, live: RunningBatch, exc: BaseException) -> list[StepOutput]:

@@ -1107,6 +1107,18 @@ def test_a_failed_step_reports_every_token_its_sessions_took(runner, monkeypatch
             for o in dec.step():
                 streamed[o.session_id] += o.token_ids
     monkeypatch.undo()
+    # a next step that fails too (its join's prefill) keeps them for the one after it
+    from agspec_gpu.running_batch import RunningBatch
+
+    def no_prefill(self, generator):
+        raise RuntimeError("a prefill (simulated)")
+
+    c = dec.open_session("t2", "coder", P[2])
+    dec.submit(c, max_new_tokens=3, eos_id=None)
+    monkeypatch.setattr(RunningBatch, "prefill", no_prefill)
+    with pytest.raises(RuntimeError, match="a prefill"):
+        dec.step()
+    monkeypatch.undo()
     late = dec.step()
     assert {(o.session_id, o.finish_reason) for o in late} == {(a, "length"), (b, "error")}
     for o in late:
