@@ -798,7 +798,8 @@ class SpecDecoder:
             sessions' contexts (a session tier's level build that failed after the tier
             took them; requests that failed to leave) come first in the next ``step``'s
             outputs, each finished with its request's reason (``"error"`` unless it ended
-            in that step), so the outputs always spell the contexts.
+            in that step), so the outputs always spell the contexts (``cancel`` or
+            ``close_session`` of a session drops its share).
         """
         self._check_generator(generator)
         return self._scheduler.step(generator)

@@ -131,7 +131,9 @@ class Scheduler:
 
     def cancel(self, sid: str) -> None:
         """Ends ``sid``'s request now (queued: dropped; running: leaves the batch, its KV
-        and what it emitted kept); a no-op when it has none."""
+        and what it emitted kept; a failed step's undelivered output: dropped, its client
+        gone); a no-op when it has none."""
+        self._undelivered = [o for o in self._undelivered if o.session_id != sid]
         for q in self._queue:
             if q.sids[0] == sid:
                 q.cancel(0)

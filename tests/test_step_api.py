@@ -1199,3 +1199,30 @@ def test_own_loop_commit_whose_level_build_fails_keeps_the_step(monkeypatch):
     with pytest.raises(ValueError, match="commit\\(\\) must follow propose"):
         dec.commit([sid], draft, logits)
     assert dec.generate([sid], max_new_tokens=6, eos_id=None) == [greedy(VARIANT, ctx, 6)]
+
+
+def test_a_cancelled_or_closed_session_gets_no_undelivered_output(monkeypatch):
+    """A step that fails as its finished request leaves returns its outputs at the next
+    step, except a session's that was cancelled or closed in between (its client gone:
+    no output for a session that no longer exists)."""
+    from agspec_gpu.session_kv import SessionKVCache
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", max_batch=3)
+    a, b, c = (dec.open_session(f"t{i}", "coder", P[i]) for i in range(3))
+    for s, n in ((a, 2), (b, 30), (c, 30)):
+        dec.submit(s, max_new_tokens=n, eos_id=None)
+    keep = SessionKVCache.keep
+
+    def interrupted(self, runner_, sids, contexts, rows=None, **kw):
+        if rows is not None:  # a finished request leaving the running batch
+            raise KeyboardInterrupt
+        return keep(self, runner_, sids, contexts, rows, **kw)
+
+    monkeypatch.setattr(SessionKVCache, "keep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            dec.step()
+    monkeypatch.undo()
+    dec.cancel(b)
+    dec.close_session(c)
+    assert [o.session_id for o in dec.step()] == [a] and dec.step() == []
