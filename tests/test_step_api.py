@@ -49,6 +49,23 @@ def run_until_idle(dec: SpecDecoder, log: list | None = None, submit_at: dict | 
     return tokens
 
 
+def fail_one_level_build(monkeypatch) -> list[int]:
+    """Makes the next session-tier level build run out of memory, once (after its corpus
+    took the tokens); returns the list that records the corpus length it failed at."""
+    from agspec_gpu.index import IndexArena
+    build, failed = IndexArena._maybe_index, []
+
+    def oom(self, cid):
+        c = self._corpora[cid]
+        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
+            failed.append(c.n)
+            raise torch.OutOfMemoryError("a level build (simulated)")
+        return build(self, cid)
+
+    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    return failed
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_requests_join_and_leave_a_running_batch_losslessly(runner):
     """Three slots, five requests of ragged lengths submitted at different steps: the
@@ -297,23 +314,13 @@ def test_a_level_build_failing_after_the_tier_grew_keeps_context_and_tier_in_ste
     and the session goes on as plain greedy decoding. Those tokens are reported: the next
     ``step()`` returns them first (finished, ``"error"``), so the outputs spell the
     context, and the stats count them (they had been in the context, never returned)."""
-    from agspec_gpu.index import IndexArena
     from agspec_gpu.tiers import TierConfig
     P = [list(p) for p in prompts()]
     tail = 6 if when == "prefill" else 16  # the 5-token prompt's first token fills it
     dec = decoder("hf", max_batch=2, tiers=TierConfig(tail_tokens=tail, max_depth=4))
     a = dec.open_session("t0", "coder", P[0])
     assert len(P[0]) == 5
-    build, failed = IndexArena._maybe_index, []
-
-    def oom(self, cid):
-        c = self._corpora[cid]
-        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
-            failed.append(c.n)
-            raise torch.OutOfMemoryError("a level build (simulated)")
-        return build(self, cid)
-
-    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    failed = fail_one_level_build(monkeypatch)
     dec.submit(a, max_new_tokens=40, eos_id=None)
     got = []
     with pytest.raises(torch.OutOfMemoryError):
@@ -1075,16 +1082,7 @@ def test_a_failed_step_reports_every_token_its_sessions_took(runner, monkeypatch
             assert ring.recent[slot, ring.depth - n:].tolist() == ctx[len(ctx) - n:], s
         dec.drafter.check_between_steps("set_cost")
 
-    build, failed = IndexArena._maybe_index, []
-
-    def oom(self, cid):  # a session tier's level build, once
-        c = self._corpora[cid]
-        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
-            failed.append(c.n)
-            raise torch.OutOfMemoryError("a level build (simulated)")
-        return build(self, cid)
-
-    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    failed = fail_one_level_build(monkeypatch)
     with pytest.raises(torch.OutOfMemoryError):
         dec.generate([a], max_new_tokens=40, eos_id=None,
                      on_tokens=lambda s, t: streamed[s].extend(t))
@@ -1168,23 +1166,13 @@ def test_own_loop_commit_whose_level_build_fails_keeps_the_step(monkeypatch):
     step's tokens (a level build out of memory): the context takes them too and the
     proposal is spent, so a retried commit is refused instead of appending them to the
     tier twice; the loop goes on as plain greedy decoding."""
-    from agspec_gpu.index import IndexArena
     from agspec_gpu.tiers import TierConfig
     P = [list(p) for p in prompts()]
     dec = decoder("hf", max_batch=2, tiers=TierConfig(tail_tokens=16, max_depth=4))
     sid = dec.open_session("t0", "coder", P[5])
     runner = HFRunner(model(VARIANT))
     runner.prefill([P[5][:-1]])  # the last context token is the first root
-    build, failed = IndexArena._maybe_index, []
-
-    def oom(self, cid):
-        c = self._corpora[cid]
-        if not failed and c.n - c.tail_start >= self.config.tail_tokens:
-            failed.append(c.n)
-            raise torch.OutOfMemoryError("a level build (simulated)")
-        return build(self, cid)
-
-    monkeypatch.setattr(IndexArena, "_maybe_index", oom)
+    failed = fail_one_level_build(monkeypatch)
     with pytest.raises(torch.OutOfMemoryError):
         for _ in range(20):
             draft = dec.propose([sid])
