@@ -385,6 +385,14 @@ def test_the_probe_detects_what_no_list_names(monkeypatch):
     with pytest.raises(ValueError, match="model: _LlamaWithout4dMasks's forward failed on a "
                                          "draft tree .*RuntimeError: expected a 2-D"):
         hf.check_hf_probe(_LlamaWithout4dMasks(cfg).eval())
+    full = _LlamaByCacheLength(cfg).eval()  # a device out of memory is no model fault
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room (simulated)")
+
+    full.forward = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError, match="no room"):
+        hf.check_hf_probe(full)
     monkeypatch.setattr(hf, "_UNSUPPORTED_TYPES", {})
     sizes = dict(vocab_size=64, d_model=16, decoder_layers=1, encoder_layers=1,
                  decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=32,

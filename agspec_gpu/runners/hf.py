@@ -562,9 +562,10 @@ class HFRunner:
 # and at least _PROBE_EPS_FLOOR of the precision's rounding step (float32 runs on a CPU
 # agree to ~2e-7; a half-precision GPU forward of another shape rounds anew) and
 # _PROBE_FLOOR (a GPU's float32 kernels of other shapes: margin for them; a tiny random
-# Llama that ignores the position ids differs by 5e-4); that noise itself at most _PROBE_EPS_CEILING steps and
-# _PROBE_NOISE_CEILING: a forward whose logits move by more under the mask form (RoBERTa:
-# 1.2, its positions come from the input ids) does not take what a tree is given
+# Llama that ignores the position ids differs by 5e-4); that noise itself at most
+# _PROBE_EPS_CEILING steps and _PROBE_NOISE_CEILING: a forward whose logits move by more
+# under the mask form (RoBERTa: 1.2, its positions come from the input ids) does not take
+# what a tree is given
 _PROBE_NOISE_FACTOR = 10.0
 _PROBE_FLOOR, _PROBE_EPS_FLOOR = 1e-4, 4.0
 _PROBE_NOISE_CEILING, _PROBE_EPS_CEILING = 5e-2, 8.0
@@ -658,6 +659,8 @@ def check_hf_probe(model: torch.nn.Module) -> None:
     runner = HFRunner(model)  # check_hf_model's refusals, and eval mode
     try:
         diff, noise = _probe(runner)
+    except torch.OutOfMemoryError:  # the device's state, not the model's forms
+        raise
     except Exception as e:  # its forward cannot take what verification passes it
         raise ValueError(f"model: {type(model).__name__}'s forward failed on a draft tree "
                          f"(4-D float mask, position ids, a cache): {type(e).__name__}: "
