@@ -317,7 +317,15 @@ def test_models_it_cannot_verify_exactly_are_refused_when_the_decoder_is_built()
                "roberta: positions from the input ids": [transformers.RobertaConfig(
                    is_decoder=True, num_hidden_layers=1, intermediate_size=32, **small)],
                "state-space": [transformers.MambaConfig(vocab_size=64, hidden_size=16,
-                                                        num_hidden_layers=1)]}
+                                                        num_hidden_layers=1)],
+               # (all of transformers 5.25's causal LMs: what the probe alone had caught,
+               # and Doge, whose 2,048-key window the probe's 9 tokens never reach)
+               "bart: positions by cache length": [transformers.BartConfig(
+                   vocab_size=64, d_model=16, decoder_layers=1, encoder_layers=1,
+                   decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=32,
+                   encoder_ffn_dim=32)],
+               "doge: past keep_window_size keys": [transformers.DogeConfig(
+                   num_hidden_layers=1, intermediate_size=32, **small)]}
     for match, cfgs in configs.items():
         for cfg in cfgs:
             model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
