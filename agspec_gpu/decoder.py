@@ -329,6 +329,12 @@ class SpecDecoder:
 
         Returns:
             The paths of the files captured (None: a file of unknown path).
+
+        Raises:
+            ValueError naming the argument, nothing appended. An error of the session
+            tier's index after it took the tokens (a level build out of memory) is raised
+            with the tokens in the context too (``session_stats(sid).context_len`` tells):
+            a retry would append them twice.
         """
         st = self._session(sid)
         self._check_idle([sid], "sid")
@@ -340,7 +346,14 @@ class SpecDecoder:
         if text is not None:
             files += capture_tool_output(command, text)
         self._supersede([sid])
-        self.drafter.extend(sid, ids)
+        before = self.store.session_lengths([sid])[0]
+        try:
+            self.drafter.extend(sid, ids)
+        except BaseException:  # the tier took them (a level build raised): the context too
+            if len(ids) and self.store.session_lengths([sid])[0] - before == len(ids):
+                st.context.extend(ids)
+                st.message = []
+            raise
         st.context.extend(ids)
         st.message = []
         self._add_files(st.tenant, files)
@@ -359,14 +372,30 @@ class SpecDecoder:
     @device_guard
     def close_session(self, sid: str) -> None:
         """Frees the session's corpus and KV (ending its submitted request, if any); its
-        text joins its tenant's history."""
+        text joins its tenant's history. An error past the point where its corpus was
+        freed (a compaction, an idle tenant's eviction out of memory) is raised with the
+        session closed; one before it leaves the session open, to be closed again."""
         self._session(sid)
         self._check_idle([sid], "sid", submitted_ok=True)
         self.cancel(sid)
-        self.drafter.close_session(sid)
-        self._kv.drop(sid)
+        error = None
+        if self.drafter.has_session(sid):  # (else a close that raised closed it there)
+            try:
+                self.drafter.close_session(sid)
+            except BaseException as e:
+                if self.drafter.has_session(sid):  # nothing closed: a retry may
+                    raise
+                error = e  # closed past the error (an idle tenant's eviction): finish
+        try:
+            self._kv.drop(sid)  # (raising: the session stays here, a retry drops its KV)
+        except BaseException as e:
+            if error is not None:
+                e.add_note(f"closing the session's corpora had failed too: {error!r}")
+            raise
         del self._sessions[sid]
         self._supersede([sid])
+        if error is not None:
+            raise error
 
     @device_guard
     def close_tenant(self, tenant: str) -> None:
@@ -559,10 +588,15 @@ class SpecDecoder:
                                      defer=True)
                 observed = True
                 self._record(sids, taken, n_out, num_draft)
-            except BaseException:
+            except BaseException as exc:
                 if not (observed and not self.drafter.commit_pending):
                     for st, reason in zip(states, reasons):
                         st.finish_reason = reason
+                    try:  # a settle that raised before the tiers took the tokens: none
+                        self.drafter.withdraw()
+                    except Exception as cleanup:  # noqa: BLE001 - noted on the error
+                        exc.add_note(f"then withdrawing the drafter's commit failed too: "
+                                     f"{cleanup!r}")
                     raise
                 # the settle raised after the session tiers took the tokens (a level
                 # build): the step happened; the contexts take them too, the proposal is

@@ -247,8 +247,15 @@ class Drafter:
         with nvtx.annotate("agspec.drafter.extend", color="white"):
             t = self.store._as_tokens(tokens, "tokens")
             self.forget([sid])
-            self.store.append_session(sid, t, checked=True)
-            self.state.push_one(self._slot_of(sid), t)
+            slot = self._slot_of(sid)
+            before = self.store.session_lengths([sid])
+            try:
+                self.store.append_session(sid, t, checked=True)
+            except BaseException:  # a level build after the corpus took them: the ring too
+                if self.store.session_lengths([sid])[0] - before[0] == t.numel() > 0:
+                    self.state.push_one(slot, t)
+                raise
+            self.state.push_one(slot, t)
 
     @device_guard
     def append_generated(self, sids: list[str], output_ids: torch.Tensor,
@@ -272,11 +279,14 @@ class Drafter:
         self.settle()  # a deferred commit first (its counts read back)
         self._drop_ahead()
         self.forget([sid])
-        self.store.close_session(sid)
-        del self._slot[sid]
-        del self._version[sid]
-        self.state.clear(slot)  # no text outlives its session
-        self._free.append(slot)
+        try:
+            self.store.close_session(sid)
+        finally:  # closed there (an error past it: an eviction), or still open
+            if not self.store.has_session(sid):
+                del self._slot[sid]
+                del self._version[sid]
+                self.state.clear(slot)  # no text outlives its session
+                self._free.append(slot)
 
     def _slot_of(self, sid: str) -> int:
         if sid not in self._slot:
@@ -612,6 +622,20 @@ class Drafter:
                           validate, path_nodes, num_verified, defer)
 
     @device_guard
+    def withdraw(self) -> None:
+        """Settles a deferred commit with nothing kept, if one waits: its step failed
+        before any session took its tokens. The corpora take none and the rings are as
+        before it; its verification still counts (as :meth:`settle`'s cut keeps it)."""
+        if self._deferred is not None:
+            # (a settle that raises leaves it withdrawn: any later one keeps nothing too)
+            self._deferred = replace(self._deferred, withdrawn=True)
+            self.settle()
+
+    def has_session(self, sid: str) -> bool:
+        """Whether ``sid`` holds a slot here (opened, not yet closed)."""
+        return sid in self._slot
+
+    @device_guard
     def settle(self, num_output_host: Sequence[int] | None = None, *,
                num_queued_host: Sequence[int] | None = None) -> None:
         """Completes a deferred :meth:`observe`: ``num_output_host`` are the tokens each
@@ -635,6 +659,9 @@ class Drafter:
         """
         d, self._deferred = self._deferred, None
         arena = self.store.arena
+        if d is not None and d.withdrawn:  # (:meth:`withdraw`): nothing kept
+            num_output_host, num_queued_host = [0] * d.out.shape[0], [d.out.shape[1]] * \
+                d.out.shape[0]
         counts = None if num_output_host is None else [int(n) for n in num_output_host]
         queued = None if num_queued_host is None else [int(n) for n in num_queued_host]
         cut: list[bool] = []
@@ -658,20 +685,21 @@ class Drafter:
                     "a propose of the same sessions may come between observe(defer=True) "
                     "and settle")
             return
-        if any(cut):  # their rings as before the commit, then only what they kept
+        if any(cut):
             self._drop_ahead()  # (drafted from the rings as queued)
-            dev = d.out.device
-            try:
+        try:
+            # (past here the corpora hold the counts, even if a level build raises)
+            arena.settle(counts, cut=cut)
+        finally:
+            if any(cut):  # their rings as before the commit, then only what they kept
+                # (after the corpora: a ring that fails to follow costs drafts, never
+                # tokens the context lacks)
+                dev = d.out.device
                 rows = to_device([b for b, c in enumerate(cut) if c], torch.int64, dev)
                 kept = to_device([counts[b] for b, c in enumerate(cut) if c], torch.int64,
                                  dev)
                 self.state.restore_rings(rows, d.slots[rows], d.out[rows].clamp(min=0),
                                          kept)
-            except BaseException:  # the corpora took nothing: the commit still waits
-                self._deferred = d
-                raise
-        # (past here the corpora hold the counts, even if a level build raises)
-        arena.settle(counts, cut=cut)
         if d.key is not None and not any(cut):  # kept descriptors grew on the device
             self._kept.appended(arena, d.key, d.version)
 
@@ -870,6 +898,7 @@ class _Deferred:
     ticket: int | None
     slots: torch.Tensor
     out: torch.Tensor
+    withdrawn: bool = False  # its step failed: whoever settles it keeps no token
 
 
 @dataclass(frozen=True, slots=True)

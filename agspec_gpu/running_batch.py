@@ -172,9 +172,8 @@ class RunningBatch:
             except BaseException as exc:
                 took = not self.drafter.commit_pending  # settled: the corpora took it
                 if not took:  # the sessions took nothing of the step: nor their tiers
-                    B, M = res.output_ids.shape
                     try:
-                        self.drafter.settle([0] * B, num_queued_host=[M] * B)
+                        self.drafter.withdraw()
                     except Exception as cleanup:  # noqa: BLE001 - noted on the error
                         exc.add_note(f"then settling the drafter's commit failed too: "
                                      f"{cleanup!r}")

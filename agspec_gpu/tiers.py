@@ -213,18 +213,29 @@ class CorpusStore:
         self.arena.append_rows(cids, tokens, counts, source_code(CorpusTier.SESSION),
                                totals=totals)
 
+    def has_session(self, sid: str) -> bool:
+        """Whether session ``sid`` is open here."""
+        return sid in self._sessions
+
     def close_session(self, sid: str) -> None:
-        """Frees the session corpus; its text joins the tenant's history (bounded, LRU)."""
+        """Frees the session corpus; its text joins the tenant's history (bounded, LRU).
+        The session is closed even if that fails (its history entry, its corpus's
+        compaction, an idle tenant's eviction: the error is raised after), never left
+        half-closed."""
         s = self.session(sid)
         t = self._touch(s.tenant)
-        if self.config.use_history:
-            text = self.arena.corpus_tokens(s.corpus).clone()
-            self._add_history(t, sid, text)
-        self.arena.free(s.corpus)
-        s.closed = True
-        t.sessions.discard(sid)
-        del self._sessions[sid]
-        self.epoch += 1
+        try:
+            if self.config.use_history:
+                text = self.arena.corpus_tokens(s.corpus).clone()
+                self._add_history(t, sid, text)
+        finally:
+            try:
+                self.arena.free(s.corpus)  # (deleted before it compacts)
+            finally:
+                s.closed = True
+                t.sessions.discard(sid)
+                del self._sessions[sid]
+                self.epoch += 1
         self._evict_idle(keep=s.tenant)
 
     def close_tenant(self, tenant: str) -> None:
@@ -247,11 +258,19 @@ class CorpusStore:
         self._free_tenant(tenant)
 
     def _free_tenant(self, tenant: str) -> None:
+        """Frees the tenant's corpora: each of them, whatever another's freeing raised
+        (raised after: a corpus is deleted before the arena compacts)."""
         t = self._tenants.pop(tenant)
+        self.epoch += 1
+        error = None
         for docs in (t.ws, t.hist):
             if docs is not None:
-                docs.free()
-        self.epoch += 1
+                try:
+                    docs.free()
+                except BaseException as e:  # noqa: BLE001 - raised below, after the others
+                    error = error or e
+        if error is not None:
+            raise error
 
     def _touch(self, tenant: str) -> _Tenant:
         """The tenant (new if unseen), moved to the most recently active end."""
@@ -321,10 +340,12 @@ class CorpusStore:
         rendered = render_forms(text, self.config.forms)
         forms = list(rendered)
         ids = self.tokenizer.encode_batch([rendered[f] for f in forms])
-        added = t.ws.add(key, [(toks, source_code(CorpusTier.WORKSPACE, f))
-                               for f, toks in zip(forms, ids)])
-        t.version += 1
-        self.epoch += 1
+        try:
+            added = t.ws.add(key, [(toks, source_code(CorpusTier.WORKSPACE, f))
+                                   for f, toks in zip(forms, ids)])
+        finally:  # (an add that raised may have rebuilt the corpus: its old id is gone)
+            t.version += 1
+            self.epoch += 1
         if not t.sessions:
             self._evict_idle(keep=tenant)
         return added

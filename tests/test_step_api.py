@@ -1214,3 +1214,104 @@ def test_a_cancelled_or_closed_session_gets_no_undelivered_output(monkeypatch):
     dec.cancel(b)
     dec.close_session(c)
     assert [o.session_id for o in dec.step()] == [a] and dec.step() == []
+
+
+def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch):
+    """Faults a second audit found leaving state half-changed: a close whose corpus
+    compaction runs out of memory (the session is closed everywhere: no zombie that no
+    retry could close and that kept its tenant from ``close_tenant``), an idle tenant's
+    eviction failing half-way (every corpus of it freed, none orphaned), a workspace
+    rebuild whose append fails (the next propose of a cached batch raised KeyError on the
+    freed corpus), an ``append`` whose level build fails after the tier took the tokens
+    (the context takes them too), and an own loop's commit whose ring restore fails after
+    the tier took a cut step (the step counts; no deferred commit left to be settled later
+    at the full counts)."""
+    from agspec_gpu.corpus import DocumentCorpus
+    from agspec_gpu.drafter_state import SlotState
+    from agspec_gpu.index import IndexArena
+    from agspec_gpu.tiers import TierConfig
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", max_batch=3, tiers=TierConfig(idle_budget_tokens=300,
+                                                      workspace_budget_tokens=400,
+                                                      tail_tokens=16, max_depth=4))
+
+    def in_step(s):
+        held = dec.store.arena.corpus_tokens(dec.store.session(s).corpus).tolist()
+        assert held == dec._sessions[s].context, s
+
+    compact = IndexArena._compact
+
+    def no_room(self, shrink=False, renumber=False):
+        if shrink:
+            raise torch.OutOfMemoryError("a compaction (simulated)")
+        return compact(self, shrink, renumber)
+
+    a = dec.open_session("A", "coder", P[3])
+    dec.add_workspace_file(a, "big.py", "\n".join(f"v{i} = f({i})" for i in range(3000)))
+    dec.close_session(a)  # A idle: a workspace and a history
+    hist = dec.store._tenants["A"].hist.cid
+    c, d = dec.open_session("C", "coder", P[2]), dec.open_session("C", "coder", [1, 2, 3])
+    monkeypatch.setattr(IndexArena, "_compact", no_room)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.close_session(d)  # closes d, then evicts A: freeing A's workspace compacts
+    monkeypatch.undo()
+    assert d not in dec._sessions and not dec.drafter.has_session(d) and \
+        not dec.store.has_session(d)
+    assert "A" not in dec.store._tenants and hist not in dec.store.arena._corpora
+    with pytest.raises(KeyError, match="unknown or closed"):
+        dec.close_session(d)
+
+    e = dec.open_session("C", "coder", P[0])
+    dec.add_workspace_file(c, "z.py", "def f(x):\n    return x * 7919\n" * 4)
+    dec.generate([c, e], max_new_tokens=3)  # the batch's match grid is cached
+    rebuild, append, armed = DocumentCorpus._rebuild, IndexArena.append, []
+
+    def rebuilding(self):
+        armed.append(True)
+        try:
+            return rebuild(self)
+        finally:
+            armed.clear()
+
+    def appending(self, *args, **kw):
+        if armed:
+            raise torch.OutOfMemoryError("a rebuild's append (simulated)")
+        return append(self, *args, **kw)
+
+    monkeypatch.setattr(DocumentCorpus, "_rebuild", rebuilding)
+    monkeypatch.setattr(IndexArena, "append", appending)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.add_workspace_file(c, "big.txt", "\n".join(f"line {i}: {i * 7}" for i in range(60)))
+    monkeypatch.undo()
+    ctx = [list(dec._sessions[s].context) for s in (c, e)]
+    assert dec.generate([c, e], max_new_tokens=4) == [greedy(VARIANT, x, 4) for x in ctx]
+
+    failed = fail_one_level_build(monkeypatch)
+    tool = dec.tokenizer.encode("x = 1\n" * 12)
+    n = len(dec._sessions[c].context)
+    with pytest.raises(torch.OutOfMemoryError):
+        for _ in range(4):
+            dec.append(c, tool)
+    monkeypatch.undo()
+    assert failed and len(dec._sessions[c].context) > n
+    in_step(c)
+
+    steer(dec, "C", P[3] + greedy(VARIANT, P[3], 60))  # drafts accepted: a step is cut
+    f = dec.open_session("C", "coder", P[3])
+    runner = HFRunner(model(VARIANT))
+    runner.prefill([P[3][:-1]])
+    draft = dec.propose([f])
+    logits = runner.verify_padded(draft, dec.root_ids([f]))
+
+    def no_restore(self, *args, **kw):
+        raise RuntimeError("a ring restore (simulated)")
+
+    monkeypatch.setattr(SlotState, "restore_rings", no_restore)
+    with pytest.raises(RuntimeError, match="a ring restore"):
+        dec.commit([f], draft, logits, max_new_tokens=1)
+    monkeypatch.undo()
+    assert not dec.drafter.commit_pending and len(dec._sessions[f].context) == len(P[3]) + 1
+    in_step(f)
+    ctx = list(dec._sessions[f].context)
+    assert dec.generate([f], max_new_tokens=5) == [greedy(VARIANT, ctx, 5)]
+    in_step(f)
