@@ -219,9 +219,9 @@ class CorpusStore:
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU).
-        The session is closed even if that fails (its history entry, its corpus's
-        compaction, an idle tenant's eviction: the error is raised after), never left
-        half-closed."""
+        Once its corpus is freed the session is closed, whatever fails after (its history
+        entry, the arena's compaction, an idle tenant's eviction: raised after); an error
+        before leaves it open, to be closed again. Never half-closed."""
         s = self.session(sid)
         t = self._touch(s.tenant)
         try:
@@ -232,10 +232,11 @@ class CorpusStore:
             try:
                 self.arena.free(s.corpus)  # (deleted before it compacts)
             finally:
-                s.closed = True
-                t.sessions.discard(sid)
-                del self._sessions[sid]
-                self.epoch += 1
+                if s.corpus not in self.arena:
+                    s.closed = True
+                    t.sessions.discard(sid)
+                    del self._sessions[sid]
+                    self.epoch += 1
         self._evict_idle(keep=s.tenant)
 
     def close_tenant(self, tenant: str) -> None:

@@ -1260,6 +1260,19 @@ def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch)
     assert "A" not in dec.store._tenants and hist not in dec.store.arena._corpora
     with pytest.raises(KeyError, match="unknown or closed"):
         dec.close_session(d)
+    g = dec.open_session("C", "coder", [4, 5, 6])
+
+    def not_freed(self, cid):  # before anything is freed: the session stays open
+        raise RuntimeError("a free (simulated)")
+
+    monkeypatch.setattr(IndexArena, "free", not_freed)
+    with pytest.raises(RuntimeError, match="a free"):
+        dec.close_session(g)
+    monkeypatch.undo()
+    assert g in dec._sessions and dec.drafter.has_session(g) and dec.store.has_session(g)
+    corpus = dec.store.session(g).corpus
+    dec.close_session(g)  # closed by a retry, its corpus freed
+    assert not dec.store.has_session(g) and corpus not in dec.store.arena
 
     e = dec.open_session("C", "coder", P[0])
     dec.add_workspace_file(c, "z.py", "def f(x):\n    return x * 7919\n" * 4)
