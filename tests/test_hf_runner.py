@@ -371,13 +371,11 @@ def test_the_probe_detects_what_no_list_names(monkeypatch):
     assert hf._probe_bounds(torch.bfloat16, cpu, 0.0) == (2 ** -5, 2 ** -4)
     assert hf._probe_bounds(torch.float32, cpu, 0.0) == (1e-4, 0.05)
     assert hf._probe_bounds(torch.float32, cpu, 1e-4) == (1e-3, 0.05)
-    tf32 = torch.backends.cuda.matmul.allow_tf32  # (a module-level setting: not patchable)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        assert hf._probe_bounds(torch.float32, gpu, 0.0) == (2 ** -8, 0.05)
-        assert hf._probe_bounds(torch.float32, cpu, 0.0) == (1e-4, 0.05)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert hf._tf32_matmuls() in (True, False)  # (reads this torch's setting, whichever)
+    monkeypatch.setattr(hf, "_tf32_matmuls", lambda: True)
+    assert hf._probe_bounds(torch.float32, gpu, 0.0) == (2 ** -8, 0.05)
+    assert hf._probe_bounds(torch.float32, cpu, 0.0) == (1e-4, 0.05)
+    monkeypatch.undo()
     small = dict(vocab_size=64, hidden_size=16, num_attention_heads=2)
     cfg = transformers.LlamaConfig(num_hidden_layers=1, intermediate_size=32,
                                    **{**small, "vocab_size": 100_277})  # cl100k's, for the decoder
@@ -405,7 +403,8 @@ def test_the_probe_detects_what_no_list_names(monkeypatch):
     sizes = dict(vocab_size=64, d_model=16, decoder_layers=1, encoder_layers=1,
                  decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=32,
                  encoder_ffn_dim=32)
-    for cfg in (transformers.RobertaConfig(  # (positions from the input ids: noise 1.2)is_decoder=True, num_hidden_layers=1,
+    # (RoBERTa: positions from the input ids, noise 1.2)
+    for cfg in (transformers.RobertaConfig(is_decoder=True, num_hidden_layers=1,
                                            intermediate_size=32, **small),
                 transformers.PegasusConfig(**sizes), transformers.BlenderbotConfig(**sizes)):
         torch.manual_seed(0)

@@ -580,13 +580,28 @@ _PROBE_FLOOR, _PROBE_EPS_FLOOR = 1e-4, 4.0
 _PROBE_NOISE_CEILING, _PROBE_EPS_CEILING = 5e-2, 8.0
 
 
+def _tf32_matmuls() -> bool:
+    """Whether CUDA float32 matmuls may round to TF32: the precision setting (``"none"``
+    defers to the global one), or the legacy flag on a torch without it; True when torch
+    cannot say (it refuses to read the legacy flag once the new setting was used)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        precision = getattr(matmul, "fp32_precision", None)
+        if precision is None:
+            return bool(matmul.allow_tf32)
+        if precision == "none":
+            precision = getattr(torch.backends, "fp32_precision", "none")
+        return precision == "tf32"
+    except RuntimeError:
+        return True  # (the looser bound: a refusal must mean a wrong placement)
+
+
 def _probe_bounds(dtype: torch.dtype, device: torch.device, noise: float
                   ) -> tuple[float, float]:
     """``(difference bound, noise bound)`` of :func:`check_hf_probe` for a model of
     ``dtype`` on ``device``: float32 matmuls on a GPU that allows TF32 round at its step."""
     eps = torch.finfo(dtype).eps
-    if dtype == torch.float32 and device.type == "cuda" and \
-            torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and device.type == "cuda" and _tf32_matmuls():
         eps = 2.0 ** -10
     return (max(_PROBE_FLOOR, _PROBE_EPS_FLOOR * eps, _PROBE_NOISE_FACTOR * noise),
             max(_PROBE_NOISE_CEILING, _PROBE_EPS_CEILING * eps))
@@ -605,7 +620,7 @@ def probe_hf_model(model: torch.nn.Module) -> tuple[float, float]:
     4-D float causal mask and position ids (the kernels a tree takes; no tree, no cache).
     A model whose forward places tokens by something other than ``position_ids`` and the
     mask (cache slots, input ids, the cache's length), or whose cache the runner lays out
-    wrongly, differs by far more than ``noise``; see :func:`check_hf_probe`. Costs five
+    wrongly, differs by far more than ``noise``; see :func:`check_hf_probe`. Costs six
     forwards of at most 9 tokens.
     """
     return _probe(HFRunner(model))
