@@ -832,8 +832,9 @@ class SpecDecoder:
             sessions' contexts (a session tier's level build that failed after the tier
             took them; requests that failed to leave) come first in the next ``step``'s
             outputs, each finished with its request's reason (``"error"`` unless it ended
-            in that step), so the outputs always spell the contexts (``cancel`` or
-            ``close_session`` of a session drops its share).
+            in that step), so the outputs always spell the contexts; a session that
+            moves on first (``submit``, ``generate``, ``append``, ``cancel``,
+            ``close_session``) drops its share, which would read as its new request's.
         """
         self._check_generator(generator)
         return self._scheduler.step(generator)
@@ -841,7 +842,8 @@ class SpecDecoder:
     @device_guard
     def cancel(self, session_id: str) -> None:
         """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
-        the batch, its KV and what it emitted kept). A no-op for an idle session; raises
+        the batch, its KV and what it emitted kept). For an idle session it only drops
+        what a failed :meth:`step` had not yet returned of it; raises
         ValueError for one in a running :meth:`generate` (its ``on_tokens`` returning
         False ends its request)."""
         self._session(session_id)
@@ -880,9 +882,11 @@ class SpecDecoder:
 
     def _supersede(self, sids: list[str]) -> None:
         """A pending :meth:`propose` of any of ``sids`` is stale: their context moves on
-        elsewhere (``commit`` of it then raises); one of other sessions stays valid."""
+        elsewhere (``commit`` of it then raises); one of other sessions stays valid. So is
+        what a failed step had not yet returned of them (:meth:`step`)."""
         if self._proposed is not None and not set(sids).isdisjoint(self._proposed):
             self._proposed = self._proposed_draft = None
+        self._scheduler.discard(sids)
 
     def _check_generator(self, generator) -> None:
         if generator is not None and not isinstance(generator, torch.Generator):

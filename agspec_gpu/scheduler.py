@@ -133,7 +133,7 @@ class Scheduler:
         """Ends ``sid``'s request now (queued: dropped; running: leaves the batch, its KV
         and what it emitted kept; a failed step's undelivered output: dropped, its client
         gone); a no-op when it has none."""
-        self._undelivered = [o for o in self._undelivered if o.session_id != sid]
+        self.discard([sid])
         for q in self._queue:
             if q.sids[0] == sid:
                 q.cancel(0)
@@ -147,6 +147,13 @@ class Scheduler:
                 if self._live is not None:  # ends (no request of it runs on, and none
                     self._end_live_after(exc)  # ended emits again)
                 raise
+
+    def discard(self, sids: list[str]) -> None:
+        """Drops what a failed step had not yet returned of ``sids``: their sessions moved
+        on (a new request, an append, a close), and an output of the ended request would
+        read as the new one's."""
+        gone = set(sids)
+        self._undelivered = [o for o in self._undelivered if o.session_id not in gone]
 
     def _end_live_after(self, exc: BaseException) -> None:
         """Ends the running batch after ``exc`` (raised by the caller): its requests end at

@@ -1191,8 +1191,9 @@ def test_own_loop_commit_whose_level_build_fails_keeps_the_step(monkeypatch):
 
 def test_a_cancelled_or_closed_session_gets_no_undelivered_output(monkeypatch):
     """A step that fails as its finished request leaves returns its outputs at the next
-    step, except a session's that was cancelled or closed in between (its client gone:
-    no output for a session that no longer exists)."""
+    step, except a session's that was cancelled, closed or given a new request in between
+    (its client gone, or an output of the ended request that would read as the new
+    one's)."""
     from agspec_gpu.session_kv import SessionKVCache
     P = [list(p) for p in prompts()]
     dec = decoder("hf", max_batch=3)
@@ -1214,6 +1215,16 @@ def test_a_cancelled_or_closed_session_gets_no_undelivered_output(monkeypatch):
     dec.cancel(b)
     dec.close_session(c)
     assert [o.session_id for o in dec.step()] == [a] and dec.step() == []
+    with pytest.raises(KeyboardInterrupt):  # again, then a's session takes a new request
+        dec.submit(a, max_new_tokens=2, eos_id=None)
+        dec.submit(b, max_new_tokens=30, eos_id=None)
+        monkeypatch.setattr(SessionKVCache, "keep", interrupted)
+        for _ in range(10):
+            dec.step()
+    monkeypatch.undo()
+    dec.submit(a, max_new_tokens=5, eos_id=None)
+    out = dec.step()  # b's held-back output, and a's new request's first token
+    assert [(o.session_id, o.finished) for o in out] == [(b, True), (a, False)]
 
 
 def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch):
