@@ -34,7 +34,8 @@ class SlotState:
             (copy mode).
         ring_before: ``int32 [max_batch, D + 2]`` row ``b``: the ring, fill and match cap of
             a commit's request ``b`` before the commit (a deferred commit's request that
-            ended inside the step gets them back, then only what it kept pushed).
+            ended inside the step gets them back, then only what it kept pushed; a commit
+            whose corpora could not take the tokens gets them back whole).
     """
 
     def __init__(self, num_slots: int, depth: int, max_batch: int,
@@ -72,7 +73,7 @@ class SlotState:
         """Appends one session's ``toks [m]`` (on the ring's device) to its ring: a run as
         long as the ring replaces it (3 ops, as :func:`ring_push_torch` leaves it: the last
         ``D`` tokens, fill and match cap ``D``; a context or tool output usually is); a
-        shorter one goes through :meth:`push` (~30 ops)."""
+        shorter one goes through :meth:`push` (~17 ops)."""
         D = self.depth
         if toks.numel() < D:
             self.push(torch.tensor([slot]), toks[None, :], None)
@@ -87,11 +88,13 @@ class SlotState:
         slots = slots.to(self.recent.device)
         num = torch.full((slots.numel(),), toks.shape[1], dtype=torch.int64,
                          device=slots.device) if num is None else num
-        ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, num)
+        ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, num,
+                        guard=False)
 
     def save_rings(self, slots: torch.Tensor) -> None:
         """The rings, fills and match caps of ``slots [b]`` into ``ring_before[:b]``, as the
-        commit kernel saves them (a deferred commit without a draft to commit)."""
+        commit kernel saves them (a commit without a draft to commit: the rings it pushes
+        go back if its corpora cannot take the tokens)."""
         D = self.depth
         before = self.ring_before[:slots.numel()]
         before[:, :D] = self.recent[slots]
@@ -107,7 +110,8 @@ class SlotState:
         self.recent[slots] = before[:, :D]
         self.recent_len[slots] = before[:, D]
         self.match_cap[slots] = before[:, D + 1]
-        ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, kept)
+        ring_push_torch(self.recent, self.recent_len, self.match_cap, slots, toks, kept,
+                        guard=False)
 
 
 class DraftStats:

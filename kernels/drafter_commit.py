@@ -186,24 +186,29 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
 
 # ------------------------------------------------------------------------ torch path
 def ring_push_torch(recent: torch.Tensor, recent_len: torch.Tensor, match_cap: torch.Tensor,
-                    slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor) -> None:
+                    slots: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor, *,
+                    guard: bool = True) -> None:
     """Appends ``tokens [b, M]`` (the first ``num [b]`` of each row) to the rings of
     ``slots``: the oldest drop out; fill and match cap grow by ``num``, at most ``D``. A
-    row whose slot is outside ``[0, S)`` is skipped, as the kernel skips it."""
+    row whose slot is outside ``[0, S)`` is skipped, as the kernel skips it; ``guard=False``
+    (a caller whose slots are its own: ``SlotState``) indexes directly, without the copies
+    the guard takes."""
     S, D = recent.shape
     num = num.to(torch.int64)
-    # a skipped row pushes to a spare ring past the state's, then dropped (an index clamped
-    # into the state would race a kept row's write to the same slot)
-    at = torch.where((slots >= 0) & (slots < S), slots, S)
-    ring, fill, cap = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
-                       for t in (recent, recent_len, match_cap))
+    ring, fill, cap, at = recent, recent_len, match_cap, slots
+    if guard:  # a skipped row pushes to a spare ring past the state's, then dropped (an
+        # index clamped into the state would race a kept row's write to the same slot)
+        at = torch.where((slots >= 0) & (slots < S), slots, S)
+        ring, fill, cap = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+                           for t in (recent, recent_len, match_cap))
     cat = torch.cat([ring[at], tokens.to(torch.int32)], 1)
     ring[at] = cat.gather(1, torch.arange(D, device=cat.device)[None, :] + num[:, None])
     fill[at] = (fill[at] + num.to(torch.int32)).clamp(max=D)
     cap[at] = (cap[at] + num.to(torch.int32)).clamp(max=D)
-    recent.copy_(ring[:S])
-    recent_len.copy_(fill[:S])
-    match_cap.copy_(cap[:S])
+    if guard:
+        recent.copy_(ring[:S])
+        recent_len.copy_(fill[:S])
+        match_cap.copy_(cap[:S])
 
 
 def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib_row, path,

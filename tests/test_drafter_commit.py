@@ -271,3 +271,23 @@ def test_kernel_compiles_for_sm90():
                           (_drafter_commit_kernel, sig,  # the widest block: no spill either
                            dict(NUM_TIERS=4, BLOCK_N=MAX_BLOCK_N, BLOCK_D=32,
                                 SAVE_BEFORE=True))])
+
+
+def test_ring_push_without_the_guard_equals_it_on_valid_slots():
+    """``SlotState``'s pushes skip the out-of-range guard (their slots are their own):
+    distinct valid slots, ragged counts (0 and past the ring's width included), the same
+    rings, fills and match caps as the guarded form."""
+    from agspec_gpu.kernels.drafter_commit import ring_push_torch
+    g = torch.Generator().manual_seed(3)
+    S, D, M = 6, 5, 7
+    state = (torch.randint(0, 50, (S, D), generator=g, dtype=torch.int32),
+             torch.randint(0, D + 1, (S,), generator=g, dtype=torch.int32),
+             torch.randint(0, D + 1, (S,), generator=g, dtype=torch.int32))
+    slots = torch.tensor([4, 0, 2, 5])
+    toks = torch.randint(0, 50, (4, M), generator=g, dtype=torch.int32)
+    num = torch.tensor([0, 3, 7, 1])
+    guarded, direct = [t.clone() for t in state], [t.clone() for t in state]
+    ring_push_torch(*guarded, slots, toks, num)
+    ring_push_torch(*direct, slots, toks, num, guard=False)
+    assert all(torch.equal(a, b) for a, b in zip(guarded, direct))
+    assert not all(torch.equal(a, b) for a, b in zip(guarded, state))
