@@ -219,25 +219,26 @@ class CorpusStore:
 
     def close_session(self, sid: str) -> None:
         """Frees the session corpus; its text joins the tenant's history (bounded, LRU).
-        Once its corpus is freed the session is closed, whatever fails after (its history
-        entry, the arena's compaction, an idle tenant's eviction: raised after); an error
-        before leaves it open, to be closed again. Never half-closed."""
+        Once its corpus is freed the session is closed, whatever fails after (the arena's
+        compaction, its history entry, an idle tenant's eviction: raised after); an error
+        before leaves it open, to be closed again (its text not yet in the history)."""
         s = self.session(sid)
         t = self._touch(s.tenant)
+        text = self.arena.corpus_tokens(s.corpus).clone() if self.config.use_history \
+            else None
         try:
-            if self.config.use_history:
-                text = self.arena.corpus_tokens(s.corpus).clone()
+            self.arena.free(s.corpus)  # (deleted before it compacts)
+        finally:
+            if s.corpus not in self.arena:
+                s.closed = True
+                t.sessions.discard(sid)
+                del self._sessions[sid]
+                self.epoch += 1
+        try:
+            if text is not None:
                 self._add_history(t, sid, text)
         finally:
-            try:
-                self.arena.free(s.corpus)  # (deleted before it compacts)
-            finally:
-                if s.corpus not in self.arena:
-                    s.closed = True
-                    t.sessions.discard(sid)
-                    del self._sessions[sid]
-                    self.epoch += 1
-        self._evict_idle(keep=s.tenant)
+            self._evict_idle(keep=s.tenant)
 
     def close_tenant(self, tenant: str) -> None:
         """Frees the tenant's workspace and history; its sessions must be closed first (by
@@ -356,12 +357,13 @@ class CorpusStore:
         if t.hist is None:
             t.hist = DocumentCorpus(self.arena, self.config.history_budget_tokens, "lru",
                                     self.config.history_low_water)
-        # a session's text holds token ids only (its corpus takes no separators)
-        t.hist.add((sid, t.num_closed), [(tokens, source_code(CorpusTier.HISTORY))],
-                   token_ids_only=True)
-        t.num_closed += 1
-        t.version += 1
-        self.epoch += 1
+        try:  # a session's text holds token ids only (its corpus takes no separators)
+            t.hist.add((sid, t.num_closed), [(tokens, source_code(CorpusTier.HISTORY))],
+                       token_ids_only=True)
+        finally:  # (an add that raised may have rebuilt the corpus: its old id is gone)
+            t.num_closed += 1
+            t.version += 1
+            self.epoch += 1
 
     # ------------------------------------------------------------ queries
     def corpora_of(self, sid: str) -> list[tuple[CorpusTier, int]]:

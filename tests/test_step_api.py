@@ -66,6 +66,16 @@ def fail_one_level_build(monkeypatch) -> list[int]:
     return failed
 
 
+def interrupt_leaving(keep):
+    """``SessionKVCache.keep`` that a Ctrl-C interrupts as a finished request leaves the
+    running batch (the keep of a whole batch's end goes through)."""
+    def interrupted(self, runner_, sids, contexts, rows=None, **kw):
+        if rows is not None:
+            raise KeyboardInterrupt
+        return keep(self, runner_, sids, contexts, rows, **kw)
+    return interrupted
+
+
 @pytest.mark.parametrize("runner", ["hf", "paged"])
 def test_requests_join_and_leave_a_running_batch_losslessly(runner):
     """Three slots, five requests of ragged lengths submitted at different steps: the
@@ -1090,12 +1100,7 @@ def test_a_failed_step_reports_every_token_its_sessions_took(runner, monkeypatch
     assert failed and dec.session_stats(a).finish_reason == "error"
     in_step([a, b])
 
-    keep = SessionKVCache.keep
-
-    def interrupted(self, runner_, sids, contexts, rows=None, **kw):
-        if rows is not None:  # a finished request leaving the running batch
-            raise KeyboardInterrupt
-        return keep(self, runner_, sids, contexts, rows, **kw)
+    interrupted = interrupt_leaving(SessionKVCache.keep)
 
     dec.submit(a, max_new_tokens=3, eos_id=None)
     dec.submit(b, max_new_tokens=30, eos_id=None)
@@ -1143,19 +1148,22 @@ def test_a_failed_step_reports_every_token_its_sessions_took(runner, monkeypatch
     in_step([a, b])
 
     append_rows = IndexArena.append_rows
+    for deferred in (True, False):  # a step's commit, then a prefill's first token
 
-    def relocation_fails(self, *args, **kw):
-        raise torch.OutOfMemoryError("an arena relocation (simulated)")
+        def relocation_fails(self, cids, tokens, counts, *args, **kw):
+            if isinstance(counts, torch.Tensor) == deferred:
+                raise torch.OutOfMemoryError("an arena relocation (simulated)")
+            return append_rows(self, cids, tokens, counts, *args, **kw)
 
-    dec.generate([a], max_new_tokens=2, eos_id=None,  # a step, then the failing one
-                 on_tokens=lambda s, t: streamed[s].extend(t))
-    monkeypatch.setattr(IndexArena, "append_rows", relocation_fails)
-    with pytest.raises(torch.OutOfMemoryError):
-        dec.generate([a, b], max_new_tokens=12, eos_id=None,
+        dec.generate([a], max_new_tokens=2, eos_id=None,  # a step, then the failing one
                      on_tokens=lambda s, t: streamed[s].extend(t))
-    monkeypatch.undo()
-    assert IndexArena.append_rows is append_rows
-    in_step([a, b])
+        monkeypatch.setattr(IndexArena, "append_rows", relocation_fails)
+        with pytest.raises(torch.OutOfMemoryError):
+            dec.generate([a, b], max_new_tokens=12, eos_id=None,
+                         on_tokens=lambda s, t: streamed[s].extend(t))
+        monkeypatch.undo()
+        assert IndexArena.append_rows is append_rows
+        in_step([a, b])
     for s in (a, b):
         ctx = list(dec._sessions[s].context)
         assert dec.generate([s], max_new_tokens=8, eos_id=None) == [greedy(VARIANT, ctx, 8)]
@@ -1200,12 +1208,7 @@ def test_a_cancelled_or_closed_session_gets_no_undelivered_output(monkeypatch):
     a, b, c = (dec.open_session(f"t{i}", "coder", P[i]) for i in range(3))
     for s, n in ((a, 2), (b, 30), (c, 30)):
         dec.submit(s, max_new_tokens=n, eos_id=None)
-    keep = SessionKVCache.keep
-
-    def interrupted(self, runner_, sids, contexts, rows=None, **kw):
-        if rows is not None:  # a finished request leaving the running batch
-            raise KeyboardInterrupt
-        return keep(self, runner_, sids, contexts, rows, **kw)
+    interrupted = interrupt_leaving(SessionKVCache.keep)
 
     monkeypatch.setattr(SessionKVCache, "keep", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -1282,8 +1285,9 @@ def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch)
     monkeypatch.undo()
     assert g in dec._sessions and dec.drafter.has_session(g) and dec.store.has_session(g)
     corpus = dec.store.session(g).corpus
-    dec.close_session(g)  # closed by a retry, its corpus freed
+    dec.close_session(g)  # closed by a retry, its corpus freed, its text in history once
     assert not dec.store.has_session(g) and corpus not in dec.store.arena
+    assert len([k for k in dec.store._tenants["C"].hist._docs if k[0] == g]) == 1
 
     e = dec.open_session("C", "coder", P[0])
     dec.add_workspace_file(c, "z.py", "def f(x):\n    return x * 7919\n" * 4)
