@@ -349,10 +349,14 @@ class SpecDecoder:
         before = self.store.session_lengths([sid])[0]
         try:
             self.drafter.extend(sid, ids)
-        except BaseException:  # the tier took them (a level build raised): the context too
+        except BaseException as exc:  # the tier took them (a level build raised): the
             if len(ids) and self.store.session_lengths([sid])[0] - before == len(ids):
-                st.context.extend(ids)
-                st.message = []
+                st.context.extend(ids)  # context too, and the files they showed (a retry
+                st.message = []         # would append them twice)
+                try:
+                    self._add_files(st.tenant, files)
+                except Exception as cleanup:  # noqa: BLE001 - noted on the error
+                    exc.add_note(f"then adding the captured files failed too: {cleanup!r}")
             raise
         st.context.extend(ids)
         st.message = []

@@ -627,9 +627,8 @@ class Drafter:
         before any session took its tokens. The corpora take none and the rings are as
         before it; its verification still counts (as :meth:`settle`'s cut keeps it)."""
         if self._deferred is not None:
-            # (a settle that raises leaves it withdrawn: any later one keeps nothing too)
-            self._deferred = replace(self._deferred, withdrawn=True)
-            self.settle()
+            B, M = self._deferred.out.shape
+            self.settle([0] * B, num_queued_host=[M] * B)
 
     def has_session(self, sid: str) -> bool:
         """Whether ``sid`` holds a slot here (opened, not yet closed)."""
@@ -659,9 +658,6 @@ class Drafter:
         """
         d, self._deferred = self._deferred, None
         arena = self.store.arena
-        if d is not None and d.withdrawn:  # (:meth:`withdraw`): nothing kept
-            num_output_host, num_queued_host = [0] * d.out.shape[0], [d.out.shape[1]] * \
-                d.out.shape[0]
         counts = None if num_output_host is None else [int(n) for n in num_output_host]
         queued = None if num_queued_host is None else [int(n) for n in num_queued_host]
         cut: list[bool] = []
@@ -898,7 +894,6 @@ class _Deferred:
     ticket: int | None
     slots: torch.Tensor
     out: torch.Tensor
-    withdrawn: bool = False  # its step failed: whoever settles it keeps no token
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,7 +170,8 @@ class RunningBatch:
                 # string or the limit
                 self._record(reqs.sids, list(map(len, new)), n_out, num_draft)
             except BaseException as exc:
-                took = not self.drafter.commit_pending  # settled: the corpora took it
+                # (with new: the step's settle ran; none pending then: the corpora took it)
+                took = not self.drafter.commit_pending
                 if not took:  # the sessions took nothing of the step: nor their tiers
                     try:
                         self.drafter.withdraw()
