@@ -101,7 +101,7 @@ def test_cuda_index_is_the_tensors_device(monkeypatch):
 
 
 # SpecDecoder's and Drafter's public methods that touch no device (host bookkeeping only)
-_HOST_ONLY = {SpecDecoder: {"submit", "session_stats"}, Drafter: {"forget"}}
+_HOST_ONLY = {SpecDecoder: {"submit", "session_stats"}, Drafter: {"forget", "has_session"}}
 
 
 @pytest.mark.parametrize("cls", [SpecDecoder, Drafter])
