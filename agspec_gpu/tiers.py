@@ -292,9 +292,9 @@ class CorpusStore:
         for name, n in idle:
             if name == keep or (held <= budget and n):
                 continue  # (empty records go whatever the budget: they would pile up)
-            self._free_tenant(name)
-            self.num_evicted_tenants += 1
+            self.num_evicted_tenants += 1  # (gone even if freeing a corpus of it raises)
             held -= n
+            self._free_tenant(name)
 
     def session(self, sid: str) -> _Session:
         s = self._sessions.get(sid)
