@@ -788,8 +788,9 @@ class Drafter:
             else:
                 (acc_src,) = self._commit_tensors(**inputs, num_requests=len(sids))
             self.last_accepted_sources = acc_src
-        else:  # (saved: put back if the corpora cannot take the tokens)
-            self.state.save_rings(slots)
+        else:  # (saved, up to max_batch rows: put back if the corpora cannot take them)
+            if B <= self.max_batch:
+                self.state.save_rings(slots)
             self.state.push(slots, out.clamp(min=0), nout)
         if defer:  # the device's counts: the arena settles them later
             counts = nout
@@ -811,7 +812,7 @@ class Drafter:
             # the corpora took nothing (deferred: their level builds wait for settle; else
             # their lengths tell): the rings as saved before the push, so the two stay in
             # step (the verification still counts, as settle's cut keeps it)
-            if defer or self.store.session_lengths(sids) == lengths:
+            if defer or (B <= self.max_batch and self.store.session_lengths(sids) == lengths):
                 none = torch.zeros(B, dtype=torch.int64, device=dev)
                 self.state.restore_rings(torch.arange(B, device=dev), slots, out.clamp(min=0),
                                          none)

@@ -1807,3 +1807,17 @@ def test_propose_ahead_drafts_what_a_propose_after_the_settle_does(tok, padded):
     assert not ahead.propose_ahead(["s1"])
     ahead.settle([1])
     assert ahead.propose(["s1"], stable=False) is not draft
+
+
+def test_a_plain_commit_of_more_sessions_than_max_batch(tok):
+    """A commit with no draft (``append_generated``) of more sessions than ``max_batch``
+    takes them all (the rings it saves to put back on a failed append are max_batch rows:
+    a wider commit saves none rather than failing)."""
+    store = CorpusStore(tok, TierConfig(use_global=False))
+    d = Drafter(store, DrafterConfig(**_SHARES), max_batch=2, max_sessions=4)
+    sids = [f"s{i}" for i in range(3)]
+    for s in sids:
+        d.open_session(s, "t", "default", [1, 2, 3])
+    d.append_generated(sids, torch.tensor([[5], [6], [7]], dtype=torch.int32),
+                       torch.tensor([1, 1, 1], dtype=torch.int32))
+    assert store.session_lengths(sids) == [4, 4, 4]
