@@ -35,3 +35,10 @@ def cast(x: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None
 # the float dtypes the layer kernels compute in (float32 inside): a float64 tensor runs the
 # torch path, which computes in float64
 KERNEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def slot_or_spare(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``slots`` with each one outside ``[0, num_slots)`` sent to ``num_slots``: the spare
+    entry a torch path appends past a state, so that a row its kernel skips writes there
+    (an index clamped into the state would race a kept row's write to the same slot)."""
+    return torch.where((slots >= 0) & (slots < num_slots), slots, num_slots)

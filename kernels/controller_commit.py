@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors
-from agspec_gpu.kernels._launch import next_pow2
+from agspec_gpu.kernels._launch import next_pow2, slot_or_spare
 
 
 # N: the draft width, S: the state's slots, not specialized (one compile per BLOCK_N)
@@ -82,10 +82,9 @@ def controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_
     depth = torch.where(drafted, nd + 1, 0).amax(dim=1) if N else \
         torch.zeros(B, dtype=torch.int64, device=nd.device)
     # a slot outside the state (a caller's error) is skipped, as the kernel skips it: its
-    # row goes to a spare entry past the state, then dropped (an index clamped into the
-    # state would race a kept row's write to the same slot)
+    # row goes to a spare entry past the state, then dropped
     S = scale.shape[0]
-    at = torch.where((slots >= 0) & (slots < S), slots, S)
+    at = slot_or_spare(slots, S)
     sc, cp, pf = (torch.cat([t, t.new_ones(1)]) for t in (scale, cap, prev_full))
     pf[at] = ((nacc >= depth) & (depth > 0)).long()
     sc[at] = scale_update_torch(sc[at], depth, nacc, cp[at], alpha=alpha, beta=beta,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
-from agspec_gpu.kernels._launch import cdiv
+from agspec_gpu.kernels._launch import cdiv, slot_or_spare
 
 BLOCK = 128
 
@@ -75,11 +75,10 @@ def depth_caps_torch(slots, best, scale, cap, prev_full, *, static_k: int | None
     # a slot outside the state (a caller's error) reads as the kernel reads it, from a
     # spare entry past the state: scale 0 and match 0 under cap 1 (depth 1), mode 0
     S = scale.shape[0]
-    ok = (slots >= 0) & (slots < S)
-    at = torch.where(ok, slots, S)
+    at = slot_or_spare(slots, S)
     scale, cap, prev_full = (torch.cat([t, t.new_full((1,), v)])[at]
                              for t, v in ((scale, 0), (cap, 1), (prev_full, 0)))
-    return depth_rule_torch(scale, torch.where(ok, best, 0), cap, static_k), prev_full
+    return depth_rule_torch(scale, torch.where(at < S, best, 0), cap, static_k), prev_full
 
 
 def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap: torch.Tensor,

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
-from agspec_gpu.kernels._launch import next_pow2
+from agspec_gpu.kernels._launch import next_pow2, slot_or_spare
 
 # the path lookups are [BLOCK_N, BLOCK_N] compares in registers: spill-free up to 128 draft
 # nodes on sm_90, and over 1024 they exceed Triton's 2**20 elements a block; wider: torch
@@ -196,9 +196,8 @@ def ring_push_torch(recent: torch.Tensor, recent_len: torch.Tensor, match_cap: t
     S, D = recent.shape
     num = num.to(torch.int64)
     ring, fill, cap, at = recent, recent_len, match_cap, slots
-    if guard:  # a skipped row pushes to a spare ring past the state's, then dropped (an
-        # index clamped into the state would race a kept row's write to the same slot)
-        at = torch.where((slots >= 0) & (slots < S), slots, S)
+    if guard:  # a skipped row pushes to a spare ring past the state's, then dropped
+        at = slot_or_spare(slots, S)
         ring, fill, cap = (torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
                            for t in (recent, recent_len, match_cap))
     cat = torch.cat([ring[at], tokens.to(torch.int32)], 1)
@@ -243,7 +242,7 @@ def drafter_commit_torch(slots, out, nout, nacc, src, parents, num, depth, calib
         S = recent.shape[0]
         rows = torch.cat([recent, recent_len[:, None], match_cap[:, None]], 1)
         before.copy_(torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[
-            torch.where((slots >= 0) & (slots < S), slots, S)])
+            slot_or_spare(slots, S)])
     ring_push_torch(recent, recent_len, match_cap, slots, out.clamp(min=0),
                     nout.clamp(0, M))
     return acc_src
