@@ -6,7 +6,8 @@ crosses documents. Documents can be removed by id; the store holds a token budge
 either refuses an addition with a clear error or evicts least-recently-used documents, as
 the caller chooses. Removal rebuilds the corpus from the remaining documents (the index of
 an appended corpus cannot forget text in place); eviction frees down to a low-water mark so
-rebuilds stay rare.
+rebuilds stay rare. A rebuild that raises drops every document (as an eviction would) and
+leaves an empty, usable store.
 """
 
 from __future__ import annotations
@@ -153,24 +154,46 @@ class DocumentCorpus:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        """Rewrites the corpus with the kept documents only.
+
+        The old corpus is freed first (its space can be reused in place, so a rebuild never
+        holds two copies of the documents). Should the rebuild raise (an allocation, say),
+        the store is left empty and usable, its documents dropped as if evicted, and the
+        error re-raised: no document then describes text its corpus lacks.
+        """
         old = self.arena.corpus_tokens(self.cid).clone()
         old_seps = self.arena.separators(self.cid)
-        self.arena.free(self.cid)
-        keep = sum(p.end - p.start for parts in self._docs.values() for p in parts)
-        self.cid = self.arena.new_corpus(max(1 << 10, 2 * keep))
         parts = [p for doc in self._docs.values() for p in doc]
-        if not parts:
-            return
         # every kept part in one append, its separators and a source tag per token: one
         # index build for them all, not a tail's worth of builds per part
-        tokens = torch.cat([old[p.start:p.end] for p in parts])
-        src = torch.repeat_interleave(
-            torch.tensor([p.src for p in parts], dtype=torch.int8),
-            torch.tensor([p.end - p.start for p in parts])).to(tokens.device)
-        seps, start = [], 0
+        spans, seps, start = [], [], 0
         for p in parts:
             seps += [i - p.start + start for i in
                      old_seps[bisect_left(old_seps, p.start):bisect_left(old_seps, p.end)]]
-            p.start, p.end = start, start + (p.end - p.start)
-            start = p.end
-        self.arena.append(self.cid, tokens, src, separators=seps)
+            spans.append((start, start + p.end - p.start))
+            start += p.end - p.start
+        try:
+            self.arena.free(self.cid)  # (may raise past its removal: a compaction)
+            self.cid = self.arena.new_corpus(max(1 << 10, 2 * start))
+            if parts:
+                tokens = torch.cat([old[p.start:p.end] for p in parts])
+                src = torch.repeat_interleave(
+                    torch.tensor([p.src for p in parts], dtype=torch.int8),
+                    torch.tensor([p.end - p.start for p in parts])).to(tokens.device)
+                self.arena.append(self.cid, tokens, src, separators=seps)
+        except BaseException:
+            self._drop_all()
+            raise
+        for p, (s, e) in zip(parts, spans):
+            p.start, p.end = s, e
+
+    def _drop_all(self) -> None:
+        """After a failed rebuild: no documents, and a live (empty) corpus when one can be
+        had (the partly written one is freed first)."""
+        self._docs.clear()
+        try:
+            if self.cid in self.arena:
+                self.arena.free(self.cid)
+        finally:
+            if self.cid not in self.arena:
+                self.cid = self.arena.new_corpus(1 << 10)

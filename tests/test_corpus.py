@@ -185,3 +185,47 @@ def test_settle_checks_its_cut_flags_and_append_rows_takes_any_layout():
     arena.append_rows([c1, c2], cols, [4, 4])
     assert arena.corpus_tokens(c1).tolist()[-4:] == [0, 2, 4, 6]
     assert arena.corpus_tokens(c2).tolist()[-4:] == [1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("fault", ["free_after_delete", "new_corpus", "append"])
+@pytest.mark.parametrize("trigger", ["remove", "evict"])
+def test_a_failed_rebuild_leaves_an_empty_usable_store_and_other_corpora_alone(fault, trigger):
+    """A rebuild rewrote its documents' offsets before its append, so a failed append left
+    documents describing text the new corpus lacked; a free raising past its removal (a
+    compaction) left the store's corpus id dangling (every later call a KeyError). Now a
+    failed rebuild drops the documents, as an eviction would, and leaves a live corpus."""
+    arena = _arena()
+    other = DocumentCorpus(arena)
+    other.add("o", [([9, 8, 7, 6], 0)])
+    c = DocumentCorpus(arena, budget_tokens=12, evict="lru")
+    c.add("a", [([1, 2, 3], 0)])
+    c.add("b", [([4, 5, 6], 1)])
+    name = {"free_after_delete": "free"}.get(fault, fault)
+    orig = getattr(arena, name)
+    calls = []
+
+    def once(*a, **k):  # the rebuild's call fails, once (an add's own append goes through)
+        calls.append(a)
+        if trigger == "evict" and name == "append" and len(calls) == 1:
+            return orig(*a, **k)
+        setattr(arena, name, orig)
+        if fault == "free_after_delete":
+            orig(*a, **k)
+        raise MemoryError(f"injected: {fault}")
+
+    setattr(arena, name, once)
+    try:
+        with pytest.raises(MemoryError, match="injected"):
+            if trigger == "remove":
+                c.remove("a")
+            else:
+                c.add("c", [([7, 7, 7, 7, 7], 0)])  # 14 > 12: evicts a, rebuilds
+    finally:
+        setattr(arena, name, orig)
+    assert len(c) == 0 and c.cid in arena and c.num_tokens == 0
+    assert c.arena.separators(c.cid) == []
+    c.add("d", [([1, 2, 3, 4], 2)])  # usable again
+    assert c.doc_ids() == ["d"] and _longest(c, [1, 2, 3]) == (3, [4])
+    assert _longest(other, [9, 8, 7]) == (3, [4]) and other.doc_ids() == ["o"]
+    c.remove("d")
+    assert len(c) == 0 and c.num_tokens == 0
