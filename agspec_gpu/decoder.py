@@ -346,11 +346,11 @@ class SpecDecoder:
         if text is not None:
             files += capture_tool_output(command, text)
         self._supersede([sid])
-        before = self.store.session_lengths([sid])[0]
+        before = self.store.session_lengths([sid])
         try:
             self.drafter.extend(sid, ids)
         except BaseException as exc:  # the tier took them (a level build raised): the
-            if len(ids) and self.store.session_lengths([sid])[0] - before == len(ids):
+            if self.store.took([sid], before, [len(ids)])[0]:
                 st.context.extend(ids)  # context too, and the files they showed (a retry
                 st.message = []         # would append them twice)
                 try:

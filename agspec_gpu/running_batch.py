@@ -93,9 +93,7 @@ class RunningBatch:
                                           to_device(counts, torch.int32, self.device),
                                           counts, validate=False)
         except BaseException:
-            after = self.drafter.store.session_lengths(reqs.sids)
-            self._failed_after_emit(new, [n1 - n0 == len(t) > 0
-                                          for t, n0, n1 in zip(new, before, after)])
+            self._failed_after_emit(new, self.drafter.store.took(reqs.sids, before, counts))
             raise
         return new
 

@@ -306,6 +306,14 @@ class CorpusStore:
         """The tokens each session's corpus holds (host ints: its settled appends)."""
         return [self.arena.num_tokens(self.session(sid).corpus) for sid in sids]
 
+    def took(self, sids: Sequence[str], before: Sequence[int],
+             counts: Sequence[int]) -> list[bool]:
+        """After an append that raised (a level build past the text, say): whether each
+        session's corpus holds its ``counts[i] > 0`` new tokens, its length then
+        ``before[i]`` (:meth:`session_lengths`) plus exactly that many."""
+        return [n > 0 and now - was == n
+                for now, was, n in zip(self.session_lengths(sids), before, counts)]
+
     def tenant_of(self, sid: str) -> str:
         return self.session(sid).tenant
 
