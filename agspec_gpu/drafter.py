@@ -359,21 +359,21 @@ class Drafter:
         # the (request, corpus) grid of the match, rebuilt only when the batch or the store's
         # corpora changed (a running batch's steps reuse it: ~1.4 us a request otherwise)
         key = (store.epoch, tuple(sids))
-        if key != self._grid_key:
+        if key != self._grid_key:  # (else no tenant's text changed since it was built)
             _check_distinct(sids)
-            self._grid, self._grid_key = self._match_grid(sids), key
+            self._grid_key = None  # (current once its stale sessions' caps are reset)
+            self._grid = self._match_grid(sids)
             stale = [i for i, sid in enumerate(sids)
                      if self._version[sid] != store.tenant_version(sid)]
-        else:  # no tenant's text changed since the grid was built and checked
-            stale = []
+            if stale:  # a tenant's new text: its sessions' next matches may be longer
+                st = self._grid[5][to_device(stale, torch.int64, dev)]
+                self.state.match_cap[st] = store.config.max_depth
+                for i in stale:
+                    self._version[sids[i]] = store.tenant_version(sids[i])
+            self._grid_key = key
         _, rows_cid, _, Rs, _, slots, tier, query_rows = self._grid
         arena = store.arena
         desc = self._kept.get(arena, self._writer, key, rows_cid, Rs)
-        if stale:
-            st = slots[to_device(stale, torch.int64, dev)]
-            self.state.match_cap[st] = store.config.max_depth
-            for i in stale:
-                self._version[sids[i]] = store.tenant_version(sids[i])
         P, K = cfg.max_positions, cfg.max_draft_depth
         # the kernel directly: queries come from the validated ring, so the per-call checks
         # of IndexArena.match (host syncs) are not needed on this per-step path. One launch

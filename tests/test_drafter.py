@@ -12,6 +12,7 @@ Documented tie-break of the best-first expansion: higher probability first, then
 shallower node, then the lower candidate index (= the more recent occurrence).
 """
 
+import dataclasses
 import functools
 import json
 import random
@@ -1821,3 +1822,35 @@ def test_a_plain_commit_of_more_sessions_than_max_batch(tok):
     d.append_generated(sids, torch.tensor([[5], [6], [7]], dtype=torch.int32),
                        torch.tensor([1, 1, 1], dtype=torch.int32))
     assert store.session_lengths(sids) == [4, 4, 4]
+
+
+def test_a_propose_failing_past_its_grid_rebuild_still_resets_the_stale_match_caps(tok):
+    """A propose rebuilt its match grid and recorded its key before resetting the match
+    caps of the sessions whose tenant's text had changed: one that raised in between left
+    them capped at the old corpora's matches, and the next propose (same key, grid current)
+    never reset them, so the new text's longer matches went unseen."""
+    text = "for name in sorted(table):\n    print(name, table[name].size)\n"
+    drafts = []
+    for fail in (False, True):
+        store, d = make(tok, tier=TierConfig(use_global=False, tail_tokens=4))
+        d.open_session("s0", "t", prompt_ids=tok.encode("x = 1\n" + text[:30]))
+        d.propose(["s0"])
+        slot = d._slot_of("s0")
+        d.state.match_cap[slot] = 1  # the session's own text matched one token at most
+        store.add_workspace_file("t", "w.py", text)
+        if fail:
+            kept = d._kept
+
+            class Failing:
+                def get(self, *a):
+                    d._kept = kept
+                    raise MemoryError("injected: the kept descriptors")
+
+            d._kept = Failing()
+            with pytest.raises(MemoryError, match="injected"):
+                d.propose(["s0"])
+        drafts.append(d.propose(["s0"]))
+        assert int(d.state.match_cap[slot]) == 7  # the workspace's match, not the old cap
+    assert int(drafts[0].num_draft_tokens[0]) == 7
+    for a, b in zip(dataclasses.astuple(drafts[0]), dataclasses.astuple(drafts[1])):
+        assert torch.equal(a, b)
