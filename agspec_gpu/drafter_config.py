@@ -39,7 +39,8 @@ class DrafterConfig:
         batch_budget: spend draft tokens by the cost model across the batch.
         min_match: shortest match that produces a draft.
         min_prob: nodes whose estimated acceptance probability is below this are not
-            drafted (verification is not spent on long shots).
+            drafted (verification is not spent on long shots). The estimate runs about
+            half the measured rate at low values (:class:`~agspec_gpu.drafter_state.DraftStats`).
         candidate_slack: rows (tiers) whose match is at most this much shorter than the
             request's longest also supply candidates.
         calibrate: scale candidate shares by the acceptance learned online per (match

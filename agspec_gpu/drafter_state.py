@@ -124,7 +124,14 @@ class DraftStats:
       match`` (mode 1: the request's previous draft was accepted whole; the tier of the
       node's candidate; the match length, at most ``L``), column the node's depth; prior
       ``(match + 1) / (match + 3)`` with weight 2 (a longer match is more likely to
-      continue).
+      continue). Every reached node counts once in its cell, siblings alike, and a node's
+      estimate is its candidate share times its cells: the branching counts twice, so the
+      estimates run low (measured on the dev sessions at B = 16: 0.12 for nodes accepted
+      24% of the time, 0.35 for 51%). Counting a node by its share of its parent's
+      candidates instead makes them exact, and the batch budget then drafts more and worse:
+      modelled speedup +0.7% at B = 16, -3.3% at 64 (the budget keeps the nodes whose
+      estimates are highest, so those it keeps are overestimated; the low bias offsets
+      that). ``bench/results/README.md``, session 57.
 
     The four live in one buffer, ``tables``, laid out as one commit's ``counts``; per
     commit :meth:`fold` computes ``tables = decay * tables + counts + (1 - decay) * prior``:
