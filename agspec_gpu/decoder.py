@@ -34,6 +34,7 @@ Inside your own loop, with your own model and KV cache::
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
@@ -59,7 +60,7 @@ from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.decoder_config import DecoderConfig
 from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
-from agspec_gpu.host import HostReader, cuda_index, device_guard, to_device
+from agspec_gpu.host import HostReader, cuda_index, device_guard, serialized, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
 from agspec_gpu.runners.hf import HFRunner, check_hf_model, check_hf_probe
 from agspec_gpu.runners.paged import PagedLlamaRunner
@@ -85,7 +86,8 @@ class SpecDecoder:
 
     Every call runs on the model's device whatever device is current (a model on
     ``cuda:1`` needs no ``torch.cuda.device(1)`` around the calls): a call that does device
-    work makes the model's GPU current and restores the caller's on return.
+    work makes the model's GPU current and restores the caller's on return. Calls from
+    several threads run one at a time, each whole (:func:`~agspec_gpu.host.serialized`).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: DecoderConfig | None = None,
@@ -101,6 +103,7 @@ class SpecDecoder:
                 not isinstance(global_corpus, (GlobalCorpus, str, Path)):
             raise ValueError(f"global_corpus: expected a GlobalCorpus, a path or None, got "
                              f"{type(global_corpus).__name__}")
+        self._lock = threading.RLock()  # public calls from several threads: one at a time
         self.model = model
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         if isinstance(global_corpus, (str, Path)):
@@ -201,6 +204,7 @@ class SpecDecoder:
             return None
         return vg
 
+    @serialized
     @device_guard
     @torch.no_grad()
     def calibrate_cost_model(self, context_tokens: int, batch_sizes: Sequence[int] | None = None,
@@ -258,6 +262,7 @@ class SpecDecoder:
         return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
 
     @property
+    @serialized
     def stats(self) -> dict[str, int]:
         """Cumulative ``steps`` (verification steps), ``tokens`` (emitted by them),
         ``drafted`` and ``accepted`` draft tokens (what verification accepted, also past
@@ -276,6 +281,7 @@ class SpecDecoder:
                 "evicted_tenants": self.store.num_evicted_tenants}
 
     # ------------------------------------------------------------ lifecycle
+    @serialized
     @device_guard
     def open_session(self, tenant: str, role: str = "default",
                      prompt_ids: Sequence[int] | torch.Tensor = (),
@@ -315,6 +321,7 @@ class SpecDecoder:
         self._add_files(tenant, files)
         return sid
 
+    @serialized
     @device_guard
     def append(self, sid: str, token_ids: Sequence[int] | torch.Tensor,
                text: str | None = None) -> list[str | None]:
@@ -367,12 +374,14 @@ class SpecDecoder:
         for f in files:
             self.store.add_workspace_file(tenant, f.path, f.text, first_line=f.first_line)
 
+    @serialized
     @device_guard
     def add_workspace_file(self, sid: str, path: str | None, text: str) -> int:
         """Indexes a file the session's tenant opened (all emission forms; ``path`` None:
         text of no file); the tokens added (0: the same text was indexed already)."""
         return self.store.add_workspace_file(self._session(sid).tenant, path, text)
 
+    @serialized
     @device_guard
     def close_session(self, sid: str) -> None:
         """Frees the session's corpus and KV (ending its submitted request, if any); its
@@ -401,6 +410,7 @@ class SpecDecoder:
         if error is not None:
             raise error
 
+    @serialized
     @device_guard
     def close_tenant(self, tenant: str) -> None:
         """Frees the tenant's workspace and history tiers (its sessions must be closed).
@@ -416,6 +426,7 @@ class SpecDecoder:
                              f"first")
         self.store.close_tenant(tenant)
 
+    @serialized
     def session_stats(self, sid: str) -> SessionStats:
         """Session ``sid``'s figures since it opened: tokens generated, verification steps,
         drafted and accepted tokens (its own share of :attr:`stats`; tokens per step and
@@ -433,6 +444,7 @@ class SpecDecoder:
         return st
 
     # ------------------------------------------------------------ your own loop
+    @serialized
     @device_guard
     def propose(self, session_ids: Sequence[str]) -> DraftBatch:
         """Draft trees for one verification step of ``session_ids`` (distinct, open).
@@ -464,12 +476,14 @@ class SpecDecoder:
         self._proposed, self._proposed_draft = sids, draft
         return draft
 
+    @serialized
     @device_guard
     def root_ids(self, session_ids: Sequence[str]) -> torch.Tensor:
         """``int32 [B]`` each session's last token: row 0 of its verification."""
         states = [self._session(s) for s in self._batch(session_ids)]
         return to_device([st.context[-1] for st in states], torch.int32, self._device)
 
+    @serialized
     @device_guard
     def tree_inputs(self, session_ids: Sequence[str], draft: DraftBatch) -> TreeInputs:
         """The verification forward's inputs for ``draft`` (:meth:`DraftBatch.tree_inputs`):
@@ -489,6 +503,7 @@ class SpecDecoder:
                                  to_device([len(st.context) - 1 for st in states],
                                            torch.int64, dev))
 
+    @serialized
     @device_guard
     def commit(self, session_ids: Sequence[str], draft: DraftBatch, logits: torch.Tensor,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -681,6 +696,7 @@ class SpecDecoder:
             st.num_accepted += n_out - 1
 
     # ------------------------------------------------------------ generation
+    @serialized
     @device_guard
     @torch.no_grad()
     def generate(self, session_ids: Sequence[str], max_new_tokens: int | Sequence[int] = 256,
@@ -775,6 +791,7 @@ class SpecDecoder:
         return reqs.outs
 
     # ------------------------------------------------------------ continuous batching
+    @serialized
     def submit(self, session_id: str, max_new_tokens: int = 256,
                sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = (),
                speculate: bool = True, eos_id: int | None = -1) -> None:
@@ -807,6 +824,7 @@ class SpecDecoder:
         reqs.start()
         self._supersede([sid])
 
+    @serialized
     @device_guard
     @torch.no_grad()
     def step(self, generator: torch.Generator | None = None) -> list[StepOutput]:
@@ -843,6 +861,7 @@ class SpecDecoder:
         self._check_generator(generator)
         return self._scheduler.step(generator)
 
+    @serialized
     @device_guard
     def cancel(self, session_id: str) -> None:
         """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
@@ -855,11 +874,13 @@ class SpecDecoder:
         self._scheduler.cancel(session_id)
 
     @property
+    @serialized
     def running(self) -> list[str]:
         """Sessions whose submitted request is in the running batch."""
         return self._scheduler.running
 
     @property
+    @serialized
     def queued(self) -> list[str]:
         """Sessions whose submitted request waits for room in the batch."""
         return self._scheduler.queued

@@ -77,6 +77,21 @@ def device_guard(method: Callable) -> Callable:
     return guarded
 
 
+def serialized(method: Callable) -> Callable:
+    """Runs ``method`` holding its object's ``_lock`` (a ``threading.RLock``): public calls
+    from several threads run one at a time, each whole, so a server's request threads may
+    ``submit`` and ``cancel`` while its loop thread steps; the thread that holds it may
+    re-enter (a ``generate`` callback's call of another public method). An uncontended
+    acquire and release cost ~0.2 us."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 def synchronize(device: torch.device) -> None:
     """Waits for ``device``'s queued work (a no-op on CPU); for timers and end-of-step reads."""
     if device.type == "cuda":
