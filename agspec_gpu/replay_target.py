@@ -62,6 +62,20 @@ def _phase(name: str, color: str):
         yield
 
 
+@contextmanager
+def _kv_freed_on_error(cache, held: Callable[[], Sequence]) -> Iterator[None]:
+    """A run that raises frees the KV its requests still hold (``held()``: their sequence
+    ids, read when it raises), so the runner's shared pool is as the run found it for the
+    runs after (the e2e goes on past a failed profiling run)."""
+    try:
+        yield
+    except BaseException:
+        for seq_id in held():
+            if cache.capacity(seq_id):
+                cache.free(seq_id)
+        raise
+
+
 def protocol(context_tokens: int, dtype: str, prefill: str = "real") -> str:
     """The protocol statement every replay-target report carries."""
     ctx = (f"prefill of each request's context (truncated to the last {context_tokens} tokens)"
@@ -514,7 +528,8 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
 
     Returns
     -------
-    :class:`ReplayTargetResult`. Every request's KV is freed again before it returns.
+    :class:`ReplayTargetResult`. Every request's KV is freed again before it returns (or
+    raises).
     """
     dev = runner.device
     B = config.batch_size
@@ -563,7 +578,7 @@ def run_replay_target(runner, corpus: ReplayCorpus, proposer, config: ReplayTarg
         synchronize(dev)
         res.message_s += time.perf_counter() - t0
 
-    with torch.inference_mode():
+    with torch.inference_mode(), _kv_freed_on_error(cache, lambda: [r.kv_id for r in active]):
         while config.max_steps is None or res.steps < config.max_steps:
             new: list[tuple[_Request, list[int]]] = []
             t_msg, opened = time.perf_counter(), res.sessions

@@ -275,6 +275,29 @@ def test_tau_equals_the_replay_evaluators(short_corpus, tok, batch_size):
         assert runner.kv_cache.num_free_pages == runner.kv_cache.num_pages  # all freed
 
 
+def test_a_run_that_raises_frees_its_requests_kv(short_corpus, tok):
+    """A run that raised mid-way (the e2e's profiling run goes on past one) left its
+    requests' KV in the runner's shared pool: the next run's requests reuse their ids, and
+    a fuller pool would have refused them. Now the pool is as the run found it."""
+    runner, pool = tiny_runner(3, context=48)
+    graphs = DecodeGraphs(runner, [1, 2, 4])
+    cache = runner.kv_cache
+    cfg = ReplayTargetConfig(batch_size=3, context_tokens=48, max_message_tokens=None)
+
+    def fail_at_step_3(step, kv):
+        if step == 3:
+            assert cache.num_free_pages < cache.num_pages  # requests hold KV here
+            raise RuntimeError("injected: step 3")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        run_replay_target(runner, short_corpus, make_proposer("agspec", tok, "cpu", 3), cfg,
+                          pool=pool, graphs=graphs, step_hook=fail_at_step_3)
+    assert cache.num_free_pages == cache.num_pages
+    res = run_replay_target(runner, short_corpus, make_proposer("agspec", tok, "cpu", 3), cfg,
+                            pool=pool, graphs=graphs)
+    assert res.steps > 3 and cache.num_free_pages == cache.num_pages
+
+
 @pytest.fixture(scope="module")
 def multi_corpus(tok):
     """Six real sessions, the k-th cut after its ``k % 3 + 1``-th assistant message:
