@@ -133,6 +133,7 @@ class SpecDecoder:
         self._generating: set[str] = set()  # the sessions of the running generate() calls
         self._last_sampling: tuple = ((), None)  # (rows of SamplingParams, BatchSampling)
         self._next = 0
+        self._next_request = 0  # the next request's id (StepOutput.request_id)
         # a per-instance prefix: one decoder never takes another decoder's session id for
         # one of its own (possibly another tenant's session)
         self._sid_prefix = f"d{uuid.uuid4().hex[:8]}-s"
@@ -739,7 +740,10 @@ class SpecDecoder:
                 call's sessions are busy for it (its ``append``, ``generate``,
                 ``propose``, ``submit``, ``cancel`` or ``close_session`` of them raise).
                 It runs with the model's GPU current; for a request's last tokens,
-                ``session_stats(sid).finish_reason`` already says why it ends.
+                ``session_stats(sid).finish_reason`` already says why it ends. It runs
+                holding the decoder (other threads' calls wait): one that waits for
+                another thread's call of the decoder (a full bounded queue whose consumer
+                reads ``session_stats``, say) waits for good.
 
         Returns:
             The new tokens per session, in ``session_ids`` order (why each ended:
@@ -794,8 +798,9 @@ class SpecDecoder:
     @serialized
     def submit(self, session_id: str, max_new_tokens: int = 256,
                sampling: SamplingParams | None = None, stop: str | Sequence[str] | None = (),
-               speculate: bool = True, eos_id: int | None = -1) -> None:
-        """Queues a request of an open session for :meth:`step` (continuous batching).
+               speculate: bool = True, eos_id: int | None = -1) -> int:
+        """Queues a request of an open session for :meth:`step` (continuous batching);
+        returns its id, which each of its :class:`StepOutput` carries (``request_id``).
 
         The request joins the running batch at the next step with room (``max_batch``
         requests run at once; the rest wait in submission order). Arguments as
@@ -823,6 +828,7 @@ class SpecDecoder:
         self._scheduler.submit(reqs)
         reqs.start()
         self._supersede([sid])
+        return reqs.rids[0]
 
     @serialized
     @device_guard
@@ -928,10 +934,11 @@ class SpecDecoder:
         new lists."""
         states = [self._sessions[s] for s in sids]
         reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
-                              self._eos(eos_id),
-                              self.vocab_size, self.tokenizer.decode)
+                              self._eos(eos_id), self.vocab_size, self.tokenizer.decode,
+                              first_id=self._next_request)
         self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
                                   beside_running)
+        self._next_request += len(sids)
         return reqs
 
     # ------------------------------------------------------------ the running batch

@@ -117,6 +117,7 @@ class Requests:
     # (cancel(), an on_tokens callback that returned False) or "error" (a failed step or
     # call ended it); None: running
     finish: list[str | None]
+    rids: list[int]                         # each request's id (StepOutput.request_id)
 
     @property
     def done(self) -> tuple[bool, ...]:
@@ -127,11 +128,11 @@ class Requests:
     @classmethod
     def build(cls, sids: list[str], states: list[SessionState], max_new_tokens, sampling, stop,
               speculate, eos: int | None, vocab_size: int,
-              decode: Callable[[list[int]], str]) -> "Requests":
+              decode: Callable[[list[int]], str], first_id: int = 0) -> "Requests":
         """The requests of ``sids`` from a call's per-session arguments (as ``generate``
         takes them), validated (nothing changes on an error); their outputs are new lists.
         ``eos``: the end token of every request (None: none); ``decode``: the tokenizer's,
-        for the stop strings."""
+        for the stop strings; the requests' ids are ``first_id``, ``first_id + 1``, ..."""
         n = len(sids)
         limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
         if any(isinstance(m, bool) or m < 0 for m in limits):
@@ -145,7 +146,7 @@ class Requests:
         stops = stop_lists(stop, n)
         return cls(list(sids), list(states), [int(m) for m in limits], list(params),
                    [StopMatcher(decode, s) for s in stops], [eos] * n, list(spec),
-                   [[] for _ in sids], [None] * n)
+                   [[] for _ in sids], [None] * n, list(range(first_id, first_id + n)))
 
     def start(self) -> None:
         """The requests begin (their sessions' last finish reasons are cleared); one of no
@@ -278,12 +279,17 @@ class StepOutput:
             end token), ``"stop"`` (the tokens end with one of its stop strings) or
             ``"length"`` (it emitted ``max_new_tokens``); a server's ``finish_reason``
             (OpenAI's ``"stop"`` is ``"eos"`` or ``"stop"`` here).
+        request_id: the id :meth:`~agspec_gpu.decoder.SpecDecoder.submit` returned for the
+            request (unique in its decoder): a loop that hands outputs on after another
+            thread cancelled the session's request and submitted a new one tells the old
+            request's tokens from the new one's.
     """
 
     session_id: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    request_id: int = -1
 
 
 def stop_lists(stop, n: int) -> list[list[str]]:

@@ -98,7 +98,8 @@ class Scheduler:
                 new = live.verify_step(generator)
             self._advance(live.reqs, new)
             r = live.reqs
-            out = [StepOutput(s, t, f is not None, f) for s, t, f in zip(r.sids, new, r.finish)]
+            out = [StepOutput(s, t, f is not None, f, i)
+                   for s, t, f, i in zip(r.sids, new, r.finish, r.rids)]
             self._leave_finished()  # their sessions are idle once step() returns
         except BaseException as exc:
             if live is not None and live.unreported is not None:
@@ -112,7 +113,8 @@ class Scheduler:
             if out is not None:
                 reason = dict(zip(live.reqs.sids, live.reqs.finish))
                 self._undelivered += [StepOutput(o.session_id, o.token_ids, True,
-                                                 reason.get(o.session_id) or "error")
+                                                 reason.get(o.session_id) or "error",
+                                                 o.request_id)
                                       for o in out if o.token_ids]
             raise
         self._undelivered = []
@@ -127,7 +129,8 @@ class Scheduler:
             self._advance(live.reqs, new)
         except BaseException as cleanup:  # noqa: BLE001 - noted on the error that matters
             exc.add_note(f"then reporting the step's tokens failed too: {cleanup!r}")
-        return [StepOutput(s, t, True) for s, t in zip(live.reqs.sids, new)]
+        return [StepOutput(s, t, True, None, i)
+                for s, t, i in zip(live.reqs.sids, new, live.reqs.rids)]
 
     def cancel(self, sid: str) -> None:
         """Ends ``sid``'s request now (queued: dropped; running: leaves the batch, its KV

@@ -331,14 +331,15 @@ def test_a_level_build_failing_after_the_tier_grew_keeps_context_and_tier_in_ste
     a = dec.open_session("t0", "coder", P[0])
     assert len(P[0]) == 5
     failed = fail_one_level_build(monkeypatch)
-    dec.submit(a, max_new_tokens=40, eos_id=None)
+    rid = dec.submit(a, max_new_tokens=40, eos_id=None)
     got = []
     with pytest.raises(torch.OutOfMemoryError):
         for _ in range(40):
             got += [o.token_ids for o in dec.step()]
     monkeypatch.undo()
     last = dec.step()
-    assert [(o.session_id, o.finished, o.finish_reason) for o in last] == [(a, True, "error")]
+    assert [(o.session_id, o.finished, o.finish_reason, o.request_id) for o in last] == \
+        [(a, True, "error", rid)]
     assert dec.step() == [] and dec.running == [] and dec.queued == []
     got += [last[0].token_ids]
     ctx = list(dec._sessions[a].context)

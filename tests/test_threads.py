@@ -87,7 +87,7 @@ def test_a_submit_from_another_thread_waits_for_the_running_step():
 
 
 def test_threads_submitting_beside_a_stepping_loop_get_greedy_output():
-    """Four request threads submit (and one cancels) while a loop thread steps until they
+    """Three request threads submit two requests each while a loop thread steps until they
     are done; each finished request equals plain greedy decoding."""
     dec = decoder("paged", max_batch=3, max_sessions=8)
     ps = prompts()[:6]
@@ -138,3 +138,26 @@ def test_threads_submitting_beside_a_stepping_loop_get_greedy_output():
     for sid, p, n in zip(sids, ps, limits):
         assert tokens[sid] == greedy(VARIANT, p, n)
         assert finished[sid] == ("length" if len(tokens[sid]) == n else "eos")
+
+
+def test_outputs_name_their_request_so_a_cancelled_ones_are_told_apart():
+    """A loop thread that handed on a step's outputs after a request thread had cancelled
+    the session's request and submitted a new one streamed the old request's tokens as
+    the new one's (outputs named the session only). Each output names its request now."""
+    dec = decoder("hf")
+    p = prompts()[1]
+    sid = dec.open_session("t", prompt_ids=p)
+    first = dec.submit(sid, max_new_tokens=12)
+    held = dec.step() + dec.step()  # the loop thread has these, not handed on yet
+    dec.cancel(sid)  # meanwhile, another thread: the client went away; a new request
+    second = dec.submit(sid, max_new_tokens=5)
+    assert first != second
+    assert [o.request_id for o in held] == [first, first]
+    streamed = [t for o in held if o.request_id == second for t in o.token_ids]
+    for _ in range(10):
+        for o in dec.step():
+            assert o.request_id == second
+            streamed += o.token_ids
+    ctx = dec._sessions[sid].context
+    assert streamed == ctx[len(ctx) - 5:] == \
+        greedy(VARIANT, list(p) + [t for o in held for t in o.token_ids], 5)
