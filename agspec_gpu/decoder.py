@@ -87,7 +87,9 @@ class SpecDecoder:
     Every call runs on the model's device whatever device is current (a model on
     ``cuda:1`` needs no ``torch.cuda.device(1)`` around the calls): a call that does device
     work makes the model's GPU current and restores the caller's on return. Calls from
-    several threads run one at a time, each whole (:func:`~agspec_gpu.host.serialized`).
+    several threads run one at a time, each whole (:func:`~agspec_gpu.host.serialized`);
+    its attributes (``config``, ``store``, ``drafter``) are its state, for reading while no
+    other thread calls it.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: DecoderConfig | None = None,
