@@ -871,15 +871,20 @@ class SpecDecoder:
 
     @serialized
     @device_guard
-    def cancel(self, session_id: str) -> None:
+    def cancel(self, session_id: str, request_id: int | None = None) -> None:
         """Ends ``session_id``'s submitted request now (queued: dropped; running: leaves
         the batch, its KV and what it emitted kept). For an idle session it only drops
         what a failed :meth:`step` had not yet returned of it; raises
         ValueError for one in a running :meth:`generate` (its ``on_tokens`` returning
-        False ends its request)."""
+        False ends its request). ``request_id`` (what :meth:`submit` returned): that
+        request only, a no-op once it ended (a client that went away never ends the
+        session's next request)."""
+        if request_id is not None and not is_int(request_id):
+            raise ValueError(f"request_id: expected None or an int from submit(), got "
+                             f"{request_id!r}")
         self._session(session_id)
         self._check_idle([session_id], "session_id", submitted_ok=True)
-        self._scheduler.cancel(session_id)
+        self._scheduler.cancel(session_id, request_id)
 
     @property
     @serialized

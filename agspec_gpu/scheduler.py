@@ -132,18 +132,23 @@ class Scheduler:
         return [StepOutput(s, t, True, None, i)
                 for s, t, i in zip(live.reqs.sids, new, live.reqs.rids)]
 
-    def cancel(self, sid: str) -> None:
+    def cancel(self, sid: str, rid: int | None = None) -> None:
         """Ends ``sid``'s request now (queued: dropped; running: leaves the batch, its KV
         and what it emitted kept; a failed step's undelivered output: dropped, its client
-        gone); a no-op when it has none."""
-        self.discard([sid])
+        gone); a no-op when it has none, or (``rid`` given) when its request is another."""
+        def mine(s: str, r: int) -> bool:
+            return s == sid and (rid is None or r == rid)
+
+        self._undelivered = [o for o in self._undelivered
+                             if not mine(o.session_id, o.request_id)]
         for q in self._queue:
-            if q.sids[0] == sid:
+            if mine(q.sids[0], q.rids[0]):
                 q.cancel(0)
-        self._queue = [q for q in self._queue if q.sids[0] != sid]
+        self._queue = [q for q in self._queue if not mine(q.sids[0], q.rids[0])]
         live = self._live
-        if live is not None and sid in live.reqs.sids:
-            live.reqs.cancel(live.reqs.sids.index(sid))
+        row = live.reqs.sids.index(sid) if live is not None and sid in live.reqs.sids else -1
+        if row >= 0 and mine(sid, live.reqs.rids[row]):
+            live.reqs.cancel(row)
             try:
                 self._leave_finished()
             except BaseException as exc:  # its leaving failed: as a step's error, the batch

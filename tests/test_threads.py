@@ -161,3 +161,32 @@ def test_outputs_name_their_request_so_a_cancelled_ones_are_told_apart():
     ctx = dec._sessions[sid].context
     assert streamed == ctx[len(ctx) - 5:] == \
         greedy(VARIANT, list(p) + [t for o in held for t in o.token_ids], 5)
+
+
+def test_a_cancel_naming_an_ended_request_leaves_the_sessions_next_one():
+    """``cancel(sid, request_id)`` ends that request only: a client that went away after
+    its request ended (another thread already submitted the session's next one) had
+    cancelled the new request."""
+    dec = decoder("hf")
+    p = prompts()[3]
+    sid = dec.open_session("t", prompt_ids=p)
+    first = dec.submit(sid, max_new_tokens=3, eos_id=None)
+    while dec.running or dec.queued:
+        dec.step()
+    second = dec.submit(sid, max_new_tokens=6, eos_id=None)
+    dec.cancel(sid, request_id=first)  # ended: a no-op
+    assert dec.queued == [sid]
+    out = dec.step()  # (joins) ...
+    dec.cancel(sid, request_id=first)
+    assert dec.running == [sid] and [o.request_id for o in out] == [second]
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(ValueError, match="request_id"):
+            dec.cancel(sid, request_id=bad)
+    assert dec.running == [sid]
+    dec.cancel(sid, request_id=second)
+    assert dec.running == [] and dec.session_stats(sid).finish_reason == "cancelled"
+    third = dec.submit(sid, max_new_tokens=2, eos_id=None)
+    dec.cancel(sid, request_id=second)  # queued: the named one is gone, this one stays
+    assert dec.queued == [sid]
+    dec.cancel(sid)  # whatever request it has
+    assert dec.queued == [] and third > second > first
