@@ -139,8 +139,7 @@ class Scheduler:
         def mine(s: str, r: int) -> bool:
             return s == sid and (rid is None or r == rid)
 
-        self._undelivered = [o for o in self._undelivered
-                             if not mine(o.session_id, o.request_id)]
+        self.discard([sid], rid)
         for q in self._queue:
             if mine(q.sids[0], q.rids[0]):
                 q.cancel(0)
@@ -156,12 +155,13 @@ class Scheduler:
                     self._end_live_after(exc)  # ended emits again)
                 raise
 
-    def discard(self, sids: list[str]) -> None:
-        """Drops what a failed step had not yet returned of ``sids``: their sessions moved
-        on (a new request, an append, a close), and an output of the ended request would
-        read as the new one's."""
+    def discard(self, sids: list[str], rid: int | None = None) -> None:
+        """Drops what a failed step had not yet returned of ``sids`` (of request ``rid``
+        only, if given): their sessions moved on (a new request, an append, a close), and
+        an output of the ended request would read as the new one's."""
         gone = set(sids)
-        self._undelivered = [o for o in self._undelivered if o.session_id not in gone]
+        self._undelivered = [o for o in self._undelivered if o.session_id not in gone or
+                             (rid is not None and o.request_id != rid)]
 
     def _end_live_after(self, exc: BaseException) -> None:
         """Ends the running batch after ``exc`` (raised by the caller): its requests end at
