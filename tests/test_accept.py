@@ -402,21 +402,32 @@ def _ks(u: torch.Tensor) -> float:
 
 
 def test_seeded_uniforms_are_a_fixed_hash_and_uniform():
-    """The seeded stream is lowbias32 chained over the seed's halves and, twice, the
-    position (the same integers on any device: checked against plain Python ints, whose
-    products never overflow), and uniform over positions and over seeds (KS below its 1%
-    critical value)."""
+    """The seeded stream is lowbias32 of the seed's low half, twice over the position,
+    then over the mixed high half (the same integers on any device: checked against plain
+    Python ints, whose products never overflow), and uniform over positions and over seeds
+    (KS below its 1% critical value)."""
     from agspec_gpu.seeding import seeded_uniforms
     cases = [(0, 0), (1, 0), (0, 1), (7, 12345), ((1 << 63) - 1, (1 << 31) + 5),
              (0x5EADBEEF12345678, 99)]
     seeds, pos = (torch.tensor(c, dtype=torch.int64) for c in zip(*cases))
-    want = [(_lowbias32(_lowbias32(_lowbias32(_lowbias32(s & 0xFFFFFFFF) ^ (s >> 32)) ^ p))
-             + 0.5) / 2 ** 32 for s, p in cases]
+    want = [(_lowbias32(_lowbias32(_lowbias32(_lowbias32(s & 0xFFFFFFFF) ^ p))
+                        ^ _lowbias32(s >> 32)) + 0.5) / 2 ** 32 for s, p in cases]
     assert seeded_uniforms(seeds, pos).tolist() == want
     for u in (seeded_uniforms(torch.tensor(3), torch.arange(50000)),
               seeded_uniforms(torch.arange(50000), torch.tensor(11)),
               seeded_uniforms(torch.arange(50000) << 32, torch.tensor(0))):
         assert 0 < u.min() and u.max() < 1 and _ks(u) < 1.63
+
+
+def test_seeded_streams_of_distinct_seeds_differ():
+    """The stream's state is the whole 64-bit seed: two seeds whose halves folded into
+    one 32-bit state collided (the same uniform at every position) draw different
+    streams now, as do seeds that differ only in their high half."""
+    from agspec_gpu.seeding import seeded_uniforms
+    pos = torch.arange(64)
+    for a, b in ((30064783417, 7865844771372150842), (5, 5 | (1 << 32)), (0, 1 << 62)):
+        ua, ub = (seeded_uniforms(torch.tensor(s), pos) for s in (a, b))
+        assert (ua != ub).sum() > 60, (a, b)
 
 
 def test_seeded_uniforms_of_nearby_positions_are_independent_across_seeds():
