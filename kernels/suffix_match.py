@@ -515,10 +515,11 @@ def _hints(sa_key, level_key, sa_base, sa_len, pat, arow, al) -> _Hints:
     base2, len2 = torch.cat([sa_base, sa_base]), torch.cat([sa_len, sa_len])
     lo_rel = torch.minimum((lo_abs - base2).clamp(min=0), len2).view(2, -1)
     hi_rel = torch.minimum((hi_abs - base2).clamp(min=0), len2).view(2, -1)
-    exact1 = p0 < _KEY_TOKEN_MAX
+    # a code is one token's exactly between 0 (END and every separator) and the top code
+    exact1 = (p0 > 0) & (p0 < _KEY_TOKEN_MAX)
     two = (al >= 2) & exact1  # the second token orders entries only below an exact first
     return _Hints(torch.where(two, lo_rel[1], lo_rel[0]), torch.where(two, hi_rel[1], hi_rel[0]),
-                  lo_rel[0], hi_rel[0], exact1, two & (p1 < _KEY_TOKEN_MAX))
+                  lo_rel[0], hi_rel[0], exact1, two & (p1 > 0) & (p1 < _KEY_TOKEN_MAX))
 
 
 class _Longest(NamedTuple):

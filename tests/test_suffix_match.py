@@ -423,6 +423,35 @@ def test_tails_and_keys_at_both_ends_of_a_tight_buffer():
                 [p for p in got[0].positions[b].tolist() if p >= 0]) == exp, b
 
 
+@pytest.mark.parametrize("max_depth", [2, 3])
+def test_key_hints_of_queries_that_hold_separators(max_depth):
+    """The torch path's key hints code END and every separator alike (0): a range of one
+    or two key tokens is exact only for real tokens. A query whose last or second-to-last
+    token is a separator (a direct call: the arena's own match refuses them) matched every
+    separator and the corpus start there (count 3 for one occurrence, before the fix).
+    Torch path with and without the hints == kernel == brute force."""
+    corpus = [0, 5, -1, 0, 7, -2, 0, 9, -1, 0, 5, -3, 5, -1]
+    ar = IndexArena(IndexConfig(max_depth=max_depth, tail_tokens=1), DEV)
+    cid = ar.new_corpus()
+    for t in corpus:  # one token at a time: every position indexed in a level
+        ar.append(cid, t32([t]).to(DEV))
+    desc = ar.descriptors([cid])
+    queries = [[-1, 0], [0, -1], [-2, 0], [5, -1], [9, -1], [-1, 5], [-3, 5], [0, 5],
+               [-1, -1], [7, -2]]
+    for qs in queries:
+        q, lengths = t32([qs]).to(DEV), t32([len(qs)]).to(DEV)
+        kw = dict(max_depth=max_depth, max_positions=4)
+        got = [suffix_match(ar.tokens, ar.sa, desc, q, lengths, use_triton=False, **kw),
+               suffix_match(ar.tokens, ar.sa, desc, q, lengths, use_triton=False,
+                            sa_key=ar.sa_key, **kw),
+               suffix_match(ar.tokens, ar.sa, desc, q, lengths, use_triton=True, **kw)]
+        assert_same(got[0], got[1])
+        assert_same(got[0], got[2])
+        exp = match_reference(corpus, qs, max_depth, 4)
+        assert (int(got[1].length[0]), int(got[1].count[0]),
+                [p for p in got[1].positions[0].tolist() if p >= 0]) == exp, qs
+
+
 @pytest.mark.parametrize("P", [0, 2, 8])
 def test_tail_blocks_that_raise_the_best_length_drop_the_shorter_hits(P):
     """The kernel reads the tail once, keeping the hits of the longest match so far: short
