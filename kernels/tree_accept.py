@@ -314,10 +314,12 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
         use_triton = dev.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N or B == 0 or max_depth == 0:
         if flat:  # the padded [B, N + 1] targets (columns past a request: any row; past
-            # the T rows, an inconsistent row_start: NO_MATCH, as the kernel loads them)
+            # the T rows or before them, an inconsistent row_start: NO_MATCH, as the
+            # kernel loads them)
             cols = row_start.long()[:, None] + torch.arange(N + 1, device=dev)
             T = target.shape[0]
-            target = torch.where(cols < T, target[cols.clamp(0, max(T - 1, 0))], _NO_MATCH) \
+            target = torch.where((cols >= 0) & (cols < T), target[cols.clamp(0, max(T - 1, 0))],
+                                 _NO_MATCH) \
                 if T else torch.full((B, N + 1), _NO_MATCH, dtype=torch.int64, device=dev)
         num, path = tree_accept_torch(token_ids, parents, num_draft_tokens, target,
                                       by_depth=False, max_depth=max_depth)

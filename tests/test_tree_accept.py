@@ -250,18 +250,21 @@ def test_rejects_bad_greedy_targets():
 
 
 def test_flat_rows_outside_the_batch_read_no_memory():
-    """Row starts past the flat targets (an inconsistent qo_indptr) match nothing, in the
-    kernel too: no read outside the rows."""
+    """Row starts past or before the flat targets (an inconsistent qo_indptr) match
+    nothing, in the kernel too: no read outside the rows."""
     tok = torch.tensor([[5, 6], [5, 6]], dtype=torch.int32, device=DEV)
     par = torch.tensor([[-1, 0], [-1, 0]], dtype=torch.int32, device=DEV)
     num = torch.tensor([2, 2], dtype=torch.int32, device=DEV)
     rows = torch.tensor([5, 6, 9], dtype=torch.int64, device=DEV)
-    start = torch.tensor([0, 1000], dtype=torch.int32, device=DEV)
-    for use_triton in (True, False):  # (the torch path once read the last row instead)
-        n, p, out, nout, bonus = greedy_tree_accept(tok, par, num, rows, max_depth=2,
-                                                    row_start=start, use_triton=use_triton)
-        assert n.tolist() == [2, 0] and out[0].tolist() == [5, 6, 9]
-        assert bonus.tolist() == [9, -2]  # NO_MATCH: no target there
+    for use_triton in (True, False):  # (the torch path once read the last row instead,
+        # and row 0 for a start before the rows)
+        for far in (1000, -1, -2):
+            start = torch.tensor([0, far], dtype=torch.int32, device=DEV)
+            n, p, out, nout, bonus = greedy_tree_accept(tok, par, num, rows, max_depth=2,
+                                                        row_start=start,
+                                                        use_triton=use_triton)
+            assert n.tolist() == [2, 0] and out[0].tolist() == [5, 6, 9], far
+            assert bonus.tolist() == [9, -2], far  # NO_MATCH: no target there
         none = greedy_tree_accept(tok[:1], par[:1], num[:1], rows[:0], max_depth=2,
                                   row_start=start[:1], use_triton=use_triton)
         assert none[0].tolist() == [0] and none[4].tolist() == [-2]
