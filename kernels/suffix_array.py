@@ -305,14 +305,14 @@ def context_array(tokens: torch.Tensor, lo: int, hi: int, depth: int, *, num_sel
     if out.numel() != num_selected:
         raise ValueError(f"out: expected {num_selected} elements (num_selected), got "
                          f"{out.numel()}")
+    if num_selected == 0:  # (an empty range included: lo = 1 would pass hi = 0)
+        return out
     lo = max(lo, 1)  # position 0 has an empty context
     W = hi - 1 - max(0, lo - depth)  # the window: every value a key reads
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton or W > MAX_BLOCK:
         out.copy_(build_context_array(tokens, lo, hi, depth, num_selected=num_selected))
-        return out
-    if num_selected == 0:
         return out
     if block is None:
         block = max(next_pow2(W), _MIN_BLOCK)

@@ -50,10 +50,15 @@ def _check(tokens: list[int], lo: int, hi: int, depth: int, block: int | None = 
     torch_path = build_context_array(t32(tokens), lo, hi, depth).tolist()
     assert torch_path == want
     assert _kernel(tokens, lo, hi, depth, block) == want, (lo, hi, depth)
+    # the launcher's torch path (it raised for an empty range at 0 once)
+    num = len(want)
+    assert context_array(t32(tokens).to(DEV), lo, hi, depth, num_selected=num,
+                         use_triton=False).tolist() == want, (lo, hi, depth)
 
 
 @pytest.mark.parametrize("tokens,lo,hi", [
     ([], 0, 0),  # empty
+    ([3, 4, 5], 0, 0),  # an empty range at the text's start
     ([5], 0, 1),  # one token: position 0 has no context
     ([5, 6], 0, 2),  # one position
     ([5, 6], 1, 2),
