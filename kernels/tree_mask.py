@@ -83,13 +83,13 @@ def _popcount32(x):
 def _request_sizes(b, num_draft_ptr, prefix_lens_ptr, B, N, page_size, BLOCK_B: tl.constexpr):
     """Request ``b``'s ``(qo_start, qo_len, kv_start, num_pages, m_start, num_bytes, kv_len)``
     and the batch's ``(total_q, total_pages, total_bytes)``: sums over one block of the
-    batch's sizes (``qo_len = 1 + clamp(num_draft, 0, N)``, ``kv_len = prefix + qo_len``),
-    as int64."""
+    batch's sizes (``qo_len = 1 + clamp(num_draft, 0, N)``, ``kv_len = max(prefix, 0) +
+    qo_len``), as int64."""
     i = tl.arange(0, BLOCK_B)
     inb = i < B
     qo = tl.where(inb, 1 + tl.minimum(tl.maximum(
         tl.load(num_draft_ptr + i, mask=inb, other=0).to(tl.int64), 0), N), 0)
-    kv = tl.load(prefix_lens_ptr + i, mask=inb, other=0).to(tl.int64) + qo
+    kv = tl.maximum(tl.load(prefix_lens_ptr + i, mask=inb, other=0).to(tl.int64), 0) + qo
     pages = tl.where(inb, (kv + page_size - 1) // page_size, 0)
     nbytes = tl.where(inb, (qo * kv + 7) // 8, 0)
     before = i < b
@@ -175,7 +175,7 @@ def _tree_rows_kernel(
         tl.store(last_page_len_ptr + B, 1, mask=last)
         sink_bytes = (tl.maximum(Q - total_q, 0) + 7) // 8
         tl.store(mask_indptr_ptr + B + 1, (total_bytes + sink_bytes).to(tl.int32), mask=last)
-    prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
+    prefix = tl.maximum(tl.load(prefix_lens_ptr + b).to(tl.int64), 0)
     anc_base = ancestors_ptr + b * R * W
     words = tl.arange(0, BLOCK_W)
     wmask = words < W
@@ -267,7 +267,7 @@ def _mask_bytes(j, total, prefix_lens_ptr, qo_indptr_ptr, mask_indptr_ptr, ances
     b = lo
     qo_start = tl.load(qo_indptr_ptr + b, mask=live, other=0).to(tl.int64)
     qo_len = tl.load(qo_indptr_ptr + b + 1, mask=live, other=0).to(tl.int64) - qo_start
-    prefix = tl.load(prefix_lens_ptr + b, mask=live, other=0).to(tl.int64)
+    prefix = tl.maximum(tl.load(prefix_lens_ptr + b, mask=live, other=0).to(tl.int64), 0)
     kv_len = tl.maximum(prefix + qo_len, 1)[:, None]
     bit = tl.arange(0, 8)
     e = (j - tl.load(mask_indptr_ptr + b, mask=live, other=0).to(tl.int64))[:, None] * 8 \
@@ -344,7 +344,7 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
     qo_indptr, kv_indptr, mask_indptr = (x[:B + 1] for x in (out.qo_indptr, out.kv_indptr,
                                                                out.mask_indptr))
     qo_lens = 1 + num_draft_tokens.clamp(0, N)
-    kv_lens = prefix_lens + qo_lens
+    kv_lens = prefix_lens.clamp(min=0) + qo_lens
     num_pages = (kv_lens + page_size - 1) // page_size
     for indptr, counts in ((qo_indptr, qo_lens), (kv_indptr, num_pages),
                            (mask_indptr, (qo_lens.long() * kv_lens + 7) // 8)):
@@ -365,7 +365,7 @@ def tree_mask_torch(token_ids: torch.Tensor, parents: torch.Tensor,
         return out
     qo_start = qo_indptr[:-1].long()
     qo_len = qo_indptr[1:].long() - qo_start
-    prefix = prefix_lens.long()
+    prefix = prefix_lens.long().clamp(min=0)
 
     # ancestor bitsets, one pass over rows in topological order (vectorised over requests)
     anc = torch.zeros(B, R, W, dtype=torch.int32, device=dev)
@@ -446,7 +446,9 @@ def tree_mask(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens: 
     num_draft_tokens : ``int32 [B]``
         Nodes per request (clamped to ``[0, N]``): ``qo_len = 1 + num_draft_tokens``.
     root_ids, prefix_lens : ``int32 [B]``
-        Root token per request and the number of its tokens already in the KV cache.
+        Root token per request and the number of its tokens already in the KV cache (a
+        negative one counts as 0: never read on the host, never a read before the page
+        table).
     page_table : ``int32 [B, max_pages]``
         Each request's pages in logical order; must cover ``prefix_len + qo_len`` slots
         (rows whose slot is past it are planned as padding).

@@ -529,6 +529,24 @@ def test_rows_past_a_short_page_table_are_padding_on_both_paths():
     assert want.kv_slots[3:7].tolist() == [-1] * 4
 
 
+def test_a_negative_prefix_counts_as_zero_on_both_paths():
+    """A negative ``prefix_lens`` entry (never read on the host) plans as a prefix of 0 on
+    both paths: the kernel read the page table before its row and wrote negative
+    positions; the torch path raised IndexError."""
+    _, _, draft, roots, prefix, _, table = make_case(2, [4, 2], "random", [0, 3], 4)
+    zero = tree_mask(draft.token_ids, draft.parents, draft.num_draft_tokens, roots, prefix,
+                     table, 4, use_triton=False)
+    neg = prefix.clone()
+    neg[0] = -5
+    for use_triton in (False, True):
+        d, r, p, t = on_device(draft, roots, neg, table)
+        got = tree_mask(d.token_ids, d.parents, d.num_draft_tokens, r, p, t, 4,
+                        use_triton=use_triton)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name).cpu(), getattr(zero, name)), (use_triton,
+                                                                                name)
+
+
 def test_the_debug_mask_holds_every_sink_row():
     """``with_dense_mask``: a sink of more rows than ``max_qo_len`` has each of them see its
     one KV entry (the unpacked mask once stopped at ``max_qo_len`` rows)."""
