@@ -64,11 +64,11 @@ def _prefix_pages_kernel(
     """Grid ``(B,)``, or ``(B + 1,)`` with a sink, which program ``B`` plans."""
     b = tl.program_id(0)
     bb = tl.arange(0, BLOCK_B)
-    lens = tl.load(prefix_lens_ptr + bb, mask=bb < B, other=0)
+    lens = tl.load(prefix_lens_ptr + bb, mask=bb < B, other=0).to(tl.int64)  # (no wrap)
     counts = tl.where(bb < B, tl.where(lens > 0, (lens + page_size - 1) // page_size, 1), 0)
     first = tl.sum(tl.where(bb < b, counts, 0), axis=0)
     is_req = b < B
-    prefix = tl.load(prefix_lens_ptr + b, mask=is_req, other=1)
+    prefix = tl.load(prefix_lens_ptr + b, mask=is_req, other=1).to(tl.int64)
     n = tl.where(is_req, tl.where(prefix > 0, (prefix + page_size - 1) // page_size, 1), 1)
     if b == 0:
         tl.store(kv_indptr_ptr, 0)
@@ -76,8 +76,11 @@ def _prefix_pages_kernel(
     tl.store(kv_last_page_len_ptr + b, tl.where(prefix > 0, prefix - (n - 1) * page_size, 1))
     tl.store(prefix_lens_out_ptr + b, prefix)
     row = page_table_ptr + b.to(tl.int64) * max_pages
-    p0 = tl.zeros((), tl.int32)
-    while p0 < n:
+    # the pages written: a request's past its table, or any past the capacity P, are not
+    # (the loop never runs past them: a prefix outside the contract costs no time)
+    span = tl.minimum(tl.where(is_req, tl.minimum(n, max_pages), n), P - first)
+    p0 = tl.zeros((), tl.int64)
+    while p0 < span:
         p = p0 + tl.arange(0, BLOCK_P)
         keep = (p < n) & (first + p < P)
         pages = tl.load(row + p, mask=keep & is_req & (p < max_pages), other=0)

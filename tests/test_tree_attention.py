@@ -108,7 +108,8 @@ def test_prefix_pages_drop_what_exceeds_the_buffer_and_check_their_arguments():
 
 def test_a_prefix_past_its_page_table_writes_no_made_up_pages():
     """Outside the contract (the table covers the prefix): the pages the table lacks are
-    left as they were on both paths (the kernel once wrote page 0, a real page)."""
+    left as they were on both paths (the kernel once wrote page 0, a real page), however
+    long the prefix."""
     table = torch.arange(6, dtype=torch.int32, device=DEVICE).view(2, 3) + 10
     lens = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
     outs = []
@@ -117,6 +118,17 @@ def test_a_prefix_past_its_page_table_writes_no_made_up_pages():
         prefix_pages(lens, table, 4, out, use_triton=use_triton)
         outs.append(out.kv_indices.tolist())
     assert outs[0] == outs[1] == [10, 11, 12] + [-7] * 7 + [13, -7]
+    # a prefix near 2**31: sizes in int64 on both paths (the kernel's int32 sum wrapped
+    # to a negative count), and its loop stops at the table (2**27 pages here)
+    lens = torch.tensor([2 ** 31 - 1, 3], dtype=torch.int32, device=DEVICE)
+    got = []
+    for use_triton in (False, True):
+        out = prefix_buffers(2, 12)
+        prefix_pages(lens, table, 16, out, use_triton=use_triton)
+        got.append([x.tolist() for x in (out.kv_indptr, out.kv_indices,
+                                         out.kv_last_page_len, out.prefix_lens)])
+    assert got[0] == got[1]
+    assert got[0][0][:3] == [0, 2 ** 27, 2 ** 27 + 1] and got[0][2] == [15, 3]
 
 
 def split_and_custom(case, num_qo_heads, num_kv_heads, *, head_dim=8, scale=1.0, seed=0,
