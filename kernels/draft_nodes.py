@@ -220,7 +220,11 @@ def emit_nodes_torch(order, num, W, S, rep, calib_row) -> tuple[torch.Tensor, ..
                     torch.where(valid, torch.arange(N, device=dev)[None, :], -1))
     prev_rep = rep.permute(0, 2, 1).reshape(B, K * C)  # rep at (d, c)
     pd = (nd - 1).clamp(min=0)
-    parent = torch.where(nd > 0, idx_of.gather(1, pd * C + prev_rep.gather(1, pd * C + nc)), -1)
+    # a representative outside [0, C) (an entry past the kept nodes) is no node: no parent,
+    # as the kernel's lookup finds none
+    up = prev_rep.gather(1, pd * C + nc)
+    parent = torch.where((nd > 0) & (up >= 0) & (up < C),
+                         idx_of.gather(1, pd * C + up.clamp(0, C - 1)), -1)
     parent = torch.where(valid, parent, PAD_ID)
     return (tok.to(torch.int32), parent.to(torch.int32), srcs.to(torch.int8), nd,
             calib_row.gather(1, nc))

@@ -261,7 +261,8 @@ def test_edge_keys_and_counts_agree():
     -0.0 or just below 0 (the kernel sorts the keys' bits, where the sign bit had ranked
     them with the non-nodes; both now rank them as 0.0), and ``emit_nodes`` told to emit
     more nodes than the ``N`` columns (lanes past ``N`` had read order entry 0 and been
-    taken as a parent). Empty batches and no columns too."""
+    taken as a parent), or more than the kept nodes (a representative of none). Empty
+    batches and no columns too."""
     g = torch.Generator().manual_seed(0)
     # and keys that are not nodes but not -2 either (NaN: a 0/0 estimate; -inf, -3): both
     # paths read them as -2, tied with the other non-nodes
@@ -285,6 +286,16 @@ def test_edge_keys_and_counts_agree():
         for name, x, y in zip(("tok", "par", "src", "depth", "row"), a, b):
             assert torch.equal(x, y), (num, name, x.tolist(), y.tolist())
         assert a[1].tolist() == [[-1, 0, -1]]
+    # more than the kept nodes (``num`` past ``keep``): an entry that is no node has a
+    # representative C (none) one level up; the torch path read that as candidate 0 one
+    # level down (here entry 5 its own parent), the kernel as no parent
+    W = torch.tensor([[[5, -1, -1], [6, 7, 8]]], dtype=torch.int32)
+    rep = torch.tensor([[[0, 2, 2], [1, 1, 1]]])
+    args = (torch.tensor([[0, 3, 4, 5, 1, 2]]), torch.tensor([6]), W, W, rep, row)
+    a, b = emit_nodes_torch(*args), emit_nodes(*args, use_triton=True)
+    for name, x, y in zip(("tok", "par", "src", "depth", "row"), a, b):
+        assert torch.equal(x, y), (name, x.tolist(), y.tolist())
+    assert a[1].tolist() == [[-1, -1, 1, 2, 0, -1]]
     for B, N in ((0, 5), (2, 0)):
         key = torch.full((B, 12), -2.0)
         got = best_first(key, 3, 4, N, 5, use_triton=True), best_first_torch(key, 3, 4, N, 5)
