@@ -63,9 +63,11 @@ def depth_rule_torch(scale: torch.Tensor, match_len: torch.Tensor, cap: torch.Te
         return torch.full_like(cap, static_k)
     # compared in float, the cap taken as the int: a product past int32 (an unbounded scale)
     # is the cap, not a wrapped int, and a cap the float rounds (past 2**24 in float32) is
-    # never exceeded; 0 * inf (NaN) is 1
+    # never exceeded; 0 * inf (NaN) is 1. The clamp keeps the cast defined where the cap
+    # wins: 2**31 - 128 is float32's largest value below 2**31, so every product under
+    # the cap floors exactly, as in the kernel
     p = scale * match_len.to(scale.dtype)
-    k = torch.floor(torch.where(p >= 1, p, 1.0).clamp(max=2 ** 31 - 256)).to(torch.int32)
+    k = torch.floor(torch.where(p >= 1, p, 1.0).clamp(max=2 ** 31 - 128)).to(torch.int32)
     return torch.where(p >= cap.to(scale.dtype), cap.to(torch.int32), k)
 
 

@@ -81,6 +81,10 @@ def test_a_cap_float32_rounds_is_never_passed():
     k, _ = both([0, 1, 2, 3], [5, 3, 1, 1], [3e38, 3e38, float(2 ** 25), 16.0],
                 [big, 2 ** 25 - 1, 2 ** 25 - 1, 2 ** 25 - 1], [0] * 4)
     assert k == [big, 2 ** 25 - 1, 2 ** 25 - 1, 16]
+    # a product under such a cap: float32's largest value below 2**31, floored exactly on
+    # both paths (the torch path clamped it to 2**31 - 256)
+    k, _ = both([0], [1], [float(2 ** 31 - 128)], [big], [0])
+    assert k == [2 ** 31 - 128]
     want = draft_depth(torch.tensor([3e38]), torch.tensor([5], dtype=torch.int32),
                        torch.tensor([big], dtype=torch.int32),
                        ControllerConfig(s_max=float("inf")))
