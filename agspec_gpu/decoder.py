@@ -573,7 +573,8 @@ class SpecDecoder:
         # the sessions' end rules: the Requests that generate() would build
         ends = commit_end_rules(sids, [self._sessions[s] for s in sids],
                                 self._eos(eos_id),
-                                max_new_tokens, stop, self.vocab_size, self.tokenizer.decode)
+                                max_new_tokens, stop, self.vocab_size, self.tokenizer.decode,
+                                self.tokenizer.byte_pieces)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
@@ -942,7 +943,8 @@ class SpecDecoder:
         states = [self._sessions[s] for s in sids]
         reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
                               self._eos(eos_id), self.vocab_size, self.tokenizer.decode,
-                              first_id=self._next_request)
+                              first_id=self._next_request,
+                              byte_pieces=self.tokenizer.byte_pieces)
         self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
                                   beside_running)
         self._next_request += len(sids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral
-from typing import Callable
+from typing import Callable, Container
 
 import numpy as np
 
@@ -128,11 +128,14 @@ class Requests:
     @classmethod
     def build(cls, sids: list[str], states: list[SessionState], max_new_tokens, sampling, stop,
               speculate, eos: int | None, vocab_size: int,
-              decode: Callable[[list[int]], str], first_id: int = 0) -> "Requests":
+              decode: Callable[[list[int]], str], first_id: int = 0,
+              byte_pieces: Container[int] = frozenset()) -> "Requests":
         """The requests of ``sids`` from a call's per-session arguments (as ``generate``
         takes them), validated (nothing changes on an error); their outputs are new lists.
-        ``eos``: the end token of every request (None: none); ``decode``: the tokenizer's,
-        for the stop strings; the requests' ids are ``first_id``, ``first_id + 1``, ..."""
+        ``eos``: the end token of every request (None: none); ``decode`` and
+        ``byte_pieces``: the tokenizer's, for the stop strings
+        (:class:`~agspec_gpu.stops.StopMatcher`); the requests' ids are ``first_id``,
+        ``first_id + 1``, ..."""
         n = len(sids)
         limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
         if any(isinstance(m, bool) or m < 0 for m in limits):
@@ -145,7 +148,7 @@ class Requests:
                              f"{vocab_size}), got {eos!r}")
         stops = stop_lists(stop, n)
         return cls(list(sids), list(states), [int(m) for m in limits], list(params),
-                   [StopMatcher(decode, s) for s in stops], [eos] * n, list(spec),
+                   [StopMatcher(decode, s, byte_pieces) for s in stops], [eos] * n, list(spec),
                    [[] for _ in sids], [None] * n, list(range(first_id, first_id + n)))
 
     def start(self) -> None:

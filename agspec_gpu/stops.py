@@ -10,8 +10,7 @@ string, and confirms a hit on the whole output.
 from __future__ import annotations
 
 import os
-from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Container, Sequence
 
 # Tokens kept in front of the longest stop string's bytes: a UTF-8 character cut at the
 # window's start decodes as up to three U+FFFD, a SentencePiece decoder drops the first
@@ -24,66 +23,63 @@ class StopMatcher:
 
     ``push(t)`` answers what ``any(s in decode(tokens) for s in stops)`` answers after
     appending ``t`` (the reference, checked at every token), given that no earlier token
-    completed a stop string. An occurrence that the newest token completes ends in that
-    token's bytes, so it starts within the last ``len(s.encode())`` tokens that decode to
-    some text (a token alone decodes to at least one byte, or to nothing: special and
-    padding ids, which the window steps over) or a character's width before them: the
-    window back to the ``max bytes + 8``-th last such token holds it, with decoding
-    artefacts of the cut in front of it. A hit in the window is confirmed on the whole
-    output, so the window never ends a request that the reference would not.
+    completed a stop string. An occurrence that the newest token completes ends in the
+    text that token changed: its own bytes, or, for a byte-fallback piece
+    (``byte_pieces``), anywhere in the run of byte pieces it belongs to (the ids that
+    decode to nothing between them included): such a decoder turns a whole run into
+    U+FFFD while its bytes are not valid UTF-8, so the piece that completes a character
+    can reveal the run's text from its first piece on. The occurrence then starts within
+    the last ``len(s.encode())`` tokens before that text that decode to some text other
+    than whitespace (such a token adds at least a byte in context; whitespace alone may
+    add nothing: ``clean_up_tokenization_spaces`` turns ``" ."`` into ``"."``, a
+    SentencePiece decoder strips a leading space; special and padding ids add nothing)
+    or a character's width before them. The window decoded at each token reaches back
+    ``max bytes + 8`` such tokens and never starts inside a run (a cut run is not valid
+    UTF-8), so it holds every occurrence, with decoding artefacts of the cut in front of
+    it. A hit in the window is confirmed on the whole output, so the window never ends a
+    request that the reference would not.
 
     Args:
         decode: the tokenizer's ``decode(list[int]) -> str``.
         stops: non-empty stop strings (none: ``push`` is always False).
+        byte_pieces: the tokenizer's byte-fallback ids
+            (:attr:`~agspec_gpu.tokenizer.Tokenizer.byte_pieces`; none: no runs).
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str]):
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str],
+                 byte_pieces: Container[int] = frozenset()):
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stops: expected non-empty strings, got {stops!r}")
         self.stops = tuple(stops)
         self._decode = decode
+        self._byte_pieces = byte_pieces
         self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
         self.tokens: list[int] = []
         self._seed_text = ""  # what seeded tokens decode to (seed)
-        self._textless: dict[int, bool] = {}  # per id: decodes alone to nothing
-        # positions of the last ``_window`` tokens that decode to some text
-        self._texts: deque[int] = deque(maxlen=self._window)
+        self._alone: dict[int, str] = {}  # per id: what it decodes to alone
 
     def seed(self, tokens: Sequence[int]) -> None:
         """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own
         loop's next step, its message so far): from now on a stop string counts only where
         it ends in text that the pushed tokens add, not in text the seeded output already
         decodes to (which may hold one). Only the tail that a window can reach is kept
-        (twice the window's tokens with text), so seeding a long output decodes a few of its
-        tokens, not all of it. Call it before any :meth:`push`."""
+        (twice a window's tokens before the run of byte pieces the output ends in, if
+        any), so seeding a long output decodes a few of its tokens, not all of it. Call it
+        before any :meth:`push`."""
         if self.tokens:
             raise ValueError("seed(): the matcher has taken tokens already")
         if not self.stops:
             return
-        start, seen = len(tokens), 0
-        while start > 0 and seen < 2 * self._window:
-            start -= 1
-            seen += not self._is_textless(tokens[start])
-        for t in tokens[start:]:
-            self.tokens.append(t)
-            if not self._is_textless(t):
-                self._texts.append(len(self.tokens) - 1)
+        tokens = list(tokens)
+        self.tokens = tokens[self._reach(tokens, 2 * self._window):]
         self._seed_text = self._decode(self.tokens)
-
-    def _is_textless(self, token: int) -> bool:
-        textless = self._textless.get(token)
-        if textless is None:
-            textless = self._textless[token] = self._decode([token]) == ""
-        return textless
 
     def push(self, token: int) -> bool:
         """Appends ``token``; True if a stop string appears in the output now."""
         self.tokens.append(token)
         if not self.stops:
             return False
-        if not self._is_textless(token):
-            self._texts.append(len(self.tokens) - 1)
-        start = self._texts[0] if len(self._texts) == self._window else 0
+        start = self._reach(self.tokens, self._window)
         text = self._decode(self.tokens[start:])
         if not any(s in text for s in self.stops):
             return False
@@ -94,3 +90,32 @@ class StopMatcher:
         # character the seed left cut decodes whole now)
         new = len(os.path.commonprefix([self._seed_text, text]))
         return any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in self.stops)
+
+    def _reach(self, tokens: list[int], count: int) -> int:
+        """Where a window of ``count`` tokens with text (not whitespace) starts, before the
+        text the last token changed: back from the last token (its run's first piece, for
+        a byte piece), then back to the first piece of a run it would cut."""
+        start = self._run_start(tokens, len(tokens) - 1) if tokens else 0
+        if start == len(tokens) - 1:  # no run behind the last token: counted with it
+            start += 1
+        seen = 0
+        while start > 0 and seen < count:
+            start -= 1
+            seen += bool(self._text(tokens[start]).strip())
+        return self._run_start(tokens, start)
+
+    def _text(self, token: int) -> str:
+        text = self._alone.get(token)
+        if text is None:
+            text = self._alone[token] = self._decode([token])
+        return text
+
+    def _run_start(self, tokens: list[int], start: int) -> int:
+        """``start``, moved back to the first token of the run of byte pieces (and ids
+        that decode to nothing between them) that it is in."""
+        if not self._byte_pieces:
+            return start
+        in_run = lambda t: t in self._byte_pieces or self._text(t) == ""  # noqa: E731
+        while 0 < start < len(tokens) and in_run(tokens[start]) and in_run(tokens[start - 1]):
+            start -= 1
+        return start

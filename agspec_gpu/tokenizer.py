@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -43,6 +44,11 @@ class Tokenizer:
         vocab_size: ids are in ``[0, vocab_size)``.
         eos_id: end-of-sequence id, or None.
         fingerprint: hex digest identifying the exact vocabulary and merges.
+        byte_pieces: the ids of byte-fallback pieces (``<0x41>``: SentencePiece-style
+            vocabularies, Llama-2, Mistral, Gemma), whose decoder turns a whole run of them
+            into U+FFFD when the run's bytes are not valid UTF-8, so a run decodes only
+            whole (:class:`~agspec_gpu.stops.StopMatcher` never cuts one); empty for
+            byte-level vocabularies (cl100k, GPT-2, Llama-3, Qwen2).
     """
 
     name: str
@@ -50,6 +56,7 @@ class Tokenizer:
     eos_id: int | None
     fingerprint: str
     _impl: Any
+    byte_pieces: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text.
@@ -173,12 +180,17 @@ def _python_hf_fingerprint(tok: Any) -> str:
     return h.hexdigest()
 
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback piece's token string
+
+
 def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
     """Wraps a loaded Hugging Face tokenizer. Its ids are ``[0, highest id + 1)``: ``len``
     counts ids, and a vocabulary with a gap has an id past it."""
-    size = max(len(tok), max(tok.get_vocab().values(), default=-1) + 1)
+    vocab = tok.get_vocab()
+    size = max(len(tok), max(vocab.values(), default=-1) + 1)
     return Tokenizer(name or getattr(tok, "name_or_path", "") or "hf", size, tok.eos_token_id,
-                     _hf_fingerprint(tok), tok)
+                     _hf_fingerprint(tok), tok,
+                     frozenset(i for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)))
 
 
 def load_tokenizer(spec: str | Tokenizer | Any) -> Tokenizer:

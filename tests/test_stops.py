@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from agspec_gpu.stops import StopMatcher
 from agspec_gpu.tokenizer import load_tokenizer
@@ -21,19 +22,22 @@ def tok():
     return load_tokenizer("cl100k")
 
 
-def reference(tokens, stops) -> int | None:
-    """The number of tokens up to the one after which a stop string first appears."""
+def reference(tokens, stops, t=None) -> int | None:
+    """The number of tokens up to the one after which a stop string first appears (``t``:
+    the tokenizer, cl100k by default)."""
+    t = t or tok()
     for k in range(1, len(tokens) + 1):
-        text = tok().decode(tokens[:k])
+        text = t.decode(tokens[:k])
         if any(s in text for s in stops):
             return k
     return None
 
 
-def matched(tokens, stops) -> int | None:
-    m = StopMatcher(tok().decode, stops)
-    for k, t in enumerate(tokens, 1):
-        if m.push(t):
+def matched(tokens, stops, t=None) -> int | None:
+    t = t or tok()
+    m = StopMatcher(t.decode, stops, t.byte_pieces)
+    for k, x in enumerate(tokens, 1):
+        if m.push(x):
             return k
     return None
 
@@ -112,12 +116,21 @@ def test_stop_far_into_a_long_output():
 
 
 def test_window_decodes_stay_short():
-    """Each token decodes a window sized by the longest stop string, not the output."""
+    """Each token decodes a window sized by the longest stop string, not the output: its
+    last ``bytes + 8`` tokens with text other than whitespace, and the whitespace tokens
+    among them."""
     lengths = []
     m = StopMatcher(lambda ids: (lengths.append(len(ids)), tok().decode(ids))[1], ["\x00"])
-    for t in tok().encode("\n".join(session_texts()))[:1000]:
+    tokens = tok().encode("\n".join(session_texts()))[:1000]
+    for t in tokens:
         assert not m.push(t)
-    assert max(lengths) == len("\x00".encode()) + 8
+    n = len("\x00".encode()) + 8
+    texts, want = [], 0
+    for p, t in enumerate(tokens):
+        texts += [p] if tok().decode([t]).strip() else []
+        if len(texts) >= n:
+            want = max(want, p - texts[-n] + 1)
+    assert max(lengths) == want < 2 * n
 
 
 def test_ids_without_text():
@@ -146,24 +159,26 @@ def test_no_stops_and_bad_stops():
             StopMatcher(tok().decode, bad)
 
 
-def seeded(tokens, stops, k) -> int | None:
+def seeded(tokens, stops, k, t=None) -> int | None:
     """``matched`` for a matcher seeded with ``tokens[:k]`` (an own loop's message so far)
     that takes the rest: the count includes the seeded tokens."""
-    m = StopMatcher(tok().decode, stops)
+    t = t or tok()
+    m = StopMatcher(t.decode, stops, t.byte_pieces)
     m.seed(tokens[:k])
-    for j, t in enumerate(tokens[k:], k + 1):
-        if m.push(t):
+    for j, x in enumerate(tokens[k:], k + 1):
+        if m.push(x):
             return j
     return None
 
 
-def reference_after(tokens, stops, k) -> int | None:
+def reference_after(tokens, stops, k, t=None) -> int | None:
     """The reference for a request that goes on after ``tokens[:k]``: the first ``j > k``
     whose whole decoded output holds a stop string ending past the text ``tokens[:k]``
     decodes to (past where the two texts first differ)."""
-    seed = tok().decode(tokens[:k])
+    t = t or tok()
+    seed = t.decode(tokens[:k])
     for j in range(k + 1, len(tokens) + 1):
-        text = tok().decode(tokens[:j])
+        text = t.decode(tokens[:j])
         new = len(os.path.commonprefix([seed, text]))
         if any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in stops):
             return j
@@ -217,3 +232,129 @@ def test_seeding_a_long_output_decodes_a_window_of_it():
     assert not m.push(tok().encode(" x")[0])
     with pytest.raises(ValueError, match="seed"):
         m.seed([1, 2])
+
+
+# ------------------------------------------------------------ SentencePiece-style decoders
+def byte_fallback_tokenizer():
+    """A Llama-2 / Mistral style tokenizer, built here (no network): BPE with byte
+    fallback (``<0x00>``-``<0xFF>``), "▁" for spaces, and their decoder chain (Replace,
+    ByteFallback, Fuse, Strip), which turns a run of byte pieces whose bytes are not valid
+    UTF-8 into one U+FFFD per piece."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from agspec_gpu.tokenizer import from_hf
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ("▁", "a", "b", "X", ".", "▁a", "▁b", "中"):
+        vocab[piece] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab, [("▁", "a"), ("▁", "b")], unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return from_hf(PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
+                                           eos_token="</s>", unk_token="<unk>"), "bf")
+
+
+def test_runs_of_byte_pieces_are_never_cut():
+    """A byte-fallback decoder decodes a run of byte pieces only whole (a run cut inside a
+    character is all U+FFFD): the window and a seeded tail start where a run starts. Before,
+    a stop that a character's last byte completed ("中" after six "文" as 21 pieces) was
+    missed, and a tail cut mid-run confirmed a U+FFFD the output does not hold."""
+    t = byte_fallback_tokenizer()
+    assert t.byte_pieces == frozenset(range(3, 259)) and not tok().byte_pieces
+    pieces = lambda text: [3 + b for b in text.encode()]  # noqa: E731
+    tokens = pieces("文" * 6 + "中")
+    assert t.decode(tokens[-11:]) == "\ufffd" * 11  # the window cut a character
+    assert matched(tokens, ["中"], t) == reference(tokens, ["中"], t) == 21
+    X = t.encode("X")[-1]
+    tokens = pieces("文" * 10 + "a") + [X]  # the whole output holds no U+FFFD
+    assert seeded(tokens, ["\ufffdX"], len(tokens) - 1, t) is None
+    # seeded mid-character, the last piece makes the run valid: text from the run's first
+    # piece on appears, and a stop ending in it starts before the run (a window counted
+    # back from the last piece missed it)
+    zwj = "\u0301👨\u200d👩\u200d👧"
+    tokens = t.encode("中a") + pieces(zwj)
+    assert t.decode(tokens[:-1]).endswith("\ufffd" * 19) and t.decode(tokens).endswith(zwj)
+    stop = ["中a\u0301👨"]
+    assert matched(tokens, stop, t) == reference(tokens, stop, t) == 9
+    assert seeded(tokens, stop, len(tokens) - 1, t) == len(tokens)
+    for k in range(len(tokens)):
+        assert seeded(tokens, stop, k, t) == reference_after(tokens, stop, k, t), k
+    rng = random.Random(11)
+    alphabet = ["文", "中", "é", "🦀", "a", " a", ".", "X", " b", "b"]
+    plain = list(range(259, len(t._impl.get_vocab())))
+    for case in range(150):
+        tokens = []
+        for _ in range(rng.randrange(1, 30)):  # pieces of whole text, or a stray piece
+            r = rng.random()
+            tokens += pieces(rng.choice(alphabet)) if r < 0.6 else \
+                [rng.choice(plain)] if r < 0.9 else [3 + rng.randrange(256)]
+        text = t.decode(tokens)
+        for stops in stops_from(text, rng, 2) + [["\ufffd"], ["中"], ["a."]]:
+            assert matched(tokens, stops, t) == reference(tokens, stops, t), (case, stops)
+            k = rng.randrange(len(tokens))
+            assert seeded(tokens, stops, k, t) == reference_after(tokens, stops, k, t), \
+                (case, stops, k)
+
+
+def test_whitespace_that_cleanup_removes_does_not_count_toward_the_window():
+    """A decoder that cleans up tokenization spaces (``" ."`` -> ``"."``: transformers does
+    for Unigram / WordPiece vocabularies that ask for it) adds nothing for a "▁" token
+    before a ".": the window counts tokens with text other than whitespace (it counted
+    every token with text, and missed "a" followed by forty dots)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from agspec_gpu.tokenizer import from_hf
+    pieces = [("<unk>", 0.0), ("</s>", 0.0), ("a", -1.0), ("▁", -1.0), (".", -1.0)]
+    uni = Tokenizer(models.Unigram(pieces, unk_id=0))
+    uni.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    t = from_hf(PreTrainedTokenizerFast(tokenizer_object=uni, eos_token="</s>",
+                                        unk_token="<unk>", clean_up_tokenization_spaces=True))
+    tokens = [2] + [3, 4] * 40
+    assert t.decode([3]) == " " and t.decode(tokens[:5]) == "a.."
+    for stops in (["a" + "." * 40], ["a" + "." * 20], ["." * 39]):
+        assert matched(tokens, stops, t) == reference(tokens, stops, t), stops
+
+
+def test_generate_ends_where_the_whole_output_first_holds_a_stop(monkeypatch):
+    """``SpecDecoder`` hands its tokenizer's byte pieces to the stop strings (``generate``,
+    ``submit`` and ``commit`` alike): a tiny random Llama over the byte-fallback vocabulary
+    (mostly byte pieces, so its output is runs of them), its greedy output ended at stop
+    strings drawn from the decoded text equals the plain output cut where the whole
+    decoded output first holds one."""
+    import agspec_gpu.requests
+    from agspec_gpu import SpecDecoder
+    given = []
+
+    class Recorded(StopMatcher):
+        def __init__(self, decode, stops, byte_pieces=frozenset()):
+            given.append(byte_pieces)
+            super().__init__(decode, stops, byte_pieces)
+
+    monkeypatch.setattr(agspec_gpu.requests, "StopMatcher", Recorded)
+    from agspec_gpu.runners.hf import greedy_generate
+    from tiny_models import tiny_model
+    t = byte_fallback_tokenizer()
+    model = tiny_model("llama", "sdpa", t.vocab_size)
+    prompt = t.encode("中a 中b") + [3 + b for b in "文é".encode()]
+    g = greedy_generate(model, prompt, 40)
+    text = t.decode(g)
+    rng = random.Random(3)
+    stops = [s for s in sum(stops_from(text, rng, 12), []) if s != "\x00never\x00"]
+    dec = SpecDecoder(model, t)
+    for stop in stops + ["\ufffd"]:
+        want = reference(g, [stop], t)
+        sid = dec.open_session("t0", "coder", prompt)
+        out = dec.generate([sid], max_new_tokens=40, eos_id=None, stop=[stop])
+        assert out == [g[:want or 40]], (stop, want)
+        dec.close_session(sid)
+    sid = dec.open_session("t0", "coder", prompt)
+    dec.submit(sid, max_new_tokens=2, stop=["x"])
+    own = [dec.open_session("t0", "coder", prompt)]
+    draft = dec.propose(own)
+    dec.commit(own, draft, torch.zeros(1, 1 + draft.max_nodes, t.vocab_size), stop="x")
+    assert len(given) == len(stops) + 3 and all(b == t.byte_pieces for b in given)
