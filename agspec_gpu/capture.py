@@ -27,7 +27,7 @@ Conventions for every capture:
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 from agspec_gpu.capture_shell import (_CD_PREFIX, _SHELL_LANGS, _TOOL_CALL_OPEN,
                                       _capture_stream, _join_path, _read_pipeline,
@@ -222,6 +222,32 @@ def _capture_aider(text: str, *, include_new: bool) -> list[CapturedFile]:
 # Public entry points
 # --------------------------------------------------------------------------------------------
 
+# What parsing untrusted text may raise past the recognisers' own checks: nesting past the
+# recursion limit (a tool call's JSON, an agent's sed regex), a number past int()'s digit
+# limit or a repeat count past the regex engine's, a pattern that does not compile.
+_PARSE_ERRORS = (RecursionError, OverflowError, ValueError, re.error)
+
+
+def _storable(capture: Callable[[], list[CapturedFile]]) -> list[CapturedFile]:
+    """``capture()``'s files that the workspace tier takes (text and path with a UTF-8
+    form: a JSON escape decodes to a lone surrogate; ``first_line`` >= 1: a view numbered
+    from 0); nothing when it raises one of :data:`_PARSE_ERRORS`: a capture never fails
+    the append or open_session it serves."""
+    try:
+        files = capture()
+    except _PARSE_ERRORS:
+        return []
+    return [f for f in files if (f.first_line is None or f.first_line >= 1)
+            and _has_utf8(f.text) and (f.path is None or _has_utf8(f.path))]
+
+
+def _has_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
 
 def capture_tool_output(command: str | None, output: str) -> list[CapturedFile]:
     """Recovers the file text an agent saw in one tool output.
@@ -242,6 +268,10 @@ def capture_tool_output(command: str | None, output: str) -> list[CapturedFile]:
         raise ValueError(f"output must be a str, got {type(output).__name__}")
     if command is not None and not isinstance(command, str):
         raise ValueError(f"command must be a str or None, got {type(command).__name__}")
+    return _storable(lambda: _capture_tool_output(command, output))
+
+
+def _capture_tool_output(command: str | None, output: str) -> list[CapturedFile]:
     text = _normalise(output)
     if text.startswith(_OBSERVATION_PREFIX):
         text = text[len(_OBSERVATION_PREFIX):]
@@ -363,6 +393,10 @@ def capture_agent_writes(message: str) -> list[CapturedFile]:
     """
     if not isinstance(message, str):
         raise ValueError(f"message must be a str, got {type(message).__name__}")
+    return _storable(lambda: _capture_agent_writes(message))
+
+
+def _capture_agent_writes(message: str) -> list[CapturedFile]:
     out: list[CapturedFile] = []
     for name, args in _tool_calls(message):
         if name == "str_replace_editor" and args.get("command") == "create" \

@@ -60,14 +60,19 @@ def _tab_row(line: str, pattern: re.Pattern[str] = _TAB_ROW) -> tuple[int, str] 
     if m is None:
         return None
     pad, digits = m.group(1), m.group(2)
-    if len(pad) + len(digits) != max(_GUTTER_WIDTH, len(digits)):
+    if len(pad) + len(digits) != max(_GUTTER_WIDTH, len(digits)) or \
+            len(digits) > _MAX_LINE_DIGITS:
         return None
     return int(digits), m.group(3)
 
 
 def _simple_row(line: str, pattern: re.Pattern[str]) -> tuple[int, str] | None:
     m = pattern.fullmatch(line)
-    return None if m is None else (int(m.group(1)), m.group(2))
+    return None if m is None or len(m.group(1)) > _MAX_LINE_DIGITS else \
+        (int(m.group(1)), m.group(2))
+
+
+_MAX_LINE_DIGITS = 18  # a longer number is no line number (and past int()'s digit limit)
 
 
 _GUTTER_PARSERS = {

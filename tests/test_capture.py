@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from agspec_gpu.capture import (
     CapturedFile,
@@ -607,3 +608,59 @@ def test_tail_from_line_zero_is_the_whole_file():
         ("a.py", "a\nb\n", None, False)]
     assert texts(capture_tool_output(mini_cmd("cat a.py | tail -n +0"), mini_out("a\nb\n"))) \
         == [("a.py", "a\nb\n", None, False)]
+
+
+# ---------------------------------------------------------------- untrusted text
+BIG = "1" * 4301  # past int()'s digit limit (CPython: ValueError)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (capture_agent_writes, ("<tool_call>" + "[" * 100_000,)),  # JSON past the recursion limit
+    (capture_tool_output, ("<tool_call>" + "[" * 100_000, "x")),
+    (capture_agent_writes, ('<tool_call>{"name":"bash","arguments":"' + "[" * 100_000 + '"}'
+                            '</tool_call>',)),
+    (capture_tool_output, (mini_cmd(f"sed -n '{BIG}p' a.py"), mini_out("x\n"))),
+    (capture_tool_output, (mini_cmd(f"head -n {BIG} a.py"), mini_out("x\n"))),
+    (capture_tool_output, (mini_cmd("cat -n a.py"), mini_out(BIG + "\tx\n"))),
+    (capture_tool_output, (mini_cmd("grep -n x a.py"), mini_out(BIG + ":x\n"))),
+    (capture_tool_output, (mini_cmd("cat a.py"), f"<returncode>{BIG}</returncode>\n<output>\n"
+                                                 f"x\n</output>")),
+    (capture_tool_output, (None, f"[File: a.py ({BIG} lines total)]\n1:x\n")),
+    (capture_tool_output, (mini_cmd(r"sed -n '/x/,/a\{9999999999\}/p' a.py"),
+                           mini_out("x\ny\n"))),  # a repeat count the regex engine refuses
+    (capture_tool_output, (mini_cmd("sed -n '/x/,/" + r"\(" * 2000 + "a" + r"\)" * 2000 +
+                                    "/p' a.py"), mini_out("x\ny\n"))),
+])
+def test_text_past_the_parsers_limits_captures_nothing(fn, args):
+    """Nesting past the recursion limit, numbers past int()'s digit limit, a repeat count
+    past the regex engine's: nothing captured, nothing raised (it raised inside the append
+    or open_session that the capture serves)."""
+    assert fn(*args) == []
+
+
+def test_captures_the_workspace_refuses_are_dropped():
+    """A view numbered from 0 (first_line 0) and a file text a JSON escape made a lone
+    surrogate: the workspace tier refuses both (ValueError), after open_session had opened
+    its session or append had taken its tokens; they are not captured now."""
+    view0 = "Here's the result of running `cat -n` on a.py:\n     0\tx = 1\n     1\ty = 2\n"
+    assert capture_tool_output(None, view0) == []
+    assert capture_tool_output(mini_cmd("grep -n x a.py"), mini_out("0:x\n")) == []
+    msg = ('<tool_call>{"name": "str_replace_editor", "arguments": {"command": "create", '
+           '"path": "/repo/a.py", "file_text": "x = \'\\ud800\'\\n"}}</tool_call>')
+    assert capture_agent_writes(msg) == []
+    assert strip_line_gutters(BIG + "\tx\n") is None
+    # the same texts through the decoder: nothing raised, nothing half done
+    from agspec_gpu import SpecDecoder
+    from agspec_gpu.tokenizer import load_tokenizer
+    from tiny_models import tiny_model
+    tok = load_tokenizer("cl100k")
+    dec = SpecDecoder(tiny_model("llama", "sdpa", tok.vocab_size), tok)
+    sid = dec.open_session("t", "default", tok.encode("hello"), text=view0)
+    for t in tok.encode(msg):  # the model writes the message with the escape, a token a step
+        draft = dec.propose([sid])
+        logits = torch.zeros(1, 1 + draft.max_nodes, tok.vocab_size)
+        logits[..., t] = 1.0
+        dec.commit([sid], draft, logits, max_new_tokens=1)
+    before = dec.session_stats(sid).context_len
+    assert dec.append(sid, tok.encode("File created."), text="File created.") == []
+    assert dec.session_stats(sid).context_len == before + len(tok.encode("File created."))
