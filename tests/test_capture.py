@@ -664,3 +664,22 @@ def test_captures_the_workspace_refuses_are_dropped():
     before = dec.session_stats(sid).context_len
     assert dec.append(sid, tok.encode("File created."), text="File created.") == []
     assert dec.session_stats(sid).context_len == before + len(tok.encode("File created."))
+
+
+def test_a_range_end_pattern_that_could_backtrack_captures_nothing():
+    """The end pattern of ``sed -n '/A/,/B/p'`` is the agent's and is searched on the tool's
+    lines: two repetitions or a repeated group could take Python's backtracking search
+    cubic or exponential time (``\\(a\\+\\)\\+b`` took seconds on a line of 129 ``a``), so
+    such a pattern captures nothing, nor does a line past 4,096 characters; one repetition
+    captures as before."""
+    import time
+    body = mini_out("x\n" + "a" * 200 + "\n")
+    for end in (r"\(a\+\)\+b", "a*a*b", r"a\{2,\}a*b"):
+        t0 = time.perf_counter()
+        assert capture_tool_output(mini_cmd(f"sed -n '/x/,/{end}/p' a.py"), body) == []
+        assert time.perf_counter() - t0 < 1.0, end
+    one_repeat = mini_cmd("sed -n '/def f/,/^ *return/p' a.py")
+    c = one(capture_tool_output(one_repeat, mini_out("def f():\n    return 1\n")))
+    assert c.text == "def f():\n    return 1\n"
+    long_line = mini_out("def f():\n" + "x" * 5000 + "\n    return 1\n")
+    assert capture_tool_output(one_repeat, long_line) == []
