@@ -90,9 +90,18 @@ def _editor_rows(lines: list[str], to_end: bool) -> list[tuple[int, str]] | None
     return rows
 
 
+def _first_line_end(text: str) -> int:
+    """Where a header on ``text``'s first line can end: after its newline, or 0 for a first
+    line past :data:`_MAX_HEADER_LINE` characters (the headers' lazy path groups take time
+    quadratic in the line they scan)."""
+    end = text.find("\n", 0, _MAX_HEADER_LINE + 1)
+    return 0 if end < 0 else end + 1
+
+
 def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] | None:
     """Captures editor ``view``/edit-snippet outputs; None when ``text`` is not one."""
-    edit = _EDIT_HEADER.match(text)
+    head = _first_line_end(text)
+    edit = _EDIT_HEADER.match(text, 0, head)
     if edit is not None:
         body = text[edit.end():].split(_EDIT_FOOTER, 1)[0]
         rows = _editor_rows(_split_lines(body), to_end=False)
@@ -101,7 +110,7 @@ def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] |
         # (group 2 is the path again, or "the edited file" after an insert)
         return [CapturedFile(edit.group(1), _join_lines([t for _, t in rows]), rows[0][0], True,
                              "swe-edit")]
-    view = _VIEW_HEADER.match(text)
+    view = _VIEW_HEADER.match(text, 0, head)
     if view is not None:
         args = _editor_view_args(command) or {}
         body, clipped = text[view.end():], False
@@ -137,7 +146,7 @@ def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] |
 
 def _capture_file_window(text: str) -> list[CapturedFile] | None:
     """SWE-agent 0.x ``open`` (``N:line``) and OpenHands ``open_file`` (``N|line``) windows."""
-    header = _FILE_HEADER.match(text)
+    header = _FILE_HEADER.match(text, 0, _first_line_end(text))
     if header is None:
         return None
     lines = _split_lines(text[header.end():])
@@ -294,7 +303,8 @@ _HEREDOC = re.compile(
     r"""(?P<q>['"]?)(?P<tag>[A-Za-z_][\w]*)(?P=q)(?=[ \t;&|<>)]|$)(?P<rest>[^\n]*)\n""",
     re.M)  # (a delimiter word goes on to a blank or an operator: <<END-X is not END's)
 _REDIRECT_TARGET = re.compile(r"(?<![\d&>])(>>?)[ \t]*(['\"]?)([^\s'\";&|<>]+)\2")
-# longer lines hold no heredoc header we read (the header search is quadratic in a line)
+# longer lines hold no header we read (heredocs, editor views, file windows: the header
+# searches are quadratic in a line)
 _MAX_HEADER_LINE = 4096
 # an unquoted heredoc body: bash removes these escapes and expands the rest
 _BODY_ESCAPE = re.compile(r"\\([$`\\\n])|(\$[A-Za-z0-9_{(\[?$#@*!-]|`)")

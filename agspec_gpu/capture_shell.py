@@ -24,12 +24,20 @@ _SHELL_LANGS = ("bash", "sh", "shell", "console", "")
 _TOOL_CALL_OPEN = "<tool_call>"
 
 
+_MAX_TOOL_CALLS = 64  # tool calls read per message (agents make a few)
+
+
 def _tool_calls(message: str) -> list[tuple[str, dict]]:
     """``(name, arguments)`` of every ``<tool_call>{"name":..,"arguments":{..}}</tool_call>``."""
     calls = []
     decoder = json.JSONDecoder()
     pos = message.find(_TOOL_CALL_OPEN)
-    while pos >= 0:
+    # (each call that does not parse costs a count over the message up to it, in its
+    # JSONDecodeError: the first _MAX_TOOL_CALLS openers are read, so a message of many
+    # costs linear time, not quadratic)
+    for _ in range(_MAX_TOOL_CALLS):
+        if pos < 0:
+            break
         start = pos + len(_TOOL_CALL_OPEN)
         while start < len(message) and message[start].isspace():
             start += 1
@@ -133,10 +141,12 @@ _SED_RANGE = re.compile(r"(\d+)(?:,(\d+|\$))?p")
 _SED_RELATIVE = re.compile(r"(\d+),\+(\d+)p")
 _SED_PATTERN = re.compile(r"/((?:[^/\\]|\\.)*)/(?:,(?:/((?:[^/\\]|\\.)*)/|(\d+)|(\$)))?p")
 _INT = re.compile(r"\d+")
-_STDERR_REDIRECT = re.compile(r"\s+2>\s*(?:&1|/dev/null)")
+# (from a whitespace run's start only: each start inside a long run scanned it again)
+_STDERR_REDIRECT = re.compile(r"(?<!\s)\s+2>\s*(?:&1|/dev/null)")
 _CD_PREFIX = re.compile(r"\Acd\s+(\S+)\s*(?:&&|;)\s*")
 # a shell glob or brace expansion in an operand: it may name several files (or none)
-_GLOB = re.compile(r"[*?\[]|\{[^}]*,[^}]*\}")
+# (a brace group's scan stops at the next brace: linear in the path)
+_GLOB = re.compile(r"[*?\[]|\{[^{}]*,[^{}]*\}")
 
 # grep: short options that take an argument, options that make the output not file lines.
 _GREP_ARG_FLAGS = set("ABCefmdD")
@@ -147,6 +157,11 @@ _GREP_REJECT_LONG = ("--recursive", "--files-with", "--count", "--only-matching"
                      "--colour")
 
 
+# a read command longer than this is parsed as no read: shlex builds each word a character
+# at a time (quadratic in a long word: a real 706 KB command took 6.6 s)
+_MAX_READ_COMMAND = 16384
+
+
 def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
     """``(cd_dir, [argv per stage])`` of a single read pipeline, or None.
 
@@ -154,7 +169,7 @@ def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
     whose outputs mix, so it is not a file view.
     """
     command = _normalise(command).replace("\\\n", " ").strip()
-    if not command or "\n" in command:
+    if not command or "\n" in command or len(command) > _MAX_READ_COMMAND:
         return None
     cd_dir = None
     m = _CD_PREFIX.match(command)

@@ -165,8 +165,32 @@ class _Segment:
 _OBSERVATION_PREFIX = "OBSERVATION:\n"
 _MINI_RETURNCODE = re.compile(r"\A<returncode>(-?\d+)</returncode>\n")
 _MINI_OUTPUT = re.compile(r"\A<output>\n(.*)</output>\s*\Z", re.S)
-_MINI_HEAD = re.compile(r"<output_head>\n(.*?)\n</output_head>", re.S)
-_MINI_TAIL = re.compile(r"<output_tail>\n(.*)\n</output_tail>\s*\Z", re.S)
+# mini-swe-agent's long outputs: <output_head>\n...\n</output_head> ... <output_tail>\n...
+# \n</output_tail> at the end (found with str.find: a regex search re-scanned the output from
+# every opener without its closer, quadratic in their number)
+_HEAD_OPEN, _HEAD_CLOSE = "<output_head>\n", "\n</output_head>"
+_TAIL_OPEN, _TAIL_CLOSE = "<output_tail>\n", "\n</output_tail>"
+
+
+def _between(text: str, opener: str, closer: str) -> str | None:
+    """The text from the first ``opener`` to the first ``closer`` after it, or None."""
+    start = text.find(opener)
+    if start < 0:
+        return None
+    end = text.find(closer, start + len(opener))
+    return None if end < 0 else text[start + len(opener):end]
+
+
+def _mini_tail(text: str) -> str | None:
+    """The text from the first ``<output_tail>\n`` to a ``\n</output_tail>`` that only
+    whitespace follows, or None."""
+    body = text.rstrip()
+    if not body.endswith(_TAIL_CLOSE):
+        return None
+    end = len(body) - len(_TAIL_CLOSE)
+    start = text.find(_TAIL_OPEN, 0, end)
+    return None if start < 0 or start + len(_TAIL_OPEN) > end else \
+        text[start + len(_TAIL_OPEN):end]
 _SWE_CLIPPED = "<response clipped>"
 _SWE_NO_OUTPUT = "Your last command ran successfully and did not produce any output."
 # mini-swe-agent's message for a command it killed: what it printed is partial, or none
@@ -196,12 +220,12 @@ def _unwrap_output(output: str) -> list[_Segment] | None:
         whole = _MINI_OUTPUT.match(rest)
         if whole is not None and "<output_head>" not in rest:
             return [_Segment(tuple(_split_lines(whole.group(1))))]
-        head, tail = _MINI_HEAD.search(rest), _MINI_TAIL.search(rest)
+        head, tail = _between(rest, _HEAD_OPEN, _HEAD_CLOSE), _mini_tail(rest)
         if head is None or tail is None:
             return None
         return [
-            _Segment(tuple(_split_lines(head.group(1))), cut_end=True),
-            _Segment(tuple(_split_lines(tail.group(1))), cut_start=True),
+            _Segment(tuple(_split_lines(head)), cut_end=True),
+            _Segment(tuple(_split_lines(tail)), cut_start=True),
         ]
     if text.strip() == _SWE_NO_OUTPUT:
         return []

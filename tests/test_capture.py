@@ -683,3 +683,30 @@ def test_a_range_end_pattern_that_could_backtrack_captures_nothing():
     assert c.text == "def f():\n    return 1\n"
     long_line = mini_out("def f():\n" + "x" * 5000 + "\n    return 1\n")
     assert capture_tool_output(one_repeat, long_line) == []
+
+
+_EDITED = "x has been edited. Here's the result of running `cat -n` on a snippet of y"
+
+
+@pytest.mark.parametrize("fn,args", [
+    # an edit header's lazy path groups over a long first line (6.3 s before)
+    (capture_tool_output, (None, "The file " + _EDITED * 4000)),
+    # mini-swe-agent openers without their closers (3.5 s / 21 s before)
+    (capture_tool_output, (mini_cmd("cat a.py"), "<returncode>0</returncode>\n" +
+                           "<output_head>\n" * 20_000)),
+    (capture_tool_output, (mini_cmd("cat a.py"), "<returncode>0</returncode>\n<output_head>"
+                           "\nx\n</output_head>\n" + "<output_tail>\n" * 20_000)),
+    # a glob's braces and a whitespace run in a read command, a long word (shlex)
+    (capture_tool_output, (mini_cmd("cat " + "{" * 16_000), mini_out("x\n"))),
+    (capture_tool_output, (mini_cmd("cat" + " " * 16_000 + "a.py"), mini_out("x\n"))),
+    (capture_tool_output, (mini_cmd("cat " + "a" * 300_000), mini_out("x\n"))),
+    # tool-call openers that do not parse (2.4 s before)
+    (capture_agent_writes, ("<tool_call> \n" * 25_000,)),
+])
+def test_long_untrusted_text_is_parsed_in_linear_time(fn, args):
+    """Inputs a helper's fuzz found taking time quadratic in their length (seconds at a few
+    hundred KB, inside the serialized append of a serving loop): well under a second now."""
+    import time
+    t0 = time.perf_counter()
+    fn(*args)
+    assert time.perf_counter() - t0 < 1.0
