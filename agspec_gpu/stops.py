@@ -34,9 +34,9 @@ class StopMatcher:
     add nothing: ``clean_up_tokenization_spaces`` turns ``" ."`` into ``"."``, a
     SentencePiece decoder strips a leading space; special and padding ids add nothing)
     or a character's width before them. The window decoded at each token reaches back
-    ``max bytes + 8`` such tokens and never starts inside a run (a cut run is not valid
-    UTF-8), so it holds every occurrence, with decoding artefacts of the cut in front of
-    it. A hit in the window is confirmed on the whole output, so the window never ends a
+    ``max bytes + 8`` such tokens (or twice as many with any text: see :meth:`_reach`)
+    and never starts inside a run (a cut run is not valid UTF-8), so it holds every
+    occurrence, with decoding artefacts of the cut in front of it. A hit in the window is confirmed on the whole output, so the window never ends a
     request that the reference would not.
 
     Args:
@@ -92,16 +92,22 @@ class StopMatcher:
         return any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in self.stops)
 
     def _reach(self, tokens: list[int], count: int) -> int:
-        """Where a window of ``count`` tokens with text (not whitespace) starts, before the
-        text the last token changed: back from the last token (its run's first piece, for
-        a byte piece), then back to the first piece of a run it would cut."""
+        """Where a window of ``count`` bytes or more starts, before the text the last token
+        changed: back from the last token (its run's first piece, for a byte piece) over
+        ``count`` tokens with text other than whitespace, or ``2 * count`` with any text
+        (whichever comes first: a whitespace token adds a byte unless a cleanup removes
+        it before a later token with text, so those hold ``count`` bytes too, and a run of
+        whitespace costs a bounded window), then back to the first piece of a run it would
+        cut."""
         start = self._run_start(tokens, len(tokens) - 1) if tokens else 0
         if start == len(tokens) - 1:  # no run behind the last token: counted with it
             start += 1
-        seen = 0
-        while start > 0 and seen < count:
+        seen = with_text = 0
+        while start > 0 and seen < count and with_text < 2 * count:
             start -= 1
-            seen += bool(self._text(tokens[start]).strip())
+            text = self._text(tokens[start])
+            seen += bool(text.strip())
+            with_text += bool(text)
         return self._run_start(tokens, start)
 
     def _text(self, token: int) -> str:

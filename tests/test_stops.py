@@ -116,21 +116,32 @@ def test_stop_far_into_a_long_output():
 
 
 def test_window_decodes_stay_short():
-    """Each token decodes a window sized by the longest stop string, not the output: its
-    last ``bytes + 8`` tokens with text other than whitespace, and the whitespace tokens
-    among them."""
+    """Each token decodes a window sized by the longest stop string, not the output: back
+    to its ``bytes + 8``-th last token with text other than whitespace, or its twice as
+    many-th with any text, whichever is nearer; a run of whitespace (a model stuck on
+    newlines) costs no more."""
     lengths = []
     m = StopMatcher(lambda ids: (lengths.append(len(ids)), tok().decode(ids))[1], ["\x00"])
     tokens = tok().encode("\n".join(session_texts()))[:1000]
     for t in tokens:
         assert not m.push(t)
     n = len("\x00".encode()) + 8
-    texts, want = [], 0
-    for p, t in enumerate(tokens):
-        texts += [p] if tok().decode([t]).strip() else []
-        if len(texts) >= n:
-            want = max(want, p - texts[-n] + 1)
-    assert max(lengths) == want < 2 * n
+    want = 0
+    for p in range(len(tokens)):
+        seen = with_text = 0
+        start = p + 1
+        while start > 0 and seen < n and with_text < 2 * n:
+            start -= 1
+            seen += bool(tok().decode([tokens[start]]).strip())
+            with_text += 1
+        want = max(want, p - start + 1)
+    assert max(lengths) == want <= 2 * n
+    lengths.clear()
+    m = StopMatcher(lambda ids: (lengths.append(len(ids)), tok().decode(ids))[1], ["\x00"])
+    newline = tok().encode("\n")
+    for _ in range(2000):
+        assert not m.push(newline[0])
+    assert max(lengths) == 2 * n
 
 
 def test_ids_without_text():
