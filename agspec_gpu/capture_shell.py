@@ -145,8 +145,17 @@ _INT = re.compile(r"\d+")
 _STDERR_REDIRECT = re.compile(r"(?<!\s)\s+2>\s*(?:&1|/dev/null)")
 _CD_PREFIX = re.compile(r"\Acd\s+(\S+)\s*(?:&&|;)\s*")
 # a shell glob or brace expansion in an operand: it may name several files (or none)
-# (a brace group's scan stops at the next brace: linear in the path)
-_GLOB = re.compile(r"[*?\[]|\{[^{}]*,[^{}]*\}")
+_GLOB = re.compile(r"[*?\[]")
+_BRACE_COMMA = re.compile(r"\{[^{}]*,")  # (each scan stops at the next brace: linear)
+
+
+def _names_many(path: str) -> bool:
+    """Whether ``path`` holds a glob or a brace expansion (``{a,b}``, ``{a,{b}}``): it may
+    name several files, or none."""
+    if _GLOB.search(path):
+        return True
+    m = _BRACE_COMMA.search(path)
+    return m is not None and "}" in path[m.end():]
 
 # grep: short options that take an argument, options that make the output not file lines.
 _GREP_ARG_FLAGS = set("ABCefmdD")
@@ -526,7 +535,7 @@ def _read_pipeline(command: str) -> _Stream | None:
         return None
     cd_dir, stages = split
     stream = _source(stages[0], cd_dir)
-    if stream is not None and _GLOB.search(stream.path):  # it may name several files
+    if stream is not None and _names_many(stream.path):
         return None
     for argv in stages[1:]:
         if stream is None:

@@ -182,8 +182,8 @@ def _between(text: str, opener: str, closer: str) -> str | None:
 
 
 def _mini_tail(text: str) -> str | None:
-    """The text from the first ``<output_tail>\n`` to a ``\n</output_tail>`` that only
-    whitespace follows, or None."""
+    """The text from the first ``<output_tail>`` line to a ``</output_tail>`` line that
+    only whitespace follows, or None."""
     body = text.rstrip()
     if not body.endswith(_TAIL_CLOSE):
         return None

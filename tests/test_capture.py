@@ -520,7 +520,8 @@ def test_sed_patterns_it_cannot_split_capture_nothing_or_single_lines():
 
 @pytest.mark.parametrize("command", [
     'grep "x" pkg/*/s.py', "cat src/*.py", "head -n 5 a?.py", "nl -ba src/[ab].py",
-    "sed -n '1,5p' src/*.py", "cat src/{a,b}.py", "tail -n 3 'src/*.py'"])
+    "sed -n '1,5p' src/*.py", "cat src/{a,b}.py", "tail -n 3 'src/*.py'",
+    "cat src/{a,{b}}.py"])
 def test_glob_operands_are_not_one_file(command):
     """A glob or brace operand may name several files: their lines are no one file's."""
     assert capture_tool_output(mini_cmd(command),
