@@ -36,6 +36,7 @@ from agspec_gpu.capture_text import (_OBSERVATION_PREFIX, _PIPE_ROW, _SPACE_ROW,
                                      CapturedFile, _join_lines, _normalise, _parse_rows, _runs,
                                      _split_lines, _tab_row, _unwrap_output, _whole_lines,
                                      strip_line_gutters)
+from agspec_gpu.checks import check_text
 
 __all__ = [
     "CapturedFile",
@@ -251,9 +252,10 @@ def _storable(capture: Callable[[], list[CapturedFile]]) -> list[CapturedFile]:
 
 
 def _has_utf8(text: str) -> bool:
+    """Whether the workspace tier's :func:`~agspec_gpu.checks.check_text` takes ``text``."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+        check_text(text, "text")
+    except ValueError:
         return False
     return True
 

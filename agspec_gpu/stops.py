@@ -121,7 +121,10 @@ class StopMatcher:
         that decode to nothing between them) that it is in."""
         if not self._byte_pieces:
             return start
-        in_run = lambda t: t in self._byte_pieces or self._text(t) == ""  # noqa: E731
-        while 0 < start < len(tokens) and in_run(tokens[start]) and in_run(tokens[start - 1]):
+        while 0 < start < len(tokens) and self._in_run(tokens[start]) and \
+                self._in_run(tokens[start - 1]):
             start -= 1
         return start
+
+    def _in_run(self, token: int) -> bool:
+        return token in self._byte_pieces or self._text(token) == ""
