@@ -30,8 +30,8 @@ import re
 from typing import Callable, Iterator
 
 from agspec_gpu.capture_shell import (_CD_PREFIX, _SHELL_LANGS, _TOOL_CALL_OPEN,
-                                      _capture_stream, _join_path, _read_pipeline,
-                                      _shell_commands, _tool_calls)
+                                      _capture_stream, _cd_dir, _join_path, _read_pipeline,
+                                      _shell_commands, _spelled, _tool_calls)
 from agspec_gpu.capture_text import (_OBSERVATION_PREFIX, _PIPE_ROW, _SPACE_ROW, _SWE_CLIPPED,
                                      CapturedFile, _join_lines, _normalise, _parse_rows, _runs,
                                      _split_lines, _tab_row, _unwrap_output, _whole_lines,
@@ -371,14 +371,24 @@ def _heredoc_writes(script: str, cd_dir: str | None = None) -> list[CapturedFile
         if not m.group("q"):
             text = _expand_body(text)
         path, append = _heredoc_target(m)
-        if path is not None and text is not None:
+        if path is not None and _spelled(path) and text is not None:
             out.append(CapturedFile(_join_path(cd_dir, path), text, None, append, "heredoc"))
         m = _heredoc_header(script, end.end())
     return out
 
 
+# where a simple command ends on a heredoc's header line (``&`` of ``2>&1`` or ``&>`` is a
+# redirection): a redirect past it is another command's (``cat <<EOF | python3 > out.txt``)
+_COMMAND_END = re.compile(r"\|\|?|&&|;|(?<![<>])&(?!>)")
+
+
 def _heredoc_target(m: re.Match[str]) -> tuple[str | None, bool]:
-    around = m.group("mid") + " " + m.group("rest")
+    """``(path, append)`` of the file a heredoc header's ``cat`` or ``tee`` writes, or
+    ``(None, False)`` when it writes none (its output goes to the terminal or down a
+    pipe, or the heredoc is another command's: ``cat a | python3 <<EOF``)."""
+    if _COMMAND_END.search(m.group("mid")):
+        return None, False
+    around = m.group("mid") + " " + _COMMAND_END.split(m.group("rest"), maxsplit=1)[0]
     if m.group("cmd").startswith("tee"):
         words = [w for w in m.group("mid").split() if not w.startswith("-")]
         if len(words) != 1 or re.search(r"[<>|&;]", m.group("mid")):
@@ -417,7 +427,7 @@ def _capture_agent_writes(message: str) -> list[CapturedFile]:
                                     None, False, "create"))
     for script in _shell_commands(message):
         cd = _CD_PREFIX.match(script.lstrip())
-        out.extend(_heredoc_writes(script, None if cd is None else cd.group(1)))
+        out.extend(_heredoc_writes(script, None if cd is None else _cd_dir(cd)))
     if _TOOL_CALL_OPEN not in message:
         out.extend(_capture_aider(_normalise(message), include_new=True))
     return [c for c in out if c.text]

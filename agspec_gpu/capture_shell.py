@@ -143,7 +143,8 @@ _SED_PATTERN = re.compile(r"/((?:[^/\\]|\\.)*)/(?:,(?:/((?:[^/\\]|\\.)*)/|(\d+)|
 _INT = re.compile(r"\d+")
 # (from a whitespace run's start only: each start inside a long run scanned it again)
 _STDERR_REDIRECT = re.compile(r"(?<!\s)\s+2>\s*(?:&1|/dev/null)")
-_CD_PREFIX = re.compile(r"\Acd\s+(\S+)\s*(?:&&|;)\s*")
+# (its one word may be quoted: ``cd '/repo'``, ``cd "my dir"``; see :func:`_cd_dir`)
+_CD_PREFIX = re.compile(r"""\Acd[ \t]+((?:'[^'\n]*'|"[^"\n]*"|[^\s;&|'"])+)[ \t]*(?:&&|;)\s*""")
 # a shell glob or brace expansion in an operand: it may name several files (or none)
 _GLOB = re.compile(r"[*?\[]")
 _BRACE_COMMA = re.compile(r"\{[^{}]*,")  # (each scan stops at the next brace: linear)
@@ -183,7 +184,7 @@ def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
     cd_dir = None
     m = _CD_PREFIX.match(command)
     if m is not None:
-        cd_dir, command = m.group(1), command[m.end():]
+        cd_dir, command = _cd_dir(m), command[m.end():]
     command = _STDERR_REDIRECT.sub("", command)
     try:
         lexer = shlex.shlex(command, posix=True, punctuation_chars="|&;<>()")
@@ -205,10 +206,30 @@ def _split_pipeline(command: str) -> tuple[str | None, list[list[str]]] | None:
     return cd_dir, stages
 
 
+def _cd_dir(m: re.Match[str]) -> str:
+    """The directory a :data:`_CD_PREFIX` match goes to, unquoted (``'/repo'`` is
+    ``/repo``); ``$`` for one the command does not spell (``~``, ``-``, a ``$VAR`` or a
+    backquote in it)."""
+    try:
+        words = shlex.split(m.group(1))
+    except ValueError:
+        return "$"
+    if len(words) != 1 or not words[0] or words[0][0] in "~-" or not _spelled(words[0]):
+        return "$"
+    return words[0]
+
+
+def _spelled(path: str) -> bool:
+    """Whether the shell reads ``path`` as written: no ``$`` expansion or backquote (an
+    operand ``$F`` names whatever F holds; captured under ``$F``, two files would share
+    one name)."""
+    return "$" not in path and "`" not in path
+
+
 def _join_path(cd_dir: str | None, path: str) -> str:
-    """``path`` as the command named it after a leading ``cd cd_dir`` (None: no ``cd``)."""
-    # (a cd to ~, - or $VAR goes to a directory the command does not spell)
-    if cd_dir and cd_dir[0] not in "~-$" and not path.startswith("/"):
+    """``path`` as the command named it after a leading ``cd cd_dir`` (None: no ``cd``;
+    ``$``: a directory the command does not spell, so a relative path keeps its name)."""
+    if cd_dir and cd_dir != "$" and not path.startswith("/"):
         return posixpath.normpath(posixpath.join(cd_dir, path))
     return posixpath.normpath(path)
 
@@ -535,7 +556,7 @@ def _read_pipeline(command: str) -> _Stream | None:
         return None
     cd_dir, stages = split
     stream = _source(stages[0], cd_dir)
-    if stream is not None and _names_many(stream.path):
+    if stream is not None and (_names_many(stream.path) or not _spelled(stream.path)):
         return None
     for argv in stages[1:]:
         if stream is None:

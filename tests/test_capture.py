@@ -577,6 +577,37 @@ def test_relative_cd_and_heredocs_after_cd_name_the_file_there():
                                        mini_out("a\n"))).path == "io/x.py"
 
 
+
+def test_a_quoted_cd_is_unquoted_and_unspelled_names_are_not_captured():
+    """``cd '/repo'`` goes to ``/repo`` (the quotes had stayed in the name); an operand or
+    a directory with ``$`` or a backquote names what the shell expands it to: ``cat $F``
+    is not captured (under ``$F`` two files would share a name), a relative path after
+    ``cd /r/$X`` keeps its own name, as after ``cd ~``."""
+    for cd, path in (("'/repo'", "/repo/a.py"), ('"/my dir"', "/my dir/a.py"),
+                     ("/r/$X", "a.py"), ("`pwd`", "a.py"), ("'$X'", "a.py")):
+        assert one(capture_tool_output(mini_cmd(f"cd {cd} && cat a.py"),
+                                       mini_out("x\n"))).path == path, cd
+        assert one(capture_agent_writes(mini_cmd(f"cd {cd} && cat > a.py <<'E'\nx\nE"))
+                   ).path == path, cd
+    for operand in ("$F", '"$F/a.py"', "`ls`", "${D}/a.py"):
+        assert capture_tool_output(mini_cmd(f"cat {operand}"), mini_out("x\n")) == []
+        assert capture_agent_writes(mini_cmd(f"cat > {operand} <<'E'\nx\nE")) == []
+
+
+def test_a_redirect_past_the_heredocs_command_is_another_commands():
+    """``cat <<EOF | python3 > out.txt`` writes the script's output to out.txt, not the
+    heredoc (it had been captured as out.txt's text); ``cat a | python3 <<EOF > o`` is
+    python's heredoc. A redirect of the same command is kept, whatever follows it."""
+    for script in ("cat <<EOF | python3 > out.txt\nx\nEOF",
+                   "cat <<EOF || echo no > out.txt\nx\nEOF",
+                   "cat <<EOF; echo > out.txt\nx\nEOF",
+                   "cat a.py | python3 <<EOF > out.txt\nx\nEOF"):
+        assert capture_agent_writes(mini_cmd(script)) == [], script
+    for script in ("cat <<EOF > f.txt 2>&1 | tee log\nx\nEOF",
+                   "cat <<EOF 2>&1 > f.txt && python3 f.txt\nx\nEOF"):
+        assert texts(capture_agent_writes(mini_cmd(script))) == [
+            ("f.txt", "x\n", None, False)], script
+
 def test_swe_agent_insert_snippets_are_captured_at_their_lines():
     head = ("The file /t/a.py has been edited. Here's the result of running `cat -n` on a "
             "snippet of the edited file:\n     3\tx\n     4\ty\n")
