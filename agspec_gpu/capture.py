@@ -300,22 +300,27 @@ def _capture_tool_output(command: str | None, output: str) -> list[CapturedFile]
     return _capture_aider(text, include_new=False)
 
 
+# a simple command's heredoc header: ``cat`` or ``tee`` at its start, its first ``<<`` and the
+# delimiter (a word goes on to a blank or an operator: <<END-X is not END's)
 _HEREDOC = re.compile(
-    r"""(?:^|&&|;|\|\|)[ \t]*(?P<cmd>cat|tee(?:\s+-a)?)\b(?P<mid>[^\n]*?)<<(?P<dash>-?)[ \t]*"""
-    r"""(?P<q>['"]?)(?P<tag>[A-Za-z_][\w]*)(?P=q)(?=[ \t;&|<>)]|$)(?P<rest>[^\n]*)\n""",
-    re.M)  # (a delimiter word goes on to a blank or an operator: <<END-X is not END's)
+    r"""[ \t]*(?P<cmd>cat|tee(?:[ \t]+-a)?)\b(?P<mid>[^\n]*?)<<(?P<dash>-?)[ \t]*"""
+    r"""(?P<q>['"]?)(?P<tag>[A-Za-z_][\w]*)(?P=q)(?=[ \t&<>)]|$)(?P<rest>[^\n]*)""")
+# where a simple command ends on a header's line (``&`` of ``2>&1`` or ``&>`` redirects): a
+# redirect past it is another command's (``cat <<EOF | python3 > out.txt``)
+_COMMAND_END = re.compile(r"\|\|?|&&|;|(?<![<>])&(?!>)")
 _REDIRECT_TARGET = re.compile(r"(?<![\d&>])(>>?)[ \t]*(['\"]?)([^\s'\";&|<>]+)\2")
-# longer lines hold no header we read (heredocs, editor views, file windows: the header
-# searches are quadratic in a line)
+# longer lines hold no header we read (heredocs, editor views, file windows: the editors'
+# header searches are quadratic in a line)
 _MAX_HEADER_LINE = 4096
 # an unquoted heredoc body: bash removes these escapes and expands the rest
 _BODY_ESCAPE = re.compile(r"\\([$`\\\n])|(\$[A-Za-z0-9_{(\[?$#@*!-]|`)")
 
 
-def _heredoc_header(script: str, pos: int) -> re.Match[str] | None:
-    """The first heredoc header of ``script`` at or after ``pos``, searched line by line
-    among the lines holding ``<<`` (one regex search of the whole script is quadratic in a
-    long line)."""
+def _heredoc_header(script: str, pos: int) -> tuple[re.Match[str], int] | None:
+    """The first heredoc header of ``script`` at or after ``pos`` (a :data:`_HEREDOC` match
+    of one simple command of its line) and where its body starts, or None. Only the lines
+    holding ``<<`` are split into commands, and each command is matched once from its
+    start: time linear in the script."""
     while True:
         at = script.find("<<", pos)
         if at < 0:
@@ -325,9 +330,10 @@ def _heredoc_header(script: str, pos: int) -> re.Match[str] | None:
         if line_end < 0:
             return None
         if line_end - line_start <= _MAX_HEADER_LINE:
-            m = _HEREDOC.search(script, max(line_start, pos), line_end + 1)
-            if m is not None:
-                return m
+            for command in _COMMAND_END.split(script[max(line_start, pos):line_end]):
+                m = _HEREDOC.match(command) if "<<" in command else None
+                if m is not None:
+                    return m, line_end + 1
         pos = line_end + 1
 
 
@@ -356,9 +362,9 @@ def _heredoc_writes(script: str, cd_dir: str | None = None) -> list[CapturedFile
     position.
     """
     out = []
-    m = _heredoc_header(script, 0)
-    while m is not None:
-        body_start = m.end()
+    header = _heredoc_header(script, 0)
+    while header is not None:
+        m, body_start = header
         tag = m.group("tag")
         indent = "\t*" if m.group("dash") else ""  # <<- strips leading TABs, terminator too
         end = re.compile("^" + indent + re.escape(tag) + "$", re.M).search(script, body_start)
@@ -373,22 +379,15 @@ def _heredoc_writes(script: str, cd_dir: str | None = None) -> list[CapturedFile
         path, append = _heredoc_target(m)
         if path is not None and _spelled(path) and text is not None:
             out.append(CapturedFile(_join_path(cd_dir, path), text, None, append, "heredoc"))
-        m = _heredoc_header(script, end.end())
+        header = _heredoc_header(script, end.end())
     return out
 
 
-# where a simple command ends on a heredoc's header line (``&`` of ``2>&1`` or ``&>`` is a
-# redirection): a redirect past it is another command's (``cat <<EOF | python3 > out.txt``)
-_COMMAND_END = re.compile(r"\|\|?|&&|;|(?<![<>])&(?!>)")
-
-
 def _heredoc_target(m: re.Match[str]) -> tuple[str | None, bool]:
-    """``(path, append)`` of the file a heredoc header's ``cat`` or ``tee`` writes, or
-    ``(None, False)`` when it writes none (its output goes to the terminal or down a
-    pipe, or the heredoc is another command's: ``cat a | python3 <<EOF``)."""
-    if _COMMAND_END.search(m.group("mid")):
-        return None, False
-    around = m.group("mid") + " " + _COMMAND_END.split(m.group("rest"), maxsplit=1)[0]
+    """``(path, append)`` of the file a :data:`_HEREDOC` header's ``cat`` or ``tee`` writes,
+    or ``(None, False)`` when it writes none (its output goes to the terminal or down a
+    pipe)."""
+    around = m.group("mid") + " " + m.group("rest")
     if m.group("cmd").startswith("tee"):
         words = [w for w in m.group("mid").split() if not w.startswith("-")]
         if len(words) != 1 or re.search(r"[<>|&;]", m.group("mid")):

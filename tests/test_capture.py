@@ -567,6 +567,22 @@ def test_heredoc_header_search_is_linear_in_a_long_line():
         ("a", "1\n", None, False), ("b", "2\n", None, False)]
 
 
+
+def test_heredoc_headers_cost_linear_time_in_many_long_lines():
+    """Each line under 4,096 characters was searched from every ``;`` in it (quadratic in
+    the line: 400 KB of 4 KB lines of ``; cat x`` took 2 s); each command of a line is
+    matched once from its start now. A header after another command on its line is
+    found, one after a pipe too (cat reads the heredoc, not the pipe)."""
+    import time
+    lines = "\n".join(["; cat x" * 580 + " <<"] * 100)
+    t0 = time.perf_counter()
+    assert capture_agent_writes(mini_cmd(lines)) == []
+    assert time.perf_counter() - t0 < 0.5
+    for script in ("cat a; cat > f <<'E'\nx\nE", "echo | cat > f <<'E'\nx\nE",
+                   "true && tee f <<'E'\nx\nE"):
+        assert texts(capture_agent_writes(mini_cmd(script))) == [
+            ("f", "x\n", None, False)], script
+
 def test_relative_cd_and_heredocs_after_cd_name_the_file_there():
     assert one(capture_tool_output(mini_cmd("cd astropy && cat io/x.py"),
                                    mini_out("a\n"))).path == "astropy/io/x.py"
