@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -420,9 +421,13 @@ def _cmd_build_global(args, console) -> int:
         raise ValueError("give --src and/or --trajectories")
     if args.half is not None and not args.trajectories:
         raise ValueError("--half selects trajectory sessions: give --trajectories")
-    g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
-              max_depth=args.max_depth, suffixes=tuple(args.suffix),
-              trajectories=list(args.trajectories), half=args.half)
+    with warnings.catch_warnings(record=True) as left_out:  # files or documents not taken
+        warnings.simplefilter("always")
+        g = build(list(args.src), load_tokenizer(args.tokenizer), args.out,
+                  max_depth=args.max_depth, suffixes=tuple(args.suffix),
+                  trajectories=list(args.trajectories), half=args.half)
+    for w in left_out:
+        _say(console, f"warning: {w.message}", style="yellow")
     _say(console, f"wrote {args.out}: {g.tokens.numel():,} tokens in "
          f"{time.perf_counter() - t0:.1f}s")
     return 0
@@ -432,7 +437,7 @@ def _check_outputs(args) -> None:
     """Each output file asked for can be written where it is named, no two the same file,
     and a plot in a format matplotlib (installed) writes: before a run that takes minutes,
     not after it."""
-    seen: dict[str, str] = {}
+    seen = _input_files(args)
     for key, option in (("json", "--json"), ("csv", "--csv"), ("plot", "--plot"),
                         ("out", "-o")):
         out = getattr(args, key, None)
@@ -440,12 +445,45 @@ def _check_outputs(args) -> None:
             continue
         if out.endswith(("/", os.sep)) or not Path(out).parent.is_dir() or Path(out).is_dir():
             raise ValueError(f"{option} {out}: not a file path in an existing directory")
+        try:  # (os.access passes root anywhere, /proc too)
+            with tempfile.NamedTemporaryFile(dir=Path(out).parent, prefix=".agspec-"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"{option} {out}: its directory is not writable "
+                             f"({exc.strerror})") from None
         real = os.path.realpath(out)
         if real in seen:
             raise ValueError(f"{option} {out}: the same file as {seen[real]}")
         seen[real] = option
     if getattr(args, "plot", None) is not None:
         _check_plot(args.plot)
+
+
+def _input_files(args) -> dict[str, str]:
+    """``{realpath: "input PATH"}`` of every file the command reads: an output naming one
+    would overwrite what it was made from (``replay X.jsonl --json X.jsonl`` had replaced
+    the trajectory with its own report). Directories count for the files a run takes from
+    them (trajectory files, or ``--src`` files with a ``--suffix``)."""
+    from agspec_gpu.trajectories import _DIR_SUFFIXES
+
+    def trajectory(f: Path) -> bool:
+        return f.name.lower().endswith(_DIR_SUFFIXES)
+
+    def source(f: Path) -> bool:
+        return f.suffix in args.suffix
+
+    named = [(p, trajectory) for k in ("paths", "trajectories") for p in getattr(args, k, ()) or ()]
+    named += [(p, source) for p in getattr(args, "src", None) or ()]
+    named += [(getattr(args, k, None), None) for k in ("global_corpus", "cost_model")]
+    inputs: dict[str, str] = {}
+    for path, taken in named:
+        if path is None:
+            continue
+        p = Path(path)
+        files = [f for f in p.rglob("*") if taken(f)] if taken and p.is_dir() else [p]
+        for f in files:
+            inputs[os.path.realpath(f)] = f"input {f}"
+    return inputs
 
 
 def _check_plot(path: str) -> None:

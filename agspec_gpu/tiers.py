@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -26,7 +27,7 @@ from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
 from agspec_gpu.index import IndexArena, IndexConfig
 from agspec_gpu.kernels.suffix_array import build_context_array
-from agspec_gpu.tokenizer import Tokenizer
+from agspec_gpu.tokenizer import Tokenizer, load_tokenizer
 
 SEP = -1  # document separator in every corpus
 _FORM_INDEX = {f: i for i, f in enumerate(EmissionForm)}
@@ -473,11 +474,11 @@ class GlobalCorpus:
 
     def check(self, tokenizer: Tokenizer, max_depth: int) -> None:
         if tokenizer.fingerprint != self.fingerprint:
-            raise ValueError("global corpus was built with another tokenizer "
+            raise ValueError("global_corpus: built with another tokenizer "
                              f"(fingerprint {self.fingerprint[:12]}, this tokenizer "
                              f"{tokenizer.fingerprint[:12]})")
         if max_depth != self.max_depth:
-            raise ValueError(f"global corpus was indexed with max_depth={self.max_depth}, "
+            raise ValueError(f"global_corpus: indexed with max_depth={self.max_depth}, "
                              f"the store uses {max_depth}")
         # a GlobalCorpus made in code skips the file's checksum: its ids would be drafted,
         # its suffix array read as positions by the match kernel (no bounds check there)
@@ -509,7 +510,9 @@ def session_half(task_id: str) -> int:
     :attr:`~agspec_gpu.trajectories.Session.task_id`), so a replayed half never feeds the
     global tier it is replayed against, not even through another agent's session of the
     same task."""
-    return hashlib.sha1(task_id.encode()).digest()[0] & 1
+    # (surrogatepass: a task id taken from a file name that is not UTF-8 holds lone
+    # surrogates; every other id hashes as it did)
+    return hashlib.sha1(task_id.encode("utf-8", "surrogatepass")).digest()[0] & 1
 
 
 def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | Path,
@@ -532,6 +535,7 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
             ``suffixes`` are lists, not one path or string), no text, or none that fits
             ``max_tokens``.
     """
+    tokenizer = load_tokenizer(tokenizer)
     for name, v in (("src", src), ("trajectories", trajectories), ("suffixes", suffixes),
                     ("sessions", sessions)):
         if isinstance(v, (str, bytes, Path)):
@@ -549,12 +553,15 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
             files.append(p)
         else:
             raise ValueError(f"src: {p} does not exist")
-    texts = []
+    texts, unread = [], []
     for f in files:
         try:
             texts.append(f.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
-            continue
+            unread.append(f)
+    if unread:
+        warnings.warn(f"src: {len(unread)} of {len(files)} files are not readable as UTF-8 "
+                      f"and were left out ({unread[0]}, ...)", stacklevel=2)
     docs += tokenizer.encode_batch(texts)
     session_ids, task_ids = [], []
     loaded = list(sessions)
@@ -562,7 +569,11 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
         from agspec_gpu.trajectories import load_paths
 
         loaded = load_paths(list(trajectories)) + loaded
-    for sess in loaded:
+    from agspec_gpu.trajectories import Session
+
+    for i, sess in enumerate(loaded):
+        if not isinstance(sess, Session):
+            raise ValueError(f"sessions[{i}]: expected a Session, got {type(sess).__name__}")
         if half is not None and session_half(sess.task_id) != half:
             continue
         ids = tokenizer.encode_batch([m.content for m in sess.messages])
@@ -570,8 +581,13 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
         session_ids.append(sess.id)
         task_ids.append(sess.task_id)
     if not any(docs):
-        raise ValueError(f"no text to index: no file with suffix {', '.join(suffixes)} in "
-                         f"src, and no trajectory session with text")
+        found = [f"{len(files)} src files ({len(texts)} readable, none with text)"
+                 if files else f"no src file with suffix {', '.join(suffixes)}"]
+        if loaded:
+            found.append(f"{len(session_ids)} of {len(loaded)} sessions in half {half}, none "
+                         f"with text" if half is not None else
+                         f"{len(loaded)} sessions, none with text")
+        raise ValueError(f"no text to index: {'; '.join(found)}")
     return _save_global(docs, tokenizer, out, max_depth, max_tokens, session_ids, task_ids)
 
 
@@ -591,6 +607,10 @@ def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, m
     if num_docs == 0:
         raise ValueError(f"max_tokens: the first document alone ({len(docs[0]) + 1} tokens) "
                          f"exceeds {max_tokens}")
+    if num_docs < len(docs):
+        warnings.warn(f"max_tokens: {len(docs) - num_docs} of {len(docs)} documents left out "
+                      f"(the first {num_docs} fill {len(parts):,} of {max_tokens:,} tokens)",
+                      stacklevel=3)
     tokens = torch.tensor(parts, dtype=torch.int32)
     end = tokens.numel()  # the last document ends the corpus: every position is final
     sa = build_context_array(tokens, 0, end, max_depth)
@@ -599,7 +619,10 @@ def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, m
             "sha256": _digest(tokens, sa), "num_docs": str(num_docs),
             "sessions": json.dumps(list(session_ids)),
             "tasks": json.dumps(sorted(set(task_ids)))}
-    save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)
+    try:
+        save_file({"tokens": tokens, "sa": sa}, str(out), metadata=meta)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
+        raise OSError(f"{out}: cannot write the global corpus ({exc})") from exc
     return GlobalCorpus(tokens, sa, end, max_depth, tokenizer.fingerprint,
                         frozenset(session_ids), frozenset(task_ids))
 
@@ -620,16 +643,49 @@ def load_global_corpus(path: str | Path, tokenizer: Tokenizer | None = None) -> 
             raise ValueError(f"global corpus {path}: format {meta['format']!r}, this version "
                              f"reads {_FORMAT!r}; rebuild it with `agspec-gpu build-global`")
         raise ValueError(f"global corpus {path}: not an agspec global corpus")
+    for name, t in (("tokens", tokens), ("sa", sa)):
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise ValueError(f"global corpus {path}: {name} is {t.dtype} {list(t.shape)}, "
+                             f"expected int32 [n]")
     if _digest(tokens, sa) != meta.get("sha256"):
         raise ValueError(f"global corpus {path}: checksum mismatch (corrupted file)")
-    g = GlobalCorpus(tokens, sa, int(meta["indexed_end"]), int(meta["max_depth"]),
-                     meta["fingerprint"], frozenset(json.loads(meta.get("sessions", "[]"))),
-                     frozenset(json.loads(meta.get("tasks", "[]"))))
+    g = GlobalCorpus(tokens, sa, _meta_int(meta, "indexed_end", path),
+                     _meta_int(meta, "max_depth", path), _meta_str(meta, "fingerprint", path),
+                     _meta_names(meta, "sessions", path), _meta_names(meta, "tasks", path))
+    if tokenizer is not None:
+        tokenizer = load_tokenizer(tokenizer)
     if tokenizer is not None and tokenizer.fingerprint != g.fingerprint:
         raise ValueError(f"global corpus {path} was built with tokenizer "
                          f"{meta.get('tokenizer')!r} ({g.fingerprint[:12]}), not "
                          f"{tokenizer.name!r} ({tokenizer.fingerprint[:12]})")
     return g
+
+
+def _meta_str(meta: dict, key: str, path: Path) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"global corpus {path}: header field {key!r} missing or empty")
+    return value
+
+
+def _meta_int(meta: dict, key: str, path: Path) -> int:
+    value = _meta_str(meta, key, path)
+    if not value.isascii() or not value.isdigit():
+        raise ValueError(f"global corpus {path}: header field {key!r} = {value!r}, expected "
+                         f"an int >= 0")
+    return int(value)
+
+
+def _meta_names(meta: dict, key: str, path: Path) -> frozenset:
+    """A header's JSON list of session or task ids (absent: none)."""
+    try:
+        names = json.loads(meta.get(key, "[]"))
+    except json.JSONDecodeError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"global corpus {path}: header field {key!r} is not a JSON list of "
+                         f"strings")
+    return frozenset(names)
 
 
 def describe(store: CorpusStore) -> str:

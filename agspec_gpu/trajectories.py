@@ -31,13 +31,14 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
-from agspec_gpu.checks import check_text
+from agspec_gpu.checks import check_text, is_int
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Roles of other chat APIs that mean the same thing as one of ours.
@@ -133,20 +134,31 @@ def load_sessions(path: str | Path, *, limit: int | None = None) -> list[Session
         TrajectoryError: unreadable, malformed or unsupported input; the message names the
             file and, for line-based formats, the line.
     """
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    return list(itertools.islice(_iter_path(Path(path)), limit))
+    _check_limit(limit)
+    return list(itertools.islice(_iter_path(_path(path, "path")), limit))
 
 
 def load_paths(paths: Iterable[str | Path] | str | Path, *,
                limit: int | None = None) -> list[Session]:
     """Loads several files/directories in order (see :func:`load_sessions`)."""
-    if isinstance(paths, (str, Path)):
+    if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    chained = itertools.chain.from_iterable(_iter_path(Path(p)) for p in paths)
+    _check_limit(limit)
+    paths = [_path(p, f"paths[{i}]") for i, p in enumerate(paths)]
+    chained = itertools.chain.from_iterable(_iter_path(p) for p in paths)
     return list(itertools.islice(chained, limit))
+
+
+def _check_limit(limit: Any) -> None:
+    if limit is not None and (not is_int(limit) or limit < 0):
+        raise ValueError(f"limit: expected an int >= 0 or None, got {limit!r}")
+
+
+def _path(path: Any, name: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{name}: expected a file or directory path, got "
+                         f"{type(path).__name__}")
+    return Path(path)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -335,12 +347,7 @@ def _jsonl_session(rec: Any, path: Path, lineno: int) -> Session:
         messages = tuple(msgs)
     else:
         messages = _convert_messages(rec["messages"], where, relabel_observations=False)
-    # (a null id or agent would become the string "None": unrelated sessions one task)
-    for key in ("id", "agent"):
-        value = rec.get(key, "")
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise TrajectoryError(f"{where}: {key!r} must be a string, got "
-                                  f"{type(value).__name__}")
+    _check_names(rec, ("id", "agent"), where)
     agent = str(rec.get("agent", "chat"))
     return Session(id=str(rec.get("id", f"{path.name}:{lineno}")), agent=agent,
                    model=str(rec.get("model") or ""), source=str(rec.get("source", where)),
@@ -376,7 +383,19 @@ def _meta(obj: dict, where: str) -> dict:
     meta = obj.get("meta") or {}
     if not isinstance(meta, dict):
         raise TrajectoryError(f"{where}: 'meta' must be an object, got {type(meta).__name__}")
+    _check_names(meta, ("instance_id",), f"{where}: meta")
     return dict(meta)
+
+
+def _check_names(obj: dict, keys: tuple[str, ...], where: str) -> None:
+    """Raises TrajectoryError unless each of ``keys`` present in ``obj`` is a string or an
+    int: a null id would become the string "None" (unrelated sessions one task), a list
+    its repr."""
+    for key in keys:
+        value = obj.get(key, "")
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise TrajectoryError(f"{where}: {key!r} must be a string, got "
+                                  f"{type(value).__name__}")
 
 
 def _dig(obj: Any, *keys: str) -> Any:
@@ -416,6 +435,7 @@ def _mini_or_chat_session(data: dict, path: Path, base: str) -> Session:
                or str(data.get("trajectory_format", "")).startswith("mini-swe-agent"))
     messages = _convert_messages(data["messages"], f"{path}: messages",
                                  relabel_observations=is_mini)
+    _check_names(data, ("id", "agent", "instance_id"), str(path))
     instance = str(data.get("instance_id") or _stem(path))
     if not is_mini:
         return Session(id=str(data.get("id", instance)), agent=str(data.get("agent", "chat")),

@@ -4,6 +4,7 @@ layout, and the command line (``replay`` on a fixture, ``demo`` on a git repo ma
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -478,6 +479,50 @@ def _write_fixture(path: Path, agents: tuple[str, ...] = ("mini-swe-agent", "aid
     with gzip.open(path, "wt") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in recs)
 
+
+
+def test_cli_refuses_an_output_that_names_one_of_its_inputs(tmp_path, capsys):
+    """``replay X.jsonl --json X.jsonl`` replaced the trajectory with its report, ``--csv``
+    the global corpus, ``build-global -o`` a source file: each is refused before the run,
+    the input left as it was. Files inside an input directory count when the run reads
+    them; others there may be written."""
+    from agspec_gpu.cli import main
+
+    fixture = tmp_path / "fixture.jsonl.gz"
+    _write_fixture(fixture)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def f():\n    return 1\n")
+    glob = tmp_path / "g.agspec"
+    assert main(["build-global", "--src", str(src), "-o", str(glob)]) == 0
+    replay = ["replay", str(fixture), "--drafter", "none", "--no-progress", "--no-oracle"]
+    before = {p: p.read_bytes() for p in (fixture, glob, src / "a.py")}
+    for argv, named in [
+        (replay + ["--json", str(fixture)], f"--json {fixture}: the same file as input"),
+        (["replay", str(tmp_path), "--drafter", "none", "--no-progress", "--no-oracle",
+          "--csv", str(fixture)], f"--csv {fixture}: the same file as input"),
+        (replay + ["--global", str(glob), "--csv", str(glob)], "--csv"),
+        (["build-global", "--src", str(src), "-o", str(src / "a.py")], "-o"),
+        (["build-global", "--src", str(src / "a.py"), "-o", str(src / "a.py")], "-o"),
+        (["profile", str(fixture), "-o", str(fixture), "--no-progress", "--no-oracle"], "-o"),
+        (replay + ["--json", "/proc/out.json"], "not writable"),
+    ]:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        assert named in capsys.readouterr().err.replace("\n", " "), argv
+        assert all(p.read_bytes() == b for p, b in before.items()), argv
+    assert main(["build-global", "--src", str(src), "-o", str(src / "g.agspec")]) == 0
+
+
+def test_a_task_id_with_a_lone_surrogate_has_a_half():
+    """A task id from a file name that is not UTF-8 (or a JSON ``\\ud800``) made
+    ``session_half`` raise UnicodeEncodeError (``--half``, ``--cross-halves``,
+    ``build-global --half`` exited naming no file); other ids keep their halves."""
+    from agspec_gpu.tiers import session_half
+
+    assert session_half("caf\udce9") in (0, 1) and session_half("t\ud800") in (0, 1)
+    assert [session_half(t) for t in ("astropy__astropy-12907", "a", "b", "")] == [
+        hashlib.sha1(t.encode()).digest()[0] & 1 for t in ("astropy__astropy-12907", "a", "b", "")]
 
 def test_cli_replay_on_a_fixture(tmp_path):
     fixture = tmp_path / "fixture.jsonl.gz"

@@ -645,6 +645,59 @@ def test_global_corpus_built_with_another_tokenizer(live, global_file, tmp_path,
     still_works(d, before)
 
 
+
+def test_global_corpus_header_fields_are_checked(global_file, tmp_path):
+    """The checksum covers the tensors only: a header field missing or of the wrong kind
+    (or tensors of another dtype, which the checksum could not even read) had escaped as
+    KeyError / TypeError / a bare int() message; each names the file and the field now."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from agspec_gpu.tiers import _digest
+
+    path, _, _ = global_file
+    with safe_open(str(path), "pt") as f:
+        meta, tokens, sa = dict(f.metadata()), f.get_tensor("tokens"), f.get_tensor("sa")
+    for i, (change, tensors, field) in enumerate((
+            (dict(indexed_end=None), None, "'indexed_end' missing"),
+            (dict(fingerprint=None), None, "'fingerprint' missing"),
+            (dict(indexed_end="abc"), None, "'indexed_end' = 'abc'"),
+            (dict(max_depth="-3"), None, "'max_depth' = '-3'"),
+            (dict(sessions="5"), None, "'sessions' is not a JSON list"),
+            (dict(tasks="[1]"), None, "'tasks' is not a JSON list"),
+            ({}, dict(tokens=tokens.to(torch.bfloat16), sa=sa), "tokens is torch.bfloat16"))):
+        t = tensors or dict(tokens=tokens, sa=sa)
+        m = {k: v for k, v in {**meta, **change}.items() if v is not None}
+        if tensors is None:
+            m["sha256"] = _digest(t["tokens"], t["sa"])
+        bad = tmp_path / f"bad{i}.agspec"
+        save_file(t, str(bad), metadata=m)
+        with pytest.raises(ValueError, match=f"global corpus {re.escape(str(bad))}: .*"
+                                             f"{re.escape(field)}"):
+            load_global_corpus(bad)
+
+
+def test_build_global_says_what_it_leaves_out(tok, global_file, tmp_path):
+    """Documents past ``max_tokens`` and source files that are not UTF-8 were dropped
+    without a word; both warn now, and an error names what was found (it had said "no
+    file with suffix .py" of a directory holding one). The tokenizer may be named."""
+    _, _, src = global_file
+    with pytest.warns(UserWarning, match=r"max_tokens: 1 of 2 documents left out"):
+        build_global_corpus([src], tok, tmp_path / "cut.agspec", max_tokens=120)
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "caf.py").write_bytes(b"x = '\xe9'\n")
+    with pytest.warns(UserWarning, match=r"src: 1 of 1 files are not readable as UTF-8"), \
+            pytest.raises(ValueError, match=r"1 src files \(0 readable"):
+        build_global_corpus([latin], tok, tmp_path / "x.agspec")
+    with pytest.raises(ValueError, match=r"sessions\[0\]: expected a Session"):
+        build_global_corpus([src], tok, tmp_path / "x.agspec", sessions=[1])
+    g = build_global_corpus([src], "cl100k", tmp_path / "named.agspec")
+    assert g.fingerprint == load_tokenizer("cl100k").fingerprint
+    assert load_global_corpus(tmp_path / "named.agspec", "cl100k").fingerprint == g.fingerprint
+    with pytest.raises(OSError, match="cannot write the global corpus"):
+        build_global_corpus([src], tok, tmp_path / "no-dir" / "x.agspec")
+
 # ---------------------------------------------------------------- workspace
 def ws_cid(store, tenant):
     return store._tenants[tenant].workspace

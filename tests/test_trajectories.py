@@ -422,12 +422,36 @@ def test_corrupt_gzip(tmp_path):
     ({"id": None, "agent": "a", "messages": []}, r"m\.jsonl:2: 'id' must be a string"),
     ({"agent": None, "messages": []}, r"m\.jsonl:2: 'agent' must be a string, got NoneType"),
     ({"id": True, "messages": []}, r"m\.jsonl:2: 'id' must be a string, got bool"),
+    ({"messages": [], "meta": {"instance_id": {"a": 1}}},
+     r"m\.jsonl:2: meta: 'instance_id' must be a string, got dict"),
 ])
 def test_jsonl_missing_keys(tmp_path, record, match):
     path = write_jsonl(tmp_path / "m.jsonl", [CHAT, record])
     with pytest.raises(TrajectoryError, match=match):
         load_sessions(path)
 
+
+
+@pytest.mark.parametrize("field, value", [("id", None), ("agent", ["x"]),
+                                          ("instance_id", {"a": 1})])
+def test_chat_json_names_are_strings_as_in_jsonl(tmp_path, field, value):
+    """A chat ``.json`` file took any id: null became the string "None" (two unrelated
+    files one session and one task), a list its repr. The ``.jsonl`` check applies."""
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"messages": CHAT["messages"], field: value}))
+    with pytest.raises(TrajectoryError, match=f"chat\\.json: '{field}' must be a string"):
+        load_sessions(path)
+
+
+def test_load_arguments_are_named(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [CHAT])
+    for call, match in ((lambda: load_sessions(5), "path: expected a file or directory"),
+                        (lambda: load_paths([path, 5]), r"paths\[1\]: expected a file"),
+                        (lambda: load_sessions(path, limit="2"), "limit: expected an int"),
+                        (lambda: load_paths(path, limit=-1), "limit: expected an int")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert len(load_paths(path, limit=1)) == 1
 
 def test_swe_agent_errors(tmp_path):
     bad = tmp_path / "bad.traj"
