@@ -351,7 +351,7 @@ class SpecDecoder:
         ids = check_token_ids(token_ids, "token_ids", self.vocab_size)
         if text is not None:
             check_text(text, "text")
-        command = self.tokenizer.decode(st.message) if st.message else None
+        command = self.tokenizer.decode(st.message, skip_special=True) if st.message else None
         files = capture_agent_writes(command) if command else []
         if text is not None:
             files += capture_tool_output(command, text)

@@ -49,6 +49,8 @@ class Tokenizer:
             into U+FFFD when the run's bytes are not valid UTF-8, so a run decodes only
             whole (:class:`~agspec_gpu.stops.StopMatcher` never cuts one); empty for
             byte-level vocabularies (cl100k, GPT-2, Llama-3, Qwen2).
+        special_ids: the ids of special tokens (end of text, chat-template markers), which
+            ``decode(ids, skip_special=True)`` leaves out.
     """
 
     name: str
@@ -57,6 +59,7 @@ class Tokenizer:
     fingerprint: str
     _impl: Any
     byte_pieces: frozenset[int] = frozenset()
+    special_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text.
@@ -86,12 +89,14 @@ class Tokenizer:
             return self._impl.enc.encode_ordinary_batch(texts, num_threads=2)
         return [self._encode(t) for t in texts]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """The text of ``ids``. An id that holds no text decodes as nothing, as Hugging
         Face tokenizers decode ids they have no token for: cl100k's unused ids 100256 and
         100261-100275, and ids at or past ``vocab_size`` (the rows a model pads its output
         layer with), which a random or fine-tuned model may emit; stop strings and
-        captured commands read the output around them.
+        captured commands read the output around them. ``skip_special``: the ids of
+        :attr:`special_ids` decode as nothing too (a generated message's end token, whose
+        ``<|im_end|>`` would end a command's last line).
 
         Raises:
             ValueError: ``ids`` is not a sequence of non-negative ints.
@@ -103,7 +108,8 @@ class Tokenizer:
                     or i < 0), None)
         if bad is not None:
             raise ValueError(f"ids: expected non-negative ints, got {bad!r}")
-        ids = [int(i) for i in ids if i < self.vocab_size]
+        ids = [int(i) for i in ids if i < self.vocab_size
+               and not (skip_special and i in self.special_ids)]
         if not isinstance(self._impl, _TiktokenImpl):
             return self._impl.decode(ids)
         try:
@@ -137,7 +143,7 @@ def _load_cl100k() -> Tokenizer:
     )
     fp = hashlib.sha256(("cl100k_base:" + CL100K_RANK_SHA256).encode()).hexdigest()
     return Tokenizer("cl100k", enc.n_vocab, _CL100K_SPECIAL["<|endoftext|>"], fp,
-                     _TiktokenImpl(enc))
+                     _TiktokenImpl(enc), special_ids=frozenset(_CL100K_SPECIAL.values()))
 
 
 def _hf_fingerprint(tok: Any) -> str:
@@ -190,7 +196,8 @@ def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
     size = max(len(tok), max(vocab.values(), default=-1) + 1)
     return Tokenizer(name or getattr(tok, "name_or_path", "") or "hf", size, tok.eos_token_id,
                      _hf_fingerprint(tok), tok,
-                     frozenset(i for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)))
+                     frozenset(i for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)),
+                     frozenset(i for i in tok.all_special_ids if is_int(i)))
 
 
 def load_tokenizer(spec: str | Tokenizer | Any) -> Tokenizer:

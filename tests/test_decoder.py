@@ -672,6 +672,32 @@ def test_append_captures_the_files_an_agent_reads_and_writes():
     assert len(dec._sessions[a].context) == n and dec.append(a, [1, 2]) == []
 
 
+
+def test_a_message_that_ended_at_its_end_token_still_shows_its_command():
+    """``generate`` keeps a request's end token in the message; ``append`` decoded it into
+    the command (``...```<|endoftext|>``), so the fence, heredoc and edit parsers missed
+    it: half the dev trajectories' captures were lost this way (a helper's count)."""
+    from agspec_gpu.capture import capture_tool_output
+    from agspec_gpu.trajectories import load_sessions
+
+    path = Path("/work/shared/data/trajectories/dev/mini_swe_agent__gemini-3-pro-preview.jsonl.gz")
+    msgs = load_sessions(path, limit=1)[0].messages
+    eos = tok().eos_id
+    command, output = next(
+        (a, t) for a, t in zip(msgs, msgs[1:]) if a.role == "assistant" and t.role == "tool"
+        and capture_tool_output(a.content, t.content)
+        and not capture_tool_output(a.content + tok().decode([eos]), t.content))
+    shown = [f.path for f in capture_tool_output(command.content, output.content)]
+    dec = SpecDecoder(model(VARIANTS[1]), tok())
+    for tail in ([], [eos]):
+        sid = dec.open_session(f"t{len(tail)}", "coder", tok().encode(msgs[0].content)[:64])
+        for t in tok().encode(command.content) + tail:  # the model's tokens, its end token
+            draft = dec.propose([sid]).capped(0).narrowed(1)
+            logits = torch.zeros(1, 2, VOCAB)
+            logits[0, 0, t] = 1
+            dec.commit([sid], draft, logits, eos_id=None)
+        assert dec.append(sid, tok().encode(output.content), text=output.content) == shown
+
 def test_open_session_captures_the_files_its_prompt_shows():
     """``open_session(..., text=...)``: a prompt that shows a file (here a real SWE-agent
     editor view, recognised from the text alone) puts it in the tenant's workspace, so a later

@@ -56,6 +56,16 @@ def test_special_token_text_encodes_as_plain_text():
     assert t.encode_batch(["<|eos|>"]) == [t.encode("<|eos|>")]
 
 
+
+def test_decode_can_leave_special_tokens_out():
+    """``skip_special``: a generated message's end token (and chat markers) decode as
+    nothing, for an HF tokenizer and for cl100k; without it they keep their text."""
+    for t in (from_hf(hf_tokenizer()), load_tokenizer("cl100k")):
+        ids = t.encode("cat a.py\n```") + [t.eos_id]
+        assert t.eos_id in t.special_ids and t.decode(ids).endswith("```" + t.decode([t.eos_id]))
+        assert t.decode(ids, skip_special=True) == "cat a.py\n```"
+    assert from_hf(hf_tokenizer()).special_ids == {0, 1, 2}  # bos, eos, pad
+
 def test_a_vocabulary_with_a_gap_counts_its_highest_id():
     import json
 
