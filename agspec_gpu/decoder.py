@@ -62,6 +62,7 @@ from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, cuda_index, device_guard, serialized, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
+from agspec_gpu.runners.common import model_vocab_sizes
 from agspec_gpu.runners.hf import HFRunner, check_hf_model, check_hf_probe
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -116,10 +117,11 @@ class SpecDecoder:
                              f"got {type(model).__name__}")
         if self.config.runner == "hf":  # a model it cannot verify exactly fails here
             check_hf_model(model)  # (then probed, on its device: _build)
-        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-        if vocab and self.tokenizer.vocab_size > vocab:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
-                             f"vocabulary has {vocab}: mismatched vocabularies")
+        vocab, embedded = model_vocab_sizes(model)
+        for size, what in ((vocab, "scores"), (embedded, "embeds")):
+            if size and self.tokenizer.vocab_size > size:
+                raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model "
+                                 f"{what} {size}: mismatched vocabularies")
         self.vocab_size = vocab or self.tokenizer.vocab_size
         device = self._device = next(model.parameters()).device
         # the model's GPU is current in every public call that does device work (Triton

@@ -1454,6 +1454,48 @@ def test_padded_model_vocabulary_generates():
     assert dec.generate([sid], max_new_tokens=20) == [ref]
 
 
+
+def test_a_composite_config_models_vocabulary_is_its_heads():
+    """Fuyu keeps ``vocab_size`` in its text config only: the decoder took the tokenizer's
+    size as the model's, so an own loop's commit cut the padded ids the head scores (not
+    greedy decoding; ``generate`` kept them), ``append`` refused ``generate``'s own output,
+    and a tokenizer larger than the model was taken (its prompts past the embedding)."""
+    from transformers import FuyuConfig, FuyuForCausalLM
+
+    def fuyu(vocab):
+        torch.manual_seed(0)
+        return FuyuForCausalLM(FuyuConfig(text_config=dict(
+            model_type="persimmon", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, initializer_range=0.1),
+            hidden_size=64, patch_size=4)).eval()
+
+    with pytest.raises(ValueError, match="model scores 50000: mismatched vocabularies"):
+        SpecDecoder(fuyu(50_000), tok())
+    m = fuyu(VOCAB + 75)
+    P = list(prompts()[3])
+    with torch.no_grad():  # padding id VOCAB + 23 wins where the most common token did
+        g = greedy_generate(m, P, 12)
+        m.lm_head.weight[VOCAB + 23] = 1.5 * m.lm_head.weight[max(set(g), key=g.count)]
+    ref = greedy_generate(m, P, 12, eos_id=None)
+    assert VOCAB + 23 in ref
+    dec = SpecDecoder(m, tok())
+    assert dec.vocab_size == VOCAB + 75
+    sid = dec.open_session("t0", "coder", P)
+    out = dec.generate([sid], max_new_tokens=12, eos_id=None)[0]
+    assert out == ref
+    dec.append(sid, out[:3])  # the model's own ids are in its vocabulary
+    own = dec.open_session("t1", "coder", P)
+    runner = HFRunner(m)
+    runner.prefill([P[:-1]])
+    outs = []
+    while len(outs) < 8:
+        draft = dec.propose([own])
+        res = dec.commit([own], draft, runner.verify_padded(draft, dec.root_ids([own])),
+                         eos_id=None)
+        runner.commit(res)
+        outs += res.output_ids[0, :int(res.num_output[0])].tolist()
+    assert outs == ref[:len(outs)]
+
 # ---------------------------------------------------------------- your own loop
 def own_loop(dec, runner, sids, steps, between=None, flat=False,
              **commit_kw) -> list[list[int]]:

@@ -43,7 +43,8 @@ from agspec_gpu.accept import AcceptResult, flatten_tree_logits
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.host import to_device
 from agspec_gpu.runners.common import (check_lengths_settled, check_verify_call,
-                                       has_non_full_attention, rope_type)
+                                       has_non_full_attention, model_vocab_sizes,
+                                       rope_type)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -629,8 +630,9 @@ def probe_hf_model(model: torch.nn.Module) -> tuple[float, float]:
 @torch.no_grad()
 def _probe(runner: HFRunner) -> tuple[float, float]:
     model, dev = runner.model, runner.device
-    vocab = model.config.get_text_config().vocab_size \
-        if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    vocab = min((v for v in model_vocab_sizes(model) if v), default=None)
+    if vocab is None:
+        raise ValueError("model: no vocabulary size (no output layer, no config vocab_size)")
     ids = [(7 * i + 3) % vocab for i in range(1, 13)]
     a, b = ids[:9], ids[3:9]  # request 0: 4 prompt tokens; request 1: 2
     decoy = (a[5] + 1) % vocab
