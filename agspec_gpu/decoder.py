@@ -924,9 +924,12 @@ class SpecDecoder:
     def _supersede(self, sids: list[str]) -> None:
         """A pending :meth:`propose` of any of ``sids`` is stale: their context moves on
         elsewhere (``commit`` of it then raises); one of other sessions stays valid. So is
-        what a failed step had not yet returned of them (:meth:`step`)."""
+        what a failed step had not yet returned of them (:meth:`step`), and the drafter's
+        record of the proposal (a request cancelled before its first step had left it, and
+        calibration refused until the session moved)."""
         if self._proposed is not None and not set(sids).isdisjoint(self._proposed):
             self._proposed = self._proposed_draft = None
+        self.drafter.forget(sids)
         self._scheduler.discard(sids)
 
     def _check_generator(self, generator) -> None:

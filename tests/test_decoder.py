@@ -370,6 +370,13 @@ def test_calibrated_cost_model_steers_the_budget_and_loads_from_its_file(tmp_pat
         dec.commit(sids, draft, torch.zeros(2, 1 + draft.max_nodes, dec.vocab_size))
     assert not dec.drafter._pending
     dec.calibrate_cost_model(24, [1], max_draft_tokens=4, repeats=1)
+    # a proposal whose session was submitted, then cancelled before a step took it: its
+    # context moved on elsewhere (it had held calibration up until the session moved)
+    dec.propose(sids[:1])
+    dec.submit(sids[0], max_new_tokens=4)
+    dec.cancel(sids[0])
+    assert not dec.drafter._pending
+    dec.calibrate_cost_model(24, [1], max_draft_tokens=4, repeats=1)
     with pytest.raises(ValueError, match="context_tokens"):
         dec.calibrate_cost_model(0)
     with pytest.raises(ValueError, match="runner='paged'"):
