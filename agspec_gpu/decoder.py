@@ -322,8 +322,15 @@ class SpecDecoder:
             sid = session_id
         files = capture_tool_output(None, text) if text is not None else []
         self.drafter.open_session(sid, tenant, role, ids)
+        try:  # (a workspace build out of memory): the session does not stay open, unnamed
+            self._add_files(tenant, files)
+        except BaseException as exc:
+            try:
+                self.drafter.discard_session(sid)
+            except Exception as cleanup:  # noqa: BLE001 - noted on the error
+                exc.add_note(f"then closing the session failed too: {cleanup!r}")
+            raise
         self._sessions[sid] = SessionState(tenant, role, list(ids))
-        self._add_files(tenant, files)
         return sid
 
     @serialized

@@ -238,8 +238,20 @@ class Drafter:
         self._slot[sid] = slot
         self._version[sid] = self.store.tenant_version(sid)
         p = self._roles[role]
-        self.state.open(slot, p.initial_scale, min(p.draft_cap, self.config.max_draft_depth))
-        self.state.push_one(slot, ids)
+        try:
+            self.state.open(slot, p.initial_scale, min(p.draft_cap, self.config.max_draft_depth))
+            self.state.push_one(slot, ids)
+        except BaseException as exc:  # (a ring write out of memory): nothing stays open
+            try:
+                self.discard_session(sid)
+            except Exception as cleanup:  # noqa: BLE001 - noted on the error
+                exc.add_note(f"then closing the session failed too: {cleanup!r}")
+            raise
+
+    def discard_session(self, sid: str) -> None:
+        """Closes ``sid`` as if it had never opened: an open that failed past this point
+        (its text does not join the tenant's history)."""
+        self._close_session(sid, history=False)
 
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:
@@ -274,13 +286,13 @@ class Drafter:
         with nvtx.annotate("agspec.drafter.close_session", color="white"):
             self._close_session(sid)
 
-    def _close_session(self, sid: str) -> None:
+    def _close_session(self, sid: str, history: bool = True) -> None:
         slot = self._slot_of(sid)
         self.settle()  # a deferred commit first (its counts read back)
         self._drop_ahead()
         self.forget([sid])
         try:
-            self.store.close_session(sid)
+            self.store.close_session(sid, history)
         finally:  # closed there (an error past it: an eviction), or still open
             if not self.store.has_session(sid):
                 del self._slot[sid]

@@ -183,7 +183,11 @@ class CorpusStore:
         ids = self._as_tokens(prompt_ids, "prompt_ids")
         t = self._touch(tenant)
         cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
-        self.arena.append(cid, ids, source_code(CorpusTier.SESSION), separators=())
+        try:
+            self.arena.append(cid, ids, source_code(CorpusTier.SESSION), separators=())
+        except BaseException:  # (a level build out of memory): nothing opened
+            self.arena.free(cid)
+            raise
         self._sessions[sid] = _Session(tenant, cid)
         t.sessions.add(sid)
         self.epoch += 1
@@ -218,15 +222,16 @@ class CorpusStore:
         """Whether session ``sid`` is open here."""
         return sid in self._sessions
 
-    def close_session(self, sid: str) -> None:
-        """Frees the session corpus; its text joins the tenant's history (bounded, LRU).
-        Once its corpus is freed the session is closed, whatever fails after (the arena's
-        compaction, its history entry, an idle tenant's eviction: raised after); an error
-        before leaves it open, to be closed again (its text not yet in the history)."""
+    def close_session(self, sid: str, history: bool = True) -> None:
+        """Frees the session corpus; its text joins the tenant's history (bounded, LRU;
+        ``history=False``: it does not, an open that failed). Once its corpus is freed the
+        session is closed, whatever fails after (the arena's compaction, its history entry,
+        an idle tenant's eviction: raised after); an error before leaves it open, to be
+        closed again (its text not yet in the history)."""
         s = self.session(sid)
         t = self._touch(s.tenant)
-        text = self.arena.corpus_tokens(s.corpus).clone() if self.config.use_history \
-            else None
+        text = self.arena.corpus_tokens(s.corpus).clone() \
+            if self.config.use_history and history else None
         try:
             self.arena.free(s.corpus)  # (deleted before it compacts)
         finally:

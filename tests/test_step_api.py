@@ -1231,6 +1231,46 @@ def test_a_cancelled_or_closed_session_gets_no_undelivered_output(monkeypatch):
     assert [(o.session_id, o.finished) for o in out] == [(b, True), (a, False)]
 
 
+
+@pytest.mark.parametrize("fault", ["corpus", "ring", "workspace"])
+def test_an_open_that_fails_leaves_nothing_open(monkeypatch, fault):
+    """An ``open_session`` that failed past its start (the session corpus's level build,
+    the drafter's ring write, or the workspace build of the files its text shows, out of
+    memory) left the session open in the store and drafter, unnamed to the caller: its
+    slot, corpus and tenant held for good (max_sessions ran out after 8 such opens, the
+    id could not be opened again, ``close_tenant`` refused). Nothing stays open now, and
+    the failed session's text joins no history."""
+    from agspec_gpu.capture import capture_tool_output
+    from agspec_gpu.drafter_state import SlotState
+    from agspec_gpu.index import IndexArena
+    from agspec_gpu.tiers import CorpusStore
+    from agspec_gpu.trajectories import load_sessions
+
+    path = "/work/shared/data/trajectories/dev/swe_agent__claude-sonnet-4.jsonl.gz"
+    shown = next(m.content for s in load_sessions(path, limit=3) for m in s.messages
+                 if m.role == "tool" and capture_tool_output(None, m.content))
+    dec = decoder("hf")
+    ids = dec.tokenizer.encode(shown)[:300]
+
+    def oom(*args, **kw):
+        raise torch.OutOfMemoryError(f"{fault} (simulated)")
+
+    target = {"corpus": (IndexArena, "append"), "ring": (SlotState, "push_one"),
+              "workspace": (CorpusStore, "add_workspace_file")}[fault]
+    monkeypatch.setattr(*target, oom)
+    for _ in range(dec.config.max_sessions + 2):
+        with pytest.raises(torch.OutOfMemoryError):
+            dec.open_session("acme", "coder", ids, session_id="s0", text=shown)
+        assert not dec._sessions and not dec.drafter.has_session("s0") and \
+            not dec.store.has_session("s0") and not dec.store.arena._corpora
+    monkeypatch.undo()
+    assert len(dec.drafter._free) == dec.config.max_sessions
+    hist = dec.store._tenants.get("acme")
+    assert hist is None or hist.history is None
+    dec.close_tenant("acme")
+    sid = dec.open_session("acme", "coder", P0 := list(prompts()[1]), session_id="s0")
+    assert dec.generate([sid], max_new_tokens=4) == [greedy(VARIANT, P0, 4)]
+
 def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch):
     """Faults a second audit found leaving state half-changed: a close whose corpus
     compaction runs out of memory (the session is closed everywhere: no zombie that no
