@@ -174,8 +174,12 @@ class IndexArena:
         c = self._get(cid)
         self._tok_garbage += c.tok_cap
         self._sa_garbage += sum(lv.sa_len for lv in c.levels)
-        self.tokens[c.tok_base:c.tok_base + c.tok_cap] = 0  # its levels hold positions only
+        self.tokens[c.tok_base:c.tok_base + c.tok_cap] = 0
         self.src[c.tok_base:c.tok_base + c.tok_cap] = 0
+        for lv in c.levels:  # positions, and on the CPU the keys: two tokens of each
+            self.sa[lv.sa_base:lv.sa_base + lv.sa_len] = 0
+            if self.sa_key is not None:  # (the level's lowest key: the buffer stays sorted)
+                self.sa_key[lv.sa_base:lv.sa_base + lv.sa_len] = lv.seq << KEY_SEQ_SHIFT
         del self._corpora[cid]
         self._table.drop(cid)
         self._doc_ends.pop(cid, None)

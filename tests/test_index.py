@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from agspec_gpu.index import IndexArena, IndexConfig, SuffixIndex
 from agspec_gpu.kernels.suffix_array import (build_context_array, build_suffix_array,
                                      num_context_positions)
+from agspec_gpu.kernels.suffix_match import KEY_SEQ_SHIFT
 from index_reference import descriptors_reference, match_reference
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True,
@@ -884,9 +885,18 @@ def test_free_zeroes_the_text_and_compaction_in_place_keeps_the_others():
         arena.append(cid, t32(part))
     arena._compact(shrink=True)  # buffers of 1.5x the live data
     ptr = arena.tokens.data_ptr()
+    levels = [(lv.sa_base, lv.sa_len, lv.seq << KEY_SEQ_SHIFT)
+              for lv in arena._corpora[secret].levels]
+    keys = {int(k) for b, n, _ in levels for k in arena.sa_key[b:b + n]}
     arena.free(secret)
     assert arena.tokens.data_ptr() == ptr  # no shrink: the others hold most of the data
     assert int((arena.tokens >= 200_000).sum()) == 0 and secret not in arena
+    # nor do its suffix array and (CPU) search keys, which held two tokens of each
+    # position until a compaction (a helper read 690 token pairs back after a close)
+    assert levels and all(int(arena.sa[b:b + n].abs().sum()) == 0 and
+                          bool((arena.sa_key[b:b + n] == low).all()) for b, n, low in levels)
+    assert not (keys - {low for _, _, low in levels}) & set(arena.sa_key.tolist())
+    assert_keys_in_step(arena)
     rng = random.Random(2)
     extra = toks[4000:5000]
     for i, cid in enumerate(parts):  # grow every corpus: relocations leave holes, and
