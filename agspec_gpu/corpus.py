@@ -73,6 +73,11 @@ class DocumentCorpus:
         return self.arena.num_tokens(self.cid)
 
     @property
+    def num_slots(self) -> int:
+        """Token slots reserved: :attr:`num_tokens` and the room to grow."""
+        return self.arena.capacity(self.cid)
+
+    @property
     def nbytes(self) -> int:
         return self.arena.nbytes(self.cid)
 

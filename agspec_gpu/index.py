@@ -193,6 +193,10 @@ class IndexArena:
     def num_tokens(self, cid: int) -> int:
         return self._get(cid).n
 
+    def capacity(self, cid: int) -> int:
+        """Token slots the corpus reserves (its tokens and their room to grow)."""
+        return self._get(cid).tok_cap
+
     def corpus_tokens(self, cid: int) -> torch.Tensor:
         """``int32 [n]`` view of a corpus (valid until the next append/free)."""
         c = self._get(cid)

@@ -60,10 +60,12 @@ class TierConfig:
     a bounded store without calling it); the tenant just active is never the one freed
     (one over the budget alone, possible only with per-tenant budgets above it, frees
     every other idle tenant), and idle tenants holding nothing (history off) are freed
-    too. None: idle tenants are kept until closed. The budget counts tokens: a token
-    costs 9 bytes of device memory (id, source tag, suffix-array entry), ~10 with each
-    corpus's spare capacity in realistic tenants, so the default bounds idle tenants to
-    ~0.25 GB (a corpus reserves at least 1,024 slots: many tiny tenants cost more).
+    too. None: idle tenants are kept until closed. The budget counts the token slots
+    their corpora reserve (the tokens held and their room to grow; a corpus reserves at
+    least 1,024, so a tenant left with one short session's history counts 1,024: counting
+    tokens, 600 such tenants had held 5 MB on a budget of 12,600 tokens). A slot costs at
+    most 9 bytes of device memory (id, source tag, suffix-array entry), so the default
+    bounds idle tenants to ~0.22 GB.
     """
 
     max_depth: int = 32
@@ -115,6 +117,11 @@ class _Tenant:
     def num_tokens(self) -> int:
         """Workspace and history tokens held (separators included)."""
         return sum(d.num_tokens for d in (self.ws, self.hist) if d is not None)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots the workspace and history reserve (what the idle budget counts)."""
+        return sum(d.num_slots for d in (self.ws, self.hist) if d is not None)
 
     @property
     def workspace(self) -> int | None:
@@ -293,7 +300,7 @@ class CorpusStore:
         budget = self.config.idle_budget_tokens
         if budget is None:
             return
-        idle = [(name, t.num_tokens) for name, t in self._tenants.items() if not t.sessions]
+        idle = [(name, t.num_slots) for name, t in self._tenants.items() if not t.sessions]
         held = sum(n for _, n in idle)
         for name, n in idle:
             if name == keep or (held <= budget and n):

@@ -873,9 +873,9 @@ def test_idle_tenants_are_freed_least_recently_active_first(tok):
     """Past ``idle_budget_tokens``, the idle tenants (no open session) that were active
     longest ago are freed whole, as close_tenant frees one; a tenant with an open session,
     and the tenant just active, never are; a file joining an idle tenant makes it the
-    most recently active."""
-    size = 200  # 201 tokens of history per closed session (its separator)
-    store = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=3 * 201))
+    most recently active. The budget counts the slots a corpus reserves (1,024 at least)."""
+    size = 200  # 201 tokens of history per closed session (its separator), 1,024 slots
+    store = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=3 * 1024))
     d = chain_drafter(store, k=8)
     d.open_session("busy", "Busy", prompt_ids=tok.encode(SOURCE))  # stays open throughout
     d.extend("busy", tok.encode("class SettingsCache:\n"))
@@ -898,7 +898,7 @@ def test_idle_tenants_are_freed_least_recently_active_first(tok):
     visit("D", 3)
     assert store.num_evicted_tenants == 2 and "C" not in store._tenants
     assert sorted(store._tenants) == ["A", "Busy", "D"]
-    idle = sum(store._tenants[t].num_tokens for t in ("A", "D"))
+    idle = sum(store._tenants[t].num_slots for t in ("A", "D"))
     assert idle <= store.config.idle_budget_tokens
     assert store.nbytes(tenant="B") == store.nbytes(tenant="C") == 0
     assert store.nbytes() < bytes_before + store.nbytes(CorpusTier.WORKSPACE, tenant="A")
@@ -917,6 +917,19 @@ def test_idle_tenants_are_freed_least_recently_active_first(tok):
     assert "Busy" in store._tenants
     assert draft_tokens(d.propose(["busy"])) == busy_draft
 
+
+
+def test_many_tiny_idle_tenants_are_budgeted_by_the_memory_they_reserve(tok):
+    """Counting the tokens they hold, 600 tenants each left with one 20-token session's
+    history (21 tokens, 1,024 slots reserved) stayed under a 24,000-token budget while
+    the arena grew to 5 MB; counting reserved slots, the oldest go once 23 are idle."""
+    store = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=24_000))
+    for i in range(600):
+        store.open_session(f"s{i}", f"T{i}", list(range(i % 50, i % 50 + 20)))
+        store.close_session(f"s{i}")
+    assert len(store._tenants) == 23 and store.num_evicted_tenants == 577
+    assert sum(t.num_slots for t in store._tenants.values()) <= 24_000
+    assert store.arena.tokens.numel() <= 3 * 24_000
 
 def test_a_tenant_larger_than_the_idle_budget_is_kept_while_just_active(tok):
     store = CorpusStore(tok, TierConfig(use_global=False, idle_budget_tokens=50))
