@@ -36,7 +36,9 @@ class StopMatcher:
     or a character's width before them. The window decoded at each token reaches back
     ``max bytes + 8`` such tokens (or twice as many with any text: see :meth:`_reach`)
     and never starts inside a run (a cut run is not valid UTF-8), so it holds every
-    occurrence, with decoding artefacts of the cut in front of it. A hit in the window is confirmed on the whole output, so the window never ends a
+    occurrence, with decoding artefacts of the cut in front of it. Void ids, which add no
+    text wherever they stand (:meth:`_void`), are left out of it: a model stuck on one
+    costs no decoding. A hit in the window is confirmed on the whole output, so the window never ends a
     request that the reference would not.
 
     Args:
@@ -54,9 +56,12 @@ class StopMatcher:
         self._decode = decode
         self._byte_pieces = byte_pieces
         self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
+        # the output's tokens but the void ones (:meth:`_void`): they add no text, and a
+        # model stuck on a padded id had every push decode the whole run (quadratic)
         self.tokens: list[int] = []
         self._seed_text = ""  # what seeded tokens decode to (seed)
         self._alone: dict[int, str] = {}  # per id: what it decodes to alone
+        self._voids: dict[int, bool] = {}  # per id: :meth:`_void`
 
     def seed(self, tokens: Sequence[int]) -> None:
         """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own
@@ -71,14 +76,15 @@ class StopMatcher:
         if not self.stops:
             return
         tokens = list(tokens)
-        self.tokens = tokens[self._reach(tokens, 2 * self._window):]
+        self.tokens = [t for t in tokens[self._reach(tokens, 2 * self._window):]
+                       if not self._void(t)]
         self._seed_text = self._decode(self.tokens)
 
     def push(self, token: int) -> bool:
         """Appends ``token``; True if a stop string appears in the output now."""
+        if not self.stops or self._void(token):
+            return False  # (a void token leaves the text as it was: no stop string in it)
         self.tokens.append(token)
-        if not self.stops:
-            return False
         start = self._reach(self.tokens, self._window)
         text = self._decode(self.tokens[start:])
         if not any(s in text for s in self.stops):
@@ -94,20 +100,23 @@ class StopMatcher:
     def _reach(self, tokens: list[int], count: int) -> int:
         """Where a window of ``count`` bytes or more starts, before the text the last token
         changed: back from the last token (its run's first piece, for a byte piece) over
-        ``count`` tokens with text other than whitespace, or ``2 * count`` with any text
-        (whichever comes first: a whitespace token adds a byte unless a cleanup removes
-        it before a later token with text, so those hold ``count`` bytes too, and a run of
-        whitespace costs a bounded window), then back to the first piece of a run it would
-        cut."""
-        start = self._run_start(tokens, len(tokens) - 1) if tokens else 0
-        if start == len(tokens) - 1:  # no run behind the last token: counted with it
+        ``count`` tokens with text other than whitespace, or ``2 * count`` with text in
+        context (whichever comes first: a whitespace token adds a byte unless a cleanup
+        removes it before a later token with text, so those hold ``count`` bytes too, and
+        a run of whitespace costs a bounded window), then back to the first piece of a run
+        it would cut. Void ids count as nothing."""
+        end = len(tokens)
+        while end > 0 and self._void(tokens[end - 1]):
+            end -= 1
+        start = self._run_start(tokens, end - 1) if end else 0
+        if start == end - 1:  # no run behind the last token: counted with it
             start += 1
         seen = with_text = 0
         while start > 0 and seen < count and with_text < 2 * count:
             start -= 1
-            text = self._text(tokens[start])
-            seen += bool(text.strip())
-            with_text += bool(text)
+            if not self._void(tokens[start]):
+                seen += bool(self._text(tokens[start]).strip())
+                with_text += 1
         return self._run_start(tokens, start)
 
     def _text(self, token: int) -> str:
@@ -116,15 +125,26 @@ class StopMatcher:
             text = self._alone[token] = self._decode([token])
         return text
 
-    def _run_start(self, tokens: list[int], start: int) -> int:
-        """``start``, moved back to the first token of the run of byte pieces (and ids
-        that decode to nothing between them) that it is in."""
-        if not self._byte_pieces:
-            return start
-        while 0 < start < len(tokens) and self._in_run(tokens[start]) and \
-                self._in_run(tokens[start - 1]):
-            start -= 1
-        return start
+    def _void(self, token: int) -> bool:
+        """Whether ``token`` adds no text wherever it stands: not a byte piece, nothing
+        alone and nothing twice (a padded head's id, cl100k's unused ids; a SentencePiece
+        ``▁``, nothing alone after the decoder strips a leading space, is a space twice)."""
+        void = self._voids.get(token)
+        if void is None:
+            void = self._voids[token] = token not in self._byte_pieces and \
+                self._text(token) == "" and self._decode([token, token]) == ""
+        return void
 
-    def _in_run(self, token: int) -> bool:
-        return token in self._byte_pieces or self._text(token) == ""
+    def _run_start(self, tokens: list[int], start: int) -> int:
+        """``start``, moved back to the first piece of the run of byte pieces (and the void
+        ids between them) that the piece at ``start`` is in."""
+        if not self._byte_pieces or not 0 <= start < len(tokens) or \
+                tokens[start] not in self._byte_pieces:
+            return start
+        first = start
+        while start > 0 and (tokens[start - 1] in self._byte_pieces
+                             or self._void(tokens[start - 1])):
+            start -= 1
+            if tokens[start] in self._byte_pieces:
+                first = start
+        return first

@@ -311,6 +311,33 @@ def test_runs_of_byte_pieces_are_never_cut():
                 (case, stops, k)
 
 
+
+def test_ids_that_add_no_text_cost_no_window():
+    """A model stuck on an id that adds no text wherever it stands (a padded head's id,
+    cl100k's unused ones) had every push decode the run since the last token with text
+    (2,000 pads: 1.5 s, 8,000: 30 s); such ids are left out of the window. A
+    SentencePiece "▁", nothing alone under a Strip decoder, is a space in context and
+    counts toward the window (2,000 of them had taken 3.9 s). Stops across both are
+    found where the whole output first holds them."""
+    bf = byte_fallback_tokenizer()
+    space = bf._impl.get_vocab()["▁"]
+    assert bf.decode([space]) == "" and bf.decode([space, space]) == " "
+    for t, first, stuck in ((tok(), tok().encode("x")[0], tok().vocab_size + 5),
+                            (tok(), tok().encode("x")[0], 100256),
+                            (bf, bf.encode("a")[-1], space)):
+        lengths = []
+        m = StopMatcher(lambda ids, t=t: (lengths.append(len(ids)), t.decode(ids))[1],
+                        ["never"], t.byte_pieces)
+        assert not m.push(first)
+        assert not any(m.push(stuck) for _ in range(3000))
+        assert max(lengths) <= 2 * (len("never") + 8) + 2 and sum(lengths) < 200_000
+        tokens = [first] + [stuck] * 40 + t.encode("ab")
+        text = t.decode(tokens)
+        for stops in ([text[-2:]], [text[:3]], [text[1:12]], [text], ["never"]):
+            assert matched(tokens, stops, t) == reference(tokens, stops, t), stops
+            for k in (0, 1, 20, 41, 42):
+                assert seeded(tokens, stops, k, t) == reference_after(tokens, stops, k, t)
+
 def test_whitespace_that_cleanup_removes_does_not_count_toward_the_window():
     """A decoder that cleans up tokenization spaces (``" ."`` -> ``"."``: transformers does
     for Unigram / WordPiece vocabularies that ask for it) adds nothing for a "▁" token
