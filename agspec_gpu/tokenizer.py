@@ -147,16 +147,23 @@ def _load_cl100k() -> Tokenizer:
 
 
 def _hf_fingerprint(tok: Any) -> str:
-    """The digest of what maps text to ids and back: the backend's model, normalizer,
-    pre-tokenizer, post-processor, decoder and added tokens. Not its padding and
-    truncation settings, which a batched call (``padding=True``) changes and
-    ``save_pretrained`` keeps, and which change no id."""
+    """The digest of what maps text to ids as :meth:`Tokenizer.encode` runs it (no special
+    tokens added, special-token text split as plain text): the backend's model,
+    normalizer, pre-tokenizer and non-special added tokens. Not what changes no id of
+    such an encoding: padding and truncation (a batched call changes them), the
+    post-processor (``add_bos_token=False`` had refused a corpus built with the same
+    vocabulary), the decoder, special tokens (adding a ``[PAD]``); nor how the
+    ``tokenizers`` version spells merges (``"a b"`` or ``["a", "b"]``)."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return _python_hf_fingerprint(tok)
     spec = json.loads(backend.to_str())
-    for key in ("padding", "truncation"):
-        spec.pop(key, None)
+    spec = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer")} | {
+        "added_tokens": [t for t in spec.get("added_tokens") or [] if not t.get("special")]}
+    model = spec["model"]
+    if isinstance(model, dict) and isinstance(model.get("merges"), list):
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m
+                           for m in model["merges"]]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 

@@ -49,6 +49,33 @@ def test_fingerprint_ignores_padding_and_truncation_and_survives_a_save(tmp_path
     assert from_hf(tok).name == "hf"  # built in memory: no path to name it by
 
 
+
+def test_fingerprint_is_what_the_encoding_depends_on(tmp_path):
+    """A global corpus is refused under another fingerprint: it changes with what changes
+    an encoding's ids (a non-special added token), not with the post-processor
+    (``add_bos_token=False`` had refused a corpus of the same vocabulary), the decoder or
+    an added special token (a ``[PAD]``), which ``encode`` never runs or splits."""
+    from tokenizers import decoders, processors
+
+    base = hf_tokenizer()
+    fp = from_hf(base).fingerprint
+    bos = hf_tokenizer()
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
+    bos.backend_tokenizer.decoder = decoders.Fuse()
+    bos.save_pretrained(tmp_path / "bos")
+    no_bos = transformers.AutoTokenizer.from_pretrained(tmp_path / "bos", add_bos_token=False)
+    pad = hf_tokenizer()
+    pad.add_special_tokens({"additional_special_tokens": ["[PAD]"]})
+    text = Path(agspec_gpu.__file__).read_text() + " [PAD] <|eos|>"
+    for same in (bos, no_bos, pad):
+        assert from_hf(same).encode(text) == from_hf(base).encode(text)
+        assert from_hf(same).fingerprint == fp
+    word = hf_tokenizer()
+    word.add_tokens(["[PAD]"])
+    assert from_hf(word).encode(text) != from_hf(base).encode(text)
+    assert from_hf(word).fingerprint != fp
+
 def test_special_token_text_encodes_as_plain_text():
     t = from_hf(hf_tokenizer())
     ids = t.encode("x = 1 <|eos|> y")
