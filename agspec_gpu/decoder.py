@@ -34,6 +34,7 @@ Inside your own loop, with your own model and KV cache::
 from __future__ import annotations
 
 import json
+import os
 import threading
 import uuid
 from collections.abc import Mapping
@@ -103,13 +104,13 @@ class SpecDecoder:
             raise ValueError(f"config: expected a DecoderConfig or None, got "
                              f"{type(config).__name__}")
         if global_corpus is not None and \
-                not isinstance(global_corpus, (GlobalCorpus, str, Path)):
+                not isinstance(global_corpus, (GlobalCorpus, str, os.PathLike)):
             raise ValueError(f"global_corpus: expected a GlobalCorpus, a path or None, got "
                              f"{type(global_corpus).__name__}")
         self._lock = threading.RLock()  # public calls from several threads: one at a time
         self.model = model
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
-        if isinstance(global_corpus, (str, Path)):
+        if isinstance(global_corpus, (str, os.PathLike)):
             global_corpus = load_global_corpus(global_corpus, self.tokenizer)
         self.config = config or DecoderConfig()
         if getattr(model, "config", None) is None:

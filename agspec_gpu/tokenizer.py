@@ -104,6 +104,8 @@ class Tokenizer:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise ValueError(f"ids: expected a sequence of int, got {type(ids).__name__}")
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or an array
+        if not isinstance(ids, list):  # (a 0-d tensor or array: one number)
+            raise ValueError(f"ids: expected a sequence of int, got a scalar {ids!r}")
         bad = next((i for i in ids if not is_int(i)
                     or i < 0), None)
         if bad is not None:

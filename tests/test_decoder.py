@@ -756,6 +756,13 @@ def test_global_corpus_from_a_path(tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         SpecDecoder(model(variant), tok(), global_corpus=tmp_path / "foreign.agspec")
 
+    class Located:  # any os.PathLike names a file (it was refused unless a str or Path)
+        def __fspath__(self):
+            return str(path)
+
+    assert SpecDecoder(model(variant), tok(), global_corpus=Located()).store.global_cid \
+        is not None
+
 
 @pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[3]], ids=[IDS[0], IDS[3]])
 def test_mixed_trees_in_one_batch(variant, monkeypatch):

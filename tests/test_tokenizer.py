@@ -161,3 +161,5 @@ def test_bad_text_and_ids_are_refused_naming_the_argument(kind):
     import torch
 
     assert t.decode(torch.tensor(ids)) == "x = 1"
+    with pytest.raises(ValueError, match="^ids: expected a sequence of int, got a scalar"):
+        t.decode(torch.tensor(5))  # (a TypeError before)
