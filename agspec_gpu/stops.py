@@ -38,8 +38,8 @@ class StopMatcher:
     and never starts inside a run (a cut run is not valid UTF-8), so it holds every
     occurrence, with decoding artefacts of the cut in front of it. Void ids, which add no
     text wherever they stand (:meth:`_void`), are left out of it: a model stuck on one
-    costs no decoding. A hit in the window is confirmed on the whole output, so the window never ends a
-    request that the reference would not.
+    costs no decoding. A hit in the window is confirmed on the whole output, so the window
+    never ends a request that the reference would not.
 
     Args:
         decode: the tokenizer's ``decode(list[int]) -> str``.
