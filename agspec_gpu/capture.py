@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 from agspec_gpu.capture_shell import (_CD_PREFIX, _SHELL_LANGS, _TOOL_CALL_OPEN,
                                       _capture_stream, _cd_dir, _join_path, _read_pipeline,
                                       _shell_commands, _spelled, _tool_calls)
-from agspec_gpu.capture_text import (_OBSERVATION_PREFIX, _PIPE_ROW, _SPACE_ROW, _SWE_CLIPPED,
+from agspec_gpu.capture_text import (_OBSERVATION_PREFIX, _PIPE_ROW, _SPACE_ROW, _clipped_at,
                                      CapturedFile, _join_lines, _normalise, _parse_rows, _runs,
                                      _split_lines, _tab_row, _unwrap_output, _whole_lines,
                                      strip_line_gutters)
@@ -104,7 +104,7 @@ def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] |
     head = _first_line_end(text)
     edit = _EDIT_HEADER.match(text, 0, head)
     if edit is not None:
-        body = text[edit.end():].split(_EDIT_FOOTER, 1)[0]
+        body = text[edit.end():].rsplit(_EDIT_FOOTER, 1)[0]  # (the tool's: the last)
         rows = _editor_rows(_split_lines(body), to_end=False)
         if not rows:
             return []
@@ -115,8 +115,9 @@ def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] |
     if view is not None:
         args = _editor_view_args(command) or {}
         body, clipped = text[view.end():], False
-        if _SWE_CLIPPED in body:
-            body, clipped = body.split(_SWE_CLIPPED, 1)[0], True
+        clip = _clipped_at(body)
+        if clip >= 0:
+            body, clipped = body[:clip], True
         lines = _split_lines(body)
         if clipped:
             lines = lines[:-1]
@@ -132,7 +133,7 @@ def _capture_editor_view(command: str | None, text: str) -> list[CapturedFile] |
     abbreviated = _ABBREVIATED.match(text)
     if abbreviated is not None:
         path = (_editor_view_args(command) or {}).get("path")
-        body = text[abbreviated.end():].split(_ABBREVIATED_END, 1)[0]
+        body = text[abbreviated.end():].rsplit(_ABBREVIATED_END, 1)[0]
         items: list[tuple[int | None, str] | None] = []
         for ln in _split_lines(body):
             row = _tab_row(ln, _SPACE_ROW)

@@ -191,12 +191,25 @@ def _mini_tail(text: str) -> str | None:
     start = text.find(_TAIL_OPEN, 0, end)
     return None if start < 0 or start + len(_TAIL_OPEN) > end else \
         text[start + len(_TAIL_OPEN):end]
-_SWE_CLIPPED = "<response clipped>"
+# SWE-agent's clip marker, its one-line note after it ends the output (a file that mentions
+# the marker had been captured up to there): see _clipped_at
+_SWE_CLIPPED = "<response clipped><NOTE>"
 _SWE_NO_OUTPUT = "Your last command ran successfully and did not produce any output."
 # mini-swe-agent's message for a command it killed: what it printed is partial, or none
 _MINI_TIMEOUT = re.compile(r"\AThe last command <command>.*?</command> timed out", re.S)
 # First-line error messages of the read commands (no return code in SWE-agent outputs).
 _READ_ERROR = re.compile(r"\A(?:cat|nl|sed|head|tail|grep|bash|/bin/sh|sh): ")
+
+
+def _clipped_at(text: str) -> int:
+    """Where SWE-agent's clip marker starts in ``text``, or -1: its last
+    ``<response clipped><NOTE>``, when only the note's one line (up to ``</NOTE>``) and
+    blanks follow it."""
+    at = text.rfind(_SWE_CLIPPED)
+    if at < 0:
+        return -1
+    note = text[at + len(_SWE_CLIPPED):].rstrip()
+    return at if note.endswith("</NOTE>") and "\n" not in note else -1
 
 
 def _unwrap_output(output: str) -> list[_Segment] | None:
@@ -217,8 +230,8 @@ def _unwrap_output(output: str) -> list[_Segment] | None:
         if int(m.group(1)) != 0:
             return None
         rest = text[m.end():]
-        whole = _MINI_OUTPUT.match(rest)
-        if whole is not None and "<output_head>" not in rest:
+        whole = _MINI_OUTPUT.match(rest)  # (a cut output starts <warning>: a file that
+        if whole is not None:               # mentions <output_head> had been dropped)
             return [_Segment(tuple(_split_lines(whole.group(1))))]
         head, tail = _between(rest, _HEAD_OPEN, _HEAD_CLOSE), _mini_tail(rest)
         if head is None or tail is None:
@@ -229,8 +242,9 @@ def _unwrap_output(output: str) -> list[_Segment] | None:
         ]
     if text.strip() == _SWE_NO_OUTPUT:
         return []
-    if _SWE_CLIPPED in text:
-        return [_Segment(tuple(_split_lines(text.split(_SWE_CLIPPED, 1)[0])), cut_end=True)]
+    clip = _clipped_at(text)
+    if clip >= 0:
+        return [_Segment(tuple(_split_lines(text[:clip])), cut_end=True)]
     return [_Segment(tuple(_split_lines(text)))]
 
 

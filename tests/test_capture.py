@@ -242,6 +242,34 @@ def test_swe_view_clipped_drops_the_cut_line():
     assert (c.text, c.first_line, c.is_fragment) == ("a\nb\n", 1, True)
 
 
+
+def test_a_file_that_mentions_the_tools_markers_is_captured_whole():
+    """The markers a tool appends (SWE-agent's ``<response clipped><NOTE>``, its edit
+    footer, the abbreviated view's end) are the last ones in an output: a file mentioning
+    ``<response clipped>`` was captured only up to there (this package's own sources in
+    the demo: tau 2.533 -> 2.697 with the fix, a helper measured), and mini-swe-agent
+    dropped a whole output whose file mentions ``<output_head>`` (its cut form begins
+    ``<warning>``)."""
+    text = 'import re\nCLIP = "<response clipped><NOTE>"\nHEAD = "<output_head>"\n' \
+        'FOOT = "Review the changes and make sure they are as expected"\ny = 2\n'
+    numbered = "".join(f"{i:6}\t{line}\n" for i, line in enumerate(text.splitlines(), 1))
+    view = swe_call("str_replace_editor", command="view", path="/t/q.py")
+    out = swe_out("Here's the result of running `cat -n` on /t/q.py:\n" + numbered)
+    assert texts(capture_tool_output(view, out)) == [("/t/q.py", text, None, False)]
+    clipped = out + "     6\tcut he<response clipped><NOTE>To save on context only part.</NOTE>"
+    assert texts(capture_tool_output(view, clipped)) == [("/t/q.py", text, 1, True)]
+    assert texts(capture_tool_output(swe_call("bash", command="cat -n /t/q.py"),
+                                     swe_out(numbered))) == [("/t/q.py", text, None, False)]
+    assert texts(capture_tool_output(mini_cmd("cat m.py"), mini_out(text))) == [
+        ("m.py", text, None, False)]
+    edit = swe_out("The file /t/q.py has been edited. Here's the result of running `cat -n` "
+                   "on a snippet of /t/q.py:\n" + numbered +
+                   "Review the changes and make sure they are as expected. Edit the file again "
+                   "if necessary.")
+    assert texts(capture_tool_output(swe_call("str_replace_editor", command="str_replace",
+                                              path="/t/q.py", old_str="a", new_str="b"),
+                                     edit)) == [("/t/q.py", text, 1, True)]
+
 def test_swe_edit_snippet():
     out = swe_out("The file /testbed/q.py has been edited. Here's the result of running `cat -n` "
                   "on a snippet of /testbed/q.py:\n    70\t    x = 1\n    71\t\n"
