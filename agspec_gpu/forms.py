@@ -40,6 +40,9 @@ class EmissionForm(str, Enum):
 
 DEFAULT_FORMS: tuple[EmissionForm, ...] = tuple(EmissionForm)
 DEFAULT_INDENT_UNIT = "    "
+# a step deeper than this is a continuation line aligned under a bracket, not a unit (a
+# fragment of aligned call arguments had taken 17 or 23 spaces as its unit)
+_MAX_INDENT_STEP = 8
 
 # The line prefix `diff -u` prints for added, context and removed lines. GNU diff prints an
 # empty context line as a lone space (unless --suppress-blank-empty), so every line, empty or
@@ -89,7 +92,7 @@ def detect_indent_unit(text: str) -> str:
         lead = _leading(ln)
         if "\t" in lead:
             continue
-        if prev is not None and len(lead) > prev:
+        if prev is not None and 0 < len(lead) - prev <= _MAX_INDENT_STEP:
             steps[len(lead) - prev] += 1
         prev = len(lead)
     if not steps:

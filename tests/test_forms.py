@@ -141,6 +141,10 @@ def test_json_body_is_what_a_tool_call_argument_holds(text):
     ("        query = Query(self.model)\n        query.add_filter(x)\n", DEFAULT_INDENT_UNIT),
     ("        if x:\n            y()\n        z()\n", "    "),
     ("      if x:\n        y()\n", "  "),
+    # arguments aligned under a bracket are no unit, however often they step (17 spaces
+    # had won on such a fragment)
+    ("    result = compute(alpha,\n                     beta)\n    other = compute(a,\n"
+     "                     b)\n    if x:\n        y()\n", "    "),
 ])
 def test_detect_indent_unit(text, unit):
     assert detect_indent_unit(text) == unit
