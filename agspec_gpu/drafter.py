@@ -248,6 +248,7 @@ class Drafter:
                 exc.add_note(f"then closing the session failed too: {cleanup!r}")
             raise
 
+    @device_guard
     def discard_session(self, sid: str) -> None:
         """Closes ``sid`` as if it had never opened: an open that failed past this point
         (its text does not join the tenant's history)."""
