@@ -281,7 +281,10 @@ class StepOutput:
         finish_reason: why it ended (None while it runs): ``"eos"`` (the last token is its
             end token), ``"stop"`` (the tokens end with one of its stop strings) or
             ``"length"`` (it emitted ``max_new_tokens``); a server's ``finish_reason``
-            (OpenAI's ``"stop"`` is ``"eos"`` or ``"stop"`` here).
+            (OpenAI's ``"stop"`` is ``"eos"`` or ``"stop"`` here). ``"error"``: an error
+            ended it, raised by the call that met it (a failed step, or another thread's
+            ``cancel`` of a request in its batch whose leaving failed); its ``token_ids``
+            may be empty then.
         request_id: the id :meth:`~agspec_gpu.decoder.SpecDecoder.submit` returned for the
             request (unique in its decoder): a loop that hands outputs on after another
             thread cancelled the session's request and submitted a new one tells the old

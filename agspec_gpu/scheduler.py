@@ -152,7 +152,11 @@ class Scheduler:
                 self._leave_finished()
             except BaseException as exc:  # its leaving failed: as a step's error, the batch
                 if self._live is not None:  # ends (no request of it runs on, and none
-                    self._end_live_after(exc)  # ended emits again)
+                    ended = self._live.reqs  # ended emits again); the error reaches the
+                    self._end_live_after(exc)  # caller, the others' ends the loop: the
+                    self._undelivered += [     # next step returns them, as a failed one's
+                        StepOutput(s, [], True, f or "error", i)
+                        for s, f, i in zip(ended.sids, ended.finish, ended.rids) if s != sid]
                 raise
 
     def discard(self, sids: list[str], rid: int | None = None) -> None:

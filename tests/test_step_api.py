@@ -285,6 +285,69 @@ def test_a_cancel_whose_batch_fails_to_end_leaves_no_batch_running(monkeypatch):
     assert run_until_idle(dec) == {a: greedy(VARIANT, ctx_a, 4, eos=None)}
 
 
+
+def test_a_failed_cancel_reports_the_other_requests_it_ended_to_the_loop(monkeypatch):
+    """A cancel whose leaving fails ends the whole batch (as a failed step does) and raises
+    in the cancelling thread; the other running requests ended with it: the loop's next
+    step returns each of them finished with ``"error"`` (they had vanished from
+    ``running`` unreported, a client waiting on them forever). The HF runner's row
+    selection is all or nothing, so the KV of the ended batch is kept as far as it was."""
+    from agspec_gpu.runners.hf import HFRunner
+    P = [list(p) for p in prompts()]
+    dec = decoder("hf", max_batch=3)
+    a, b = dec.open_session("t0", "coder", P[0]), dec.open_session("t1", "coder", P[2])
+    dec.submit(a, max_new_tokens=30, eos_id=None)
+    rb = dec.submit(b, max_new_tokens=30, eos_id=None)
+    streamed = []
+    for _ in range(3):
+        streamed += [t for o in dec.step() if o.session_id == b for t in o.token_ids]
+    select = HFRunner.select_rows
+    copied = []
+
+    def out_of_memory(self, rows):
+        copied.append(rows)
+        raise torch.OutOfMemoryError("copying the padded cache (simulated)")
+
+    monkeypatch.setattr(HFRunner, "select_rows", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.cancel(a)
+    monkeypatch.setattr(HFRunner, "select_rows", select)
+    assert copied and dec.running == [] and dec.session_stats(b).finish_reason == "error"
+    assert dec.step() == [StepOutput(b, [], True, "error", rb)]
+    assert dec.step() == []
+    ctx_b = list(dec._sessions[b].context)
+    assert ctx_b == P[2] + streamed
+    dec.submit(b, max_new_tokens=4, eos_id=None)
+    assert run_until_idle(dec) == {b: greedy(VARIANT, ctx_b, 4, eos=None)}
+
+
+def test_hf_row_selection_that_fails_leaves_the_batch_as_it_was(monkeypatch):
+    """``HFRunner.select_rows`` set the lengths before it copied the layers: a copy out of
+    memory left the runner's lengths for the smaller batch over the old KV."""
+    P = [list(p) for p in prompts()]
+    runner = HFRunner(model(VARIANT))
+    runner.prefill([P[0], P[2], P[1]])
+    before = (list(runner._lens_host), runner._seq_lens.clone(), runner._width,
+              [(la.keys, la.values) for la in runner._cached_layers()])
+    calls = []
+    index = torch.Tensor.__getitem__
+
+    def fails_on_the_third_copy(self, key):
+        if isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], torch.Tensor):
+            calls.append(key)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("a layer's copy (simulated)")
+        return index(self, key)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", fails_on_the_third_copy)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.select_rows([2, 0])
+    monkeypatch.undo()
+    assert runner._lens_host == before[0] and torch.equal(runner._seq_lens, before[1])
+    assert runner._width == before[2] and all(
+        la.keys is k and la.values is v
+        for la, (k, v) in zip(runner._cached_layers(), before[3]))
+
 def test_a_preemption_that_fails_ends_the_preempted_request_too(monkeypatch):
     """An error while the newest request leaves the batch to wait (here: building the
     smaller batch's sampling rows) ends it with ``"error"`` beside the running ones,

@@ -436,13 +436,14 @@ class HFRunner:
             raise ValueError("select_rows() needs a batch and no verify() pending")
         check_lengths_settled(self._lengths_owed, "select_rows")
         idx = to_device(rows, torch.int64, self.device)
-        self._lens_host = [self._lens_host[b] for b in rows]
-        self._seq_lens = self._seq_lens[idx]
-        width = max(self._lens_host)  # the slots past every kept request's length: unused
-        for layer in self._cached_layers():
-            layer.keys = layer.keys[idx, :, :width]
-            layer.values = layer.values[idx, :, :width]
-        self._width = width
+        lens = [self._lens_host[b] for b in rows]
+        width = max(lens)  # the slots past every kept request's length: unused
+        layers = self._cached_layers()  # (every copy made before any is kept: one out of
+        kv = [(la.keys[idx, :, :width], la.values[idx, :, :width]) for la in layers]  # memory
+        seq_lens = self._seq_lens[idx]  # leaves the batch as it was)
+        for layer, (keys, values) in zip(layers, kv):
+            layer.keys, layer.values = keys, values
+        self._lens_host, self._seq_lens, self._width = lens, seq_lens, width
 
     def _cached_layers(self) -> list:
         """The cache's layers that hold KV (a layer may cache nothing: KV sharing)."""
