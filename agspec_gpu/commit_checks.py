@@ -9,7 +9,7 @@ argument before anything is committed.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from numbers import Integral
 
 import torch
@@ -61,11 +61,12 @@ def check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> No
 
 def commit_end_rules(sids: list[str], states: Sequence[SessionState], eos_id: int | None,
                      max_new_tokens, stop, vocab_size: int, decode,
-                     byte_pieces: Container[int] = frozenset()) -> Requests | None:
+                     byte_pieces: Container[int] = frozenset(),
+                     void: Callable[[int], bool] | None = None) -> Requests | None:
     """The sessions' end rules, as ``generate`` builds them: ``eos_id`` (already resolved:
     None for none), ``max_new_tokens`` (None: no limit; else ints >= 1, one for all or one
-    per session) and ``stop`` strings (``decode``, ``byte_pieces``: the tokenizer's); None
-    when none is given."""
+    per session) and ``stop`` strings (``decode``, ``byte_pieces``, ``void``: the
+    tokenizer's); None when none is given."""
     if max_new_tokens is not None and any(
             isinstance(m, bool) or m < 1
             for m in per_session(max_new_tokens, len(sids), "max_new_tokens", Integral)):
@@ -74,7 +75,8 @@ def commit_end_rules(sids: list[str], states: Sequence[SessionState], eos_id: in
         return None
     limits = (1 << 62) if max_new_tokens is None else max_new_tokens
     return Requests.build(sids, list(states), limits, None, () if stop is None else stop,
-                          True, eos_id, vocab_size, decode, byte_pieces=byte_pieces)
+                          True, eos_id, vocab_size, decode, byte_pieces=byte_pieces,
+                          void=void)
 
 
 def cut_result(res: AcceptResult, taken: list[int]) -> AcceptResult:

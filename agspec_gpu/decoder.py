@@ -118,11 +118,14 @@ class SpecDecoder:
                              f"got {type(model).__name__}")
         if self.config.runner == "hf":  # a model it cannot verify exactly fails here
             check_hf_model(model)  # (then probed, on its device: _build)
+        # the ids the model scores are the decoder's vocabulary (prompts, drafts, outputs);
+        # a tokenizer may hold more if the embedding does (Mllama's <|image|>: input only,
+        # refused in a prompt by name)
         vocab, embedded = model_vocab_sizes(model)
-        for size, what in ((vocab, "scores"), (embedded, "embeds")):
-            if size and self.tokenizer.vocab_size > size:
-                raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model "
-                                 f"{what} {size}: mismatched vocabularies")
+        size, what = (embedded, "embeds") if embedded else (vocab, "scores")
+        if size and self.tokenizer.vocab_size > size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model "
+                             f"{what} {size}: mismatched vocabularies")
         self.vocab_size = vocab or self.tokenizer.vocab_size
         device = self._device = next(model.parameters()).device
         # the model's GPU is current in every public call that does device work (Triton
@@ -584,7 +587,7 @@ class SpecDecoder:
         ends = commit_end_rules(sids, [self._sessions[s] for s in sids],
                                 self._eos(eos_id),
                                 max_new_tokens, stop, self.vocab_size, self.tokenizer.decode,
-                                self.tokenizer.byte_pieces)
+                                self.tokenizer.byte_pieces, self.tokenizer.has_no_token)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
@@ -957,7 +960,8 @@ class SpecDecoder:
         reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
                               self._eos(eos_id), self.vocab_size, self.tokenizer.decode,
                               first_id=self._next_request,
-                              byte_pieces=self.tokenizer.byte_pieces)
+                              byte_pieces=self.tokenizer.byte_pieces,
+                              void=self.tokenizer.has_no_token)
         self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
                                   beside_running)
         self._next_request += len(sids)

@@ -129,11 +129,12 @@ class Requests:
     def build(cls, sids: list[str], states: list[SessionState], max_new_tokens, sampling, stop,
               speculate, eos: int | None, vocab_size: int,
               decode: Callable[[list[int]], str], first_id: int = 0,
-              byte_pieces: Container[int] = frozenset()) -> "Requests":
+              byte_pieces: Container[int] = frozenset(),
+              void: Callable[[int], bool] | None = None) -> "Requests":
         """The requests of ``sids`` from a call's per-session arguments (as ``generate``
         takes them), validated (nothing changes on an error); their outputs are new lists.
-        ``eos``: the end token of every request (None: none); ``decode`` and
-        ``byte_pieces``: the tokenizer's, for the stop strings
+        ``eos``: the end token of every request (None: none); ``decode``, ``byte_pieces``
+        and ``void``: the tokenizer's, for the stop strings
         (:class:`~agspec_gpu.stops.StopMatcher`); the requests' ids are ``first_id``,
         ``first_id + 1``, ..."""
         n = len(sids)
@@ -148,7 +149,8 @@ class Requests:
                              f"{vocab_size}), got {eos!r}")
         stops = stop_lists(stop, n)
         return cls(list(sids), list(states), [int(m) for m in limits], list(params),
-                   [StopMatcher(decode, s, byte_pieces) for s in stops], [eos] * n, list(spec),
+                   [StopMatcher(decode, s, byte_pieces, void) for s in stops], [eos] * n,
+                   list(spec),
                    [[] for _ in sids], [None] * n, list(range(first_id, first_id + n)))
 
     def start(self) -> None:

@@ -36,32 +36,39 @@ class StopMatcher:
     or a character's width before them. The window decoded at each token reaches back
     ``max bytes + 8`` such tokens (or twice as many with any text: see :meth:`_reach`)
     and never starts inside a run (a cut run is not valid UTF-8), so it holds every
-    occurrence, with decoding artefacts of the cut in front of it. Void ids, which add no
-    text wherever they stand (:meth:`_void`), are left out of it: a model stuck on one
-    costs no decoding. A hit in the window is confirmed on the whole output, so the window
-    never ends a request that the reference would not.
+    occurrence, with decoding artefacts of the cut in front of it. A hit in the window is
+    confirmed on the whole output, so the window never ends a request that the reference
+    would not. Ids the tokenizer has no token for (``void``: its decoder never sees them)
+    are left out of both: a model stuck on one costs no decoding.
 
     Args:
         decode: the tokenizer's ``decode(list[int]) -> str``.
         stops: non-empty stop strings (none: ``push`` is always False).
         byte_pieces: the tokenizer's byte-fallback ids
             (:attr:`~agspec_gpu.tokenizer.Tokenizer.byte_pieces`; none: no runs).
+        void: whether an id has no token (:meth:`~agspec_gpu.tokenizer.Tokenizer.
+            has_no_token`; None: every id is decoded). Only ids the decoder drops before
+            it runs qualify: one that decodes to nothing alone may still change its
+            neighbours' text (a CTC decoder's pad keeps two equal tokens apart).
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str],
-                 byte_pieces: Container[int] = frozenset()):
+                 byte_pieces: Container[int] = frozenset(),
+                 void: Callable[[int], bool] | None = None):
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stops: expected non-empty strings, got {stops!r}")
         self.stops = tuple(stops)
         self._decode = decode
         self._byte_pieces = byte_pieces
+        self._is_void = void
         self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
-        # the output's tokens but the void ones (:meth:`_void`): they add no text, and a
-        # model stuck on a padded id had every push decode the whole run (quadratic)
+        # the output's tokens but the void ones: a model stuck on a padded id had every
+        # push decode the whole run since the last token with text (quadratic)
         self.tokens: list[int] = []
         self._seed_text = ""  # what seeded tokens decode to (seed)
         self._alone: dict[int, str] = {}  # per id: what it decodes to alone
-        self._voids: dict[int, bool] = {}  # per id: :meth:`_void`
+        self._voids: dict[int, bool] = {}  # per id: _void
+        self._silents: dict[int, bool] = {}  # per id: _silent
 
     def seed(self, tokens: Sequence[int]) -> None:
         """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own
@@ -83,7 +90,7 @@ class StopMatcher:
     def push(self, token: int) -> bool:
         """Appends ``token``; True if a stop string appears in the output now."""
         if not self.stops or self._void(token):
-            return False  # (a void token leaves the text as it was: no stop string in it)
+            return False  # (a void id leaves the text as it was: no stop string in it)
         self.tokens.append(token)
         start = self._reach(self.tokens, self._window)
         text = self._decode(self.tokens[start:])
@@ -116,7 +123,7 @@ class StopMatcher:
             start -= 1
             if not self._void(tokens[start]):
                 seen += bool(self._text(tokens[start]).strip())
-                with_text += 1
+                with_text += not self._silent(tokens[start])
         return self._run_start(tokens, start)
 
     def _text(self, token: int) -> str:
@@ -126,24 +133,35 @@ class StopMatcher:
         return text
 
     def _void(self, token: int) -> bool:
-        """Whether ``token`` adds no text wherever it stands: not a byte piece, nothing
-        alone and nothing twice (a padded head's id, cl100k's unused ids; a SentencePiece
-        ``▁``, nothing alone after the decoder strips a leading space, is a space twice)."""
+        """Whether the tokenizer has no token for ``token`` (``void``): decoded nowhere."""
         void = self._voids.get(token)
         if void is None:
-            void = self._voids[token] = token not in self._byte_pieces and \
-                self._text(token) == "" and self._decode([token, token]) == ""
+            void = self._voids[token] = self._is_void is not None and \
+                token not in self._byte_pieces and bool(self._is_void(token))
         return void
 
+    def _silent(self, token: int) -> bool:
+        """Whether ``token`` decodes to nothing alone and twice (not a byte piece): text
+        only in some context, if any (a CTC pad; a padding id when ``void`` is not given).
+        A SentencePiece ``▁``, nothing alone after the decoder strips a leading space, is a
+        space twice: it counts toward the window as text (a model stuck on it had every
+        push decode the whole run)."""
+        silent = self._silents.get(token)
+        if silent is None:
+            silent = self._silents[token] = token not in self._byte_pieces and \
+                self._text(token) == "" and self._decode([token, token]) == ""
+        return silent
+
     def _run_start(self, tokens: list[int], start: int) -> int:
-        """``start``, moved back to the first piece of the run of byte pieces (and the void
-        ids between them) that the piece at ``start`` is in."""
+        """``start``, moved back to the first piece of the run of byte pieces (and the ids
+        between them that decode to nothing: void or silent) that the piece at ``start``
+        is in."""
         if not self._byte_pieces or not 0 <= start < len(tokens) or \
                 tokens[start] not in self._byte_pieces:
             return start
         first = start
-        while start > 0 and (tokens[start - 1] in self._byte_pieces
-                             or self._void(tokens[start - 1])):
+        while start > 0 and (tokens[start - 1] in self._byte_pieces or
+                             self._void(tokens[start - 1]) or self._silent(tokens[start - 1])):
             start -= 1
             if tokens[start] in self._byte_pieces:
                 first = start

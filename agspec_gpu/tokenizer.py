@@ -61,6 +61,16 @@ class Tokenizer:
     byte_pieces: frozenset[int] = frozenset()
     special_ids: frozenset[int] = frozenset()
 
+    def has_no_token(self, token_id: int) -> bool:
+        """Whether the tokenizer has no token for ``token_id``, so its decoder never sees
+        it: ids at or past ``vocab_size`` (a padded head's), cl100k's unused ids, a Hugging
+        Face vocabulary's gaps. Such an id decodes to nothing wherever it stands."""
+        if not 0 <= token_id < self.vocab_size:
+            return True
+        if isinstance(self._impl, _TiktokenImpl):
+            return not self._impl.has_text(token_id)
+        return self._impl.convert_ids_to_tokens(int(token_id)) is None
+
     def encode(self, text: str) -> list[int]:
         """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text.
 
@@ -206,7 +216,16 @@ def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
     return Tokenizer(name or getattr(tok, "name_or_path", "") or "hf", size, tok.eos_token_id,
                      _hf_fingerprint(tok), tok,
                      frozenset(i for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)),
-                     frozenset(i for i in tok.all_special_ids if is_int(i)))
+                     _special_ids(tok))
+
+
+def _special_ids(tok: Any) -> frozenset[int]:
+    """The ids of a Hugging Face tokenizer's special tokens: those its special-tokens map
+    names and the added tokens its backend marks special (Llama-3.1's ``<|eom_id|>``
+    ends a tool call's turn but is in no map)."""
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    return frozenset([i for i in tok.all_special_ids if is_int(i)] +
+                     [i for i, t in added.items() if is_int(i) and getattr(t, "special", False)])
 
 
 def load_tokenizer(spec: str | Tokenizer | Any) -> Tokenizer:

@@ -390,9 +390,11 @@ def _meta(obj: dict, where: str) -> dict:
 def _check_names(obj: dict, keys: tuple[str, ...], where: str) -> None:
     """Raises TrajectoryError unless each of ``keys`` present in ``obj`` is a string or an
     int: a null id would become the string "None" (unrelated sessions one task), a list
-    its repr."""
+    its repr. A null ``instance_id`` is as none (the task falls back to the session)."""
     for key in keys:
         value = obj.get(key, "")
+        if value is None and key == "instance_id":
+            continue
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise TrajectoryError(f"{where}: {key!r} must be a string, got "
                                   f"{type(value).__name__}")

@@ -1483,7 +1483,7 @@ def test_a_composite_config_models_vocabulary_is_its_heads():
             num_hidden_layers=2, num_attention_heads=4, initializer_range=0.1),
             hidden_size=64, patch_size=4)).eval()
 
-    with pytest.raises(ValueError, match="model scores 50000: mismatched vocabularies"):
+    with pytest.raises(ValueError, match="model embeds 50000: mismatched vocabularies"):
         SpecDecoder(fuyu(50_000), tok())
     m = fuyu(VOCAB + 75)
     P = list(prompts()[3])
@@ -1509,6 +1509,42 @@ def test_a_composite_config_models_vocabulary_is_its_heads():
         runner.commit(res)
         outs += res.output_ids[0, :int(res.num_output[0])].tolist()
     assert outs == ref[:len(outs)]
+
+
+def test_a_tokenizer_with_input_only_ids_the_embedding_holds_is_taken():
+    """Mllama's embedding holds 8 ids past what its head scores (Llama-3.2-Vision's
+    ``<|image|>`` is one of them): a tokenizer that long is taken (the head-sized check
+    had refused it), the decoder's vocabulary stays the head's, and a prompt holding an
+    input-only id is refused by name (a draft of it could not be verified)."""
+    import logging
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, \
+        PreTrainedTokenizerFast
+    V = 256
+    cfg = MllamaConfig(
+        text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         cross_attention_layers=[1], pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_global_layers=1, attention_heads=2, image_size=32,
+                           patch_size=16, vision_output_dim=64, max_num_tiles=4,
+                           intermediate_layers_indices=[0]))
+    torch.manual_seed(0)
+    m = MllamaForConditionalGeneration(cfg).eval()
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V + 1)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    t = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t2")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    dec = SpecDecoder(m, t)
+    assert dec.vocab_size == V and dec.tokenizer.vocab_size == V + 1
+    P = [5, 6, 7, 8, 5, 6, 7]
+    sid = dec.open_session("t0", "coder", P)
+    assert dec.generate([sid], max_new_tokens=6, eos_id=None) == [
+        greedy_generate(m, P, 6, eos_id=None)]
+    with pytest.raises(ValueError, match="prompt_ids"):
+        dec.open_session("t0", "coder", [5, V])
 
 # ---------------------------------------------------------------- your own loop
 def own_loop(dec, runner, sids, steps, between=None, flat=False,

@@ -35,7 +35,7 @@ def reference(tokens, stops, t=None) -> int | None:
 
 def matched(tokens, stops, t=None) -> int | None:
     t = t or tok()
-    m = StopMatcher(t.decode, stops, t.byte_pieces)
+    m = StopMatcher(t.decode, stops, t.byte_pieces, t.has_no_token)
     for k, x in enumerate(tokens, 1):
         if m.push(x):
             return k
@@ -174,7 +174,7 @@ def seeded(tokens, stops, k, t=None) -> int | None:
     """``matched`` for a matcher seeded with ``tokens[:k]`` (an own loop's message so far)
     that takes the rest: the count includes the seeded tokens."""
     t = t or tok()
-    m = StopMatcher(t.decode, stops, t.byte_pieces)
+    m = StopMatcher(t.decode, stops, t.byte_pieces, t.has_no_token)
     m.seed(tokens[:k])
     for j, x in enumerate(tokens[k:], k + 1):
         if m.push(x):
@@ -313,27 +313,40 @@ def test_runs_of_byte_pieces_are_never_cut():
 
 
 def test_ids_that_add_no_text_cost_no_window():
-    """A model stuck on an id that adds no text wherever it stands (a padded head's id,
-    cl100k's unused ones) had every push decode the run since the last token with text
-    (2,000 pads: 1.5 s, 8,000: 30 s); such ids are left out of the window. A
+    """A model stuck on an id the tokenizer has no token for (a padded head's id, cl100k's
+    unused ones: ``has_no_token``) had every push decode the run since the last token
+    with text (2,000 pads: 1.5 s, 8,000: 30 s); such ids are left out of the window. A
     SentencePiece "▁", nothing alone under a Strip decoder, is a space in context and
-    counts toward the window (2,000 of them had taken 3.9 s). Stops across both are
-    found where the whole output first holds them."""
+    counts toward the window (2,000 of them had taken 3.9 s). A CTC decoder's pad, which
+    has a token and keeps two equal tokens apart ("a <pad> a" is "aa"), stays in the
+    window. Stops across all of them are found where the whole output first holds them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from agspec_gpu.tokenizer import from_hf
     bf = byte_fallback_tokenizer()
     space = bf._impl.get_vocab()["▁"]
     assert bf.decode([space]) == "" and bf.decode([space, space]) == " "
-    for t, first, stuck in ((tok(), tok().encode("x")[0], tok().vocab_size + 5),
-                            (tok(), tok().encode("x")[0], 100256),
-                            (bf, bf.encode("a")[-1], space)):
+    ctc = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "a": 2, "b": 3, "|": 4},
+                                     unk_token="<unk>"))
+    ctc.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    ctc.decoder = decoders.CTC(pad_token="<pad>", word_delimiter_token="|")
+    ctc = from_hf(PreTrainedTokenizerFast(tokenizer_object=ctc, unk_token="<unk>"))
+    assert ctc.decode([2, 0, 2]) == "aa" and ctc.decode([0, 0]) == "" and \
+        not ctc.has_no_token(0) and ctc.has_no_token(ctc.vocab_size)
+    for t, first, stuck, bounded in ((tok(), tok().encode("x")[0], tok().vocab_size + 5, 1),
+                                     (tok(), tok().encode("x")[0], 100256, 1),
+                                     (bf, bf.encode("a")[-1], space, 1), (ctc, 2, 0, 0)):
         lengths = []
         m = StopMatcher(lambda ids, t=t: (lengths.append(len(ids)), t.decode(ids))[1],
-                        ["never"], t.byte_pieces)
+                        ["never"], t.byte_pieces, t.has_no_token)
         assert not m.push(first)
-        assert not any(m.push(stuck) for _ in range(3000))
-        assert max(lengths) <= 2 * (len("never") + 8) + 2 and sum(lengths) < 200_000
-        tokens = [first] + [stuck] * 40 + t.encode("ab")
+        assert not any(m.push(stuck) for _ in range(3000 if bounded else 300))
+        assert not bounded or (max(lengths) <= 2 * (len("never") + 8) + 2 and
+                               sum(lengths) < 200_000)
+        tokens = [first] + [stuck] * 40 + [first] + t.encode("ab")
         text = t.decode(tokens)
-        for stops in ([text[-2:]], [text[:3]], [text[1:12]], [text], ["never"]):
+        for stops in ([text[-2:]], [text[:2]], [text[:3]], [text[1:12]], [text], ["never"]):
             assert matched(tokens, stops, t) == reference(tokens, stops, t), stops
             for k in (0, 1, 20, 41, 42):
                 assert seeded(tokens, stops, k, t) == reference_after(tokens, stops, k, t)
@@ -359,9 +372,10 @@ def test_whitespace_that_cleanup_removes_does_not_count_toward_the_window():
 
 
 def test_generate_ends_where_the_whole_output_first_holds_a_stop(monkeypatch):
-    """``SpecDecoder`` hands its tokenizer's byte pieces to the stop strings (``generate``,
-    ``submit`` and ``commit`` alike): a tiny random Llama over the byte-fallback vocabulary
-    (mostly byte pieces, so its output is runs of them), its greedy output ended at stop
+    """``SpecDecoder`` hands its tokenizer's byte pieces and ``has_no_token`` to the stop
+    strings (``generate``, ``submit`` and ``commit`` alike): a tiny random Llama over the
+    byte-fallback vocabulary (mostly byte pieces, so its output is runs of them), its
+    greedy output ended at stop
     strings drawn from the decoded text equals the plain output cut where the whole
     decoded output first holds one."""
     import agspec_gpu.requests
@@ -369,9 +383,9 @@ def test_generate_ends_where_the_whole_output_first_holds_a_stop(monkeypatch):
     given = []
 
     class Recorded(StopMatcher):
-        def __init__(self, decode, stops, byte_pieces=frozenset()):
-            given.append(byte_pieces)
-            super().__init__(decode, stops, byte_pieces)
+        def __init__(self, decode, stops, byte_pieces=frozenset(), void=None):
+            given.append((byte_pieces, void))
+            super().__init__(decode, stops, byte_pieces, void)
 
     monkeypatch.setattr(agspec_gpu.requests, "StopMatcher", Recorded)
     from agspec_gpu.runners.hf import greedy_generate
@@ -395,4 +409,5 @@ def test_generate_ends_where_the_whole_output_first_holds_a_stop(monkeypatch):
     own = [dec.open_session("t0", "coder", prompt)]
     draft = dec.propose(own)
     dec.commit(own, draft, torch.zeros(1, 1 + draft.max_nodes, t.vocab_size), stop="x")
-    assert len(given) == len(stops) + 3 and all(b == t.byte_pieces for b in given)
+    assert len(given) == len(stops) + 3 and \
+        all(b == t.byte_pieces and v == t.has_no_token for b, v in given)

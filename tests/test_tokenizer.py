@@ -92,6 +92,15 @@ def test_decode_can_leave_special_tokens_out():
         assert t.eos_id in t.special_ids and t.decode(ids).endswith("```" + t.decode([t.eos_id]))
         assert t.decode(ids, skip_special=True) == "cat a.py\n```"
     assert from_hf(hf_tokenizer()).special_ids == {0, 1, 2}  # bos, eos, pad
+    # an added token the backend marks special, in no special-tokens map (Llama-3.1's
+    # <|eom_id|>, which ends a tool call's turn), is special too
+    from tokenizers import AddedToken
+    eom = hf_tokenizer()
+    eom.backend_tokenizer.add_special_tokens([AddedToken("<|eom_id|>", special=True)])
+    t = from_hf(eom)
+    eom_id = eom.convert_tokens_to_ids("<|eom_id|>")
+    assert eom_id not in eom.all_special_ids and eom_id in t.special_ids
+    assert t.decode(t.encode("cat a.py") + [eom_id], skip_special=True) == "cat a.py"
 
 def test_a_vocabulary_with_a_gap_counts_its_highest_id():
     import json

@@ -452,6 +452,13 @@ def test_load_arguments_are_named(tmp_path):
         with pytest.raises(ValueError, match=match):
             call()
     assert len(load_paths(path, limit=1)) == 1
+    # a null instance_id is as none: the task is the session's (it loaded before)
+    nulls = write_jsonl(tmp_path / "n.jsonl", [{**CHAT, "id": "s1",
+                                                 "meta": {"instance_id": None}}])
+    assert load_sessions(nulls)[0].task_id == "s1"
+    chat = tmp_path / "c.json"
+    chat.write_text(json.dumps({"messages": CHAT["messages"], "instance_id": None}))
+    assert load_sessions(chat)[0].task_id == "c"
 
 def test_swe_agent_errors(tmp_path):
     bad = tmp_path / "bad.traj"

@@ -50,21 +50,30 @@ def has_non_full_attention(config) -> bool:
         getattr(config, "sliding_window", None) is not None
 
 
-
 def model_vocab_sizes(model) -> tuple[int, int | None]:
     """``(scored, embedded)``: the ids a causal LM scores (its output layer's rows, the
     logits' width; else its text config's ``vocab_size``) and the ids its input embedding
     holds (None: not known). A composite config (Fuyu, GotOcr2, Gemma-3's conditional
     generation) keeps ``vocab_size`` in its text config only; Mllama's embedding holds 8
     ids more than its head scores."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    try:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
+            else None
+    except NotImplementedError:
+        head = None
+    rows = getattr(head, "out_features", None)  # (a packed 4-bit head's weight is not [V, H])
     weight = getattr(head, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+    if isinstance(rows, int) and rows > 0:
+        scored = rows
+    elif isinstance(weight, torch.Tensor) and weight.dim() == 2:
         scored = int(weight.shape[0])
     else:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         scored = int(getattr(config, "vocab_size", 0) or 0)
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:  # (transformers' base raises for an embedding under a name it does not know)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:
+        emb = None
     embedded = getattr(emb, "num_embeddings", None)
     return scored, embedded if isinstance(embedded, int) else None
