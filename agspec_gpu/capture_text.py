@@ -165,32 +165,30 @@ class _Segment:
 _OBSERVATION_PREFIX = "OBSERVATION:\n"
 _MINI_RETURNCODE = re.compile(r"\A<returncode>(-?\d+)</returncode>\n")
 _MINI_OUTPUT = re.compile(r"\A<output>\n(.*)</output>\s*\Z", re.S)
-# mini-swe-agent's long outputs: <output_head>\n...\n</output_head> ... <output_tail>\n...
-# \n</output_tail> at the end (found with str.find: a regex search re-scanned the output from
-# every opener without its closer, quadratic in their number)
-_HEAD_OPEN, _HEAD_CLOSE = "<output_head>\n", "\n</output_head>"
-_TAIL_OPEN, _TAIL_CLOSE = "<output_tail>\n", "\n</output_tail>"
+# mini-swe-agent's long outputs: <output_head>\n...\n</output_head>, an elision block, then
+# <output_tail>\n...\n</output_tail> at the end. The head ends at the elision block, not at
+# the first </output_head> (a file may mention it); searched from a literal prefix: linear
+_HEAD_OPEN, _TAIL_CLOSE = "<output_head>\n", "\n</output_tail>"
+_ELISION = re.compile(r"\n</output_head>\n<elided_chars>\n\d+ characters elided\n"
+                      r"</elided_chars>\n<output_tail>\n")
 
 
-def _between(text: str, opener: str, closer: str) -> str | None:
-    """The text from the first ``opener`` to the first ``closer`` after it, or None."""
-    start = text.find(opener)
+def _mini_cut(text: str) -> tuple[str, str] | None:
+    """``(head, tail)`` of mini-swe-agent's cut output, or None: the head from the first
+    ``<output_head>`` line to the elision block, the tail from there to a final
+    ``</output_tail>`` line (only whitespace after it)."""
+    start = text.find(_HEAD_OPEN)
     if start < 0:
         return None
-    end = text.find(closer, start + len(opener))
-    return None if end < 0 else text[start + len(opener):end]
-
-
-def _mini_tail(text: str) -> str | None:
-    """The text from the first ``<output_tail>`` line to a ``</output_tail>`` line that
-    only whitespace follows, or None."""
+    gap = _ELISION.search(text, start + len(_HEAD_OPEN) - 1)  # (an empty head: one newline)
     body = text.rstrip()
-    if not body.endswith(_TAIL_CLOSE):
+    if gap is None or not body.endswith(_TAIL_CLOSE) or \
+            gap.end() > len(body) - len(_TAIL_CLOSE) + 1:
         return None
-    end = len(body) - len(_TAIL_CLOSE)
-    start = text.find(_TAIL_OPEN, 0, end)
-    return None if start < 0 or start + len(_TAIL_OPEN) > end else \
-        text[start + len(_TAIL_OPEN):end]
+    return text[start + len(_HEAD_OPEN):max(gap.start(), start + len(_HEAD_OPEN))], \
+        text[gap.end():len(body) - len(_TAIL_CLOSE)]
+
+
 # SWE-agent's clip marker, its one-line note after it ends the output (a file that mentions
 # the marker had been captured up to there): see _clipped_at
 _SWE_CLIPPED = "<response clipped><NOTE>"
@@ -233,9 +231,10 @@ def _unwrap_output(output: str) -> list[_Segment] | None:
         whole = _MINI_OUTPUT.match(rest)  # (a cut output starts <warning>: a file that
         if whole is not None:               # mentions <output_head> had been dropped)
             return [_Segment(tuple(_split_lines(whole.group(1))))]
-        head, tail = _between(rest, _HEAD_OPEN, _HEAD_CLOSE), _mini_tail(rest)
-        if head is None or tail is None:
+        cut = _mini_cut(rest)
+        if cut is None:
             return None
+        head, tail = cut
         return [
             _Segment(tuple(_split_lines(head)), cut_end=True),
             _Segment(tuple(_split_lines(tail)), cut_start=True),

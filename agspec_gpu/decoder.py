@@ -867,7 +867,9 @@ class SpecDecoder:
         ``append`` and a new ``submit`` at once.
 
         Returns:
-            :class:`StepOutput` per request that ran (none when nothing is submitted).
+            :class:`StepOutput` per request that ran (none when nothing is submitted),
+            after those a failed step or cancel ended and had not yet returned (finished,
+            ``"error"`` unless they had ended otherwise; tokens possibly none).
 
         Raises:
             What a step raises (a full KV pool, say): the step's requests (running and
@@ -892,7 +894,9 @@ class SpecDecoder:
         ValueError for one in a running :meth:`generate` (its ``on_tokens`` returning
         False ends its request). ``request_id`` (what :meth:`submit` returned): that
         request only, a no-op once it ended (a client that went away never ends the
-        session's next request)."""
+        session's next request). If the request's leaving fails (raised here), the batch
+        ends as after a failed step: the next :meth:`step` returns each other request of
+        it finished with ``"error"``."""
         if request_id is not None and not is_int(request_id):
             raise ValueError(f"request_id: expected None or an int from submit(), got "
                              f"{request_id!r}")

@@ -74,7 +74,8 @@ def detect_indent_unit(text: str) -> str:
 
     TAB when more indented lines start with a TAB than with a space. Otherwise the most common
     positive increase of leading spaces between consecutive non-blank lines (ties go to the
-    smaller step; continuation lines aligned to a bracket are rare enough to lose the vote).
+    smaller step; a step past 8 spaces is a continuation line aligned to a bracket, no
+    unit).
     The first non-blank line is the baseline, not a step from column 0: a fragment (a grep
     hit, a ``sed -n`` window) often starts inside a block, and its depth is not the unit.
     `DEFAULT_INDENT_UNIT` (4 spaces) when the text has no indentation step.

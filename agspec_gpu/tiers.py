@@ -46,7 +46,8 @@ def source_code(tier: CorpusTier, form: EmissionForm = EmissionForm.RAW) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """Which tiers and forms are searched, and their budgets (tokens).
+    """Which tiers and forms are searched, and their budgets (tokens; the idle budget
+    counts the token slots corpora reserve).
 
     A tenant's workspace and history evict least-recently-used documents past their budget,
     down to ``*_low_water`` times it, and re-index what stays (the whole corpus): a low

@@ -185,6 +185,13 @@ def test_truncated_mini_output_gives_head_and_tail_of_whole_lines():
     caps = capture_tool_output(mini_cmd("cat big.py"), out)
     assert [(c.text, c.first_line, c.is_fragment) for c in caps] == [
         ("line 1\nline 2\n", 1, True), ("line 99\nline 100\n", None, True)]
+    # a head that mentions the markers on their own lines (mini-swe-agent's own template):
+    # the head ends at the elision block (the tail had begun at the head's <output_tail>)
+    head = "line 1\n</output_head>\n<output_tail>\n{{ output }}\n</output_tail>\nline 9"
+    out = out.replace("line 1\nline 2\npart", head)
+    caps = capture_tool_output(mini_cmd("cat big.py"), out)
+    assert [(c.text, c.first_line, c.is_fragment) for c in caps] == [
+        (head.rsplit("\n", 1)[0] + "\n", 1, True), ("line 99\nline 100\n", None, True)]
 
 
 def test_cd_prefix_joins_relative_path():
