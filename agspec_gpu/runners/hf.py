@@ -431,7 +431,11 @@ class HFRunner:
 
     def select_rows(self, rows: list[int]) -> None:
         """Keeps requests ``rows`` (in that order) and drops the rest from the batch: a
-        request that finished stops costing a padded row of every step's forward."""
+        request that finished stops costing a padded row of every step's forward. All or
+        nothing: every layer's kept rows are copied before any is replaced (for a moment
+        the cache's memory and the kept rows' again), so a copy that runs out of memory
+        leaves the batch as it was, and the KV a failed leave keeps for its sessions is
+        theirs."""
         if self._seq_lens is None or self._pending is not None:
             raise ValueError("select_rows() needs a batch and no verify() pending")
         check_lengths_settled(self._lengths_owed, "select_rows")
