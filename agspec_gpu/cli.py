@@ -464,25 +464,25 @@ def _input_files(args) -> dict[str, str]:
     would overwrite what it was made from (``replay X.jsonl --json X.jsonl`` had replaced
     the trajectory with its own report). Directories count for the files a run takes from
     them (trajectory files, or ``--src`` files with a ``--suffix``)."""
-    from agspec_gpu.trajectories import _DIR_SUFFIXES
+    from agspec_gpu.trajectories import trajectory_files
 
-    def trajectory(f: Path) -> bool:
-        return f.name.lower().endswith(_DIR_SUFFIXES)
-
-    def source(f: Path) -> bool:
-        return f.suffix in args.suffix
-
-    named = [(p, trajectory) for k in ("paths", "trajectories") for p in getattr(args, k, ()) or ()]
-    named += [(p, source) for p in getattr(args, "src", None) or ()]
-    named += [(getattr(args, k, None), None) for k in ("global_corpus", "cost_model")]
-    inputs: dict[str, str] = {}
-    for path, taken in named:
-        if path is None:
-            continue
+    def files(path: str, of_dir) -> list[Path]:
         p = Path(path)
-        files = [f for f in p.rglob("*") if taken(f)] if taken and p.is_dir() else [p]
-        for f in files:
-            inputs[os.path.realpath(f)] = f"input {f}"
+        return of_dir(p) if p.is_dir() else [p]
+
+    def sources(directory: Path) -> list[Path]:
+        from agspec_gpu.tiers import source_files  # (build-global's: it needs the index)
+
+        return source_files([directory], args.suffix)
+
+    inputs: dict[str, str] = {}
+    named = [files(p, trajectory_files) for k in ("paths", "trajectories")
+             for p in getattr(args, k, None) or ()]
+    named += [files(p, sources) for p in getattr(args, "src", None) or ()]
+    named += [[Path(p)] for p in (getattr(args, k, None) for k in ("global_corpus",
+                                                                   "cost_model")) if p]
+    for f in (f for group in named for f in group):
+        inputs[os.path.realpath(f)] = f"input {f}"
     return inputs
 
 

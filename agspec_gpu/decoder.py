@@ -329,10 +329,7 @@ class SpecDecoder:
         try:  # (a workspace build out of memory): the session does not stay open, unnamed
             self._add_files(tenant, files)
         except BaseException as exc:
-            try:
-                self.drafter.discard_session(sid)
-            except Exception as cleanup:  # noqa: BLE001 - noted on the error
-                exc.add_note(f"then closing the session failed too: {cleanup!r}")
+            self.drafter.discard_session(sid, exc)
             raise
         self._sessions[sid] = SessionState(tenant, role, list(ids))
         return sid

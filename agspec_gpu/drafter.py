@@ -242,17 +242,18 @@ class Drafter:
             self.state.open(slot, p.initial_scale, min(p.draft_cap, self.config.max_draft_depth))
             self.state.push_one(slot, ids)
         except BaseException as exc:  # (a ring write out of memory): nothing stays open
-            try:
-                self.discard_session(sid)
-            except Exception as cleanup:  # noqa: BLE001 - noted on the error
-                exc.add_note(f"then closing the session failed too: {cleanup!r}")
+            self.discard_session(sid, exc)
             raise
 
     @device_guard
-    def discard_session(self, sid: str) -> None:
-        """Closes ``sid`` as if it had never opened: an open that failed past this point
-        (its text does not join the tenant's history)."""
-        self._close_session(sid, history=False)
+    def discard_session(self, sid: str, error: BaseException) -> None:
+        """Closes ``sid`` as if it had never opened, after ``error`` ended its opening (its
+        text does not join the tenant's history); a failure to close is noted on
+        ``error``, which the caller raises."""
+        try:
+            self._close_session(sid, history=False)
+        except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
+            error.add_note(f"then closing the session failed too: {cleanup!r}")
 
     @device_guard
     def extend(self, sid: str, tokens: torch.Tensor | list[int]) -> None:

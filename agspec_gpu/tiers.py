@@ -193,8 +193,11 @@ class CorpusStore:
         cid = self.arena.new_corpus(max(2 * ids.numel(), 1024))
         try:
             self.arena.append(cid, ids, source_code(CorpusTier.SESSION), separators=())
-        except BaseException:  # (a level build out of memory): nothing opened
-            self.arena.free(cid)
+        except BaseException as exc:  # (a level build out of memory): nothing opened
+            try:
+                self.arena.free(cid)
+            except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
+                exc.add_note(f"then freeing the session's corpus failed too: {cleanup!r}")
             raise
         self._sessions[sid] = _Session(tenant, cid)
         t.sessions.add(sid)
@@ -558,14 +561,7 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
     if half not in (None, 0, 1) or isinstance(half, bool):
         raise ValueError(f"half: expected None, 0 or 1, got {half!r}")
     docs: list[list[int]] = []
-    files: list[Path] = []
-    for p in map(Path, src):
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix in suffixes and f.is_file())
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise ValueError(f"src: {p} does not exist")
+    files = source_files(src, suffixes)
     texts, unread = [], []
     for f in files:
         try:
@@ -602,6 +598,24 @@ def build_global_corpus(src: list[str | Path], tokenizer: Tokenizer, out: str | 
                          f"{len(loaded)} sessions, none with text")
         raise ValueError(f"no text to index: {'; '.join(found)}")
     return _save_global(docs, tokenizer, out, max_depth, max_tokens, session_ids, task_ids)
+
+
+def source_files(src: Sequence[str | Path], suffixes: Sequence[str]) -> list[Path]:
+    """The files ``build_global_corpus`` reads of ``src``: each file named, and each file
+    with one of ``suffixes`` under each directory named (sorted by path).
+
+    Raises:
+        ValueError: a path of ``src`` does not exist.
+    """
+    files: list[Path] = []
+    for p in map(Path, src):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix in suffixes and f.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"src: {p} does not exist")
+    return files
 
 
 def _save_global(docs: list[list[int]], tokenizer: Tokenizer, out: str | Path, max_depth: int,

@@ -164,10 +164,16 @@ def _path(path: Any, name: str) -> Path:
 # ----------------------------------------------------------------------------- dispatch
 
 
+def trajectory_files(directory: Path) -> list[Path]:
+    """The trajectory files a directory holds (recursively, sorted by path): what
+    :func:`load_sessions` reads of it."""
+    return sorted(p for p in Path(directory).rglob("*")
+                  if p.is_file() and p.name.lower().endswith(_DIR_SUFFIXES))
+
+
 def _iter_path(path: Path) -> Iterator[Session]:
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and p.name.lower().endswith(_DIR_SUFFIXES))
+        files = trajectory_files(path)
         if not files:
             raise TrajectoryError(f"{path}: no trajectory files (*{', *'.join(_DIR_SUFFIXES)})")
         for f in files:
