@@ -138,30 +138,39 @@ class PagedKVCache:
             raise KVCacheFull(f"{what}: {new_rows} new sequence rows needed, "
                               f"{len(self._free_rows)} of "
                               f"max_seqs={self._page_table.shape[0]} free")
-        entries, pages = [], []  # flat page-table index -> page
-        W = self.max_pages_per_seq
+        # the pages and rows pop() would hand out, in its order; the host takes them only
+        # once the device table holds them (a failed write had left pages the host gave a
+        # sequence mapped to the null page: its KV written there)
+        plan, entries, pages = [], [], []  # flat page-table index -> page
+        W, taken_pages, taken_rows = self.max_pages_per_seq, 0, 0
         for sid, have, need in grow:
-            if sid not in self._pages:
-                self._pages[sid] = []
-                self._rows[sid] = self._free_rows.pop()
-            new = [self._free_pages.pop() for _ in range(need - have)]
-            self._pages[sid].extend(new)
-            at = self._rows[sid] * W
-            entries.extend(range(at + have, at + need))
+            row = self._rows.get(sid)
+            if row is None:
+                taken_rows += 1
+                row = self._free_rows[-taken_rows]
+            new = [self._free_pages[-(taken_pages + j + 1)] for j in range(need - have)]
+            taken_pages += need - have
+            plan.append((sid, row, new))
+            entries.extend(range(row * W + have, row * W + need))
             pages.extend(new)
         if entries:  # a host list assigned into a device tensor would wait for the stream
             idx, val = self._writer.write((entries, torch.int64), (pages, torch.int32))
             self._page_table.view(-1).index_copy_(0, idx, val)
+        del self._free_pages[len(self._free_pages) - taken_pages:]
+        del self._free_rows[len(self._free_rows) - taken_rows:]
+        for sid, row, new in plan:
+            self._rows[sid] = row
+            self._pages.setdefault(sid, []).extend(new)
 
     def free(self, seq_id: Hashable) -> None:
         """Returns every page of ``seq_id`` to the pool."""
         if seq_id not in self._pages:
             raise ValueError(f"free({seq_id!r}): unknown sequence")
-        pages = self._pages.pop(seq_id)
+        self._page_table[self._rows[seq_id]].fill_(self.null_page)  # (the device first:
+        pages = self._pages.pop(seq_id)                                # a free row is reset)
         row = self._rows.pop(seq_id)
         self._free_pages.extend(reversed(pages))
         self._free_rows.append(row)
-        self._page_table[row].fill_(self.null_page)
 
     def page_table(self, seq_ids: Sequence[Hashable], *,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,10 +69,12 @@ class SessionKVCache:
         return 0 if k is None else k.length
 
     def drop(self, sid: str) -> None:
-        """Frees the session's KV (at close, or to make room)."""
+        """Frees the session's KV (at close, or to make room). The record goes first: a
+        free that fails leaves pages a later prefill of the session rewrites from its
+        start, never a record of KV the pool no longer holds."""
+        self._kept.pop(sid, None)
         if self.paged is not None and sid in self.paged.kv_cache:
             self.paged.kv_cache.free(sid)
-        self._kept.pop(sid, None)
 
     def prefill(self, runner: HFRunner | PagedBatch, sids: list[str],
                 contexts: list[list[int]], max_new_tokens: list[int]) -> torch.Tensor:

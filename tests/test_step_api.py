@@ -1334,6 +1334,75 @@ def test_an_open_that_fails_leaves_nothing_open(monkeypatch, fault):
     sid = dec.open_session("acme", "coder", P0 := list(prompts()[1]), session_id="s0")
     assert dec.generate([sid], max_new_tokens=4) == [greedy(VARIANT, P0, 4)]
 
+
+def test_paged_pool_operations_that_fail_leave_state_a_retry_goes_on_from(monkeypatch):
+    """Faults a helper's audit of the paged path found leaving it half changed: a page
+    table write that failed after the host had taken the pages (they stayed mapped to the
+    null page, where a retry wrote its KV: not greedy decoding), a free that failed (the
+    session's kept-KV record outlived its pages: every later call of the session raised),
+    and a batch's row selection whose device copy failed (its dropped rows freed, its
+    device prefix the old one's). Each raises, and what follows is greedy decoding with
+    every page back in the pool at the end."""
+    import agspec_gpu.runners.paged_batch as paged_batch
+    from agspec_gpu.kv_cache import PagedKVCache
+    P = [list(p) for p in prompts()]
+    dec = decoder("paged", kv_cache_tokens=8 * 24)  # a's KV or b's, not both
+    cache = dec._paged.kv_cache
+    a, b = dec.open_session("t0", "coder", P[3]), dec.open_session("t1", "coder", P[6])
+    index_copy = torch.Tensor.index_copy_
+
+    def table_write_fails(self, *args):
+        monkeypatch.setattr(torch.Tensor, "index_copy_", index_copy)
+        raise torch.OutOfMemoryError("the page table's write (simulated)")
+
+    free = cache.num_free_pages
+    monkeypatch.setattr(torch.Tensor, "index_copy_", table_write_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.generate([a], max_new_tokens=6, eos_id=None)
+    monkeypatch.undo()
+    assert cache.num_free_pages == free and a not in cache
+    assert dec.generate([a], max_new_tokens=6, eos_id=None) == [greedy(VARIANT, P[3], 6,
+                                                                       eos=None)]
+    pool_free = PagedKVCache.free
+
+    def free_fails(self, seq_id):
+        monkeypatch.setattr(PagedKVCache, "free", pool_free)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PagedKVCache, "free", free_fails)
+    with pytest.raises(KeyboardInterrupt):  # b needs a's pages: a's KV is dropped
+        dec.generate([b], max_new_tokens=6, eos_id=None)
+    monkeypatch.undo()
+    assert dec._kv.kept_tokens(a) == 0
+    ctx_a = list(dec._sessions[a].context)
+    assert dec.generate([a], max_new_tokens=4, eos_id=None) == [greedy(VARIANT, ctx_a, 4,
+                                                                       eos=None)]
+    to_device = paged_batch.to_device
+
+    def copy_fails(*args, **kw):
+        monkeypatch.setattr(paged_batch, "to_device", to_device)
+        raise torch.OutOfMemoryError("the kept rows' prefix (simulated)")
+
+    for sid in (a, b):
+        dec.close_session(sid)
+    assert cache.num_free_pages == cache.num_pages
+    dec = decoder("paged")  # room for both
+    cache = dec._paged.kv_cache
+    b, c = dec.open_session("t1", "coder", P[6]), dec.open_session("t2", "coder", P[1])
+    dec.submit(c, max_new_tokens=1, eos_id=None)
+    dec.submit(b, max_new_tokens=30, eos_id=None)
+    monkeypatch.setattr(paged_batch, "to_device", copy_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.step()  # both join; c ends and leaves the batch, whose row selection fails
+    monkeypatch.undo()
+    assert dec.running == [] and dec.session_stats(b).finish_reason == "error"
+    ctx_b = list(dec._sessions[b].context)
+    dec.submit(b, max_new_tokens=5, eos_id=None)
+    assert run_until_idle(dec)[b] == greedy(VARIANT, ctx_b, 5, eos=None)
+    for sid in (b, c):
+        dec.close_session(sid)
+    assert cache.num_free_pages == cache.num_pages
+
 def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch):
     """Faults a second audit found leaving state half-changed: a close whose corpus
     compaction runs out of memory (the session is closed everywhere: no zombie that no

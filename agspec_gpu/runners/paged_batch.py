@@ -131,12 +131,15 @@ class PagedBatch:
                 len(set(rows)) != len(rows):
             raise ValueError(f"rows: expected distinct rows in [0, {self.batch_size}), got "
                              f"{list(rows)}")
+        # (the device copy first, what can fail: a copy out of memory had left the batch
+        # with its dropped rows freed and the old device prefix)
+        prefix = self._prefix[to_device(rows, torch.int64, self.device)]
         if self._owns_seqs:
             for b in sorted(set(range(self.batch_size)) - set(rows)):
                 self.runner.kv_cache.free(self._seq_ids[b])
         self._seq_ids = [self._seq_ids[b] for b in rows]
         self._prefix_host = [self._prefix_host[b] for b in rows]
-        self._prefix = self._prefix[to_device(rows, torch.int64, self.device)]
+        self._prefix = prefix
 
     def pages_needed(self, width: int) -> int:
         """Pages a step verifying ``width`` nodes per request adds to the batch's sequences
