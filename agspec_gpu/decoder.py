@@ -798,7 +798,11 @@ class SpecDecoder:
         try:
             while call.running or call.queued:
                 call.step(generator)  # an error ends the running requests; the rest never ran
-        except BaseException:
+        except BaseException as exc:
+            try:  # a batch an error left running (one raised between or before a step's
+                call.end_after(exc)  # own handling) ends: its sessions' KV is not in use
+            except BaseException as cleanup:  # noqa: BLE001 - noted on the error
+                exc.add_note(f"then ending the call's batch failed too: {cleanup!r}")
             reqs.fail()  # "error": the ones that ran and the ones still waiting
             raise
         finally:

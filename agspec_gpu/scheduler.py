@@ -167,6 +167,18 @@ class Scheduler:
         self._undelivered = [o for o in self._undelivered if o.session_id not in gone or
                              (rid is not None and o.request_id != rid)]
 
+    def end_after(self, exc: BaseException) -> None:
+        """Ends what the scheduler holds after ``exc`` (raised by the caller, outside a
+        step's own handling: a ``generate`` call's loop interrupted between steps, or a
+        step's admission check that raised): the running batch as a failed step ends it
+        (its sessions' KV kept, their in-use marks cleared), the queued requests
+        failed."""
+        for q in self._queue:
+            q.fail()
+        self._queue = []
+        if self._live is not None:
+            self._end_live_after(exc)
+
     def _end_live_after(self, exc: BaseException) -> None:
         """Ends the running batch after ``exc`` (raised by the caller): its requests end at
         what they emitted, their KV kept as far as the batch still can."""

@@ -1403,6 +1403,38 @@ def test_paged_pool_operations_that_fail_leave_state_a_retry_goes_on_from(monkey
         dec.close_session(sid)
     assert cache.num_free_pages == cache.num_pages
 
+
+def test_a_generate_interrupted_outside_a_steps_handling_ends_its_batch(monkeypatch):
+    """An error a ``generate`` call's own scheduler raised before a step's handling (its
+    admission check, here a Ctrl-C while two requests run and a third waits) failed the
+    requests but left the call's batch running: its sessions' KV stayed in use for good,
+    never freed as idle, and a later call was refused for want of pages although nothing
+    ran. The batch ends as a failed step's does."""
+    from agspec_gpu.session_kv import SessionKVCache
+    P = [list(p) for p in prompts()]
+    dec = decoder("paged", max_batch=2, kv_cache_tokens=8 * 40)
+    a, b, c = (dec.open_session(f"t{i}", "coder", P[j]) for i, j in enumerate((3, 1, 0)))
+    fits = SessionKVCache.fits
+
+    def interrupted(self, *args):
+        if any(k.in_use for k in self._kept.values()):
+            monkeypatch.setattr(SessionKVCache, "fits", fits)
+            raise KeyboardInterrupt
+        return fits(self, *args)
+
+    monkeypatch.setattr(SessionKVCache, "fits", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate([a, b, c], max_new_tokens=[30, 4, 4])
+    monkeypatch.undo()
+    assert not any(k.in_use for k in dec._kv._kept.values())
+    assert all(dec.session_stats(s).finish_reason in ("error", "length") for s in (a, b, c))
+    x = dec.open_session("tx", "coder", P[6])
+    assert dec.generate([x], max_new_tokens=6, eos_id=None) == [greedy(VARIANT, P[6], 6,
+                                                                       eos=None)]
+    ctx = list(dec._sessions[a].context)
+    assert dec.generate([a], max_new_tokens=4, eos_id=None) == [greedy(VARIANT, ctx, 4,
+                                                                       eos=None)]
+
 def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch):
     """Faults a second audit found leaving state half-changed: a close whose corpus
     compaction runs out of memory (the session is closed everywhere: no zombie that no
