@@ -166,11 +166,17 @@ class PagedKVCache:
         """Returns every page of ``seq_id`` to the pool."""
         if seq_id not in self._pages:
             raise ValueError(f"free({seq_id!r}): unknown sequence")
-        self._page_table[self._rows[seq_id]].fill_(self.null_page)  # (the device first:
-        pages = self._pages.pop(seq_id)                                # a free row is reset)
+        # the host lets go first: a sequence it still listed over a reset row would write
+        # its KV to the null page (an interrupt after the reset had done so); a reset that
+        # fails returns the row unreset, whose stale entries past a later sequence's pages
+        # nothing reads
+        pages = self._pages.pop(seq_id)
         row = self._rows.pop(seq_id)
-        self._free_pages.extend(reversed(pages))
-        self._free_rows.append(row)
+        try:
+            self._page_table[row].fill_(self.null_page)
+        finally:
+            self._free_pages.extend(reversed(pages))
+            self._free_rows.append(row)
 
     def page_table(self, seq_ids: Sequence[Hashable], *,
                    out: torch.Tensor | None = None) -> torch.Tensor:
