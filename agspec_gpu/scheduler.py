@@ -225,7 +225,11 @@ class Scheduler:
             return
         if all(live.reqs.done):
             self._live = None  # first: an end that raises leaves no ended batch running
-            live.end()
+            try:
+                live.end()
+            except BaseException as exc:  # (interrupted) ended again, past its error: its
+                live.end_after(exc)       # sessions' KV kept, none left marked in use
+                raise
         else:
             live.leave()
 

@@ -1435,6 +1435,30 @@ def test_a_generate_interrupted_outside_a_steps_handling_ends_its_batch(monkeypa
     assert dec.generate([a], max_new_tokens=4, eos_id=None) == [greedy(VARIANT, ctx, 4,
                                                                        eos=None)]
 
+
+def test_an_end_of_a_finished_batch_that_fails_leaves_no_kv_in_use(monkeypatch):
+    """A Ctrl-C as the batch whose requests all finished ends (``RunningBatch.end``,
+    keeping each session's KV) left the session's KV marked in use for good: no batch ran
+    it, yet it counted as a running batch's and a later call was refused for pages."""
+    from agspec_gpu.running_batch import RunningBatch
+    P = [list(p) for p in prompts()]
+    dec = decoder("paged", kv_cache_tokens=8 * 40)
+    a = dec.open_session("t0", "coder", P[3])
+    end = RunningBatch.end
+
+    def interrupted(self, *args, **kw):
+        monkeypatch.setattr(RunningBatch, "end", end)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunningBatch, "end", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dec.generate([a], max_new_tokens=4, eos_id=None)
+    monkeypatch.undo()
+    assert not any(k.in_use for k in dec._kv._kept.values()) and dec.running == []
+    x = dec.open_session("tx", "coder", P[6])
+    assert dec.generate([x], max_new_tokens=5, eos_id=None) == [greedy(VARIANT, P[6], 5,
+                                                                       eos=None)]
+
 def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch):
     """Faults a second audit found leaving state half-changed: a close whose corpus
     compaction runs out of memory (the session is closed everywhere: no zombie that no
