@@ -13,13 +13,14 @@ from kernel_compile import assert_one_compile_per_config, compile_all_for_sm90
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def both(slots, best, scale, cap, prev, static_k=None):
+def both(slots, best, scale, cap, prev, static_k=None, max_k=None):
     args = tuple(t.to(DEV) for t in (
         torch.tensor(slots, dtype=torch.int64), torch.tensor(best, dtype=torch.int32),
         torch.tensor(scale, dtype=torch.float32), torch.tensor(cap, dtype=torch.int32),
         torch.tensor(prev, dtype=torch.int64)))
-    a = depth_caps(*args, static_k=static_k, use_triton=False)
-    b = depth_caps(*args, static_k=static_k, use_triton=True)
+    bound = None if max_k is None else torch.tensor(max_k, dtype=torch.int64, device=DEV)
+    a = depth_caps(*args, static_k=static_k, max_k=bound, use_triton=False)
+    b = depth_caps(*args, static_k=static_k, max_k=bound, use_triton=True)
     assert a[0].dtype == b[0].dtype == torch.int32 and a[1].dtype == b[1].dtype == torch.int64
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     return a[0].tolist(), a[1].tolist()
@@ -120,6 +121,28 @@ def test_both_paths_read_a_slot_outside_the_state_as_padding(static_k):
     assert both([-1, 3], [3, 3], [], [], [], static_k=static_k) == ([static_k or 1] * 2,
                                                                       [0, 0])  # S = 0
 
+@pytest.mark.parametrize("static_k", [None, 5])
+def test_a_requests_own_bound_caps_its_depth(static_k):
+    """``max_k``: each request's depth is at most its bound (what it may still emit less the
+    bonus token); 0 and a negative bound draft nothing; a bound past the rule changes
+    nothing; a padding slot's row takes its bound too. Both paths, across programs."""
+    rng = random.Random(7)
+    for B in (0, 1, 6, 130):
+        S = B + 2
+        slots = [rng.choice([*range(S), -1, S]) for _ in range(B)]
+        best = [rng.randint(0, 12) for _ in range(B)]
+        scale = [rng.choice([0.5, 4.0, 16.0]) for _ in range(S)]
+        cap = [rng.choice([1, 8, 32]) for _ in range(S)]
+        prev = [rng.randint(0, 1) for _ in range(S)]
+        bound = [rng.choice([-2 ** 40, -3, 0, 1, 2, 5, 2 ** 31, 2 ** 62]) for _ in range(B)]
+        free, mode = both(slots, best, scale, cap, prev, static_k=static_k)
+        k, mode_b = both(slots, best, scale, cap, prev, static_k=static_k, max_k=bound)
+        assert k == [min(f, max(m, 0)) for f, m in zip(free, bound)] and mode_b == mode
+    k, _ = both([0, 1, 2], [9, 9, 9], [4.0] * 3, [32] * 3, [0] * 3, static_k=static_k,
+                max_k=[0, 3, 64])
+    assert k == [0, 3, static_k or 32]
+
+
 def test_rejects_bad_inputs():
     good = dict(slots=torch.tensor([0]), best=torch.ones(1, dtype=torch.int32),
                 scale=torch.ones(2), cap=torch.ones(2, dtype=torch.int32),
@@ -133,6 +156,10 @@ def test_rejects_bad_inputs():
     for bad in (0, 2.0, True, 2 ** 31):
         with pytest.raises(ValueError, match="static_k"):
             depth_caps(**good, static_k=bad, use_triton=True)
+    for bad in (torch.ones(1, dtype=torch.int32), torch.ones(2, dtype=torch.int64)):
+        for use_triton in (False, True):
+            with pytest.raises(ValueError, match="max_k"):
+                depth_caps(**good, max_k=bad, use_triton=use_triton)
 
 
 def test_rejects_a_tensor_on_another_device():
@@ -161,7 +188,9 @@ def test_one_compile_for_every_batch():
 
 def test_kernel_compiles_for_sm90():
     sig = dict(slots_ptr="*i64", best_ptr="*i32", scale_ptr="*fp32", cap_ptr="*i32",
-               prev_full_ptr="*i64", k_ptr="*i32", mode_ptr="*i64", B="i32", S="i32",
-               static_k="i32", STATIC="constexpr", BLOCK_B="constexpr")
-    compile_all_for_sm90([(_depth_caps_kernel, sig, dict(STATIC=False, BLOCK_B=128)),
-                          (_depth_caps_kernel, sig, dict(STATIC=True, BLOCK_B=128))])
+               prev_full_ptr="*i64", max_k_ptr="*i64", k_ptr="*i32", mode_ptr="*i64",
+               B="i32", S="i32", static_k="i32", STATIC="constexpr", HAS_MAX_K="constexpr",
+               BLOCK_B="constexpr")
+    compile_all_for_sm90([(_depth_caps_kernel, sig, dict(STATIC=static, HAS_MAX_K=has_max,
+                                                         BLOCK_B=128))
+                          for static in (False, True) for has_max in (False, True)])
