@@ -63,7 +63,7 @@ from agspec_gpu.draft_batch import DraftBatch, TreeInputs, check_draft
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, cuda_index, device_guard, serialized, to_device
 from agspec_gpu.requests import Requests, SessionState, SessionStats, StepOutput, per_session
-from agspec_gpu.runners.common import model_vocab_sizes
+from agspec_gpu.runners.common import model_max_length, model_vocab_sizes
 from agspec_gpu.runners.hf import HFRunner, check_hf_model, check_hf_probe
 from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.runners.paged_batch import PagedBatch
@@ -127,6 +127,13 @@ class SpecDecoder:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model "
                              f"{what} {size}: mismatched vocabularies")
         self.vocab_size = vocab or self.tokenizer.vocab_size
+        # the most tokens a context may hold (None: no limit): the model's, or less
+        model_len, want = model_max_length(model), self.config.max_model_len
+        if want is not None and model_len is not None and want > model_len:
+            raise ValueError(f"config.max_model_len={want} exceeds the model's context length "
+                             f"{model_len} (its config's max_position_embeddings): positions "
+                             f"past it are not trained (or not embedded at all)")
+        self.max_model_len: int | None = model_len if want is None else want
         device = self._device = next(model.parameters()).device
         # the model's GPU is current in every public call that does device work (Triton
         # launches and graph captures go to the current device), building included
@@ -310,6 +317,9 @@ class SpecDecoder:
         ids = check_token_ids(prompt_ids, "prompt_ids", self.vocab_size)
         if not ids:
             raise ValueError("prompt_ids must not be empty")
+        if self.max_model_len is not None and len(ids) > self.max_model_len:
+            raise ValueError(f"prompt_ids: {len(ids)} tokens exceed max_model_len="
+                             f"{self.max_model_len}")
         if text is not None:
             check_text(text, "text")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
@@ -359,6 +369,10 @@ class SpecDecoder:
         st = self._session(sid)
         self._check_idle([sid], "sid")
         ids = check_token_ids(token_ids, "token_ids", self.vocab_size)
+        if self.max_model_len is not None and len(st.context) + len(ids) > self.max_model_len:
+            raise ValueError(f"token_ids: {len(ids)} tokens would pass max_model_len="
+                             f"{self.max_model_len} (the session's context holds "
+                             f"{len(st.context)})")
         if text is not None:
             check_text(text, "text")
         command = self.tokenizer.decode(st.message, skip_special=True) if st.message else None
@@ -481,11 +495,19 @@ class SpecDecoder:
         if not sids:
             raise ValueError("session_ids: propose() drafts for at least one session")
         self._check_idle(sids)
+        bounds = None  # no node past the model's last position: depth <= room - 1
+        if self.max_model_len is not None:
+            room = [self.max_model_len - len(self._sessions[s].context) for s in sids]
+            full = [s for s, r in zip(sids, room) if r < 1]
+            if full:
+                raise ValueError(f"session_ids: the contexts of {full} hold max_model_len="
+                                 f"{self.max_model_len} tokens: no room for another")
+            bounds = [r - 1 for r in room]
         if self._proposed is not None:  # the last propose's draft: never committed now
             self.drafter.forget(self._proposed)
             self._proposed = self._proposed_draft = None
         with nvtx.annotate("agspec.propose"):
-            draft = self.drafter.propose(sids)
+            draft = self.drafter.propose(sids, max_depths=bounds)
         self._proposed, self._proposed_draft = sids, draft
         return draft
 
@@ -584,7 +606,8 @@ class SpecDecoder:
         ends = commit_end_rules(sids, [self._sessions[s] for s in sids],
                                 self._eos(eos_id),
                                 max_new_tokens, stop, self.vocab_size, self.tokenizer.decode,
-                                self.tokenizer.byte_pieces, self.tokenizer.has_no_token)
+                                self.tokenizer.byte_pieces, self.tokenizer.has_no_token,
+                                self.max_model_len, 1 + draft.max_nodes)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
         if qo_indptr is not None:
@@ -735,6 +758,8 @@ class SpecDecoder:
             max_new_tokens: per session (ints >= 0): one limit for all, or one per session.
                 A limit of 0 returns no tokens at once, its ``finish_reason`` ``"length"``
                 (:meth:`commit` and :meth:`submit` take >= 1: a verified step emits one).
+                A request also ends at ``"length"`` when its context holds
+                :attr:`max_model_len` tokens (one already full returns none).
             sampling: None or temperature 0 = greedy (lossless: equals plain greedy); one
                 :class:`SamplingParams` for all, or one per session (a batch may mix greedy
                 and sampled requests).
@@ -839,6 +864,11 @@ class SpecDecoder:
             if any(not isinstance(x, str) for x in stop):
                 raise ValueError(f"stop: submit() takes one session's stop strings, got "
                                  f"{stop!r}")
+        st = self._sessions[sid]
+        if self.max_model_len is not None and len(st.context) >= self.max_model_len and \
+                max_new_tokens > 0:
+            raise ValueError(f"session_id: the session's context holds max_model_len="
+                             f"{self.max_model_len} tokens: no room for another")
         reqs = self._requests([sid], max_new_tokens, sampling, stop, speculate, eos_id)
         if reqs.limits[0] == 0:
             raise ValueError("max_new_tokens: a submitted request needs >= 1")
@@ -966,7 +996,8 @@ class SpecDecoder:
                               self._eos(eos_id), self.vocab_size, self.tokenizer.decode,
                               first_id=self._next_request,
                               byte_pieces=self.tokenizer.byte_pieces,
-                              void=self.tokenizer.has_no_token)
+                              void=self.tokenizer.has_no_token,
+                              max_context=self.max_model_len)
         self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
                                   beside_running)
         self._next_request += len(sids)

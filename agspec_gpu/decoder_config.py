@@ -75,6 +75,14 @@ class DecoderConfig:
             ``"custom"``: one batch prefill with FlashInfer's packed custom mask, whose
             mask is its slow path (1.3 TB/s of an H100's 3.35 at B = 64 over 4,096-token
             prefixes). Both compute the same attention (the CPU tests compare them).
+        max_model_len: the most tokens a session's context may hold (prompt, appended
+            messages and generated tokens), as a serving engine's ``max_model_len``; None:
+            the model's (its config's ``max_position_embeddings``, with a RoPE scaling
+            factor: :func:`~agspec_gpu.runners.common.model_max_length`; no limit when the
+            config names none); a value past the model's is refused. A prompt or an
+            ``append`` past it raises ValueError; a request ends with ``"length"`` when
+            its context is full, and no draft reaches past it (a model with learned
+            positions, such as GPT-2, cannot embed a position past its table).
     """
 
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -89,12 +97,13 @@ class DecoderConfig:
     cost_model: str | Path | CostModel | BatchCostModels | None = None
     admission: str = "reserve"
     tree_attention: str = "split"
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         check_instance_field(self, "tiers", TierConfig)
         check_instance_field(self, "drafter", DrafterConfig)
-        check_int_fields(self, ("max_batch", "max_sessions", "page_size", "kv_cache_tokens"),
-                         optional=("max_sessions",))
+        check_int_fields(self, ("max_batch", "max_sessions", "page_size", "kv_cache_tokens",
+                                "max_model_len"), optional=("max_sessions", "max_model_len"))
         check_bool_fields(self, ("cuda_graphs",))
         if self.profiles is not None and not isinstance(self.profiles, (str, Path)):
             raise ValueError(f"profiles: expected a path or None, got {self.profiles!r}")
@@ -104,6 +113,9 @@ class DecoderConfig:
                              f"or None, got {type(self.cost_model).__name__}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and one to "
+                             f"generate) or None, got {self.max_model_len}")
         # (per-slot buffers and tables are sized by these when the decoder is built)
         check_at_most(self, {"max_batch": 4096, "max_sessions": 1 << 20,
                              "page_size": 1 << 12})

@@ -10,7 +10,8 @@ of the longest matches into a draft tree:
 * the candidates form a trie; a node's estimated acceptance probability is the weighted
   share of candidates that pass through it (ties: shallower node, then the more recent
   candidate);
-* nodes deeper than the controller's ``k_t`` are dropped, and the batch-level budget keeps
+* nodes deeper than the controller's ``k_t`` (or than a request's own bound: the tokens it
+  may still emit, less the bonus) are dropped, and the batch-level budget keeps
   the most probable nodes across the whole batch (or a per-request ``max_nodes``);
 * chains (``tree=False``) follow the heaviest child at every node.
 
@@ -51,7 +52,8 @@ from agspec_gpu.tiers import CorpusStore, CorpusTier
 
 _NUM_TIERS = len(CorpusTier)
 # the values that make a padding row of a graphed step inert (its slot: the spare one)
-_DRAFT_PADS = {"tier": -1, "length": 0, "win": PAD_ID, "src": -1}
+_DRAFT_PADS = {"tier": -1, "length": 0, "win": PAD_ID, "src": -1, "max_k": 0}
+NO_BOUND = (1 << 62)  # a request's depth bound when it has none
 # the propose step's inputs the match writes in place (a StepPlan's staged views), in its
 # order, and the commit step's that observe writes in place
 _MATCHED = ("length", "win", "src")
@@ -115,6 +117,8 @@ class Drafter:
         # a step's host lists (slots, tiers, the match's corpus descriptors): pinned staging,
         # one copy each; a half of 512 KiB holds ~50 steps' lists (~10 KB each) at 64 requests
         self._writer = HostWriter(1 << 20, dev)
+        # the depth bounds of a graphed step whose requests have none
+        self._no_bound = torch.full((max_batch,), NO_BOUND, dtype=torch.int64, device=dev)
         self._version: dict[str, int] = {}
         self._grid_key: tuple | None = None  # (store epoch, sids) of _grid, the last grid
         self._grid: tuple = ()
@@ -309,19 +313,42 @@ class Drafter:
 
     # ------------------------------------------------------------ propose
     @device_guard
-    def propose(self, sids: list[str], *, stable: bool = True) -> DraftBatch:
+    def propose(self, sids: list[str], *, stable: bool = True,
+                max_depths: Sequence[int] | None = None) -> DraftBatch:
         """Draft trees for ``sids`` (in that order). ``stable=False``, for a loop that
         verifies and commits a draft before it proposes again: with CUDA graphs the draft's
         tensors are views of the graph's buffers (no clones), overwritten by the next
-        propose (of any bucket: the buckets' graphs share one memory pool). Returns :meth:`propose_ahead`'s draft of
-        ``sids`` when it still stands (``stable=False`` only)."""
+        propose (of any bucket: the buckets' graphs share one memory pool). Returns
+        :meth:`propose_ahead`'s draft of ``sids`` when it still stands (``stable=False``
+        only).
+
+        ``max_depths``: per request, the deepest node it may draft (host ints; a step emits
+        at most its accepted depth plus the bonus token, so a request that may still emit
+        ``r`` tokens, under its ``max_new_tokens`` or the model's context length, passes
+        ``r - 1``; 0 or less drafts nothing); None: no bound but the controller's."""
         with nvtx.annotate("agspec.drafter.propose", color="green"):
+            bounds = self._bounds(max_depths, len(sids))
             ahead = self._ahead
-            if ahead is not None and not stable and ahead.stands(self, sids):
+            if ahead is not None and not stable and ahead.stands(self, sids, bounds):
                 self._ahead = None
                 return ahead.draft
             self._drop_ahead()
-            return self._propose(sids, stable)
+            return self._propose(sids, stable, bounds)
+
+    def _bounds(self, max_depths: Sequence[int] | None, num_requests: int
+                ) -> tuple[int, ...] | None:
+        """``max_depths`` checked, each clamped to ``[0, max_draft_depth]`` (a bound past a
+        draft's window changes nothing); None when none binds."""
+        if max_depths is None:
+            return None
+        if isinstance(max_depths, (str, bytes)) or len(max_depths) != num_requests or \
+                not all(is_int(m) for m in max_depths):
+            raise ValueError(f"max_depths: expected {num_requests} ints (one per request) or "
+                             f"None, got {max_depths!r}")
+        K = self.config.max_draft_depth
+        if min(max_depths, default=K) >= K:
+            return None
+        return tuple(min(max(int(m), 0), K) for m in max_depths)
 
     def _drop_ahead(self) -> None:
         """Forgets the draft proposed ahead: not verified, so not to be committed either.
@@ -332,7 +359,7 @@ class Drafter:
             del self._pending[ahead.key[1]]
 
     @device_guard
-    def propose_ahead(self, sids: list[str]) -> bool:
+    def propose_ahead(self, sids: list[str], max_depths: Sequence[int] | None = None) -> bool:
         """Proposes the next step of ``sids`` now, while their deferred commit waits for
         its settle: a loop calls it right behind ``observe(..., defer=True)``, before it
         waits for the step, so that the propose's host time runs while the device
@@ -348,7 +375,13 @@ class Drafter:
         Returns whether it proposed: not when no deferred commit of ``sids`` (with the
         batch's match grid current) waits, or when its settle could build an index level
         (a session corpus's tail within a step's tokens of ``tail_tokens``: the loop
-        would wait for a build it cannot know yet)."""
+        would wait for a build it cannot know yet).
+
+        ``max_depths`` (as :meth:`propose` takes them) bound this draft; the next propose
+        takes it only if its own bounds are the same (a loop passes the bounds a step that
+        accepts whole drafts leaves: they hold after any step that ends no request, and
+        they are the next propose's whenever they do not bind)."""
+        bounds = self._bounds(max_depths, len(sids))
         d, arena = self._deferred, self.store.arena
         key = (self.store.epoch, tuple(sids))
         if d is None or d.key != key or self._grid_key != key or \
@@ -359,11 +392,12 @@ class Drafter:
                            min(d.out.shape[1], self.config.max_draft_depth + 1)):
             return False
         with nvtx.annotate("agspec.drafter.propose_ahead", color="green"):
-            draft = self._propose(sids, stable=False)
-        self._ahead = _Ahead(key, arena.descriptor_version + 1, draft)
+            draft = self._propose(sids, stable=False, bounds=bounds)
+        self._ahead = _Ahead(key, arena.descriptor_version + 1, draft, bounds)
         return True
 
-    def _propose(self, sids: list[str], stable: bool = True) -> DraftBatch:
+    def _propose(self, sids: list[str], stable: bool = True,
+                 bounds: tuple[int, ...] | None = None) -> DraftBatch:
         cfg, store = self.config, self.store
         dev = self.state.recent.device
         B = len(sids)
@@ -407,10 +441,14 @@ class Drafter:
                      window=K, src=arena.src, out=out, checked=same)
         if not same:
             self._match_args = tuple(a if a is None else weakref.ref(a) for a in args)
+        max_k = None if bounds is None else self._writer.write((bounds, torch.int64))[0]
         if plan is not None:
-            out = self._graphs[0].run(plan, {"slots": slots, "tier": tier}, clone=stable)
+            if max_k is None:  # (a graph reads a bound for every request)
+                max_k = self._no_bound[:B]
+            out = self._graphs[0].run(plan, {"slots": slots, "tier": tier, "max_k": max_k},
+                                      clone=stable)
         else:
-            out = self._draft_tensors(slots, tier, **matched, num_requests=B)
+            out = self._draft_tensors(slots, tier, **matched, max_k=max_k, num_requests=B)
         tok, parent, num, srcs, nd, node_row = out
         draft = DraftBatch(tok, parent, num, srcs)
         self.forget(sids)  # a session's newer proposal replaces its older ones
@@ -494,16 +532,18 @@ class Drafter:
                 "tier": torch.zeros(1, rows, dtype=torch.int64, device=dev),
                 "length": torch.zeros(1, rows, dtype=torch.int32, device=dev),
                 "win": torch.zeros(1, rows, P, K, dtype=torch.int32, device=dev),
-                "src": torch.zeros(1, rows, P, K, dtype=torch.int8, device=dev)}
+                "src": torch.zeros(1, rows, P, K, dtype=torch.int8, device=dev),
+                "max_k": torch.zeros(1, dtype=torch.int64, device=dev)}
 
-    def _draft_tensors(self, slots, tier, length, win, src, num_requests
+    def _draft_tensors(self, slots, tier, length, win, src, max_k, num_requests
                        ) -> tuple[torch.Tensor, ...]:
         """The device half of a propose, after the match (a CUDA graph per batch bucket on a
         GPU): ``slots int64 [B]``, per (request, corpus) row ``tier int64 [B, Rs]`` (-1: no
         corpus), match ``length int32 [B, Rs]``, candidate windows ``win int32 [B, Rs, P,
-        K]`` and their sources ``src int8 [B, Rs, P, K]`` (-1 past a corpus). Chooses the
-        rows that supply candidates, weights them, and returns :meth:`_tree_tensors`'s
-        outputs; writes the next match cap of ``slots``."""
+        K]`` and their sources ``src int8 [B, Rs, P, K]`` (-1 past a corpus), each request's
+        depth bound ``max_k int64 [B]`` (None: none). Chooses the rows that supply
+        candidates, weights them, and returns :meth:`_tree_tensors`'s outputs; writes the
+        next match cap of ``slots``."""
         cfg = self.config
         Rs = win.shape[1]
         # the rows within candidate_slack of the best match (with the tier bonus) supply
@@ -514,22 +554,24 @@ class Drafter:
             tier, length, win, src, self._tier_bonus, self.stats.tier_hits, self.stats.tier_drafts,
             num_slots=nslot, min_match=cfg.min_match, slack=cfg.candidate_slack)
         self.state.match_cap[slots] = longest  # the longest raw match caps the next query
-        return self._tree_tensors(slots, W, S, Wt, best, num_requests)
+        return self._tree_tensors(slots, W, S, Wt, best, max_k, num_requests)
 
-    def _tree_tensors(self, slots, W, S, Wt, best, num_requests) -> tuple[torch.Tensor, ...]:
+    def _tree_tensors(self, slots, W, S, Wt, best, max_k, num_requests
+                      ) -> tuple[torch.Tensor, ...]:
         """``(token_ids, parents, num_draft_tokens, sources, node depth, node calibration
         row)`` of ``B`` requests' candidate windows ``W int32 [B, C, K]`` (sources ``S``,
-        weights ``Wt [B, C]``, match length ``best [B]``). Shapes depend on ``(B, C, K)``
+        weights ``Wt [B, C]``, match length ``best [B]``, depth bounds ``max_k int64 [B]`` or
+        None). Shapes depend on ``(B, C, K)``
         only; ``num_requests`` (int, or a 0-d device tensor when ``B`` counts padding
         requests without candidates) is what the batch budget prices."""
         cfg = self.config
         B, C, K = W.shape
         # the trie's nodes and their estimated acceptance (path share among candidates x
         # calibrated chance that the path survives to the depth), within the controller's
-        # depth cap: one kernel on a GPU
+        # depth cap (and each request's own bound): one kernel on a GPU
         state, stats = self.state, self.stats
         k, mode = depth_caps(slots, best, state.scale, state.cap, state.prev_full,
-                             static_k=cfg.controller.static_k)
+                             static_k=cfg.controller.static_k, max_k=max_k)
         key, rep, calib_row, mass = node_probs(
             W, S, Wt, best, mode, k, stats.calib_hits, stats.calib_seen,
             num_tiers=_NUM_TIERS, max_match=self.store.config.max_depth, min_prob=cfg.min_prob,
@@ -914,18 +956,21 @@ class _Deferred:
 @dataclass(frozen=True, slots=True)
 class _Ahead:
     """A draft proposed ahead of its batch's settle: the grid key it was drafted for, the
-    descriptor version the settle leaves when it builds nothing, the draft."""
+    descriptor version the settle leaves when it builds nothing, the draft, its requests'
+    depth bounds (``Drafter._bounds``'s)."""
 
     key: tuple
     version: int
     draft: DraftBatch
+    bounds: tuple[int, ...] | None
 
-    def stands(self, d: "Drafter", sids: list[str]) -> bool:
-        """Whether a propose of ``sids`` now would draft this again: the same batch and
-        sessions, the settle done, nothing else changed the corpora since, and the draft
-        still pending (no call in between forgot it)."""
+    def stands(self, d: "Drafter", sids: list[str], bounds: tuple[int, ...] | None) -> bool:
+        """Whether a propose of ``sids`` under ``bounds`` now would draft this again: the
+        same batch, sessions and bounds, the settle done, nothing else changed the corpora
+        since, and the draft still pending (no call in between forgot it)."""
         arena = d.store.arena
-        return (self.key == (d.store.epoch, tuple(sids)) and d._deferred is None and
+        return (self.key == (d.store.epoch, tuple(sids)) and self.bounds == bounds and
+                d._deferred is None and
                 arena.unsettled is None and arena.descriptor_version == self.version and
                 d._pending.get(self.key[1], (None,))[0] is self.draft)
 

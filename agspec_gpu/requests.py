@@ -130,13 +130,16 @@ class Requests:
               speculate, eos: int | None, vocab_size: int,
               decode: Callable[[list[int]], str], first_id: int = 0,
               byte_pieces: Container[int] = frozenset(),
-              void: Callable[[int], bool] | None = None) -> "Requests":
+              void: Callable[[int], bool] | None = None,
+              max_context: int | None = None) -> "Requests":
         """The requests of ``sids`` from a call's per-session arguments (as ``generate``
         takes them), validated (nothing changes on an error); their outputs are new lists.
         ``eos``: the end token of every request (None: none); ``decode``, ``byte_pieces``
         and ``void``: the tokenizer's, for the stop strings
         (:class:`~agspec_gpu.stops.StopMatcher`); the requests' ids are ``first_id``,
-        ``first_id + 1``, ..."""
+        ``first_id + 1``, ...; ``max_context``: the most tokens a session's context may hold
+        (the decoder's ``max_model_len``; None: no limit): a request's limit is at most the
+        room its context has left, and it ends at ``"length"`` when that is full."""
         n = len(sids)
         limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
         if any(isinstance(m, bool) or m < 0 for m in limits):
@@ -148,7 +151,11 @@ class Requests:
             raise ValueError(f"eos_id: expected None or an int in the vocabulary [0, "
                              f"{vocab_size}), got {eos!r}")
         stops = stop_lists(stop, n)
-        return cls(list(sids), list(states), [int(m) for m in limits], list(params),
+        limits = [int(m) for m in limits]
+        if max_context is not None:
+            limits = [max(0, min(m, max_context - len(st.context)))
+                      for m, st in zip(limits, states)]
+        return cls(list(sids), list(states), limits, list(params),
                    [StopMatcher(decode, s, byte_pieces, void) for s in stops], [eos] * n,
                    list(spec),
                    [[] for _ in sids], [None] * n, list(range(first_id, first_id + n)))

@@ -104,10 +104,15 @@ class RunningBatch:
         if any(reqs.done):
             self.leave()
         cut = False  # the loop verifies fewer nodes than the drafter proposed
+        # a step emits at most its accepted depth and the bonus token: no request drafts
+        # past what it may still emit (its max_new_tokens, its context's room under
+        # max_model_len: no node at a position the model has not)
+        remaining = reqs.remaining()
         if any(reqs.spec):
             with nvtx.annotate("agspec.propose"):
                 # verified and committed before the next propose: no clones
-                draft = self.drafter.propose(reqs.sids, stable=False)
+                draft = self.drafter.propose(reqs.sids, stable=False,
+                                             max_depths=[r - 1 for r in remaining])
             if not all(reqs.spec):
                 if self.caps is None:  # per request: max_nodes, or 0 (opted out)
                     self.caps = to_device([draft.max_nodes if s else 0 for s in reqs.spec],
@@ -155,12 +160,14 @@ class RunningBatch:
                                      num_verified=draft.num_draft_tokens if cut else None,
                                      defer=True)
                 # the next step's draft, when no request can reach its limit in this one
-                # (at most its draft's nodes and the bonus): the next propose takes it if
-                # the step ended none (EOS, a stop string) and built no index level. (In
-                # the try: if it raises, the queued commit is taken back as below)
-                if any(reqs.spec) and \
-                        all(r > n + 1 for r, n in zip(reqs.remaining(), num_draft)):
-                    self.drafter.propose_ahead(reqs.sids)
+                # (at most its draft's nodes and the bonus), under the bounds a step that
+                # accepts whole drafts leaves: the next propose takes it if the step ended
+                # none (EOS, a stop string), built no index level and leaves the same
+                # bounds. (In the try: if it raises, the queued commit is taken back as
+                # below)
+                if any(reqs.spec) and all(r > n + 1 for r, n in zip(remaining, num_draft)):
+                    self.drafter.propose_ahead(
+                        reqs.sids, max_depths=[r - n - 2 for r, n in zip(remaining, num_draft)])
                 n_out, rows = self.reader.wait()
                 runner.commit_lengths([n - 1 for n in n_out])
                 new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])

@@ -46,7 +46,8 @@ def model(vocab: int, args, dev: torch.device, dtype: torch.dtype) -> torch.nn.M
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=args.hidden,
                                    intermediate_size=2 * args.hidden,
                                    num_hidden_layers=args.layers, num_attention_heads=8,
-                                   num_key_value_heads=2, initializer_range=0.1)
+                                   num_key_value_heads=2, max_position_embeddings=1 << 17,
+                                   initializer_range=0.1)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to(dev, dtype).eval()
 

@@ -123,7 +123,8 @@ class DecoderLane:
 def decoder_lane(name: str, tokenizer, batch_size: int, with_text: bool):
     cfg = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=16,
                                    intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2)
+                                   num_attention_heads=2, num_key_value_heads=2,
+                                   max_position_embeddings=1 << 24)  # sessions of any length
     model = transformers.LlamaForCausalLM(cfg).eval()  # sizes the decoder; never run
     return lambda: DecoderLane(name, SpecDecoder(model, tokenizer,
                                                  DecoderConfig(max_batch=batch_size)),

@@ -12,6 +12,6 @@ def tiny_llama(vocab_size: int, seed: int = 0) -> torch.nn.Module:
     cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64,
                                    intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2,
-                                   initializer_range=0.1)
+                                   max_position_embeddings=1 << 17, initializer_range=0.1)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).eval()

@@ -130,8 +130,8 @@ def record_drafts(dec: SpecDecoder, monkeypatch) -> list:
     """Keeps every DraftBatch the drafter proposes (before per-request masking)."""
     drafts, propose = [], dec.drafter.propose
 
-    def wrapped(sids, **kw):  # kept past the step: stable drafts (clones under graphs)
-        drafts.append(propose(sids))
+    def wrapped(sids, max_depths=None, **kw):  # kept past the step: stable drafts
+        drafts.append(propose(sids, max_depths=max_depths))  # (clones under graphs)
         return drafts[-1]
 
     monkeypatch.setattr(dec.drafter, "propose", wrapped)
@@ -1309,10 +1309,11 @@ def test_config_fields_of_other_types_are_named_or_stored_as_python_types():
     for kw in (dict(draft_cap="3"), dict(initial_scale=float("nan")), dict(name="")):
         with pytest.raises(ValueError, match=f"^{next(iter(kw))}"):
             RoleProfile(**{"name": "r", **kw})
-    # the numpy-valued config runs: drafts, and stays lossless
+    # the numpy-valued config runs: drafts (a continuation steered in), and stays lossless
     variant = VARIANTS[1]
     P = [list(prompts()[i]) for i in (1, 3)]
     dec = SpecDecoder(model(variant), tok(), DecoderConfig(drafter=d, max_batch=np.int64(2)))
+    steer(dec, "t0", P[0] + greedy(variant, P[0], 16))
     sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
     assert_greedy(dec, variant, sids, P)
     assert dec.stats["drafted"] > 0
@@ -1857,11 +1858,11 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
     bad_tok[0, 0], num = VOCAB + 5, draft.num_draft_tokens.clamp(min=1)
     with pytest.raises(ValueError, match="draft.token_ids"):
         dec.commit(sids, DraftBatch(bad_tok, draft.parents, num), logits)
-    for p in (0, N, -2):  # node 0's parent: itself, a later node, below the root
-        bad_par = draft.parents.clone()
+    for p in (0, N, -2):  # node 0's parent: itself, a later node, below the root (its
+        bad_par = draft.parents.clone()  # token a valid one, if the draft had no node 0)
         bad_par[1, 0] = p
         with pytest.raises(ValueError, match="draft.parents"):
-            dec.commit(sids, DraftBatch(draft.token_ids, bad_par, num), logits)
+            dec.commit(sids, DraftBatch(draft.token_ids.clamp(min=0), bad_par, num), logits)
     for n in (-1, N + 1):
         with pytest.raises(ValueError, match="draft.num_draft_tokens"):
             dec.commit(sids, DraftBatch(draft.token_ids, draft.parents,
@@ -1881,7 +1882,7 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
     with pytest.raises(ValueError, match="draft.token_ids"):
         dec.tree_inputs(sids, DraftBatch(bad_tok, draft.parents, num))
     with pytest.raises(ValueError, match="draft.parents"):
-        dec.tree_inputs(sids, DraftBatch(draft.token_ids, bad_par, num))
+        dec.tree_inputs(sids, DraftBatch(draft.token_ids.clamp(min=0), bad_par, num))
     with pytest.raises(ValueError, match="draft.num_draft_tokens"):
         dec.tree_inputs(sids, DraftBatch(draft.token_ids, draft.parents,
                                          torch.tensor([1, N + 5], dtype=torch.int32)))

@@ -97,8 +97,12 @@ def checked_decoder(cfg: DecoderConfig, variant, tenant_of: dict[str, str], seen
     dec = SpecDecoder(td.model(variant), td.tok(), cfg)
     propose = dec.drafter._propose
 
-    def checked(sids, stable=True):
-        out = propose(sids, stable)
+    def checked(sids, stable=True, bounds=None):
+        out = propose(sids, stable, bounds)
+        if bounds is not None:  # no node past what its request may still emit, less one
+            deepest = out.depths().amax(1).tolist() if out.max_nodes else [0] * len(sids)
+            assert all(d <= b for d, b in zip(deepest, bounds)), (deepest, bounds)
+            seen["bounded proposes checked"] += 1
         if dec.drafter.store.arena.unsettled is None:
             check_kept_descriptors(dec.drafter)
         else:  # a propose ahead of a deferred commit's settle: a fresh gather would settle

@@ -8,7 +8,7 @@ import transformers
 VARIANTS = [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager"), ("qwen2", "sdpa")]
 
 
-def tiny_model(arch: str, attn: str, vocab: int, max_positions: int = 1024) -> torch.nn.Module:
+def tiny_model(arch: str, attn: str, vocab: int, max_positions: int = 1 << 15) -> torch.nn.Module:
     """A 2-layer, 64-wide model with GQA (4 heads, 2 KV heads), seeded.
 
     ``initializer_range=0.1`` (larger than the default) so argmax gaps dwarf fp32 noise and

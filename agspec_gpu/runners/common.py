@@ -77,3 +77,24 @@ def model_vocab_sizes(model) -> tuple[int, int | None]:
         emb = None
     embedded = getattr(emb, "num_embeddings", None)
     return scored, embedded if isinstance(embedded, int) else None
+
+
+def model_max_length(model) -> int | None:
+    """The most tokens a sequence of ``model`` may hold (its positions ``0 .. n - 1``), as a
+    serving engine derives it: the text config's ``max_position_embeddings`` (GPT-2's
+    ``n_positions``), times the factor of a ``yarn``, ``linear`` or ``dynamic`` RoPE scaling
+    (``yarn`` from its ``original_max_position_embeddings``); ``llama3`` and ``longrope``
+    configs give the extended length already. None: the config names no limit."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    n = getattr(config, "max_position_embeddings", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict):
+        kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+        if kind in ("yarn", "linear", "dynamic") and isinstance(factor, (int, float)) and \
+                factor > 1:
+            base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+            n = max(n, int((base if isinstance(base, int) and base > 0 else n) * factor))
+    return n
