@@ -69,8 +69,9 @@ def commit_end_rules(sids: list[str], states: Sequence[SessionState], eos_id: in
     None for none), ``max_new_tokens`` (None: no limit; else ints >= 1, one for all or one
     per session) and ``stop`` strings (``decode``, ``byte_pieces``, ``void``: the
     tokenizer's), each session's limit at most the room its context has left under
-    ``max_context`` (None: no limit); None when none is given and no session's room is
-    less than ``max_output``, the most tokens the step can emit."""
+    ``max_context`` (None: no limit); None when none is given and every session's room is
+    more than ``max_output``, the most tokens the step can emit (a step that fills a
+    context ends its request at ``"length"``)."""
     if max_new_tokens is not None and any(
             isinstance(m, bool) or m < 1
             for m in per_session(max_new_tokens, len(sids), "max_new_tokens", Integral)):
@@ -78,7 +79,7 @@ def commit_end_rules(sids: list[str], states: Sequence[SessionState], eos_id: in
     room = None if max_context is None else min(max_context - len(st.context)
                                                  for st in states)
     if eos_id is None and max_new_tokens is None and stop is None and \
-            (room is None or room >= max_output):
+            (room is None or room > max_output):  # (a step that fills it ends there)
         return None
     limits = (1 << 62) if max_new_tokens is None else max_new_tokens
     return Requests.build(sids, list(states), limits, None, () if stop is None else stop,

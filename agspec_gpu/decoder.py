@@ -528,15 +528,28 @@ class SpecDecoder:
         A draft other than the one :meth:`propose` returned (a narrowed, masked or built
         one) is checked first, in one device read, as :meth:`commit` checks it: sizes, token
         ids in the vocabulary, parents earlier nodes; ValueError naming the field, before
-        your forward would index the embedding with it."""
-        states = [self._session(s) for s in self._batch(session_ids)]
+        your forward would index the embedding with it. A read more checks its positions:
+        a node at :attr:`max_model_len` or past it raises ValueError naming ``draft``."""
+        sids = self._batch(session_ids)
+        states = [self._session(s) for s in sids]
         check_draft(draft, len(states))
-        if draft is not self._proposed_draft:
+        built = draft is not self._proposed_draft
+        if built:
             draft.checked_sizes(self.vocab_size, self._reader)
         dev = draft.token_ids.device
-        return draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64, dev),
-                                 to_device([len(st.context) - 1 for st in states],
-                                           torch.int64, dev))
+        inputs = draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64,
+                                             dev),
+                                   to_device([len(st.context) - 1 for st in states],
+                                             torch.int64, dev))
+        if built and self.max_model_len is not None and inputs.position_ids.numel():
+            # (propose's own drafts stay inside: a built one may not)
+            (last,) = self._reader.read(inputs.position_ids.amax(1))
+            past = [s for s, p in zip(sids, last) if p >= self.max_model_len]
+            if past:
+                raise ValueError(f"draft: the trees of {past} reach position "
+                                 f"{max(last)}, past max_model_len={self.max_model_len} "
+                                 f"(draft at most the room left less one token deep)")
+        return inputs
 
     @serialized
     @device_guard

@@ -341,10 +341,10 @@ class Drafter:
         draft's window changes nothing); None when none binds."""
         if max_depths is None:
             return None
-        if isinstance(max_depths, (str, bytes)) or len(max_depths) != num_requests or \
+        if not isinstance(max_depths, (list, tuple)) or len(max_depths) != num_requests or \
                 not all(is_int(m) for m in max_depths):
-            raise ValueError(f"max_depths: expected {num_requests} ints (one per request) or "
-                             f"None, got {max_depths!r}")
+            raise ValueError(f"max_depths: expected a list of {num_requests} ints (one per "
+                             f"request) or None, got {max_depths!r}")
         K = self.config.max_draft_depth
         if min(max_depths, default=K) >= K:
             return None

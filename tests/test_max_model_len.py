@@ -232,3 +232,40 @@ def test_the_limit_is_the_models_and_no_more():
              (transformers.MambaConfig(), None)]
     for config, want in cases:
         assert model_max_length(Holder(config)) == want, type(config).__name__
+
+
+def test_a_commit_that_fills_the_context_ends_its_request():
+    """A step that emits exactly the room left (a whole one-node chain and the bonus into
+    two free positions) ends at ``"length"``, as ``generate`` ends it, not only a step
+    that could have emitted past it."""
+    from agspec_gpu import DraftBatch
+
+    m = gpt2()
+    dec = SpecDecoder(m, tok())
+    p = text(LIMIT - 2)
+    sid = dec.open_session("t", "coder", p)
+    g = greedy_generate(m, p, 2)
+    runner = HFRunner(m)
+    runner.prefill([p[:-1]])
+    dec.propose([sid])
+    deep = DraftBatch.from_lists([[(g[0], -1), (g[1], 0), (g[1], 1)]])
+    with pytest.raises(ValueError, match=rf"draft: the trees of \['{sid}'\] reach position "
+                                         rf"{LIMIT}, past max_model_len={LIMIT}"):
+        dec.tree_inputs([sid], deep)  # (a built draft: positions 62, 63, 64, 65)
+    draft = DraftBatch.from_lists([[(g[0], -1)]])  # accepted: the model's own next token
+    assert dec.tree_inputs([sid], draft).position_ids.tolist() == [[LIMIT - 3, LIMIT - 2]]
+    res = dec.commit([sid], draft, runner.verify_padded(draft, dec.root_ids([sid])))
+    assert res.num_output.tolist() == [2] and res.output_ids[0, :2].tolist() == g
+    st = dec.session_stats(sid)
+    assert (st.context_len, st.finish_reason) == (LIMIT, "length")
+
+
+def test_the_drafters_bounds_are_checked_by_name():
+    dec = SpecDecoder(gpt2(), tok())
+    sids = [dec.open_session(f"t{i}", "coder", text(20)) for i in range(2)]
+    for bad in (5, (d for d in (1, 2)), {1: 0, 2: 0}, [1], [1, 2.0], [1, True], "12",
+                torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="max_depths: expected a list of 2 ints"):
+            dec.drafter.propose(sids, max_depths=bad)
+    draft = dec.drafter.propose(sids, max_depths=(0, -4))
+    assert draft.num_draft_tokens.tolist() == [0, 0]
