@@ -591,8 +591,8 @@ class SpecDecoder:
             draft tokens, then the bonus token: the next root) and ``accepted_nodes`` (the
             draft nodes whose KV your cache keeps, after the root's). The tokens join each
             session's context, its session tier and the controller. A session that
-            ``eos_id``, a stop string or ``max_new_tokens`` ended keeps the tokens up to its
-            end only: ``num_output`` counts them, ``num_accepted = num_output - 1`` and the
+            ``eos_id``, a stop string, ``max_new_tokens`` or a context full to
+            :attr:`max_model_len` ended keeps the tokens up to its end only: ``num_output`` counts them, ``num_accepted = num_output - 1`` and the
             rest is ``PAD_ID`` (its last token is the root a next step would take), and
             ``session_stats(sid).finish_reason`` says ``"eos"``, ``"stop"`` or ``"length"``
             (None for a session this step did not end: its request runs).
@@ -862,7 +862,8 @@ class SpecDecoder:
         :meth:`generate`'s, for one session. The session is busy until the request ends
         (``generate``, ``propose``, ``append`` and another ``submit`` of it raise). A
         request that could not run even alone in an empty KV pool raises
-        :class:`~agspec_gpu.kv_cache.KVCacheFull` here, queueing nothing.
+        :class:`~agspec_gpu.kv_cache.KVCacheFull` here, queueing nothing; one of a session
+        whose context holds :attr:`max_model_len` tokens raises ValueError.
         """
         sid = self._batch([session_id])[0]
         self._check_idle([sid], "session_id")

@@ -77,8 +77,8 @@ class DecoderConfig:
             prefixes). Both compute the same attention (the CPU tests compare them).
         max_model_len: the most tokens a session's context may hold (prompt, appended
             messages and generated tokens), as a serving engine's ``max_model_len``; None:
-            the model's (its config's ``max_position_embeddings``, with a RoPE scaling
-            factor: :func:`~agspec_gpu.runners.common.model_max_length`; no limit when the
+            the model's (its config's ``max_position_embeddings``, with a ``yarn`` or
+            ``linear`` RoPE scaling factor: :func:`~agspec_gpu.runners.common.model_max_length`; no limit when the
             config names none); a value past the model's is refused. A prompt or an
             ``append`` past it raises ValueError; a request ends with ``"length"`` when
             its context is full, and no draft reaches past it (a model with learned

@@ -60,7 +60,7 @@ _MATCHED = ("length", "win", "src")
 _COMMIT_STAGED = ("out", "path")
 _COMMIT_PADS = {"out": 0, "nout": 0, "nacc": 0, "token_ids": PAD_ID, "parents": PAD_ID,
                 "num_draft_tokens": 0, "maybe_source": -1, "nd": 0, "calib_row": 0,
-                "path": -1}
+                "path": -1, "bound": 0}
 
 
 def _same(refs: tuple, args: tuple) -> bool:
@@ -452,7 +452,8 @@ class Drafter:
         tok, parent, num, srcs, nd, node_row = out
         draft = DraftBatch(tok, parent, num, srcs)
         self.forget(sids)  # a session's newer proposal replaces its older ones
-        self._pending[tuple(sids)] = (draft, nd, node_row)
+        # (the bounds go to the controller at the commit: a draft one cut keeps the scale)
+        self._pending[tuple(sids)] = (draft, nd, node_row, max_k)
         return draft
 
     def _match_out(self, B: int, Rs: int, max_levels: int
@@ -805,7 +806,7 @@ class Drafter:
         pending = self._pending.pop(tuple(sids), None)
         self.forget(sids)
         if pending is not None:
-            draft, nd, calib_row = pending
+            draft, nd, calib_row, bound = pending
             N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1
             if num_verified is not None:  # the verified prefix of each best-first draft
                 num = torch.minimum(draft.num_draft_tokens,
@@ -828,7 +829,9 @@ class Drafter:
                       "nacc": cast(nacc, torch.int32), "token_ids": draft.token_ids,
                       "parents": draft.parents, "num_draft_tokens": draft.num_draft_tokens,
                       "maybe_source": draft.maybe_source, "nd": nd, "calib_row": calib_row,
-                      "path": path_nodes if path is None else path}
+                      "path": path_nodes if path is None else path, "bound": bound}
+            if bound is None and self._graphs is not None:  # (a graph reads one per row)
+                inputs["bound"] = self._no_bound[:B]
             if self._graphs is not None:  # one width: a draft accepts at most its depth
                 # the accepted tokens and path nodes straight into the graph's input
                 # buffers (K1 and N columns), padded there: no padded copies of them. The
@@ -901,7 +904,7 @@ class Drafter:
                 "nacc": i32(1), "token_ids": i32(1, N), "parents": i32(1, N),
                 "num_draft_tokens": i32(1),
                 "maybe_source": torch.zeros(1, N, dtype=torch.int8, device=dev),
-                "nd": i64(1, N), "calib_row": i64(1, N), "path": i64(1, N)}
+                "nd": i64(1, N), "calib_row": i64(1, N), "path": i64(1, N), "bound": i64(1)}
 
     def _commit_state(self) -> list[torch.Tensor]:
         """The state :meth:`_commit_tensors` updates in place."""
@@ -910,14 +913,15 @@ class Drafter:
                 state.recent_len, state.match_cap]
 
     def _commit_tensors(self, slots, out, nout, nacc, token_ids, parents, num_draft_tokens,
-                        maybe_source, nd, calib_row, path, num_requests
+                        maybe_source, nd, calib_row, path, bound, num_requests
                         ) -> tuple[torch.Tensor]:
         """The device half of a commit (a CUDA graph per batch bucket on a GPU): for the last
         draft (``token_ids``, ``parents``, ``maybe_source [B, N]``, ``num_draft_tokens
         [B]``, node depth ``nd`` and calibration row ``calib_row [B, N]``) and what
         verification accepted (``out int32 [B, M]`` accepted tokens then the bonus,
         ``nout``, ``nacc int32 [B]``, the accepted nodes ``path int64 [B, N]`` in path
-        order, -1 padded), updates copy mode, controller scale, tier weights, calibration
+        order, -1 padded) and the depth bounds it was drafted under (``bound int64 [B]``, or
+        None), updates copy mode, controller scale, tier weights, calibration
         and the recent-token ring of ``slots``. Returns the accepted tokens' source tags
         ``int64 [B, M]``."""
         del num_requests  # the commit of a padding row changes nothing
@@ -926,7 +930,7 @@ class Drafter:
         c = self.config.controller
         controller_commit(slots, nd, num_draft_tokens, nacc, state.scale, state.cap,
                           state.prev_full, alpha=c.alpha, beta=c.beta, s_min=c.s_min,
-                          s_max=c.s_max)
+                          s_max=c.s_max, bound=bound)
         # ring push, tier counts, calibration counts: one kernel on a GPU
         drafted, hits, seen, accepted = stats.zero_counts()
         acc_src = drafter_commit(slots, out, nout, nacc, maybe_source, parents,

@@ -285,11 +285,12 @@ class StepOutput:
         session_id: the request's session.
         token_ids: the tokens it emitted in the step (in order; the last one may be EOS or
             complete a stop string).
-        finished: it ended in this step (EOS, a stop string or its limit); it has left
+        finished: it ended in this step (EOS, a stop string or a limit); it has left
             the batch when ``step`` returns, its KV kept.
         finish_reason: why it ended (None while it runs): ``"eos"`` (the last token is its
             end token), ``"stop"`` (the tokens end with one of its stop strings) or
-            ``"length"`` (it emitted ``max_new_tokens``); a server's ``finish_reason``
+            ``"length"`` (it emitted ``max_new_tokens``, or its context holds the decoder's
+            ``max_model_len`` tokens); a server's ``finish_reason``
             (OpenAI's ``"stop"`` is ``"eos"`` or ``"stop"`` here). ``"error"``: an error
             ended it, raised by the call that met it (a failed step, or another thread's
             ``cancel`` of a request in its batch whose leaving failed); its ``token_ids``

@@ -1,7 +1,9 @@
 """The controller's per-request update after verification, in one kernel.
 
 Each request's draft scale ``S_t`` grows by ``alpha`` when its draft was accepted to its
-deepest node (unless the role's cap cut that draft: then it stays), shrinks by ``beta`` when
+deepest node (unless the role's cap, or the request's own bound, cut that draft: then it
+stays; a request near its ``max_new_tokens`` or its context's limit drafts no deeper than
+it may emit, which says nothing of its scale), shrinks by ``beta`` when
 verification rejected a node, and stays when nothing was drafted; it is clamped to
 ``[s_min, s_max]``. ``prev_full`` records the full acceptance (copy mode persists into the
 next draft's calibration). The torch path is ~25 small ops inside the drafter's commit graph
@@ -21,7 +23,8 @@ from agspec_gpu.kernels._launch import next_pow2, slot_or_spare
 
 # N: the draft width, S: the state's slots, not specialized (one compile per BLOCK_N)
 # slots: a view of the drafter's staging ring without a graph (any alignment)
-@triton.jit(do_not_specialize=["N", "S"], do_not_specialize_on_alignment=["slots_ptr"])
+@triton.jit(do_not_specialize=["N", "S"],
+            do_not_specialize_on_alignment=["slots_ptr", "bound_ptr"])
 def _controller_commit_kernel(
     slots_ptr,  # *int64 [B]  each request's state slot
     nd_ptr,  # *int64 [B, N]  depth - 1 of each drafted node
@@ -30,12 +33,14 @@ def _controller_commit_kernel(
     scale_ptr,  # *float32 [S]  in/out: the controller's scale per slot
     cap_ptr,  # *int32 [S]  the role's depth cap per slot
     prev_full_ptr,  # *int64 [S]  out: 1 where the draft was accepted to its depth
+    bound_ptr,  # *int64 [B]  each request's own depth bound (read when HAS_BOUND)
     N,
     S,
     alpha,
     beta,
     s_min,
     s_max,
+    HAS_BOUND: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid ``(B,)``: one request."""
@@ -50,6 +55,8 @@ def _controller_commit_kernel(
     full = (acc >= depth) & (depth > 0)
     rejected = (acc < depth) & (depth > 0)
     cut_by_cap = full & (depth >= tl.load(cap_ptr + slot, mask=ok, other=0))
+    if HAS_BOUND:
+        cut_by_cap = cut_by_cap | (full & (depth >= tl.load(bound_ptr + b)))
     s = tl.load(scale_ptr + slot, mask=ok, other=1.0)
     new = tl.where(full & ~cut_by_cap, s * alpha, s)
     new = tl.where(rejected, s * beta, new)
@@ -63,19 +70,23 @@ _F32_MAX = torch.finfo(torch.float32).max
 
 def scale_update_torch(scale: torch.Tensor, drafted_depth: torch.Tensor, accepted: torch.Tensor,
                        cap: torch.Tensor, *, alpha: float, beta: float, s_min: float,
-                       s_max: float) -> torch.Tensor:
+                       s_max: float, bound: torch.Tensor | None = None) -> torch.Tensor:
     """New scales ``float [B]`` from the old ones, the verified drafts' depths, the tokens
-    accepted and the role caps (``int [B]`` each); a request with no draft keeps its scale."""
+    accepted, the role caps and the requests' own depth bounds (None: none) (``int [B]``
+    each); a request with no draft keeps its scale."""
     full = (accepted >= drafted_depth) & (drafted_depth > 0)
     rejected = (accepted < drafted_depth) & (drafted_depth > 0)
     cut_by_cap = full & (drafted_depth >= cap)
+    if bound is not None:
+        cut_by_cap |= full & (drafted_depth >= bound)
     new = torch.where(full & ~cut_by_cap, scale * alpha, scale)
     new = torch.where(rejected, scale * beta, new)
     return new.clamp(s_min, min(s_max, _F32_MAX))  # (as the launcher bounds the kernel's)
 
 
 def controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_full, *,
-                            alpha: float, beta: float, s_min: float, s_max: float) -> None:
+                            alpha: float, beta: float, s_min: float, s_max: float,
+                            bound: torch.Tensor | None = None) -> None:
     """Pure-torch implementation of :func:`controller_commit`."""
     B, N = nd.shape
     drafted = torch.arange(N, device=nd.device)[None, :] < num_draft_tokens[:, None]
@@ -88,7 +99,7 @@ def controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_
     sc, cp, pf = (torch.cat([t, t.new_ones(1)]) for t in (scale, cap, prev_full))
     pf[at] = ((nacc >= depth) & (depth > 0)).long()
     sc[at] = scale_update_torch(sc[at], depth, nacc, cp[at], alpha=alpha, beta=beta,
-                                s_min=s_min, s_max=s_max)
+                                s_min=s_min, s_max=s_max, bound=bound)
     scale.copy_(sc[:S])
     prev_full.copy_(pf[:S])
 
@@ -96,7 +107,8 @@ def controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_
 def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: torch.Tensor,
                       nacc: torch.Tensor, scale: torch.Tensor, cap: torch.Tensor,
                       prev_full: torch.Tensor, *, alpha: float, beta: float, s_min: float,
-                      s_max: float, use_triton: bool | None = None) -> None:
+                      s_max: float, bound: torch.Tensor | None = None,
+                      use_triton: bool | None = None) -> None:
     """Updates ``scale`` and ``prev_full`` of the ``B`` verified requests' slots, in place.
 
     Parameters
@@ -108,12 +120,15 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
     scale : ``float32 [S]``; ``cap`` : ``int32 [S]``; ``prev_full`` : ``int64 [S]``.
     alpha, beta, s_min, s_max : the controller's expansion and contraction factors and the
         scale's bounds.
+    bound : ``int64 [B]`` each request's own depth bound when it drafted (what it could
+        still emit, less one), or None: none.
     use_triton : Triton when True (also under ``TRITON_INTERPRET=1``), torch when False;
         default: Triton for CUDA tensors.
 
     With ``depth`` the deepest drafted node's depth (0: no draft): ``prev_full[slot] =
     nacc >= depth > 0``; ``scale[slot]`` times ``alpha`` on full acceptance unless ``depth
-    >= cap[slot]`` (the cap cut the draft), times ``beta`` on a rejection, else unchanged;
+    >= cap[slot]`` or ``depth >= bound[b]`` (the cap or the bound cut the draft), times
+    ``beta`` on a rejection, else unchanged;
     then clamped to ``[s_min, s_max]``.
     """
     if nd.dim() != 2:
@@ -123,20 +138,25 @@ def controller_commit(slots: torch.Tensor, nd: torch.Tensor, num_draft_tokens: t
     check_tensors(("slots", slots, torch.int64, (B,)), ("nd", nd, torch.int64, (B, N)),
                   ("num_draft_tokens", num_draft_tokens, torch.int32, (B,)),
                   ("nacc", nacc, torch.int32, (B,)), ("scale", scale, torch.float32, (S,)),
-                  ("cap", cap, torch.int32, (S,)), ("prev_full", prev_full, torch.int64, (S,)))
+                  ("cap", cap, torch.int32, (S,)), ("prev_full", prev_full, torch.int64, (S,)),
+                  *(() if bound is None else (("bound", bound, torch.int64, (B,)),)))
     check_devices(("nd", nd), ("slots", slots), ("num_draft_tokens", num_draft_tokens),
-                  ("nacc", nacc), ("scale", scale), ("cap", cap), ("prev_full", prev_full))
+                  ("nacc", nacc), ("scale", scale), ("cap", cap), ("prev_full", prev_full),
+                  *(() if bound is None else (("bound", bound),)))
     if use_triton is None:
         use_triton = nd.device.type == "cuda"
     kw = dict(alpha=float(alpha), beta=float(beta), s_min=float(s_min),
               s_max=min(float(s_max), _F32_MAX))
     if not use_triton:
-        controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_full, **kw)
+        controller_commit_torch(slots, nd, num_draft_tokens, nacc, scale, cap, prev_full,
+                                bound=bound, **kw)
         return
     if not (scale.is_contiguous() and cap.is_contiguous() and prev_full.is_contiguous()):
         raise ValueError("scale, cap, prev_full: the state must be contiguous")
     if B:
         _controller_commit_kernel[(B,)](slots.contiguous(), nd.contiguous(),
                                         num_draft_tokens.contiguous(), nacc.contiguous(),
-                                        scale, cap, prev_full, N, S, **kw,
+                                        scale, cap, prev_full,
+                                        slots if bound is None else bound.contiguous(), N, S,
+                                        **kw, HAS_BOUND=bound is not None,
                                         BLOCK_N=next_pow2(max(N, 1)))

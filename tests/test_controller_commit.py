@@ -24,14 +24,16 @@ def state(S: int, rng: random.Random):
     return scale, cap, prev
 
 
-def run_both(slots, nd, num, nacc, scale, cap, prev, kw=KW):
+def run_both(slots, nd, num, nacc, scale, cap, prev, kw=KW, bound=None):
     """Both paths on copies of the state (on the GPU where there is one); asserts they agree
     exactly; returns the result (on the CPU)."""
     slots, nd, num, nacc, cap = (t.to(DEV) for t in (slots, nd, num, nacc, cap))
+    bound = None if bound is None else bound.to(DEV)
     outs = []
     for use_triton in (False, True):
         s, p = scale.clone().to(DEV), prev.clone().to(DEV)
-        controller_commit(slots, nd, num, nacc, s, cap, p, **kw, use_triton=use_triton)
+        controller_commit(slots, nd, num, nacc, s, cap, p, **kw, bound=bound,
+                          use_triton=use_triton)
         outs.append((s.cpu(), p.cpu()))
     (s0, p0), (s1, p1) = outs
     assert torch.equal(s0, s1) and torch.equal(p0, p1)
@@ -51,6 +53,36 @@ def test_rule_full_rejected_capped_and_no_draft():
     s, p = run_both(slots, nd, num, nacc, scale, cap, prev)
     assert s.tolist() == [8.0 * CFG.beta, 8.0, 8.0, 8.0 * CFG.alpha, 8.0]
     assert p.tolist() == [0, 0, 1, 1, 7]  # slot 4 untouched
+
+
+def test_a_draft_its_requests_bound_cut_keeps_the_scale():
+    """A request's own depth bound (near its max_new_tokens or its context's limit) cut a
+    draft accepted whole: the scale stays, as under the role cap; copy mode is still
+    recorded. A bound the draft did not reach, a rejection and no draft as without one."""
+    slots = torch.tensor([3, 0, 2, 1, 4])
+    nd = torch.tensor([[0, 1, 2, 1], [0, 0, 1, 2], [0, 1, 2, 3], [5, 5, 5, 5], [0, 1, 0, 1]])
+    num = torch.tensor([4, 4, 4, 0, 4], dtype=torch.int32)  # depths 3, 3, 4, 0, 2
+    nacc = torch.tensor([3, 1, 4, 0, 2], dtype=torch.int32)
+    bound = torch.tensor([3, 3, 9, 0, 2 ** 62])
+    scale = torch.full((6,), 8.0)
+    cap = torch.full((6,), 32, dtype=torch.int32)
+    prev = torch.full((6,), 7, dtype=torch.int64)
+    s, p = run_both(slots, nd, num, nacc, scale, cap, prev, bound=bound)
+    assert s.tolist() == [8.0 * CFG.beta, 8.0, 8.0 * CFG.alpha, 8.0, 8.0 * CFG.alpha, 8.0]
+    assert p.tolist() == [0, 0, 1, 1, 1, 7]
+    free, _ = run_both(slots, nd, num, nacc, scale, cap, prev)
+    assert free.tolist()[3] == 8.0 * CFG.alpha  # without the bound: grown
+    rng = random.Random(3)  # and the two paths agree on random bounds, across widths
+    for _ in range(30):
+        B, N, S = rng.randint(0, 6), rng.randint(0, 9), 8
+        sl = torch.tensor(rng.sample(range(S), B), dtype=torch.int64)
+        n = torch.tensor([rng.randint(0, N) for _ in range(B)], dtype=torch.int32)
+        d = torch.tensor([[rng.randint(0, 4) for _ in range(N)] for _ in range(B)],
+                         dtype=torch.int64).reshape(B, N)
+        a = torch.tensor([rng.randint(0, 5) for _ in range(B)], dtype=torch.int32)
+        b = torch.tensor([rng.choice([0, 1, 2, 3, 5, 2 ** 62]) for _ in range(B)],
+                         dtype=torch.int64)
+        run_both(sl, d, n, a, *state(S, rng), bound=b)
 
 
 def test_matches_the_controllers_update_scale():
@@ -208,7 +240,8 @@ def test_one_compile_per_draft_width_block():
 
 def test_kernel_compiles_for_sm90():
     sig = dict(slots_ptr="*i64", nd_ptr="*i64", num_ptr="*i32", nacc_ptr="*i32",
-               scale_ptr="*fp32", cap_ptr="*i32", prev_full_ptr="*i64", N="i32", S="i32",
-               alpha="fp32", beta="fp32", s_min="fp32", s_max="fp32", BLOCK_N="constexpr")
-    compile_all_for_sm90([(_controller_commit_kernel, sig, dict(BLOCK_N=256)),
-                          (_controller_commit_kernel, sig, dict(BLOCK_N=1))])
+               scale_ptr="*fp32", cap_ptr="*i32", prev_full_ptr="*i64", bound_ptr="*i64",
+               N="i32", S="i32", alpha="fp32", beta="fp32", s_min="fp32", s_max="fp32",
+               HAS_BOUND="constexpr", BLOCK_N="constexpr")
+    compile_all_for_sm90([(_controller_commit_kernel, sig, dict(HAS_BOUND=h, BLOCK_N=n))
+                          for h in (False, True) for n in (256, 1)])

@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from agspec_gpu import DecoderConfig, SpecDecoder
+from agspec_gpu import DecoderConfig, SamplingParams, SpecDecoder
+from agspec_gpu.accept import BatchSampling, accept_tree
 from agspec_gpu.runners.common import model_max_length
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
 from agspec_gpu.tokenizer import load_tokenizer
@@ -229,6 +230,8 @@ def test_the_limit_is_the_models_and_no_more():
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), 131072),
              (transformers.LlamaConfig(max_position_embeddings=4096, rope_scaling={
                  "rope_type": "linear", "factor": 2.0}), 8192),
+             (transformers.LlamaConfig(max_position_embeddings=4096, rope_scaling={
+                 "rope_type": "dynamic", "factor": 2.0}), 4096),  # (refused by the runners)
              (transformers.MambaConfig(), None)]
     for config, want in cases:
         assert model_max_length(Holder(config)) == want, type(config).__name__
@@ -269,3 +272,30 @@ def test_the_drafters_bounds_are_checked_by_name():
             dec.drafter.propose(sids, max_depths=bad)
     draft = dec.drafter.propose(sids, max_depths=(0, -4))
     assert draft.num_draft_tokens.tolist() == [0, 0]
+
+
+def test_a_draft_its_bound_cut_leaves_the_controllers_scale():
+    """A draft accepted whole to the depth its request's bound allowed (the room left, less
+    one) says nothing of the scale, as a role cap's cut: the controller keeps it, where
+    the same session's unbounded draft, accepted whole, grows it."""
+    m = gpt2()
+    grown = []
+    for bound in ([3], None):
+        dec = SpecDecoder(m, tok())
+        p = text(20)
+        steer(dec, "t", m, p, tail=54)  # the prompt's last 10 tokens, then its continuation
+        sid = dec.open_session("t", "coder", p)
+        slot = dec.drafter._slot_of(sid)
+        dec.drafter.state.scale[slot] = 8.0  # deep: the bound binds
+        draft = dec.drafter.propose([sid], max_depths=bound)
+        depth = int(draft.depths().max())
+        runner = HFRunner(m)
+        runner.prefill([p[:-1]])
+        res = accept_tree(draft, runner.verify_padded(draft, torch.tensor([p[-1]])),
+                          BatchSampling.of([SamplingParams(0.0)], "cpu"))
+        assert int(res.num_accepted[0]) == depth and depth >= 3  # accepted whole
+        assert (depth == 3) == (bound is not None)
+        dec.drafter.observe([sid], res.output_ids, res.num_output, res.num_accepted,
+                            path_nodes=res.accepted_nodes)
+        grown.append(float(dec.drafter.state.scale[slot]) / 8.0)
+    assert grown[0] == 1.0 and grown[1] > 1.0, grown

@@ -82,9 +82,10 @@ def model_vocab_sizes(model) -> tuple[int, int | None]:
 def model_max_length(model) -> int | None:
     """The most tokens a sequence of ``model`` may hold (its positions ``0 .. n - 1``), as a
     serving engine derives it: the text config's ``max_position_embeddings`` (GPT-2's
-    ``n_positions``), times the factor of a ``yarn``, ``linear`` or ``dynamic`` RoPE scaling
-    (``yarn`` from its ``original_max_position_embeddings``); ``llama3`` and ``longrope``
-    configs give the extended length already. None: the config names no limit."""
+    ``n_positions``), times the factor of a ``yarn`` or ``linear`` RoPE scaling (``yarn``
+    from its ``original_max_position_embeddings``); ``llama3`` and ``longrope`` configs give
+    the extended length already (a ``dynamic`` one, whose frequencies move with the length,
+    both runners refuse). None: the config names no limit."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     n = getattr(config, "max_position_embeddings", None)
@@ -93,7 +94,7 @@ def model_max_length(model) -> int | None:
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
     if isinstance(rope, dict):
         kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
-        if kind in ("yarn", "linear", "dynamic") and isinstance(factor, (int, float)) and \
+        if kind in ("yarn", "linear") and isinstance(factor, (int, float)) and \
                 factor > 1:
             base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
             n = max(n, int((base if isinstance(base, int) and base > 0 else n) * factor))
