@@ -488,6 +488,10 @@ class SpecDecoder:
         pass the latest one's (the logits of an older draft, computed before an
         :meth:`append`, would commit tokens predicted for another context).
 
+        Each tree is at most its session's room under :attr:`max_model_len` less one token
+        deep (the step's bonus token takes the last), so no position reaches the limit;
+        a session whose context is full raises ValueError naming it, nothing proposed.
+
         Returns:
             :class:`DraftBatch` of device tensors (``PAD_ID`` padded).
         """
@@ -548,7 +552,7 @@ class SpecDecoder:
             if past:
                 raise ValueError(f"draft: the trees of {past} reach position "
                                  f"{max(last)}, past max_model_len={self.max_model_len} "
-                                 f"(draft at most the room left less one token deep)")
+                                 f"(a node's position must stay below it)")
         return inputs
 
     @serialized

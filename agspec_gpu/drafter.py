@@ -378,9 +378,10 @@ class Drafter:
         would wait for a build it cannot know yet).
 
         ``max_depths`` (as :meth:`propose` takes them) bound this draft; the next propose
-        takes it only if its own bounds are the same (a loop passes the bounds a step that
-        accepts whole drafts leaves: they hold after any step that ends no request, and
-        they are the next propose's whenever they do not bind)."""
+        takes it only if its own bounds are no tighter (a loop passes the bounds a step
+        that accepts whole drafts leaves, which no step that ends no request tightens:
+        the draft may then be shallower than a fresh one near a request's limit, never
+        deeper than it may emit)."""
         bounds = self._bounds(max_depths, len(sids))
         d, arena = self._deferred, self.store.arena
         key = (self.store.epoch, tuple(sids))
@@ -453,7 +454,7 @@ class Drafter:
         draft = DraftBatch(tok, parent, num, srcs)
         self.forget(sids)  # a session's newer proposal replaces its older ones
         # (the bounds go to the controller at the commit: a draft one cut keeps the scale)
-        self._pending[tuple(sids)] = (draft, nd, node_row, max_k)
+        self._pending[tuple(sids)] = (draft, nd, node_row, bounds)
         return draft
 
     def _match_out(self, B: int, Rs: int, max_levels: int
@@ -806,7 +807,9 @@ class Drafter:
         pending = self._pending.pop(tuple(sids), None)
         self.forget(sids)
         if pending is not None:
-            draft, nd, calib_row, bound = pending
+            draft, nd, calib_row, bounds = pending
+            # (written now: a staging ring's view does not outlive a few steps)
+            bound = None if bounds is None else self._writer.write((bounds, torch.int64))[0]
             N, M, K1 = draft.max_nodes, out.shape[1], self.config.max_draft_depth + 1
             if num_verified is not None:  # the verified prefix of each best-first draft
                 num = torch.minimum(draft.num_draft_tokens,
@@ -969,11 +972,15 @@ class _Ahead:
     bounds: tuple[int, ...] | None
 
     def stands(self, d: "Drafter", sids: list[str], bounds: tuple[int, ...] | None) -> bool:
-        """Whether a propose of ``sids`` under ``bounds`` now would draft this again: the
-        same batch, sessions and bounds, the settle done, nothing else changed the corpora
-        since, and the draft still pending (no call in between forgot it)."""
+        """Whether this draft stands for a propose of ``sids`` under ``bounds`` now: the
+        same batch and sessions, bounds no tighter than it was drafted under (it is then
+        the draft a propose under its own bounds would make: at most that deep, so
+        within the new ones), the settle done, nothing else changed the corpora since,
+        and the draft still pending (no call in between forgot it)."""
         arena = d.store.arena
-        return (self.key == (d.store.epoch, tuple(sids)) and self.bounds == bounds and
+        within = bounds is None or (self.bounds is not None and
+                                    all(a <= b for a, b in zip(self.bounds, bounds)))
+        return (self.key == (d.store.epoch, tuple(sids)) and within and
                 d._deferred is None and
                 arena.unsettled is None and arena.descriptor_version == self.version and
                 d._pending.get(self.key[1], (None,))[0] is self.draft)

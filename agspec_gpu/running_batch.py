@@ -161,9 +161,9 @@ class RunningBatch:
                                      defer=True)
                 # the next step's draft, when no request can reach its limit in this one
                 # (at most its draft's nodes and the bonus), under the bounds a step that
-                # accepts whole drafts leaves: the next propose takes it if the step ended
-                # none (EOS, a stop string), built no index level and leaves the same
-                # bounds. (In the try: if it raises, the queued commit is taken back as
+                # accepts whole drafts leaves (no step tightens them): the next propose
+                # takes it if the step ended none (EOS, a stop string) and built no index
+                # level. (In the try: if it raises, the queued commit is taken back as
                 # below)
                 if any(reqs.spec) and all(r > n + 1 for r, n in zip(remaining, num_draft)):
                     self.drafter.propose_ahead(

@@ -115,20 +115,27 @@ def test_requests_end_at_the_models_length_and_drafts_stay_inside_it(runner, mon
 
 def test_max_new_tokens_bounds_the_last_steps_drafts(monkeypatch):
     """A request near its ``max_new_tokens`` drafts at most what it may still emit, less
-    the bonus token (its last step verifies no node it could not take); the output is
-    plain greedy's."""
+    the bonus token (its last step verifies no node it could not take): its continuation
+    steered in, the drafts reach their bounds; the output is plain greedy's."""
     m = llama()
     dec = SpecDecoder(m, tok(), DecoderConfig(max_model_len=LIMIT))
+    p = text(20)
+    steer(dec, "t", m, p, tail=54)  # the prompt's last 10 tokens, then its continuation
     bounds = record_bounds(dec, monkeypatch)
-    p = text(12, repeat=True)
+    emitted, seen = [0], []
+
+    def on_tokens(sid, toks):
+        emitted[0] += len(toks)
+        seen.append((emitted[0], len(bounds)))
+
     sid = dec.open_session("t", "coder", p)
-    out = dec.generate([sid], max_new_tokens=11, eos_id=None)
+    out = dec.generate([sid], max_new_tokens=11, eos_id=None, on_tokens=on_tokens)
     assert out == [greedy_generate(m, p, 11)]
-    emitted = 1  # (the prefill's token)
-    for max_depths, deepest in bounds:
-        assert max_depths == [11 - emitted - 1] and deepest[0] <= max_depths[0]
-        emitted += 1 + deepest[0]  # at most: a step takes its accepted path and the bonus
-    assert bounds and bounds[-1][0][0] < 10
+    before = dict((n_bounds, n) for n, n_bounds in seen)  # emitted before each propose
+    for k, (max_depths, deepest) in enumerate(bounds):
+        assert max_depths == [11 - before[k] - 1] and deepest[0] <= max_depths[0]
+    assert any(d[0] == m[0] > 0 for m, d in bounds)  # a bound cut a draft
+    assert dec.session_stats(sid).num_steps < 5  # deep, accepted drafts
 
 
 def test_own_loop_drafts_inside_the_room_and_commit_ends_at_the_limit():
@@ -254,7 +261,7 @@ def test_a_commit_that_fills_the_context_ends_its_request():
     deep = DraftBatch.from_lists([[(g[0], -1), (g[1], 0), (g[1], 1)]])
     with pytest.raises(ValueError, match=rf"draft: the trees of \['{sid}'\] reach position "
                                          rf"{LIMIT}, past max_model_len={LIMIT}"):
-        dec.tree_inputs([sid], deep)  # (a built draft: positions 62, 63, 64, 65)
+        dec.tree_inputs([sid], deep)  # (a built draft: the root at 61, nodes 62, 63, 64)
     draft = DraftBatch.from_lists([[(g[0], -1)]])  # accepted: the model's own next token
     assert dec.tree_inputs([sid], draft).position_ids.tolist() == [[LIMIT - 3, LIMIT - 2]]
     res = dec.commit([sid], draft, runner.verify_padded(draft, dec.root_ids([sid])))
@@ -265,7 +272,9 @@ def test_a_commit_that_fills_the_context_ends_its_request():
 
 def test_the_drafters_bounds_are_checked_by_name():
     dec = SpecDecoder(gpt2(), tok())
+    steer(dec, "t0", gpt2(), text(20), tail=54)  # (it drafts unbounded)
     sids = [dec.open_session(f"t{i}", "coder", text(20)) for i in range(2)]
+    assert dec.drafter.propose(sids).num_draft_tokens.tolist()[0] > 0
     for bad in (5, (d for d in (1, 2)), {1: 0, 2: 0}, [1], [1, 2.0], [1, True], "12",
                 torch.tensor([1, 2])):
         with pytest.raises(ValueError, match="max_depths: expected a list of 2 ints"):
@@ -295,7 +304,45 @@ def test_a_draft_its_bound_cut_leaves_the_controllers_scale():
                           BatchSampling.of([SamplingParams(0.0)], "cpu"))
         assert int(res.num_accepted[0]) == depth and depth >= 3  # accepted whole
         assert (depth == 3) == (bound is not None)
+        for _ in range(64):  # the drafter's staging ring comes round before the commit
+            dec.drafter._writer.write(([30] * 4096, torch.int64))
         dec.drafter.observe([sid], res.output_ids, res.num_output, res.num_accepted,
                             path_nodes=res.accepted_nodes)
         grown.append(float(dec.drafter.state.scale[slot]) / 8.0)
     assert grown[0] == 1.0 and grown[1] > 1.0, grown
+
+
+def test_drafts_proposed_ahead_are_taken_under_looser_bounds():
+    """Near their limits, requests draft ahead under the bounds a whole acceptance would
+    leave; a step that accepts less leaves looser ones, under which the ahead draft
+    stands (it is no deeper than they allow): none is proposed again, and the output is
+    plain greedy's. (Taken only under equal bounds, 11 of 29 were proposed again.)"""
+    m = tiny_model("llama", "sdpa", VOCAB, max_positions=4096)
+    dec = SpecDecoder(m, tok(), DecoderConfig(max_batch=4))
+    src = text(600)
+    P = [src[i * 200: i * 200 + 30] for i in range(3)]
+    for i, p in enumerate(P):  # continuations with every ninth token wrong: partial
+        cont = greedy_generate(m, p, 70)  # acceptances
+        cont = [t if j % 9 != 8 else (t + 1) % 1000 for j, t in enumerate(cont)]
+        dec.close_session(dec.open_session(f"t{i}", "coder", p + cont))
+    d, count = dec.drafter, {"ahead": 0, "bound": 0, "taken": 0}
+    propose_ahead, propose = d.propose_ahead, d.propose
+
+    def ahead(sids, max_depths=None):
+        made = propose_ahead(sids, max_depths)
+        count["ahead"] += made
+        count["bound"] += made and min(max_depths) < d.config.max_draft_depth
+        return made
+
+    def proposed(sids, **kw):
+        before = d._ahead
+        out = propose(sids, **kw)
+        count["taken"] += before is not None and out is before.draft
+        return out
+
+    d.propose_ahead, d.propose = ahead, proposed
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    limits = [60, 63, 66]
+    out = dec.generate(sids, max_new_tokens=limits, eos_id=None)
+    assert out == [greedy_generate(m, p, n) for p, n in zip(P, limits)]
+    assert count["bound"] > 0 and count["taken"] == count["ahead"], count

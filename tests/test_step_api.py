@@ -856,7 +856,10 @@ def test_random_requests_outgrowing_the_pool_stay_plain_decoding(seed):
     import random
 
     rng = random.Random(seed)
-    seeded = SamplingParams(temperature=0.9, top_k=50, seed=seed)
+    # (no top_k: two logits within float noise of each other at its boundary, a near tie
+    # the batched runner and the one-token reference may break apart, move the CDF by a
+    # token's probability; seen with top_k=50: a 4.8e-7 gap moved it by 2.4e-4)
+    seeded = SamplingParams(temperature=0.9, seed=seed)
     which = (3, 6, 2, 5, 7)  # 97, 140, 60, 44 and 41 tokens; the pool: 320
     dec = decoder("paged", kv_cache_tokens=8 * 40, max_batch=4, admission="optimistic",
                   drafter=DrafterConfig(max_nodes=rng.choice([4, 8, 16])))
