@@ -596,8 +596,8 @@ class SpecDecoder:
             draft nodes whose KV your cache keeps, after the root's). The tokens join each
             session's context, its session tier and the controller. A session that
             ``eos_id``, a stop string, ``max_new_tokens`` or a context full to
-            :attr:`max_model_len` ended keeps the tokens up to its end only: ``num_output`` counts them, ``num_accepted = num_output - 1`` and the
-            rest is ``PAD_ID`` (its last token is the root a next step would take), and
+            :attr:`max_model_len` ended keeps the tokens up to its end only: ``num_output``
+            counts them, ``num_accepted = num_output - 1`` and the rest is ``PAD_ID`` (its last token is the root a next step would take), and
             ``session_stats(sid).finish_reason`` says ``"eos"``, ``"stop"`` or ``"length"``
             (None for a session this step did not end: its request runs).
 
@@ -882,14 +882,12 @@ class SpecDecoder:
             if any(not isinstance(x, str) for x in stop):
                 raise ValueError(f"stop: submit() takes one session's stop strings, got "
                                  f"{stop!r}")
-        st = self._sessions[sid]
-        if self.max_model_len is not None and len(st.context) >= self.max_model_len and \
-                max_new_tokens > 0:
-            raise ValueError(f"session_id: the session's context holds max_model_len="
-                             f"{self.max_model_len} tokens: no room for another")
         reqs = self._requests([sid], max_new_tokens, sampling, stop, speculate, eos_id)
-        if reqs.limits[0] == 0:
-            raise ValueError("max_new_tokens: a submitted request needs >= 1")
+        if reqs.limits[0] == 0:  # (the limit is at most the context's room)
+            raise ValueError("max_new_tokens: a submitted request needs >= 1" if
+                             max_new_tokens < 1 else
+                             f"session_id: the session's context holds max_model_len="
+                             f"{self.max_model_len} tokens: no room for another")
         self._scheduler.submit(reqs)
         reqs.start()
         self._supersede([sid])

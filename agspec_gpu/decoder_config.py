@@ -78,8 +78,9 @@ class DecoderConfig:
         max_model_len: the most tokens a session's context may hold (prompt, appended
             messages and generated tokens), as a serving engine's ``max_model_len``; None:
             the model's (its config's ``max_position_embeddings``, with a ``yarn`` or
-            ``linear`` RoPE scaling factor: :func:`~agspec_gpu.runners.common.model_max_length`; no limit when the
-            config names none); a value past the model's is refused. A prompt or an
+            ``linear`` RoPE scaling factor:
+            :func:`~agspec_gpu.runners.common.model_max_length`; no limit when the config
+            names none); a value past the model's is refused. A prompt or an
             ``append`` past it raises ValueError; a request ends with ``"length"`` when
             its context is full, and no draft reaches past it (a model with learned
             positions, such as GPT-2, cannot embed a position past its table).

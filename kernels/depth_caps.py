@@ -5,8 +5,8 @@ static ``k``), with ``S_t`` the request's online scale, ``C_role`` its role's ca
 ``L_match`` its match length, and at most the request's own bound where the caller gives one
 (``max_k``: the tokens it may still emit less the bonus token, near its ``max_new_tokens`` or
 the model's context length; 0 drafts nothing). The trie's estimates also read the request's
-copy mode (was its previous draft accepted whole). In torch that is nine small ops in the drafter's propose
-graph (gathers by slot, the rule); here one launch.
+copy mode (was its previous draft accepted whole). In torch that is nine small ops in the
+drafter's propose graph (gathers by slot, the rule); here one launch.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def depth_caps_torch(slots, best, scale, cap, prev_full, *, static_k: int | None
 
 def depth_caps(slots: torch.Tensor, best: torch.Tensor, scale: torch.Tensor, cap: torch.Tensor,
                prev_full: torch.Tensor, *, static_k: int | None = None,
-               max_k: torch.Tensor | None = None, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               max_k: torch.Tensor | None = None, use_triton: bool | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft depth caps and copy modes of ``B`` requests.
 
     Parameters
