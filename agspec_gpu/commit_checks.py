@@ -9,7 +9,7 @@ argument before anything is committed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Sequence
 from numbers import Integral
 
 import torch
@@ -18,6 +18,7 @@ from agspec_gpu.accept import AcceptResult
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.host import to_device
 from agspec_gpu.requests import Requests, SessionState, per_session
+from agspec_gpu.stops import StopTokenizer
 
 
 def check_commit_logits(logits, draft: DraftBatch, vocab_size: int, flat: bool) -> None:
@@ -60,31 +61,28 @@ def check_qo_indptr(qo_indptr, num_draft: list[int], logits: torch.Tensor) -> No
 
 
 def commit_end_rules(sids: list[str], states: Sequence[SessionState], eos_id: int | None,
-                     max_new_tokens, stop, vocab_size: int, decode,
-                     byte_pieces: Container[int] = frozenset(),
-                     void: Callable[[int], bool] | None = None,
+                     max_new_tokens, stop, vocab_size: int, tokenizer: StopTokenizer,
                      max_context: int | None = None, max_output: int = 0
                      ) -> Requests | None:
     """The sessions' end rules, as ``generate`` builds them: ``eos_id`` (already resolved:
     None for none), ``max_new_tokens`` (None: no limit; else ints >= 1, one for all or one
-    per session) and ``stop`` strings (``decode``, ``byte_pieces``, ``void``: the
-    tokenizer's), each session's limit at most the room its context has left under
-    ``max_context`` (None: no limit); None when none is given and every session's room is
-    more than ``max_output``, the most tokens the step can emit (a step that fills a
-    context ends its request at ``"length"``)."""
+    per session) and ``stop`` strings (read with ``tokenizer``'s decoder), each session's
+    limit at most the room its context has left under ``max_context`` (None: no limit);
+    None when none is given and every session's room is more than ``max_output``, the
+    most tokens the step can emit (a step that fills a context ends its request at
+    ``"length"``)."""
     if max_new_tokens is not None and any(
             isinstance(m, bool) or m < 1
             for m in per_session(max_new_tokens, len(sids), "max_new_tokens", Integral)):
         raise ValueError(f"max_new_tokens: expected ints >= 1, got {max_new_tokens!r}")
     room = None if max_context is None else min(max_context - len(st.context)
-                                                 for st in states)
+                                                for st in states)
     if eos_id is None and max_new_tokens is None and stop is None and \
             (room is None or room > max_output):  # (a step that fills it ends there)
         return None
     limits = (1 << 62) if max_new_tokens is None else max_new_tokens
     return Requests.build(sids, list(states), limits, None, () if stop is None else stop,
-                          True, eos_id, vocab_size, decode, byte_pieces=byte_pieces,
-                          void=void, max_context=max_context)
+                          True, eos_id, vocab_size, tokenizer, max_context=max_context)
 
 
 def cut_result(res: AcceptResult, taken: list[int]) -> AcceptResult:

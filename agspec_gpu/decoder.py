@@ -620,10 +620,8 @@ class SpecDecoder:
         check_commit_logits(logits, draft, self.vocab_size, flat=qo_indptr is not None)
         self._check_generator(generator)
         # the sessions' end rules: the Requests that generate() would build
-        ends = commit_end_rules(sids, [self._sessions[s] for s in sids],
-                                self._eos(eos_id),
-                                max_new_tokens, stop, self.vocab_size, self.tokenizer.decode,
-                                self.tokenizer.byte_pieces, self.tokenizer.has_no_token,
+        ends = commit_end_rules(sids, [self._sessions[s] for s in sids], self._eos(eos_id),
+                                max_new_tokens, stop, self.vocab_size, self.tokenizer,
                                 self.max_model_len, 1 + draft.max_nodes)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
         num_draft = draft.checked_sizes(self.vocab_size, self._reader)
@@ -1009,11 +1007,8 @@ class SpecDecoder:
         new lists."""
         states = [self._sessions[s] for s in sids]
         reqs = Requests.build(sids, states, max_new_tokens, sampling, stop, speculate,
-                              self._eos(eos_id), self.vocab_size, self.tokenizer.decode,
-                              first_id=self._next_request,
-                              byte_pieces=self.tokenizer.byte_pieces,
-                              void=self.tokenizer.has_no_token,
-                              max_context=self.max_model_len)
+                              self._eos(eos_id), self.vocab_size, self.tokenizer,
+                              first_id=self._next_request, max_context=self.max_model_len)
         self._kv.check_fits_alone(sids, [st.context for st in states], reqs.limits,
                                   beside_running)
         self._next_request += len(sids)

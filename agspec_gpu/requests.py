@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral
-from typing import Callable, Container
+from typing import Callable
 
 import numpy as np
 
 from agspec_gpu.accept import SamplingParams
 from agspec_gpu.checks import check_text, is_int
-from agspec_gpu.stops import StopMatcher
+from agspec_gpu.stops import StopMatcher, StopTokenizer
 
 
 @dataclass
@@ -127,19 +127,16 @@ class Requests:
 
     @classmethod
     def build(cls, sids: list[str], states: list[SessionState], max_new_tokens, sampling, stop,
-              speculate, eos: int | None, vocab_size: int,
-              decode: Callable[[list[int]], str], first_id: int = 0,
-              byte_pieces: Container[int] = frozenset(),
-              void: Callable[[int], bool] | None = None,
-              max_context: int | None = None) -> "Requests":
+              speculate, eos: int | None, vocab_size: int, tokenizer: StopTokenizer,
+              first_id: int = 0, max_context: int | None = None) -> "Requests":
         """The requests of ``sids`` from a call's per-session arguments (as ``generate``
         takes them), validated (nothing changes on an error); their outputs are new lists.
-        ``eos``: the end token of every request (None: none); ``decode``, ``byte_pieces``
-        and ``void``: the tokenizer's, for the stop strings
-        (:class:`~agspec_gpu.stops.StopMatcher`); the requests' ids are ``first_id``,
-        ``first_id + 1``, ...; ``max_context``: the most tokens a session's context may hold
-        (the decoder's ``max_model_len``; None: no limit): a request's limit is at most the
-        room its context has left, and it ends at ``"length"`` when that is full."""
+        ``eos``: the end token of every request (None: none); ``tokenizer``: whose decoder
+        reads the stop strings (:meth:`~agspec_gpu.stops.StopMatcher.for_tokenizer`); the
+        requests' ids are ``first_id``, ``first_id + 1``, ...; ``max_context``: the most
+        tokens a session's context may hold (the decoder's ``max_model_len``; None: no
+        limit): a request's limit is at most the room its context has left, and it ends at
+        ``"length"`` when that is full."""
         n = len(sids)
         limits = per_session(max_new_tokens, n, "max_new_tokens", Integral)
         if any(isinstance(m, bool) or m < 0 for m in limits):
@@ -156,7 +153,7 @@ class Requests:
             limits = [max(0, min(m, max_context - len(st.context)))
                       for m, st in zip(limits, states)]
         return cls(list(sids), list(states), limits, list(params),
-                   [StopMatcher(decode, s, byte_pieces, void) for s in stops], [eos] * n,
+                   [StopMatcher.for_tokenizer(tokenizer, s) for s in stops], [eos] * n,
                    list(spec),
                    [[] for _ in sids], [None] * n, list(range(first_id, first_id + n)))
 

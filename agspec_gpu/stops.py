@@ -10,12 +10,23 @@ string, and confirms a hit on the whole output.
 from __future__ import annotations
 
 import os
-from typing import Callable, Container, Sequence
+from typing import Callable, Container, Protocol, Sequence
 
 # Tokens kept in front of the longest stop string's bytes: a UTF-8 character cut at the
 # window's start decodes as up to three U+FFFD, a SentencePiece decoder drops the first
 # token's leading space, and a completed multi-byte character can reach three bytes back.
 _MARGIN_TOKENS = 8
+
+
+class StopTokenizer(Protocol):
+    """What stop strings need of a tokenizer (:class:`~agspec_gpu.tokenizer.Tokenizer`
+    has it): its decoder, its byte-fallback ids and which ids it has no token for."""
+
+    byte_pieces: Container[int]
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def has_no_token(self, token_id: int) -> bool: ...
 
 
 class StopMatcher:
@@ -69,6 +80,12 @@ class StopMatcher:
         self._alone: dict[int, str] = {}  # per id: what it decodes to alone
         self._voids: dict[int, bool] = {}  # per id: _void
         self._silents: dict[int, bool] = {}  # per id: _silent
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: StopTokenizer, stops: Sequence[str]) -> "StopMatcher":
+        """The matcher of ``stops`` under ``tokenizer``'s decoder, byte-fallback runs and
+        ids without a token."""
+        return cls(tokenizer.decode, stops, tokenizer.byte_pieces, tokenizer.has_no_token)
 
     def seed(self, tokens: Sequence[int]) -> None:
         """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own

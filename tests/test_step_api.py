@@ -915,7 +915,7 @@ def test_preempting_several_requests_queues_them_in_their_batch_order():
 
     def reqs(sids):
         return Requests.build(sids, [SessionState("t", "coder", [1]) for _ in sids], 5,
-                              None, (), True, None, 10, str)
+                              None, (), True, None, 10, tok())
 
     class Live:
         def __init__(self, sids, room):

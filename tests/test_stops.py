@@ -35,7 +35,7 @@ def reference(tokens, stops, t=None) -> int | None:
 
 def matched(tokens, stops, t=None) -> int | None:
     t = t or tok()
-    m = StopMatcher(t.decode, stops, t.byte_pieces, t.has_no_token)
+    m = StopMatcher.for_tokenizer(t, stops)
     for k, x in enumerate(tokens, 1):
         if m.push(x):
             return k
@@ -174,7 +174,7 @@ def seeded(tokens, stops, k, t=None) -> int | None:
     """``matched`` for a matcher seeded with ``tokens[:k]`` (an own loop's message so far)
     that takes the rest: the count includes the seeded tokens."""
     t = t or tok()
-    m = StopMatcher(t.decode, stops, t.byte_pieces, t.has_no_token)
+    m = StopMatcher.for_tokenizer(t, stops)
     m.seed(tokens[:k])
     for j, x in enumerate(tokens[k:], k + 1):
         if m.push(x):
