@@ -529,15 +529,17 @@ class SpecDecoder:
         ``[root, nodes]`` ids, positions from each session's cached length
         ``len(context) - 1``, and the ``bool [B, 1+N, 1+N]`` in-tree mask.
 
-        A draft other than the one :meth:`propose` returned (a narrowed, masked or built
-        one) is checked first, in one device read, as :meth:`commit` checks it: sizes, token
-        ids in the vocabulary, parents earlier nodes; ValueError naming the field, before
-        your forward would index the embedding with it. A read more checks its positions:
-        a node at :attr:`max_model_len` or past it raises ValueError naming ``draft``."""
+        A draft other than the one :meth:`propose` returned for these sessions in this
+        order (a narrowed, masked or built one, or its own draft given other sessions) is
+        checked first, in one device read, as :meth:`commit` checks it: sizes, token ids in
+        the vocabulary, parents earlier nodes; ValueError naming the field, before your
+        forward would index the embedding with it. A read more checks its positions: a node
+        at :attr:`max_model_len` or past it raises ValueError naming ``draft``."""
         sids = self._batch(session_ids)
         states = [self._session(s) for s in sids]
         check_draft(draft, len(states))
-        built = draft is not self._proposed_draft
+        # propose's own draft of these sessions in this order stays inside their rooms
+        built = draft is not self._proposed_draft or sids != self._proposed
         if built:
             draft.checked_sizes(self.vocab_size, self._reader)
         dev = draft.token_ids.device
@@ -546,7 +548,6 @@ class SpecDecoder:
                                    to_device([len(st.context) - 1 for st in states],
                                              torch.int64, dev))
         if built and self.max_model_len is not None and inputs.position_ids.numel():
-            # (propose's own drafts stay inside: a built one may not)
             (last,) = self._reader.read(inputs.position_ids.amax(1))
             past = [s for s, p in zip(sids, last) if p >= self.max_model_len]
             if past:

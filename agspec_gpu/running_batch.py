@@ -201,9 +201,10 @@ class RunningBatch:
         self._drop([r for r, d in enumerate(self.reqs.done) if d])
 
     def step_fits(self) -> bool:
-        """Whether the next step can verify each request's root and one draft node
-        (``paged``: after freeing idle sessions' KV as far as it needs); always for
-        ``hf``. Host arithmetic, O(1) while the pool has a few pages free per request."""
+        """Whether the next step can verify each request's root and, for one that may
+        draft (it speculates and may emit two tokens or more), one draft node (``paged``:
+        after freeing idle sessions' KV as far as it needs); always for ``hf``. Host
+        arithmetic, O(1) while the pool has a few pages free per request."""
         if not isinstance(self.runner, PagedBatch):
             return True
         cache = self.runner.runner.kv_cache
@@ -211,7 +212,8 @@ class RunningBatch:
         # ceil(2 / page_size) pages to it (the common case needs no per-request sum)
         if cache.num_free_pages >= len(self.reqs.sids) * -(-2 // cache.page_size):
             return True
-        return self.runner.fit_width(1, self.kv.free_idle) > 0
+        drafts = [int(s and r > 1) for s, r in zip(self.reqs.spec, self.reqs.remaining())]
+        return self.runner.fit_width(1, self.kv.free_idle, drafts) == 1
 
     def preempt(self) -> Requests:
         """Takes the newest request (the last row) out of the batch unfinished and returns

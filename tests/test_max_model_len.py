@@ -346,3 +346,62 @@ def test_drafts_proposed_ahead_are_taken_under_looser_bounds():
     out = dec.generate(sids, max_new_tokens=limits, eos_id=None)
     assert out == [greedy_generate(m, p, n) for p, n in zip(P, limits)]
     assert count["bound"] > 0 and count["taken"] == count["ahead"], count
+
+
+def test_proposed_draft_given_other_sessions_is_checked_against_the_limit():
+    """``tree_inputs`` trusts the draft ``propose`` returned only for the sessions it was
+    proposed for, in their order: given another session (or the same ones reordered), a
+    deep draft's positions would pass the model's last one (GPT-2: IndexError), so it is
+    checked as a built draft and refused naming ``draft``."""
+    m = gpt2()
+    dec = SpecDecoder(m, tok())
+    pa = text(20, repeat=True)
+    steer(dec, "a", m, pa, tail=54)  # A drafts deep
+    a, b = dec.open_session("a", "coder", pa), dec.open_session("b", "coder", text(60))
+    for sids, order in (([a], [b]), ([a, b], [b, a])):
+        draft = dec.propose(sids)
+        assert int(draft.depths().max()) >= 5
+        assert int(dec.tree_inputs(sids, draft).position_ids.max()) < LIMIT
+        with pytest.raises(ValueError, match=r"draft: the trees of \['" + b + r"'\] reach"):
+            dec.tree_inputs(order, draft)
+
+
+@pytest.mark.parametrize("bound", ["max_model_len", "max_new_tokens"])
+@pytest.mark.parametrize("api", ["generate", "step"])
+def test_a_pool_that_holds_a_requests_whole_kv_runs_it_to_its_end(bound, api):
+    """A request's last step drafts nothing (it may emit one token), so it needs no node
+    slot: a page pool that holds exactly the request's KV (its context but the last token,
+    which is never run) runs it to its end, under either bound; it ended at
+    ``KVCacheFull`` one token early. Two requests whose whole KV fills the pool run side by
+    side without a preemption."""
+    m = llama()
+    limit, max_new = (57, 100) if bound == "max_model_len" else (LIMIT, 7)
+    dec = SpecDecoder(m, tok(), DecoderConfig(runner="paged", max_model_len=limit, page_size=8,
+                                              kv_cache_tokens=56))
+    p = text(50)
+    for speculate in (True, False):
+        sid = dec.open_session("t", "coder", p)
+        if api == "generate":
+            out = dec.generate([sid], max_new_tokens=max_new, eos_id=None,
+                               speculate=speculate)[0]
+        else:
+            dec.submit(sid, max_new_tokens=max_new, eos_id=None, speculate=speculate)
+            out = []
+            while dec.running or dec.queued:
+                out += [t for o in dec.step() for t in o.token_ids]
+        assert out == greedy_generate(m, p, 7)
+        assert dec.session_stats(sid).finish_reason == "length"
+        dec.close_session(sid)
+    if bound != "max_model_len" or api != "step":
+        return
+    dec = SpecDecoder(m, tok(), DecoderConfig(runner="paged", max_model_len=33, page_size=8,
+                                              kv_cache_tokens=64))
+    P = [text(20), text(40)[20:40]]
+    sids = [dec.open_session(f"t{i}", "coder", q) for i, q in enumerate(P)]
+    rids = [dec.submit(s, max_new_tokens=100, eos_id=None, speculate=False) for s in sids]
+    got = {r: [] for r in rids}
+    while dec.running or dec.queued:
+        for o in dec.step():
+            got[o.request_id] += o.token_ids
+    assert [got[r] for r in rids] == [greedy_generate(m, q, 33 - len(q)) for q in P]
+    assert dec.stats["preemptions"] == 0

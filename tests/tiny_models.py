@@ -26,13 +26,14 @@ def tiny_model(arch: str, attn: str, vocab: int, max_positions: int = 1 << 15) -
 
 
 def record_fit_width(monkeypatch) -> list[tuple[int, int]]:
-    """``(width asked, width given)`` of every ``PagedBatch.fit_width`` call from now on."""
+    """``(width asked, width given)`` of every ``PagedBatch.fit_width`` call from now on
+    (given: None when not even the roots fit)."""
     from agspec_gpu.runners.paged_batch import PagedBatch
 
     fits, fit_width = [], PagedBatch.fit_width
 
-    def recorded(self, width, make_room=None):
-        fits.append((width, fit_width(self, width, make_room)))
+    def recorded(self, width, make_room=None, num_draft=None):
+        fits.append((width, fit_width(self, width, make_room, num_draft)))
         return fits[-1][1]
 
     monkeypatch.setattr(PagedBatch, "fit_width", recorded)

@@ -263,8 +263,8 @@ class PagedLlamaRunner:
         """Allocates pages for a step of ``seq_ids`` and plans it (:func:`plan_tree`).
 
         Each sequence gets room for ``num_slots_host[b]`` slots (at least ``prefix_len + 1 +
-        num_draft_tokens[b]``; default ``prefix_len + 1 + draft.max_nodes``, which needs no
-        read of the draft); the host lengths come from ``prefix_lens_host`` (or, with a
+        num_draft_tokens[b]``; default that, from ``num_draft_host``, else ``prefix_len + 1 +
+        draft.max_nodes``, which needs no read of the draft); the host lengths come from ``prefix_lens_host`` (or, with a
         sync, from ``prefix_lens``). ``max_total_q``: the step's query rows when the caller
         knows them (the forward then runs on those rows, not on ``B * (1 + max_nodes)``).
         ``num_draft_host``: ``draft.num_draft_tokens`` as host ints, if the caller holds them:
@@ -274,7 +274,9 @@ class PagedLlamaRunner:
         if prefix_lens_host is None:
             prefix_lens_host = prefix_lens.tolist()
         if num_slots_host is None:
-            num_slots_host = [n + 1 + draft.max_nodes for n in prefix_lens_host]
+            nodes = [draft.max_nodes] * len(prefix_lens_host) if num_draft_host is None \
+                else num_draft_host
+            num_slots_host = [p + 1 + int(n) for p, n in zip(prefix_lens_host, nodes)]
         self.kv_cache.allocate_many(seq_ids, num_slots_host)
         # only the pages this step can touch: the width bounds the mask buffer and the grid
         width = -(-(max(prefix_lens_host) + 1 + draft.max_nodes) // self.page_size)

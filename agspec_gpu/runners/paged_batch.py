@@ -141,34 +141,38 @@ class PagedBatch:
         self._prefix_host = [self._prefix_host[b] for b in rows]
         self._prefix = prefix
 
-    def pages_needed(self, width: int) -> int:
-        """Pages a step verifying ``width`` nodes per request adds to the batch's sequences
-        (each request's KV grows to ``prefix + 1 + width`` slots). Host arithmetic."""
+    def pages_needed(self, width: int, num_draft: Sequence[int] | None = None) -> int:
+        """Pages a step verifying ``width`` nodes per request adds to the batch's sequences:
+        request ``b``'s KV grows to ``prefix + 1 + min(width, num_draft[b])`` slots (its
+        root and the nodes it has; ``num_draft`` None: ``width`` each). Host arithmetic."""
         cache = self.runner.kv_cache
-        return sum(cache.pages_needed(s, p + 1 + width)
-                   for s, p in zip(self._seq_ids, self._prefix_host))
+        if num_draft is None:
+            num_draft = [width] * self.batch_size
+        return sum(cache.pages_needed(s, p + 1 + min(width, n))
+                   for s, p, n in zip(self._seq_ids, self._prefix_host, num_draft))
 
-    def fit_width(self, width: int, make_room: Callable[[int], None] | None = None) -> int:
+    def fit_width(self, width: int, make_room: Callable[[int], None] | None = None,
+                  num_draft: Sequence[int] | None = None) -> int | None:
         """The most nodes per request, at most ``width``, that a step can verify with the
-        pool's free pages (each request's KV grows to ``prefix + 1 + nodes`` slots); 0 when
-        not even one fits. ``make_room(pages)``, when ``width`` does not fit: the caller
-        frees pages (idle KV) toward that many free first. Host arithmetic, no device
-        read."""
+        pool's free pages (:meth:`pages_needed`: a request of ``num_draft[b]`` nodes writes
+        no more); 0: the roots alone; None when not even they fit. ``make_room(pages)``,
+        when ``width`` does not fit: the caller frees pages (idle KV) toward that many free
+        first. Host arithmetic, no device read."""
         check_lengths_settled(self._lengths_owed, "fit_width")
         cache = self.runner.kv_cache
-        need = self.pages_needed(width)
+        need = self.pages_needed(width, num_draft)
         if need > cache.num_free_pages and make_room is not None:
             make_room(need)
         free = cache.num_free_pages
 
         def fits(w: int) -> bool:
-            return self.pages_needed(w) <= free
+            return self.pages_needed(w, num_draft) <= free
 
         if need <= free:  # the common case: one pass
             return width
-        if not fits(1):
-            return 0
-        lo, hi = 1, width  # fits(lo), not fits(hi)
+        if not fits(0):
+            return None
+        lo, hi = 0, width  # fits(lo), not fits(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -178,13 +182,14 @@ class PagedBatch:
                   make_room: Callable[[int], None] | None = None
                   ) -> tuple[int, list[int], DraftBatch]:
         """``(width, num_draft, draft)`` cut to what the page pool holds now, after
-        ``make_room`` (:meth:`fit_width`) (a shorter draft changes the speed, never the
-        tokens); raises :class:`KVCacheFull` naming ``kv_cache_tokens`` when not even the
-        root and one node per request fit."""
-        fit = self.fit_width(width, make_room)
+        ``make_room`` (:meth:`fit_width`): at the last, no nodes, a plain decoding step (a
+        shorter draft changes the speed, never the tokens); the width stays at least 1 (a
+        padded tree of one column). Raises :class:`KVCacheFull` naming ``kv_cache_tokens``
+        when not even the roots fit."""
+        fit = self.fit_width(width, make_room, num_draft)
         if fit == width:
             return width, num_draft, draft
-        if fit == 0:
+        if fit is None:
             cache = self.runner.kv_cache
             own = sum(cache.capacity(s) for s in self._seq_ids) // cache.page_size
             others = cache.num_pages - cache.num_free_pages - own
@@ -195,7 +200,7 @@ class PagedBatch:
                 f"running beside it, or KV it could not free) cannot hold its next step; "
                 f"raise DecoderConfig.kv_cache_tokens, or generate for fewer sessions or "
                 f"fewer tokens at a time")
-        return fit, [min(n, fit) for n in num_draft], draft.capped(fit)
+        return max(fit, 1), [min(n, fit) for n in num_draft], draft.capped(fit)
 
     @torch.no_grad()
     def verify_rows(self, draft: DraftBatch, root_ids: torch.Tensor,

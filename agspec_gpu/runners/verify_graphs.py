@@ -188,7 +188,9 @@ class VerifyGraphs(GraphSteps):
         total = int(sum(num_draft_host))
         S, Q = self.bucket(b, b + total)
         cache = self.runner.kv_cache
-        cache.allocate_many(seq_ids, [n + 1 + N for n in prefix_lens_host])
+        # each request's root and nodes (the padding columns past them write no KV)
+        cache.allocate_many(seq_ids, [p + 1 + int(n)
+                                      for p, n in zip(prefix_lens_host, num_draft_host)])
         # the bucket's step inputs, rewritten in place: padding requests have no nodes, a
         # zero prefix and the null page (their roots are any earlier token). The planner
         # reads a request's first num_draft_tokens node columns only, so the columns past
