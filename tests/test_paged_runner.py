@@ -243,6 +243,46 @@ def test_paged_batch_checks_what_could_reach_another_batchs_pages():
     assert cache.num_free_pages == 8
 
 
+def test_paged_batch_fits_each_requests_own_nodes_then_the_roots_alone():
+    """A step's pages follow each request's own node count (``num_draft``), not the
+    batch's width: a request with no nodes leaves its pages to the others. When only the
+    roots fit, ``fit_width`` is 0 and ``fit_draft`` cuts every draft (a plain decoding
+    step, one padded column); when not even they fit, None and KVCacheFull."""
+    from agspec_gpu.kv_cache import KVCacheFull
+    from agspec_gpu.runners.paged_batch import PagedBatch
+
+    model = tiny_model("llama")
+    runner = PagedLlamaRunner.from_hf_model(model, num_pages=32, page_size=4, max_seqs=4)
+    cache = runner.kv_cache
+    rng = np.random.default_rng(4)
+    batch = PagedBatch(runner)
+    batch.prefill([[int(t) for t in rng.integers(0, 1000, n)] for n in (8, 7)])
+    assert batch.prefix_lens_host == [8, 7]  # 2 pages each; roots: 9 and 8 slots
+
+    def leave_free(n: int) -> None:
+        if "x" in cache:
+            cache.free("x")
+        cache.allocate("x", (cache.num_free_pages - n) * 4)
+        assert cache.num_free_pages == n
+
+    leave_free(3)  # w nodes each: ceil((9 + w) / 4) - 2 + ceil((8 + w) / 4) - 2 pages
+    assert batch.fit_width(8) == 4
+    assert batch.fit_width(8, num_draft=[0, 8]) == 8  # request 0's root: one page
+    leave_free(1)
+    assert batch.pages_needed(0) == 1 and batch.fit_width(4) == 0
+    assert batch.fit_width(4, num_draft=[0, 0]) == 4  # (no node: the roots are the step)
+    draft = DraftBatch.from_lists([[(5, -1), (6, 0)], [(7, -1)]])
+    width, num_draft, cut = batch.fit_draft(2, [2, 1], draft)
+    assert (width, num_draft, cut.num_draft_tokens.tolist()) == (1, [0, 0], [0, 0])
+    leave_free(0)
+    assert batch.fit_width(4) is None
+    with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
+        batch.fit_draft(2, [2, 1], draft)
+    cache.free("x")
+    batch.close()
+    assert cache.num_free_pages == cache.num_pages
+
+
 def test_paged_batch_commit_in_two_halves_equals_commit():
     """``commit_kv`` (device: compaction, prefix add) then ``commit_lengths`` (host) is
     ``commit``: the same host lengths and the same next step's logits, the lengths given or
