@@ -598,7 +598,8 @@ class SpecDecoder:
             session's context, its session tier and the controller. A session that
             ``eos_id``, a stop string, ``max_new_tokens`` or a context full to
             :attr:`max_model_len` ended keeps the tokens up to its end only: ``num_output``
-            counts them, ``num_accepted = num_output - 1`` and the rest is ``PAD_ID`` (its last token is the root a next step would take), and
+            counts them, ``num_accepted = num_output - 1`` and the rest is ``PAD_ID``
+            (its last token is the root a next step would take), and
             ``session_stats(sid).finish_reason`` says ``"eos"``, ``"stop"`` or ``"length"``
             (None for a session this step did not end: its request runs).
 

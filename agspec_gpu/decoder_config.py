@@ -35,10 +35,10 @@ class DecoderConfig:
             recently generated first, a step short of pages verifies shorter drafts, then
             preempts its newest requests (``admission``), and
             :class:`~agspec_gpu.kv_cache.KVCacheFull` (naming ``kv_cache_tokens``) ends a
-            request that cannot get two more slots alone (a step's root and one draft
-            node); ``hf``: the sessions keep at most ``kv_cache_tokens`` tokens of KV
-            in all (the least recently generated are freed first), each in tensors of its
-            own between calls.
+            request that cannot get one more slot alone (a step's root: with no draft
+            node, a plain decoding step); ``hf``: the sessions keep at most
+            ``kv_cache_tokens`` tokens of KV in all (the least recently generated are
+            freed first), each in tensors of its own between calls.
         cuda_graphs: with ``runner="paged"`` on a GPU with FlashInfer, every verification
             step (a plain decode step too) replays a CUDA graph of its padded (requests,
             rows) bucket (:class:`~agspec_gpu.runners.verify_graphs.VerifyGraphs`, captured

@@ -16,12 +16,13 @@ order: the first request that does not fit waits, and those behind it wait too (
 starvation of a long prompt). One that does not fit even alone runs when nothing else does,
 as far as the pool allows (a ``KVCacheFull`` then ends that request only).
 
-Preemption: when the pool cannot give the running batch's next step one draft node per
-request (idle sessions' KV freed first), the newest request leaves the batch unfinished and
-waits again at the head of the queue, until the batch fits or one request is left. Its KV
-stays in the pool as an idle session's, freed only if the pages are needed (then it is
-recomputed when the request joins again: vLLM's preemption by recompute); it resumes where
-it stopped, its output the same tokens (greedy, seeded), or the same distribution.
+Preemption: when the pool cannot give the running batch's next step its roots and one draft
+node per request that may draft (idle sessions' KV freed first), the newest request leaves
+the batch unfinished and waits again at the head of the queue, until the batch fits or one
+request is left. Its KV stays in the pool as an idle session's, freed only if the pages are
+needed (then it is recomputed when the request joins again: vLLM's preemption by
+recompute); it resumes where it stopped, its output the same tokens (greedy, seeded), or the
+same distribution.
 """
 
 from __future__ import annotations

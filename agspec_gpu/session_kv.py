@@ -240,7 +240,7 @@ class SessionKVCache:
         the pool holds what this call may grow ``sids`` to (context + ``max_new_tokens``,
         if ``reserve_new_tokens``, + the reserve); a call that still does not fit runs (its
         drafts shrink to the pages left, then its newest requests are preempted, and a lone
-        request that cannot get two more slots, its root and one node, raises). Raises
+        request that cannot get one more slot, its root, raises). Raises
         :class:`KVCacheFull` before freeing anything when not even the contexts and the
         first step fit."""
         cache = self.paged.kv_cache

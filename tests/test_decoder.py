@@ -462,7 +462,8 @@ def test_paged_pool_running_short_shrinks_drafts_then_raises_and_keeps_state(mon
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
         dec.generate(sids[:1], max_new_tokens=80)  # 142 + 80 tokens > the pool's 160
     monkeypatch.undo()
-    assert any(got is not None and 0 < got < width for width, got in fits), fits  # drafts were cut to fit
+    # drafts were cut to fit
+    assert any(got is not None and 0 < got < width for width, got in fits), fits
     assert fits[-1][1] is None
     cache = dec._paged.kv_cache
     sid, p = sids[0], P[0] + g

@@ -402,7 +402,8 @@ def test_spec_decoder_paged_pool_running_short_on_cuda(monkeypatch):
     with pytest.raises(KVCacheFull, match="kv_cache_tokens"):
         dec.generate([a], max_new_tokens=250, eos_id=None)  # 120 + 250 > the pool's 320
     monkeypatch.undo()
-    assert fits[-1][1] is None and any(got is not None and 0 < got < width for width, got in fits), fits
+    assert fits[-1][1] is None and \
+        any(got is not None and 0 < got < width for width, got in fits), fits
     ctx = dec._sessions[a].context
     held = dec.store.arena.corpus_tokens(dec.store.session(a).corpus).tolist()
     assert held == ctx and 0 < dec._kv.kept_tokens(a) <= len(ctx) - 1

@@ -264,9 +264,10 @@ class PagedLlamaRunner:
 
         Each sequence gets room for ``num_slots_host[b]`` slots (at least ``prefix_len + 1 +
         num_draft_tokens[b]``; default that, from ``num_draft_host``, else ``prefix_len + 1 +
-        draft.max_nodes``, which needs no read of the draft); the host lengths come from ``prefix_lens_host`` (or, with a
-        sync, from ``prefix_lens``). ``max_total_q``: the step's query rows when the caller
-        knows them (the forward then runs on those rows, not on ``B * (1 + max_nodes)``).
+        draft.max_nodes``, which needs no read of the draft); the host lengths come from
+        ``prefix_lens_host`` (or, with a sync, from ``prefix_lens``). ``max_total_q``: the
+        step's query rows when the caller knows them (the forward then runs on those rows,
+        not on ``B * (1 + max_nodes)``).
         ``num_draft_host``: ``draft.num_draft_tokens`` as host ints, if the caller holds them:
         FlashInfer then plans without reading the device (``TreeMetadata.maybe_host``).
         ``split=False``: the custom mask even where the runner splits (a prefill chunk).
