@@ -494,7 +494,7 @@ def run_replay(corpus: ReplayCorpus, drafters: Sequence[str | tuple[str, Callabl
         "p_acc_k": list(range(1, P_ACC_MAX_K + 1)),
         "cost_model": config.cost_model.to_json(),
         "speedup_model": "tau * cost(1) / (cost(1 + drafted_per_step) + the drafter's "
-                         "propose and commit ms per step)",
+                         "propose and commit ms per step, timed on the replay's device)",
         "batch_speedup_model": "tau * cost(B) / cost(B * (1 + drafted_per_step)), B = "
                                "mean_batch (drafting time excluded)",
         "replay_speedup_model": "modelled_ms of the none lane / modelled_ms of the lane, "

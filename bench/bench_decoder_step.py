@@ -40,6 +40,7 @@ from agspec_gpu import DecoderConfig, SpecDecoder
 from agspec_gpu.host import synchronize
 from agspec_gpu.tokenizer import load_tokenizer
 from bench_layer_kernels import write_results  # bench/, the script's folder
+from devices import pick_device
 
 
 def model(vocab: int, args, dev: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -102,7 +103,7 @@ def run(dec: SpecDecoder, prompts: list[list[int]], B: int, speculate: bool, lim
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--layers", type=int, default=2)
     # 8 heads of 128 (head_dim 128: the FlashInfer modules the device script compiles)
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tok = load_tokenizer("cl100k")
     src = Path(agspec_gpu.__file__).parent

@@ -30,20 +30,22 @@ import csv
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from agspec_gpu.controller import ControllerConfig  # noqa: F401 - for --variants
-from agspec_gpu.cost_model import curve_at
+from agspec_gpu.cost_model import CostModel, curve_at
 from agspec_gpu.drafter import Drafter, DrafterConfig
 from agspec_gpu.replay import ReplayConfig, run_replay, session_responses, tokenize_sessions
 from agspec_gpu.replay_lanes import BatchedLane
-from agspec_gpu.baselines import suffix_decoding_available
+from agspec_gpu.baselines import SUFFIX_DECODING_INSTALL_HINT, suffix_decoding_available
 from agspec_gpu.tiers import CorpusStore, TierConfig, load_global_corpus, session_half
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
 
-DEV = "../shared/data/trajectories/dev/"
+# the dev trajectories beside this checkout (../shared), wherever the script runs from
+DEV = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "trajectories" / "dev") + "/"
 FILES = ("swe_agent__claude-sonnet-4.jsonl.gz", "mini_swe_agent__gemini-3-pro-preview.jsonl.gz",
          "aider__chat_history.jsonl.gz")
 
@@ -112,8 +114,11 @@ def main() -> None:
         sessions += [cut(s, args.max_target_tokens, tok) for s in ss[:args.sessions]]
     gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     variants = eval(args.variants) if args.variants else MATRIX  # noqa: S307 - own command line
-    variants = [v for v in variants if not v[0].startswith("suffix-decoding")
-                or suffix_decoding_available()]
+    skipped = [v[0] for v in variants
+               if v[0].startswith("suffix-decoding") and not suffix_decoding_available()]
+    if skipped:  # (the baseline a user would pick: said, not silently gone)
+        print(f"{', '.join(skipped)} left out: {SUFFIX_DECODING_INSTALL_HINT}")
+        variants = [v for v in variants if v[0] not in skipped]
     warm = ()
     if any(v[0] == "suffix-decoding-warm" for v in variants):
         if args.half is None:
@@ -125,6 +130,9 @@ def main() -> None:
                 [s for f in FILES for s in load_paths([DEV + f])
                  if session_half(s.task_id) != args.half], tok).sessions)
     rows, t_all = [], time.time()
+    # the starred speedups price steps with this (a measured curve, or the built-in estimate)
+    print(f"cost model: {args.cost_model or CostModel().source}; speedup* adds the drafter's "
+          f"CPU time", flush=True)
     for B in args.batch_sizes:
         subset = sessions if B > 1 else \
             sessions[::max(1, len(sessions) // args.single_sessions)][:args.single_sessions]
@@ -161,6 +169,7 @@ def main() -> None:
     meta = {"batch_sizes": args.batch_sizes, "sessions_per_file": args.sessions,
             "max_target_tokens": args.max_target_tokens, "half": args.half,
             "global_corpus": args.global_corpus, "variants": [v[0] for v in variants],
+            "skipped_variants": skipped,
             "cost_model": report.config["cost_model"], "speedup_model":
             report.config["speedup_model"], "wall_seconds": time.time() - t_all}
     if args.json:

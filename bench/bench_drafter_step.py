@@ -40,6 +40,7 @@ from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
 
 from bench_drafter import DEV, FILES, cut
+from devices import pick_device
 
 
 class TimedLane(BatchedLane):
@@ -84,7 +85,7 @@ class TimedLane(BatchedLane):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--global", dest="global_corpus")
     p.add_argument("--half", type=int, choices=(0, 1))
     p.add_argument("--trajectories", default=DEV, help="folder of the dev files")
@@ -95,7 +96,7 @@ def main() -> None:
     p.add_argument("--out", help="write PREFIX.json and PREFIX.csv")
     args = p.parse_args()
     torch.set_num_threads(1)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
     tok = load_tokenizer("cl100k")
     gc = load_global_corpus(args.global_corpus, tok) if args.global_corpus else None
     sessions = []

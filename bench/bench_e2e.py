@@ -13,9 +13,11 @@ or the paths given) run as one continuous batch at every ``--batch-sizes`` B, fo
   ``agspec``, ``agspec-nobudget`` (no batch-level budget), and ``oracle`` (drafts the longest
   prefix of the true continuation found in agspec's corpora, capped at 32: the ceiling).
 
-Before the methods, ``--calibrate`` (on by default) measures verification time against tokens
-per step on this runner, per batch size, and saves it as a ``CostModel`` JSON
-(``bench/results/cost-<model>-<gpu>.json``); agspec's batch budget in the same run uses it.
+Before the methods, a calibration (unless ``--no-calibrate`` or ``--cost-model``;
+``--calibrate`` calibrates and exits) measures verification time against tokens per step on
+this runner, per batch size, and saves it as a ``CostModel`` JSON
+(``bench/results/cost-<model>-<gpu>-<date>.json``); agspec's batch budget in the same run
+uses it.
 
 Sessions enter the batch longest first (``--order``; ``ReplayTargetConfig.order``): the run
 replays a fixed set of them (``--sessions-per-slot`` times B) and drains at its end, and
@@ -88,6 +90,7 @@ from agspec_gpu.runners.paged import PagedLlamaRunner
 from agspec_gpu.tiers import TierConfig
 from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_paths
+from devices import device_slug, pick_device
 from triton_compiles import TritonCompiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,11 +302,6 @@ def round_robin_by_agent(sessions: list) -> list:
     return out
 
 
-def slug(text: str) -> str:
-    t = text.lower().replace("nvidia", "").strip()
-    return "".join(c if c.isalnum() else "-" for c in t).strip("-") or "gpu"
-
-
 def peak_bandwidth_gbps(gpu: str) -> tuple[float | None, str]:
     """(peak memory bandwidth in GB/s, where it came from) for a GPU named ``gpu`` (as
     ``torch.cuda.get_device_name`` names it): the first :data:`DATASHEET_BANDWIDTH_GBPS`
@@ -452,8 +450,11 @@ def other_half_responses(args, tokenizer) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                          if args.device == "auto" else args.device)
+    device = pick_device(args.device)
+    if device.type == "cpu" and args.model != "tiny":  # (--device auto on a CPU machine)
+        raise SystemExit(f"--model {args.model}: a full-size model on the CPU (tens of GB in "
+                         f"float32, seconds a step) measures nothing; run it on a GPU "
+                         f"(bench/device_check.sh) or pass --tiny")
     dtype = getattr(torch, args.dtype) if args.dtype else \
         (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cpu":
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     if "none" not in methods:
         methods.insert(0, "none")  # every speedup is over it
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    gpu_slug = slug(gpu) if device.type == "cuda" else "cpu"
+    gpu_slug = device_slug(device)
     peak_gbps, peak_note = peak_bandwidth_gbps(gpu) if device.type == "cuda" else \
         (None, "no GPU")
     results = Path(args.results_dir)
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
           f"setup {setup_s:.1f} s", flush=True)
 
     # ---------------------------------------------------------------- cost model
-    cost_path = results / f"cost-{args.model}-{gpu_slug}.json"
+    cost_path = results / f"cost-{args.model}-{gpu_slug}-{_dt.date.today():%Y%m%d}.json"
     cost_for: dict[int, CostModel] = {}
     if args.cost_model:
         cost_for = load_cost_models(args.cost_model, batch_sizes)
@@ -749,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
                 "message_host_ms_per_step_by_part": {
                     k: r.per_step_ms(v) for k, v in sorted(r.message_parts.items())},
                 "verify_ms_per_step": r.per_step_ms(r.verify_s),
-                "peak_mem_gb": peak / 1e9,
+                "peak_mem_gb": None if peak is None else peak / 1e9,
                 "commit_ms_per_step": max(r.per_step_ms(r.commit_s), 0.0),
                 "step_ms": step_ms_run,
                 # the drafter's propose and commit, and its work between requests
@@ -843,7 +844,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             with TritonCompiles() as jit:
                 r = run(m, b, sessions)
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            # (None on a CPU: torch counts no host allocations)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             results_by[(m, b)] = (r, peak, jit)
             save()
             print(f"[e2e] {m:>16} B={b:<3} {r.tokens_per_s:9.1f} tok/s  tau {r.tau:5.2f}  "

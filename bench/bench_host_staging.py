@@ -3,7 +3,7 @@
 row from the corpora against gathered from the arena's ``DescriptorTable``, and page
 allocation one sequence at a time against ``allocate_many``.
 
-Three cases per batch size ``B`` (the lists a serving step really builds):
+Four cases per batch size ``B`` (the lists a serving step really builds):
 
 * ``match_lists``: a propose's slots and tiers, then the match descriptors of ``3 B`` (request,
   corpus) rows of an arena of 128 corpora (100-2,000 tokens each): ``to_device`` + the
@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 from bench_layer_kernels import write_results  # noqa: E402
 from index_reference import descriptors_reference  # noqa: E402  (the loop it replaced)
+from devices import cpu_threads, pick_device  # noqa: E402  (bench/ is not a package)
 
 
 def timed(fns, steps: int, dev: torch.device) -> list[tuple[float, float]]:
@@ -165,12 +166,13 @@ def cases(B: int, dev: torch.device, ar: IndexArena, cids: list[int], steps: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
+    cpu_threads(dev)
     ar, cids = arena(dev)
     tok = load_tokenizer("cl100k")
     rows = []

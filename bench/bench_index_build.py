@@ -51,6 +51,7 @@ import torch
 
 from agspec_gpu.index import SuffixIndex
 from agspec_gpu.tiers import TierConfig
+from devices import device_slug, pick_device  # (pick_device: bench_match's too)
 
 SEP = -1
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "agspec_gpu-bench-cache"
@@ -124,12 +125,6 @@ def fmt_size(n: int) -> str:
     return str(n)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -176,7 +171,7 @@ def environment(device: torch.device) -> dict:
 
 def default_out(name: str, device: torch.device) -> str:
     return str(Path(__file__).resolve().parent / "results" /
-               f"{name}-{_dt.date.today().isoformat()}-{device.type}")
+               f"{name}-{_dt.date.today():%Y%m%d}-{device_slug(device)}")
 
 
 def write_results(out: str, rows: list[dict], config: dict) -> tuple[Path, Path]:

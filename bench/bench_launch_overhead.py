@@ -49,6 +49,7 @@ from agspec_gpu.kernels.suffix_match import MatchResult, suffix_match
 from agspec_gpu.kernels.tree_accept import greedy_tree_accept
 from agspec_gpu.tree import TreeMetadata, plan_tree
 from bench_layer_kernels import write_results  # bench/, the script's folder
+from devices import cpu_threads, pick_device
 
 NUM_TIERS = 4  # match rows per request (session, workspace, history, global)
 
@@ -185,14 +186,15 @@ def host_us(fn, dev: torch.device, rounds: int, calls: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--nodes", type=int, default=16, help="draft nodes per request")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
+    cpu_threads(dev)
     stub = dev.type != "cuda"
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -34,6 +34,7 @@ from agspec_gpu.kernels.rms_norm import rms_norm
 from agspec_gpu.kernels.rope import rope
 from agspec_gpu.kernels.rope_append import rope_append
 from agspec_gpu.kernels.silu_mul import silu_mul
+from devices import cpu_threads, device_slug, pick_device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,13 +77,12 @@ def write_results(stem: str, args: argparse.Namespace, dev: torch.device, dtype:
     """``{"config", "results"}`` as ``<args.out>.json`` (default
     ``bench/results/<stem>-<date>-<cpu or the GPU's short name>.json``)."""
     gpu = dev.type == "cuda"
-    name = torch.cuda.get_device_name(dev).split()[-1].lower() if gpu else "cpu"
     out = Path(args.out) if args.out else \
-        ROOT / "bench" / "results" / f"{stem}-{_dt.date.today():%Y%m%d}-{name}"
+        ROOT / "bench" / "results" / f"{stem}-{_dt.date.today():%Y%m%d}-{device_slug(dev)}"
     out = out.with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {**vars(args), "dtype": str(dtype), "torch": torch.__version__,
-              "machine": platform.machine(),
+              "machine": platform.machine(), "cpu_threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(dev) if gpu else None}
     out.write_text(json.dumps({"config": config, "results": rows}, indent=2) + "\n")
     print(f"wrote {out}")
@@ -91,7 +91,7 @@ def write_results(stem: str, args: argparse.Namespace, dev: torch.device, dtype:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--rows", default="1,16,64,1024")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", default="32,8", help="query,KV heads")
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                          "ten times the calls timed (at least 5)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
+    cpu_threads(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     H, Hkv = (int(x) for x in args.heads.split(","))
     D, N = args.head_dim, args.hidden

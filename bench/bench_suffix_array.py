@@ -36,6 +36,7 @@ from agspec_gpu.kernels.suffix_array import MAX_BLOCK, context_array, num_contex
 from agspec_gpu.tiers import TierConfig
 from bench_index_build import load_code_tokens
 from bench_layer_kernels import write_results
+from devices import pick_device
 
 
 def _activities(fn, dev: torch.device) -> int:
@@ -75,13 +76,13 @@ def time_build(fn, dev: torch.device, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--windows", default="320,1024,2048,4000")
     ap.add_argument("--depth", type=int, default=TierConfig().max_depth)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None, help="output prefix (.json)")
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
     torch.set_num_threads(1)
     windows = [int(w) for w in args.windows.split(",") if w]
     if max(windows) > MAX_BLOCK:

@@ -42,6 +42,7 @@ from agspec_gpu.kernels.tree_attention import tree_attention
 from agspec_gpu.tree import host_sizes, plan_tree
 from bench_layer_kernels import timer, write_results  # bench/, the script's folder
 from bench_verify_kernels import trees
+from devices import cpu_threads, pick_device
 
 PAGE = 16
 
@@ -91,7 +92,7 @@ def run_batch(B: int, args, dev: torch.device) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--context", type=int, default=4096, help="tokens of KV before the root")
     ap.add_argument("--nodes", type=int, default=4, help="draft nodes per request")
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=50, help="ms per timing (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
+    cpu_threads(dev)
     rows = []
     for B in (int(x) for x in args.batch_sizes.split(",")):
         r = run_batch(B, args, dev)

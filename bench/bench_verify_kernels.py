@@ -39,6 +39,7 @@ from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.kernels.kv_compact import kv_compact
 from agspec_gpu.tree import TreeMetadata, padded_step_capacity, plan_tree
 from bench_layer_kernels import timer, write_results  # bench/, the script's folder
+from devices import cpu_threads, pick_device
 
 PAGE = 16
 
@@ -94,7 +95,7 @@ def peak_bytes(fn, dev: torch.device) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--nodes", type=int, default=16, help="draft nodes per request")
     ap.add_argument("--accept", type=int, default=4, help="chain nodes the argmax accepts")
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                          "ten times the calls timed (at least 5)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    dev = pick_device(args.device)
+    cpu_threads(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gpu = dev.type == "cuda"
     bench = timer(dev, args.repeats)

@@ -30,7 +30,7 @@
 #
 # What comes back (at most 8 files): check.log (everything printed, step by step with its exit
 # status and time), e2e-<date>-<gpu>.json/.csv (rewritten after every run, so a cut-short e2e
-# keeps its finished rows), cost-llama3-8b-<gpu>.json, trace-e2e.json.gz (one torch.profiler
+# keeps its finished rows), cost-llama3-8b-<gpu>-<date>.json, trace-e2e.json.gz (one torch.profiler
 # trace of agspec at B=64), kernels.json (bench_layer_kernels, bench_verify_kernels,
 # bench_decoder_step, bench_match, bench_host_staging, bench_launch_overhead,
 # bench_tree_attention and bench_suffix_array),
@@ -46,7 +46,7 @@ LOG=$OUT/check.log
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-450}
 DATE=$(date +%Y%m%d)
-# the GPU's name as bench_e2e.py's slug() writes it: "NVIDIA H200" -> h200
+# the GPU's name as bench/devices.py's slug() writes it: "NVIDIA H200" -> h200
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 \
   | tr 'A-Z' 'a-z' | sed 's/nvidia//; s/[^a-z0-9]/-/g; s/^-*//; s/-*$//')
 GPU=${GPU:-gpu}

@@ -151,13 +151,13 @@ def test_the_trajectory_folder_of_the_carried_files(traj, want, tmp_path):
 @pytest.mark.parametrize("name", ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
                                   "NVIDIA A100-SXM4-80GB", ""])
 def test_the_files_name_the_gpu_as_bench_e2e_does(name, tmp_path, monkeypatch):
-    """``$GPU``, the tag of the files the script writes, is ``bench_e2e.slug`` of the name
+    """``$GPU``, the tag of the files the script writes, is ``devices.slug`` of the name
     ``nvidia-smi`` gives (the device tool lends H100s and H200s: an H100's run must not be
     saved as an H200's); no name (no nvidia-smi): ``gpu``."""
     import subprocess
 
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import bench_e2e
+    import devices
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\n[ -n '{name}' ] && echo '{name}'\n")
@@ -168,7 +168,7 @@ def test_the_files_name_the_gpu_as_bench_e2e_does(name, tmp_path, monkeypatch):
     got = subprocess.run(["bash", "-c", "\n".join(lines[at:at + 2]) + '; printf %s "$GPU"'],
                          env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, capture_output=True,
                          text=True, check=True).stdout
-    assert got == (bench_e2e.slug(name) if name else "gpu")
+    assert got == (devices.slug(name) if name else "gpu")
 
 
 @pytest.mark.parametrize("name, gbps", [
