@@ -30,7 +30,12 @@ import torch
 
 
 def specs(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128):
-    from flashinfer.jit.attention import modules as m
+    try:
+        from flashinfer.jit.attention import modules as m
+    except ModuleNotFoundError as e:  # (the environment bench/prepare_device_carry.sh sets up)
+        raise SystemExit(f"{e.name} is not importable: run this through "
+                         f"bench/prepare_device_carry.sh, which installs FlashInfer's wheel "
+                         f"and sets PYTHONPATH") from None
 
     args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
     return [m._gen_batch_prefill_primary_module("fa2", *args),
