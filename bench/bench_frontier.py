@@ -123,6 +123,7 @@ def main() -> None:
     gc = load_global_corpus(args.global_corpus, tok)
     B = args.batch_size
     cost = curve_at(args.cost_model, B)
+    print(f"cost model of replay*: {cost.source}", flush=True)
     # SuffixDecoding given the traffic agspec's global tier holds: the other half's responses
     warm = () if args.no_sd_warm else session_responses(tokenize_sessions(
         [s for f in args.files for s in load_paths([DEV + f])
