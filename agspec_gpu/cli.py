@@ -163,7 +163,7 @@ def _add_replay_options(p: argparse.ArgumentParser, *, default_drafters: str | N
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle passes")
     p.add_argument("--cost-model", metavar="FILE",
                    help="verification cost model JSON: one curve, or a calibration of "
-                        "several batch sizes (bench_e2e.py's cost-<model>-<gpu>.json: the "
+                        "several batch sizes (bench_e2e.py's cost-<model>-<gpu>-<date>.json: the "
                         "curve of the smallest batch >= --batch-size) (default: 8B bf16 on "
                         "H200 estimate)")
     p.add_argument("--threads", type=_at_least(1), default=1,

@@ -200,7 +200,7 @@ class BatchCostModels:
 
     @classmethod
     def from_json(cls, obj: dict | str | Path, batch_sizes=()) -> "BatchCostModels":
-        """A saved calibration (``bench/bench_e2e.py``'s ``cost-<model>-<gpu>.json``,
+        """A saved calibration (``bench/bench_e2e.py``'s ``cost-<model>-<gpu>-<date>.json``,
         :meth:`to_json`'s form, or a dict of it): a curve per batch size it measured, and
         one at each of ``batch_sizes`` that it did not measure: the curve measured at the
         smallest batch ``>=`` it (the largest where none is), as :meth:`size_for` prices a

@@ -56,7 +56,7 @@ class DecoderConfig:
             measured cap.
         cost_model: what the batch budget steers by: verification time against tokens per
             step on your model and GPU. A calibration file (``bench/bench_e2e.py --model
-            ... --calibrate`` writes ``cost-<model>-<gpu>.json``, a curve per batch size:
+            ... --calibrate`` writes ``cost-<model>-<gpu>-<date>.json``, a curve per batch size:
             a step steers by its bucket's, :class:`~agspec_gpu.cost_model.BatchCostModels`),
             a :class:`~agspec_gpu.cost_model.CostModel` or ``BatchCostModels`` (e.g.
             :meth:`SpecDecoder.calibrate_cost_model`'s), or None: the built-in estimate (an

@@ -167,7 +167,7 @@ class SessionKVCache:
                          max_new_tokens: list[int], beside_running: bool = False) -> None:
         """Raises :class:`KVCacheFull` naming ``kv_cache_tokens`` (and the session) when a
         request could not run even alone in an empty pool: its context and first step (the
-        root and one node) need more pages than the pool, or a sequence, has;
+        root and one node, the root alone for two tokens) need more pages than the pool, or a sequence, has;
         ``beside_running`` (a ``generate`` call, which runs while the running batches hold
         their pages): more than the pool has beside them. A call checks this before
         anything runs, so no other request of it emits first. A no-op for ``hf`` and for
@@ -263,6 +263,7 @@ class SessionKVCache:
 
 
 def _first_step_tokens(max_new_tokens: int) -> int:
-    """KV slots a request's first step needs beyond its context: the root and one node, or
-    none when it emits at most one token (that step drafts nothing)."""
-    return 2 if max_new_tokens > 1 else 0
+    """KV slots a request's first verification needs beyond its context (the prefill
+    emits the first token, the root): the root and one node; the root alone when it may
+    emit two tokens (its one step drafts nothing); none for one token (no step)."""
+    return min(max(max_new_tokens - 1, 0), 2)

@@ -75,7 +75,7 @@ def gpu_kernels(fn, device: torch.device) -> int | None:
 def write_results(stem: str, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype,
                   rows: list[dict]) -> Path:
     """``{"config", "results"}`` as ``<args.out>.json`` (default
-    ``bench/results/<stem>-<date>-<cpu or the GPU's short name>.json``)."""
+    ``bench/results/<stem>-<date>-<cpu or the GPU's slug>.json``: ``devices.device_slug``)."""
     gpu = dev.type == "cuda"
     out = Path(args.out) if args.out else \
         ROOT / "bench" / "results" / f"{stem}-{_dt.date.today():%Y%m%d}-{device_slug(dev)}"

@@ -35,13 +35,11 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def cpu_threads(dev: torch.device) -> int | None:
-    """Times on ``dev`` with one CPU thread when it is the CPU (returned, for the results'
-    config); None on a GPU (the thread count is left as it is)."""
-    if dev.type != "cpu":
-        return None
-    torch.set_num_threads(1)
-    return 1
+def cpu_threads(dev: torch.device) -> None:
+    """Times on ``dev`` with one CPU thread when it is the CPU (the results' config records
+    ``torch.get_num_threads()``); on a GPU the thread count is left as it is."""
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
 
 
 def device_slug(dev: torch.device) -> str:

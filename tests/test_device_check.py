@@ -150,7 +150,7 @@ def test_the_trajectory_folder_of_the_carried_files(traj, want, tmp_path):
 
 @pytest.mark.parametrize("name", ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
                                   "NVIDIA A100-SXM4-80GB", ""])
-def test_the_files_name_the_gpu_as_bench_e2e_does(name, tmp_path, monkeypatch):
+def test_the_files_name_the_gpu_as_the_benchmarks_do(name, tmp_path, monkeypatch):
     """``$GPU``, the tag of the files the script writes, is ``devices.slug`` of the name
     ``nvidia-smi`` gives (the device tool lends H100s and H200s: an H100's run must not be
     saved as an H200's); no name (no nvidia-smi): ``gpu``."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from agspec_gpu import DecoderConfig, SamplingParams, SpecDecoder
+from agspec_gpu import DecoderConfig, DrafterConfig, SamplingParams, SpecDecoder
 from agspec_gpu.accept import BatchSampling, accept_tree
 from agspec_gpu.runners.common import model_max_length
 from agspec_gpu.runners.hf import HFRunner, greedy_generate
@@ -372,8 +372,9 @@ def test_a_pool_that_holds_a_requests_whole_kv_runs_it_to_its_end(bound, api):
     """A request's last step drafts nothing (it may emit one token), so it needs no node
     slot: a page pool that holds exactly the request's KV (its context but the last token,
     which is never run) runs it to its end, under either bound; it ended at
-    ``KVCacheFull`` one token early. Two requests whose whole KV fills the pool run side by
-    side without a preemption."""
+    ``KVCacheFull`` one token early. A request of two tokens is admitted to such a pool
+    (its one step verifies the root alone). Two requests whose whole KV fills the pool,
+    admitted optimistically, run side by side without a preemption."""
     m = llama()
     limit, max_new = (57, 100) if bound == "max_model_len" else (LIMIT, 7)
     dec = SpecDecoder(m, tok(), DecoderConfig(runner="paged", max_model_len=limit, page_size=8,
@@ -394,8 +395,12 @@ def test_a_pool_that_holds_a_requests_whole_kv_runs_it_to_its_end(bound, api):
         dec.close_session(sid)
     if bound != "max_model_len" or api != "step":
         return
+    sid = dec.open_session("t", "coder", text(55))  # 55 + the root: the pool's 56 slots
+    assert dec.generate([sid], max_new_tokens=2, eos_id=None) == [greedy_generate(m, text(55),
+                                                                                  2)]
     dec = SpecDecoder(m, tok(), DecoderConfig(runner="paged", max_model_len=33, page_size=8,
-                                              kv_cache_tokens=64))
+                                              kv_cache_tokens=64, admission="optimistic",
+                                              drafter=DrafterConfig(max_nodes=2)))
     P = [text(20), text(40)[20:40]]
     sids = [dec.open_session(f"t{i}", "coder", q) for i, q in enumerate(P)]
     rids = [dec.submit(s, max_new_tokens=100, eos_id=None, speculate=False) for s in sids]
