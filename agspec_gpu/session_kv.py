@@ -167,11 +167,11 @@ class SessionKVCache:
                          max_new_tokens: list[int], beside_running: bool = False) -> None:
         """Raises :class:`KVCacheFull` naming ``kv_cache_tokens`` (and the session) when a
         request could not run even alone in an empty pool: its context and first step (the
-        root and one node, the root alone for two tokens) need more pages than the pool, or a sequence, has;
-        ``beside_running`` (a ``generate`` call, which runs while the running batches hold
-        their pages): more than the pool has beside them. A call checks this before
-        anything runs, so no other request of it emits first. A no-op for ``hf`` and for
-        requests of limit 0."""
+        root and one node, the root alone for two tokens) need more pages than the pool, or
+        a sequence, has; ``beside_running`` (a ``generate`` call, which runs while the
+        running batches hold their pages): more than the pool has beside them. A call
+        checks this before anything runs, so no other request of it emits first. A no-op
+        for ``hf`` and for requests of limit 0."""
         if self.paged is None:
             return
         cache = self.paged.kv_cache
