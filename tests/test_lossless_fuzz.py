@@ -262,7 +262,10 @@ def run_preemption_case(seed: int) -> Counter:
                         page_size=rng.choice([1, 2, 4, 8, 16]),
                         kv_cache_tokens=rng.choice([200, 256, 320]), admission="optimistic")
     dec = SpecDecoder(td.model(variant), td.tok(), cfg)
-    seeded = SamplingParams(temperature=0.9, top_k=50, seed=seed)
+    # no top_k: at a (near) tie of the k-th logits the paged runner's float noise moves the
+    # cut, and the sampled token with it (seeds 399, 409: the reference's 50th and 51st
+    # logits 2.4e-7 apart, and equal); top_k's distribution is checked in test_accept
+    seeded = SamplingParams(temperature=0.9, seed=seed)
     prompts = [list(p) for p in td.prompts() if len(p) <= 100]
     context: dict[str, list[int]] = {}
     req: dict[str, tuple] = {}  # sid: (context at submission, limit, sampling, emitted)
