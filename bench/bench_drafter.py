@@ -98,8 +98,9 @@ def main() -> None:
     p.add_argument("--variants", help="Python list of (name, overrides or None)")
     p.add_argument("--cost-model", metavar="FILE",
                    help="a measured cost calibration (bench_e2e.py's "
-                        "cost-<model>-<gpu>-<date>.json): at each batch size its curve prices the modelled speedups and steers "
-                        "agspec's budget (default: the built-in estimate)")
+                        "cost-<model>-<gpu>-<date>.json): at each batch size its curve "
+                        "prices the modelled speedups and steers agspec's budget (default: "
+                        "the built-in estimate)")
     p.add_argument("--no-oracle", action="store_true",
                    help="skip the oracle bound (one more pass per batch size)")
     p.add_argument("--json")

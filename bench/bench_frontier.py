@@ -110,8 +110,8 @@ def main() -> None:
                    help="SuffixDecoding cold only (no points with the other half's responses)")
     p.add_argument("--cost-model", metavar="FILE",
                    help="a measured cost calibration (bench_e2e.py's "
-                        "cost-<model>-<gpu>-<date>.json) for the modelled speedups and agspec's budget (default: the built-in "
-                        "estimate)")
+                        "cost-<model>-<gpu>-<date>.json) for the modelled speedups and "
+                        "agspec's budget (default: the built-in estimate)")
     p.add_argument("--no-oracle", action="store_true",
                    help="skip the oracle bound (one more replay per file)")
     p.add_argument("--json")
