@@ -9,6 +9,7 @@ string, and confirms a hit on the whole output.
 
 from __future__ import annotations
 
+import codecs
 import os
 from typing import Callable, Container, Protocol, Sequence
 
@@ -20,13 +21,71 @@ _MARGIN_TOKENS = 8
 
 class StopTokenizer(Protocol):
     """What stop strings need of a tokenizer (:class:`~agspec_gpu.tokenizer.Tokenizer`
-    has it): its decoder, its byte-fallback ids and which ids it has no token for."""
+    has it): its decoder, its byte-fallback ids and the byte each stands for, and which
+    ids it has no token for."""
 
     byte_pieces: Container[int]
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def has_no_token(self, token_id: int) -> bool: ...
+
+    def byte_value(self, token_id: int) -> int | None: ...
+
+
+class _Run:
+    """A run of byte pieces in a matcher's output (the ids that decode to nothing between
+    them included), as far as it has been pushed: enough to cut it where it decodes as its
+    whole does, and to tell when its text can hold no stop string.
+
+    Attributes:
+        first: the index of its first piece.
+        lead: the index of the first piece of its last character while that character is
+            unfinished (the run decodes as U+FFFD), else None.
+        error: the index where its bytes stop being valid UTF-8 for good (the first byte of
+            the bad sequence: the run decodes as U+FFFD whatever follows), else None.
+        opaque: an id that decodes to nothing stands between its pieces, or a piece's byte
+            is unknown: it is cut only at its first piece.
+        checked: the last index at which its text was whole and was checked (a push) or
+            seeded; ``first - 1`` if none.
+        fffd_checked: the output was checked (or seeded) while the run decoded as U+FFFD.
+    """
+
+    __slots__ = ("first", "lead", "error", "opaque", "checked", "fffd_checked", "_utf8")
+
+    def __init__(self, first: int):
+        self.first, self.lead, self.error, self.opaque = first, None, None, False
+        self.checked, self.fffd_checked = first - 1, False
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+
+    def add(self, index: int, byte: int | None) -> None:
+        """Takes the piece at ``index``, which stands for ``byte`` (None: unknown)."""
+        if byte is None:
+            self.opaque = True
+        if self.opaque or self.error is not None:
+            return
+        try:
+            self._utf8.decode(bytes((byte,)))
+        except UnicodeDecodeError:
+            self.error = index if self.lead is None else self.lead
+            return
+        unfinished = bool(self._utf8.getstate()[0])
+        self.lead = (index if self.lead is None else self.lead) if unfinished else None
+
+    def cut(self, index: int, byte_value: Callable[[int], int | None],
+            tokens: list[int]) -> int:
+        """Where a window that would start at ``index`` (in this run) starts, so that the
+        run's part in it decodes as the tail of the run's text: at the first byte of the
+        character ``index`` is in (a run decodes as U+FFFD while it ends mid-character,
+        and so does its part from any character on), at most at the bad byte sequence
+        (the part from there on is bad too), and at its first piece if opaque."""
+        if self.opaque:
+            return self.first
+        if self.error is not None and index >= self.error:
+            return self.error
+        while index > self.first and 0x80 <= (byte_value(tokens[index]) or 0) < 0xC0:
+            index -= 1  # (a continuation byte: 10xxxxxx)
+        return index
 
 
 class StopMatcher:
@@ -46,11 +105,22 @@ class StopMatcher:
     SentencePiece decoder strips a leading space; special and padding ids add nothing)
     or a character's width before them. The window decoded at each token reaches back
     ``max bytes + 8`` such tokens (or twice as many with any text: see :meth:`_reach`)
-    and never starts inside a run (a cut run is not valid UTF-8), so it holds every
-    occurrence, with decoding artefacts of the cut in front of it. A hit in the window is
-    confirmed on the whole output, so the window never ends a request that the reference
-    would not. Ids the tokenizer has no token for (``void``: its decoder never sees them)
-    are left out of both: a model stuck on one costs no decoding.
+    and never starts where it would cut a run into text the whole run does not decode to
+    (a run cut mid-character is not valid UTF-8), so it holds every occurrence, with
+    decoding artefacts of the cut in front of it. A hit in the window is confirmed on the
+    whole output, so the window never ends a request that the reference would not. Ids
+    the tokenizer has no token for (``void``: its decoder never sees them) are left out
+    of both: a model stuck on one costs no decoding.
+
+    With the pieces' bytes (``byte_value``), a long run costs no more than other text (a
+    vocabulary without CJK or emoji writes them as runs: 4,000 pieces took 10 s). The
+    window may start at any character's first byte in a run (up to a byte sequence that
+    is not UTF-8, after which the run decodes as U+FFFD from anywhere), and the text a
+    piece reveals is the run's text since its last check. While a run decodes as U+FFFD
+    (it ends mid-character, or holds a bad sequence) a piece changes only U+FFFDs, so
+    after the first such check (the text in front of the run is the same each time)
+    it is not decoded at all, unless a stop string holds a U+FFFD. Without
+    ``byte_value`` a run is cut only at its first piece and decoded at each of its pieces.
 
     Args:
         decode: the tokenizer's ``decode(list[int]) -> str``.
@@ -61,31 +131,42 @@ class StopMatcher:
             has_no_token`; None: every id is decoded). Only ids the decoder drops before
             it runs qualify: one that decodes to nothing alone may still change its
             neighbours' text (a CTC decoder's pad keeps two equal tokens apart).
+        byte_value: the byte a byte piece stands for (:meth:`~agspec_gpu.tokenizer.
+            Tokenizer.byte_value`; None: unknown). Its decoder must decode a run as UTF-8
+            when its bytes are valid and as U+FFFD otherwise, as byte-fallback decoders
+            do; ids that decode to nothing between pieces make a run opaque (cut only at
+            its first piece).
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str],
                  byte_pieces: Container[int] = frozenset(),
-                 void: Callable[[int], bool] | None = None):
+                 void: Callable[[int], bool] | None = None,
+                 byte_value: Callable[[int], int | None] | None = None):
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stops: expected non-empty strings, got {stops!r}")
         self.stops = tuple(stops)
         self._decode = decode
         self._byte_pieces = byte_pieces
         self._is_void = void
+        self._byte_value = byte_value
         self._window = max((len(s.encode()) for s in self.stops), default=0) + _MARGIN_TOKENS
+        self._stops_fffd = any("\ufffd" in s for s in self.stops)
         # the output's tokens but the void ones: a model stuck on a padded id had every
         # push decode the whole run since the last token with text (quadratic)
         self.tokens: list[int] = []
+        self._runs: list[_Run | None] = []  # per token: the run it is in (byte_value given)
         self._seed_text = ""  # what seeded tokens decode to (seed)
         self._alone: dict[int, str] = {}  # per id: what it decodes to alone
         self._voids: dict[int, bool] = {}  # per id: _void
         self._silents: dict[int, bool] = {}  # per id: _silent
+        self._bytes: dict[int, int | None] = {}  # per byte piece: byte_value
 
     @classmethod
     def for_tokenizer(cls, tokenizer: StopTokenizer, stops: Sequence[str]) -> "StopMatcher":
-        """The matcher of ``stops`` under ``tokenizer``'s decoder, byte-fallback runs and
-        ids without a token."""
-        return cls(tokenizer.decode, stops, tokenizer.byte_pieces, tokenizer.has_no_token)
+        """The matcher of ``stops`` under ``tokenizer``'s decoder, byte-fallback runs (and
+        their bytes, if it has ``byte_value``) and ids without a token."""
+        return cls(tokenizer.decode, stops, tokenizer.byte_pieces, tokenizer.has_no_token,
+                   getattr(tokenizer, "byte_value", None))
 
     def seed(self, tokens: Sequence[int]) -> None:
         """Takes ``tokens`` as the output so far, unchecked (a request that goes on: an own
@@ -100,8 +181,21 @@ class StopMatcher:
         if not self.stops:
             return
         tokens = list(tokens)
-        self.tokens = [t for t in tokens[self._reach(tokens, 2 * self._window):]
-                       if not self._void(t)]
+        end = len(tokens)
+        while end > 0 and self._void(tokens[end - 1]):
+            end -= 1
+        changed = self._run_start(tokens, end - 1) if end else 0
+        start = self._reach(tokens, 2 * self._window, changed + (changed == end - 1),
+                            lambda i: self._run_start(tokens, i))
+        for t in tokens[start:]:
+            if not self._void(t):
+                self.tokens.append(t)
+                self._join()
+        run = self._runs[-1] if self._runs else None
+        if run is not None and run.lead is None and run.error is None:
+            run.checked = len(self.tokens) - 1  # (seeded whole)
+        elif run is not None:
+            run.fffd_checked = True
         self._seed_text = self._decode(self.tokens)
 
     def push(self, token: int) -> bool:
@@ -109,7 +203,24 @@ class StopMatcher:
         if not self.stops or self._void(token):
             return False  # (a void id leaves the text as it was: no stop string in it)
         self.tokens.append(token)
-        start = self._reach(self.tokens, self._window)
+        run = self._join()
+        last = len(self.tokens) - 1
+        if run is None or self._byte_value is None:
+            changed = self._run_start(self.tokens, last)
+        elif run.opaque:
+            changed = run.first
+        elif run.lead is not None or run.error is not None:
+            # the run decodes as U+FFFD. After the first such check, a piece only adds a
+            # U+FFFD: the text in front of the run is as it was then (a decoder's cleanup
+            # sees a U+FFFD after it either way)
+            if run.fffd_checked and not self._stops_fffd:
+                return False
+            run.fffd_checked = True
+            changed = run.first
+        else:  # whole: text past the run's last check is new
+            changed = run.checked + 1
+            run.checked = last
+        start = self._reach(self.tokens, self._window, changed + (changed == last), self._cut)
         text = self._decode(self.tokens[start:])
         if not any(s in text for s in self.stops):
             return False
@@ -121,27 +232,58 @@ class StopMatcher:
         new = len(os.path.commonprefix([self._seed_text, text]))
         return any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in self.stops)
 
-    def _reach(self, tokens: list[int], count: int) -> int:
+    def _reach(self, tokens: list[int], count: int, start: int,
+               cut: Callable[[int], int]) -> int:
         """Where a window of ``count`` bytes or more starts, before the text the last token
-        changed: back from the last token (its run's first piece, for a byte piece) over
-        ``count`` tokens with text other than whitespace, or ``2 * count`` with text in
-        context (whichever comes first: a whitespace token adds a byte unless a cleanup
-        removes it before a later token with text, so those hold ``count`` bytes too, and
-        a run of whitespace costs a bounded window), then back to the first piece of a run
-        it would cut. Void ids count as nothing."""
-        end = len(tokens)
-        while end > 0 and self._void(tokens[end - 1]):
-            end -= 1
-        start = self._run_start(tokens, end - 1) if end else 0
-        if start == end - 1:  # no run behind the last token: counted with it
-            start += 1
+        changed (``tokens[start:]``, or the last token's own text when ``start`` is past
+        it): back from ``start`` over ``count`` tokens with text other than whitespace, or
+        ``2 * count`` with text in context (whichever comes first: a whitespace token adds
+        a byte unless a cleanup removes it before a later token with text, so those hold
+        ``count`` bytes too, and a run of whitespace costs a bounded window), then back to
+        where ``cut`` says a window may start. Void ids count as nothing."""
         seen = with_text = 0
         while start > 0 and seen < count and with_text < 2 * count:
             start -= 1
             if not self._void(tokens[start]):
                 seen += bool(self._text(tokens[start]).strip())
                 with_text += not self._silent(tokens[start])
-        return self._run_start(tokens, start)
+        return cut(start)
+
+    def _join(self) -> _Run | None:
+        """Puts the last token in its run of byte pieces (the run of the piece before it,
+        across ids that decode to nothing, or a new one), if it is a byte piece, and returns
+        that run. Without ``byte_value``, runs are not kept (None)."""
+        last = len(self.tokens) - 1
+        self._runs.append(None)
+        if self._byte_value is None or self.tokens[last] not in self._byte_pieces:
+            return None
+        prev = last - 1
+        while prev >= 0 and self.tokens[prev] not in self._byte_pieces and \
+                self._silent(self.tokens[prev]):
+            prev -= 1
+        run = self._runs[prev] if prev >= 0 else None
+        if run is None:
+            run = _Run(last)
+        elif prev < last - 1:  # across ids that decode to nothing
+            run.opaque = True
+            self._runs[prev + 1:last] = [run] * (last - 1 - prev)
+        self._runs[last] = run
+        run.add(last, self._byte(self.tokens[last]))
+        return run
+
+    def _cut(self, index: int) -> int:
+        """Where a window of the output that would start at ``index`` starts: not inside a
+        run of byte pieces, but where the run decodes as its whole does (:meth:`_Run.cut`;
+        its first piece without ``byte_value``)."""
+        run = self._runs[index] if index < len(self._runs) else None
+        if run is None:
+            return self._run_start(self.tokens, index)
+        return run.cut(index, self._byte, self.tokens)
+
+    def _byte(self, token: int) -> int | None:
+        if token not in self._bytes:
+            self._bytes[token] = self._byte_value(token) if self._byte_value else None
+        return self._bytes[token]
 
     def _text(self, token: int) -> str:
         text = self._alone.get(token)

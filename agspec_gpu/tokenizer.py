@@ -71,6 +71,13 @@ class Tokenizer:
             return not self._impl.has_text(token_id)
         return self._impl.convert_ids_to_tokens(int(token_id)) is None
 
+    def byte_value(self, token_id: int) -> int | None:
+        """The byte a byte-fallback piece stands for (``<0xE4>``: 0xE4); None for any other
+        id."""
+        if token_id not in self.byte_pieces:
+            return None
+        return int(self._impl.convert_ids_to_tokens(int(token_id))[3:5], 16)
+
     def encode(self, text: str) -> list[int]:
         """Tokenizes ``text`` as whole text; special-token strings are encoded as plain text.
 

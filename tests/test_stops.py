@@ -246,27 +246,30 @@ def test_seeding_a_long_output_decodes_a_window_of_it():
 
 
 # ------------------------------------------------------------ SentencePiece-style decoders
-def byte_fallback_tokenizer():
+def byte_fallback_tokenizer(cleanup: bool = False):
     """A Llama-2 / Mistral style tokenizer, built here (no network): BPE with byte
     fallback (``<0x00>``-``<0xFF>``), "▁" for spaces, and their decoder chain (Replace,
     ByteFallback, Fuse, Strip), which turns a run of byte pieces whose bytes are not valid
-    UTF-8 into one U+FFFD per piece."""
+    UTF-8 into one U+FFFD per piece; its ``<pad>`` decodes to nothing and ends a run.
+    ``cleanup``: ``decode`` cleans up tokenization spaces (``" ."`` -> ``"."``)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
     from agspec_gpu.tokenizer import from_hf
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
-    for piece in ("▁", "a", "b", "X", ".", "▁a", "▁b", "中"):
+    for piece in ("▁", "a", "b", "X", ".", "▁a", "▁b", "中", "<pad>"):
         vocab[piece] = len(vocab)
     bpe = Tokenizer(models.BPE(vocab, [("▁", "a"), ("▁", "b")], unk_token="<unk>",
                                byte_fallback=True, fuse_unk=True))
     bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
                                            normalizers.Replace(" ", "▁")])
-    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Replace("<pad>", ""),
+                                     decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     return from_hf(PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
-                                           eos_token="</s>", unk_token="<unk>"), "bf")
+                                           eos_token="</s>", unk_token="<unk>",
+                                           clean_up_tokenization_spaces=cleanup), "bf")
 
 
 def test_runs_of_byte_pieces_are_never_cut():
@@ -310,6 +313,60 @@ def test_runs_of_byte_pieces_are_never_cut():
             assert seeded(tokens, stops, k, t) == reference_after(tokens, stops, k, t), \
                 (case, stops, k)
 
+
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_long_runs_of_byte_pieces_cost_a_bounded_window(cleanup):
+    """A run of byte pieces decodes only whole, so the window reached back to the run's
+    first piece and each push decoded the whole run: 4,000 pieces of text a vocabulary
+    lacks (CJK, emoji), or of bytes that are not UTF-8, took 10-12 s. With the pieces'
+    bytes known (``byte_value``), a window starts at a character's first byte, and a
+    piece that leaves the run decoding as U+FFFD is decoded once per run. Stops are still
+    found where the whole output first holds them: across runs, across ``<pad>`` (which
+    ends a run), a U+FFFD stop, a " ." that the cleanup turns into "." while the run after
+    it decodes whole, and a space that a decoder strips at the output's end until a run
+    that decodes as U+FFFD follows it (the first such push is decoded)."""
+    t = byte_fallback_tokenizer(cleanup)
+    assert t.byte_value(3 + 0xE4) == 0xE4 and t.byte_value(t.encode("X")[-1]) is None
+    pieces = lambda text: [3 + b for b in text.encode()]  # noqa: E731
+    rng = random.Random(5)
+    runs = {"cjk": pieces("".join(chr(0x4E00 + rng.randrange(2000)) for _ in range(1000))),
+            "emoji": pieces("🦀" * 750),
+            "not utf-8": [3 + 0xFF] + [3 + rng.randrange(256) for _ in range(2999)]}
+    for name, tokens in runs.items():
+        lengths = []
+        m = StopMatcher.for_tokenizer(t, ["never"])
+        m._decode = lambda ids: (lengths.append(len(ids)), t.decode(ids))[1]
+        assert not any(m.push(x) for x in t.encode("a b") + tokens)
+        assert sum(lengths) < 60 * len(tokens), (name, sum(lengths))  # (was len**2 / 2)
+    rstrip = lambda ids: t.decode(ids).rstrip(" ")  # noqa: E731
+    tokens = t.encode("X")[-1:] + [t._impl.get_vocab()["▁"], 3 + 0xE4, 3 + 0xB8]
+    assert rstrip(tokens[:2]) == "X" and rstrip(tokens[:3]) == "X \ufffd"
+    m = StopMatcher(rstrip, ["X "], t.byte_pieces, t.has_no_token, t.byte_value)
+    assert [m.push(x) for x in tokens[:3]] == [False, False, True]
+    # a window that starts past a run's bad byte: the run's part in it must decode as
+    # U+FFFD too, though its bytes from there are ASCII
+    tokens = [3 + 0xFF] + pieces("abcdefghijklmnopqrstuvwxyz") + t.encode("X")[-1:]
+    assert t.decode(tokens).endswith("\ufffdX")
+    assert matched(tokens, ["\ufffdX"], t) == reference(tokens, ["\ufffdX"], t) == 28
+    pad = t._impl.get_vocab()["<pad>"]
+    assert t.decode([3 + 0xE4, pad, 3 + 0xB8, 3 + 0xAD]) == "\ufffd" * 3
+    alphabet = ["文", "中", "é", "🦀", "a", " a", ".", " .", "X", " b", "b", "\u0301"]
+    plain = list(range(259, len(t._impl.get_vocab())))
+    for case in range(120):
+        tokens = []
+        for _ in range(rng.randrange(1, 40)):  # pieces of text, or a stray piece or pad
+            r = rng.random()
+            tokens += pieces(rng.choice(alphabet)) if r < 0.7 else \
+                [rng.choice(plain)] if r < 0.85 else [pad] if r < 0.9 else \
+                [3 + rng.randrange(256)]
+        text = t.decode(tokens) or "a"
+        for stops in stops_from(text, rng, 2) + [["\ufffd"], ["中"], ["a."], ["a ."]]:
+            assert matched(tokens, stops, t) == reference(tokens, stops, t), (case, stops)
+            k = rng.randrange(len(tokens))
+            assert seeded(tokens, stops, k, t) == reference_after(tokens, stops, k, t), \
+                (case, stops, k)
 
 
 def test_ids_that_add_no_text_cost_no_window():
@@ -383,9 +440,10 @@ def test_generate_ends_where_the_whole_output_first_holds_a_stop(monkeypatch):
     given = []
 
     class Recorded(StopMatcher):
-        def __init__(self, decode, stops, byte_pieces=frozenset(), void=None):
-            given.append((byte_pieces, void))
-            super().__init__(decode, stops, byte_pieces, void)
+        def __init__(self, decode, stops, byte_pieces=frozenset(), void=None,
+                     byte_value=None):
+            given.append((byte_pieces, void, byte_value))
+            super().__init__(decode, stops, byte_pieces, void, byte_value)
 
     monkeypatch.setattr(agspec_gpu.requests, "StopMatcher", Recorded)
     from agspec_gpu.runners.hf import greedy_generate
@@ -410,4 +468,5 @@ def test_generate_ends_where_the_whole_output_first_holds_a_stop(monkeypatch):
     draft = dec.propose(own)
     dec.commit(own, draft, torch.zeros(1, 1 + draft.max_nodes, t.vocab_size), stop="x")
     assert len(given) == len(stops) + 3 and \
-        all(b == t.byte_pieces and v == t.has_no_token for b, v in given)
+        all(b == t.byte_pieces and v == t.has_no_token and bv == t.byte_value
+            for b, v, bv in given)
