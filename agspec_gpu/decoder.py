@@ -531,17 +531,19 @@ class SpecDecoder:
 
         A draft other than the one :meth:`propose` returned for these sessions in this
         order (a narrowed, masked or built one, or its own draft given other sessions) is
-        checked first, in one device read, as :meth:`commit` checks it: sizes, token ids in
-        the vocabulary, parents earlier nodes; ValueError naming the field, before your
+        checked first, in one device read, as :meth:`commit` checks it: at most the
+        drafter's ``max_nodes`` wide and ``max_draft_depth`` deep, sizes, token ids in the
+        vocabulary, parents earlier nodes; ValueError naming the field, before your
         forward would index the embedding with it. A read more checks its positions: a node
         at :attr:`max_model_len` or past it raises ValueError naming ``draft``."""
         sids = self._batch(session_ids)
         states = [self._session(s) for s in sids]
-        check_draft(draft, len(states))
+        check_draft(draft, len(states), self.drafter.config.max_nodes)
         # propose's own draft of these sessions in this order stays inside their rooms
         built = draft is not self._proposed_draft or sids != self._proposed
         if built:
-            draft.checked_sizes(self.vocab_size, self._reader)
+            draft.checked_sizes(self.vocab_size, self._reader,
+                                self.drafter.config.max_draft_depth)
         dev = draft.token_ids.device
         inputs = draft.tree_inputs(to_device([st.context[-1] for st in states], torch.int64,
                                              dev),
@@ -568,7 +570,8 @@ class SpecDecoder:
         """Accepts a verified step of the last :meth:`propose` of ``session_ids``.
 
         Args:
-            draft: the proposed trees (or a narrowed / masked copy of them).
+            draft: the proposed trees (or a narrowed / masked copy of them; a built
+                one at most the drafter's ``max_nodes`` wide and ``max_draft_depth`` deep).
             logits: ``[B, 1 + N, V]`` the target's logits at each root (row 0) and node ``j``
                 (row ``1 + j``), ``N = draft.max_nodes``, ``V >= `` the model's vocabulary
                 (columns past it, a padded head's, are ignored); rows of padding nodes are
@@ -618,7 +621,7 @@ class SpecDecoder:
         if self._proposed != sids:
             raise ValueError("session_ids: commit() must follow propose() of the same "
                              f"sessions in the same order (last propose: {self._proposed})")
-        check_draft(draft, len(sids))
+        check_draft(draft, len(sids), self.drafter.config.max_nodes)
         check_commit_logits(logits, draft, self.vocab_size, flat=qo_indptr is not None)
         self._check_generator(generator)
         # the sessions' end rules: the Requests that generate() would build
@@ -626,7 +629,9 @@ class SpecDecoder:
                                 max_new_tokens, stop, self.vocab_size, self.tokenizer,
                                 self.max_model_len, 1 + draft.max_nodes)
         logits = logits[..., :self.vocab_size]  # a padded head's columns are no tokens
-        num_draft = draft.checked_sizes(self.vocab_size, self._reader)
+        num_draft = draft.checked_sizes(  # (propose's own draft is no deeper)
+            self.vocab_size, self._reader,
+            None if draft is self._proposed_draft else self.drafter.config.max_draft_depth)
         if qo_indptr is not None:
             check_qo_indptr(qo_indptr, num_draft, logits)
         params = self._sampling(sampling, len(sids))

@@ -83,21 +83,31 @@ class DraftBatch:
                           torch.where(valid, self.parents, PAD_ID), num,
                           None if src is None else torch.where(valid, src, -1).to(src.dtype))
 
-    def checked_sizes(self, vocab_size: int, reader: HostReader | None = None) -> list[int]:
+    def checked_sizes(self, vocab_size: int, reader: HostReader | None = None,
+                      max_depth: int | None = None) -> list[int]:
         """``num_draft_tokens`` on the host, in one read (through ``reader`` when given) that
         also checks the trees: every size in ``[0, N]``, every draft token in ``[0,
-        vocab_size)`` and every parent an earlier node or the root (``-1 <= parents[b, j] <
-        j``); ValueError naming ``draft.num_draft_tokens``, ``draft.token_ids`` or
-        ``draft.parents`` if not."""
+        vocab_size)``, every parent an earlier node or the root (``-1 <= parents[b, j] <
+        j``) and, with ``max_depth``, no node deeper than it (a drafter commits at most its
+        ``max_draft_depth`` accepted tokens a step); ValueError naming
+        ``draft.num_draft_tokens``, ``draft.token_ids``, ``draft.parents`` or ``draft`` if
+        not."""
         cols = torch.arange(self.max_nodes, device=self.token_ids.device)[None, :]
         valid = cols < self.num_draft_tokens[:, None]
+        par_ok = (self.parents >= -1) & (self.parents < cols)
+        too_deep = torch.zeros((), dtype=torch.bool, device=valid.device)
+        if max_depth is not None and max_depth < self.max_nodes:  # (N nodes: depth <= N)
+            # depths() walks the parents: a bad one (reported first) is taken as the root
+            tree = DraftBatch(self.token_ids, torch.where(par_ok, self.parents, -1),
+                              self.num_draft_tokens)
+            too_deep = (tree.depths() > max_depth).any()
         flags = torch.stack([
             ((self.num_draft_tokens < 0) | (self.num_draft_tokens > self.max_nodes)).any(),
             (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any(),
-            (valid & ((self.parents < -1) | (self.parents >= cols))).any()]).int()
+            (valid & ~par_ok).any(), too_deep]).int()
         # int32, the sizes' contract dtype and the reader's: no conversion on the way
         both = torch.cat([self.num_draft_tokens.to(torch.int32), flags])
-        *num, bad_num, bad_tok, bad_par = both.tolist() if reader is None else \
+        *num, bad_num, bad_tok, bad_par, too_deep = both.tolist() if reader is None else \
             reader.read(both)[0]
         if bad_num:
             raise ValueError(f"draft.num_draft_tokens: sizes must be in [0, {self.max_nodes}]"
@@ -107,6 +117,9 @@ class DraftBatch:
         if bad_par:
             raise ValueError("draft.parents: a node's parent must be an earlier node or -1 "
                              "(the root): parents[b, j] in [-1, j)")
+        if too_deep:
+            raise ValueError(f"draft: a node is deeper than the drafter's max_draft_depth="
+                             f"{max_depth} (a step accepts at most that many draft tokens)")
         return num
 
     def depths(self) -> torch.Tensor:
@@ -196,9 +209,10 @@ class DraftBatch:
         return DraftBatch(tok.to(device), par.to(device), num.to(device))
 
 
-def check_draft(draft: Any, num_sessions: int) -> None:
+def check_draft(draft: Any, num_sessions: int, max_nodes: int | None = None) -> None:
     """``draft`` is a :class:`DraftBatch` of one tree per session, of integer tensors
-    whose shapes agree; ValueError naming ``draft`` (or its field) if not. The values are
+    whose shapes agree, at most ``max_nodes`` wide (the drafter's: its commit buffers hold
+    no more); ValueError naming ``draft`` (or its field) if not. The values are
     :meth:`DraftBatch.checked_sizes`' to check, in its one device read."""
     if not isinstance(draft, DraftBatch):
         raise ValueError(f"draft: expected the DraftBatch of propose(), got "
@@ -214,3 +228,6 @@ def check_draft(draft: Any, num_sessions: int) -> None:
     if draft.token_ids.shape[0] != num_sessions:
         raise ValueError(f"draft: batch {draft.token_ids.shape[0]} != {num_sessions} "
                          f"session_ids")
+    if max_nodes is not None and draft.max_nodes > max_nodes:
+        raise ValueError(f"draft: {draft.max_nodes} node columns, past the drafter's "
+                         f"max_nodes={max_nodes}")

@@ -1871,6 +1871,25 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
         with pytest.raises(ValueError, match="draft.num_draft_tokens"):
             dec.commit(sids, DraftBatch(draft.token_ids, draft.parents,
                                         torch.tensor([1, n], dtype=torch.int32)), logits)
+    # a built draft past the drafter's max_nodes or max_draft_depth: its commit buffers
+    # hold no more (a 64-node chain committed 65 tokens, and a GPU's drafter ring kept 33)
+    K = dec.drafter.config.max_draft_depth
+    pad = torch.full((2, N), -1, dtype=torch.int32)
+    wide = DraftBatch(torch.cat([draft.token_ids, pad], 1), torch.cat([draft.parents, pad], 1),
+                      draft.num_draft_tokens)
+    assert N == dec.drafter.config.max_nodes > K
+    chain = lambda n: DraftBatch(  # noqa: E731 - session 0's n-node chain
+        torch.where(torch.arange(N) < n, 5, -1).int().expand(2, N).contiguous(),
+        torch.where(torch.arange(N) < n, torch.arange(-1, N - 1), -1).int().expand(2, N)
+        .contiguous(), torch.tensor([n, 0], dtype=torch.int32))
+    for call in (dec.commit, lambda s, d, *_: dec.tree_inputs(s, d)):
+        with pytest.raises(ValueError, match=f"draft: {2 * N} node columns, past the "
+                                             f"drafter's max_nodes={N}"):
+            call(sids, wide, torch.zeros(2, 1 + 2 * N, VOCAB))
+        with pytest.raises(ValueError, match=f"draft: a node is deeper than the drafter's "
+                                             f"max_draft_depth={K}"):
+            call(sids, chain(K + 1), logits)
+    assert dec.tree_inputs(sids, chain(K)).position_ids[0, K] == len(P[0]) - 1 + K
     with pytest.raises(KeyError):
         dec.root_ids([sids[0], "nope"])
     with pytest.raises(ValueError, match="session_ids: expected a list"):  # not its letters
