@@ -56,6 +56,7 @@ from agspec_gpu.checks import check_text, check_token_ids, is_int
 from agspec_gpu.commit_checks import (check_commit_logits, check_qo_indptr, commit_end_rules,
                                       cut_result)
 from agspec_gpu.controller import load_profiles
+from agspec_gpu.corpus import BudgetExceeded
 from agspec_gpu.cost_model import BatchCostModels, CostModel
 from agspec_gpu.cuda_graph import batch_buckets
 from agspec_gpu.decoder_config import DecoderConfig
@@ -398,8 +399,14 @@ class SpecDecoder:
         return [f.path for f in files]
 
     def _add_files(self, tenant: str, files) -> None:
+        """Indexes the files captured from a session's text; one larger than the
+        workspace's whole budget is left out (the text that held it is taken all the
+        same)."""
         for f in files:
-            self.store.add_workspace_file(tenant, f.path, f.text, first_line=f.first_line)
+            try:
+                self.store.add_workspace_file(tenant, f.path, f.text, first_line=f.first_line)
+            except BudgetExceeded:
+                pass
 
     @serialized
     @device_guard

@@ -25,6 +25,7 @@ import torch
 
 from agspec_gpu.host import HostWriter, synchronize
 from agspec_gpu.baselines import HOST_DRAFTERS, HostDrafter, make_host_drafter
+from agspec_gpu.corpus import BudgetExceeded
 from agspec_gpu.cost_model import CostModel
 from agspec_gpu.draft_batch import PAD_ID, DraftBatch
 from agspec_gpu.accept import NO_TOKEN, teacher_forced_accept
@@ -213,7 +214,10 @@ class BatchedLane:
 
     def add_file(self, tenant: str, path: str, text: str, first_line: int | None) -> None:
         if self.store is not None:
-            self.store.add_workspace_file(tenant, path, text, first_line=first_line)
+            try:  # (a file past the workspace's whole budget is left out, as serving does)
+                self.store.add_workspace_file(tenant, path, text, first_line=first_line)
+            except BudgetExceeded:
+                pass
 
     def start_message(self, sid: str, tenant: str, context: np.ndarray) -> None:
         pass  # the drafter already holds the context (open_session + extend + observe)

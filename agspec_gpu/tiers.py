@@ -22,7 +22,7 @@ import torch
 
 from agspec_gpu.checks import (check_bool_fields, check_float_fields, check_int_fields, check_text,
                                check_token_ids, check_tuple_field, is_int)
-from agspec_gpu.corpus import DocumentCorpus
+from agspec_gpu.corpus import BudgetExceeded, DocumentCorpus
 from agspec_gpu.forms import DEFAULT_FORMS, EmissionForm, render_forms
 from agspec_gpu.host import to_device
 from agspec_gpu.index import IndexArena, IndexConfig
@@ -348,6 +348,11 @@ class CorpusStore:
         indexed as a document of its own, whatever its ``first_line`` (the 1-based file line
         of its first line, or None; checked, not yet used to place it in the file). Returns
         the number of tokens added.
+
+        Raises:
+            BudgetExceeded (a ValueError) naming ``text``, nothing added, when its forms
+            hold more tokens than ``workspace_budget_tokens`` (eviction keeps the newest
+            file whole, so one such file would hold the tier past its budget).
         """
         _check_tenant(tenant)
         if path is not None:
@@ -357,16 +362,23 @@ class CorpusStore:
             raise ValueError(f"first_line: expected None or an int >= 1, got {first_line!r}")
         if not self.config.use_workspace or not text:
             return 0
-        t = self._touch(tenant)
         key = (path or "", hashlib.sha1(text.encode()).hexdigest())
-        if t.ws is not None and t.ws.touch(key):
+        t = self._tenants.get(tenant)
+        if t is not None and t.ws is not None and t.ws.touch(key):
+            self._touch(tenant)
             return 0
-        if t.ws is None:
-            t.ws = DocumentCorpus(self.arena, self.config.workspace_budget_tokens, "lru",
-                                  self.config.workspace_low_water)
         rendered = render_forms(text, self.config.forms)
         forms = list(rendered)
         ids = self.tokenizer.encode_batch([rendered[f] for f in forms])
+        size = sum(1 + len(toks) for toks in ids)  # (each form a document: a separator)
+        if size > self.config.workspace_budget_tokens:
+            raise BudgetExceeded(f"text: {size} tokens in its {len(forms)} forms exceed "
+                                 f"TierConfig.workspace_budget_tokens="
+                                 f"{self.config.workspace_budget_tokens}; nothing added")
+        t = self._touch(tenant)
+        if t.ws is None:
+            t.ws = DocumentCorpus(self.arena, self.config.workspace_budget_tokens, "lru",
+                                  self.config.workspace_low_water)
         try:
             added = t.ws.add(key, [(toks, source_code(CorpusTier.WORKSPACE, f))
                                    for f, toks in zip(forms, ids)])

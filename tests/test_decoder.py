@@ -733,6 +733,17 @@ def test_open_session_captures_the_files_its_prompt_shows():
     at = len(file_ids) // 2
     b = dec.open_session("t0", "coder", file_ids[:at])
     assert draft_follows(dec.propose([b]), 0, file_ids[at:]) >= 8
+    # a file past the workspace's whole budget: left out of a capture (the session opens),
+    # refused by add_workspace_file naming text (eviction keeps the newest file whole)
+    small = SpecDecoder(model(VARIANTS[1]), tok(), DecoderConfig(
+        tiers=TierConfig(workspace_budget_tokens=len(file_ids))))
+    sid = small.open_session("t0", "coder", tok().encode(shown), text=shown)
+    assert small.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") == 0
+    with pytest.raises(ValueError, match=rf"text: \d+ tokens in its \d forms exceed "
+                                         rf"TierConfig.workspace_budget_tokens={len(file_ids)}"):
+        small.add_workspace_file(sid, "f.py", file_text)
+    assert small.store.nbytes(tier=CorpusTier.WORKSPACE, tenant="t0") == 0
+    assert small.add_workspace_file(sid, "g.py", file_text[:200]) > 0
 
 
 def test_global_corpus_from_a_path(tmp_path):

@@ -790,6 +790,24 @@ def test_workspace_eviction_keeps_the_file_just_opened(tok):
     assert store.arena.num_tokens(ws_cid(store, "T")) > 0
 
 
+def test_a_file_past_the_whole_workspace_budget_is_refused(tok):
+    """Eviction keeps the newest file whole, so one file past the whole budget held the
+    tier past it (169,100 tokens on a budget of 2,000). It is refused naming ``text``, with
+    nothing added: the tier keeps its files and no tenant record is made."""
+    store = CorpusStore(tok, TierConfig(use_global=False, forms=RAW_ONLY,
+                                        workspace_budget_tokens=300))
+    store.add_workspace_file("T", "a.py", "x = 1\n" * 10)
+    held = store.arena.num_tokens(ws_cid(store, "T"))
+    big = "def f(a, b):\n    return a + b\n" * 30  # 361 tokens
+    for tenant in ("T", "U"):
+        with pytest.raises(corpus_mod.BudgetExceeded,
+                           match=r"text: 361 tokens in its 1 forms exceed "
+                                 r"TierConfig.workspace_budget_tokens=300; nothing added"):
+            store.add_workspace_file(tenant, "b.py", big)
+    assert store.arena.num_tokens(ws_cid(store, "T")) == held and "U" not in store._tenants
+    assert store.add_workspace_file("T", "b.py", big[:len(big) * 2 // 3]) > 0
+
+
 def test_history_is_per_tenant_and_bounded(tok):
     docs = [tok.encode(small_file(i)) for i in range(4)]
     budget = len(docs[0]) + len(docs[1]) + len(docs[2]) // 2 + 2
