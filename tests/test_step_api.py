@@ -1492,7 +1492,7 @@ def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch)
         return compact(self, shrink, renumber)
 
     a = dec.open_session("A", "coder", P[3])
-    dec.add_workspace_file(a, "big.py", "\n".join(f"v{i} = f({i})" for i in range(3000)))
+    dec.add_workspace_file(a, "big.py", "\n".join(f"v{i} = f({i})" for i in range(9)))
     dec.close_session(a)  # A idle: a workspace and a history
     hist = dec.store._tenants["A"].hist.cid
     c, d = dec.open_session("C", "coder", P[2]), dec.open_session("C", "coder", [1, 2, 3])
@@ -1540,7 +1540,7 @@ def test_closing_appending_and_workspace_faults_leave_no_half_state(monkeypatch)
     monkeypatch.setattr(DocumentCorpus, "_rebuild", rebuilding)
     monkeypatch.setattr(IndexArena, "append", appending)
     with pytest.raises(torch.OutOfMemoryError):
-        dec.add_workspace_file(c, "big.txt", "\n".join(f"line {i}: {i * 7}" for i in range(60)))
+        dec.add_workspace_file(c, "big.txt", "\n".join(f"line {i}: {i * 7}" for i in range(9)))
     monkeypatch.undo()
     ctx = [list(dec._sessions[s].context) for s in (c, e)]
     assert dec.generate([c, e], max_new_tokens=4) == [greedy(VARIANT, x, 4) for x in ctx]
