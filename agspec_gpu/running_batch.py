@@ -19,7 +19,8 @@ from typing import Callable
 import nvtx
 import torch
 
-from agspec_gpu.accept import AcceptBuffers, BatchSampling, accept_tree, sample_tokens
+from agspec_gpu.accept import (AcceptBuffers, BatchSampling, accept_tree,
+                               rows_without_finite_max, sample_tokens)
 from agspec_gpu.draft_batch import DraftBatch
 from agspec_gpu.drafter import Drafter
 from agspec_gpu.host import HostReader, to_device
@@ -85,7 +86,12 @@ class RunningBatch:
         first = sample_tokens(logits, self.sampling, generator, pos)
         self.next_pos = None if pos is None else pos + 1
         self.root = first.to(torch.int32)
-        new = reqs.emit([[t] for t in self.reader.read(self.root)[0]])
+        if self.sampling.all_greedy:
+            first_ids = self.reader.read(self.root)[0]
+        else:  # (a model fault, read with the tokens: see check_model_rows)
+            first_ids, faulty = self.reader.read(self.root, ~torch.isfinite(logits.amax(-1)))
+            check_model_rows(reqs.sids, faulty)
+        new = reqs.emit([[t] for t in first_ids])
         counts = list(map(len, new))  # the model's own tokens: nothing to validate or read
         before = self.drafter.store.session_lengths(reqs.sids)
         try:
@@ -142,12 +148,17 @@ class RunningBatch:
             logits, qo_indptr = runner.verify_rows(draft, self.root, num_draft_host=num_draft)
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
                               out=self.accept_out, positions=self.next_pos)
+            # a sampled step's model fault, read with the tokens (a reduction over the
+            # logits; a greedy step takes a NaN's column, as plain greedy decoding does)
+            faulty = None if self.sampling.all_greedy else \
+                rows_without_finite_max(draft, logits, qo_indptr)
         with nvtx.annotate("agspec.commit"):
             # host read 2 of 2, its copy queued; the KV commit and the drafter's commit need
             # no host value: queued behind it, they run while the host waits (the drafter's
             # host time too) and then emits the tokens. The drafter commits the nodes that
             # were verified, not all it proposed
-            self.reader.start(res.num_output, res.output_ids)
+            self.reader.start(res.num_output, res.output_ids,
+                              *(() if faulty is None else (faulty,)))
             runner.commit_kv(res)
             self.root = res.bonus_ids().to(torch.int32)
             if self.next_pos is not None:
@@ -168,7 +179,9 @@ class RunningBatch:
                 if any(reqs.spec) and all(r > n + 1 for r, n in zip(remaining, num_draft)):
                     self.drafter.propose_ahead(
                         reqs.sids, max_depths=[r - n - 2 for r, n in zip(remaining, num_draft)])
-                n_out, rows = self.reader.wait()
+                n_out, rows, *faulty = self.reader.wait()
+                if faulty:  # (raised: the step did not happen)
+                    check_model_rows(reqs.sids, faulty[0])
                 runner.commit_lengths([n - 1 for n in n_out])
                 new = reqs.emit([r[:n] for r, n in zip(rows, n_out)])
                 # the session tier gets what the session emitted: nothing past EOS, a stop
@@ -263,3 +276,16 @@ class RunningBatch:
             self.end()
         except Exception as cleanup:  # noqa: BLE001 - noted on the error that matters
             exc.add_note(f"then ending the running batch failed too: {cleanup!r}")
+
+
+def check_model_rows(sids: list[str], faulty: list[int]) -> None:
+    """Raises RuntimeError naming the sessions whose logits rows that choose a token hold a
+    NaN or +inf, or only -inf (``faulty``, host flags per request): no distribution to
+    sample, a model fault (a half-precision overflow, say), which sampling would turn into
+    the last vocabulary id (Hugging Face's sampling raises too). Greedy steps are not
+    checked: they take the NaN's column, as plain greedy decoding does."""
+    bad = [s for s, f in zip(sids, faulty) if f]
+    if bad:
+        raise RuntimeError(f"the model's logits for session(s) {bad} hold a NaN or +inf, or "
+                           f"only -inf (no next token): a model fault; the step emitted "
+                           f"nothing")

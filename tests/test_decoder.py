@@ -1957,6 +1957,52 @@ def test_own_loop_bad_calls_raise_and_leave_sessions_intact():
         dec.commit([sids[1]], draft, logits)
 
 
+
+@pytest.mark.parametrize("runner", ["hf", "paged"])
+def test_a_model_fault_in_sampled_generate_raises_and_emits_nothing(runner):
+    """Logits with no distribution to sample (a NaN or +inf in a row that chooses a token,
+    or only -inf: a half-precision overflow) raise RuntimeError naming the sessions, in the
+    prefill or in a step, with nothing emitted by that step. Before, a sampled request
+    emitted the last vocabulary id at every step (``commit`` refused such logits already;
+    Hugging Face's sampling raises). The sessions keep what earlier steps emitted, and go
+    on losslessly once the model is sound again. Greedy steps are not checked: their
+    output is plain greedy decoding's, the NaN's column included."""
+    variant = VARIANTS[1]
+    m = _tiny(*variant)  # (its own copy: its head is broken below)
+    P = [list(prompts()[i]) for i in (3, 1)]
+    dec = SpecDecoder(m, tok(), DecoderConfig(runner=runner, page_size=8,
+                                              kv_cache_tokens=4096))
+    sids = [dec.open_session(f"t{i}", "coder", p) for i, p in enumerate(P)]
+    head = m.lm_head.weight.detach()
+    sound = head[7].clone()
+    streamed = {s: [] for s in sids}
+
+    def on_tokens(sid, new):  # after the prefill and one step, the head breaks
+        streamed[sid] += new
+        if len(streamed[sids[0]]) > 1:
+            head[7] = float("nan")
+
+    with pytest.raises(RuntimeError, match=r"the model's logits for session\(s\) \['.*-s0', "
+                                           r"'.*-s1'\] hold a NaN or \+inf, or only -inf"):
+        dec.generate(sids, max_new_tokens=30, sampling=SamplingParams(temperature=0.8),
+                     eos_id=None, generator=torch.Generator().manual_seed(0),
+                     on_tokens=on_tokens)
+    for sid, p in zip(sids, P):  # the failed step took nothing
+        assert dec._sessions[sid].context == p + streamed[sid] and len(streamed[sid]) > 1
+    other = dec.open_session("t9", "coder", list(prompts()[2]))  # a prefill's fault too
+    with pytest.raises(RuntimeError, match=r"\['.*-s2'\] hold a NaN"):
+        dec.generate([other], max_new_tokens=4, sampling=SamplingParams(temperature=0.8))
+    assert dec._sessions[other].context == list(prompts()[2])
+    contexts = [list(dec._sessions[sid].context) for sid in sids]
+    out = dec.generate(sids, max_new_tokens=8, eos_id=None)  # greedy: the NaN's column
+    for o, c in zip(out, contexts):
+        assert o == greedy_generate(m, c, 8, eos_id=None) == [7] * 8
+    head[7] = sound
+    contexts = [list(dec._sessions[sid].context) for sid in sids]
+    out = dec.generate(sids, max_new_tokens=12, eos_id=None)
+    for o, c in zip(out, contexts):
+        assert o == greedy_generate(m, c, 12, eos_id=None)
+
 def test_own_loop_sampling_commits_sampled_tokens():
     variant = VARIANTS[1]
     P, dec, sids, runner = _two_sessions_and_a_runner(variant)
