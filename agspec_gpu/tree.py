@@ -31,12 +31,11 @@ import numpy as np
 import torch
 
 from agspec_gpu.draft_batch import DraftBatch
-from agspec_gpu.kernels._checks import check_ints
+from agspec_gpu.kernels._checks import check_ints, check_sink_page
 from agspec_gpu.kernels._launch import cast
 from agspec_gpu.kernels.prefix_pages import (PrefixPages, check_prefix_out,
                                              launch_prefix_pages as plan_prefix_pages)
-from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs,
-                                         check_sink_page, check_tree_out,
+from agspec_gpu.kernels.tree_mask import (TreeMaskBuffers, check_tree_inputs, check_tree_out,
                                          launch_tree_mask)
 
 

@@ -55,3 +55,20 @@ def check_devices(*named: tuple[str, torch.Tensor]) -> None:
     for name, t in rest:
         if t.device != ref.device:
             raise ValueError(f"{name}: on {t.device}, {ref_name} on {ref.device}")
+
+
+def check_sink_page(sink_page: int | None) -> None:
+    """Raises ValueError unless ``sink_page`` is None or a page index (an int >= 0 that
+    an int32 page table holds)."""
+    if sink_page is not None and not (is_py_int(sink_page) and 0 <= sink_page < 1 << 31):
+        raise ValueError(f"sink_page: expected an int in [0, 2**31) or None, got "
+                         f"{sink_page!r}")
+
+
+def check_ndims(*specs: tuple[str, torch.Tensor, int]) -> None:
+    """Raises ValueError naming the first ``(name, tensor, ndim)`` whose tensor has another
+    number of dims (checked before a launcher unpacks its shape)."""
+    for name, t, ndim in specs:
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected {ndim} dims, got {shape}")

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_ints, check_tensors
+from agspec_gpu.kernels._checks import check_devices, check_ints, check_ndims, check_tensors
 from agspec_gpu.kernels._launch import next_pow2
 
 PAD_ID = -1
@@ -127,6 +127,7 @@ def best_first(key: torch.Tensor, C: int, K: int, N: int, max_nodes: int, *,
     ``use_triton``) up to ``MAX_BLOCK_KEYS`` keys a request, the torch path otherwise."""
     check_ints(("C", C, 0, None), ("K", K, 0, None), ("N", N, 0, None),
                ("max_nodes", max_nodes, 0, None))
+    check_ndims(("key", key, 2))
     B = key.shape[0]
     check_tensors(("key", key, torch.float32, (B, C * K)))
     if N > C * K or C * K >= 1 << _TIE_BITS:
@@ -153,9 +154,7 @@ def emit_nodes(order: torch.Tensor, num: torch.Tensor, W: torch.Tensor, S: torch
     ``W``, sources ``S int32 [B, C, K]``, representatives ``rep int64 [B, C, K]`` and rows
     ``calib_row int64 [B, C]``. Triton on CUDA (or when ``use_triton``) up to
     ``MAX_BLOCK_N`` nodes, torch otherwise."""
-    for name, t, ndim in (("order", order, 2), ("W", W, 3)):
-        if t.dim() != ndim:
-            raise ValueError(f"{name}: expected {ndim} dims, got shape {list(t.shape)}")
+    check_ndims(("order", order, 2), ("W", W, 3))
     B, N = order.shape
     _, C, K = W.shape
     check_tensors(("order", order, torch.int64, (B, N)), ("num", num, torch.int64, (B,)),

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_devices, check_tensors, is_py_int
+from agspec_gpu.kernels._checks import check_devices, check_ndims, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import next_pow2, slot_or_spare
 
 # the path lookups are [BLOCK_N, BLOCK_N] compares in registers: spill-free up to 128 draft
@@ -137,6 +137,7 @@ def drafter_commit(slots: torch.Tensor, out: torch.Tensor, nout: torch.Tensor,
     Triton kernel on CUDA (or when ``use_triton``) up to ``MAX_BLOCK_N`` draft nodes, the
     torch path otherwise. Returns
     ``acc_src int64 [B, M]``; updates the state and adds to the accumulators."""
+    check_ndims(("out", out, 2), ("src", src, 2), ("recent", recent, 2))
     B, M = out.shape
     N = src.shape[1]
     S, D = recent.shape

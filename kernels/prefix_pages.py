@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array, is_py_int
+from agspec_gpu.kernels._checks import check_array, check_sink_page, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 BLOCK_PAGES = 128
@@ -156,6 +156,7 @@ def prefix_pages(prefix_lens: torch.Tensor, page_table: torch.Tensor, page_size:
         raise ValueError("page_table: every request needs a page")
     if not is_py_int(page_size) or page_size < 1:
         raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
+    check_sink_page(sink_page)
     check_prefix_out(out, B + (sink_page is not None), device)
     return launch_prefix_pages(prefix_lens, page_table, page_size, out, sink_page=sink_page,
                                use_triton=use_triton)

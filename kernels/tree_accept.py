@@ -226,6 +226,8 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     ----------
     token_ids, parents : ``int32 [B, N]`` (``parents[b, j] < j``; -1 for the root's children)
     num_draft_tokens : ``int32 [B]`` valid nodes per request (columns past it are padding)
+        (the three may be int64: both paths read them as int32, so their values must fit
+        it, as a vocabulary's ids and node counts do)
     expected : ``int64 [B, E]``: ``E = N + 1`` targets at the root and each node
         (``by_depth=False``), or the true tokens at depths ``1 .. E`` (``by_depth=True``)
     max_depth : levels to walk (``D``, the path's width)
@@ -243,8 +245,9 @@ def tree_accept(token_ids: torch.Tensor, parents: torch.Tensor, num_draft_tokens
     dev = token_ids.device
     if use_triton is None:
         use_triton = dev.type == "cuda"
-    if not use_triton or N > MAX_BLOCK_N:
-        return tree_accept_torch(token_ids, parents, num_draft_tokens, expected,
+    if not use_triton or N > MAX_BLOCK_N:  # (int32, as the kernel reads them)
+        return tree_accept_torch(*(cast(t, torch.int32) for t in
+                                   (token_ids, parents, num_draft_tokens)), expected,
                                  by_depth=by_depth, max_depth=max_depth)
     num = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.empty(B, max_depth, dtype=torch.long, device=dev)
@@ -296,7 +299,8 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     path (``by_depth=False``), the accepted tokens followed by the bonus token (the target
     at the last accepted node; -1 after it), ``num_accepted + 1`` and the bonus token.
     ``out``: those five tensors (int32, contiguous, of those shapes) to write and return,
-    a serving loop's preallocated buffers; None: new ones.
+    a serving loop's preallocated buffers; None: new ones. The draft's tensors are read as
+    int32, as :func:`tree_accept` reads them.
     """
     flat = row_start is not None
     _check_walk(token_ids, parents, num_draft_tokens, target, False, max_depth, "target",
@@ -313,6 +317,8 @@ def greedy_tree_accept(token_ids: torch.Tensor, parents: torch.Tensor,
     if use_triton is None:
         use_triton = dev.type == "cuda"
     if not use_triton or N > MAX_BLOCK_N or B == 0 or max_depth == 0:
+        token_ids, parents, num_draft_tokens = (cast(t, torch.int32) for t in
+                                                (token_ids, parents, num_draft_tokens))
         if flat:  # the padded [B, N + 1] targets (columns past a request: any row; past
             # the T rows or before them, an inconsistent row_start: NO_MATCH, as the
             # kernel loads them)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array, check_devices, check_tensors
+from agspec_gpu.kernels._checks import check_array, check_devices, check_tensors, is_py_int
 from agspec_gpu.kernels._launch import next_pow2
 
 LOG2E = 1.0 / math.log(2.0)
@@ -256,7 +256,8 @@ def tree_attention(q: torch.Tensor, kv_cache: torch.Tensor, kv_slots: torch.Tens
     if nb < 0 or prefix_lens.shape[0] != nb:
         raise ValueError(f"qo_indptr, prefix_lens: expected nb + 1 and nb entries, got "
                          f"{qo_indptr.shape[0]} and {prefix_lens.shape[0]}")
-    if not 0 <= num_tree <= nb or ancestor_bits.shape[0] < num_tree:
+    if not is_py_int(num_tree) or not 0 <= num_tree <= nb or \
+            ancestor_bits.shape[0] < num_tree:
         raise ValueError(f"num_tree: expected 0 <= num_tree <= {nb} and <= ancestor_bits' "
                          f"{ancestor_bits.shape[0]} requests, got {num_tree}")
     R, W = ancestor_bits.shape[1:]

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agspec_gpu.kernels._checks import check_array, check_ints, is_py_int
+from agspec_gpu.kernels._checks import check_array, check_ints, check_sink_page
 from agspec_gpu.kernels._launch import cdiv, next_pow2
 
 BLOCK_ROWS = 128
@@ -549,12 +549,6 @@ def check_tree_out(out: TreeMaskBuffers, B: int, N: int, device: torch.device,
         raise ValueError(f"out.ancestor_bits: R = {R} rows cannot hold a root plus {N} nodes")
     if not (out.input_ids.numel() == out.position_ids.numel() == out.kv_slots.numel()):
         raise ValueError("out.input_ids, out.position_ids, out.kv_slots: capacities differ")
-
-
-def check_sink_page(sink_page: int | None) -> None:
-    """Raises ValueError unless ``sink_page`` is None or a page index (an int >= 0)."""
-    if sink_page is not None and not (is_py_int(sink_page) and sink_page >= 0):
-        raise ValueError(f"sink_page: expected an int >= 0 or None, got {sink_page!r}")
 
 
 def launch_tree_mask(token_ids: torch.Tensor, parents: torch.Tensor,

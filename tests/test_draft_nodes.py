@@ -87,6 +87,8 @@ def test_bad_arguments_are_named():
         best_first(key.double(), 2, 3, 6, 6)
     with pytest.raises(ValueError, match="N must be"):
         best_first(key, 2, 3, 7, 6)
+    with pytest.raises(ValueError, match="^key: expected 2 dims, got \\[\\]"):
+        best_first(torch.tensor(0.5), 1, 1, 1, 1)
     o = torch.zeros(2, 4, dtype=torch.int64)
     W = torch.zeros(2, 2, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="rep"):

@@ -218,6 +218,9 @@ def test_bad_arguments_are_named():
         drafter_commit(**{**c, "path": c["path"][:, :2].contiguous()}, calib_depth=3)
     with pytest.raises(ValueError, match="recent_len"):
         drafter_commit(**{**c, "recent_len": c["recent_len"][:2]}, calib_depth=3)
+    for name in ("out", "src", "recent"):  # flattened: named, not an IndexError
+        with pytest.raises(ValueError, match=f"^{name}: expected 2 dims"):
+            drafter_commit(**{**c, name: c[name].flatten()}, calib_depth=3)
     # the calibration cells' depth: the kernel adds at row * K + depth, K from the caller
     # (0, or one that does not divide the cells, would add outside seen / accepted)
     for K in (0, 4, -3, 3.0, True):

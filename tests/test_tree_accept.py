@@ -203,6 +203,22 @@ def test_rejects_bad_inputs():
                         max_depth=3)
 
 
+def test_int64_drafts_are_read_as_int32_on_both_paths():
+    """int64 token ids, parents and sizes are read as int32 by the kernel: the torch path
+    reads them so too (it compared a token of 2**32 + 5 as itself, the kernel as 5)."""
+    tok = torch.tensor([[2**32 + 5, 7]], dtype=torch.int64)
+    par = torch.tensor([[-1, 0]], dtype=torch.int64)
+    target = torch.tensor([[5, 7, 9]], dtype=torch.int64)
+    for num in (torch.tensor([2]), torch.tensor([2**32 + 2])):
+        got = [tree_accept(tok, par, num, target, by_depth=False, max_depth=2,
+                           use_triton=u) for u in (True, False)]
+        assert all(torch.equal(a, b) for a, b in zip(*got)), num
+        walks = [greedy_tree_accept(tok, par, num, target, max_depth=2, use_triton=u)
+                 for u in (True, False)]
+        assert all(torch.equal(a, b) for a, b in zip(*walks)) and \
+            walks[0][0].tolist() == [2], num
+
+
 def test_rejects_a_tensor_on_another_device():
     t = torch.zeros(2, 3, dtype=torch.int32)
     num = torch.zeros(2, dtype=torch.int32)

@@ -91,6 +91,11 @@ def test_prefix_pages_drop_what_exceeds_the_buffer_and_check_their_arguments():
         prefix_pages(lens[:1], table, 4, prefix_buffers(2, 8))
     with pytest.raises(ValueError, match="out"):
         prefix_pages(lens, table, 4, prefix_buffers(1, 8), sink_page=0)
+    for bad in (-1, 2.5, True, 2**31):  # (planned as pages, or an obscure error, before)
+        for use_triton in (True, False):
+            with pytest.raises(ValueError, match="^sink_page: expected an int"):
+                prefix_pages(lens, table, 4, prefix_buffers(3, 8), sink_page=bad,
+                             use_triton=use_triton)
     for bad in (4.0, True, 0):
         with pytest.raises(ValueError, match="page_size"):
             prefix_pages(lens, table, bad, prefix_buffers(2, 8))
@@ -278,8 +283,9 @@ def test_tree_kernel_checks_its_arguments():
                       ("kv_cache", cache.transpose(0, 2).contiguous().transpose(0, 2))):
         with pytest.raises(ValueError, match=name):
             tree_attention(**{**args, name: bad}, num_tree=1, sm_scale=0.3)
-    with pytest.raises(ValueError, match="num_tree"):
-        tree_attention(**args, num_tree=2, sm_scale=0.3)
+    for bad in (2, 0.5, True):  # (a float or bool: torch raised IndexError, the kernel ran)
+        with pytest.raises(ValueError, match="num_tree"):
+            tree_attention(**args, num_tree=bad, sm_scale=0.3)
     narrow = torch.zeros(1, 33, 1, dtype=torch.int32)  # 33 rows, one 32-bit word
     with pytest.raises(ValueError, match="ancestor_bits: 1 words cannot hold 33 rows"):
         tree_attention(**{**args, "ancestor_bits": narrow}, num_tree=1, sm_scale=0.3)
