@@ -220,13 +220,17 @@ def suffix_match(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescriptors,
     return m if out is None else copy_result(m, out)
 
 
-# Triton's most elements in one block tensor
-MAX_TILE_NUMEL = 1 << 20
+# the most elements of the kernel's largest tile, where it compiles for sm_90 without
+# spilling: [64, 64] takes 212 registers (64 positions, 64-token windows) and [8, 512]
+# 168; [128, 128] spilled 112 bytes, [256, 256] 6.6 KB, and [512, 512] had not compiled
+# after 4 minutes (Triton's own bound, 2**20 elements, admitted 1024 positions)
+MAX_TILE_NUMEL = 1 << 12
 
 
 def triton_tiles_fit(max_positions: int, window: int) -> bool:
     """Whether the Triton kernel's ``[BLOCK_P, BLOCK_P]`` merge and ``[BLOCK_P, BLOCK_W]``
-    window tiles fit a block (``BLOCK_P = next_pow2(P)``: ``P <= 1024``); wider: torch."""
+    window tiles fit :data:`MAX_TILE_NUMEL` (``BLOCK_P = next_pow2(P)``: ``P <= 64``;
+    ``P <= 8`` with windows up to 512 tokens); wider: torch."""
     bp, bw = next_pow2(max(max_positions, 1)), next_pow2(max(window, 1))
     return bp * max(bp, bw) <= MAX_TILE_NUMEL
 

@@ -383,7 +383,7 @@ def suffix_match_triton(tokens: torch.Tensor, sa: torch.Tensor, desc: MatchDescr
                      max_lengths=max_lengths, window=window, src=src, out=out)
     if not triton_tiles_fit(max_positions, window):
         raise ValueError(f"max_positions, window: {max_positions} positions of {window} "
-                         f"tokens exceed the kernel's tiles (2**20 elements: at most 1024 "
+                         f"tokens exceed the kernel's tiles (2**12 elements: at most 64 "
                          f"positions); suffix_match runs the torch path for them")
     return launch_suffix_match(tokens, sa, desc, queries, lengths, max_depth=max_depth,
                                max_positions=max_positions, max_scan=max_scan, fan=fan,

@@ -776,12 +776,15 @@ def test_compiles_for_sm90():
     """``triton.compile`` to a cubin for sm_90 (in a child process without the interpreter,
     see ``kernel_compile.py``, which also fails on register spills) for depths 64 and 32 (the
     store's), depth 1, ``P = 0`` and the binary search (``FAN = 1``); the drafter's launch
-    (queries from its ring, windows of its depth 32) at the store's depths."""
+    (queries from its ring, windows of its depth 32) at the store's depths; the widest
+    tiles :func:`triton_tiles_fit` admits (64 positions, 64-token windows; 8 positions,
+    512-token windows) without a spill."""
     specs = []
     for max_depth, P, fan, W, rows in ((64, 8, None, 0, False), (32, 8, None, 0, False),
                                        (1, 1, None, 0, False), (16, 0, None, 0, False),
                                        (32, 8, 1, 0, False), (64, 8, None, 32, True),
-                                       (32, 8, None, 32, True), (16, 4, None, 1, True)):
+                                       (32, 8, None, 32, True), (16, 4, None, 1, True),
+                                       (32, 64, None, 64, True), (32, 8, None, 512, True)):
         const = dict(P=P, W=W, BLOCK_W=max(1, 1 << (W - 1).bit_length()) if W else 1,
                      QUERY_ROWS=rows, WINDOWS=bool(W and P), **block_sizes(max_depth, P, fan))
         specs.append((_suffix_match_kernel, dict(_SIGNATURE, **{k: "constexpr" for k in const}),
@@ -790,22 +793,23 @@ def test_compiles_for_sm90():
 
 
 def test_positions_past_the_kernels_tiles_take_the_torch_path():
-    """The kernel merges positions in a ``[BLOCK_P, BLOCK_P]`` tile: past 1024 positions
-    (Triton's 2**20 elements a block) ``suffix_match`` runs the torch path whatever
-    ``use_triton`` says, and the Triton launcher refuses them naming the arguments."""
+    """The kernel merges positions in a ``[BLOCK_P, BLOCK_P]`` tile: past 64 positions
+    (2**12 elements: 128 positions spill registers on sm_90, 512 had not compiled after 4 min)
+    ``suffix_match`` runs the torch path whatever ``use_triton`` says, and the Triton
+    launcher refuses them naming the arguments."""
     from agspec_gpu.kernels.suffix_match import triton_tiles_fit
     from agspec_gpu.kernels.suffix_match_triton import suffix_match_triton
 
-    assert triton_tiles_fit(1024, 33) and not triton_tiles_fit(1025, 1)
-    assert triton_tiles_fit(8, 4096) and not triton_tiles_fit(512, 4096)
+    assert triton_tiles_fit(64, 33) and not triton_tiles_fit(65, 1)
+    assert triton_tiles_fit(8, 512) and not triton_tiles_fit(8, 513)
     ar, ids = arena(4, 3)
     cids = [ids["repeat"], ids["period2"]]  # dozens of occurrences each (then -1 padding)
     desc = ar.descriptors(cids)
     q, lengths = t32([[3, 3], [0, 1]]).to(DEV), t32([2, 2]).to(DEV)
     got, want = (suffix_match(ar.tokens, ar.sa, desc, q, lengths, max_depth=4,
-                              max_positions=1025, use_triton=u) for u in (True, False))
+                              max_positions=65, use_triton=u) for u in (True, False))
     assert_same(want, got)
-    assert got.positions.shape == (len(cids), 1025)
+    assert got.positions.shape == (len(cids), 65)
     with pytest.raises(ValueError, match="max_positions, window"):
         suffix_match_triton(ar.tokens, ar.sa, desc, q, lengths, max_depth=4,
-                            max_positions=1025)
+                            max_positions=65)
