@@ -265,16 +265,26 @@ def flatten_tree_logits(logits: torch.Tensor, num_draft_tokens: torch.Tensor) ->
 
 
 def rows_without_finite_max(draft: DraftBatch, logits: torch.Tensor,
-                            qo_indptr: torch.Tensor | None = None) -> torch.Tensor:
+                            qo_indptr: torch.Tensor | None = None,
+                            accepted_nodes: torch.Tensor | None = None) -> torch.Tensor:
     """``bool [B]``: request ``b`` has a row (its root's or a node's; padding rows are
     ignored) whose maximum is not finite: a NaN or ``+inf`` anywhere in it, or ``-inf``
     throughout. Such a row names no next token (its argmax is the NaN's column, its softmax
-    NaN), so a caller's logits holding one are a model fault, not a distribution. One
+    NaN), so a caller's logits holding one are a model fault, not a distribution. With
+    ``accepted_nodes`` (``int [B, D]``, -1 padded: an :class:`AcceptResult`'s), only the
+    rows that chose the step's tokens count: the root's and the accepted nodes' (a
+    rejected node's row was never read, as plain decoding never computes it). One
     reduction over the logits; no host sync."""
-    rows, _ = _tree_rows(draft, logits, qo_indptr)
+    rows, row_start = _tree_rows(draft, logits, qo_indptr)
     bad = ~torch.isfinite(rows.amax(-1))
+    B, N = draft.token_ids.shape
+    if accepted_nodes is not None:
+        if not bad.numel():
+            return bad.new_zeros(B)
+        nodes = accepted_nodes.long()
+        at = (row_start.long()[:, None] + 1 + nodes.clamp(min=0)).clamp(max=bad.numel() - 1)
+        return bad[row_start.long()] | (bad[at] & (nodes >= 0)).any(-1)
     if logits.ndim == 3:
-        B, N = draft.token_ids.shape
         real = torch.arange(1 + N, device=logits.device) <= draft.num_draft_tokens[:, None]
         return (bad.view(B, 1 + N) & real).any(-1)
     # flat rows: request b's count of bad rows from the running count at its bounds

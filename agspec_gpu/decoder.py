@@ -616,7 +616,8 @@ class SpecDecoder:
         Raises:
             KeyError / ValueError naming the argument, nothing committed (the proposal
             stands: a corrected commit may follow), for bad arguments and for ``logits``
-            whose rows that choose a token hold a NaN or +inf, or only -inf (a model fault).
+            whose rows that chose the step's tokens (the root's, the accepted nodes') hold
+            a NaN or +inf, or only -inf (a model fault; a rejected node's row is not read).
             A drafter error after the session tiers took the step's tokens (a level build
             out of memory) is raised with the step committed: the contexts hold its
             tokens (``session_stats(sid).context_len`` counts them; ``root_ids`` is the
@@ -648,7 +649,7 @@ class SpecDecoder:
                             logits.device)
         with nvtx.annotate("agspec.commit"):
             res = accept_tree(draft, logits, params, generator, qo_indptr, positions=pos)
-            faulty = rows_without_finite_max(draft, logits, qo_indptr)
+            faulty = rows_without_finite_max(draft, logits, qo_indptr, res.accepted_nodes)
             n_out, rows, faulty = self._reader.read(res.num_output, res.output_ids, faulty)
             if any(faulty):  # (nothing committed: propose() stands, commit may be retried)
                 raise ValueError(

@@ -88,8 +88,9 @@ class RunningBatch:
         self.root = first.to(torch.int32)
         if self.sampling.all_greedy:
             first_ids = self.reader.read(self.root)[0]
-        else:  # (a model fault, read with the tokens: see check_model_rows)
-            first_ids, faulty = self.reader.read(self.root, ~torch.isfinite(logits.amax(-1)))
+        else:  # (a sampled request's model fault, read with the tokens: check_model_rows)
+            faulty = ~torch.isfinite(logits.amax(-1)) & (self.sampling.temperature > 0)
+            first_ids, faulty = self.reader.read(self.root, faulty)
             check_model_rows(reqs.sids, faulty)
         new = reqs.emit([[t] for t in first_ids])
         counts = list(map(len, new))  # the model's own tokens: nothing to validate or read
@@ -148,10 +149,12 @@ class RunningBatch:
             logits, qo_indptr = runner.verify_rows(draft, self.root, num_draft_host=num_draft)
             res = accept_tree(draft, logits, self.sampling, generator, qo_indptr,
                               out=self.accept_out, positions=self.next_pos)
-            # a sampled step's model fault, read with the tokens (a reduction over the
-            # logits; a greedy step takes a NaN's column, as plain greedy decoding does)
+            # a sampled request's model fault in the rows that chose its tokens, read with
+            # them (a reduction over the logits; a greedy request takes a NaN's column, as
+            # plain greedy decoding does)
             faulty = None if self.sampling.all_greedy else \
-                rows_without_finite_max(draft, logits, qo_indptr)
+                rows_without_finite_max(draft, logits, qo_indptr, res.accepted_nodes) & \
+                (self.sampling.temperature > 0)
         with nvtx.annotate("agspec.commit"):
             # host read 2 of 2, its copy queued; the KV commit and the drafter's commit need
             # no host value: queued behind it, they run while the host waits (the drafter's
@@ -279,11 +282,12 @@ class RunningBatch:
 
 
 def check_model_rows(sids: list[str], faulty: list[int]) -> None:
-    """Raises RuntimeError naming the sessions whose logits rows that choose a token hold a
-    NaN or +inf, or only -inf (``faulty``, host flags per request): no distribution to
-    sample, a model fault (a half-precision overflow, say), which sampling would turn into
-    the last vocabulary id (Hugging Face's sampling raises too). Greedy steps are not
-    checked: they take the NaN's column, as plain greedy decoding does."""
+    """Raises RuntimeError naming the sampled sessions whose logits rows that chose their
+    tokens (the root's, the accepted nodes') hold a NaN or +inf, or only -inf (``faulty``,
+    host flags per request): no distribution to sample, a model fault (a half-precision
+    overflow, say), which sampling would turn into the last vocabulary id (Hugging Face's
+    sampling raises too). Greedy requests are not checked: they take the NaN's column, as
+    plain greedy decoding does, whatever shares their batch."""
     bad = [s for s, f in zip(sids, faulty) if f]
     if bad:
         raise RuntimeError(f"the model's logits for session(s) {bad} hold a NaN or +inf, or "

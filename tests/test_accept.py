@@ -101,6 +101,23 @@ def test_rows_without_finite_max_names_the_faulty_requests(fault):
             == want
     empty = DraftBatch.from_lists([])
     assert rows_without_finite_max(empty, torch.zeros(0, V), tree_qo_indptr(empty)).numel() == 0
+    # with the accepted path: only the rows that chose the tokens (the root's, the accepted
+    # nodes'); a rejected node's row was never read
+    res = greedy_accept(d, flat, indptr)
+    path = [r[:n] for r, n in zip(res.accepted_nodes.tolist(), res.num_accepted.tolist())]
+    assert path == [[0, 1], [], [2, 3], [0]]  # (column 0 is -inf: node 2 of the chain fails)
+    for row, req, read in ((0, 0, True), (2, 0, True), (3, 0, False), (4, 1, True),
+                           (5, 2, True), (8, 2, True), (9, 2, True), (6, 2, False),
+                           (10, 2, False), (11, 3, True), (12, 3, True)):
+        bad = flat.clone()
+        if fault == "-inf row":
+            bad[row] = float("-inf")
+        else:
+            bad[row, 9] = float(fault)
+        want = [b == req and read for b in range(4)]
+        for layout, ptr in ((bad, indptr), (pad_tree_logits(bad, indptr, d.max_nodes), None)):
+            assert rows_without_finite_max(d, layout, ptr, res.accepted_nodes).tolist() == \
+                want, (row, req)
 
 
 def test_ragged_batch_flat_and_padded_agree():
