@@ -97,10 +97,19 @@ class DraftBatch:
         par_ok = (self.parents >= -1) & (self.parents < cols)
         too_deep = torch.zeros((), dtype=torch.bool, device=valid.device)
         if max_depth is not None and max_depth < self.max_nodes:  # (N nodes: depth <= N)
-            # depths() walks the parents: a bad one (reported first) is taken as the root
-            tree = DraftBatch(self.token_ids, torch.where(par_ok, self.parents, -1),
-                              self.num_draft_tokens)
-            too_deep = (tree.depths() > max_depth).any()
+            # a node deeper than max_depth has a max_depth-th ancestor node: found by
+            # binary lifting (log2(max_depth) hops of the whole tree, not N); a bad parent
+            # (reported first) is taken as the root
+            hop = torch.where(valid & par_ok, self.parents, -1).long()  # the 1st ancestor
+            at = cols.expand_as(hop).long()  # each node's k-th ancestor, k = 0 first
+            k = max_depth
+            while k:
+                if k & 1:
+                    at = torch.where(at >= 0, hop.gather(1, at.clamp(min=0)), -1)
+                k >>= 1
+                if k:
+                    hop = torch.where(hop >= 0, hop.gather(1, hop.clamp(min=0)), -1)
+            too_deep = (valid & (at >= 0)).any()
         flags = torch.stack([
             ((self.num_draft_tokens < 0) | (self.num_draft_tokens > self.max_nodes)).any(),
             (valid & ((self.token_ids < 0) | (self.token_ids >= vocab_size))).any(),

@@ -2011,6 +2011,30 @@ def test_a_model_fault_in_sampled_generate_raises_and_emits_nothing(runner):
                        sampling=[None, SamplingParams(temperature=0.8)])
     assert out[0] == greedy_generate(m, P[0], 6, eos_id=None) and len(out[1]) == 6
 
+
+def test_the_depth_check_of_a_built_draft_equals_its_deepest_node():
+    """``checked_sizes(max_depth=K)`` (binary lifting: log2(K) hops of the tree, not the N
+    gathers of ``depths()``, 866 ops a call at N = 64) refuses a draft iff a node is
+    deeper than K: chains, random trees, padding columns, every K."""
+    import random
+    rng = random.Random(0)
+    for case in range(150):
+        B, N = rng.randint(1, 3), rng.randint(1, 24)
+        trees = [[(rng.randint(0, 50), j - 1 if chain else rng.randint(-1, j - 1))
+                  for j in range(rng.randint(0, N))]
+                 for chain in (rng.random() < 0.4 for _ in range(B))]
+        d = DraftBatch.from_lists(trees)
+        pad = torch.full((B, N - d.max_nodes), PAD_ID, dtype=torch.int32)
+        d = DraftBatch(torch.cat([d.token_ids, pad], 1), torch.cat([d.parents, pad], 1),
+                       d.num_draft_tokens)
+        deepest = int(d.depths().max())
+        for K in range(N):
+            if deepest <= K:
+                assert d.checked_sizes(VOCAB, max_depth=K) == [len(t) for t in trees]
+            else:
+                with pytest.raises(ValueError, match=f"max_draft_depth={K}"):
+                    d.checked_sizes(VOCAB, max_depth=K)
+
 def test_own_loop_sampling_commits_sampled_tokens():
     variant = VARIANTS[1]
     P, dec, sids, runner = _two_sessions_and_a_runner(variant)
