@@ -412,7 +412,13 @@ class SpecDecoder:
     @device_guard
     def add_workspace_file(self, sid: str, path: str | None, text: str) -> int:
         """Indexes a file the session's tenant opened (all emission forms; ``path`` None:
-        text of no file); the tokens added (0: the same text was indexed already)."""
+        text of no file); the tokens added (0: the same text was indexed already).
+
+        Raises:
+            ValueError naming the argument, nothing added: bad ``path`` or ``text``, or
+            (``BudgetExceeded``) a file whose forms hold more tokens than
+            ``TierConfig.workspace_budget_tokens``.
+        """
         return self.store.add_workspace_file(self._session(sid).tenant, path, text)
 
     @serialized

@@ -112,15 +112,18 @@ class StopMatcher:
     the tokenizer has no token for (``void``: its decoder never sees them) are left out
     of both: a model stuck on one costs no decoding.
 
-    With the pieces' bytes (``byte_value``), a long run costs no more than other text (a
-    vocabulary without CJK or emoji writes them as runs: 4,000 pieces took 10 s). The
+    With the pieces' bytes (``byte_value``), a long run costs no more than other text
+    unless a stop string holds a U+FFFD (a vocabulary without CJK or emoji writes them as
+    runs: 4,000 pieces had taken 10-16 s, each push decoding the whole run). The
     window may start at any character's first byte in a run (up to a byte sequence that
     is not UTF-8, after which the run decodes as U+FFFD from anywhere), and the text a
     piece reveals is the run's text since its last check. While a run decodes as U+FFFD
     (it ends mid-character, or holds a bad sequence) a piece changes only U+FFFDs, so
     after the first such check (the text in front of the run is the same each time)
     it is not decoded at all, unless a stop string holds a U+FFFD. Without
-    ``byte_value`` a run is cut only at its first piece and decoded at each of its pieces.
+    ``byte_value`` (or where it is None for a piece) a run is cut only at its first piece
+    and decoded whole at each of its pieces, which is right for any decoder whose run
+    text depends on the run alone.
 
     Args:
         decode: the tokenizer's ``decode(list[int]) -> str``.

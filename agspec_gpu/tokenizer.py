@@ -51,6 +51,9 @@ class Tokenizer:
             byte-level vocabularies (cl100k, GPT-2, Llama-3, Qwen2).
         special_ids: the ids of special tokens (end of text, chat-template markers), which
             ``decode(ids, skip_special=True)`` leaves out.
+        byte_fallback_decoder: its decoder is Hugging Face's ``ByteFallback`` (a run of
+            byte pieces decodes as UTF-8 when its bytes are, else as one U+FFFD a piece),
+            so :meth:`byte_value` gives the pieces' bytes.
     """
 
     name: str
@@ -60,6 +63,7 @@ class Tokenizer:
     _impl: Any
     byte_pieces: frozenset[int] = frozenset()
     special_ids: frozenset[int] = frozenset()
+    byte_fallback_decoder: bool = False
 
     def has_no_token(self, token_id: int) -> bool:
         """Whether the tokenizer has no token for ``token_id``, so its decoder never sees
@@ -72,9 +76,11 @@ class Tokenizer:
         return self._impl.convert_ids_to_tokens(int(token_id)) is None
 
     def byte_value(self, token_id: int) -> int | None:
-        """The byte a byte-fallback piece stands for (``<0xE4>``: 0xE4); None for any other
-        id."""
-        if token_id not in self.byte_pieces:
+        """The byte a byte-fallback piece stands for (``<0xE4>``: 0xE4), where the decoder
+        is ``ByteFallback`` (:attr:`byte_fallback_decoder`: stop strings then cut runs at
+        characters); None for any other id, and for every id under another decoder (a
+        slow SentencePiece one keeps the valid bytes around a bad one)."""
+        if not self.byte_fallback_decoder or token_id not in self.byte_pieces:
             return None
         return int(self._impl.convert_ids_to_tokens(int(token_id))[3:5], 16)
 
@@ -223,7 +229,18 @@ def from_hf(tok: Any, name: str | None = None) -> Tokenizer:
     return Tokenizer(name or getattr(tok, "name_or_path", "") or "hf", size, tok.eos_token_id,
                      _hf_fingerprint(tok), tok,
                      frozenset(i for t, i in vocab.items() if _BYTE_PIECE.fullmatch(t)),
-                     _special_ids(tok))
+                     _special_ids(tok), _byte_fallback_decoder(tok))
+
+
+def _byte_fallback_decoder(tok: Any) -> bool:
+    """Whether a Hugging Face tokenizer decodes with the fast backend's ``ByteFallback``
+    (in its decoder chain)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return '"ByteFallback"' in json.dumps(decoder)
 
 
 def _special_ids(tok: Any) -> frozenset[int]:

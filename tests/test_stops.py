@@ -251,7 +251,8 @@ def byte_fallback_tokenizer(cleanup: bool = False):
     fallback (``<0x00>``-``<0xFF>``), "▁" for spaces, and their decoder chain (Replace,
     ByteFallback, Fuse, Strip), which turns a run of byte pieces whose bytes are not valid
     UTF-8 into one U+FFFD per piece; its ``<pad>`` decodes to nothing and ends a run.
-    ``cleanup``: ``decode`` cleans up tokenization spaces (``" ."`` -> ``"."``)."""
+    ``cleanup``: ``decode`` cleans up tokenization spaces (``" ."`` -> ``"."``), as
+    transformers does for a tokenizer that asks (it ignores the flag for BPE ones)."""
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
@@ -267,9 +268,29 @@ def byte_fallback_tokenizer(cleanup: bool = False):
     bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Replace("<pad>", ""),
                                      decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    return from_hf(PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
-                                           eos_token="</s>", unk_token="<unk>",
-                                           clean_up_tokenization_spaces=cleanup), "bf")
+    t = from_hf(PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>"), "bf")
+    return _CleanedUp(t) if cleanup else t
+
+
+class _CleanedUp:
+    """A tokenizer whose ``decode`` cleans up tokenization spaces afterwards, with
+    transformers' replacements (``clean_up_tokenization``)."""
+
+    _RULES = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+              (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, ids):
+        text = self._tokenizer.decode(ids)
+        for a, b in self._RULES:
+            text = text.replace(a, b)
+        return text
 
 
 def test_runs_of_byte_pieces_are_never_cut():
@@ -320,7 +341,7 @@ def test_runs_of_byte_pieces_are_never_cut():
 def test_long_runs_of_byte_pieces_cost_a_bounded_window(cleanup):
     """A run of byte pieces decodes only whole, so the window reached back to the run's
     first piece and each push decoded the whole run: 4,000 pieces of text a vocabulary
-    lacks (CJK, emoji), or of bytes that are not UTF-8, took 10-12 s. With the pieces'
+    lacks (CJK, emoji), or of bytes that are not UTF-8, took 10-16 s. With the pieces'
     bytes known (``byte_value``), a window starts at a character's first byte, and a
     piece that leaves the run decoding as U+FFFD is decoded once per run. Stops are still
     found where the whole output first holds them: across runs, across ``<pad>`` (which
@@ -329,6 +350,7 @@ def test_long_runs_of_byte_pieces_cost_a_bounded_window(cleanup):
     that decodes as U+FFFD follows it (the first such push is decoded)."""
     t = byte_fallback_tokenizer(cleanup)
     assert t.byte_value(3 + 0xE4) == 0xE4 and t.byte_value(t.encode("X")[-1]) is None
+    assert t.decode(t.encode("a .")) == ("a." if cleanup else "a .")
     pieces = lambda text: [3 + b for b in text.encode()]  # noqa: E731
     rng = random.Random(5)
     runs = {"cjk": pieces("".join(chr(0x4E00 + rng.randrange(2000)) for _ in range(1000))),
@@ -368,6 +390,28 @@ def test_long_runs_of_byte_pieces_cost_a_bounded_window(cleanup):
             assert seeded(tokens, stops, k, t) == reference_after(tokens, stops, k, t), \
                 (case, stops, k)
 
+
+
+def test_byte_values_only_under_a_byte_fallback_decoder():
+    """The pieces' bytes (which let a window cut a run and skip a run decoding as U+FFFD)
+    are given only where the decoder is ``ByteFallback``: a vocabulary of ``<0xNN>``
+    pieces decoded otherwise (here, as their text) keeps the whole-run window, and its
+    stops are found where the whole output first holds them (with the bytes, a stop
+    "<0xB8>" was found a token late)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from agspec_gpu.tokenizer import from_hf
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "a": 257}
+    bpe = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    bpe.decoder = decoders.Fuse()
+    t = from_hf(PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>"), "literal")
+    assert t.byte_pieces and not t.byte_fallback_decoder and t.byte_value(1 + 0xE4) is None
+    assert byte_fallback_tokenizer().byte_fallback_decoder
+    tokens = [1 + b for b in "中".encode()]
+    assert t.decode(tokens) == "<0xE4><0xB8><0xAD>"
+    for stops in (["<0xB8>"], ["<0xE4><0xB8>"], ["AD>"]):
+        assert matched(tokens, stops, t) == reference(tokens, stops, t), stops
 
 def test_ids_that_add_no_text_cost_no_window():
     """A model stuck on an id the tokenizer has no token for (a padded head's id, cl100k's
