@@ -5,6 +5,7 @@ agent sessions, plus multi-byte text, byte-fragment tokens and periodic text).""
 import functools
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from agspec_gpu.tokenizer import load_tokenizer
 from agspec_gpu.trajectories import load_sessions
 
 DEV = Path("/work/shared/data/trajectories/dev")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_stops  # noqa: E402  (bench/ is not a package)
 
 
 @functools.cache
@@ -247,29 +250,12 @@ def test_seeding_a_long_output_decodes_a_window_of_it():
 
 # ------------------------------------------------------------ SentencePiece-style decoders
 def byte_fallback_tokenizer(cleanup: bool = False):
-    """A Llama-2 / Mistral style tokenizer, built here (no network): BPE with byte
-    fallback (``<0x00>``-``<0xFF>``), "▁" for spaces, and their decoder chain (Replace,
-    ByteFallback, Fuse, Strip), which turns a run of byte pieces whose bytes are not valid
-    UTF-8 into one U+FFFD per piece; its ``<pad>`` decodes to nothing and ends a run.
-    ``cleanup``: ``decode`` cleans up tokenization spaces (``" ."`` -> ``"."``), as
-    transformers does for a tokenizer that asks (it ignores the flag for BPE ones)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    from agspec_gpu.tokenizer import from_hf
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
-    for piece in ("▁", "a", "b", "X", ".", "▁a", "▁b", "中", "<pad>"):
-        vocab[piece] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, [("▁", "a"), ("▁", "b")], unk_token="<unk>",
-                               byte_fallback=True, fuse_unk=True))
-    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
-                                           normalizers.Replace(" ", "▁")])
-    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Replace("<pad>", ""),
-                                     decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    t = from_hf(PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
-                                        eos_token="</s>", unk_token="<unk>"), "bf")
+    """:func:`bench_stops.byte_fallback_tokenizer` (a Llama-2 / Mistral style vocabulary:
+    ``ByteFallback`` turns a run of byte pieces whose bytes are not valid UTF-8 into one
+    U+FFFD per piece; its ``<pad>`` decodes to nothing and ends a run). ``cleanup``:
+    ``decode`` cleans up tokenization spaces (``" ."`` -> ``"."``), as transformers does
+    for a tokenizer that asks (it ignores the flag for BPE ones)."""
+    t = bench_stops.byte_fallback_tokenizer()
     return _CleanedUp(t) if cleanup else t
 
 
